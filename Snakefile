@@ -1,0 +1,37 @@
+# snaketune: LLM fine-tuning from raw dataset to evaluated model, local or on SLURM.
+#
+#   snakemake --profile profiles/local              # the offline demo (config/config.yaml)
+#   snakemake --profile profiles/local --configfile my.yaml
+#
+# Stages and layout: README.md and ../shared/DESIGN.md.
+from snakemake.utils import min_version
+from snaketune.config import validate_config
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+# Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),
+# but a one-line error naming the key path and the allowed values.
+validate_config(config, workflow.basedir)
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/fixtures.smk"
+include: "workflow/rules/download.smk"
+include: "workflow/rules/data.smk"
+
+
+wildcard_constraints:
+    model=NAME_PATTERN,
+    dataset=NAME_PATTERN,
+    run=NAME_PATTERN,
+    key=KEY_PATTERN,
+
+
+rule all:
+    default_target: True
+    input:
+        expand("results/{run}/shards", run=config["runs"]),

@@ -1,0 +1,31 @@
+"""Build the offline demo fixtures: a tiny Llama model, its tokenizer, a GSM8K-like dataset.
+
+    python scripts/make_fixtures.py --out resources/fixtures
+
+Byte-for-byte reproducible; takes a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from snaketune.cli import run
+from snaketune.fixtures import make_fixtures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", required=True, help="directory to write tiny-llama/ and gsm8k-demo/ into"
+    )
+    args = parser.parse_args(argv)
+    make_fixtures(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

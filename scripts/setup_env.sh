@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv and install the stack.
+#
+#   bash scripts/setup_env.sh            # runtime stack + dev tools
+#
+# torch: on a machine with an NVIDIA driver (nvidia-smi answers) pip installs torch==2.13.0
+# from PyPI, which is the CUDA build. Without one it installs the same version, and pip
+# prefers a local CPU wheel (2.13.0+cpu) when one is offered through --find-links or an
+# index. Set TORCH_INDEX_URL to force another build (a CPU-only or ROCm index), or
+# SNAKETUNE_VENV to put the environment elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${SNAKETUNE_VENV:-.venv}
+PY=${PYTHON:-python3}
+TORCH_VERSION=$(sed -n 's/^ *"torch==\([^"]*\)",*$/\1/p' pyproject.toml)
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# (the grep hides pip warnings about index mirrors configured on some machines but absent)
+pip_install() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
+
+if "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "torch $TORCH_VERSION already installed"
+elif [ -n "${TORCH_INDEX_URL:-}" ]; then
+  pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "NVIDIA GPU found: installing the CUDA build of torch $TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
+else
+  echo "no NVIDIA GPU: installing torch $TORCH_VERSION (local CPU wheel when offered)"
+  pip_install "torch==$TORCH_VERSION"
+fi
+
+# The rest of the stack. torch is already satisfied, so nothing pulls another build.
+# DeepSpeed ships as an sdist; its ops are JIT-compiled on first use.
+pip_install -e ".[dev]"
+"$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"

@@ -1,0 +1,54 @@
+"""Split a tokenized dataset into one step-balanced parquet shard per node.
+
+    python scripts/shard_dataset.py --tokenized results/tokenized/KEY/data.parquet \
+        --nodes 2 --gpus-per-node 1 --micro-batch-size 4 --gradient-accumulation-steps 1 \
+        --seed 42 --out results/demo/shards
+
+Writes node-{k}.parquet for each node and manifest.json (rows, tokens, sha256 per shard,
+steps per epoch, and the example ids left out to give every node the same step count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from snaketune.cli import run
+from snaketune.io import atomic_path, run_context, sha256_file, versions, write_json
+from snaketune.shard import Layout, shard
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenized", required=True, help="tokenized parquet")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes of the run")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="devices per node")
+    parser.add_argument(
+        "--micro-batch-size", type=int, required=True, help="examples per device per pass"
+    )
+    parser.add_argument(
+        "--gradient-accumulation-steps", type=int, default=1, help="passes per optimizer step"
+    )
+    parser.add_argument("--seed", type=int, default=42, help="seed of the shard assignment")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(argv)
+    layout = Layout(
+        args.nodes, args.gpus_per_node, args.micro_batch_size, args.gradient_accumulation_steps
+    )
+    with atomic_path(args.out) as tmp:
+        manifest = shard(args.tokenized, tmp, layout, args.seed)
+        manifest["provenance"] = {
+            "tokenized": args.tokenized,
+            "tokenized_sha256": sha256_file(args.tokenized),
+            "versions": versions(),
+            **run_context(),
+        }
+        write_json(tmp / "manifest.json", manifest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

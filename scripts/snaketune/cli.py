@@ -1,0 +1,76 @@
+"""Shared plumbing of the entry scripts, and the ``snaketune`` command.
+
+snaketune validate config/config.yaml     # check a config, print the plan
+snaketune fixtures resources/fixtures     # build the offline demo fixtures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from snaketune.errors import UserError
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Timestamped log lines; non-zero ranks (torchrun's RANK) log warnings only."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=level if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Call an entry script's ``main``; a UserError becomes one line on stderr and exit 2."""
+    setup_logging()
+    try:
+        return main(argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="snaketune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    val = sub.add_parser("validate", help="validate a config and print the tokenize plan")
+    val.add_argument("config", help="path to the YAML config")
+    val.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
+    fix = sub.add_parser("fixtures", help="build the offline demo fixtures")
+    fix.add_argument("out", help="output directory, e.g. resources/fixtures")
+    args = parser.parse_args(argv)
+
+    def _main(_: Sequence[str] | None) -> int:
+        if args.command == "validate":
+            from snaketune.config import load_config
+            from snaketune.plan import tokenize_jobs
+
+            config = load_config(args.config, args.root)
+            plan = {
+                "runs": sorted(config["runs"]),
+                "tokenized": sorted(tokenize_jobs(config, Path(args.root))),
+            }
+            print(json.dumps(plan, indent=2))
+        else:
+            from snaketune.fixtures import make_fixtures
+
+            for name, path in make_fixtures(args.out).items():
+                print(f"{name}: {path}")
+        return 0
+
+    return run(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Validate a snaketune config: JSON Schema first, then the checks a schema cannot express.
+
+Errors name the key path and the fix, on one line, e.g.::
+
+    runs.demo.method: 'lorra' is not one of ['lora', 'full']
+
+Snakemake's own ``validate()`` is not used for this: its message prints the whole
+failing schema; ours names the key path, the allowed values and the closest known key.
+Defaults from the schema are filled in, as ``validate()`` would do.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from snaketune.errors import ConfigError
+
+SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
+PRESET_DIR = Path("config/deepspeed")
+
+# For each dataset format: the fields a row must provide (field -> default column name),
+# and which of them may be missing or empty.
+FORMAT_FIELDS: dict[str, dict[str, str]] = {
+    "prompt_response": {"prompt": "prompt", "response": "response"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
+    "messages": {"messages": "messages"},
+}
+OPTIONAL_FIELDS = {"input"}
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML file; a syntax error becomes a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(
+            f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})"
+        ) from exc
+
+
+def _with_defaults(cls: type) -> type:
+    """A validator class that also fills `default` values into the instance."""
+    validate_properties = cls.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if isinstance(sub, dict) and "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(cls, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def _key_path(parts: Any) -> str:
+    return ".".join(str(p) for p in parts) or "(top level)"
+
+
+def _allowed_keys(schema: Mapping[str, Any]) -> list[str]:
+    return sorted(schema.get("properties", {}))
+
+
+def format_error(error: jsonschema.ValidationError) -> str:
+    """One line: key path, what is wrong, what is allowed."""
+    path = _key_path(error.absolute_path)
+    if "propertyNames" in error.absolute_schema_path:
+        return (
+            f"{path}: name {error.instance!r} is not a safe identifier "
+            "(use letters, digits, '_' and '-', starting with a letter, at most 64 characters)"
+        )
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = _allowed_keys(error.schema)
+        extra = sorted(k for k in error.instance if k not in allowed)
+        key = extra[0] if extra else "?"
+        hint = difflib.get_close_matches(key, allowed, n=1)
+        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+        prefix = f"{path}.{key}" if error.absolute_path else key
+        return f"{prefix}: unknown key{did_you_mean} (allowed: {', '.join(allowed)})"
+    if error.validator == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"{path}: missing required key {missing!r}"
+    if error.validator == "oneOf":
+        return (
+            f"{path}: {error.instance!r} is not valid here ({error.schema.get('description', '')})"
+        )
+    return f"{path}: {error.message}"
+
+
+def _first_error(errors: Iterator[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:
+    """The error to report: the shallowest, then the first in document order."""
+    errors = list(errors)
+    if not errors:
+        return None
+    return min(errors, key=lambda e: (len(e.absolute_path), [str(p) for p in e.absolute_path]))
+
+
+def check_schema(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
+    """Validate against the JSON Schema and fill defaults in place."""
+    if not isinstance(config, dict):
+        raise ConfigError("config: the top level must be a mapping with models, datasets and runs")
+    error = _first_error(_Validator(schema).iter_errors(config))
+    if error is not None:
+        raise ConfigError(format_error(error))
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_source(kind: str, name: str, spec: Mapping[str, Any], hub_keys: set[str]) -> None:
+    where = f"{kind}.{name}"
+    src = spec["source"]
+    if src == "hub":
+        _require("id" in spec, f"{where}: source hub needs an `id` (e.g. org/name)")
+        _require(
+            "path" not in spec,
+            f"{where}.path: only for source local; remove it or set source: local",
+        )
+    elif src == "local":
+        _require("path" in spec, f"{where}: source local needs a `path`")
+        for key in sorted(hub_keys & set(spec)):
+            raise ConfigError(f"{where}.{key}: only for source hub; remove it or set source: hub")
+
+
+def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, Any]) -> None:
+    where = f"datasets.{name}"
+    if spec["source"] == "mixture":
+        _require("mixture" in spec, f"{where}: source mixture needs a `mixture` list of datasets")
+        for key in (
+            "id",
+            "path",
+            "subset",
+            "split",
+            "revision",
+            "file_format",
+            "format",
+            "columns",
+            "system_prompt",
+            "filters",
+        ):
+            _require(
+                key not in spec, f"{where}.{key}: not used by a mixture (its components set it)"
+            )
+        for i, comp in enumerate(spec["mixture"]):
+            other = comp["dataset"]
+            _require(
+                other in datasets,
+                f"{where}.mixture.{i}.dataset: unknown dataset {other!r} "
+                f"(defined: {', '.join(sorted(datasets))})",
+            )
+            _require(
+                datasets[other]["source"] != "mixture",
+                f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
+            )
+        return
+    _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
+    _require("seed" not in spec, f"{where}.seed: only for source mixture")
+    _check_source("datasets", name, spec, {"id", "subset", "split", "revision"})
+    _require(
+        "file_format" not in spec or spec["source"] == "local",
+        f"{where}.file_format: only for source local",
+    )
+    _require(
+        "format" in spec,
+        f"{where}: missing required key 'format' (one of {sorted(FORMAT_FIELDS)})",
+    )
+    fields = FORMAT_FIELDS[spec["format"]]
+    for key in spec.get("columns", {}):
+        _require(
+            key in fields,
+            f"{where}.columns.{key}: not a field of format {spec['format']!r} "
+            f"(fields: {', '.join(fields)})",
+        )
+    _require(
+        spec["format"] != "messages" or "system_prompt" not in spec,
+        f"{where}.system_prompt: not used by format messages (put a system turn in the data)",
+    )
+    for i, flt in enumerate(spec.get("filters", [])):
+        listy = isinstance(flt["value"], list)
+        _require(
+            listy == (flt["op"] in ("in", "not_in")),
+            f"{where}.filters.{i}.value: op {flt['op']!r} needs "
+            f"{'a list' if not listy else 'a single value'}",
+        )
+
+
+def resolve_deepspeed(value: str, root: Path) -> Path:
+    """Path of a DeepSpeed preset (config/deepspeed/ under the workflow ``root``) or of a
+    JSON file (relative to the working directory)."""
+    preset = root / PRESET_DIR / f"{value}.json"
+    return preset if preset.is_file() else Path(value)
+
+
+def _check_deepspeed(run: str, value: str, root: Path) -> None:
+    presets = sorted(p.stem for p in (root / PRESET_DIR).glob("*.json"))
+    path = resolve_deepspeed(value, root)
+    where = f"runs.{run}.deepspeed"
+    _require(
+        path.is_file(),
+        f"{where}: {value!r} is neither a preset ({', '.join(presets)}) nor an existing JSON file",
+    )
+    try:
+        ds = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: {path} is not valid JSON ({exc})") from exc
+    _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
+
+
+def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
+    where = f"runs.{name}"
+    for key, section in (
+        ("model", "models"),
+        ("dataset", "datasets"),
+        ("eval_dataset", "datasets"),
+    ):
+        if key in run:
+            _require(
+                run[key] in cfg[section],
+                f"{where}.{key}: unknown {section[:-1]} {run[key]!r} "
+                f"(defined: {', '.join(sorted(cfg[section]))})",
+            )
+    _require(
+        ("epochs" in run) != ("max_steps" in run),
+        f"{where}: give exactly one of `epochs` and `max_steps`",
+    )
+    _require(
+        run.get("eval_dataset") != run["dataset"],
+        f"{where}.eval_dataset: must differ from the training dataset {run['dataset']!r} "
+        "(evaluate on held-out data)",
+    )
+    _require(
+        run["method"] == "lora" or not run.get("lora"),
+        f"{where}.lora: only for method lora; remove it or set method: lora",
+    )
+    _check_deepspeed(name, run["deepspeed"], root)
+
+
+def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str, Any]:
+    """Validate ``config`` in place (filling defaults) and return it.
+
+    ``root`` is the workflow directory (where config/deepspeed/ lives).
+    Raises ConfigError with a one-line message on the first problem found.
+    """
+    root = Path(root)
+    check_schema(config, load_yaml(root / SCHEMA_PATH))
+    for name, spec in config["models"].items():
+        _check_source("models", name, spec, {"id", "revision"})
+    for name, spec in config["datasets"].items():
+        _check_dataset(name, spec, config["datasets"])
+    for name, run in config["runs"].items():
+        _check_run(name, run, config, root)
+    return config
+
+
+def load_config(path: str | Path, root: str | Path = ".") -> dict[str, Any]:
+    """Read and validate a config file."""
+    return validate_config(load_yaml(path), root)

@@ -1,0 +1,195 @@
+"""Offline fixtures: a tiny Llama model, a byte-level BPE tokenizer, a GSM8K-like dataset.
+
+Everything is made from fixed seeds and local text, byte for byte the same on every run,
+in a few seconds, so tests and the demo never touch the network::
+
+    python scripts/make_fixtures.py --out resources/fixtures
+
+Layout written under ``out``::
+
+    tiny-llama/      config.json, generation_config.json, model.safetensors, tokenizer files
+    gsm8k-demo/      train.jsonl, test.jsonl  ({"question", "answer"}; answers end in "#### N")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PAD, BOS, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]
+
+NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Mark", "Albert", "Ken", "Alexis", "Tina"]
+ITEMS = ["clips", "apples", "books", "pencils", "marbles", "cookies", "stamps", "shells"]
+
+
+@dataclass(frozen=True)
+class FixtureSizes:
+    """How big the fixtures are (defaults: the demo's)."""
+
+    train_rows: int = 512
+    test_rows: int = 64
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    tie_word_embeddings: bool = False
+
+
+def _problem(rng: random.Random) -> dict[str, str]:
+    """One grade-school word problem with a worked answer ending in ``#### N``."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+    kind = rng.randrange(3)
+    if kind == 0:
+        q = f"{name} has {a} {item}. She buys {b} more. How many {item} does she have now?"
+        ans = a + b
+        work = f"{name} has {a} + {b} = <<{a}+{b}={ans}>>{ans} {item}."
+    elif kind == 1:
+        q = f"{name} packs {c} boxes with {b} {item} each. How many {item} are packed in total?"
+        ans = b * c
+        work = f"{c} boxes hold {c} * {b} = <<{c}*{b}={ans}>>{ans} {item}."
+    else:
+        total = a + b * c
+        q = (
+            f"{name} had {total} {item} and gave {c} friends {b} {item} each. "
+            f"How many {item} are left?"
+        )
+        given = b * c
+        ans = total - given
+        work = (
+            f"{name} gave away {c} * {b} = <<{c}*{b}={given}>>{given} {item}.\n"
+            f"{total} - {given} = <<{total}-{given}={ans}>>{ans} {item} are left."
+        )
+    return {"question": q, "answer": f"{work}\n#### {ans}"}
+
+
+def make_gsm8k_like(train_rows: int, test_rows: int, seed: int = 1234) -> dict[str, list[dict]]:
+    """Train and test splits with no question in both."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: dict[str, list[dict]] = {"train": [], "test": []}
+    for split, n in (("train", train_rows), ("test", test_rows)):
+        while len(splits[split]) < n:
+            row = _problem(rng)
+            if row["question"] not in seen:
+                seen.add(row["question"])
+                splits[split].append(row)
+    return splits
+
+
+def _corpus(splits: dict[str, list[dict]]) -> list[str]:
+    """Text the tokenizer is trained on: the train split and the chat markup words."""
+    lines = ["user assistant system", "Question Answer Instruction Input Response"]
+    for row in splits["train"]:
+        lines.append(row["question"])
+        lines.append(row["answer"])
+    return lines
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (fast) with pad/eos tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_model(tokenizer, sizes: FixtureSizes, seed: int = 0):
+    """A randomly initialised Llama-architecture causal LM."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=sizes.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        do_sample=False,
+    )
+    return model
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[str, Path]:
+    """Write the model and dataset fixtures under ``out``; return their paths.
+
+    Each directory is built beside its final name and renamed into place, so an
+    interrupted run never leaves a fixture that looks complete.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    sizes = sizes or FixtureSizes()
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # BPE training order independent of cores
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = make_gsm8k_like(sizes.train_rows, sizes.test_rows)
+
+    data_dir = out / "gsm8k-demo"
+    tmp = out / ".gsm8k-demo.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for split, rows in splits.items():
+        _write_jsonl(tmp / f"{split}.jsonl", rows)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    tmp.rename(data_dir)
+
+    model_dir = out / "tiny-llama"
+    tmp = out / ".tiny-llama.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = build_tokenizer(_corpus(splits), sizes.vocab_size)
+    model = build_model(tokenizer, sizes)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp.rename(model_dir)
+    return {"model": model_dir, "dataset": data_dir}

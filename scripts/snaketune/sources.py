@@ -1,0 +1,200 @@
+"""Fetch models and datasets (hub or local) into resources/, recording where they came from.
+
+Hub sources resolve the configured revision to a commit first and download exactly that
+commit, so a rerun months later gets the same bytes. Local sources are linked (models)
+or converted to parquet in streaming batches (datasets). Each output directory carries a
+``provenance.json``: source, requested and resolved revision, sha256 of every file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from snaketune.errors import DataError
+from snaketune.io import atomic_path, run_context, sha256_file, sha256_tree, versions, write_json
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".gz": None,  # resolved from the inner extension below
+}
+BATCH_ROWS = 8192
+HUB_MODEL_IGNORE = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot"]
+
+
+def _provenance(kind: str, name: str, spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "name": name,
+        "spec": spec,
+        "versions": versions(),
+        **run_context(),
+        **extra,
+    }
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Mirror ``src`` into ``dst`` with a symlink per file (no copy of large weights)."""
+    dst.mkdir(parents=True)
+    for item in sorted(src.iterdir()):
+        if item.name.startswith("."):
+            continue
+        if item.is_dir():
+            _link_tree(item, dst / item.name)
+        else:
+            (dst / item.name).symlink_to(item.resolve())
+
+
+def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
+    """Materialise model ``name`` in directory ``out`` with a provenance.json."""
+    out = Path(out)
+    with atomic_path(out) as tmp:
+        if spec["source"] == "local":
+            src = Path(spec["path"])
+            if not (src / "config.json").is_file():
+                raise DataError(
+                    f"models.{name}.path: {src} has no config.json; point it at a Hugging Face "
+                    "model directory (config.json, tokenizer files, weights)"
+                )
+            _link_tree(src, tmp)
+            extra = {"path": str(src.resolve())}
+        else:
+            from huggingface_hub import HfApi, snapshot_download
+
+            revision = spec.get("revision", "main")
+            commit = HfApi().model_info(spec["id"], revision=revision).sha
+            log.info("model %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
+            snapshot_download(
+                spec["id"], revision=commit, local_dir=tmp, ignore_patterns=HUB_MODEL_IGNORE
+            )
+            extra = {"id": spec["id"], "revision": revision, "commit": commit}
+        files = sha256_tree(tmp)
+        write_json(
+            tmp / "provenance.json",
+            _provenance("model", name, spec, source=spec["source"], files=files, **extra),
+        )
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def file_format(path: Path, forced: str | None = None) -> str:
+    """The format of a local dataset file or directory, from ``forced`` or the extension."""
+    if forced:
+        return forced
+    probe = path
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise DataError(f"{path}: directory holds no data files")
+        probe = files[0]
+    suffixes = [s for s in probe.suffixes if s != ".gz"]
+    fmt = EXTENSIONS.get(suffixes[-1]) if suffixes else None
+    if fmt is None:
+        raise DataError(
+            f"{path}: cannot tell the format from the extension; use .parquet, .jsonl, .json or "
+            ".csv, or set file_format"
+        )
+    return fmt
+
+
+def _is_json_array(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def iter_local_batches(path: Path, fmt: str):
+    """Stream a local dataset as record batches (a JSON array file is read whole)."""
+    if fmt == "json" and path.is_file() and _is_json_array(path):
+        with open(path, encoding="utf-8") as fh:
+            rows = json.load(fh)
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise DataError(f"{path}: a .json dataset must be a list of objects or JSON lines")
+        table = pa.Table.from_pylist(rows)
+        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+        return
+    arrow_fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}[fmt]
+    dataset = pads.dataset(str(path), format=arrow_fmt)
+    yield from dataset.to_batches(batch_size=BATCH_ROWS)
+
+
+def convert_local(path: Path, fmt: str, out: Path) -> int:
+    """Convert a local dataset to one parquet file in batches; return the row count."""
+    writer = None
+    rows = 0
+    try:
+        for batch in iter_local_batches(path, fmt):
+            if writer is None:
+                writer = pq.ParquetWriter(out, batch.schema)
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot read as {fmt} ({str(exc).splitlines()[0]})") from exc
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
+
+
+def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write dataset ``name`` as ``out_dir/data.parquet`` plus ``out_dir/provenance.json``."""
+    out_dir = Path(out_dir)
+    data = out_dir / "data.parquet"
+    with atomic_path(data) as tmp:
+        if spec["source"] == "local":
+            src = Path(spec["path"])
+            if not src.exists():
+                raise DataError(f"datasets.{name}.path: {src} does not exist")
+            fmt = file_format(src, spec.get("file_format"))
+            rows = convert_local(src, fmt, tmp)
+            extra = {"path": str(src.resolve()), "file_format": fmt, "files": sha256_tree(src)}
+        else:
+            import datasets
+            from huggingface_hub import HfApi
+
+            revision = spec.get("revision", "main")
+            split = spec.get("split", "train")
+            commit = HfApi().dataset_info(spec["id"], revision=revision).sha
+            log.info("dataset %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
+            ds = datasets.load_dataset(spec["id"], spec.get("subset"), split=split, revision=commit)
+            ds.to_parquet(str(tmp))
+            rows = ds.num_rows
+            extra = {
+                "id": spec["id"],
+                "subset": spec.get("subset"),
+                "split": split,
+                "revision": revision,
+                "commit": commit,
+            }
+        if rows == 0:
+            raise DataError(f"datasets.{name}: the dataset has no rows")
+        output_sha = sha256_file(tmp)
+    write_json(
+        out_dir / "provenance.json",
+        _provenance(
+            "dataset",
+            name,
+            spec,
+            source=spec["source"],
+            rows=rows,
+            output={"data.parquet": output_sha},
+            **extra,
+        ),
+    )
+    log.info("dataset %s: %d rows -> %s", name, rows, data)
+    return data

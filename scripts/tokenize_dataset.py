@@ -1,0 +1,70 @@
+"""Tokenize a dataset with a model's chat template: prompt masking, max length policy.
+
+    python scripts/tokenize_dataset.py --spec "$(cat spec.json)" \
+        --data resources/datasets/gsm8k/data.parquet --model resources/models/tiny \
+        --out results/tokenized/KEY/data.parquet --stats results/tokenized/KEY/stats.json
+
+--spec is the tokenize spec the workflow computes (snaketune.plan.tokenize_spec); --data
+gives one parquet per source of the spec, in its order. Streams in batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from snaketune.cli import run
+from snaketune.io import atomic_path, run_context, sha256_file, versions, write_json
+from snaketune.tokenization import Source, tokenize
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--spec", required=True, help="tokenize spec, as JSON")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="source parquet files, in spec order"
+    )
+    parser.add_argument("--model", required=True, help="model directory (tokenizer files)")
+    parser.add_argument("--out", required=True, help="output parquet")
+    parser.add_argument("--stats", required=True, help="output stats JSON (counts, provenance)")
+    args = parser.parse_args(argv)
+
+    spec = json.loads(args.spec)
+    if len(args.data) != len(spec["sources"]):
+        raise SystemExit(f"--data has {len(args.data)} files for {len(spec['sources'])} sources")
+    sources = [
+        Source(s["name"], Path(path), s["spec"], s["weight"], s["seed"])
+        for s, path in zip(spec["sources"], args.data, strict=True)
+    ]
+    template = spec["chat_template"]
+    template_text = Path(template["path"]).read_text(encoding="utf-8") if template else None
+    with atomic_path(args.out) as tmp:
+        stats = tokenize(
+            sources, args.model, tmp, spec["max_length"], spec["overlong"], template_text
+        )
+    write_json(
+        args.stats,
+        {
+            **dataclasses.asdict(stats),
+            "max_length": spec["max_length"],
+            "overlong": spec["overlong"],
+            "provenance": {
+                "spec": spec,
+                "inputs": {p: sha256_file(p) for p in args.data},
+                "output_sha256": sha256_file(args.out),
+                "versions": versions(),
+                **run_context(),
+            },
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

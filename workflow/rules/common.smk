@@ -1,0 +1,59 @@
+# Plain helpers for the rules (no rules here). Logic lives in scripts/snaketune/.
+import json
+
+from snaketune.plan import run_tokenize_spec, tokenize_jobs, tokenize_key
+
+NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
+KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
+
+# Every tokenized copy the runs need, by key; runs that share tokens share one entry.
+TOKENIZE = tokenize_jobs(config)
+
+
+def as_json(value):
+    """A config value as compact JSON for a script's --spec argument."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def model_spec(wildcards):
+    return as_json(config["models"][wildcards.model])
+
+
+def dataset_spec(wildcards):
+    return as_json(config["datasets"][wildcards.dataset])
+
+
+def model_source(wildcards):
+    """The local model directory as an input (so a rule can make it), none for the hub."""
+    spec = config["models"][wildcards.model]
+    return {"source": spec["path"]} if spec["source"] == "local" else {}
+
+
+def dataset_source(wildcards):
+    """The local dataset file as an input (so a rule can make it), none for the hub."""
+    spec = config["datasets"][wildcards.dataset]
+    return {"source": spec["path"]} if spec["source"] == "local" else {}
+
+
+def tokenize_inputs(wildcards):
+    """Downloaded sources, model directory and chat template of a tokenized copy."""
+    spec = TOKENIZE[wildcards.key]
+    inputs = {
+        "data": [
+            f"resources/datasets/{s['name']}/data.parquet" for s in spec["sources"]
+        ],
+        "model": f"resources/models/{spec['model']}",
+    }
+    if spec["chat_template"]:
+        inputs["template"] = spec["chat_template"]["path"]
+    return inputs
+
+
+def tokenize_spec(wildcards):
+    return as_json(TOKENIZE[wildcards.key])
+
+
+def run_tokenized(wildcards):
+    """The tokenized copy a run trains on."""
+    key = tokenize_key(run_tokenize_spec(config, wildcards.run))
+    return f"results/tokenized/{key}/data.parquet"

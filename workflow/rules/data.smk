@@ -1,0 +1,50 @@
+# From raw rows to per-node training shards.
+
+
+rule tokenize_dataset:
+    input:
+        unpack(tokenize_inputs),
+    output:
+        data="results/tokenized/{key}/data.parquet",
+        stats="results/tokenized/{key}/stats.json",
+    log:
+        "logs/tokenize_dataset/{key}.log",
+    benchmark:
+        "benchmarks/tokenize_dataset/{key}.tsv"
+    threads: 8
+    resources:
+        mem_mb=8000,
+        runtime=240,
+    params:
+        spec=tokenize_spec,
+    shell:
+        "RAYON_NUM_THREADS={threads} python scripts/tokenize_dataset.py --spec {params.spec:q}"
+        " --data {input.data} --model {input.model} --out {output.data}"
+        " --stats {output.stats} > {log} 2>&1"
+
+
+rule shard_dataset:
+    input:
+        tokenized=run_tokenized,
+    output:
+        shards=directory("results/{run}/shards"),
+    log:
+        "logs/shard_dataset/{run}.log",
+    benchmark:
+        "benchmarks/shard_dataset/{run}.tsv"
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        nodes=lookup(dpath="runs/{run}/nodes", within=config),
+        gpus_per_node=lookup(dpath="runs/{run}/gpus_per_node", within=config),
+        micro_batch_size=lookup(dpath="runs/{run}/micro_batch_size", within=config),
+        accumulation=lookup(
+            dpath="runs/{run}/gradient_accumulation_steps", within=config
+        ),
+        seed=lookup(dpath="runs/{run}/seed", within=config),
+    shell:
+        "python scripts/shard_dataset.py --tokenized {input.tokenized} --nodes {params.nodes}"
+        " --gpus-per-node {params.gpus_per_node} --micro-batch-size {params.micro_batch_size}"
+        " --gradient-accumulation-steps {params.accumulation} --seed {params.seed}"
+        " --out {output.shards} > {log} 2>&1"

@@ -1,0 +1,43 @@
+# Fetch models and datasets. Local rules: they run where snakemake runs (the login node),
+# since compute nodes are often offline.
+
+
+rule download_model:
+    input:
+        unpack(model_source),
+    output:
+        model=directory("resources/models/{model}"),
+    log:
+        "logs/download_model/{model}.log",
+    benchmark:
+        "benchmarks/download_model/{model}.tsv"
+    localrule: True
+    resources:
+        mem_mb=4000,
+        runtime=240,
+    params:
+        spec=model_spec,
+    shell:
+        "python scripts/download_model.py --name {wildcards.model} --spec {params.spec:q}"
+        " --out {output.model} > {log} 2>&1"
+
+
+rule download_dataset:
+    input:
+        unpack(dataset_source),
+    output:
+        data="resources/datasets/{dataset}/data.parquet",
+        provenance="resources/datasets/{dataset}/provenance.json",
+    log:
+        "logs/download_dataset/{dataset}.log",
+    benchmark:
+        "benchmarks/download_dataset/{dataset}.tsv"
+    localrule: True
+    resources:
+        mem_mb=4000,
+        runtime=240,
+    params:
+        spec=dataset_spec,
+    shell:
+        "python scripts/download_dataset.py --name {wildcards.dataset} --spec {params.spec:q}"
+        " --out-dir resources/datasets/{wildcards.dataset} > {log} 2>&1"

@@ -1,0 +1,18 @@
+# Offline fixtures for the demo and the tests: a tiny Llama model and a GSM8K-like dataset.
+
+
+rule make_fixtures:
+    output:
+        model=directory("resources/fixtures/tiny-llama"),
+        train="resources/fixtures/gsm8k-demo/train.jsonl",
+        test="resources/fixtures/gsm8k-demo/test.jsonl",
+    log:
+        "logs/make_fixtures/make_fixtures.log",
+    benchmark:
+        "benchmarks/make_fixtures/make_fixtures.tsv"
+    localrule: True
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python scripts/make_fixtures.py --out resources/fixtures > {log} 2>&1"
