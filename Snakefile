@@ -4,8 +4,11 @@
 #   snakemake --profile profiles/local --configfile my.yaml
 #
 # Stages and layout: README.md and ../shared/DESIGN.md.
+import sys
+
 from snakemake.utils import min_version
 from snaketune.config import validate_config
+from snaketune.errors import ConfigError
 
 min_version("9.0")
 
@@ -14,8 +17,12 @@ configfile: "config/config.yaml"
 
 
 # Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),
-# but a one-line error naming the key path and the allowed values.
-validate_config(config, workflow.basedir)
+# but one line naming the key path and the allowed values, and no traceback (a bad
+# config is the user's to fix, not a bug).
+try:
+    validate_config(config, workflow.basedir)
+except ConfigError as error:
+    sys.exit(f"config error: {error}")
 
 
 include: "workflow/rules/common.smk"

@@ -246,7 +246,7 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _require(
-        run["method"] == "lora" or not run.get("lora"),
+        run["method"] == "lora" or "lora" not in run,
         f"{where}.lora: only for method lora; remove it or set method: lora",
     )
     _check_deepspeed(name, run["deepspeed"], root)
@@ -259,13 +259,23 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
     Raises ConfigError with a one-line message on the first problem found.
     """
     root = Path(root)
-    check_schema(config, load_yaml(root / SCHEMA_PATH))
+    schema = load_yaml(root / SCHEMA_PATH)
+    check_schema(config, schema)
     for name, spec in config["models"].items():
         _check_source("models", name, spec, {"id", "revision"})
+        template = spec.get("chat_template")
+        _require(
+            template is None or Path(template).is_file(),
+            f"models.{name}.chat_template: file {template!r} not found "
+            "(relative paths start from the working directory)",
+        )
     for name, spec in config["datasets"].items():
         _check_dataset(name, spec, config["datasets"])
     for name, run in config["runs"].items():
         _check_run(name, run, config, root)
+        if run["method"] == "lora" and "lora" not in run:
+            run["lora"] = {}
+            check_schema(config, schema)  # fills the LoRA defaults
     return config
 
 

@@ -1,8 +1,11 @@
 # Plain helpers for the rules (no rules here). Logic lives in scripts/snaketune/.
 import json
+from pathlib import Path
 
 from snaketune.plan import run_tokenize_spec, tokenize_jobs, tokenize_key
 
+# Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
+SCRIPTS = Path(workflow.basedir) / "scripts"
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 

@@ -4,6 +4,7 @@
 rule tokenize_dataset:
     input:
         unpack(tokenize_inputs),
+        script=f"{SCRIPTS}/tokenize_dataset.py",
     output:
         data="results/tokenized/{key}/data.parquet",
         stats="results/tokenized/{key}/stats.json",
@@ -11,6 +12,8 @@ rule tokenize_dataset:
         "logs/tokenize_dataset/{key}.log",
     benchmark:
         "benchmarks/tokenize_dataset/{key}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
     threads: 8
     resources:
         mem_mb=8000,
@@ -18,13 +21,14 @@ rule tokenize_dataset:
     params:
         spec=tokenize_spec,
     shell:
-        "RAYON_NUM_THREADS={threads} python scripts/tokenize_dataset.py --spec {params.spec:q}"
+        "RAYON_NUM_THREADS={threads} python {input.script} --spec {params.spec:q}"
         " --data {input.data} --model {input.model} --out {output.data}"
         " --stats {output.stats} > {log} 2>&1"
 
 
 rule shard_dataset:
     input:
+        script=f"{SCRIPTS}/shard_dataset.py",
         tokenized=run_tokenized,
     output:
         shards=directory("results/{run}/shards"),
@@ -32,6 +36,8 @@ rule shard_dataset:
         "logs/shard_dataset/{run}.log",
     benchmark:
         "benchmarks/shard_dataset/{run}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
     resources:
         mem_mb=4000,
         runtime=60,
@@ -44,7 +50,7 @@ rule shard_dataset:
         ),
         seed=lookup(dpath="runs/{run}/seed", within=config),
     shell:
-        "python scripts/shard_dataset.py --tokenized {input.tokenized} --nodes {params.nodes}"
+        "python {input.script} --tokenized {input.tokenized} --nodes {params.nodes}"
         " --gpus-per-node {params.gpus_per_node} --micro-batch-size {params.micro_batch_size}"
         " --gradient-accumulation-steps {params.accumulation} --seed {params.seed}"
         " --out {output.shards} > {log} 2>&1"

@@ -5,6 +5,7 @@
 rule download_model:
     input:
         unpack(model_source),
+        script=f"{SCRIPTS}/download_model.py",
     output:
         model=directory("resources/models/{model}"),
     log:
@@ -12,19 +13,22 @@ rule download_model:
     benchmark:
         "benchmarks/download_model/{model}.tsv"
     localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
     resources:
         mem_mb=4000,
         runtime=240,
     params:
         spec=model_spec,
     shell:
-        "python scripts/download_model.py --name {wildcards.model} --spec {params.spec:q}"
+        "python {input.script} --name {wildcards.model} --spec {params.spec:q}"
         " --out {output.model} > {log} 2>&1"
 
 
 rule download_dataset:
     input:
         unpack(dataset_source),
+        script=f"{SCRIPTS}/download_dataset.py",
     output:
         data="resources/datasets/{dataset}/data.parquet",
         provenance="resources/datasets/{dataset}/provenance.json",
@@ -33,11 +37,13 @@ rule download_dataset:
     benchmark:
         "benchmarks/download_dataset/{dataset}.tsv"
     localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
     resources:
         mem_mb=4000,
         runtime=240,
     params:
         spec=dataset_spec,
     shell:
-        "python scripts/download_dataset.py --name {wildcards.dataset} --spec {params.spec:q}"
+        "python {input.script} --name {wildcards.dataset} --spec {params.spec:q}"
         " --out-dir resources/datasets/{wildcards.dataset} > {log} 2>&1"

@@ -2,6 +2,8 @@
 
 
 rule make_fixtures:
+    input:
+        script=f"{SCRIPTS}/make_fixtures.py",
     output:
         model=directory("resources/fixtures/tiny-llama"),
         train="resources/fixtures/gsm8k-demo/train.jsonl",
@@ -11,8 +13,10 @@ rule make_fixtures:
     benchmark:
         "benchmarks/make_fixtures/make_fixtures.tsv"
     localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
     resources:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python scripts/make_fixtures.py --out resources/fixtures > {log} 2>&1"
+        "python {input.script} --out resources/fixtures > {log} 2>&1"
