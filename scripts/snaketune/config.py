@@ -34,6 +34,7 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages"},
 }
 OPTIONAL_FIELDS = {"input"}
+SCALARS = ("integer", "number", "boolean")
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -51,15 +52,37 @@ def load_yaml(path: str | Path) -> Any:
         ) from exc
 
 
+def _coerce(value: str, kind: str) -> Any:
+    """A string as the schema's scalar type, or the string itself when it is not one.
+
+    Snakemake's ``--config runs={demo: {nodes: 4}}`` passes nested values as strings.
+    """
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            return float(value)
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    except ValueError:
+        pass
+    return value
+
+
 def _with_defaults(cls: type) -> type:
-    """A validator class that also fills `default` values into the instance."""
+    """A validator class that also fills `default` values into the instance and reads
+    numbers and booleans given as strings (from the command line)."""
     validate_properties = cls.VALIDATORS["properties"]
 
     def set_defaults(validator, properties, instance, schema):
         if isinstance(instance, dict):
             for name, sub in properties.items():
-                if isinstance(sub, dict) and "default" in sub:
+                if not isinstance(sub, dict):
+                    continue
+                if "default" in sub:
                     instance.setdefault(name, copy.deepcopy(sub["default"]))
+                if isinstance(instance.get(name), str) and sub.get("type") in SCALARS:
+                    instance[name] = _coerce(instance[name], sub["type"])
         yield from validate_properties(validator, properties, instance, schema)
 
     return jsonschema.validators.extend(cls, {"properties": set_defaults})
@@ -103,11 +126,19 @@ def format_error(error: jsonschema.ValidationError) -> str:
 
 
 def _first_error(errors: Iterator[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:
-    """The error to report: the shallowest, then the first in document order."""
+    """The error to report: the shallowest; at equal depth an unknown key first (a typo
+    also explains the required key it leaves missing), then document order."""
     errors = list(errors)
     if not errors:
         return None
-    return min(errors, key=lambda e: (len(e.absolute_path), [str(p) for p in e.absolute_path]))
+    return min(
+        errors,
+        key=lambda e: (
+            len(e.absolute_path),
+            e.validator != "additionalProperties",
+            [str(p) for p in e.absolute_path],
+        ),
+    )
 
 
 def check_schema(config: dict[str, Any], schema: Mapping[str, Any]) -> None:

@@ -1,0 +1,235 @@
+"""Config validation: every shipped config passes; typos fail with the key path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from snaketune.config import load_yaml, validate_config
+from snaketune.errors import ConfigError
+from snaketune.plan import run_tokenize_spec, tokenize_key
+
+SHIPPED = [ROOT / "config" / "config.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
+
+
+@pytest.fixture()
+def demo() -> dict:
+    return load_yaml(ROOT / "config" / "config.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # chat_template paths are relative to the working directory
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_validate(path: Path):
+    config = validate_config(load_yaml(path), ROOT)
+    assert config["runs"]
+
+
+def test_examples_cover_the_scenarios():
+    runs = {}
+    for path in SHIPPED[1:]:
+        runs.update(load_yaml(path)["runs"])
+    shapes = {(r["method"], r["nodes"], r["gpus_per_node"], r["deepspeed"]) for r in runs.values()}
+    assert ("lora", 2, 4, "zero2") in shapes
+    assert ("full", 2, 8, "zero2") in shapes
+    assert ("full", 4, 4, "zero3_offload") in shapes
+
+
+def test_defaults_are_filled(demo):
+    del demo["runs"]["demo"]["lora"]
+    run = validate_config(demo, ROOT)["runs"]["demo"]
+    assert run["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
+    assert run["lr_scheduler"] == "cosine" and run["timeout_minutes"] == 10
+
+
+def test_numbers_from_the_command_line_are_read(demo):
+    demo["runs"]["demo"].update(nodes="4", learning_rate="1e-4", gradient_checkpointing="true")
+    run = validate_config(demo, ROOT)["runs"]["demo"]
+    assert (run["nodes"], run["learning_rate"], run["gradient_checkpointing"]) == (4, 1e-4, True)
+
+
+def _set(path: str | tuple, value) -> Callable[[dict], None]:
+    def edit(cfg: dict) -> None:
+        *parents, last = path if isinstance(path, tuple) else path.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[last] = value
+
+    return edit
+
+
+def _rename(path: str, new: str) -> Callable[[dict], None]:
+    def edit(cfg: dict) -> None:
+        *parents, last = path if isinstance(path, tuple) else path.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[new] = node.pop(last)
+
+    return edit
+
+
+def _delete(path: str) -> Callable[[dict], None]:
+    def edit(cfg: dict) -> None:
+        *parents, last = path if isinstance(path, tuple) else path.split(".")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        del node[last]
+
+    return edit
+
+
+BAD = [
+    (_set("runs.demo.method", "lorra"), "runs.demo.method: 'lorra' is not one of ['lora', 'full']"),
+    (
+        _rename("runs.demo.learning_rate", "lerning_rate"),
+        "runs.demo.lerning_rate: unknown key; did you mean 'learning_rate'?",
+    ),
+    (_delete("runs.demo.learning_rate"), "runs.demo: missing required key 'learning_rate'"),
+    (
+        _set("runs.demo.lerning_rate", 1.0),
+        "runs.demo.lerning_rate: unknown key; did you mean 'learning_rate'?",
+    ),
+    (
+        _set("datasets.gsm8k_demo.colums", {}),
+        "datasets.gsm8k_demo.colums: unknown key; did you mean 'columns'?",
+    ),
+    (_set("topology", {}), "topology: unknown key"),
+    (_delete("runs.demo.model"), "runs.demo: missing required key 'model'"),
+    (_set("runs.demo.nodes", 0), "runs.demo.nodes: 0 is less than the minimum of 1"),
+    (_set("runs.demo.nodes", "two"), "runs.demo.nodes: 'two' is not of type 'integer'"),
+    (
+        _set("runs.demo.learning_rate", 0),
+        "runs.demo.learning_rate: 0 is less than or equal to the minimum of 0",
+    ),
+    (_set("runs.demo.lora.r", 0), "runs.demo.lora.r: 0 is less than the minimum of 1"),
+    (
+        _set("runs.demo.overlong", "wrap"),
+        "runs.demo.overlong: 'wrap' is not one of ['drop', 'truncate']",
+    ),
+    (_set("runs.demo.model", "gpt5"), "runs.demo.model: unknown model 'gpt5' (defined: tiny)"),
+    (_set("runs.demo.dataset", "nope"), "runs.demo.dataset: unknown dataset 'nope'"),
+    (
+        _set("runs.demo.eval_dataset", "gsm8k_demo"),
+        "runs.demo.eval_dataset: must differ from the training dataset",
+    ),
+    (_set("runs.demo.max_steps", 10), "runs.demo: give exactly one of `epochs` and `max_steps`"),
+    (_delete("runs.demo.epochs"), "runs.demo: give exactly one of `epochs` and `max_steps`"),
+    (
+        _set("runs.demo.deepspeed", "zero4"),
+        "runs.demo.deepspeed: 'zero4' is neither a preset (zero1, zero2, zero3, zero3_offload) nor an existing JSON file",
+    ),
+    (_set(("runs", "../x"), {}), "runs: name '../x' is not a safe identifier"),
+    (_set("runs.my run", {}), "runs: name 'my run' is not a safe identifier"),
+    (
+        _set("models.a;b", {"source": "hub", "id": "x/y"}),
+        "models: name 'a;b' is not a safe identifier",
+    ),
+    (_set("models.tiny.source", "s3"), "models.tiny.source: 's3' is not one of ['hub', 'local']"),
+    (_delete("models.tiny.path"), "models.tiny: source local needs a `path`"),
+    (_set("models.tiny.revision", "v1"), "models.tiny.revision: only for source hub"),
+    (
+        _set("models.tiny.chat_template", "missing.jinja"),
+        "models.tiny.chat_template: file 'missing.jinja' not found",
+    ),
+    (
+        _set("datasets.gsm8k_demo.format", "sharegpt"),
+        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages']",
+    ),
+    (_delete("datasets.gsm8k_demo.format"), "datasets.gsm8k_demo: missing required key 'format'"),
+    (
+        _set("datasets.gsm8k_demo.columns", {"instruction": "q"}),
+        "datasets.gsm8k_demo.columns.instruction: not a field of format 'prompt_response'",
+    ),
+    (
+        _set("datasets.gsm8k_demo.filters", [{"column": "x", "op": "~", "value": 1}]),
+        "datasets.gsm8k_demo.filters.0.op: '~' is not one of",
+    ),
+    (
+        _set("datasets.gsm8k_demo.filters", [{"column": "x", "op": "in", "value": 1}]),
+        "datasets.gsm8k_demo.filters.0.value: op 'in' needs a list",
+    ),
+    (
+        _set("datasets.mix", {"source": "mixture", "mixture": [{"dataset": "nope"}]}),
+        "datasets.mix.mixture.0.dataset: unknown dataset 'nope'",
+    ),
+    (
+        _set(
+            "datasets.mix",
+            {"source": "mixture", "mixture": [{"dataset": "gsm8k_demo", "weight": 0}]},
+        ),
+        "datasets.mix.mixture.0.weight: 0 is less than or equal to the minimum of 0",
+    ),
+    (_set("runs.demo.method", "full"), "runs.demo.lora: only for method lora"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD, ids=[m for _, m in BAD])
+def test_bad_config_names_the_key(demo, edit, message):
+    bad = copy.deepcopy(demo)
+    edit(bad)
+    with pytest.raises(ConfigError) as info:
+        validate_config(bad, ROOT)
+    text = str(info.value)
+    assert text.startswith(message), text
+    assert "\n" not in text
+
+
+def test_unknown_key_lists_allowed_keys(demo):
+    demo["runs"]["demo"]["lerning_rate"] = 1.0
+    with pytest.raises(ConfigError, match=r"allowed: .*learning_rate.*warmup_ratio"):
+        validate_config(demo, ROOT)
+
+
+def _walk(schema: dict, path: str = "") -> list[str]:
+    """Key paths of schema entries that lack a description."""
+    missing = []
+    for name, sub in schema.get("properties", {}).items():
+        if "description" not in sub:
+            missing.append(f"{path}.{name}")
+        missing += _walk(sub, f"{path}.{name}")
+    for key in ("additionalProperties", "items"):
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            if "description" not in sub and "$ref" not in sub and key == "additionalProperties":
+                missing.append(f"{path}.*")
+            missing += _walk(sub, f"{path}.*")
+    for name, sub in schema.get("$defs", {}).items():
+        if "description" not in sub:
+            missing.append(f"$defs.{name}")
+        missing += _walk(sub, f"$defs.{name}")
+    return missing
+
+
+def test_every_schema_key_is_described():
+    schema = load_yaml(ROOT / "workflow" / "schemas" / "config.schema.yaml")
+    assert _walk(schema) == []
+    assert schema["additionalProperties"] is False
+
+
+def test_tokenize_key_shared_by_runs_that_differ_in_training_keys_only(demo):
+    demo["runs"]["other"] = {
+        **copy.deepcopy(demo["runs"]["demo"]),
+        "learning_rate": 1e-4,
+        "nodes": 4,
+    }
+    config = validate_config(demo, ROOT)
+    key = tokenize_key(run_tokenize_spec(config, "demo"))
+    assert tokenize_key(run_tokenize_spec(config, "other")) == key
+    for edit in (
+        _set("runs.other.max_length", 128),
+        _set("runs.other.overlong", "truncate"),
+        _set("datasets.gsm8k_demo.columns.prompt", ["question"]),
+        _set("models.tiny.chat_template", "config/templates/llama3.jinja"),
+    ):
+        changed = copy.deepcopy(config)
+        edit(changed)
+        assert tokenize_key(run_tokenize_spec(changed, "other")) != key

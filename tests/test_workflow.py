@@ -1,0 +1,199 @@
+"""The workflow itself: formatting, lint, dry-runs of every shipped config, and a real run
+of the data stages on the local profile (in a scratch directory, via --directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT
+
+BIN = Path(sys.executable).parent
+ENV = {
+    **os.environ,
+    "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+    "PYTHONWARNINGS": "ignore::FutureWarning",
+}
+EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
+
+
+def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [
+        str(BIN / "snakemake"),
+        "--snakefile",
+        str(ROOT / "Snakefile"),
+        "--profile",
+        str(ROOT / "profiles" / "local"),
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_snakefmt_check():
+    proc = subprocess.run(
+        [str(BIN / "snakefmt"), "--check", "Snakefile", "workflow"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_ruff_lint_and_format():
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run([str(BIN / "ruff"), *args], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_snakemake_lint_is_clean():
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--lint"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Lints for" not in out, out
+
+
+def _jobs(dry_run_output: str) -> dict[str, int]:
+    """Job counts from the 'Job stats' table of a dry run."""
+    lines = dry_run_output.split("Job stats:")[1].splitlines()[3:]
+    counts = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def test_dry_run_demo(tmp_path):
+    proc = snakemake(
+        "-n", "--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(tmp_path)
+    )
+    assert _jobs(proc.stdout) == {
+        "make_fixtures": 1,
+        "download_model": 1,
+        "download_dataset": 1,
+        "tokenize_dataset": 1,
+        "shard_dataset": 1,
+        "all": 1,
+    }
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.stem)
+def test_dry_run_examples(config, tmp_path):
+    (tmp_path / "config").symlink_to(ROOT / "config")  # chat templates are found from the workdir
+    proc = snakemake("-n", "--configfile", str(config), "--directory", str(tmp_path))
+    jobs = _jobs(proc.stdout)
+    assert jobs["shard_dataset"] == len(__import__("yaml").safe_load(config.read_text())["runs"])
+    assert "make_fixtures" not in jobs  # --configfile replaced the demo config
+
+
+def test_config_error_is_one_line_without_traceback(tmp_path):
+    proc = snakemake(
+        "-n",
+        "--configfile",
+        str(ROOT / "config" / "config.yaml"),
+        "--config",
+        "runs={'demo': {'method': 'lorra'}}",
+        "--directory",
+        str(tmp_path),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full']" in proc.stderr
+    assert "Traceback" not in proc.stderr and 'File "' not in proc.stderr
+
+
+@pytest.mark.slow
+def test_data_stages_run_on_the_local_profile(tmp_path):
+    config = str(ROOT / "config" / "config.yaml")
+    snakemake("--configfile", config, "--directory", str(tmp_path))
+    manifest = json.loads((tmp_path / "results/demo/shards/manifest.json").read_text())
+    assert manifest["nodes"] == 2 and manifest["global_batch"] == 16
+    assert (
+        manifest["steps_per_epoch"] == 512 // 16 and manifest["dropped_for_balance"]["count"] == 0
+    )
+    ids = []
+    for entry in manifest["shards"]:
+        table = pq.read_table(tmp_path / "results/demo/shards" / entry["file"])
+        assert table.num_rows == entry["rows"] == 256
+        ids += table.column("example_id").to_pylist()
+    assert sorted(ids) == sorted(f"gsm8k_demo:{i}" for i in range(512))
+    (tokenized,) = (tmp_path / "results/tokenized").iterdir()
+    stats = json.loads((tokenized / "stats.json").read_text())
+    assert stats["rows"] == 512 and stats["dropped_overlong"] == 0
+    prov = json.loads((tmp_path / "resources/models/tiny/provenance.json").read_text())
+    assert prov["source"] == "local" and "model.safetensors" in prov["files"]
+    prov = json.loads((tmp_path / "resources/datasets/gsm8k_demo/provenance.json").read_text())
+    assert prov["rows"] == 512 and len(prov["files"]["train.jsonl"]) == 64
+
+    # Nothing to redo; a training-only change reuses the tokens and the shards.
+    assert (
+        "Nothing to be done"
+        in snakemake("-n", "--configfile", config, "--directory", str(tmp_path)).stdout
+    )
+    proc = snakemake(
+        "-n",
+        "--configfile",
+        config,
+        "--config",
+        "runs={'demo': {'learning_rate': 0.1}}",
+        "--directory",
+        str(tmp_path),
+    )
+    assert "Nothing to be done" in proc.stdout
+    # A tokenization key change makes a new tokenized copy and new shards, nothing earlier.
+    proc = snakemake(
+        "-n",
+        "--configfile",
+        config,
+        "--config",
+        "runs={'demo': {'max_length': 128}}",
+        "--directory",
+        str(tmp_path),
+    )
+    assert _jobs(proc.stdout) == {"tokenize_dataset": 1, "shard_dataset": 1, "all": 1}
+    # A stage reruns alone on request.
+    proc = snakemake(
+        "--configfile",
+        config,
+        "--forcerun",
+        "shard_dataset",
+        "--until",
+        "shard_dataset",
+        "--directory",
+        str(tmp_path),
+    )
+    assert "tokenize_dataset" not in proc.stderr.split("Job stats:")[1].split("Select jobs")[0]
+
+
+@pytest.mark.slow
+def test_bad_data_fails_the_rule_with_one_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"question": "q", "answer": null}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        (ROOT / "config" / "config.yaml")
+        .read_text()
+        .replace("resources/fixtures/gsm8k-demo/train.jsonl", str(tmp_path / "d.jsonl"))
+    )
+    proc = snakemake("--configfile", str(cfg), "--directory", str(tmp_path), check=False)
+    assert proc.returncode != 0
+    (log,) = (tmp_path / "logs/tokenize_dataset").iterdir()
+    assert log.read_text().strip().splitlines()[-1] == (
+        "error: datasets.gsm8k_demo row 0: column 'answer' is null; clean the data or filter the row out"
+    )
+    assert not list((tmp_path / "results/tokenized").glob("*/data.parquet"))
