@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
 from snaketune.config import load_yaml, validate_config
 from snaketune.errors import ConfigError
 from snaketune.plan import run_tokenize_spec, tokenize_key

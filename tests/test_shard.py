@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from snaketune.errors import DataError
 from snaketune.io import sha256_file
 from snaketune.shard import Layout, assign, shard

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
+
 from snaketune.errors import DataError
 from snaketune.sources import download_dataset
 from snaketune.tokenization import IGNORE_INDEX, Source, multiplicity, tokenize

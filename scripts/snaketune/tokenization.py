@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -452,44 +453,65 @@ def label_batch(
     overlong: str,
     stats: Stats,
 ) -> pa.Table:
-    """Labels and length policy for one encoded batch; the rows kept, as a table."""
-    example_ids, lengths, shas, flat_ids, flat_labels = [], [], [], [], []
-    for (example_id, turns), enc, sp, text in zip(items, encodings, spans, texts, strict=True):
-        stats.conversations += 1
-        ids = enc.ids
-        labels = [IGNORE_INDEX] * len(ids)
+    """Labels and length policy for one encoded batch; the rows kept, as a table.
+
+    Per row, Python only finds each assistant span's first and last token; the labels,
+    the length policy and the output columns are computed on the whole batch with numpy.
+    """
+    n = len(items)
+    ids = [enc.ids for enc in encodings]
+    lengths = np.fromiter(map(len, ids), np.int64, count=n)
+    row_start = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=row_start[1:])
+    total = int(row_start[-1])
+    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=total)
+
+    # +1 where an assistant span starts, -1 where it ends: a running sum > 0 is inside one.
+    delta = np.zeros(total + 1, np.int32)
+    for i, (enc, sp, text) in enumerate(zip(encodings, spans, texts, strict=True)):
         for s, t in sp:
-            a = _first_token_at(enc, s, len(ids), len(text))
-            b = _first_token_at(enc, t, len(ids), len(text))
-            labels[a:b] = ids[a:b]
-        if len(ids) > max_length:
-            if overlong == "drop":
-                stats.dropped_overlong += 1
-                continue
-            ids, labels = ids[:max_length], labels[:max_length]
-            stats.truncated += 1
-        n_labels = len(labels) - labels.count(IGNORE_INDEX)
-        if n_labels == 0:
-            stats.dropped_no_response += 1
-            continue
-        stats.label_tokens += n_labels
-        example_ids.append(example_id)
-        lengths.append(len(ids))
-        shas.append(text_sha(turns))
-        flat_ids.extend(ids)
-        flat_labels.extend(labels)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
-    if lengths:
-        stats.rows += len(lengths)
-        stats.tokens += int(sum(lengths))
-        stats.max_tokens = max(stats.max_tokens, max(lengths))
+            a = _first_token_at(enc, s, len(ids[i]), len(text))
+            b = _first_token_at(enc, t, len(ids[i]), len(text))
+            if b > a:
+                delta[row_start[i] + a] += 1
+                delta[row_start[i] + b] -= 1
+    labelled = np.cumsum(delta[:-1]) > 0
+
+    row_of = np.repeat(np.arange(n), lengths)
+    position = np.arange(total) - row_start[:-1][row_of]
+    overlong_rows = lengths > max_length
+    if overlong == "drop":
+        keep_row = ~overlong_rows
+    else:
+        keep_row = np.ones(n, bool)
+        stats.truncated += int(overlong_rows.sum())
+    keep_tok = keep_row[row_of] & (position < max_length)
+    n_labels = np.bincount(row_of[labelled & keep_tok], minlength=n)
+    no_response = keep_row & (n_labels == 0)
+    keep_row &= ~no_response
+    keep_tok &= keep_row[row_of]
+
+    stats.conversations += n
+    stats.dropped_overlong += int(overlong_rows.sum()) if overlong == "drop" else 0
+    stats.dropped_no_response += int(no_response.sum())
+    kept_lengths = np.minimum(lengths, max_length)[keep_row]
+    if kept_lengths.size:
+        stats.rows += int(kept_lengths.size)
+        stats.tokens += int(kept_lengths.sum())
+        stats.label_tokens += int(n_labels[keep_row].sum())
+        stats.max_tokens = max(stats.max_tokens, int(kept_lengths.max()))
+
+    out_ids = flat[keep_tok]
+    out_labels = np.where(labelled, flat, IGNORE_INDEX).astype(np.int32)[keep_tok]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32))
+    kept = np.flatnonzero(keep_row).tolist()
     return pa.Table.from_arrays(
         [
-            pa.array(example_ids, pa.string()),
-            pa.ListArray.from_arrays(offsets, pa.array(flat_ids, pa.int32())),
-            pa.ListArray.from_arrays(offsets, pa.array(flat_labels, pa.int32())),
-            pa.array(lengths, pa.int32()),
-            pa.array(shas, pa.string()),
+            pa.array([items[i][0] for i in kept], pa.string()),
+            pa.ListArray.from_arrays(offsets, pa.array(out_ids)),
+            pa.ListArray.from_arrays(offsets, pa.array(out_labels)),
+            pa.array(kept_lengths.astype(np.int32)),
+            pa.array([text_sha(items[i][1]) for i in kept], pa.string()),
         ],
         schema=OUTPUT_SCHEMA,
     )

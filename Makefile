@@ -1,0 +1,32 @@
+# snaketune: the two commands of the README, and a few helpers.
+#
+#   make demo    set up .venv and run the whole offline demo on the local profile
+#   make test    set up .venv and run the test suite (what CI runs)
+
+VENV ?= .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PYTHONWARNINGS := ignore::FutureWarning
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(VENV)/.installed
+
+# Reinstall when the pins or the setup script change.
+$(VENV)/.installed: pyproject.toml scripts/setup_env.sh
+	bash scripts/setup_env.sh
+	touch $@
+
+demo: setup
+	snakemake --profile profiles/local
+
+test: setup
+	pytest
+
+bench: setup
+	python bench/tokenize.py
+
+lint: setup
+	ruff check . && ruff format --check . && snakefmt --check Snakefile workflow && snakemake --lint
+
+clean:
+	rm -rf results resources logs benchmarks .snakemake
