@@ -139,6 +139,7 @@ def convert_local(path: Path, fmt: str, out: Path) -> int:
     rows = 0
     try:
         for batch in iter_local_batches(path, fmt):
+            batch.validate(full=True)  # the JSON reader lets invalid UTF-8 into strings
             if writer is None:
                 writer = pq.ParquetWriter(out, batch.schema)
             writer.write_batch(batch)
