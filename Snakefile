@@ -29,6 +29,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/fixtures.smk"
 include: "workflow/rules/download.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
 
 
 wildcard_constraints:
@@ -41,4 +42,4 @@ wildcard_constraints:
 rule all:
     default_target: True
     input:
-        expand("results/{run}/shards", run=config["runs"]),
+        expand("results/{run}/train/model", run=config["runs"]),

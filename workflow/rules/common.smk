@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+from snaketune.config import resolve_deepspeed
 from snaketune.plan import run_tokenize_spec, tokenize_jobs, tokenize_key
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
@@ -60,3 +61,26 @@ def run_tokenized(wildcards):
     """The tokenized copy a run trains on."""
     key = tokenize_key(run_tokenize_spec(config, wildcards.run))
     return f"results/tokenized/{key}/data.parquet"
+
+
+def run_model(wildcards):
+    return f"resources/models/{config['runs'][wildcards.run]['model']}"
+
+
+def run_deepspeed(wildcards):
+    """The run's DeepSpeed JSON: a preset from config/deepspeed/ or the user's file."""
+    return str(
+        resolve_deepspeed(
+            config["runs"][wildcards.run]["deepspeed"], Path(workflow.basedir)
+        )
+    )
+
+
+def run_spec(wildcards):
+    return as_json(config["runs"][wildcards.run])
+
+
+def train_threads(wildcards):
+    """Processes of a run on one machine (the local profile runs every emulated node here)."""
+    run = config["runs"][wildcards.run]
+    return run["nodes"] * run["gpus_per_node"]

@@ -1,0 +1,236 @@
+"""Training on 2 emulated nodes (CPU, gloo, DeepSpeed): LoRA + ZeRO-2 through the workflow,
+full + ZeRO-3 on 2 x 2 processes with every example seen once, a killed rank that fails
+the job fast and resumes to the same losses, and SIGTERM that leaves a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+from conftest import ENV, ROOT, read_jsonl, snakemake
+
+from snaketune.config import load_yaml, validate_config
+from snaketune.train import COMPLETE, checkpoints
+
+pytestmark = pytest.mark.slow
+CONFIG = str(ROOT / "config" / "config.yaml")
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _last_step(metrics: Path) -> int:
+    return read_jsonl(metrics)[-1]["step"] if metrics.exists() and metrics.read_text() else 0
+
+
+def _workers(workdir: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = p.info["cmdline"] or []
+        if (
+            "--worker" in cmd
+            and any(c.endswith("train.py") for c in cmd)
+            and p.info["cwd"] == str(workdir)
+        ):
+            found.append(p)
+    return found
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("demo")
+    snakemake("--configfile", CONFIG, "--directory", str(workdir))
+    return workdir
+
+
+def test_lora_zero2_demo_trains(demo):
+    train = demo / "results/demo/train"
+    metrics = read_jsonl(train / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 33))  # 512 examples / 16 per step
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-4:]) / 4
+    assert last < first - 0.3, (first, last)
+    for key in (
+        "epoch",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "samples_per_s",
+        "peak_memory_mib",
+        "elapsed_s",
+    ):
+        assert metrics[-1][key] is not None, key
+    assert (train / "model" / "adapter_model.safetensors").stat().st_size > 10_000
+    assert (train / "final_checkpoint" / "final").is_dir()
+    prov = json.loads((train / "provenance.json").read_text())
+    assert set(prov["hosts"]) == {"node-0", "node-1"}
+    assert json.loads((train / "run_config.json").read_text())["method"] == "lora"
+    assert list((train / "tensorboard").iterdir())
+    log = (demo / "logs/train/demo.log").read_text()
+    assert "global batch 16 = micro 4 x 1 devices x 2 nodes x accumulation 2" in log
+    assert "ETA" in log
+    # only complete checkpoints are kept, at most save_total_limit of them
+    kept = checkpoints(train / "checkpoints")
+    assert [p.name for p in kept] == ["checkpoint-30", "checkpoint-32"]
+    assert all((p / COMPLETE).is_file() for p in kept)
+
+
+def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
+         "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory", str(tmp_path)],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    live = tmp_path / "results/demo/train/checkpoints/metrics.jsonl"
+    try:
+        _wait_for(lambda: _last_step(live) >= 13, 300, "step 13")
+        victim = _workers(tmp_path)[-1]
+        victim.kill()
+        killed = time.monotonic()
+        _wait_for(lambda: not _workers(tmp_path) or _last_step(live) < 13, 90, "the job to stop")
+        stopped = time.monotonic() - killed
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert stopped < 60, stopped
+    assert proc.returncode == 0, out  # the rule's retry resumed and finished
+    assert "Error in rule train" in out  # the failure was reported
+    log = (tmp_path / "logs/train/demo.log").read_text()
+    assert "resuming from checkpoint-10" in log
+    got = read_jsonl(tmp_path / "results/demo/train/metrics.jsonl")
+    want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
+        assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
+
+
+def _run_spec(**overrides) -> dict:
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    run = config["runs"]["demo"]
+    run.update(overrides)
+    if "max_steps" in overrides:
+        del run["epochs"]
+    if overrides.get("method") == "full":
+        del run["lora"]
+    return validate_config(config, ROOT)["runs"]["demo"]
+
+
+def _launch(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str):
+    cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--run-spec", json.dumps(spec),
+           "--shards", str(shards), "--model", str(model),
+           "--deepspeed", str(ROOT / f"config/deepspeed/{preset}.json"), "--out", "results/x/train", *extra]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=workdir, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
+    spec = _run_spec(max_steps=32, save_steps=1000)
+    proc = _launch(
+        tmp_path, spec, demo / "results/demo/shards", demo / "resources/models/tiny", "zero2"
+    )
+    live = tmp_path / "results/x/train/checkpoints/metrics.jsonl"
+    try:
+        _wait_for(lambda: _last_step(live) >= 5, 300, "step 5")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, out
+    step = _last_step(live)
+    assert 5 <= step < 32
+    saved = checkpoints(tmp_path / "results/x/train/checkpoints")
+    assert [p.name for p in saved] == [f"checkpoint-{step}"], out
+    assert (saved[0] / COMPLETE).is_file()
+    assert "saving a checkpoint at the end of this step" in out
+    assert not (tmp_path / "results/x/train/model").exists()
+
+
+def test_full_zero3_two_nodes_by_two_sees_every_example_once(demo, tmp_path):
+    tokenized = next((demo / "results/tokenized").glob("*/data.parquet"))
+    shards = tmp_path / "shards"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
+         "--nodes", "2", "--gpus-per-node", "2", "--micro-batch-size", "4",
+         "--gradient-accumulation-steps", "1", "--seed", "7", "--out", str(shards)],
+        check=True, env=ENV, capture_output=True,
+    )  # fmt: skip
+    spec = _run_spec(
+        method="full",
+        nodes=2,
+        gpus_per_node=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        deepspeed="zero3",
+        save_steps=1000,
+    )
+    ids_dir = tmp_path / "ids"
+    proc = _launch(
+        tmp_path,
+        spec,
+        shards,
+        demo / "resources/models/tiny",
+        "zero3",
+        "--log-example-ids",
+        str(ids_dir),
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+
+    per_rank = {
+        int(p.stem.split("-")[1]): p.read_text().split() for p in ids_dir.glob("rank-*.txt")
+    }
+    assert sorted(per_rank) == [0, 1, 2, 3]
+    assert len({len(v) for v in per_rank.values()}) == 1  # no rank runs out before another
+    counts = Counter(i for ids in per_rank.values() for i in ids)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    node_ids = [
+        set(pq.read_table(shards / s["file"]).column("example_id").to_pylist())
+        for s in manifest["shards"]
+    ]
+    assert set(counts) == node_ids[0] | node_ids[1] and set(counts.values()) == {1}  # exactly once
+    # node ranks come from torchrun's rendezvous; both ranks of a node read that node's shard
+    nodes_of = [
+        {k for k, ids_k in enumerate(node_ids) if set(per_rank[r]) <= ids_k} for r in range(4)
+    ]
+    assert all(len(n) == 1 for n in nodes_of) and set().union(*nodes_of) == {0, 1}
+    assert nodes_of[0] == nodes_of[1] and nodes_of[2] == nodes_of[3]
+
+    metrics = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    assert len(metrics) == manifest["steps_per_epoch"] == 32
+    assert sum(m["loss"] for m in metrics[-4:]) / 4 < metrics[0]["loss"] - 0.5
+    model = tmp_path / "results/x/train/model"
+    assert (model / "config.json").is_file() and (
+        model / "model.safetensors"
+    ).stat().st_size > 500_000
+
+
+def test_global_batch_larger_than_the_data_fails_before_launch(tmp_path):
+    proc = snakemake(
+        "--configfile",
+        CONFIG,
+        "--config",
+        "runs={'demo': {'micro_batch_size': 1000}}",
+        "--directory",
+        str(tmp_path),
+        check=False,
+    )
+    assert proc.returncode != 0
+    log = (tmp_path / "logs/shard_dataset/demo.log").read_text()
+    assert "fewer than one global batch of 4000" in log
+    assert not (tmp_path / "logs/train").exists()

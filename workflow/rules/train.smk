@@ -1,0 +1,33 @@
+# Multi-node DeepSpeed training of one run on its per-node shards.
+
+
+rule train:
+    input:
+        script=f"{SCRIPTS}/train.py",
+        shards="results/{run}/shards",
+        model=run_model,
+        deepspeed=run_deepspeed,
+    output:
+        checkpoint=directory("results/{run}/train/final_checkpoint"),
+        model=directory("results/{run}/train/model"),
+        metrics="results/{run}/train/metrics.jsonl",
+        config="results/{run}/train/run_config.json",
+        provenance="results/{run}/train/provenance.json",
+    log:
+        "logs/train/{run}.log",
+    benchmark:
+        "benchmarks/train/{run}.tsv"
+    # A failed or killed job resumes from its newest complete checkpoint when retried.
+    retries: 2
+    conda:
+        "../../envs/snaketune.yaml"
+    threads: train_threads
+    resources:
+        mem_mb=16000,
+        runtime=1440,
+    params:
+        spec=run_spec,
+        out="results/{run}/train",
+    shell:
+        "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
+        " --model {input.model} --deepspeed {input.deepspeed} --out {params.out} > {log} 2>&1"
