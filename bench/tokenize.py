@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import sys
 
-# This file is named like the stdlib's tokenize module, which Python would import from here
-# when run as a script (its folder comes first on sys.path): take that folder off the path.
-if sys.path and sys.path[0] == __file__.rsplit("/", 1)[0]:
+# bench/tokenize.py is named like the stdlib's tokenize module, which Python would import
+# from this folder (first on sys.path when a script here runs): take the folder off the path.
+if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
     sys.path.pop(0)
 
 import argparse

@@ -19,6 +19,7 @@ Exit codes: 0 done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1 after saving a che
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -101,6 +102,11 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(
             f"{args.shards} was made for {nodes} x {gpus}, the run asks for "
             f"{spec['nodes']} x {spec['gpus_per_node']}; rerun shard_dataset"
+        )
+    if spec["wandb"]["enabled"] and importlib.util.find_spec("wandb") is None:
+        raise UserError(
+            "wandb.enabled is set but wandb is not installed: pip install wandb, "
+            "or set wandb.enabled: false"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "checkpoints"

@@ -1,0 +1,192 @@
+"""Overhead of the train stage: tokens/s against a plain PyTorch loop, same model, data, batch.
+
+    python bench/train_overhead.py                 # CPU, one process, the demo fixtures
+    python bench/train_overhead.py --steps 60 --micro-batch-size 8
+
+Both sides train the fixture Llama (full fine-tuning, fp32, AdamW, same learning rate) on
+the same shard, in the same example order and batch size, for the same number of optimizer
+steps, in one process:
+  ours   scripts/train.py (torchrun agent, DeepSpeed ZeRO-2 engine, SFTTrainer, callbacks,
+         metrics) on 1 node x 1 process; tokens/s from its metrics.jsonl
+  plain  model(**batch).loss.backward(); optimizer.step() with trl's padding collator
+tokens/s counts the (unpadded) example tokens of the steps after the first --warmup steps.
+Target (issue 3): ours / plain >= 0.8.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# bench/tokenize.py is named like the stdlib's tokenize module, which Python would import
+# from this folder (first on sys.path when a script here runs): take the folder off the path.
+if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
+    sys.path.pop(0)
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prepare(tmp: Path, micro: int, steps: int) -> tuple[Path, Path]:
+    """Fixtures, tokenized data and a 1-node shard with at least ``steps`` batches."""
+    from snaketune.fixtures import FixtureSizes, make_fixtures
+    from snaketune.shard import Layout, shard
+    from snaketune.sources import download_dataset
+    from snaketune.tokenization import Source, tokenize
+
+    paths = make_fixtures(tmp / "fx", FixtureSizes(train_rows=max(512, micro * steps), test_rows=8))
+    spec = {
+        "source": "local",
+        "path": str(paths["dataset"] / "train.jsonl"),
+        "format": "prompt_response",
+        "columns": {"prompt": "question", "response": "answer"},
+    }
+    data = download_dataset("bench", spec, tmp / "data")
+    tokenize([Source("bench", data, spec)], paths["model"], tmp / "tok.parquet", 512)
+    manifest = shard(tmp / "tok.parquet", tmp / "shards", Layout(1, 1, micro, 1), seed=0)
+    (tmp / "shards" / "manifest.json").write_text(json.dumps(manifest))
+    return paths["model"], tmp / "shards"
+
+
+def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
+    from snaketune.config import load_yaml, validate_config
+
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    run = config["runs"]["demo"]
+    del run["epochs"], run["lora"]
+    run.update(
+        method="full",
+        nodes=1,
+        gpus_per_node=1,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=lr,
+        warmup_ratio=0.0,
+        lr_scheduler="linear",
+        save_steps=10**6,
+        max_grad_norm=0.0,
+        seed=0,
+    )
+    run = validate_config(config, ROOT)["runs"]["demo"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--run-spec",
+        json.dumps(run),
+        "--shards",
+        str(shards),
+        "--model",
+        str(model),
+        "--deepspeed",
+        str(ROOT / "config" / "deepspeed" / "zero2.json"),
+        "--out",
+        str(tmp / "train"),
+    ]
+    subprocess.run(
+        cmd,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())},
+    )
+    return [json.loads(x) for x in (tmp / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_plain(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snaketune.train import Collator, NodeShardSampler
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count())
+    shard = datasets.Dataset.from_parquet(str(shards / "node-0.parquet"))
+    collator = Collator(pad_token_id=0)
+    loader = torch.utils.data.DataLoader(
+        shard,
+        batch_size=micro,
+        sampler=NodeShardSampler(len(shard), 0, 1, 0),
+        collate_fn=collator,
+        drop_last=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / steps)
+    records, start, last_tokens = [], time.perf_counter(), 0
+    for step, batch in enumerate(loader, start=1):
+        loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        records.append(
+            {
+                "step": step,
+                "loss": loss.item(),
+                "elapsed_s": time.perf_counter() - start,
+                "tokens": collator.tokens - last_tokens,
+            }
+        )
+        last_tokens = collator.tokens
+        if step == steps:
+            break
+    return records
+
+
+def steady_tokens_per_s(records: list[dict], warmup: int, tokens_key: str) -> float:
+    """Tokens per second over the steps after ``warmup``."""
+    after = records[warmup:]
+    seconds = records[-1]["elapsed_s"] - records[warmup - 1]["elapsed_s"]
+    if tokens_key == "tokens":
+        tokens = sum(r["tokens"] for r in after)
+    else:  # metrics.jsonl: tokens_per_s over each step's own interval
+        tokens = sum(
+            r["tokens_per_s"] * (r["elapsed_s"] - p["elapsed_s"])
+            for p, r in zip(records[warmup - 1 :], after, strict=False)
+        )
+    return tokens / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps on each side")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the figure")
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="examples per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (both sides)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model, shards = prepare(tmp, args.micro_batch_size, args.steps)
+        ours = run_ours(tmp, model, shards, args.micro_batch_size, args.steps, args.lr)
+        plain = run_plain(model, shards, args.micro_batch_size, args.steps, args.lr)
+    a = steady_tokens_per_s(ours, args.warmup, "tokens_per_s")
+    b = steady_tokens_per_s(plain, args.warmup, "tokens")
+    print(
+        f"machine: {os.cpu_count()} cores, CPU, one process; fixture Llama (0.24M params), full "
+        f"fine-tuning, fp32, micro batch {args.micro_batch_size}, {args.steps} steps "
+        f"(first {args.warmup} left out)"
+    )
+    print(f"{'what':<46}{'tokens/s':>10}{'first loss':>12}{'last loss':>11}")
+    for name, tps, recs in (
+        ("ours: scripts/train.py (DeepSpeed ZeRO-2)", a, ours),
+        ("plain PyTorch loop", b, plain),
+    ):
+        print(f"{name:<46}{tps:>10,.0f}{recs[0]['loss']:>12.4f}{recs[-1]['loss']:>11.4f}")
+    print(f"ratio ours / plain: {a / b:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Fast checks of the training plumbing: sampler, checkpoint bookkeeping, launch commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from snaketune.launch import local_commands, slurm_command, supervise
+from snaketune.train import (
+    COMPLETE,
+    NodeShardSampler,
+    newest_complete,
+    prune,
+    resolve_precision,
+    truncate_metrics,
+)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_sampler_splits_the_node_shard_exactly_once_per_epoch(gpus):
+    n = 48
+    samplers = [NodeShardSampler(n, r, gpus, seed=3) for r in range(gpus)]
+    epochs = []
+    for _ in range(3):
+        parts = [list(s) for s in samplers]
+        assert {len(p) for p in parts} == {n // gpus}
+        assert Counter(i for p in parts for i in p) == Counter(range(n))
+        epochs.append(parts)
+    assert epochs[0] != epochs[1]  # reshuffled every epoch
+    resumed = NodeShardSampler(n, 0, gpus, seed=3, start_epoch=2)
+    assert list(resumed) == epochs[2][0]  # a resumed run continues the same order
+
+
+def test_sampler_refuses_a_shard_that_does_not_split():
+    with pytest.raises(Exception, match="not a multiple of its 4 processes"):
+        NodeShardSampler(10, 0, 4, seed=0)
+
+
+def test_only_complete_checkpoints_count_and_are_kept(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}" / COMPLETE).write_text("{}")
+    assert newest_complete(tmp_path).name == "checkpoint-6"  # checkpoint-8 is half-written
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    (tmp_path / "checkpoint-8" / COMPLETE).write_text("{}")
+    (tmp_path / "checkpoint-7").mkdir()  # older than the newest complete one: garbage
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-6", "checkpoint-8"]
+
+
+def test_truncate_metrics(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(f'{{"step": {i}}}\n' for i in range(1, 8)))
+    truncate_metrics(path, 4)
+    assert path.read_text().splitlines() == [
+        '{"step": 1}',
+        '{"step": 2}',
+        '{"step": 3}',
+        '{"step": 4}',
+    ]
+
+
+def test_precision_on_cpu_is_fp32():
+    assert resolve_precision("auto") == "fp32"
+    assert resolve_precision("bf16") == "fp32"
+
+
+def test_local_commands_one_agent_per_emulated_node():
+    cmds = local_commands(3, 2, ["train.py", "--worker"], "run1", 29999)
+    assert len(cmds) == 3
+    for cmd in cmds:
+        text = " ".join(cmd)
+        assert "-m torch.distributed.run --nnodes 3 --nproc-per-node 2" in text
+        assert "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29999 --rdzv-id run1" in text
+        assert "--max-restarts 0" in text and "SIGUSR1" in text
+        assert cmd[-2:] == ["train.py", "--worker"]
+
+
+def test_slurm_command_one_task_per_node_rendezvous_on_the_first_host():
+    cmd = slurm_command(4, 8, ["train.py", "--worker", "--run-spec", '{"a": 1}'], "run1")
+    assert cmd[:6] == [
+        "srun",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "bash",
+    ]
+    inner = cmd[-1]
+    assert 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in inner
+    assert "PORT=$(( 29500 + SLURM_JOB_ID % 10000 ))" in inner
+    assert "--rdzv-endpoint $HEAD:$PORT" in inner and "--nnodes 4 --nproc-per-node 8" in inner
+    assert "'{\"a\": 1}'" in inner  # arguments stay quoted
+    subprocess.run(["bash", "-n", "-c", inner], check=True)  # valid shell
+
+
+def test_supervise_stops_the_others_when_one_agent_fails():
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(7)"]
+    start = time.monotonic()
+    code, signalled = supervise([sleeper, failer], env=None, grace=5)
+    assert (code, signalled) == (7, None)
+    assert time.monotonic() - start < 10
