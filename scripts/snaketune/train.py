@@ -422,6 +422,7 @@ def run_worker(
         fp16=precision == "fp16",
         use_cpu=cpu,
         gradient_checkpointing=run["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False},
         save_strategy="steps",
         save_steps=run["save_steps"],
         save_total_limit=None,  # pruned by SnaketuneCallback, complete checkpoints only
