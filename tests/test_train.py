@@ -16,6 +16,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 from conftest import ENV, ROOT, read_jsonl, snakemake
+from safetensors.torch import load_file
 
 from snaketune.config import load_yaml, validate_config
 from snaketune.train import COMPLETE, checkpoints
@@ -76,6 +77,8 @@ def test_lora_zero2_demo_trains(demo):
         assert metrics[-1][key] is not None, key
     assert (train / "model" / "adapter_model.safetensors").stat().st_size > 10_000
     assert (train / "final_checkpoint" / "final").is_dir()
+    probe = load_file(train / "probe.safetensors")
+    assert probe["logits"].shape[:2] == probe["input_ids"].shape and probe["logits"].shape[2] == 888
     prov = json.loads((train / "provenance.json").read_text())
     assert set(prov["hosts"]) == {"node-0", "node-1"}
     assert json.loads((train / "run_config.json").read_text())["method"] == "lora"

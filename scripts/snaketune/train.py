@@ -512,21 +512,53 @@ def run_worker(
             )
         return STOPPED_EXIT_CODE
 
-    save_outputs(trainer, env, out, live_metrics)
+    save_outputs(trainer, env, out, live_metrics, probe_inputs(shards))
     return 0
 
 
-def save_outputs(trainer, env: WorkerEnv, out: Path, live_metrics: Path) -> None:
-    """Final DeepSpeed checkpoint and model (adapter) directory, each renamed into place."""
+PROBE_ROWS, PROBE_TOKENS = 2, 32
+
+
+def probe_inputs(shards: Path) -> torch.Tensor:
+    """Fixed probe input ids: the first tokens of the first rows of node 0's shard."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(shards / "node-0.parquet", columns=["input_ids"]).slice(0, PROBE_ROWS)
+    ids = [r[:PROBE_TOKENS] for r in rows.column("input_ids").to_pylist()]
+    n = min(len(r) for r in ids)
+    return torch.tensor([r[:n] for r in ids], dtype=torch.long)
+
+
+def record_probe(engine, probe: torch.Tensor, path: Path, rank: int) -> None:
+    """Logits of the trained model on the probe inputs (every rank runs the forward pass:
+    under ZeRO-3 the parameters are gathered layer by layer). Later stages compare the
+    converted and merged models against these."""
+    from safetensors.torch import save_file
+
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
+    if rank == 0:
+        save_file({"input_ids": probe, "logits": logits.contiguous()}, str(path))
+
+
+def save_outputs(
+    trainer, env: WorkerEnv, out: Path, live_metrics: Path, probe: torch.Tensor
+) -> None:
+    """Final DeepSpeed checkpoint, model (adapter) directory and probe logits, each written
+    beside its name and renamed into place."""
     final_tmp, model_tmp = out / ".final_checkpoint.tmp", out / ".model.tmp"
+    probe_tmp = out / ".probe.safetensors.tmp"
     if env.rank == 0:
         for p in (final_tmp, model_tmp):
             shutil.rmtree(p, ignore_errors=True)
     _barrier()
     trainer.model_wrapped.save_checkpoint(str(final_tmp), tag="final")
     trainer.save_model(str(model_tmp))
+    record_probe(trainer.model_wrapped, probe, probe_tmp, env.rank)
     _barrier()
     if env.rank == 0:
+        probe_tmp.rename(out / "probe.safetensors")
         for tmp, name in ((final_tmp, "final_checkpoint"), (model_tmp, "model")):
             dest = out / name
             shutil.rmtree(dest, ignore_errors=True)

@@ -13,6 +13,7 @@ rule train:
         metrics="results/{run}/train/metrics.jsonl",
         config="results/{run}/train/run_config.json",
         provenance="results/{run}/train/provenance.json",
+        probe="results/{run}/train/probe.safetensors",
     log:
         "logs/train/{run}.log",
     benchmark:
