@@ -30,6 +30,7 @@ include: "workflow/rules/fixtures.smk"
 include: "workflow/rules/download.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/export.smk"
 
 
 wildcard_constraints:
@@ -37,9 +38,10 @@ wildcard_constraints:
     dataset=NAME_PATTERN,
     run=NAME_PATTERN,
     key=KEY_PATTERN,
+    export="hf|lora_adapters",
 
 
 rule all:
     default_target: True
     input:
-        expand("results/{run}/train/model", run=config["runs"]),
+        final_models,

@@ -512,7 +512,7 @@ def run_worker(
             )
         return STOPPED_EXIT_CODE
 
-    save_outputs(trainer, env, out, live_metrics, probe_inputs(shards))
+    save_outputs(trainer, env, out, live_metrics, probe_inputs(shards), precision)
     return 0
 
 
@@ -529,7 +529,7 @@ def probe_inputs(shards: Path) -> torch.Tensor:
     return torch.tensor([r[:n] for r in ids], dtype=torch.long)
 
 
-def record_probe(engine, probe: torch.Tensor, path: Path, rank: int) -> None:
+def record_probe(engine, probe: torch.Tensor, path: Path, rank: int, precision: str) -> None:
     """Logits of the trained model on the probe inputs (every rank runs the forward pass:
     under ZeRO-3 the parameters are gathered layer by layer). Later stages compare the
     converted and merged models against these."""
@@ -539,11 +539,15 @@ def record_probe(engine, probe: torch.Tensor, path: Path, rank: int) -> None:
     with torch.no_grad():
         logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
     if rank == 0:
-        save_file({"input_ids": probe, "logits": logits.contiguous()}, str(path))
+        save_file(
+            {"input_ids": probe, "logits": logits.contiguous()},
+            str(path),
+            metadata={"precision": precision},
+        )
 
 
 def save_outputs(
-    trainer, env: WorkerEnv, out: Path, live_metrics: Path, probe: torch.Tensor
+    trainer, env: WorkerEnv, out: Path, live_metrics: Path, probe: torch.Tensor, precision: str
 ) -> None:
     """Final DeepSpeed checkpoint, model (adapter) directory and probe logits, each written
     beside its name and renamed into place."""
@@ -555,7 +559,7 @@ def save_outputs(
     _barrier()
     trainer.model_wrapped.save_checkpoint(str(final_tmp), tag="final")
     trainer.save_model(str(model_tmp))
-    record_probe(trainer.model_wrapped, probe, probe_tmp, env.rank)
+    record_probe(trainer.model_wrapped, probe, probe_tmp, env.rank, precision)
     _barrier()
     if env.rank == 0:
         probe_tmp.rename(out / "probe.safetensors")

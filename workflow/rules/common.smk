@@ -84,3 +84,28 @@ def train_threads(wildcards):
     """Processes of a run on one machine (the local profile runs every emulated node here)."""
     run = config["runs"][wildcards.run]
     return run["nodes"] * run["gpus_per_node"]
+
+
+def export_kind(run):
+    """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
+    return "lora_adapters" if config["runs"][run]["method"] == "lora" else "hf"
+
+
+def convert_inputs(wildcards):
+    """No extra inputs; refuses the export directory of the other method."""
+    if wildcards.export != export_kind(wildcards.run):
+        raise ValueError(
+            f"results/{wildcards.run}/{wildcards.export}: run {wildcards.run} makes "
+            f"results/{wildcards.run}/{export_kind(wildcards.run)}"
+        )
+    return {}
+
+
+def final_model(run):
+    """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
+    kind = export_kind(run)
+    return f"results/{run}/{'merged_model' if kind == 'lora_adapters' else kind}"
+
+
+def final_models(wildcards):
+    return [final_model(run) for run in config["runs"]]

@@ -1,0 +1,74 @@
+"""Convert a run's final DeepSpeed checkpoint to a Hugging Face model or LoRA adapter.
+
+    python scripts/convert_checkpoint.py --method full \
+        --checkpoint results/demo/train/final_checkpoint --trained results/demo/train/model \
+        --base resources/models/tiny --probe results/demo/train/probe.safetensors \
+        --out results/demo/hf --max-shard-size 5GB --dtype auto
+
+Consolidates ZeRO-1/2/3 shards of any world size one parameter at a time (memory bounded
+by --max-shard-size), writes safetensors shards with an index, and checks the result's
+logits on the training job's probe inputs before renaming it into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from snaketune.cli import run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from snaketune.convert import convert_full, convert_lora, export_dtype
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--method", choices=["full", "lora"], required=True, help="the run's method"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="DeepSpeed checkpoint directory (has `latest`)",
+    )
+    parser.add_argument(
+        "--trained", type=Path, required=True, help="train/model: config, tokenizer, adapter config"
+    )
+    parser.add_argument(
+        "--base", type=Path, required=True, help="base model directory (LoRA shape checks)"
+    )
+    parser.add_argument(
+        "--probe", type=Path, required=True, help="probe.safetensors written by the train stage"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 2GB"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="output dtype (auto: the training precision)",
+    )
+    args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    dtype = export_dtype(args.dtype, args.probe)
+    if args.method == "full":
+        report = convert_full(
+            args.checkpoint, args.trained, args.out, args.max_shard_size, dtype, args.probe
+        )
+    else:
+        report = convert_lora(args.checkpoint, args.trained, args.base, args.out, dtype, args.probe)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,328 @@
+"""DeepSpeed checkpoint -> Hugging Face model directory or LoRA adapter, verified.
+
+Weights are consolidated one parameter at a time (snaketune.zero_checkpoint) and written as
+safetensors shards of at most ``max_shard_size`` bytes, so peak memory is set by the shard
+size, not the model size. Before the output is renamed into place, a gate loads it with
+transformers (and peft for adapters) and compares its logits on the training job's probe
+inputs with the logits the job recorded; a mismatch fails with the size of the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from snaketune.errors import DataError
+from snaketune.io import atomic_path
+from snaketune.zero_checkpoint import ZeroCheckpoint
+
+log = logging.getLogger(__name__)
+
+# Max |logit difference| accepted by the gates, by the dtype the model is compared in.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def export_dtype(choice: str, probe: Path) -> torch.dtype:
+    """The output dtype: as asked, or (auto) the precision the run trained in."""
+    if choice != "auto":
+        return DTYPES[choice]
+    with safe_open(str(probe), framework="pt") as st:
+        precision = (st.metadata() or {}).get("precision", "fp32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> bytes (decimal units, as transformers uses)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(B|KB|MB|GB|TB)\s*", text.upper())
+    if not m:
+        raise DataError(f"max_shard_size {text!r}: use a number and a unit, e.g. 2GB or 500MB")
+    return int(m.group(1)) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(m.group(2))
+
+
+def write_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out: Path,
+    max_bytes: int,
+    dtype: torch.dtype,
+    prefix: str = "model",
+) -> dict[str, str]:
+    """Write (name, tensor) pairs as safetensors shards; return the weight map.
+
+    At most one shard (plus the tensor being added) is held in memory. One shard is
+    written as ``model.safetensors``; several as ``model-0000k-of-0000n.safetensors`` with
+    a ``model.safetensors.index.json``, as transformers writes them.
+    """
+    shard: dict[str, torch.Tensor] = {}
+    size, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f".{prefix}-shard-{len(files)}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            files.append((name, list(shard)))
+            shard, size = {}, 0
+
+    total = 0
+    for name, tensor in tensors:
+        tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_bytes:
+            flush()
+        shard[name] = tensor.contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+    if not files:
+        raise DataError("the checkpoint holds no tensors")
+    for i, (tmp, names) in enumerate(files):
+        final = (
+            f"{prefix}.safetensors"
+            if len(files) == 1
+            else f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        )
+        (out / tmp).rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map
+
+
+def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a model directory's safetensors files (headers only)."""
+    shapes = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[key] = tuple(st.get_slice(key).get_shape())
+    if not shapes:
+        raise DataError(f"{model_dir}: no safetensors weights")
+    return shapes
+
+
+def probe_logits(model, probe: dict[str, torch.Tensor]) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=probe["input_ids"]).logits.float()
+
+
+def gate(
+    logits: torch.Tensor, probe: dict[str, torch.Tensor], dtype: torch.dtype, what: str
+) -> float:
+    """Fail unless ``logits`` match the training job's probe logits; return the max diff."""
+    diff = (logits - probe["logits"]).abs().max().item()
+    tol = TOLERANCE[dtype]
+    if not diff <= tol:
+        raise DataError(
+            f"{what}: logits on the probe inputs differ from the reference by {diff:.3g} "
+            f"(tolerance {tol:g} in {str(dtype).removeprefix('torch.')}); the output is wrong"
+        )
+    log.info("%s: probe logits match the reference within %.3g (tolerance %g)", what, diff, tol)
+    return diff
+
+
+def _copy(names: Iterable[str], src: Path, dst: Path) -> None:
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def convert_full(
+    checkpoint: Path, trained: Path, out: Path, max_shard_size: str, dtype: torch.dtype, probe: Path
+) -> dict:
+    """A full fine-tune's DeepSpeed checkpoint -> HF model directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = ZeroCheckpoint(checkpoint)
+    config = AutoConfig.from_pretrained(trained, local_files_only=True)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in ckpt.tensors():
+            if tied and name == "lm_head.weight":
+                continue  # tied to the input embeddings; transformers ties it on load
+            yield name, tensor
+
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        weight_map = write_shards(weights(), tmp, parse_size(max_shard_size), dtype)
+        _copy(CONFIG_FILES + TOKENIZER_FILES, trained, tmp)
+        config.dtype = str(dtype).removeprefix("torch.")
+        config.save_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, local_files_only=True)
+        diff = gate(
+            probe_logits(model, load_file(str(probe))), load_file(str(probe)), dtype, str(out)
+        )
+    return {
+        "kind": "full",
+        "zero_stage": ckpt.stage,
+        "ranks": ckpt.world,
+        "tensors": len(weight_map),
+        "max_logit_diff": diff,
+    }
+
+
+def adapter_key(name: str) -> str | None:
+    """DeepSpeed/peft training name -> peft's saved adapter key (None: not an adapter tensor)."""
+    if ".lora_" not in name:
+        return None
+    return re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.[^.]+\.", r".\1.", name)
+
+
+def check_adapter(
+    tensors: dict[str, torch.Tensor], base: dict[str, tuple[int, ...]], r: int
+) -> None:
+    """Every adapter tensor non-empty and shaped to fit the base weight it wraps."""
+    if not tensors:
+        raise DataError(
+            "the checkpoint holds no LoRA tensors (was the run trained with method lora?)"
+        )
+    for key, t in tensors.items():
+        if t.numel() == 0:
+            raise DataError(
+                f"adapter tensor {key} is empty (shape {tuple(t.shape)}); the adapter was "
+                "saved without gathering its ZeRO-3 partitions"
+            )
+        target = re.sub(r"^base_model\.model\.", "", key)
+        target = re.sub(r"\.lora_[AB]\.weight$", ".weight", target)
+        if target not in base:
+            raise DataError(f"adapter tensor {key}: the base model has no weight {target}")
+        out_f, in_f = base[target][0], base[target][-1]
+        want = (r, in_f) if ".lora_A." in key else (out_f, r)
+        if tuple(t.shape) != want:
+            raise DataError(
+                f"adapter tensor {key} has shape {tuple(t.shape)}, the base weight "
+                f"{target} {base[target]} needs {want}"
+            )
+
+
+def convert_lora(
+    checkpoint: Path, trained: Path, base_model: Path, out: Path, dtype: torch.dtype, probe: Path
+) -> dict:
+    """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = ZeroCheckpoint(checkpoint)
+    adapter_config = json.loads((trained / "adapter_config.json").read_text())
+    tensors = {}
+    for name, tensor in ckpt.tensors():
+        key = adapter_key(name)
+        if key is not None:
+            tensors[key] = tensor.to(dtype).contiguous()
+    check_adapter(tensors, base_shapes(base_model), adapter_config["r"])
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _copy(("adapter_config.json", *TOKENIZER_FILES), trained, tmp)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True)
+        model = PeftModel.from_pretrained(base, str(tmp))
+        data = load_file(str(probe))
+        diff = gate(probe_logits(model, data), data, dtype, str(out))
+    return {
+        "kind": "lora",
+        "zero_stage": ckpt.stage,
+        "ranks": ckpt.world,
+        "tensors": len(tensors),
+        "max_logit_diff": diff,
+    }
+
+
+def lora_scale(adapter_config: dict) -> float:
+    """peft's scaling of B @ A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    r, alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r
+
+
+def merge_lora(
+    base_model: Path,
+    adapter: Path,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_size: str,
+    probe: Path,
+) -> dict:
+    """Base model + LoRA adapter -> one HF model directory, one base tensor at a time.
+
+    Gates: every adapter tensor non-empty; the merged weights differ from the base; the
+    merged model's logits on the probe inputs equal the base-with-adapter logits.
+    """
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    if config.get("fan_in_fan_out"):
+        raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
+    scale = lora_scale(config)
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    check_adapter(lora, base_shapes(base_model), config["r"])
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in lora.items():
+        if ".lora_A." in key:
+            target = re.sub(r"^base_model\.model\.", "", key).replace(".lora_A.weight", ".weight")
+            pairs[target] = (a, lora[key.replace(".lora_A.", ".lora_B.")])
+    change = {"max_abs": 0.0, "merged": 0}
+
+    def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in sorted(base_model.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    t = st.get_tensor(name)
+                    if name in pairs:
+                        a, b = pairs[name]
+                        delta = scale * (b.float() @ a.float())
+                        change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
+                        change["merged"] += 1
+                        t = t.float() + delta
+                    yield name, t
+
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        write_shards(merged(), tmp, parse_size(max_shard_size), dtype)
+        if change["merged"] != len(pairs):
+            raise DataError(
+                f"{adapter}: {len(pairs) - change['merged']} adapter targets not found in the base model"
+            )
+        if change["max_abs"] == 0.0:
+            raise DataError(
+                f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
+                "model would equal the base. Was the adapter trained?"
+            )
+        base_config = AutoConfig.from_pretrained(base_model, local_files_only=True)
+        base_config.dtype = str(dtype).removeprefix("torch.")
+        base_config.save_pretrained(tmp)
+        _copy(("generation_config.json",), base_model, tmp)
+        _copy(TOKENIZER_FILES, adapter, tmp)
+        data = load_file(str(probe))
+        with_adapter = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True),
+            str(adapter),
+        )
+        reference = {"input_ids": data["input_ids"], "logits": probe_logits(with_adapter, data)}
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, local_files_only=True)
+        diff = gate(probe_logits(model, data), reference, dtype, f"{out} (vs base + adapter)")
+    return {
+        "merged_tensors": change["merged"],
+        "max_weight_change": change["max_abs"],
+        "max_logit_diff": diff,
+    }
