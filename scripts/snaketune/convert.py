@@ -301,7 +301,8 @@ def merge_lora(
         write_shards(merged(), tmp, parse_size(max_shard_size), dtype)
         if change["merged"] != len(pairs):
             raise DataError(
-                f"{adapter}: {len(pairs) - change['merged']} adapter targets not found in the base model"
+                f"{adapter}: {len(pairs) - change['merged']} adapter targets not found "
+                "in the base model"
             )
         if change["max_abs"] == 0.0:
             raise DataError(

@@ -175,7 +175,8 @@ class ZeroCheckpoint:
         missing = [name for name in expected if not (self.dir / name).is_file()]
         if missing or len(optim) != self.world:
             raise DataError(
-                f"{self.dir}: checkpoint of {self.world} ranks is missing {', '.join(missing) or 'files'}; "
+                f"{self.dir}: checkpoint of {self.world} ranks is missing "
+                f"{', '.join(missing) or 'files'}; "
                 "it is incomplete (a rank did not finish writing) and cannot be converted"
             )
         key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
