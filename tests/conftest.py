@@ -69,3 +69,61 @@ def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Co
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> Path:
+    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("demo")
+    snakemake("--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir))
+    return workdir
+
+
+def run_spec(**overrides) -> dict:
+    """The demo run's config entry (validated, defaults filled) with ``overrides``."""
+    from snaketune.config import load_yaml, validate_config
+
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    run = config["runs"]["demo"]
+    run.update(overrides)
+    if "max_steps" in overrides:
+        del run["epochs"]
+    if overrides.get("method") == "full":
+        del run["lora"]
+    return validate_config(config, ROOT)["runs"]["demo"]
+
+
+def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str):
+    """scripts/train.py in ``workdir`` writing results/x/train, as a running process."""
+    cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--run-spec", json.dumps(spec),
+           "--shards", str(shards), "--model", str(model),
+           "--deepspeed", str(ROOT / f"config/deepspeed/{preset}.json"), "--out", "results/x/train", *extra]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=workdir, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str) -> Path:
+    """Run scripts/train.py to the end; return results/x/train."""
+    proc = launch_train(workdir, spec, shards, model, preset, *extra)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    return workdir / "results/x/train"
+
+
+@pytest.fixture(scope="session")
+def full_zero3(demo, tmp_path_factory) -> Path:
+    """Full fine-tuning with ZeRO-3 on 2 nodes x 2 processes, one epoch, example ids logged."""
+    workdir = tmp_path_factory.mktemp("full_zero3")
+    tokenized = next((demo / "results/tokenized").glob("*/data.parquet"))
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
+         "--nodes", "2", "--gpus-per-node", "2", "--micro-batch-size", "4",
+         "--gradient-accumulation-steps", "1", "--seed", "7", "--out", str(workdir / "shards")],
+        check=True, env=ENV, capture_output=True,
+    )  # fmt: skip
+    spec = run_spec(method="full", nodes=2, gpus_per_node=2, gradient_accumulation_steps=1,
+                    learning_rate=1e-3, deepspeed="zero3", save_steps=1000)  # fmt: skip
+    train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
+          "--log-example-ids", str(workdir / "ids"))  # fmt: skip
+    return workdir

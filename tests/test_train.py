@@ -15,10 +15,9 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENV, ROOT, read_jsonl, snakemake
+from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, snakemake
 from safetensors.torch import load_file
 
-from snaketune.config import load_yaml, validate_config
 from snaketune.train import COMPLETE, checkpoints
 
 pytestmark = pytest.mark.slow
@@ -49,14 +48,6 @@ def _workers(workdir: Path) -> list[psutil.Process]:
         ):
             found.append(p)
     return found
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted."""
-    workdir = tmp_path_factory.mktemp("demo")
-    snakemake("--configfile", CONFIG, "--directory", str(workdir))
-    return workdir
 
 
 def test_lora_zero2_demo_trains(demo):
@@ -122,29 +113,9 @@ def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, t
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
 
 
-def _run_spec(**overrides) -> dict:
-    config = load_yaml(ROOT / "config" / "config.yaml")
-    run = config["runs"]["demo"]
-    run.update(overrides)
-    if "max_steps" in overrides:
-        del run["epochs"]
-    if overrides.get("method") == "full":
-        del run["lora"]
-    return validate_config(config, ROOT)["runs"]["demo"]
-
-
-def _launch(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str):
-    cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--run-spec", json.dumps(spec),
-           "--shards", str(shards), "--model", str(model),
-           "--deepspeed", str(ROOT / f"config/deepspeed/{preset}.json"), "--out", "results/x/train", *extra]  # fmt: skip
-    return subprocess.Popen(
-        cmd, cwd=workdir, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
 def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
-    spec = _run_spec(max_steps=32, save_steps=1000)
-    proc = _launch(
+    spec = run_spec(max_steps=32, save_steps=1000)
+    proc = launch_train(
         tmp_path, spec, demo / "results/demo/shards", demo / "resources/models/tiny", "zero2"
     )
     live = tmp_path / "results/x/train/checkpoints/metrics.jsonl"
@@ -164,37 +135,9 @@ def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
     assert not (tmp_path / "results/x/train/model").exists()
 
 
-def test_full_zero3_two_nodes_by_two_sees_every_example_once(demo, tmp_path):
-    tokenized = next((demo / "results/tokenized").glob("*/data.parquet"))
-    shards = tmp_path / "shards"
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
-         "--nodes", "2", "--gpus-per-node", "2", "--micro-batch-size", "4",
-         "--gradient-accumulation-steps", "1", "--seed", "7", "--out", str(shards)],
-        check=True, env=ENV, capture_output=True,
-    )  # fmt: skip
-    spec = _run_spec(
-        method="full",
-        nodes=2,
-        gpus_per_node=2,
-        gradient_accumulation_steps=1,
-        learning_rate=1e-3,
-        deepspeed="zero3",
-        save_steps=1000,
-    )
-    ids_dir = tmp_path / "ids"
-    proc = _launch(
-        tmp_path,
-        spec,
-        shards,
-        demo / "resources/models/tiny",
-        "zero3",
-        "--log-example-ids",
-        str(ids_dir),
-    )
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-
+def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
+    tmp_path = full_zero3
+    shards, ids_dir = tmp_path / "shards", tmp_path / "ids"
     per_rank = {
         int(p.stem.split("-")[1]): p.read_text().split() for p in ids_dir.glob("rank-*.txt")
     }
@@ -223,7 +166,7 @@ def test_full_zero3_two_nodes_by_two_sees_every_example_once(demo, tmp_path):
     ).stat().st_size > 500_000
 
 
-def test_global_batch_larger_than_the_data_fails_before_launch(tmp_path):
+def test_global_batch_larger_than_the_data_fails_beforelaunch_train(tmp_path):
     proc = snakemake(
         "--configfile",
         CONFIG,

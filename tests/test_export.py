@@ -1,0 +1,153 @@
+"""convert_checkpoint and merge_lora on real DeepSpeed checkpoints (CPU, 2 emulated nodes):
+full + ZeRO-3, LoRA + ZeRO-2 (the demo) and LoRA + ZeRO-3, tied embeddings, and inputs that
+must fail cleanly, leaving no output behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_spec, train
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from snaketune.convert import convert_full, convert_lora, merge_lora
+from snaketune.errors import DataError
+from snaketune.fixtures import FixtureSizes, make_fixtures
+
+pytestmark = pytest.mark.slow
+
+
+def _logits(model, probe: Path) -> torch.Tensor:
+    data = load_file(str(probe))
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=data["input_ids"]).logits
+
+
+def test_full_zero3_converts_to_a_model_transformers_loads(full_zero3, tmp_path):
+    train_dir = full_zero3 / "results/x/train"
+    out = tmp_path / "hf"
+    report = convert_full(train_dir / "final_checkpoint", train_dir / "model", out, "100KB",
+                          torch.float32, train_dir / "probe.safetensors")  # fmt: skip
+    assert report["zero_stage"] == 3 and report["ranks"] == 4
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    for shard in shards:  # a shard holds several tensors only while under the limit
+        names = [n for n, f in index["weight_map"].items() if f == shard]
+        assert len(names) == 1 or (out / shard).stat().st_size <= 100_000 + 8_192, shard
+    model = AutoModelForCausalLM.from_pretrained(out)  # config, weights, nothing else
+    probe = load_file(str(train_dir / "probe.safetensors"))
+    assert (_logits(model, train_dir / "probe.safetensors") - probe["logits"]).abs().max() <= 1e-5
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_demo_lora_zero2_adapter_and_merged_model(demo):
+    adapter, merged = demo / "results/demo/lora_adapters", demo / "results/demo/merged_model"
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert len(tensors) == 28 and all(t.numel() > 0 for t in tensors.values())  # 2 layers x 7 x A,B
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+    base = AutoModelForCausalLM.from_pretrained(demo / "resources/models/tiny")
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[q], base.state_dict()[q])  # the merge changed it
+    assert "probe logits match the reference" in (demo / "logs/merge_lora/demo.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def lora_zero3(demo, tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("lora_zero3")
+    return train(workdir, run_spec(max_steps=4, deepspeed="zero3"), demo / "results/demo/shards",
+                 demo / "resources/models/tiny", "zero3")  # fmt: skip
+
+
+def test_lora_zero3_adapter_is_whole_and_merges(lora_zero3, demo, tmp_path):
+    base = demo / "resources/models/tiny"
+    probe = lora_zero3 / "probe.safetensors"
+    convert_lora(lora_zero3 / "final_checkpoint", lora_zero3 / "model", base, tmp_path / "a",
+                 torch.float32, probe)  # fmt: skip
+    tensors = load_file(str(tmp_path / "a/adapter_model.safetensors"))
+    shapes = {tuple(t.shape) for t in tensors.values()}
+    assert {(8, 64), (64, 8), (8, 256), (256, 8)} <= shapes  # full shapes, not ZeRO-3 partitions
+    report = merge_lora(base, tmp_path / "a", tmp_path / "m", torch.float32, "5GB", probe)
+    assert report["merged_tensors"] == 14 and report["max_weight_change"] > 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    trained = load_file(str(probe))["logits"]
+    assert (_logits(merged, probe) - trained).abs().max() <= 1e-4
+
+
+def test_tied_embeddings_convert_right(demo, tmp_path):
+    fixtures = make_fixtures(tmp_path / "fx", FixtureSizes(tie_word_embeddings=True))
+    run = train(tmp_path, run_spec(method="full", max_steps=3, learning_rate=1e-2),
+                demo / "results/demo/shards", fixtures["model"], "zero2")  # fmt: skip
+    out = tmp_path / "hf"
+    convert_full(
+        run / "final_checkpoint",
+        run / "model",
+        out,
+        "5GB",
+        torch.float32,
+        run / "probe.safetensors",
+    )
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    base = AutoModelForCausalLM.from_pretrained(fixtures["model"])
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # trained, and still tied
+
+
+def test_checkpoint_missing_a_rank_fails_and_leaves_nothing(full_zero3, tmp_path):
+    train_dir = full_zero3 / "results/x/train"
+    broken = tmp_path / "ckpt"
+    shutil.copytree(train_dir / "final_checkpoint", broken)
+    (broken / "final/zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(
+        DataError,
+        match=r"checkpoint of 4 ranks is missing zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    ):
+        convert_full(
+            broken,
+            train_dir / "model",
+            tmp_path / "hf",
+            "5GB",
+            torch.float32,
+            train_dir / "probe.safetensors",
+        )
+    assert not (tmp_path / "hf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
+
+
+def test_wrong_weights_fail_the_logit_gate(full_zero3, tmp_path):
+    train_dir = full_zero3 / "results/x/train"
+    probe = load_file(str(train_dir / "probe.safetensors"))
+    probe["logits"] = probe["logits"] + 1e-3
+    save_file(probe, str(tmp_path / "probe.safetensors"))
+    with pytest.raises(
+        DataError, match=r"logits on the probe inputs differ from the reference by 0.001"
+    ):
+        convert_full(train_dir / "final_checkpoint", train_dir / "model", tmp_path / "hf", "5GB",
+                     torch.float32, tmp_path / "probe.safetensors")  # fmt: skip
+    assert not (tmp_path / "hf").exists()
+
+
+def test_empty_or_inert_adapters_fail_the_merge(demo, tmp_path):
+    base = demo / "resources/models/tiny"
+    probe = demo / "results/demo/train/probe.safetensors"
+    good = demo / "results/demo/lora_adapters"
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    key = next(k for k in tensors if ".lora_A." in k)
+    for name, edit, message in (
+        ("empty", {key: torch.empty(0)}, r"adapter tensor .*lora_A.weight is empty \(shape \(0,\)\)"),
+        ("inert", {k: torch.zeros_like(v) for k, v in tensors.items() if ".lora_B." in k},
+         "the adapter changes nothing"),
+    ):  # fmt: skip
+        bad = tmp_path / name
+        shutil.copytree(good, bad)
+        save_file({**tensors, **edit}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(DataError, match=message):
+            merge_lora(base, bad, tmp_path / f"{name}-merged", torch.float32, "5GB", probe)
+        assert not (tmp_path / f"{name}-merged").exists()
