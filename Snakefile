@@ -8,7 +8,8 @@ import sys
 
 from snakemake.utils import min_version
 from snaketune.config import validate_config
-from snaketune.errors import ConfigError
+from snaketune.errors import UserError
+from snaketune.plan import base_evaluations, tokenize_jobs
 
 min_version("9.0")
 
@@ -21,7 +22,11 @@ configfile: "config/config.yaml"
 # config is the user's to fix, not a bug).
 try:
     validate_config(config, workflow.basedir)
-except ConfigError as error:
+    # Every tokenized copy the runs need, by key (runs that share tokens share one), and
+    # the settings of each base-model evaluation.
+    TOKENIZE = tokenize_jobs(config)
+    BASE_EVALS = base_evaluations(config)
+except UserError as error:
     sys.exit(f"config error: {error}")
 
 
@@ -31,6 +36,8 @@ include: "workflow/rules/download.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 wildcard_constraints:
@@ -44,4 +51,5 @@ wildcard_constraints:
 rule all:
     default_target: True
     input:
-        final_models,
+        run_targets,
+        "results/summary.tsv",

@@ -36,23 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(tmp: Path, micro: int, steps: int) -> tuple[Path, Path]:
     """Fixtures, tokenized data and a 1-node shard with at least ``steps`` batches."""
-    from snaketune.fixtures import FixtureSizes, make_fixtures
-    from snaketune.shard import Layout, shard
-    from snaketune.sources import download_dataset
-    from snaketune.tokenization import Source, tokenize
+    from snaketune.fixtures import FixtureSizes, make_sharded_fixture
+    from snaketune.shard import Layout
 
-    paths = make_fixtures(tmp / "fx", FixtureSizes(train_rows=max(512, micro * steps), test_rows=8))
-    spec = {
-        "source": "local",
-        "path": str(paths["dataset"] / "train.jsonl"),
-        "format": "prompt_response",
-        "columns": {"prompt": "question", "response": "answer"},
-    }
-    data = download_dataset("bench", spec, tmp / "data")
-    tokenize([Source("bench", data, spec)], paths["model"], tmp / "tok.parquet", 512)
-    manifest = shard(tmp / "tok.parquet", tmp / "shards", Layout(1, 1, micro, 1), seed=0)
-    (tmp / "shards" / "manifest.json").write_text(json.dumps(manifest))
-    return paths["model"], tmp / "shards"
+    sizes = FixtureSizes(train_rows=max(512, micro * steps), test_rows=8)
+    made = make_sharded_fixture(tmp, sizes, Layout(1, 1, micro, 1))
+    return made["model"], made["shards"]
 
 
 def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:

@@ -92,6 +92,8 @@ def fingerprint(spec: dict, shards: Path, deepspeed: Path) -> str:
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import logging
 
+    import torch
+
     from snaketune.launch import free_port, local_commands, slurm_command, supervise
 
     logger = logging.getLogger("snaketune.train")
@@ -171,6 +173,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "deepspeed": {"path": str(args.deepspeed), "sha256": sha256_file(args.deepspeed)},
             "model": str(args.model),
             "hosts": {h.name: h.read_text() for h in hosts},
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
             "versions": versions(),
             **run_context(),
         },

@@ -97,10 +97,38 @@ def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) 
     return tokenize_spec(config, r["dataset"], r["model"], r["max_length"], r["overlong"], root)
 
 
+def run_eval_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
+    """The tokenize spec of a run's eval dataset (same tokenizer and length policy)."""
+    r = config["runs"][run]
+    return tokenize_spec(config, r["eval_dataset"], r["model"], r["max_length"], r["overlong"], root)
+
+
 def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
     """Every tokenized copy the runs need, by key (runs that share one get one entry)."""
     jobs = {}
-    for run in config["runs"]:
-        spec = run_tokenize_spec(config, run, root)
-        jobs[tokenize_key(spec)] = spec
+    for run, r in config["runs"].items():
+        specs = [run_tokenize_spec(config, run, root)]
+        if "eval_dataset" in r:
+            specs.append(run_eval_tokenize_spec(config, run, root))
+        for spec in specs:
+            jobs[tokenize_key(spec)] = spec
     return jobs
+
+
+def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
+    """Eval settings of each (base model, eval set), by the eval set's tokenize key.
+
+    The base model is evaluated once per key; runs that share it must share the settings.
+    """
+    evals: dict[str, dict[str, Any]] = {}
+    for run, r in config["runs"].items():
+        if "eval_dataset" not in r:
+            continue
+        key = tokenize_key(run_eval_tokenize_spec(config, run, root))
+        first = evals.setdefault(key, {"run": run, **r["eval"]})
+        if {k: v for k, v in first.items() if k != "run"} != r["eval"]:
+            raise ConfigError(
+                f"runs.{run}.eval: differs from runs.{first['run']}.eval, which evaluates the same "
+                "model on the same eval set; give both the same eval settings"
+            )
+    return evals

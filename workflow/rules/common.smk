@@ -3,15 +3,12 @@ import json
 from pathlib import Path
 
 from snaketune.config import resolve_deepspeed
-from snaketune.plan import run_tokenize_spec, tokenize_jobs, tokenize_key
+from snaketune.plan import run_eval_tokenize_spec, run_tokenize_spec, tokenize_key
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
 SCRIPTS = Path(workflow.basedir) / "scripts"
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
-
-# Every tokenized copy the runs need, by key; runs that share tokens share one entry.
-TOKENIZE = tokenize_jobs(config)
 
 
 def as_json(value):
@@ -76,8 +73,14 @@ def run_deepspeed(wildcards):
     )
 
 
+# Run keys later stages read; left out of the train rule's params so that changing them
+# does not retrain.
+NOT_TRAINING = ("eval", "eval_dataset", "export")
+
+
 def run_spec(wildcards):
-    return as_json(config["runs"][wildcards.run])
+    run = config["runs"][wildcards.run]
+    return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
 
 
 def train_threads(wildcards):
@@ -107,5 +110,54 @@ def final_model(run):
     return f"results/{run}/{'merged_model' if kind == 'lora_adapters' else kind}"
 
 
-def final_models(wildcards):
-    return [final_model(run) for run in config["runs"]]
+def eval_args(settings):
+    """evaluate.py options for a run's eval settings."""
+    args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
+    return args + (f" --limit {settings['limit']}" if "limit" in settings else "")
+
+
+def run_eval_key(run):
+    return tokenize_key(run_eval_tokenize_spec(config, run))
+
+
+def run_eval_tokenized(wildcards):
+    return f"results/tokenized/{run_eval_key(wildcards.run)}/data.parquet"
+
+
+def run_base_metrics(wildcards):
+    return f"results/base_eval/{run_eval_key(wildcards.run)}/metrics.json"
+
+
+def run_final_model(wildcards):
+    return final_model(wildcards.run)
+
+
+def run_eval_settings(wildcards):
+    return eval_args(config["runs"][wildcards.run]["eval"])
+
+
+def base_eval_model(wildcards):
+    return f"resources/models/{TOKENIZE[wildcards.key]['model']}"
+
+
+def base_eval_settings(wildcards):
+    return eval_args(BASE_EVALS[wildcards.key])
+
+
+def run_targets(wildcards):
+    """What `all` asks of each run: its evaluation when it has an eval set, else its model."""
+    return [
+        f"results/{run}/eval/metrics.json" if "eval_dataset" in r else final_model(run)
+        for run, r in config["runs"].items()
+    ]
+
+
+def report_inputs(wildcards):
+    """Every run's training metrics and provenance, and its evaluation when it has one."""
+    inputs = {}
+    for run, r in config["runs"].items():
+        inputs[f"{run}_metrics"] = f"results/{run}/train/metrics.jsonl"
+        inputs[f"{run}_provenance"] = f"results/{run}/train/provenance.json"
+        if "eval_dataset" in r:
+            inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
+    return inputs

@@ -1,0 +1,49 @@
+"""Summarise every run: results/summary.tsv (one row per run) and a loss curve per run.
+
+    python scripts/report.py --runs '{"demo": {...run config...}}' --results results \
+        --benchmarks benchmarks --summary results/summary.tsv --curves results/loss_curves
+
+Columns: run, model, method, nodes x devices, steps, final training loss, eval loss,
+perplexity, exact match, the base model's exact match, gain over the base (exact match
+and loss), wall time of the train job, GPU-hours (GPU runs only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from snaketune.cli import run
+from snaketune.io import atomic_path
+from snaketune.report import loss_curve_svg, summary_row, write_summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", required=True, help="the config's runs, as JSON")
+    parser.add_argument("--results", type=Path, default=Path("results"), help="results directory")
+    parser.add_argument("--benchmarks", type=Path, default=Path("benchmarks"), help="benchmark directory")
+    parser.add_argument("--summary", type=Path, required=True, help="output TSV")
+    parser.add_argument("--curves", type=Path, required=True, help="output directory of <run>.svg")
+    args = parser.parse_args(argv)
+    runs = json.loads(args.runs)
+    rows = []
+    with atomic_path(args.curves) as curves:
+        curves.mkdir()
+        for name, spec in runs.items():
+            train = args.results / name / "train"
+            ev = args.results / name / "eval" / "metrics.json"
+            rows.append(summary_row(name, spec, train, ev if "eval_dataset" in spec else None,
+                                    args.benchmarks / "train" / f"{name}.tsv"))
+            metrics = [json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x]
+            (curves / f"{name}.svg").write_text(loss_curve_svg(metrics, f"{name}: training loss"))
+    with atomic_path(args.summary) as tmp:
+        write_summary(rows, tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

@@ -1,0 +1,152 @@
+"""Evaluate a model on a held-out tokenized set: loss and perplexity over response tokens,
+and GSM8K-style exact match of greedy generations (the answer after ``####``).
+
+The eval set is checked against the training set first, by example id and by text hash:
+an eval example that was trained on fails the stage before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from snaketune.errors import DataError
+from snaketune.io import atomic_path
+from snaketune.tokenization import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def normalise_number(text: str) -> str:
+    """'1,234.00' -> '1234', '$5' -> '5', '-3.50' -> '-3.5'."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    if re.fullmatch(r"-?\d+\.\d+", text):
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def parse_answer(text: str) -> str | None:
+    """The number after the last ``####`` (None when there is none)."""
+    if "####" not in text:
+        return None
+    match = _NUMBER.search(text.rsplit("####", 1)[1])
+    return normalise_number(match.group(0)) if match else None
+
+
+def check_overlap(train: Path, evaluation: Path) -> None:
+    """Fail when an eval example is also a training example (same id or same text)."""
+    cols = ["example_id", "text_sha"]
+    t, e = pq.read_table(train, columns=cols), pq.read_table(evaluation, columns=cols)
+    for col, what in (("example_id", "example id"), ("text_sha", "text")):
+        shared = set(t.column(col).to_pylist()) & set(e.column(col).to_pylist())
+        if shared:
+            example = sorted(shared)[0]
+            raise DataError(
+                f"the eval set shares {len(shared)} examples with the training set (same {what}, e.g. "
+                f"{example}); evaluate on held-out data (another split or file)"
+            )
+
+
+def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    table = pq.read_table(path, columns=["example_id", "input_ids", "labels"])
+    if limit is not None:
+        table = table.slice(0, limit)
+    rows = table.to_pylist()
+    if not rows:
+        raise DataError(f"{path}: the eval set is empty")
+    return rows
+
+
+def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[str, float]:
+    """Mean negative log-likelihood per response token, and its perplexity."""
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size]
+        n = max(len(r["input_ids"]) for r in batch)
+        ids = torch.full((len(batch), n), pad_id)
+        labels = torch.full((len(batch), n), IGNORE_INDEX)
+        mask = torch.zeros((len(batch), n), dtype=torch.long)
+        for j, r in enumerate(batch):
+            ids[j, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
+            mask[j, : len(r["input_ids"])] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+        total += nll.item()
+        count += int((shift_labels != IGNORE_INDEX).sum())
+    loss = total / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
+
+
+def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int) -> list[str]:
+    """Greedy continuations of each example's prompt (the tokens before its first label)."""
+    prompts = []
+    for r in rows:
+        first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
+        prompts.append(r["input_ids"][:first])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        n = max(len(p) for p in batch)
+        ids = torch.full((len(batch), n), pad)
+        mask = torch.zeros((len(batch), n), dtype=torch.long)
+        for j, p in enumerate(batch):  # left padding, so every continuation starts at column n
+            ids[j, n - len(p) :] = torch.tensor(p)
+            mask[j, n - len(p) :] = 1
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        out += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
+    return out
+
+
+def evaluate(
+    model_dir: Path, eval_tokenized: Path, train_tokenized: Path | None, out_dir: Path,
+    limit: int | None, max_new_tokens: int, batch_size: int,
+) -> dict[str, Any]:
+    """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if train_tokenized is not None:
+        check_overlap(train_tokenized, eval_tokenized)
+    rows = load_examples(eval_tokenized, limit)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
+    generations = generate(model, tokenizer, rows, batch_size, max_new_tokens)
+    samples, correct = [], 0
+    for r, text in zip(rows, generations, strict=True):
+        first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
+        reference = tokenizer.decode([t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True)
+        want, got = parse_answer(reference), parse_answer(text)
+        ok = want is not None and got == want
+        correct += ok
+        samples.append({"example_id": r["example_id"], "prompt": tokenizer.decode(r["input_ids"][:first]),
+                        "reference": reference, "generation": text, "parsed_answer": got,
+                        "reference_answer": want, "correct": ok})
+    metrics.update({"exact_match": correct / len(rows), "examples": len(rows), "model": str(model_dir),
+                    "max_new_tokens": max_new_tokens})
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log.info("loss %.4f, perplexity %.2f, exact match %.3f on %d examples",
+             metrics["loss"], metrics["perplexity"], metrics["exact_match"], len(rows))
+    return metrics

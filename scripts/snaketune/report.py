@@ -1,0 +1,80 @@
+"""The summary of all runs: one row per run, and a loss curve per run (SVG, no plotting
+library needed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "eval_loss",
+           "perplexity", "exact_match", "base_exact_match", "gain_exact_match", "gain_loss",
+           "wall_time_s", "gpu_hours"]  # fmt: skip
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
+                train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
+    metrics = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines() if x]
+    provenance = json.loads((train_dir / "provenance.json").read_text())
+    row: dict[str, Any] = {
+        "run": run, "model": spec["model"], "method": spec["method"],
+        "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+    }  # fmt: skip
+    if eval_metrics is not None:
+        ev = json.loads(eval_metrics.read_text())
+        row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"])
+        if "base" in ev:
+            row.update(base_exact_match=ev["base"]["exact_match"],
+                       gain_exact_match=ev["gain"]["exact_match"], gain_loss=ev["gain"]["loss"])  # fmt: skip
+    if train_benchmark is not None and train_benchmark.is_file():
+        with open(train_benchmark) as fh:
+            seconds = float(next(csv.DictReader(fh, delimiter="\t"))["s"])
+        row["wall_time_s"] = round(seconds, 1)
+        if provenance.get("device") == "cuda":
+            row["gpu_hours"] = round(seconds * spec["nodes"] * spec["gpus_per_node"] / 3600, 3)
+    return {c: _fmt(row.get(c)) for c in COLUMNS}
+
+
+def write_summary(rows: list[dict[str, str]], path: Path) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, delimiter="\t", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def loss_curve_svg(metrics: list[dict[str, Any]], title: str, width: int = 640, height: int = 320) -> str:
+    """A line plot of loss against step."""
+    steps = [m["step"] for m in metrics]
+    losses = [m["loss"] for m in metrics]
+    pad = 48
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    y0, y1 = min(losses), max(max(losses), min(losses) + 1e-9)
+
+    def xy(s: float, v: float) -> str:
+        x = pad + (s - x0) / (x1 - x0) * (width - 2 * pad)
+        y = height - pad - (v - y0) / (y1 - y0) * (height - 2 * pad)
+        return f"{x:.1f},{y:.1f}"
+
+    points = " ".join(xy(s, v) for s, v in zip(steps, losses, strict=True))
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">'
+        f'<title>{title}</title><rect width="100%" height="100%" fill="white"/>'
+        f'<text x="{width / 2}" y="20" text-anchor="middle">{title}</text>'
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>'
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>'
+        f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">step ({x0}-{x1})</text>'
+        f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" '
+        f'text-anchor="middle">loss ({y0:.3f}-{y1:.3f})</text>'
+        f'<polyline class="loss" fill="none" stroke="steelblue" stroke-width="2" points="{points}"/>'
+        "</svg>\n"
+    )

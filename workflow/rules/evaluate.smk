@@ -1,0 +1,58 @@
+# Held-out evaluation of each run and, once per (model, eval set), of its base model.
+
+
+rule evaluate_base:
+    input:
+        script=f"{SCRIPTS}/evaluate.py",
+        model=base_eval_model,
+        eval="results/tokenized/{key}/data.parquet",
+    output:
+        metrics="results/base_eval/{key}/metrics.json",
+        samples="results/base_eval/{key}/samples.jsonl",
+    log:
+        "logs/evaluate_base/{key}.log",
+    benchmark:
+        "benchmarks/evaluate_base/{key}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=16000,
+        runtime=240,
+    params:
+        settings=base_eval_settings,
+        out="results/base_eval/{key}",
+    shell:
+        "python {input.script} --model {input.model} --eval {input.eval} --out {params.out}"
+        " {params.settings} > {log} 2>&1"
+
+
+rule evaluate:
+    input:
+        script=f"{SCRIPTS}/evaluate.py",
+        model=run_final_model,
+        eval=run_eval_tokenized,
+        train=run_tokenized,
+        base=run_base_metrics,
+    output:
+        metrics="results/{run}/eval/metrics.json",
+        samples=report(
+            "results/{run}/eval/samples.jsonl",
+            caption="../report/samples.rst",
+            category="Evaluation samples",
+            labels={"run": "{run}"},
+        ),
+    log:
+        "logs/evaluate/{run}.log",
+    benchmark:
+        "benchmarks/evaluate/{run}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=16000,
+        runtime=240,
+    params:
+        settings=run_eval_settings,
+        out="results/{run}/eval",
+    shell:
+        "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
+        " --base-metrics {input.base} --out {params.out} {params.settings} > {log} 2>&1"

@@ -1,0 +1,27 @@
+# All runs side by side.
+
+
+rule report:
+    input:
+        unpack(report_inputs),
+        script=f"{SCRIPTS}/report.py",
+    output:
+        summary=report(
+            "results/summary.tsv", caption="../report/summary.rst", category="Summary"
+        ),
+        curves=report(
+            directory("results/loss_curves"),
+            patterns=["{run}.svg"],
+            caption="../report/loss_curve.rst",
+            category="Loss curves",
+        ),
+    log:
+        "logs/report/report.log",
+    localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
+    params:
+        runs=as_json(config["runs"]),
+    shell:
+        "python {input.script} --runs {params.runs:q} --summary {output.summary}"
+        " --curves {output.curves} > {log} 2>&1"
