@@ -26,24 +26,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from snaketune.evaluate import evaluate
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, required=True, help="model directory to evaluate")
     parser.add_argument("--eval", type=Path, required=True, help="tokenized eval parquet")
     parser.add_argument("--train", type=Path, help="tokenized training parquet (overlap check)")
     parser.add_argument("--base-metrics", type=Path, help="the base model's metrics.json (gain)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--limit", type=int, default=None, help="first N eval examples (all by default)")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N eval examples (all by default)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest generation")
     parser.add_argument("--batch-size", type=int, default=8, help="examples per batch")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
-    metrics = evaluate(args.model, args.eval, args.train, args.out, args.limit, args.max_new_tokens,
-                       args.batch_size)
+    metrics = evaluate(
+        args.model,
+        args.eval,
+        args.train,
+        args.out,
+        args.limit,
+        args.max_new_tokens,
+        args.batch_size,
+    )
     if args.base_metrics:
         base = json.loads(args.base_metrics.read_text())
         metrics["base"] = {k: base[k] for k in ("loss", "perplexity", "exact_match")}
-        metrics["gain"] = {"exact_match": metrics["exact_match"] - base["exact_match"],
-                           "loss": base["loss"] - metrics["loss"]}
+        metrics["gain"] = {
+            "exact_match": metrics["exact_match"] - base["exact_match"],
+            "loss": base["loss"] - metrics["loss"],
+        }
         (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match")}))
     return 0

@@ -22,10 +22,14 @@ from snaketune.report import loss_curve_svg, summary_row, write_summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", required=True, help="the config's runs, as JSON")
     parser.add_argument("--results", type=Path, default=Path("results"), help="results directory")
-    parser.add_argument("--benchmarks", type=Path, default=Path("benchmarks"), help="benchmark directory")
+    parser.add_argument(
+        "--benchmarks", type=Path, default=Path("benchmarks"), help="benchmark directory"
+    )
     parser.add_argument("--summary", type=Path, required=True, help="output TSV")
     parser.add_argument("--curves", type=Path, required=True, help="output directory of <run>.svg")
     args = parser.parse_args(argv)
@@ -36,9 +40,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, spec in runs.items():
             train = args.results / name / "train"
             ev = args.results / name / "eval" / "metrics.json"
-            rows.append(summary_row(name, spec, train, ev if "eval_dataset" in spec else None,
-                                    args.benchmarks / "train" / f"{name}.tsv"))
-            metrics = [json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x]
+            rows.append(
+                summary_row(
+                    name,
+                    spec,
+                    train,
+                    ev if "eval_dataset" in spec else None,
+                    args.benchmarks / "train" / f"{name}.tsv",
+                )
+            )
+            metrics = [
+                json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x
+            ]
             (curves / f"{name}.svg").write_text(loss_curve_svg(metrics, f"{name}: training loss"))
     with atomic_path(args.summary) as tmp:
         write_summary(rows, tmp)

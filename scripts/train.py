@@ -173,7 +173,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "deepspeed": {"path": str(args.deepspeed), "sha256": sha256_file(args.deepspeed)},
             "model": str(args.model),
             "hosts": {h.name: h.read_text() for h in hosts},
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
             "versions": versions(),
             **run_context(),
         },

@@ -62,10 +62,15 @@ def test_dry_run_demo(tmp_path):
     assert _jobs(proc.stdout) == {
         "make_fixtures": 1,
         "download_model": 1,
-        "download_dataset": 1,
-        "tokenize_dataset": 1,
+        "download_dataset": 2,
+        "tokenize_dataset": 2,
         "shard_dataset": 1,
         "train": 1,
+        "convert_checkpoint": 1,
+        "merge_lora": 1,
+        "evaluate_base": 1,
+        "evaluate": 1,
+        "report": 1,
         "all": 1,
     }
 

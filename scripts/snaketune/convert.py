@@ -120,6 +120,17 @@ def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def load_bounded(model_dir: Path, dtype: torch.dtype, budget: int, scratch: Path):
+    """Load a model for a gate within about ``budget`` bytes of memory: accelerate keeps
+    the layers that do not fit on disk and loads each only for its forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, device_map="auto", max_memory={"cpu": budget},
+        offload_folder=str(scratch), local_files_only=True,
+    )  # fmt: skip
+
+
 def probe_logits(model, probe: dict[str, torch.Tensor]) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
@@ -151,7 +162,7 @@ def convert_full(
     checkpoint: Path, trained: Path, out: Path, max_shard_size: str, dtype: torch.dtype, probe: Path
 ) -> dict:
     """A full fine-tune's DeepSpeed checkpoint -> HF model directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     ckpt = ZeroCheckpoint(checkpoint)
     config = AutoConfig.from_pretrained(trained, local_files_only=True)
@@ -169,10 +180,12 @@ def convert_full(
         _copy(CONFIG_FILES + TOKENIZER_FILES, trained, tmp)
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, local_files_only=True)
-        diff = gate(
-            probe_logits(model, load_file(str(probe))), load_file(str(probe)), dtype, str(out)
-        )
+        scratch = tmp / ".offload"
+        model = load_bounded(tmp, dtype, parse_size(max_shard_size), scratch)
+        data = load_file(str(probe))
+        diff = gate(probe_logits(model, data), data, dtype, str(out))
+        del model
+        shutil.rmtree(scratch, ignore_errors=True)
     return {
         "kind": "full",
         "zero_stage": ckpt.stage,
@@ -265,10 +278,10 @@ def merge_lora(
     """Base model + LoRA adapter -> one HF model directory, one base tensor at a time.
 
     Gates: every adapter tensor non-empty; the merged weights differ from the base; the
-    merged model's logits on the probe inputs equal the base-with-adapter logits.
+    merged model's logits on the probe inputs equal the base-with-adapter logits (the
+    training job's probe logits).
     """
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     if config.get("fan_in_fan_out"):
@@ -315,13 +328,13 @@ def merge_lora(
         _copy(("generation_config.json",), base_model, tmp)
         _copy(TOKENIZER_FILES, adapter, tmp)
         data = load_file(str(probe))
-        with_adapter = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True),
-            str(adapter),
-        )
-        reference = {"input_ids": data["input_ids"], "logits": probe_logits(with_adapter, data)}
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, local_files_only=True)
-        diff = gate(probe_logits(model, data), reference, dtype, f"{out} (vs base + adapter)")
+        # The reference is the training job's probe logits: base + this adapter, as
+        # convert_checkpoint's gate verified with peft, so no second model is loaded here.
+        scratch = tmp / ".offload"
+        model = load_bounded(tmp, dtype, parse_size(max_shard_size), scratch)
+        diff = gate(probe_logits(model, data), data, dtype, f"{out} (vs base + adapter)")
+        del model
+        shutil.rmtree(scratch, ignore_errors=True)
     return {
         "merged_tensors": change["merged"],
         "max_weight_change": change["max_abs"],

@@ -51,7 +51,8 @@ def check_overlap(train: Path, evaluation: Path) -> None:
         if shared:
             example = sorted(shared)[0]
             raise DataError(
-                f"the eval set shares {len(shared)} examples with the training set (same {what}, e.g. "
+                f"the eval set shares {len(shared)} examples with the training set "
+                f"(same {what}, e.g. "
                 f"{example}); evaluate on held-out data (another split or file)"
             )
 
@@ -83,8 +84,10 @@ def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
         shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(
-            shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-            ignore_index=IGNORE_INDEX, reduction="sum",
+            shift_logits.reshape(-1, shift_logits.size(-1)),
+            shift_labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
         total += nll.item()
         count += int((shift_labels != IGNORE_INDEX).sum())
@@ -109,15 +112,26 @@ def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens
             ids[j, n - len(p) :] = torch.tensor(p)
             mask[j, n - len(p) :] = 1
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         out += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
     return out
 
 
 def evaluate(
-    model_dir: Path, eval_tokenized: Path, train_tokenized: Path | None, out_dir: Path,
-    limit: int | None, max_new_tokens: int, batch_size: int,
+    model_dir: Path,
+    eval_tokenized: Path,
+    train_tokenized: Path | None,
+    out_dir: Path,
+    limit: int | None,
+    max_new_tokens: int,
+    batch_size: int,
 ) -> dict[str, Any]:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,19 +148,40 @@ def evaluate(
     samples, correct = [], 0
     for r, text in zip(rows, generations, strict=True):
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
-        reference = tokenizer.decode([t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True)
+        reference = tokenizer.decode(
+            [t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True
+        )
         want, got = parse_answer(reference), parse_answer(text)
         ok = want is not None and got == want
         correct += ok
-        samples.append({"example_id": r["example_id"], "prompt": tokenizer.decode(r["input_ids"][:first]),
-                        "reference": reference, "generation": text, "parsed_answer": got,
-                        "reference_answer": want, "correct": ok})
-    metrics.update({"exact_match": correct / len(rows), "examples": len(rows), "model": str(model_dir),
-                    "max_new_tokens": max_new_tokens})
+        samples.append(
+            {
+                "example_id": r["example_id"],
+                "prompt": tokenizer.decode(r["input_ids"][:first]),
+                "reference": reference,
+                "generation": text,
+                "parsed_answer": got,
+                "reference_answer": want,
+                "correct": ok,
+            }
+        )
+    metrics.update(
+        {
+            "exact_match": correct / len(rows),
+            "examples": len(rows),
+            "model": str(model_dir),
+            "max_new_tokens": max_new_tokens,
+        }
+    )
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    log.info("loss %.4f, perplexity %.2f, exact match %.3f on %d examples",
-             metrics["loss"], metrics["perplexity"], metrics["exact_match"], len(rows))
+    log.info(
+        "loss %.4f, perplexity %.2f, exact match %.3f on %d examples",
+        metrics["loss"],
+        metrics["perplexity"],
+        metrics["exact_match"],
+        len(rows),
+    )
     return metrics

@@ -195,7 +195,9 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
     return {"model": model_dir, "dataset": data_dir}
 
 
-def make_sharded_fixture(out: str | Path, sizes: FixtureSizes, layout, seed: int = 0) -> dict[str, Path]:
+def make_sharded_fixture(
+    out: str | Path, sizes: FixtureSizes, layout, seed: int = 0
+) -> dict[str, Path]:
     """Fixtures plus their train split tokenized and sharded for ``layout`` (a shard.Layout):
     what a benchmark needs to start the train stage without the workflow."""
     from snaketune.shard import shard
@@ -204,8 +206,12 @@ def make_sharded_fixture(out: str | Path, sizes: FixtureSizes, layout, seed: int
 
     out = Path(out)
     paths = make_fixtures(out / "fixtures", sizes)
-    spec = {"source": "local", "path": str(paths["dataset"] / "train.jsonl"),
-            "format": "prompt_response", "columns": {"prompt": "question", "response": "answer"}}
+    spec = {
+        "source": "local",
+        "path": str(paths["dataset"] / "train.jsonl"),
+        "format": "prompt_response",
+        "columns": {"prompt": "question", "response": "answer"},
+    }
     data = download_dataset("fixture", spec, out / "dataset")
     tokenize([Source("fixture", data, spec)], paths["model"], out / "tokenized.parquet", 512)
     manifest = shard(out / "tokenized.parquet", out / "shards", layout, seed)

@@ -97,10 +97,14 @@ def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) 
     return tokenize_spec(config, r["dataset"], r["model"], r["max_length"], r["overlong"], root)
 
 
-def run_eval_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
+def run_eval_tokenize_spec(
+    config: dict[str, Any], run: str, root: Path = Path(".")
+) -> dict[str, Any]:
     """The tokenize spec of a run's eval dataset (same tokenizer and length policy)."""
     r = config["runs"][run]
-    return tokenize_spec(config, r["eval_dataset"], r["model"], r["max_length"], r["overlong"], root)
+    return tokenize_spec(
+        config, r["eval_dataset"], r["model"], r["max_length"], r["overlong"], root
+    )
 
 
 def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:

@@ -33,8 +33,11 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         ev = json.loads(eval_metrics.read_text())
         row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"])
         if "base" in ev:
-            row.update(base_exact_match=ev["base"]["exact_match"],
-                       gain_exact_match=ev["gain"]["exact_match"], gain_loss=ev["gain"]["loss"])  # fmt: skip
+            row.update(
+                base_exact_match=ev["base"]["exact_match"],
+                gain_exact_match=ev["gain"]["exact_match"],
+                gain_loss=ev["gain"]["loss"],
+            )
     if train_benchmark is not None and train_benchmark.is_file():
         with open(train_benchmark) as fh:
             seconds = float(next(csv.DictReader(fh, delimiter="\t"))["s"])
@@ -51,7 +54,9 @@ def write_summary(rows: list[dict[str, str]], path: Path) -> None:
         writer.writerows(rows)
 
 
-def loss_curve_svg(metrics: list[dict[str, Any]], title: str, width: int = 640, height: int = 320) -> str:
+def loss_curve_svg(
+    metrics: list[dict[str, Any]], title: str, width: int = 640, height: int = 320
+) -> str:
     """A line plot of loss against step."""
     steps = [m["step"] for m in metrics]
     losses = [m["loss"] for m in metrics]
@@ -70,11 +75,13 @@ def loss_curve_svg(metrics: list[dict[str, Any]], title: str, width: int = 640, 
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">'
         f'<title>{title}</title><rect width="100%" height="100%" fill="white"/>'
         f'<text x="{width / 2}" y="20" text-anchor="middle">{title}</text>'
-        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>'
+        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
+        'stroke="black"/>'
         f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>'
         f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">step ({x0}-{x1})</text>'
         f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" '
         f'text-anchor="middle">loss ({y0:.3f}-{y1:.3f})</text>'
-        f'<polyline class="loss" fill="none" stroke="steelblue" stroke-width="2" points="{points}"/>'
+        f'<polyline class="loss" fill="none" stroke="steelblue" stroke-width="2" '
+        f'points="{points}"/>'
         "</svg>\n"
     )

@@ -1,0 +1,93 @@
+"""Evaluation and report: answer parsing, the train/eval overlap check, and the demo's
+metrics, samples, summary table and HTML report."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, read_jsonl, snakemake
+
+from snaketune.errors import DataError
+from snaketune.evaluate import check_overlap, evaluate, normalise_number, parse_answer
+from snaketune.tokenization import OUTPUT_SCHEMA
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [("so 3 + 4 = 7\n#### 7", "7"), ("#### 1,234", "1234"), ("#### 5.0", "5"), ("#### $12.50.", "12.5"),
+     ("#### -3", "-3"), ("x #### 2 #### 9 apples", "9"), ("no marker 42", None), ("####", None)],
+)  # fmt: skip
+def test_parse_answer_normalises_numbers(text, answer):
+    assert parse_answer(text) == answer
+
+
+def test_normalise_number():
+    assert normalise_number(" 1,000.00 ") == "1000"
+    assert normalise_number("7.") == "7"
+
+
+def _tokenized(path, ids, shas):
+    n = len(ids)
+    table = pa.table({"example_id": ids, "input_ids": [[1, 2]] * n, "labels": [[-100, 2]] * n,
+                      "length": [2] * n, "text_sha": shas}, schema=OUTPUT_SCHEMA)  # fmt: skip
+    pq.write_table(table, path)
+    return path
+
+
+def test_overlap_by_text_or_id_is_refused(tmp_path):
+    train = _tokenized(tmp_path / "t.parquet", ["a:0", "a:1"], ["s0", "s1"])
+    check_overlap(train, _tokenized(tmp_path / "ok.parquet", ["b:0"], ["s9"]))
+    with pytest.raises(
+        DataError, match=r"shares 1 examples with the training set \(same text, e.g. s1\)"
+    ):
+        check_overlap(train, _tokenized(tmp_path / "e.parquet", ["b:0"], ["s1"]))
+    with pytest.raises(DataError, match=r"\(same example id, e.g. a:1\)"):
+        check_overlap(train, _tokenized(tmp_path / "f.parquet", ["a:1"], ["s7"]))
+
+
+@pytest.mark.slow
+def test_training_data_as_eval_set_fails_before_loading_a_model(demo, tmp_path):
+    train = next(p for p in (demo / "results/tokenized").glob("gsm8k_demo__*/data.parquet"))
+    with pytest.raises(DataError, match="shares 512 examples with the training set"):
+        evaluate(tmp_path / "no-model-needed", train, train, tmp_path / "eval", None, 8, 8)
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.slow
+def test_demo_goes_all_the_way_to_the_report(demo):
+    metrics = json.loads((demo / "results/demo/eval/metrics.json").read_text())
+    assert metrics["examples"] == 32 and 0.0 <= metrics["exact_match"] <= 1.0
+    assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
+    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match"}
+    assert metrics["gain"]["loss"] == pytest.approx(metrics["base"]["loss"] - metrics["loss"])
+    assert metrics["gain"]["loss"] > 0  # training lowered the held-out loss
+    samples = read_jsonl(demo / "results/demo/eval/samples.jsonl")
+    assert len(samples) == 32
+    assert set(samples[0]) >= {"prompt", "reference", "generation", "parsed_answer", "correct"}
+    assert samples[0]["reference_answer"] == parse_answer(samples[0]["reference"]) is not None
+    base = next((demo / "results/base_eval").iterdir())
+    assert json.loads((base / "metrics.json").read_text())["model"].endswith(
+        "resources/models/tiny"
+    )
+
+    with open(demo / "results/summary.tsv") as fh:
+        (row,) = list(csv.DictReader(fh, delimiter="\t"))
+    assert (row["run"], row["method"], row["nodes_x_devices"], row["steps"]) == (
+        "demo",
+        "lora",
+        "2x1",
+        "32",
+    )
+    assert float(row["gain_loss"]) > 0 and float(row["wall_time_s"]) > 0 and row["gpu_hours"] == ""
+    svg = (demo / "results/loss_curves/demo.svg").read_text()
+    assert svg.startswith("<svg") and 'class="loss"' in svg
+
+    snakemake("--configfile", str(ROOT / "config/config.yaml"), "--directory", str(demo),
+              "--report", str(demo / "report.html"))  # fmt: skip
+    html = (demo / "report.html").read_text()
+    for needle in ("summary.tsv", "demo.svg", "samples.jsonl"):
+        assert needle in html, needle
