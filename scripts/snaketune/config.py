@@ -35,6 +35,9 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
 }
 OPTIONAL_FIELDS = {"input"}
 SCALARS = ("integer", "number", "boolean")
+# Keys of a single (non-mixture) dataset: where its rows come from and how they read.
+SINGLE_DATASET_KEYS = ("id", "path", "subset", "split", "revision", "file_format", "format",
+                       "columns", "system_prompt", "filters")  # fmt: skip
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -174,18 +177,7 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
     where = f"datasets.{name}"
     if spec["source"] == "mixture":
         _require("mixture" in spec, f"{where}: source mixture needs a `mixture` list of datasets")
-        for key in (
-            "id",
-            "path",
-            "subset",
-            "split",
-            "revision",
-            "file_format",
-            "format",
-            "columns",
-            "system_prompt",
-            "filters",
-        ):
+        for key in SINGLE_DATASET_KEYS:
             _require(
                 key not in spec, f"{where}.{key}: not used by a mixture (its components set it)"
             )

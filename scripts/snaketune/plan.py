@@ -14,24 +14,13 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from snaketune.config import SINGLE_DATASET_KEYS
 from snaketune.errors import ConfigError
 from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
-DATASET_TOKEN_KEYS = (
-    "source",
-    "id",
-    "path",
-    "subset",
-    "split",
-    "revision",
-    "file_format",
-    "format",
-    "columns",
-    "system_prompt",
-    "filters",
-)
+DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
 
 
 def components(config: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
