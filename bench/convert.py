@@ -99,7 +99,7 @@ def count_params(model_dir: Path) -> int:
     return total
 
 
-def make_adapter(base: Path, out: Path) -> None:
+def make_adapter(base: Path, out: Path, probe: Path) -> None:
     code = f"""
 import torch
 from peft import LoraConfig, get_peft_model
@@ -111,6 +111,13 @@ for name, p in model.named_parameters():
     if "lora_B" in name:
         torch.nn.init.normal_(p, std=0.01)
 model.save_pretrained({str(out)!r})
+# the merge gate's reference: base + adapter logits on probe inputs (the train stage records
+# these for a trained adapter; this adapter is random, so record them here)
+from safetensors.torch import load_file, save_file
+probe = load_file({str(probe)!r})
+with torch.no_grad():
+    logits = model(input_ids=probe["input_ids"]).logits.float()
+save_file({{"input_ids": probe["input_ids"], "logits": logits}}, {str(out / "probe.safetensors")!r})
 """
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=ENV)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -153,10 +160,10 @@ def main() -> int:
                  "safe_serialization=True)", str(ckpt), str(tmp / "deepspeed")]),
         }  # fmt: skip
         adapter = tmp / "adapter"
-        make_adapter(base, adapter)
+        make_adapter(base, adapter, probe)
         results["merge: ours (scripts/merge_lora.py, with gates)"] = timed(
             [py, str(ROOT / "scripts/merge_lora.py"), "--base", str(base), "--adapter", str(adapter),
-             "--probe", str(probe), "--out", str(tmp / "merged-ours"), "--max-shard-size", args.shard_size,
+             "--probe", str(adapter / "probe.safetensors"), "--out", str(tmp / "merged-ours"), "--max-shard-size", args.shard_size,
              "--dtype", "float32"])  # fmt: skip
         results["merge: peft merge_and_unload + save_pretrained"] = timed(
             [py, "-c", "import sys; from peft import PeftModel; from transformers import AutoModelForCausalLM; "

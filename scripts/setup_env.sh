@@ -32,6 +32,16 @@ else
   pip_install "torch==$TORCH_VERSION"
 fi
 
+# Headless Chromium renders the HTML report in the tests (Debian's package; root only).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing chromium (report rendering test)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: chromium not found; tests/test_evaluate.py renders the report with it" >&2
+  fi
+fi
+
 # The rest of the stack. torch is already satisfied, so nothing pulls another build.
 # DeepSpeed ships as an sdist; its ops are JIT-compiled on first use.
 pip_install -e ".[dev]"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
+import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -91,3 +93,18 @@ def test_demo_goes_all_the_way_to_the_report(demo):
     html = (demo / "report.html").read_text()
     for needle in ("summary.tsv", "demo.svg", "samples.jsonl"):
         assert needle in html, needle
+    # it renders: headless Chromium runs the report's script and lists the three sections
+    chromium = shutil.which("chromium")
+    assert chromium, (
+        "chromium is needed to check the report renders (scripts/setup_env.sh installs it)"
+    )
+    dom = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={demo / '.chromium'}", "--virtual-time-budget=15000", "--dump-dom",
+         (demo / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    for section in ("Summary", "Loss curves", "Evaluation samples"):
+        assert f"<span>{section}</span>" in dom, section
+    assert dom.count("<table") > 0 and dom.count("<svg") > 0
