@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from snaketune.errors import DataError
 from snaketune.io import atomic_path
-from snaketune.zero_checkpoint import ZeroCheckpoint
+from snaketune.zero_checkpoint import ZeroCheckpoint, safetensors_refs
 
 log = logging.getLogger(__name__)
 
@@ -297,17 +297,17 @@ def merge_lora(
     change = {"max_abs": 0.0, "merged": 0}
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        # pread, not safe_open: a memory map would keep every page of the base resident
         for f in sorted(base_model.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    t = st.get_tensor(name)
-                    if name in pairs:
-                        a, b = pairs[name]
-                        delta = scale * (b.float() @ a.float())
-                        change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
-                        change["merged"] += 1
-                        t = t.float() + delta
-                    yield name, t
+            for name, ref in safetensors_refs(f).items():
+                t = ref.read().view(ref.shape)
+                if name in pairs:
+                    a, b = pairs[name]
+                    delta = scale * (b.float() @ a.float())
+                    change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
+                    change["merged"] += 1
+                    t = t.float() + delta
+                yield name, t
 
     with atomic_path(out) as tmp:
         tmp.mkdir()

@@ -291,3 +291,27 @@ def _read_span(parts: list[TensorRef], bounds: list[int], start: int, count: int
         if lo < hi:
             out.append(part.read(lo - bounds[i], hi - lo))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+def safetensors_refs(path: str | Path) -> dict[str, TensorRef]:
+    """The tensors of a safetensors file as TensorRefs (read with pread, never mapped)."""
+    import json
+
+    path = Path(path)
+    with open(path, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+    refs = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, _ = info["data_offsets"]
+        refs[name] = TensorRef(
+            str(path), 8 + size + start, _ST_DTYPES[info["dtype"]], tuple(info["shape"])
+        )
+    return refs
