@@ -81,8 +81,10 @@ def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[
             labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
             mask[j, : len(r["input_ids"])] = 1
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+            logits = model(
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device)
+            ).logits
+        shift_logits, shift_labels = logits.float().cpu()[:, :-1], labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(
             shift_logits.reshape(-1, shift_logits.size(-1)),
             shift_labels.reshape(-1),
@@ -113,14 +115,14 @@ def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens
             mask[j, n - len(p) :] = 1
         with torch.no_grad():
             gen = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=tokenizer.eos_token_id,
             )
-        out += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
+        out += tokenizer.batch_decode(gen[:, n:].cpu(), skip_special_tokens=True)
     return out
 
 
@@ -140,8 +142,15 @@ def evaluate(
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    model.eval()
+    # On a GPU node the model runs there in bf16 (fp16 without bf16 support); on CPU in fp32.
+    cuda = torch.cuda.is_available()
+    dtype = (
+        (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        if cuda
+        else torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model.to("cuda" if cuda else "cpu").eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
     generations = generate(model, tokenizer, rows, batch_size, max_new_tokens)
