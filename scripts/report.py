@@ -1,7 +1,9 @@
-"""Summarise every run: results/summary.tsv (one row per run) and a loss curve per run.
+"""Summarise every run: results/summary.tsv (one row per run), a loss curve per run, and
+results/summary.html (the table, the curves and eval samples on one page).
 
     python scripts/report.py --runs '{"demo": {...run config...}}' --results results \
-        --benchmarks benchmarks --summary results/summary.tsv --curves results/loss_curves
+        --benchmarks benchmarks --summary results/summary.tsv --curves results/loss_curves \
+        --html results/summary.html
 
 Columns: run, model, method, nodes x devices, steps, final training loss, eval loss,
 perplexity, exact match, the base model's exact match, gain over the base (exact match
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_path
-from snaketune.report import loss_curve_svg, summary_row, write_summary
+from snaketune.report import loss_curve_svg, summary_html, summary_row, write_summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,9 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--summary", type=Path, required=True, help="output TSV")
     parser.add_argument("--curves", type=Path, required=True, help="output directory of <run>.svg")
+    parser.add_argument("--html", type=Path, required=True, help="output HTML page")
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
-    rows = []
+    rows, svgs, samples = [], {}, {}
     with atomic_path(args.curves) as curves:
         curves.mkdir()
         for name, spec in runs.items():
@@ -52,9 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics = [
                 json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x
             ]
-            (curves / f"{name}.svg").write_text(loss_curve_svg(metrics, f"{name}: training loss"))
+            svgs[name] = loss_curve_svg(metrics, f"{name}: training loss")
+            (curves / f"{name}.svg").write_text(svgs[name])
+            if "eval_dataset" in spec:
+                lines = (ev.parent / "samples.jsonl").read_text().splitlines()
+                samples[name] = [json.loads(x) for x in lines if x]
     with atomic_path(args.summary) as tmp:
         write_summary(rows, tmp)
+    with atomic_path(args.html) as tmp:
+        tmp.write_text(summary_html(rows, svgs, samples))
     return 0
 
 

@@ -108,3 +108,14 @@ def test_demo_goes_all_the_way_to_the_report(demo):
     for section in ("Summary", "Loss curves", "Evaluation samples"):
         assert f"<span>{section}</span>" in dom, section
     assert dom.count("<table") > 0 and dom.count("<svg") > 0
+    # and the summary page it bundles renders the table, the loss curve and the samples
+    page = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={demo / '.chromium'}", "--dump-dom", (demo / "results/summary.html").as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    table = page.split('<table id="summary">')[1].split("</table>")[0]
+    assert "<td>demo</td>" in table and "<td>lora</td>" in table
+    run_section = page.split('<section id="run-demo">')[1]
+    assert '<polyline class="loss"' in run_section and run_section.count("<tr>") == 6  # header + 5

@@ -85,3 +85,36 @@ def loss_curve_svg(
         f'points="{points}"/>'
         "</svg>\n"
     )
+
+
+def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
+                 samples: dict[str, list[dict[str, Any]]], n_samples: int = 5) -> str:  # fmt: skip
+    """One self-contained page: the summary table, each run's loss curve and eval samples."""
+    from html import escape
+
+    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(row[c])}</td>" for c in COLUMNS) + "</tr>" for row in rows
+    )
+    sections = []
+    for run, svg in curves.items():
+        parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>', svg]
+        if samples.get(run):
+            cells = ("prompt", "reference", "generation", "parsed_answer", "correct")
+            trs = "".join(
+                "<tr>"
+                + "".join(f"<td><pre>{escape(str(s.get(c)))}</pre></td>" for c in cells)
+                + "</tr>"
+                for s in samples[run][:n_samples]
+            )
+            ths = "".join(f"<th>{c}</th>" for c in cells)
+            parts.append(f'<table class="samples"><tr>{ths}</tr>{trs}</table>')
+        sections.append("".join(parts) + "</section>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>snaketune summary</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px;vertical-align:top}"
+        "pre{margin:0;white-space:pre-wrap}"
+        "</style></head><body><h1>snaketune: all runs</h1>"
+        f'<table id="summary"><tr>{head}</tr>{body}</table>{"".join(sections)}</body></html>\n'
+    )

@@ -160,4 +160,5 @@ def report_inputs(wildcards):
         inputs[f"{run}_provenance"] = f"results/{run}/train/provenance.json"
         if "eval_dataset" in r:
             inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
+            inputs[f"{run}_samples"] = f"results/{run}/eval/samples.jsonl"
     return inputs

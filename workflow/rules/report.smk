@@ -9,6 +9,9 @@ rule report:
         summary=report(
             "results/summary.tsv", caption="../report/summary.rst", category="Summary"
         ),
+        html=report(
+            "results/summary.html", caption="../report/summary.rst", category="Summary"
+        ),
         curves=report(
             directory("results/loss_curves"),
             patterns=["{run}.svg"],
@@ -24,4 +27,4 @@ rule report:
         runs=as_json(config["runs"]),
     shell:
         "python {input.script} --runs {params.runs:q} --summary {output.summary}"
-        " --curves {output.curves} > {log} 2>&1"
+        " --curves {output.curves} --html {output.html} > {log} 2>&1"
