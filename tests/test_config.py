@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -234,3 +235,14 @@ def test_tokenize_key_shared_by_runs_that_differ_in_training_keys_only(demo):
         changed = copy.deepcopy(config)
         edit(changed)
         assert tokenize_key(run_tokenize_spec(changed, "other")) != key
+
+
+def test_snaketune_validate_command(capsys):
+    from snaketune.cli import main
+
+    assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(ROOT)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["runs"] == ["demo"] and len(plan["tokenized"]) == 2  # train and eval sets
+    bad = ROOT / "config/examples/../config.yaml"
+    assert main(["validate", str(bad).replace("config.yaml", "missing.yaml")]) == 2
+    assert "missing.yaml: file not found" in capsys.readouterr().err

@@ -27,7 +27,6 @@ EXTENSIONS = {
     ".jsonl": "jsonl",
     ".json": "json",
     ".csv": "csv",
-    ".gz": None,  # resolved from the inner extension below
 }
 BATCH_ROWS = 8192
 HUB_MODEL_IGNORE = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot"]
@@ -102,7 +101,7 @@ def file_format(path: Path, forced: str | None = None) -> str:
         if not files:
             raise DataError(f"{path}: directory holds no data files")
         probe = files[0]
-    suffixes = [s for s in probe.suffixes if s != ".gz"]
+    suffixes = [s for s in probe.suffixes if s != ".gz"]  # data.jsonl.gz reads as jsonl
     fmt = EXTENSIONS.get(suffixes[-1]) if suffixes else None
     if fmt is None:
         raise DataError(

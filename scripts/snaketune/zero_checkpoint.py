@@ -197,11 +197,6 @@ class ZeroCheckpoint:
         self.buffer_names: list[str] = state.get("buffer_names") or []
         self.shared: dict[str, str] = state.get("shared_params") or {}
 
-    def names(self) -> list[str]:
-        """Every tensor name, in a stable order: frozen, trainable, buffers, shared."""
-        trainable = [n for group in self.param_shapes for n in group]
-        return [*self.frozen_shapes, *trainable, *self.buffer_names, *self.shared]
-
     def shape(self, name: str) -> tuple[int, ...]:
         for group in self.param_shapes:
             if name in group:
