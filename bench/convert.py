@@ -7,7 +7,7 @@ users reach for today.
 The benchmark makes its own checkpoint: a randomly initialised Llama-shaped model (hidden
 1024, 24 layers: ~300M parameters) trained for one step, full fine-tuning with ZeRO-3 on 2
 emulated nodes (scripts/train.py). Each tool then runs alone in a fresh process under
-/usr/bin/time (wall time, peak RSS):
+/usr/bin/time (wall time, peak RSS), after a sync, --repeat times interleaved (median time):
   convert  ours: scripts/convert_checkpoint.py (shards of --shard-size, then the logit gate)
            ours, consolidation only (the same reader and writer, no gate)
            DeepSpeed: zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict (safetensors)
@@ -37,8 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning", "PYTHONPATH": str(ROOT / "scripts")}
 
 
-def timed(cmd: list[str]) -> dict:
-    """Run ``cmd`` under /usr/bin/time; its wall seconds and peak RSS (MiB)."""
+def timed(cmd: list[str], out: Path) -> dict:
+    """Run ``cmd`` (writing ``out``) under /usr/bin/time; its wall seconds and peak RSS (MiB).
+
+    ``out`` is removed first and the disks are synced, so no tool pays for the write-back
+    of the one before it (1 GB of dirty pages costs seconds on this machine).
+    """
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    os.sync()
     proc = subprocess.run(
         ["/usr/bin/time", "-f", "TIME %e %M", *cmd], capture_output=True, text=True, env=ENV
     )
@@ -46,6 +52,16 @@ def timed(cmd: list[str]) -> dict:
         raise SystemExit(f"{cmd[:3]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     seconds, kib = re.findall(r"TIME ([0-9.]+) (\d+)", proc.stderr)[-1]
     return {"seconds": float(seconds), "peak_rss_mib": int(kib) / 1024}
+
+
+def median_of(runs: list[dict]) -> dict:
+    """Median wall time and the largest peak RSS of repeated runs."""
+    times = sorted(r["seconds"] for r in runs)
+    return {
+        "seconds": times[len(times) // 2],
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+        "all": times,
+    }
 
 
 def make_checkpoint(tmp: Path, layers: int) -> tuple[Path, int]:
@@ -135,6 +151,7 @@ def main() -> int:
     parser.add_argument(
         "--shard-size", default="200MB", help="our converter's and merger's max shard size"
     )
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each tool (median time)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
@@ -142,40 +159,46 @@ def main() -> int:
         train = tmp / "train"
         ckpt, probe = train / "final_checkpoint", train / "probe.safetensors"
         py = sys.executable
-        results = {
-            "convert: ours (scripts/convert_checkpoint.py, with gate)": timed(
+        adapter = tmp / "adapter"
+        make_adapter(base, adapter, probe)
+        tools = {
+            "convert: ours (scripts/convert_checkpoint.py, with gate)": (tmp / "ours",
                 [py, str(ROOT / "scripts/convert_checkpoint.py"), "--method", "full", "--checkpoint", str(ckpt),
                  "--trained", str(train / "model"), "--base", str(base), "--probe", str(probe),
                  "--out", str(tmp / "ours"), "--max-shard-size", args.shard_size, "--dtype", "float32"]),
-            "convert: ours, consolidation only": timed(
+            "convert: ours, consolidation only": (tmp / "ours-only",
                 [py, "-c", "import sys, torch; from pathlib import Path; "
                  "from snaketune.convert import write_shards, parse_size; "
                  "from snaketune.zero_checkpoint import ZeroCheckpoint; "
-                 "o = Path(sys.argv[2]); o.mkdir(); "
-                 "write_shards(ZeroCheckpoint(sys.argv[1]).tensors(), o, parse_size(sys.argv[3]), torch.float32)",
+                 "o = Path(sys.argv[2]); o.mkdir(); c = ZeroCheckpoint(sys.argv[1]); "
+                 "write_shards(c.plan(), c.tensors(), o, parse_size(sys.argv[3]), torch.float32)",
                  str(ckpt), str(tmp / "ours-only"), args.shard_size]),
-            "convert: DeepSpeed zero_to_fp32 (safetensors, 5GB shards)": timed(
+            "convert: DeepSpeed zero_to_fp32 (safetensors, 5GB shards)": (tmp / "deepspeed",
                 [py, "-c", "import sys; from deepspeed.utils.zero_to_fp32 import "
                  "convert_zero_checkpoint_to_fp32_state_dict as c; c(sys.argv[1], sys.argv[2], "
                  "safe_serialization=True)", str(ckpt), str(tmp / "deepspeed")]),
+            "merge: ours (scripts/merge_lora.py, with gates)": (tmp / "merged-ours",
+                [py, str(ROOT / "scripts/merge_lora.py"), "--base", str(base), "--adapter", str(adapter),
+                 "--probe", str(adapter / "probe.safetensors"), "--out", str(tmp / "merged-ours"),
+                 "--max-shard-size", args.shard_size, "--dtype", "float32"]),
+            "merge: peft merge_and_unload + save_pretrained": (tmp / "merged-peft",
+                [py, "-c", "import sys; from peft import PeftModel; from transformers import AutoModelForCausalLM; "
+                 "m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2]); "
+                 "m.merge_and_unload().save_pretrained(sys.argv[3])", str(base), str(adapter), str(tmp / "merged-peft")]),
         }  # fmt: skip
-        adapter = tmp / "adapter"
-        make_adapter(base, adapter, probe)
-        results["merge: ours (scripts/merge_lora.py, with gates)"] = timed(
-            [py, str(ROOT / "scripts/merge_lora.py"), "--base", str(base), "--adapter", str(adapter),
-             "--probe", str(adapter / "probe.safetensors"), "--out", str(tmp / "merged-ours"), "--max-shard-size", args.shard_size,
-             "--dtype", "float32"])  # fmt: skip
-        results["merge: peft merge_and_unload + save_pretrained"] = timed(
-            [py, "-c", "import sys; from peft import PeftModel; from transformers import AutoModelForCausalLM; "
-             "m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2]); "
-             "m.merge_and_unload().save_pretrained(sys.argv[3])", str(base), str(adapter), str(tmp / "merged-peft")])  # fmt: skip
+        runs: dict[str, list[dict]] = {name: [] for name in tools}
+        for _ in range(args.repeat):  # interleaved, so a slow spell of the machine hits all
+            for name, (out, cmd) in tools.items():
+                runs[name].append(timed(cmd, out))
+        results = {name: median_of(r) for name, r in runs.items()}
     print(
         f"model: Llama-shaped, {n_params / 1e6:.0f}M parameters (fp32 {n_params * 4 / 2**20:.0f} MiB); "
         f"ZeRO-3 checkpoint of 2 emulated nodes; our shards {args.shard_size}; {os.cpu_count()} cores"
     )
-    print(f"{'what':<60}{'seconds':>9}{'peak RSS MiB':>14}")
+    print(f"{'what':<60}{'median s':>9}{'peak RSS MiB':>14}  all runs (s)")
     for name, r in results.items():
-        print(f"{name:<60}{r['seconds']:>9.1f}{r['peak_rss_mib']:>14.0f}")
+        every = " ".join(f"{t:.1f}" for t in r["all"])
+        print(f"{name:<60}{r['seconds']:>9.1f}{r['peak_rss_mib']:>14.0f}  {every}")
     ours, ds = (
         results["convert: ours (scripts/convert_checkpoint.py, with gate)"],
         results["convert: DeepSpeed zero_to_fp32 (safetensors, 5GB shards)"],

@@ -22,8 +22,6 @@ from snaketune.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
     from snaketune.convert import convert_full, convert_lora, export_dtype
 
     parser = argparse.ArgumentParser(
@@ -58,7 +56,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output dtype (auto: the training precision)",
     )
     args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()
     dtype = export_dtype(args.dtype, args.probe)
     if args.method == "full":
         report = convert_full(

@@ -21,8 +21,6 @@ from snaketune.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
     from snaketune.convert import export_dtype, merge_lora
 
     parser = argparse.ArgumentParser(
@@ -46,7 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output dtype (auto: the training precision)",
     )
     args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()
     report = merge_lora(
         args.base,
         args.adapter,

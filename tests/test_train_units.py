@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from collections import Counter
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from snaketune.launch import local_commands, slurm_command, supervise
 from snaketune.train import (
@@ -111,3 +114,46 @@ def test_supervise_stops_the_others_when_one_agent_fails():
     code, signalled = supervise([sleeper, failer], env=None, grace=5)
     assert (code, signalled) == (7, None)
     assert time.monotonic() - start < 10
+
+
+def test_write_shards_streams_a_plan_into_loadable_shards(tmp_path):
+    """The streaming writer: shards bounded by max_bytes, floats cast, other dtypes kept,
+    headers that safetensors and transformers' index format accept."""
+    from snaketune.convert import write_shards
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "b.weight": torch.randn(100, generator=g),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "ids": torch.arange(10, dtype=torch.int64),
+        "c.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+    }
+    plan = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    out = tmp_path / "out"
+    out.mkdir()
+    weight_map = write_shards(plan, iter(tensors.items()), out, 64 * 32 * 2, torch.bfloat16)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) == 2 and files[0] == "model-00001-of-00002.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == weight_map and set(weight_map) == set(tensors)
+    loaded = {}
+    for f in files:
+        loaded.update(load_file(str(out / f)))
+    for name, t in tensors.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert loaded[name].dtype == want.dtype and torch.equal(loaded[name], want), name
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in loaded.values()
+    )
+
+    one = tmp_path / "one"
+    one.mkdir()
+    write_shards(plan, iter(tensors.items()), one, 10**9, torch.float32)
+    assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(RuntimeError, match="expected b.weight"):
+        write_shards(plan, iter(list(tensors.items())[::2]), bad, 10**9, torch.float32)

@@ -9,11 +9,16 @@ inputs with the logits the job recorded; a mismatch fails with the size of the d
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
+import math
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from snaketune.errors import DataError
 from snaketune.io import atomic_path
-from snaketune.zero_checkpoint import ZeroCheckpoint, safetensors_refs
+from snaketune.zero_checkpoint import ST_NAMES, ZeroCheckpoint, safetensors_refs
 
 log = logging.getLogger(__name__)
 
@@ -58,51 +63,66 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(m.group(2))
 
 
+PlanEntry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype as read
+
+
 def write_shards(
+    plan: Sequence[PlanEntry],
     tensors: Iterable[tuple[str, torch.Tensor]],
     out: Path,
     max_bytes: int,
     dtype: torch.dtype,
     prefix: str = "model",
 ) -> dict[str, str]:
-    """Write (name, tensor) pairs as safetensors shards; return the weight map.
+    """Write ``tensors`` as safetensors shards of at most ``max_bytes``; return the weight map.
 
-    At most one shard (plus the tensor being added) is held in memory. One shard is
-    written as ``model.safetensors``; several as ``model-0000k-of-0000n.safetensors`` with
-    a ``model.safetensors.index.json``, as transformers writes them.
+    ``plan`` lists the tensors ``tensors`` will yield, in order. The shard headers are
+    computed from it first, so each tensor goes to disk as soon as it arrives and only it
+    is held in memory (not a whole shard). Floating tensors are cast to ``dtype``. One shard
+    is written as ``model.safetensors``; several as ``model-0000k-of-0000n.safetensors``
+    with a ``model.safetensors.index.json``, as transformers writes them.
     """
-    shard: dict[str, torch.Tensor] = {}
-    size, files, weight_map = 0, [], {}
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            name = f".{prefix}-shard-{len(files)}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            files.append((name, list(shard)))
-            shard, size = {}, 0
-
-    total = 0
-    for name, tensor in tensors:
-        tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > max_bytes:
-            flush()
-        shard[name] = tensor.contiguous()
-        size += nbytes
-        total += nbytes
-    flush()
-    if not files:
+    if not plan:
         raise DataError("the checkpoint holds no tensors")
-    for i, (tmp, names) in enumerate(files):
-        final = (
-            f"{prefix}.safetensors"
-            if len(files) == 1
-            else f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        )
-        (out / tmp).rename(out / final)
-        weight_map.update(dict.fromkeys(names, final))
-    if len(files) > 1:
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+    size = 0
+    for name, shape, src in plan:
+        kind = dtype if src.is_floating_point else src
+        nbytes = math.prod(shape) * kind.itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tuple(shape), kind, nbytes))
+        size += nbytes
+    names = (
+        [f"{prefix}.safetensors"]
+        if len(shards) == 1
+        else [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    stream = iter(tensors)
+    for file, entries in zip(names, shards, strict=True):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        pos = 0
+        for name, shape, kind, nbytes in entries:
+            header[name] = {"dtype": ST_NAMES[kind], "shape": list(shape),
+                            "data_offsets": [pos, pos + nbytes]}  # fmt: skip
+            pos += nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+        with open(out / file, "wb") as fh:
+            fh.write(struct.pack("<Q", len(head)) + head)
+            for name, shape, kind, _ in entries:
+                got, tensor = next(stream, (None, None))
+                if got != name or tuple(tensor.shape) != shape:
+                    raise RuntimeError(f"write_shards: expected {name} {shape}, got {got}")
+                tensor = tensor.to(kind).contiguous().reshape(-1)
+                if tensor.numel():
+                    fh.write(tensor.view(torch.uint8).numpy())
+    if next(stream, None) is not None:
+        raise RuntimeError("write_shards: more tensors than planned")
+    weight_map = {name: file for file, es in zip(names, shards, strict=True) for name, *_ in es}
+    if len(shards) > 1:
+        total = sum(e[3] for es in shards for e in es)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return weight_map
@@ -126,6 +146,7 @@ def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, 
     probe logits; return the max difference."""
     from transformers import AutoModelForCausalLM
 
+    trim_heap()
     scratch = model_dir / ".offload"
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, device_map="auto", max_memory={"cpu": budget},
@@ -135,6 +156,13 @@ def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, 
     del model
     shutil.rmtree(scratch, ignore_errors=True)
     return diff
+
+
+def trim_heap() -> None:
+    """Give the heap's freed pages back to the OS (glibc keeps them after large tensors
+    are freed, so the gate's load would come on top of the writer's high-water mark)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def probe_logits(model, probe: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -164,26 +192,37 @@ def _copy(names: Iterable[str], src: Path, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
+def _load_config(model_dir: Path):
+    """The model's config, with the modules the gate's load needs already imported.
+
+    Run in a thread while the shards are written: importing transformers and the model's
+    modules takes seconds of Python, and file writes release the GIL, so the two overlap.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # noqa: B018 -- imports the modeling module
+    return config
+
+
 def convert_full(
     checkpoint: Path, trained: Path, out: Path, max_shard_size: str, dtype: torch.dtype, probe: Path
 ) -> dict:
     """A full fine-tune's DeepSpeed checkpoint -> HF model directory."""
-    from transformers import AutoConfig
-
     ckpt = ZeroCheckpoint(checkpoint)
-    config = AutoConfig.from_pretrained(trained, local_files_only=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in ckpt.tensors():
-            if tied and name == "lm_head.weight":
-                continue  # tied to the input embeddings; transformers ties it on load
-            yield name, tensor
-
-    with atomic_path(out) as tmp:
+    # A tied lm_head (tie_word_embeddings) is recorded by DeepSpeed as shared with the input
+    # embeddings; it is left out and transformers ties it again on load.
+    plan = [entry for entry in ckpt.plan() if entry[0] not in ckpt.shared]
+    weights = ((name, t) for name, t in ckpt.tensors() if name not in ckpt.shared)
+    with ThreadPoolExecutor(1) as pool, atomic_path(out) as tmp:
+        config = pool.submit(_load_config, trained)
         tmp.mkdir()
-        weight_map = write_shards(weights(), tmp, parse_size(max_shard_size), dtype)
+        weight_map = write_shards(plan, weights, tmp, parse_size(max_shard_size), dtype)
         _copy(CONFIG_FILES + TOKENIZER_FILES, trained, tmp)
+        config = config.result()
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)), str(out))
@@ -240,7 +279,9 @@ def convert_lora(
     """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     ckpt = ZeroCheckpoint(checkpoint)
     adapter_config = json.loads((trained / "adapter_config.json").read_text())
     tensors = {}
@@ -286,8 +327,6 @@ def merge_lora(
     merged model's logits on the probe inputs equal the base-with-adapter logits (the
     training job's probe logits).
     """
-    from transformers import AutoConfig
-
     config = json.loads((adapter / "adapter_config.json").read_text())
     if config.get("fan_in_fan_out"):
         raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
@@ -300,28 +339,35 @@ def merge_lora(
             pairs[adapter_target(key)] = (a, lora[key.replace(".lora_A.", ".lora_B.")])
     change = {"max_abs": 0.0, "merged": 0}
 
+    refs = {
+        name: ref
+        for f in sorted(base_model.glob("*.safetensors"))
+        for name, ref in safetensors_refs(f).items()
+    }
+
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
         # pread, not safe_open: a memory map would keep every page of the base resident
-        for f in sorted(base_model.glob("*.safetensors")):
-            for name, ref in safetensors_refs(f).items():
-                t = ref.read().view(ref.shape)
-                if name in pairs:
-                    a, b = pairs[name]
-                    delta = scale * (b.float() @ a.float())
-                    change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
-                    change["merged"] += 1
-                    t = t.float() + delta
-                yield name, t
+        for name, ref in refs.items():
+            t = ref.read().view(ref.shape)
+            if name in pairs:
+                a, b = pairs[name]
+                delta = scale * (b.float() @ a.float())
+                change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
+                change["merged"] += 1
+                t = t.float() + delta
+            yield name, t
 
-    with atomic_path(out) as tmp:
+    with ThreadPoolExecutor(1) as pool, atomic_path(out) as tmp:
+        base_config = pool.submit(_load_config, base_model)
         tmp.mkdir()
-        write_shards(merged(), tmp, parse_size(max_shard_size), dtype)
+        plan = [(name, ref.shape, ref.dtype) for name, ref in refs.items()]
+        write_shards(plan, merged(), tmp, parse_size(max_shard_size), dtype)
         if change["max_abs"] == 0.0:
             raise DataError(
                 f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
                 "model would equal the base. Was the adapter trained?"
             )
-        base_config = AutoConfig.from_pretrained(base_model, local_files_only=True)
+        base_config = base_config.result()
         base_config.dtype = str(dtype).removeprefix("torch.")
         base_config.save_pretrained(tmp)
         _copy(("generation_config.json",), base_model, tmp)

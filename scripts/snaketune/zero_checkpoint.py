@@ -207,6 +207,14 @@ class ZeroCheckpoint:
             return self.shape(self.shared[name])
         return self.model_states[0]["module"][name].shape
 
+    def plan(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of what :meth:`tensors` yields, in the same order."""
+        module = self.model_states[0]["module"]
+        names = [*self.frozen_shapes, *(n for group in self.param_shapes for n in group)]
+        fp32 = [(name, self.shape(name), torch.float32) for name in names]
+        buffers = [(name, self.shape(name), module[name].dtype) for name in self.buffer_names]
+        return [*fp32, *buffers, *((name, self.shape(name), torch.float32) for name in self.shared)]
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 tensor) for every parameter and buffer, one at a time."""
         sources = set(self.shared.values())
@@ -291,6 +299,7 @@ def _read_span(parts: list[TensorRef], bounds: list[int], start: int, count: int
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
               "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 
 def safetensors_refs(path: str | Path) -> dict[str, TensorRef]:
