@@ -94,7 +94,14 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     import torch
 
-    from snaketune.launch import free_port, local_commands, slurm_command, supervise
+    from snaketune.launch import (
+        free_port,
+        local_commands,
+        preflight_command,
+        slurm_command,
+        supervise,
+    )
+    from snaketune.preflight import gather
 
     logger = logging.getLogger("snaketune.train")
     spec = json.loads(args.run_spec)
@@ -128,8 +135,16 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
     run_id = f"snaketune-{args.out.parent.name}"
     launcher = args.launcher
+    in_step = bool(os.environ.get("SLURM_STEP_ID"))  # already one task of an srun step
     if launcher == "auto":
-        launcher = "slurm" if os.environ.get("SLURM_JOB_ID") and shutil.which("srun") else "local"
+        in_job = os.environ.get("SLURM_JOB_ID") and shutil.which("srun")
+        launcher = "slurm" if in_job and not (in_step and nodes == 1) else "local"
+    if launcher == "slurm" and in_step:
+        raise UserError(
+            f"train with nodes: {nodes} runs inside a single-task SLURM step, which cannot "
+            "start tasks on other nodes; the train rule must keep its `mpi` resource "
+            "(check that the profile's set-resources do not remove it)"
+        )
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -146,6 +161,19 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     else:
         import subprocess
 
+        # Preflight on every node before any compute: devices, shared run directory,
+        # rendezvous host and port. One line and exit 2 on a problem.
+        shutil.rmtree(args.out / "preflight", ignore_errors=True)
+        subprocess.run(preflight_command(nodes, gpus, str(args.out.resolve())), env=env)
+        summary = gather(args.out, nodes)
+        logger.info(
+            "preflight passed: %s",
+            "; ".join(
+                f"{r['host']}: {r['devices']['count']} devices ({r['devices']['kind']}), "
+                f"rendezvous {r.get('head_address')}"
+                for r in summary["results"].values()
+            ),
+        )
         code, signalled = (
             subprocess.run(slurm_command(nodes, gpus, worker_argv, run_id), env=env).returncode,
             None,

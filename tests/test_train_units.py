@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from snaketune.launch import local_commands, slurm_command, supervise
+from snaketune.launch import RENDEZVOUS, local_commands, slurm_command, supervise
 from snaketune.train import (
     COMPLETE,
     NodeShardSampler,
@@ -104,7 +104,17 @@ def test_slurm_command_one_task_per_node_rendezvous_on_the_first_host():
     assert "PORT=$(( 29500 + SLURM_JOB_ID % 10000 ))" in inner
     assert "--rdzv-endpoint $HEAD:$PORT" in inner and "--nnodes 4 --nproc-per-node 8" in inner
     assert "'{\"a\": 1}'" in inner  # arguments stay quoted
+    assert "--rdzv-conf is_host=$IS_HOST" in inner
     subprocess.run(["bash", "-n", "-c", inner], check=True)  # valid shell
+    # what the task's shell makes of it on the first and the second node
+    for node, host in (("0", "1"), ("1", "0")):
+        env = {"SLURM_NODEID": node, "SLURM_JOB_ID": "17", "PATH": "/usr/bin:/bin",
+               "SLURM_JOB_NODELIST": "n1"}  # fmt: skip
+        shown = subprocess.run(
+            ["bash", "-c", RENDEZVOUS + 'echo "$PORT $IS_HOST"'], env=env, capture_output=True,
+            text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert shown == ["29517", host]
 
 
 def test_supervise_stops_the_others_when_one_agent_fails():

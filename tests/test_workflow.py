@@ -4,6 +4,7 @@ of the data stages on the local profile (in a scratch directory, via --directory
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pyarrow.parquet as pq
@@ -185,3 +186,32 @@ def test_bad_data_fails_the_rule_with_one_line(tmp_path):
         "error: datasets.gsm8k_demo row 0: column 'answer' is null; clean the data or filter the row out"
     )
     assert not list((tmp_path / "results/tokenized").glob("*/data.parquet"))
+
+
+@pytest.mark.parametrize("profile", ["tupi", "leonardo", "slurm"])
+def test_cluster_profiles_dry_run_with_resources_per_stage(profile, tmp_path):
+    """Each cluster profile parses, and resolves train to nodes x GPUs with the plugin's
+    `mpi` switch, CPU stages to CPUs + memory without a GPU, evaluate to one GPU."""
+    cmd = [str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
+           "--profile", str(ROOT / "profiles" / profile), "--directory", str(tmp_path),
+           "-n", "--printshellcmds"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resources = dict(re.findall(r"\nrule (\w+):.*?\n\s+resources: ([^\n]+)", proc.stdout, re.S))
+    train = resources["train"]
+    assert "nodes=2" in train and "tasks=2" in train and "mpi=srun" in train
+    assert "gres=gpu:1" in train and "tasks_per_gpu=0" in train and "slurm_partition=" in train
+    for cpu_stage in ("tokenize_dataset", "shard_dataset", "convert_checkpoint", "merge_lora"):
+        assert "cpus_per_task=" in resources[cpu_stage] and "gres=" not in resources[cpu_stage]
+    assert "gres=gpu:1" in resources["evaluate"]
+
+
+def test_single_node_train_has_no_mpi_resource(tmp_path):
+    """One node: no `mpi` (the plugin's own single-task step runs torchrun directly)."""
+    config = (ROOT / "config/config.yaml").read_text().replace("nodes: 2", "nodes: 1")
+    (tmp_path / "one-node.yaml").write_text(config)
+    proc = snakemake(
+        "-n", "--directory", str(tmp_path), "--configfile", str(tmp_path / "one-node.yaml")
+    )
+    train = re.search(r"\nrule train:.*?\n\s+resources: ([^\n]+)", proc.stdout, re.S).group(1)
+    assert "nodes=1" in train and "mpi" not in train, train

@@ -69,6 +69,28 @@ def local_commands(
     return [[sys.executable, "-m", "torch.distributed.run", *args, *worker] for _ in range(nodes)]
 
 
+# Inside an srun task (where SLURM_JOB_NODELIST is back): the rendezvous host and port, and
+# whether this task hosts the rendezvous store. The first node of the step hosts it, told
+# explicitly (torchrun's own guess compares host names, which fails when the node name is
+# not the machine's hostname, and then every agent waits for a store nobody started).
+RENDEZVOUS = (
+    'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1); '
+    f"PORT=$(( {PORT_BASE} + SLURM_JOB_ID % 10000 )); "
+    'IS_HOST=$([ "$SLURM_NODEID" = 0 ] && echo 1 || echo 0); '
+)
+# Arguments the task's shell expands (every other argument is quoted as it is).
+EXPANDED = {"$HEAD:$PORT", "$HEAD", "$PORT", "is_host=$IS_HOST"}
+
+
+def _srun(nodes: int, program: Sequence[str]) -> list[str]:
+    """One task per node running ``program`` (``$HEAD``/``$PORT`` left for the shell)."""
+    inner = RENDEZVOUS + "exec " + " ".join(a if a in EXPANDED else shlex.quote(a) for a in program)
+    return [
+        "srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1", "bash", "-c", inner,
+    ]  # fmt: skip
+
+
 def slurm_command(
     nodes: int, gpus_per_node: int, worker: Sequence[str], run_id: str, shutdown_timeout: int = 120
 ) -> list[str]:
@@ -78,18 +100,17 @@ def slurm_command(
     srun tasks it is back, so the rendezvous host is looked up there.
     """
     args = torchrun_args(nodes, gpus_per_node, "$HEAD:$PORT", run_id, shutdown_timeout)
-    inner = (
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1); '
-        f"PORT=$(( {PORT_BASE} + SLURM_JOB_ID % 10000 )); "
-        f"exec {shlex.quote(sys.executable)} -m torch.distributed.run "
-        + " ".join(a if a.startswith("$") else shlex.quote(a) for a in args)
-        + " "
-        + " ".join(shlex.quote(w) for w in worker)
-    )
-    return [
-        "srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1", "bash", "-c", inner,
-    ]  # fmt: skip
+    args += ["--rdzv-conf", "is_host=$IS_HOST"]
+    return _srun(nodes, [sys.executable, "-m", "torch.distributed.run", *args, *worker])
+
+
+def preflight_command(nodes: int, gpus_per_node: int, run_dir: str) -> list[str]:
+    """The preflight step (snaketune.preflight) on every node of the allocation."""
+    return _srun(nodes, [
+        sys.executable, "-m", "snaketune.preflight", "--run-dir", run_dir,
+        "--gpus-per-node", str(gpus_per_node), "--head", "$HEAD", "--port", "$PORT",
+        "--nodes", str(nodes),
+    ])  # fmt: skip
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

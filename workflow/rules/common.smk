@@ -89,6 +89,23 @@ def train_threads(wildcards):
     return run["nodes"] * run["gpus_per_node"]
 
 
+def train_nodes(wildcards):
+    """Nodes of a run's train job; also its SLURM task count (one torchrun agent per node)."""
+    return config["runs"][wildcards.run]["nodes"]
+
+
+def train_mpi(wildcards):
+    """The SLURM executor plugin's `mpi` resource for a multi-node run: the rule's shell then
+    runs in the batch script and starts its own srun step (one task per node). None for one
+    node: the plugin's single-task step is enough."""
+    return "srun" if config["runs"][wildcards.run]["nodes"] > 1 else None
+
+
+def train_gres(wildcards):
+    """GPUs per node of a run's train job (SLURM --gres is per node)."""
+    return f"gpu:{config['runs'][wildcards.run]['gpus_per_node']}"
+
+
 def export_kind(run):
     """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
     return "lora_adapters" if config["runs"][run]["method"] == "lora" else "hf"

@@ -23,9 +23,17 @@ rule train:
     conda:
         "../../envs/snaketune.yaml"
     threads: train_threads
+    # nodes x gpus_per_node from the run; tasks_per_gpu=0 keeps the plugin from adding
+    # --ntasks-per-gpu (a job that asks for it never starts). Partition, account and memory
+    # come from the profile.
     resources:
         mem_mb=16000,
         runtime=1440,
+        nodes=train_nodes,
+        tasks=train_nodes,
+        mpi=train_mpi,
+        gres=train_gres,
+        tasks_per_gpu=0,
     params:
         spec=run_spec,
         out="results/{run}/train",

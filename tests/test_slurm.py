@@ -1,0 +1,174 @@
+"""The workflow on a real SLURM 22.05 cluster started on this machine (tests/slurm/start.sh:
+two slurmd, partition `tupi`, fake GPUs, accounting in slurmdbd), through profiles/tupi.
+
+The profile runs as it is; the command line overrides only the account (restating the
+partition, since a command-line `--default-resources` replaces the profile's whole list)
+and shortens the plugin's first status check from 20 s to 5 s.
+
+The cluster is started by the fixture; when it cannot start, the tests are skipped, unless
+SNAKETUNE_REQUIRE_SLURM=1 (as .ci/run sets), which turns that into a failure. Every
+Snakemake run has a hard timeout that kills its whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, ENV, ROOT
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ACCOUNT = "snaketune"  # made by tests/slurm/start.sh
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "tests/slurm/start.sh")], capture_output=True, text=True, timeout=180
+    )
+    if proc.returncode != 0:
+        why = f"the local SLURM cluster did not start: {proc.stderr.strip() or proc.stdout}"
+        if os.environ.get("SNAKETUNE_REQUIRE_SLURM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def tupi(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """snakemake --profile profiles/tupi in ``workdir``; killed (process group) at ``timeout``."""
+    cmd = [
+        str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
+        "--profile", str(ROOT / "profiles" / "tupi"), "--directory", str(workdir),
+        "--default-resources", "slurm_partition=tupi", f"slurm_account={ACCOUNT}",
+        "--slurm-init-seconds-before-status-checks", "5", *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"snakemake did not finish in {timeout}s:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def submitted(output: str) -> dict[str, list[str]]:
+    """SLURM job ids per rule, from Snakemake's 'has been submitted' lines."""
+    jobs: dict[str, list[str]] = {}
+    for job_id, rule in re.findall(r"SLURM jobid (\d+) \(log: \S*/rule_([a-z_]+)/", output):
+        jobs.setdefault(rule, []).append(job_id)
+    return jobs
+
+
+def sacct(job_id: str, fields: str) -> list[str]:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", fields],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.strip().split("|")
+
+
+@pytest.fixture(scope="module")
+def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
+    """The whole demo pipeline through profiles/tupi: (workdir, snakemake's output)."""
+    workdir = tmp_path_factory.mktemp("slurm_demo")
+    proc = tupi(workdir)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return workdir, proc.stdout
+
+
+def test_demo_pipeline_through_profiles_tupi(slurm_demo):
+    workdir, output = slurm_demo
+    jobs = submitted(output)
+    # compute stages went to SLURM; downloads, fixtures and the report stayed on the login node
+    assert {"tokenize_dataset", "shard_dataset", "train", "convert_checkpoint", "merge_lora",
+            "evaluate", "evaluate_base"} <= set(jobs)  # fmt: skip
+    assert not {"download_model", "download_dataset", "make_fixtures", "report"} & set(jobs)
+    assert (workdir / "results/summary.tsv").is_file()
+    assert (workdir / "results/demo/eval/metrics.json").is_file()
+
+    # sacct (accounting through slurmdbd) shows the train job on 2 nodes, completed
+    (train_job,) = jobs["train"]
+    nnodes, state, nodelist = sacct(train_job, "NNodes,State,NodeList")
+    assert (nnodes, state, nodelist) == ("2", "COMPLETED", "tupi[1-2]")
+
+    # the preflight ran on both nodes inside the allocation, and its result is logged
+    log = (workdir / "logs/train/demo.log").read_text()
+    assert "preflight passed: tupi1: 1 devices" in log and "tupi2: 1 devices" in log
+    assert "with the slurm launcher" in log
+    # one torchrun agent per node: both hosts trained (recorded by the workers)
+    hosts = sorted(
+        p.read_text() for p in (workdir / "results/demo/train/checkpoints/hosts").iterdir()
+    )
+    assert len(hosts) == 2
+
+
+def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):
+    workdir, _ = slurm_demo
+    proc = tupi(workdir, "--forcerun", "evaluate")
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    assert set(submitted(proc.stdout)) == {"evaluate"}, proc.stdout[-4000:]
+
+
+def test_rule_failing_inside_slurm_exits_nonzero_naming_its_log(cluster, tmp_path):
+    """max_length 8 drops every example: tokenize_dataset fails inside its SLURM job."""
+    config = (ROOT / "config/config.yaml").read_text()
+    config, n = re.subn(r"(?m)^(\s+max_length:) \d+", r"\1 8", config)
+    assert n >= 1
+    (tmp_path / "config.yaml").write_text(config)
+    proc = tupi(tmp_path / "work", "--configfile", str(tmp_path / "config.yaml"), timeout=600)
+    assert proc.returncode != 0
+    assert "Error in rule tokenize_dataset" in proc.stdout
+    logs = re.findall(r"logs/tokenize_dataset/\S+\.log", proc.stdout)
+    assert logs, proc.stdout[-4000:]
+    text = (tmp_path / "work" / logs[0]).read_text()
+    assert "max_length" in text and "Traceback" not in text
+    assert "tokenize_dataset" in submitted(proc.stdout)
+
+
+def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
+    """scancel every attempt of the train job (it has 2 retries): Snakemake must see each
+    cancellation (squeue status, not sacct's 'CANCELLED by 0') and exit non-zero."""
+    workdir, _ = slurm_demo
+    cmd_args = ("--forcerun", "train", "--until", "train")
+    proc = subprocess.Popen(
+        [str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
+         "--profile", str(ROOT / "profiles" / "tupi"), "--directory", str(workdir),
+         "--default-resources", "slurm_partition=tupi", f"slurm_account={ACCOUNT}",
+         "--slurm-init-seconds-before-status-checks", "5", *cmd_args],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    cancelled: set[str] = set()
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail("snakemake still waiting 600 s after the train job was cancelled")
+            running = subprocess.run(
+                ["squeue", "-h", "-t", "RUNNING", "-o", "%i", "-p", "tupi"],
+                capture_output=True, text=True,
+            ).stdout.split()  # fmt: skip
+            for job in set(running) - cancelled:
+                time.sleep(2)  # let it start its srun step
+                subprocess.run(["scancel", job], check=True)
+                cancelled.add(job)
+            time.sleep(1)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert len(cancelled) == 3, (cancelled, out[-4000:])  # the job and its 2 retries
+    assert "SLURM status is: 'CANCELLED'" in out
+    for job in cancelled:
+        assert sacct(job, "State")[0].startswith("CANCELLED")
