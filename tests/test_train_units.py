@@ -167,3 +167,29 @@ def test_write_shards_streams_a_plan_into_loadable_shards(tmp_path):
     bad.mkdir()
     with pytest.raises(RuntimeError, match="expected b.weight"):
         write_shards(plan, iter(list(tensors.items())[::2]), bad, 10**9, torch.float32)
+
+
+def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monkeypatch):
+    """node_check/gather without SLURM: two nodes on loopback, node 1's file missing
+    (a run directory on a node-local disk), then a device count that does not match."""
+    import threading
+
+    from snaketune.errors import UserError
+    from snaketune.launch import free_port
+    from snaketune.preflight import check_port, gather, node_check
+
+    port = free_port()
+    peer = threading.Thread(target=check_port, args=("127.0.0.1", port, 1, 2, 20.0))
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    peer.start()
+    result = node_check(tmp_path, 2, "127.0.0.1", port, 2, timeout=20.0)
+    peer.join()
+    assert result["problems"] == [] and result["head_address"] == "127.0.0.1"
+    with pytest.raises(UserError, match=r"node\(s\) \[1\] did not write .* not on a filesystem"):
+        gather(tmp_path, 2)
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    node_check(tmp_path, 2, "127.0.0.1", free_port(), 1)
+    with pytest.raises(UserError, match="sees 1 devices .* the run asks for 2"):
+        gather(tmp_path, 1)
