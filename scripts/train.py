@@ -164,7 +164,12 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # Preflight on every node before any compute: devices, shared run directory,
         # rendezvous host and port. One line and exit 2 on a problem.
         shutil.rmtree(args.out / "preflight", ignore_errors=True)
-        subprocess.run(preflight_command(nodes, gpus, str(args.out.resolve())), env=env)
+        step = subprocess.run(preflight_command(nodes, gpus, str(args.out.resolve())), env=env)
+        if step.returncode != 0:  # its tasks always exit 0: srun itself failed
+            raise UserError(
+                f"preflight: the srun step failed (exit {step.returncode}) before every node "
+                "reported; see srun's message above in this log"
+            )
         summary = gather(args.out, nodes)
         logger.info(
             "preflight passed: %s",
