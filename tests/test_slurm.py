@@ -39,25 +39,30 @@ def cluster() -> None:
         pytest.skip(why)
 
 
-def tupi(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """snakemake --profile profiles/tupi in ``workdir``; killed (process group) at ``timeout``."""
+def start_tupi(workdir: Path, *args: str) -> subprocess.Popen:
+    """snakemake --profile profiles/tupi in ``workdir``, in its own process group."""
     cmd = [
         str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
         "--profile", str(ROOT / "profiles" / "tupi"), "--directory", str(workdir),
         "--default-resources", "slurm_partition=tupi", f"slurm_account={ACCOUNT}",
         "--slurm-init-seconds-before-status-checks", "5", *args,
     ]  # fmt: skip
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
+
+
+def tupi(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """snakemake --profile profiles/tupi in ``workdir``; killed (process group) at ``timeout``."""
+    proc = start_tupi(workdir, *args)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"snakemake did not finish in {timeout}s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def submitted(output: str) -> dict[str, list[str]]:
@@ -138,15 +143,7 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
     """scancel every attempt of the train job (it has 2 retries): Snakemake must see each
     cancellation (squeue status, not sacct's 'CANCELLED by 0') and exit non-zero."""
     workdir, _ = slurm_demo
-    cmd_args = ("--forcerun", "train", "--until", "train")
-    proc = subprocess.Popen(
-        [str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
-         "--profile", str(ROOT / "profiles" / "tupi"), "--directory", str(workdir),
-         "--default-resources", "slurm_partition=tupi", f"slurm_account={ACCOUNT}",
-         "--slurm-init-seconds-before-status-checks", "5", *cmd_args],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = start_tupi(workdir, "--forcerun", "train", "--until", "train")
     cancelled: set[str] = set()
     deadline = time.monotonic() + 600
     try:

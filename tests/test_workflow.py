@@ -130,29 +130,17 @@ def test_data_stages_run_on_the_local_profile(tmp_path):
         "Nothing to be done"
         in snakemake(shards, "-n", "--configfile", config, "--directory", str(tmp_path)).stdout
     )
-    proc = snakemake(
-        shards,
-        "-n",
-        "--configfile",
-        config,
-        "--config",
-        "runs={'demo': {'learning_rate': 0.1}}",
-        "--directory",
-        str(tmp_path),
-    )
-    assert "Nothing to be done" in proc.stdout
+
+    def dry_run_with(override: str) -> str:
+        args = ("-n", "--configfile", config, "--config", override, "--directory", str(tmp_path))
+        return snakemake(shards, *args).stdout
+
+    assert "Nothing to be done" in dry_run_with("runs={'demo': {'learning_rate': 0.1}}")
     # A tokenization key change makes a new tokenized copy and new shards, nothing earlier.
-    proc = snakemake(
-        shards,
-        "-n",
-        "--configfile",
-        config,
-        "--config",
-        "runs={'demo': {'max_length': 128}}",
-        "--directory",
-        str(tmp_path),
-    )
-    assert _jobs(proc.stdout) == {"tokenize_dataset": 1, "shard_dataset": 1}
+    assert _jobs(dry_run_with("runs={'demo': {'max_length': 128}}")) == {
+        "tokenize_dataset": 1,
+        "shard_dataset": 1,
+    }
     # A stage reruns alone on request.
     proc = snakemake(
         shards,
