@@ -7,8 +7,9 @@
 import sys
 
 from snakemake.utils import min_version
-from snaketune.config import validate_config
+from snaketune.config import check_config_files, check_local_sources, validate_config
 from snaketune.errors import UserError
+from snaketune.io import check_writable
 from snaketune.plan import base_evaluations, tokenize_jobs
 
 min_version("9.0")
@@ -21,6 +22,7 @@ configfile: "config/config.yaml"
 # but one line naming the key path and the allowed values, and no traceback (a bad
 # config is the user's to fix, not a bug).
 try:
+    check_config_files(workflow.configfiles)
     validate_config(config, workflow.basedir)
     # Every tokenized copy the runs need, by key (runs that share tokens share one), and
     # the settings of each base-model evaluation.
@@ -38,6 +40,15 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+
+
+# Checks of the machine this runs on, before any job: local sources exist (or a rule makes
+# them), and the working directory takes new files.
+try:
+    check_local_sources(config, set(rules.make_fixtures.output))
+    check_writable(".", ("results", "resources", "logs", "benchmarks", ".snakemake"))
+except UserError as error:
+    sys.exit(f"error: {error}")
 
 
 wildcard_constraints:

@@ -23,6 +23,7 @@ from snaketune.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.convert import convert_full, convert_lora, export_dtype
+    from snaketune.provenance import output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,12 +58,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dtype = export_dtype(args.dtype, args.probe)
+    config = {"method": args.method, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
+    inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe}
+    if args.method == "lora":
+        inputs["base"] = args.base
+
+    def finish(tmp: Path, report: dict) -> None:
+        prov = record("convert_checkpoint", args.out, config, inputs, output_hashes(tmp),
+                      report=report)  # fmt: skip
+        write_provenance(tmp, prov)
+
     if args.method == "full":
         report = convert_full(
-            args.checkpoint, args.trained, args.out, args.max_shard_size, dtype, args.probe
+            args.checkpoint, args.trained, args.out, args.max_shard_size, dtype, args.probe, finish
         )
     else:
-        report = convert_lora(args.checkpoint, args.trained, args.base, args.out, dtype, args.probe)
+        report = convert_lora(
+            args.checkpoint, args.trained, args.base, args.out, dtype, args.probe, finish
+        )
     print(json.dumps(report))
     return 0
 

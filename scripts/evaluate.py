@@ -5,9 +5,9 @@
         --base-metrics results/base_eval/EVALKEY/metrics.json --out results/demo/eval \
         --max-new-tokens 256 --batch-size 8
 
-Writes metrics.json and samples.jsonl (prompt, reference, generation, parsed answer,
-correct). With --train, fails first if any eval example is a training example. With
---base-metrics, adds the base model's figures and the gain over them.
+Writes metrics.json, samples.jsonl (prompt, reference, generation, parsed answer,
+correct) and provenance.json. With --train, fails first if any eval example is a training
+example. With --base-metrics, adds the base model's figures and the gain over them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snaketune.evaluate import evaluate
+    from snaketune.provenance import output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -41,6 +42,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="examples per batch")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
+    base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None
+    inputs = {"model": args.model, "eval": args.eval}
+    inputs.update({"train": args.train} if args.train else {})
+    inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
+    config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "batch_size": args.batch_size}  # fmt: skip
+
+    def finish(tmp: Path, _: dict) -> None:
+        stage = "evaluate" if args.train else "evaluate_base"
+        write_provenance(tmp, record(stage, args.out, config, inputs, output_hashes(tmp)))
+
     metrics = evaluate(
         args.model,
         args.eval,
@@ -49,15 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.limit,
         args.max_new_tokens,
         args.batch_size,
+        base,
+        finish,
     )
-    if args.base_metrics:
-        base = json.loads(args.base_metrics.read_text())
-        metrics["base"] = {k: base[k] for k in ("loss", "perplexity", "exact_match")}
-        metrics["gain"] = {
-            "exact_match": metrics["exact_match"] - base["exact_match"],
-            "loss": base["loss"] - metrics["loss"],
-        }
-        (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match")}))
     return 0
 

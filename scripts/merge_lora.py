@@ -22,6 +22,7 @@ from snaketune.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.convert import export_dtype, merge_lora
+    from snaketune.provenance import output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,6 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output dtype (auto: the training precision)",
     )
     args = parser.parse_args(argv)
+    config = {"max_shard_size": args.max_shard_size, "dtype": args.dtype}
+    inputs = {"base": args.base, "adapter": args.adapter, "probe": args.probe}
+
+    def finish(tmp: Path, report: dict) -> None:
+        prov = record("merge_lora", args.out, config, inputs, output_hashes(tmp), report=report)
+        write_provenance(tmp, prov)
+
     report = merge_lora(
         args.base,
         args.adapter,
@@ -51,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         export_dtype(args.dtype, args.probe),
         args.max_shard_size,
         args.probe,
+        finish,
     )
     print(json.dumps(report))
     return 0

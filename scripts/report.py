@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.cli import run
-from snaketune.io import atomic_path
+from snaketune.io import atomic_paths
+from snaketune.provenance import lineage
 from snaketune.report import loss_curve_svg, summary_html, summary_row, write_summary
+
+# The model a run ends with, by method (the artefact its lineage starts from without eval).
+FINAL = {"lora": "merged_model", "full": "hf"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, required=True, help="output HTML page")
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
-    rows, svgs, samples = [], {}, {}
-    with atomic_path(args.curves) as curves:
+    rows, svgs, samples, lineages = [], {}, {}, {}
+    with atomic_paths(args.curves, args.summary, args.html) as (curves, summary, html):
         curves.mkdir()
         for name, spec in runs.items():
             train = args.results / name / "train"
@@ -60,10 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()
                 samples[name] = [json.loads(x) for x in lines if x]
-    with atomic_path(args.summary) as tmp:
-        write_summary(rows, tmp)
-    with atomic_path(args.html) as tmp:
-        tmp.write_text(summary_html(rows, svgs, samples))
+            final = (
+                ev.parent if "eval_dataset" in spec else args.results / name / FINAL[spec["method"]]
+            )
+            href = os.path.relpath(final / "provenance.json", args.html.parent)
+            lineages[name] = (href, str(final), "\n".join(lineage(final)))
+        write_summary(rows, summary)
+        html.write_text(summary_html(rows, svgs, samples, lineages))
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python scripts/shard_dataset.py --tokenized results/tokenized/KEY/data.parquet \
         --nodes 2 --gpus-per-node 1 --micro-batch-size 4 --gradient-accumulation-steps 1 \
-        --seed 42 --out results/demo/shards
+        --seed 42 --eval results/tokenized/EVALKEY/data.parquet --run demo --out results/demo/shards
 
 Writes node-{k}.parquet for each node and manifest.json (rows, tokens, sha256 per shard,
 steps per epoch, and the example ids left out to give every node the same step count).
@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from snaketune.cli import run
-from snaketune.io import atomic_path, run_context, sha256_file, versions, write_json
-from snaketune.shard import Layout, shard
+from snaketune.errors import DataError
+from snaketune.io import atomic_path, write_json
+from snaketune.provenance import output_hashes, record, write_provenance
+from snaketune.shard import Layout, check_overlap, shard
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,20 +36,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gradient-accumulation-steps", type=int, default=1, help="passes per optimizer step"
     )
     parser.add_argument("--seed", type=int, default=42, help="seed of the shard assignment")
+    parser.add_argument(
+        "--eval", help="the run's tokenized eval set: fail here if it shares training examples"
+    )
+    parser.add_argument("--run", default="run", help="run name (for messages)")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
+    if args.eval:
+        try:
+            check_overlap(Path(args.tokenized), Path(args.eval))
+        except DataError as exc:
+            raise DataError(f"runs.{args.run}: {exc}") from None
     layout = Layout(
         args.nodes, args.gpus_per_node, args.micro_batch_size, args.gradient_accumulation_steps
     )
     with atomic_path(args.out) as tmp:
-        manifest = shard(args.tokenized, tmp, layout, args.seed)
-        manifest["provenance"] = {
-            "tokenized": args.tokenized,
-            "tokenized_sha256": sha256_file(args.tokenized),
-            "versions": versions(),
-            **run_context(),
-        }
+        try:
+            manifest = shard(args.tokenized, tmp, layout, args.seed)
+        except DataError as exc:
+            raise DataError(f"runs.{args.run}: {exc}") from None
         write_json(tmp / "manifest.json", manifest)
+        inputs = {"tokenized": args.tokenized, **({"eval": args.eval} if args.eval else {})}
+        config = {k: v for k, v in vars(args).items() if k not in ("tokenized", "eval", "out")}
+        write_provenance(tmp, record("shard_dataset", args.out, config, inputs, output_hashes(tmp)))
     return 0
 
 

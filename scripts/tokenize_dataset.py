@@ -4,6 +4,9 @@
         --data resources/datasets/gsm8k/data.parquet --model resources/models/tiny \
         --out results/tokenized/KEY/data.parquet --stats results/tokenized/KEY/stats.json
 
+Writes data.parquet, stats.json and provenance.json beside them, all three renamed into
+place once complete.
+
 --spec is the tokenize spec the workflow computes (snaketune.plan.tokenize_spec); --data
 gives one parquet per source of the spec, in its order. Streams in batches.
 """
@@ -18,7 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.cli import run
-from snaketune.io import atomic_path, run_context, sha256_file, versions, write_json
+from snaketune.errors import DataError
+from snaketune.io import atomic_paths, sha256_file
+from snaketune.provenance import NAME, record
 from snaketune.tokenization import Source, tokenize
 
 
@@ -44,25 +49,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     template = spec["chat_template"]
     template_text = Path(template["path"]).read_text(encoding="utf-8") if template else None
-    with atomic_path(args.out) as tmp:
-        stats = tokenize(
-            sources, args.model, tmp, spec["max_length"], spec["overlong"], template_text
-        )
-    write_json(
-        args.stats,
-        {
+    out = Path(args.out)
+    with atomic_paths(out, args.stats, out.parent / NAME) as (tmp, tmp_stats, tmp_prov):
+        try:
+            stats = tokenize(
+                sources,
+                args.model,
+                tmp,
+                spec["max_length"],
+                spec["overlong"],
+                template_text,
+                model_name=spec["model"],
+            )
+        except DataError as exc:
+            if str(exc).startswith(("models.", "datasets.")):
+                raise
+            raise DataError(f"datasets.{spec['dataset']}: {exc}") from None
+        summary = {
             **dataclasses.asdict(stats),
             "max_length": spec["max_length"],
             "overlong": spec["overlong"],
-            "provenance": {
-                "spec": spec,
-                "inputs": {p: sha256_file(p) for p in args.data},
-                "output_sha256": sha256_file(args.out),
-                "versions": versions(),
-                **run_context(),
-            },
-        },
-    )
+        }
+        tmp_stats.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        inputs = {f"data_{s.name}": s.path for s in sources}
+        inputs["model"] = args.model
+        if template:
+            inputs["chat_template"] = template["path"]
+        names = {out.name: tmp, Path(args.stats).name: tmp_stats}
+        prov = record("tokenize_dataset", out.parent, spec, inputs,
+                      {n: sha256_file(t) for n, t in names.items()})  # fmt: skip
+        tmp_prov.write_text(json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
     return 0
 
 

@@ -13,7 +13,8 @@ run by torchrun with --worker; by hand on a node:
 
 A rerun resumes from the newest complete checkpoint in <out>/checkpoints/ when the run's
 settings and shards are unchanged (otherwise the old checkpoints are moved aside).
-Exit codes: 0 done, 2 bad input, 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint.
+Exit codes: 0 done, 2 bad input or a failing GPU (the GPU health watchdog stopped the run
+after saving a checkpoint), 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.errors import UserError
-from snaketune.io import digest, run_context, sha256_file, versions, write_json
-from snaketune.train import STOPPED_EXIT_CODE, newest_complete
+from snaketune.io import digest, publish, sha256_file, write_json
+from snaketune.provenance import output_hashes, record
+from snaketune.train import (
+    STOPPED_EXIT_CODE,
+    WORKER_OUTPUTS,
+    newest_complete,
+    staged,
+)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -130,7 +137,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     ckpt.mkdir(exist_ok=True)
     stamp.write_text(print_)
-    write_json(args.out / "run_config.json", spec)
+    (ckpt / "health" / "fatal.json").unlink(missing_ok=True)  # from an earlier attempt
 
     worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
     run_id = f"snaketune-{args.out.parent.name}"
@@ -192,25 +199,46 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             saved.name if saved else "none",
         )
         return STOPPED_EXIT_CODE
+    fatal = ckpt / "health" / "fatal.json"
+    if code != 0 and fatal.is_file():  # torchrun's own exit code is 1 whatever the workers'
+        report = json.loads(fatal.read_text())
+        saved = newest_complete(ckpt)
+        raise UserError(
+            f"GPU health: {'; '.join(report['messages'])}; stopped at step {report['step']} "
+            f"(checkpoint {saved.name if saved else 'none'}); take the node out (e.g. sbatch "
+            "--exclude) and rerun to resume"
+        )
     if code != 0:
         logger.error(
             "training exited with code %d; rerun the rule to resume from the last checkpoint", code
         )
         return code
+    missing = [n for n in WORKER_OUTPUTS if not staged(args.out, n).exists()]
+    if missing:
+        raise RuntimeError(f"the workers exited 0 without writing {missing}")
     hosts = sorted((ckpt / "hosts").glob("node-*"))
-    write_json(
-        args.out / "provenance.json",
-        {
-            "run": spec,
-            "shards_manifest_sha256": sha256_file(args.shards / "manifest.json"),
-            "deepspeed": {"path": str(args.deepspeed), "sha256": sha256_file(args.deepspeed)},
-            "model": str(args.model),
-            "hosts": {h.name: h.read_text() for h in hosts},
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "versions": versions(),
-            **run_context(),
-        },
+    write_json(staged(args.out, "run_config.json"), spec)
+    outputs = {
+        n: sha256_file(staged(args.out, n))
+        for n in ("probe.safetensors", "metrics.jsonl", "run_config.json")
+    }
+    for n, h in output_hashes(staged(args.out, "model")).items():
+        outputs[f"model/{n}"] = h
+    final = staged(args.out, "final_checkpoint")
+    prov = record(
+        "train",
+        args.out,
+        spec,
+        {"shards": args.shards, "model": args.model, "deepspeed": args.deepspeed},
+        outputs,
+        hosts={h.name: h.read_text() for h in hosts},
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        final_checkpoint_bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
+        shards_manifest_sha256=sha256_file(args.shards / "manifest.json"),
     )
+    write_json(staged(args.out, "provenance.json"), prov)
+    names = (*WORKER_OUTPUTS, "run_config.json", "provenance.json")
+    publish([(staged(args.out, n), args.out / n) for n in names])
     return 0
 
 

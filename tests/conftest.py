@@ -44,11 +44,32 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 BIN = Path(sys.executable).parent
+# Recognisable fake secrets in the environment of every pipeline the tests run; no file the
+# pipeline writes may contain one (tests/test_secrets.py, tests/test_slurm.py).
+FAKE_SECRETS = {
+    "HF_TOKEN": "hf_FAKEtokenSnaketuneTest0123456789abcd",
+    "WANDB_API_KEY": "fakewandbkey0123456789abcdef0123456789ab",
+    "MY_SERVICE_TOKEN": "fake-service-token-7f3a9c",
+    "AWS_SECRET_ACCESS_KEY": "fakeAwsSecretAccessKey/7f3a9cSNAKETUNE",
+    "DB_PASSWORD": "fake-db-password-7f3a9c",
+    "OPENAI_API_KEY": "sk-fakeOpenAiKeySnaketune7f3a9c",
+}
 ENV = {
     **os.environ,
+    **FAKE_SECRETS,
     "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
     "PYTHONWARNINGS": "ignore::FutureWarning",
 }
+
+
+def leaked_secrets(root: Path) -> list[str]:
+    """'path: NAME' for every file under ``root`` holding one of the fake secrets."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            found += [f"{path}: {k}" for k, v in FAKE_SECRETS.items() if v.encode() in data]
+    return found
 
 
 def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ Snakemake run has a hard timeout that kills its whole process group.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ENV, ROOT
+from conftest import BIN, ENV, FAKE_SECRETS, ROOT, leaked_secrets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -104,6 +105,19 @@ def test_demo_pipeline_through_profiles_tupi(slurm_demo):
     (train_job,) = jobs["train"]
     nnodes, state, nodelist = sacct(train_job, "NNodes,State,NodeList")
     assert (nnodes, state, nodelist) == ("2", "COMPLETED", "tupi[1-2]")
+
+    # provenance names the SLURM job and both hosts of the training job
+    prov = json.loads((workdir / "results/demo/train/provenance.json").read_text())
+    assert prov["slurm_job_id"] == train_job and prov["slurm_nodelist"] == "tupi[1-2]"
+    assert sorted(prov["hosts"].values()) == ["tupi1", "tupi2"]
+
+    # no secret of the submitting environment reached a batch script, a log or an output
+    assert leaked_secrets(workdir) == []
+    for job in [j for ids in jobs.values() for j in ids]:
+        script = subprocess.run(["sacct", "-j", job, "--batch-script"], capture_output=True,
+                                text=True, check=True).stdout  # fmt: skip
+        assert "#!" in script or "--wrap" in script or "snakemake" in script, script
+        assert not [k for k, v in FAKE_SECRETS.items() if v in script], f"job {job}: {script}"
 
     # the preflight ran on both nodes inside the allocation, and its result is logged
     log = (workdir / "logs/train/demo.log").read_text()

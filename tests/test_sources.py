@@ -45,13 +45,13 @@ def test_local_dataset_formats_become_parquet(tmp_path, fmt):
 
 def test_local_dataset_errors(tmp_path):
     spec = {"source": "local", "format": "prompt_response"}
-    with pytest.raises(DataError, match=r"^datasets.d.path: .*missing.jsonl does not exist$"):
+    with pytest.raises(DataError, match=r"^datasets.d.path: .*missing.jsonl does not exist; fix"):
         download_dataset("d", {**spec, "path": str(tmp_path / "missing.jsonl")}, tmp_path / "o")
     (tmp_path / "x.txt").write_text("hello")
     with pytest.raises(DataError, match="cannot tell the format from the extension"):
         download_dataset("d", {**spec, "path": str(tmp_path / "x.txt")}, tmp_path / "o")
     (tmp_path / "bad.jsonl").write_bytes(b'{"question": "q", "answer": "\xff\xfe"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl: cannot read as jsonl"):
+    with pytest.raises(DataError, match=r"bad.jsonl is not valid UTF-8 \(byte 0xff at offset 29"):
         download_dataset("d", {**spec, "path": str(tmp_path / "bad.jsonl")}, tmp_path / "o")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError):

@@ -117,7 +117,9 @@ def test_data_stages_run_on_the_local_profile(tmp_path):
         assert table.num_rows == entry["rows"] == 256
         ids += table.column("example_id").to_pylist()
     assert sorted(ids) == sorted(f"gsm8k_demo:{i}" for i in range(512))
-    (tokenized,) = (tmp_path / "results/tokenized").iterdir()
+    # the training set and the eval set (shard_dataset checks that they do not overlap)
+    assert len(list((tmp_path / "results/tokenized").iterdir())) == 2
+    tokenized = next((tmp_path / "results/tokenized").glob("gsm8k_demo__*"))
     stats = json.loads((tokenized / "stats.json").read_text())
     assert stats["rows"] == 512 and stats["dropped_overlong"] == 0
     prov = json.loads((tmp_path / "resources/models/tiny/provenance.json").read_text())
@@ -136,9 +138,10 @@ def test_data_stages_run_on_the_local_profile(tmp_path):
         return snakemake(shards, *args).stdout
 
     assert "Nothing to be done" in dry_run_with("runs={'demo': {'learning_rate': 0.1}}")
-    # A tokenization key change makes a new tokenized copy and new shards, nothing earlier.
+    # A tokenization key change makes new tokenized copies (training and eval set) and new
+    # shards, nothing earlier.
     assert _jobs(dry_run_with("runs={'demo': {'max_length': 128}}")) == {
-        "tokenize_dataset": 1,
+        "tokenize_dataset": 2,
         "shard_dataset": 1,
     }
     # A stage reruns alone on request.
@@ -169,11 +172,11 @@ def test_bad_data_fails_the_rule_with_one_line(tmp_path):
         "results/demo/shards", "--configfile", str(cfg), "--directory", str(tmp_path), check=False
     )
     assert proc.returncode != 0
-    (log,) = (tmp_path / "logs/tokenize_dataset").iterdir()
+    (log,) = (tmp_path / "logs/tokenize_dataset").glob("gsm8k_demo__*")
     assert log.read_text().strip().splitlines()[-1] == (
         "error: datasets.gsm8k_demo row 0: column 'answer' is null; clean the data or filter the row out"
     )
-    assert not list((tmp_path / "results/tokenized").glob("*/data.parquet"))
+    assert not list((tmp_path / "results/tokenized").glob("gsm8k_demo__*/data.parquet"))
 
 
 @pytest.mark.parametrize("profile", ["tupi", "leonardo", "slurm"])

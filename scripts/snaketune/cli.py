@@ -2,6 +2,8 @@
 
 snaketune validate config/config.yaml     # check a config, print the plan
 snaketune fixtures resources/fixtures     # build the offline demo fixtures
+snaketune lineage results/demo/merged_model [--verify]
+                                          # the chain of artefacts behind a result
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from snaketune.errors import UserError
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Timestamped log lines; non-zero ranks (torchrun's RANK) log warnings only."""
+    """Timestamped log lines; non-zero ranks (torchrun's RANK) log warnings only. Values of
+    secret environment variables are masked (snaketune.redact)."""
+    from snaketune.redact import RedactingFilter
+
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=level if rank == 0 else logging.WARNING,
@@ -27,6 +32,9 @@ def setup_logging(level: int = logging.INFO) -> None:
         stream=sys.stderr,
         force=True,
     )
+    redacting = RedactingFilter()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(redacting)
 
 
 def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
@@ -35,7 +43,9 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     try:
         return main(argv)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from snaketune.redact import redact, secret_values
+
+        print(f"error: {redact(str(exc), secret_values())}", file=sys.stderr)
         return 2
 
 
@@ -49,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     val.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
     fix = sub.add_parser("fixtures", help="build the offline demo fixtures")
     fix.add_argument("out", help="output directory, e.g. resources/fixtures")
+    lin = sub.add_parser("lineage", help="print the chain of artefacts behind an artefact")
+    lin.add_argument("artefact", help="an artefact directory, e.g. results/demo/merged_model")
+    lin.add_argument(
+        "--verify", action="store_true", help="also recompute each artefact's file hashes"
+    )
     args = parser.parse_args(argv)
 
     def _main(_: Sequence[str] | None) -> int:
@@ -62,6 +77,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tokenized": sorted(tokenize_jobs(config, Path(args.root))),
             }
             print(json.dumps(plan, indent=2))
+        elif args.command == "lineage":
+            from snaketune.provenance import lineage
+
+            problems: list[str] = []
+            for line in lineage(args.artefact, check=args.verify, problems=problems):
+                print(line)
+            if problems:
+                print(f"error: {len(problems)} file(s) differ from their provenance: "
+                      f"{'; '.join(problems)}", file=sys.stderr)  # fmt: skip
+                return 1
         else:
             from snaketune.fixtures import make_fixtures
 

@@ -40,11 +40,28 @@ SINGLE_DATASET_KEYS = ("id", "path", "subset", "split", "revision", "file_format
                        "columns", "system_prompt", "filters")  # fmt: skip
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (plain YAML keeps the
+    last one silently, so a second `runs: {demo: ...}` would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name} line {key_node.start_mark.line + 1}: {key!r} is given twice "
+                    "in the same mapping; names must be unique (rename or merge one of them)"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> Any:
-    """Read a YAML file; a syntax error becomes a one-line ConfigError."""
+    """Read a YAML file; a syntax error or a duplicated key becomes a one-line ConfigError."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+            return yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: file not found") from exc
     except yaml.YAMLError as exc:
@@ -300,6 +317,45 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
             run["lora"] = {}
             check_schema(config, schema)  # fills the LoRA defaults
     return config
+
+
+def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None:
+    """Local model and dataset paths exist (or a rule makes them: ``producible``, paths as
+    written in the workflow), and a local model directory holds a config.json.
+
+    Run where the jobs will run (the working directory); relative paths start there.
+    """
+    made = {str(Path(p)) for p in producible}
+    for kind in ("models", "datasets"):
+        for name, spec in config[kind].items():
+            if spec["source"] != "local" or str(Path(spec["path"])) in made:
+                continue
+            path = Path(spec["path"])
+            where = f"{kind}.{name}.path"
+            _require(
+                path.exists(),
+                f"{where}: {path} does not exist (relative paths start from {Path.cwd()}); "
+                "fix the path",
+            )
+            if kind == "models":
+                _require(
+                    (path / "config.json").is_file(),
+                    f"{where}: {path} has no config.json; point it at a Hugging Face model "
+                    "directory (config.json, tokenizer files, weights)",
+                )
+            elif path.is_file():
+                _require(
+                    path.stat().st_size > 0,
+                    f"{where}: {path} is empty (0 bytes); give a file with at least one row",
+                )
+
+
+def check_config_files(paths: list[str | Path]) -> None:
+    """Re-read the config files Snakemake loaded, to catch what its loader lets through
+    (a key given twice)."""
+    for path in paths:
+        if Path(path).suffix in (".yaml", ".yml"):
+            load_yaml(path)
 
 
 def load_config(path: str | Path, root: str | Path = ".") -> dict[str, Any]:

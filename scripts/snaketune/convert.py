@@ -17,7 +17,7 @@ import math
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +44,10 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+
+
+# Called with the finished temporary directory and the stage's report, before the rename.
+Finish = Callable[[Path, dict], None]
 
 
 def export_dtype(choice: str, probe: Path) -> torch.dtype:
@@ -208,10 +212,25 @@ def _load_config(model_dir: Path):
     return config
 
 
+def _report(kind: str, ckpt: ZeroCheckpoint, tensors: int, diff: float) -> dict:
+    """What convert_checkpoint prints and records: the checkpoint's shape and the gate."""
+    return {"kind": kind, "zero_stage": ckpt.stage, "ranks": ckpt.world, "tensors": tensors,
+            "max_logit_diff": diff}  # fmt: skip
+
+
 def convert_full(
-    checkpoint: Path, trained: Path, out: Path, max_shard_size: str, dtype: torch.dtype, probe: Path
+    checkpoint: Path,
+    trained: Path,
+    out: Path,
+    max_shard_size: str,
+    dtype: torch.dtype,
+    probe: Path,
+    finish: Finish | None = None,
 ) -> dict:
-    """A full fine-tune's DeepSpeed checkpoint -> HF model directory."""
+    """A full fine-tune's DeepSpeed checkpoint -> HF model directory.
+
+    ``finish(tmp, report)`` runs on the complete directory before it is renamed into place
+    (the scripts write provenance.json there)."""
     ckpt = ZeroCheckpoint(checkpoint)
     # A tied lm_head (tie_word_embeddings) is recorded by DeepSpeed as shared with the input
     # embeddings; it is left out and transformers ties it again on load.
@@ -226,13 +245,10 @@ def convert_full(
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)), str(out))
-    return {
-        "kind": "full",
-        "zero_stage": ckpt.stage,
-        "ranks": ckpt.world,
-        "tensors": len(weight_map),
-        "max_logit_diff": diff,
-    }
+        report = _report("full", ckpt, len(weight_map), diff)
+        if finish is not None:
+            finish(tmp, report)
+    return report
 
 
 def adapter_key(name: str) -> str | None:
@@ -274,7 +290,13 @@ def check_adapter(
 
 
 def convert_lora(
-    checkpoint: Path, trained: Path, base_model: Path, out: Path, dtype: torch.dtype, probe: Path
+    checkpoint: Path,
+    trained: Path,
+    base_model: Path,
+    out: Path,
+    dtype: torch.dtype,
+    probe: Path,
+    finish: Finish | None = None,
 ) -> dict:
     """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
     from peft import PeftModel
@@ -298,13 +320,10 @@ def convert_lora(
         model = PeftModel.from_pretrained(base, str(tmp))
         data = load_file(str(probe))
         diff = gate(probe_logits(model, data), data, dtype, str(out))
-    return {
-        "kind": "lora",
-        "zero_stage": ckpt.stage,
-        "ranks": ckpt.world,
-        "tensors": len(tensors),
-        "max_logit_diff": diff,
-    }
+        report = _report("lora", ckpt, len(tensors), diff)
+        if finish is not None:
+            finish(tmp, report)
+    return report
 
 
 def lora_scale(adapter_config: dict) -> float:
@@ -320,6 +339,7 @@ def merge_lora(
     dtype: torch.dtype,
     max_shard_size: str,
     probe: Path,
+    finish: Finish | None = None,
 ) -> dict:
     """Base model + LoRA adapter -> one HF model directory, one base tensor at a time.
 
@@ -376,8 +396,11 @@ def merge_lora(
         # convert_checkpoint's gate verified with peft, so no second model is loaded here.
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)),
                             f"{out} (vs base + adapter)")  # fmt: skip
-    return {
-        "merged_tensors": change["merged"],
-        "max_weight_change": change["max_abs"],
-        "max_logit_diff": diff,
-    }
+        report = {
+            "merged_tensors": change["merged"],
+            "max_weight_change": change["max_abs"],
+            "max_logit_diff": diff,
+        }
+        if finish is not None:
+            finish(tmp, report)
+    return report

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from snaketune.errors import DataError
 from snaketune.io import atomic_path
+from snaketune.shard import check_overlap
 from snaketune.tokenization import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -40,21 +42,6 @@ def parse_answer(text: str) -> str | None:
         return None
     match = _NUMBER.search(text.rsplit("####", 1)[1])
     return normalise_number(match.group(0)) if match else None
-
-
-def check_overlap(train: Path, evaluation: Path) -> None:
-    """Fail when an eval example is also a training example (same id or same text)."""
-    cols = ["example_id", "text_sha"]
-    t, e = pq.read_table(train, columns=cols), pq.read_table(evaluation, columns=cols)
-    for col, what in (("example_id", "example id"), ("text_sha", "text")):
-        shared = set(t.column(col).to_pylist()) & set(e.column(col).to_pylist())
-        if shared:
-            example = sorted(shared)[0]
-            raise DataError(
-                f"the eval set shares {len(shared)} examples with the training set "
-                f"(same {what}, e.g. "
-                f"{example}); evaluate on held-out data (another split or file)"
-            )
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -134,8 +121,14 @@ def evaluate(
     limit: int | None,
     max_new_tokens: int,
     batch_size: int,
+    base_metrics: dict[str, Any] | None = None,
+    finish: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics."""
+    """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
+
+    ``base_metrics`` (the base model's) adds the base figures and the gain over them;
+    ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if train_tokenized is not None:
@@ -182,10 +175,18 @@ def evaluate(
             "max_new_tokens": max_new_tokens,
         }
     )
+    if base_metrics is not None:
+        metrics["base"] = {k: base_metrics[k] for k in ("loss", "perplexity", "exact_match")}
+        metrics["gain"] = {
+            "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
+            "loss": base_metrics["loss"] - metrics["loss"],
+        }
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if finish is not None:
+            finish(tmp, metrics)
     log.info(
         "loss %.4f, perplexity %.2f, exact match %.3f on %d examples",
         metrics["loss"],

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from snaketune.io import atomic_paths
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -162,8 +163,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[str, Path]:
     """Write the model and dataset fixtures under ``out``; return their paths.
 
-    Each directory is built beside its final name and renamed into place, so an
-    interrupted run never leaves a fixture that looks complete.
+    Both directories are built beside their final names and renamed into place once both
+    are complete, so an interrupted run never leaves a fixture that looks complete.
     """
     from transformers.utils import logging as hf_logging
 
@@ -174,24 +175,15 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     splits = make_gsm8k_like(sizes.train_rows, sizes.test_rows)
 
-    data_dir = out / "gsm8k-demo"
-    tmp = out / ".gsm8k-demo.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for split, rows in splits.items():
-        _write_jsonl(tmp / f"{split}.jsonl", rows)
-    shutil.rmtree(data_dir, ignore_errors=True)
-    tmp.rename(data_dir)
-
-    model_dir = out / "tiny-llama"
-    tmp = out / ".tiny-llama.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = build_tokenizer(_corpus(splits), sizes.vocab_size)
-    model = build_model(tokenizer, sizes)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    tmp.rename(model_dir)
+    data_dir, model_dir = out / "gsm8k-demo", out / "tiny-llama"
+    with atomic_paths(data_dir, model_dir) as (data_tmp, model_tmp):
+        data_tmp.mkdir()
+        for split, rows in splits.items():
+            _write_jsonl(data_tmp / f"{split}.jsonl", rows)
+        tokenizer = build_tokenizer(_corpus(splits), sizes.vocab_size)
+        model = build_model(tokenizer, sizes)
+        model.save_pretrained(model_tmp, safe_serialization=True)
+        tokenizer.save_pretrained(model_tmp)
     return {"model": model_dir, "dataset": data_dir}
 
 

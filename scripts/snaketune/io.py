@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -15,8 +16,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from snaketune.errors import UserError
+
 CHUNK = 1 << 20
-STACK = ("snaketune", "torch", "transformers", "tokenizers", "datasets", "pyarrow", "pandas")
+# Fault injection for the tests and for drills: a process about to publish an output whose
+# path contains this text kills itself with SIGKILL first (all data written, nothing renamed).
+FAULT_ENV = "SNAKETUNE_KILL_BEFORE_PUBLISH"
+STACK = (
+    "snaketune", "torch", "transformers", "tokenizers", "peft", "trl", "deepspeed",
+    "safetensors", "datasets", "pyarrow", "pandas", "huggingface_hub", "snakemake",
+)  # fmt: skip
 
 
 def sha256_file(path: str | Path) -> str:
@@ -52,6 +61,31 @@ def tmp_name(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def remove_stale_temps(path: str | Path) -> None:
+    """Remove temporaries of ``path`` left by killed writers (``.NAME.tmp-PID``)."""
+    path = Path(path)
+    if path.parent.is_dir():
+        for old in path.parent.glob(f".{path.name}.tmp-*"):
+            _remove(old)
+
+
+def fault_point(*paths: str | Path) -> None:
+    """SIGKILL this process when ``$SNAKETUNE_KILL_BEFORE_PUBLISH`` is in one of ``paths``."""
+    needle = os.environ.get(FAULT_ENV)
+    if needle and any(needle in str(p) for p in paths):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def publish(moves: list[tuple[Path, Path]]) -> None:
+    """Rename finished temporaries onto their outputs, one after the other (each rename is
+    atomic; the data of all of them is complete before the first)."""
+    fault_point(*(dest for _, dest in moves))
+    for tmp, dest in moves:
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path; on success it is renamed to ``path``, on error removed.
@@ -61,14 +95,48 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
-    _remove(tmp)
+    remove_stale_temps(path)
     try:
         yield tmp
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        publish([(tmp, path)])
     finally:
         _remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_paths(*paths: str | Path) -> Iterator[list[Path]]:
+    """:func:`atomic_path` for several outputs of one step: all are renamed into place
+    only once every one of them is written."""
+    paths_ = [Path(p) for p in paths]
+    tmps = [tmp_name(p) for p in paths_]
+    for p in paths_:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(p)
+    try:
+        yield tmps
+        publish(list(zip(tmps, paths_, strict=True)))
+    finally:
+        for t in tmps:
+            _remove(t)
+
+
+def check_writable(root: str | Path, names: tuple[str, ...]) -> None:
+    """Each of ``root/NAME`` (or ``root`` where NAME does not exist yet) takes a new file.
+
+    Tried by writing, not by permission bits (root passes those on read-only mounts).
+    """
+    root = Path(root).resolve()
+    for name in names:
+        target = root / name if (root / name).is_dir() else root
+        probe = target / f".snaketune-write-test-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise UserError(
+                f"{target} is not writable ({exc.strerror}); run from a directory you can "
+                "write to (snakemake --directory DIR) or fix its permissions"
+            ) from None
 
 
 def _remove(path: Path) -> None:
@@ -93,10 +161,16 @@ def versions() -> dict[str, str]:
     return out
 
 
+def host_name() -> str:
+    """This node's name: SLURM's for it inside a job (what sinfo and --exclude use), else
+    the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def run_context() -> dict[str, Any]:
     """Where and when an artefact was made (host, SLURM job id when there is one)."""
     ctx: dict[str, Any] = {
-        "host": socket.gethostname(),
+        "host": host_name(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     job = os.environ.get("SLURM_JOB_ID")

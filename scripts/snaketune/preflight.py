@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.errors import UserError
+from snaketune.io import host_name
 
 
 def visible_devices(gpus_per_node: int) -> tuple[int, str]:
@@ -72,7 +73,7 @@ def node_check(run_dir: Path, gpus_per_node: int, head: str, port: int, nodes: i
                timeout: float = 60.0) -> dict:  # fmt: skip
     """This node's checks; written to ``run_dir/preflight/node-<id>.json``."""
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = host_name()
     result: dict = {"node_id": node_id, "host": host, "problems": []}
     count, kind = visible_devices(gpus_per_node)
     result["devices"] = {"count": count, "kind": kind}

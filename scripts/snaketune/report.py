@@ -88,8 +88,11 @@ def loss_curve_svg(
 
 
 def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
-                 samples: dict[str, list[dict[str, Any]]], n_samples: int = 5) -> str:  # fmt: skip
-    """One self-contained page: the summary table, each run's loss curve and eval samples."""
+                 samples: dict[str, list[dict[str, Any]]],
+                 lineages: dict[str, tuple[str, str, str]] | None = None,
+                 n_samples: int = 5) -> str:  # fmt: skip
+    """One self-contained page: the summary table, each run's loss curve, eval samples and
+    lineage (``lineages``: run -> (link to its provenance.json, its artefact, the lineage))."""
     from html import escape
 
     head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
@@ -99,6 +102,13 @@ def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
     sections = []
     for run, svg in curves.items():
         parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>', svg]
+        if lineages and run in lineages:
+            href, artefact, text = lineages[run]
+            parts.append(
+                f'<p class="lineage"><a href="{escape(href)}">provenance</a> '
+                f"(<code>snaketune lineage {escape(artefact)}</code>)</p>"
+                f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
+            )
         if samples.get(run):
             cells = ("prompt", "reference", "generation", "parsed_answer", "correct")
             trs = "".join(

@@ -51,6 +51,21 @@ class Layout:
         return self.per_node_step * self.nodes
 
 
+def check_overlap(train: Path, evaluation: Path) -> None:
+    """Fail when an eval example is also a training example (same id or same text)."""
+    cols = ["example_id", "text_sha"]
+    t, e = pq.read_table(train, columns=cols), pq.read_table(evaluation, columns=cols)
+    for col, what in (("example_id", "example id"), ("text_sha", "text")):
+        shared = set(t.column(col).to_pylist()) & set(e.column(col).to_pylist())
+        if shared:
+            example = sorted(shared)[0]
+            raise DataError(
+                f"the eval set shares {len(shared)} examples with the training set "
+                f"(same {what}, e.g. "
+                f"{example}); evaluate on held-out data (another split or file)"
+            )
+
+
 def assign(n_rows: int, layout: Layout, seed: int) -> np.ndarray:
     """Node index of each row (-1: left over to balance steps)."""
     steps = n_rows // layout.global_batch

@@ -18,7 +18,8 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from snaketune.errors import DataError
-from snaketune.io import atomic_path, run_context, sha256_file, sha256_tree, versions, write_json
+from snaketune.io import atomic_path, atomic_paths, sha256_file, sha256_tree
+from snaketune.provenance import NAME, record
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +30,21 @@ EXTENSIONS = {
     ".csv": "csv",
 }
 BATCH_ROWS = 8192
+CHUNK_BYTES = 1 << 22
 HUB_MODEL_IGNORE = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot"]
 
 
-def _provenance(kind: str, name: str, spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {
-        "kind": kind,
-        "name": name,
-        "spec": spec,
-        "versions": versions(),
-        **run_context(),
-        **extra,
-    }
+def _provenance(
+    kind: str,
+    name: str,
+    spec: dict[str, Any],
+    artefact: Path,
+    outputs: dict[str, str],
+    **extra: Any,
+) -> dict[str, Any]:
+    return record(
+        f"download_{kind}", artefact, spec, {}, outputs, kind=kind, name=name, spec=spec, **extra
+    )
 
 
 # ----------------------------------------------------------------------------- models
@@ -82,10 +86,9 @@ def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
             )
             extra = {"id": spec["id"], "revision": revision, "commit": commit}
         files = sha256_tree(tmp)
-        write_json(
-            tmp / "provenance.json",
-            _provenance("model", name, spec, source=spec["source"], files=files, **extra),
-        )
+        prov = _provenance("model", name, spec, out, files, source=spec["source"], files=files,
+                           **extra)  # fmt: skip
+        (tmp / NAME).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -132,8 +135,40 @@ def iter_local_batches(path: Path, fmt: str):
     yield from dataset.to_batches(batch_size=BATCH_ROWS)
 
 
+def check_utf8(path: Path) -> None:
+    """Fail on the first byte sequence that is not UTF-8, naming its line."""
+    import codecs
+
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        line, offset = 1, 0
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as exc:
+                    bad = block[exc.start]
+                    line += block[: exc.start].count(b"\n")
+                    raise DataError(
+                        f"{file} is not valid UTF-8 (byte 0x{bad:02x} at offset "
+                        f"{offset + exc.start}, line {line}); re-encode it as UTF-8, e.g. "
+                        "iconv -f latin1 -t utf-8"
+                    ) from None
+                line += block.count(b"\n")
+                offset += len(block)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise DataError(
+                    f"{file} is not valid UTF-8 (it ends inside a character); re-encode it as UTF-8"
+                ) from None
+
+
 def convert_local(path: Path, fmt: str, out: Path) -> int:
     """Convert a local dataset to one parquet file in batches; return the row count."""
+    if fmt != "parquet":
+        check_utf8(path)
     writer = None
     rows = 0
     try:
@@ -144,7 +179,11 @@ def convert_local(path: Path, fmt: str, out: Path) -> int:
             writer.write_batch(batch)
             rows += batch.num_rows
     except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: cannot read as {fmt} ({str(exc).splitlines()[0]})") from exc
+        reason = str(exc).splitlines()[0].split("?: ")[-1]  # arrow's last clause is the reason
+        raise DataError(
+            f"{path}: cannot read as {fmt} ({reason}); fix the file, or set file_format if "
+            "the extension misleads"
+        ) from exc
     finally:
         if writer is not None:
             writer.close()
@@ -155,13 +194,16 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
     """Write dataset ``name`` as ``out_dir/data.parquet`` plus ``out_dir/provenance.json``."""
     out_dir = Path(out_dir)
     data = out_dir / "data.parquet"
-    with atomic_path(data) as tmp:
+    with atomic_paths(data, out_dir / NAME) as (tmp, tmp_prov):
         if spec["source"] == "local":
             src = Path(spec["path"])
             if not src.exists():
-                raise DataError(f"datasets.{name}.path: {src} does not exist")
-            fmt = file_format(src, spec.get("file_format"))
-            rows = convert_local(src, fmt, tmp)
+                raise DataError(f"datasets.{name}.path: {src} does not exist; fix the path")
+            try:
+                fmt = file_format(src, spec.get("file_format"))
+                rows = convert_local(src, fmt, tmp)
+            except DataError as exc:
+                raise DataError(f"datasets.{name}.path: {exc}") from None
             extra = {"path": str(src.resolve()), "file_format": fmt, "files": sha256_tree(src)}
         else:
             import datasets
@@ -182,19 +224,12 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
                 "commit": commit,
             }
         if rows == 0:
-            raise DataError(f"datasets.{name}: the dataset has no rows")
-        output_sha = sha256_file(tmp)
-    write_json(
-        out_dir / "provenance.json",
-        _provenance(
-            "dataset",
-            name,
-            spec,
-            source=spec["source"],
-            rows=rows,
-            output={"data.parquet": output_sha},
-            **extra,
-        ),
-    )
+            raise DataError(
+                f"datasets.{name}: the dataset has no rows; check the path, split or file"
+            )
+        outputs = {"data.parquet": sha256_file(tmp)}
+        prov = _provenance("dataset", name, spec, out_dir, outputs, source=spec["source"],
+                           rows=rows, output=outputs, **extra)  # fmt: skip
+        tmp_prov.write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
     log.info("dataset %s: %d rows -> %s", name, rows, data)
     return data

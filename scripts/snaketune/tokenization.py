@@ -27,6 +27,7 @@ import bisect
 import functools
 import hashlib
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,7 @@ class Stats:
     tokens: int = 0
     label_tokens: int = 0
     max_tokens: int = 0
+    max_token_id: int = -1
     per_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -243,7 +245,7 @@ def _text(value: Any, name: str, row: int, col: str, optional: bool = False) -> 
     if value is None and optional:
         return ""
     if not isinstance(value, str):
-        what = "null" if value is None else f"a {type(value).__name__}, not text"
+        what = "null" if value is None else f"of type {type(value).__name__}, not text"
         raise DataError(
             f"datasets.{name} row {row}: column {col!r} is {what}; "
             "clean the data or filter the row out"
@@ -269,7 +271,8 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
             msgs = data[cols["messages"]][i]
             if not isinstance(msgs, list) or not msgs:
                 raise DataError(
-                    f"datasets.{name} row {row}: `messages` must be a non-empty list of turns"
+                    f"datasets.{name} row {row}: `messages` must be a non-empty list of turns; "
+                    "clean the data or filter the row out"
                 )
             turns = []
             for m in msgs:
@@ -277,11 +280,14 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
                     raise DataError(
                         f"datasets.{name} row {row}: each turn needs role system, user or "
                         "assistant "
-                        f"and text content (got {m!r:.80})"
+                        f"and text content (got {m!r:.80}); clean the data or filter the row out"
                     )
                 turns.append((m["role"], _text(m.get("content"), name, row, "content")))
             if not any(role == "assistant" for role, _ in turns):
-                raise DataError(f"datasets.{name} row {row}: no assistant turn to learn from")
+                raise DataError(
+                    f"datasets.{name} row {row}: no assistant turn to learn from; "
+                    "clean the data or filter the row out"
+                )
             out.append(tuple(turns))
             continue
         if fmt == "prompt_response":
@@ -502,6 +508,8 @@ def label_batch(
         stats.max_tokens = max(stats.max_tokens, int(kept_lengths.max()))
 
     out_ids = flat[keep_tok]
+    if out_ids.size:
+        stats.max_token_id = max(stats.max_token_id, int(out_ids.max()))
     out_labels = np.where(labelled, flat, IGNORE_INDEX).astype(np.int32)[keep_tok]
     offsets = pa.array(np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32))
     kept = np.flatnonzero(keep_row).tolist()
@@ -521,12 +529,28 @@ def load_tokenizer(model_dir: str | Path):
     """The model's fast tokenizer (local files only)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(
+            f"{model_dir}: cannot load its tokenizer ({reason[:200]}); the model directory "
+            "needs the tokenizer files (tokenizer.json, tokenizer_config.json)"
+        ) from exc
     if not getattr(tok, "is_fast", False):
         raise DataError(
             f"{model_dir}: the tokenizer has no fast (Rust) version; snaketune needs one"
         )
     return tok
+
+
+def model_vocab_size(model_dir: str | Path) -> int | None:
+    """``vocab_size`` from a model's config.json (its text model's, for multimodal ones)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
 def tokenize(
@@ -536,10 +560,17 @@ def tokenize(
     max_length: int,
     overlong: str = "drop",
     chat_template: str | None = None,
+    model_name: str = "model",
 ) -> Stats:
-    """Tokenize ``sources`` into the parquet file ``out``; return the stats."""
-    tokenizer = load_tokenizer(model_dir)
-    renderer = ChatRenderer(tokenizer, chat_template)
+    """Tokenize ``sources`` into the parquet file ``out``; return the stats.
+
+    Errors about the tokenizer start with ``models.<model_name>``.
+    """
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        renderer = ChatRenderer(tokenizer, chat_template)
+    except DataError as exc:
+        raise DataError(f"models.{model_name}: {exc}") from None
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     stats = Stats()
 
@@ -567,6 +598,13 @@ def tokenize(
             f"{stats.rows_filtered_out} filtered out, {stats.dropped_overlong} longer than "
             f"max_length {max_length}, {stats.dropped_no_response} without response tokens; "
             "check filters, raise max_length or set overlong: truncate"
+        )
+    vocab = model_vocab_size(model_dir)
+    if vocab is not None and stats.max_token_id >= vocab:
+        raise DataError(
+            f"models.{model_name}: the tokenizer makes token id {stats.max_token_id} but the "
+            f"model's vocab_size is {vocab} (config.json), so training would index past the "
+            "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
         )
     log.info(
         "tokenized %d conversations -> %d examples, %d tokens (%d dropped overlong, %d truncated)",

@@ -30,7 +30,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,11 +42,14 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import TrainerCallback
 
 from snaketune.errors import UserError
+from snaketune.health import Watchdog
+from snaketune.io import host_name
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "snaketune-complete.json"
 STOPPED_EXIT_CODE = 3
+HEALTH_EXIT_CODE = 4  # stopped by the GPU health watchdog (checkpoint saved)
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,57 @@ def peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def start_watchdog(
+    cfg: dict[str, Any], env: WorkerEnv, ckpt_dir: Path, run: str
+) -> Watchdog | None:
+    """This process's GPU watchdog (snaketune.health), or None (off, said once in the log)."""
+    from snaketune.health import Limits, Watchdog, open_reader
+
+    if not cfg["enabled"]:
+        return None
+    reader, how = open_reader(torch.cuda.is_available())
+    if reader is None:
+        if env.rank == 0:
+            log.info("GPU health watchdog: off (%s)", how)
+        return None
+    index = env.local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    mine = visible[env.local_rank].strip() if len(visible) > env.local_rank else ""
+    if torch.cuda.is_available() and mine.isdigit():  # NVML numbers GPUs physically
+        index = int(mine)
+    limits = Limits(cfg["temperature_margin_c"], cfg["throttle_samples"],
+                    cfg["memory_warn_fraction"])  # fmt: skip
+    records = ckpt_dir / "health" / f"node-{env.node_rank}-rank-{env.local_rank}.jsonl"
+    webhook = os.environ.get(cfg["webhook_env"]) or None
+    if env.rank == 0:
+        log.info("GPU health watchdog: every %gs (%s)%s", cfg["interval_seconds"], how,
+                 ", webhook set" if webhook else "")  # fmt: skip
+    context = {"run": run, "node": env.node_rank, "rank": env.rank}
+    return Watchdog(reader, index, cfg["interval_seconds"], limits, records, webhook,
+                    context).start()  # fmt: skip
+
+
+def report_unhealthy(
+    watchdog: Watchdog | None, env: WorkerEnv, ckpt_dir: Path, step: int | None
+) -> None:
+    """Gather the failing GPUs' messages on rank 0 and write checkpoints/health/fatal.json."""
+    import torch.distributed as dist
+
+    mine = watchdog.fatal if watchdog is not None else None
+    messages = [mine]
+    if dist.is_available() and dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, mine)
+    if env.rank == 0:
+        found = list(dict.fromkeys(m for m in messages if m))
+        (ckpt_dir / "health").mkdir(exist_ok=True)
+        (ckpt_dir / "health" / "fatal.json").write_text(
+            json.dumps({"step": step, "messages": found}, indent=2) + "\n"
+        )
+        log.error("GPU health: stopped at step %s after saving a checkpoint: %s", step,
+                  "; ".join(found))  # fmt: skip
+
+
 class SnaketuneCallback(TrainerCallback):
     """Metrics, progress, stop-on-signal and checkpoint completion marks."""
 
@@ -215,10 +268,12 @@ class SnaketuneCallback(TrainerCallback):
         metrics: Path,
         keep: int,
         start_step: int,
+        watchdog: Watchdog | None = None,
     ):
         self.env, self.collator, self.stop = env, collator, stop
-        self.metrics, self.keep = metrics, keep
+        self.metrics, self.keep, self.watchdog = metrics, keep, watchdog
         self.stopped_at: int | None = None
+        self.stopped_for_health = False
         self._start = self._last = time.monotonic()
         self._start_step = start_step
         self._tokens = self._samples = 0
@@ -227,11 +282,14 @@ class SnaketuneCallback(TrainerCallback):
         self._start = self._last = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        (flag,) = _all_reduce([1.0 if self.stop.signal else 0.0], op="max")
+        # One collective per step: 1 = a rank got a stop signal, 2 = a rank's GPU is failing.
+        unhealthy = self.watchdog is not None and self.watchdog.fatal is not None
+        (flag,) = _all_reduce([2.0 if unhealthy else 1.0 if self.stop.signal else 0.0], "max")
         if flag:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
+            self.stopped_for_health = flag >= 2
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -240,7 +298,10 @@ class SnaketuneCallback(TrainerCallback):
             [self.collator.tokens - self._tokens, self.collator.samples - self._samples]
         )
         self._tokens, self._samples = self.collator.tokens, self.collator.samples
-        (peak,) = _all_reduce([peak_memory_mib()], op="max")
+        last = self.watchdog.last if self.watchdog is not None else None
+        status = {"ok": 0, "warning": 1, "fatal": 2}[last["status"]] if last else -1
+        temp = last.get("temperature_c", -1) if last else -1
+        peak, status, temp = _all_reduce([peak_memory_mib(), status, temp], op="max")
         seconds = max(now - self._last, 1e-9)
         self._last = now
         if self.env.rank != 0 or not logs or "loss" not in logs:
@@ -256,6 +317,10 @@ class SnaketuneCallback(TrainerCallback):
             "peak_memory_mib": round(peak, 1),
             "elapsed_s": round(now - self._start, 3),
         }
+        if status >= 0:  # the worst GPU of the job at its last sample
+            record["gpu_health"] = ("ok", "warning", "fatal")[int(status)]
+            if temp >= 0:
+                record["gpu_max_temp_c"] = temp
         with open(self.metrics, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
         done = state.global_step - self._start_step
@@ -378,7 +443,7 @@ def run_worker(
     if env.local_rank == 0:
         hosts = ckpt_dir / "hosts"
         hosts.mkdir(exist_ok=True)
-        (hosts / f"node-{env.node_rank}").write_text(socket.gethostname())
+        (hosts / f"node-{env.node_rank}").write_text(host_name())
     _barrier()
 
     shard = datasets.Dataset.from_parquet(str(shards / f"node-{env.node_rank}.parquet"))
@@ -456,8 +521,9 @@ def run_worker(
             target_modules=lora["target_modules"],
             task_type="CAUSAL_LM",
         )
+    watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     callback = SnaketuneCallback(
-        env, collator, stop, live_metrics, run["save_total_limit"], start_step
+        env, collator, stop, live_metrics, run["save_total_limit"], start_step, watchdog
     )
 
     class ShardTrainer(SFTTrainer):
@@ -503,6 +569,11 @@ def run_worker(
             resume.name if resume else "scratch",
         )
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if watchdog is not None:
+        watchdog.stop()
+    if callback.stopped_for_health:
+        report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
+        return HEALTH_EXIT_CODE
     if callback.stopped_at is not None:
         if env.rank == 0:
             log.warning(
@@ -546,28 +617,34 @@ def record_probe(engine, probe: torch.Tensor, path: Path, rank: int, precision: 
         )
 
 
+def staged(out: Path, name: str) -> Path:
+    """Where a finished output of the train step waits until the launcher publishes it."""
+    return out / f".{name}.staged"
+
+
+# Outputs the workers write (staged); the launcher adds run_config.json and provenance.json
+# and renames all of them into place at once, after every worker has exited 0.
+WORKER_OUTPUTS = ("final_checkpoint", "model", "probe.safetensors", "metrics.jsonl")
+
+
 def save_outputs(
     trainer, env: WorkerEnv, out: Path, live_metrics: Path, probe: torch.Tensor, precision: str
 ) -> None:
-    """Final DeepSpeed checkpoint, model (adapter) directory and probe logits, each written
-    beside its name and renamed into place."""
-    final_tmp, model_tmp = out / ".final_checkpoint.tmp", out / ".model.tmp"
-    probe_tmp = out / ".probe.safetensors.tmp"
+    """Final DeepSpeed checkpoint, model (adapter) directory, probe logits and metrics,
+    each written to its staged name (see :func:`staged`)."""
+    final_tmp, model_tmp = staged(out, "final_checkpoint"), staged(out, "model")
+    probe_tmp, metrics_tmp = staged(out, "probe.safetensors"), staged(out, "metrics.jsonl")
     if env.rank == 0:
-        for p in (final_tmp, model_tmp):
-            shutil.rmtree(p, ignore_errors=True)
+        for p in (final_tmp, model_tmp, probe_tmp, metrics_tmp):
+            if p.is_dir():
+                shutil.rmtree(p)
+            p.unlink(missing_ok=True)
     _barrier()
     trainer.model_wrapped.save_checkpoint(str(final_tmp), tag="final")
     trainer.save_model(str(model_tmp))
     record_probe(trainer.model_wrapped, probe, probe_tmp, env.rank, precision)
-    _barrier()
     if env.rank == 0:
-        probe_tmp.rename(out / "probe.safetensors")
-        for tmp, name in ((final_tmp, "final_checkpoint"), (model_tmp, "model")):
-            dest = out / name
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp.rename(dest)
-        shutil.copyfile(live_metrics, out / "metrics.jsonl")
+        shutil.copyfile(live_metrics, metrics_tmp)
     _barrier()
     with contextlib.suppress(Exception):
         import torch.distributed as dist

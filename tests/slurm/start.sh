@@ -77,6 +77,8 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=6819
 AccountingStorageTRES=gres/gpu
+# keep each job's batch script in accounting, so the tests can read what was submitted
+AccountingStoreFlags=job_script
 JobCompType=jobcomp/none
 GresTypes=gpu
 SelectType=select/cons_tres

@@ -60,6 +60,17 @@ def run_tokenized(wildcards):
     return f"results/tokenized/{key}/data.parquet"
 
 
+def shard_eval_input(wildcards):
+    """A run's tokenized eval set, so that shard_dataset refuses an overlap before training."""
+    if "eval_dataset" not in config["runs"][wildcards.run]:
+        return {}
+    return {"eval": run_eval_tokenized(wildcards)}
+
+
+def shard_eval_arg(wildcards, input):
+    return f"--eval {input.eval}" if "eval" in input.keys() else ""
+
+
 def run_model(wildcards):
     return f"resources/models/{config['runs'][wildcards.run]['model']}"
 
@@ -178,4 +189,7 @@ def report_inputs(wildcards):
         if "eval_dataset" in r:
             inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
             inputs[f"{run}_samples"] = f"results/{run}/eval/samples.jsonl"
+            inputs[f"{run}_lineage"] = f"results/{run}/eval/provenance.json"
+        else:
+            inputs[f"{run}_lineage"] = final_model(run)
     return inputs

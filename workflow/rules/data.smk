@@ -8,6 +8,7 @@ rule tokenize_dataset:
     output:
         data="results/tokenized/{key}/data.parquet",
         stats="results/tokenized/{key}/stats.json",
+        provenance="results/tokenized/{key}/provenance.json",
     log:
         "logs/tokenize_dataset/{key}.log",
     benchmark:
@@ -28,6 +29,7 @@ rule tokenize_dataset:
 
 rule shard_dataset:
     input:
+        unpack(shard_eval_input),
         script=f"{SCRIPTS}/shard_dataset.py",
         tokenized=run_tokenized,
     output:
@@ -49,8 +51,9 @@ rule shard_dataset:
             dpath="runs/{run}/gradient_accumulation_steps", within=config
         ),
         seed=lookup(dpath="runs/{run}/seed", within=config),
+        eval=shard_eval_arg,
     shell:
         "python {input.script} --tokenized {input.tokenized} --nodes {params.nodes}"
         " --gpus-per-node {params.gpus_per_node} --micro-batch-size {params.micro_batch_size}"
         " --gradient-accumulation-steps {params.accumulation} --seed {params.seed}"
-        " --out {output.shards} > {log} 2>&1"
+        " {params.eval} --run {wildcards.run} --out {output.shards} > {log} 2>&1"

@@ -9,6 +9,7 @@ rule evaluate_base:
     output:
         metrics="results/base_eval/{key}/metrics.json",
         samples="results/base_eval/{key}/samples.jsonl",
+        provenance="results/base_eval/{key}/provenance.json",
     log:
         "logs/evaluate_base/{key}.log",
     benchmark:
@@ -41,6 +42,7 @@ rule evaluate:
             category="Evaluation samples",
             labels={"run": "{run}"},
         ),
+        provenance="results/{run}/eval/provenance.json",
     log:
         "logs/evaluate/{run}.log",
     benchmark:

@@ -1,0 +1,93 @@
+"""Atomic outputs: every stage, killed with SIGKILL at the worst moment, leaves none of its
+declared outputs, and a rerun completes.
+
+The worst moment is when all of a stage's data is written but nothing is renamed into
+place yet: ``SNAKETUNE_KILL_BEFORE_PUBLISH`` (snaketune.io.fault_point) makes the stage's
+process SIGKILL itself there. Snakemake runs with --keep-incomplete, so it deletes nothing
+after the failure: what is left on disk is what the stage left.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from conftest import ENV, ROOT, snakemake
+
+DEMO_CONFIG = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+
+# (rule, text in the path of the output being published, the rule's declared outputs)
+STAGES = [
+    ("make_fixtures", "resources/fixtures/",
+     ["resources/fixtures/tiny-llama", "resources/fixtures/gsm8k-demo/*.jsonl"]),
+    ("download_model", "resources/models/tiny", ["resources/models/tiny"]),
+    ("download_dataset", "resources/datasets/",
+     ["resources/datasets/*/data.parquet", "resources/datasets/*/provenance.json"]),
+    ("tokenize_dataset", "results/tokenized/",
+     ["results/tokenized/*/data.parquet", "results/tokenized/*/stats.json",
+      "results/tokenized/*/provenance.json"]),
+    ("shard_dataset", "results/demo/shards", ["results/demo/shards"]),
+    ("train", "results/demo/train/final_checkpoint",
+     ["results/demo/train/final_checkpoint", "results/demo/train/model",
+      "results/demo/train/metrics.jsonl", "results/demo/train/run_config.json",
+      "results/demo/train/provenance.json", "results/demo/train/probe.safetensors"]),
+    ("convert_checkpoint", "results/demo/lora_adapters", ["results/demo/lora_adapters"]),
+    ("merge_lora", "results/demo/merged_model", ["results/demo/merged_model"]),
+    ("evaluate_base", "results/base_eval/",
+     ["results/base_eval/*/metrics.json", "results/base_eval/*/samples.jsonl",
+      "results/base_eval/*/provenance.json"]),
+    ("evaluate", "results/demo/eval",
+     ["results/demo/eval/metrics.json", "results/demo/eval/samples.jsonl",
+      "results/demo/eval/provenance.json"]),
+    ("report", "results/summary",
+     ["results/summary.tsv", "results/summary.html", "results/loss_curves"]),
+]  # fmt: skip
+
+
+def existing(workdir, patterns: list[str]) -> list[str]:
+    """Paths matching ``patterns`` (not the hidden temporaries beside them)."""
+    found = [p.relative_to(workdir) for pat in patterns for p in workdir.glob(pat)]
+    return [str(p) for p in found if not any(part.startswith(".") for part in p.parts)]
+
+
+@pytest.fixture(scope="module")
+def quick_config(tmp_path_factory):
+    """The demo, 2 optimizer steps and a short evaluation (the kill, not the run, is tested)."""
+    cfg = copy.deepcopy(DEMO_CONFIG)
+    run = cfg["runs"]["demo"]
+    del run["epochs"]
+    run.update(max_steps=2, save_steps=1, eval={"limit": 8, "max_new_tokens": 8, "batch_size": 8})
+    path = tmp_path_factory.mktemp("atomic_config") / "quick.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_sigkill_before_publish_leaves_no_output_and_a_rerun_completes(
+    tmp_path, quick_config, monkeypatch
+):
+    def run(rule: str, fault: str | None):
+        if fault:
+            monkeypatch.setitem(ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH", fault)
+        else:
+            monkeypatch.delitem(ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH", raising=False)
+        return snakemake("--configfile", str(quick_config), "--directory", str(tmp_path),
+                         "--keep-incomplete", "--until", rule, check=False)  # fmt: skip
+
+    survived = []
+    for rule, needle, outputs in STAGES:
+        proc = run(rule, needle)  # the stage (and what it needs, done before) until killed
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, f"{rule}: not killed\n{out[-3000:]}"
+        assert f"Error in rule {rule}:" in out, f"{rule}: another job failed\n{out[-3000:]}"
+        assert existing(tmp_path, outputs) == [], f"{rule}: killed, yet its outputs exist"
+        proc = run(rule, None)
+        assert proc.returncode == 0, f"{rule}: the rerun failed\n{proc.stdout + proc.stderr}"
+        assert len(existing(tmp_path, outputs)) >= len(outputs), f"{rule}: rerun incomplete"
+        survived.append(rule)
+    leftovers = [str(p) for p in tmp_path.rglob("*.tmp-*")] + [
+        str(p) for p in tmp_path.rglob("*.staged")
+    ]
+    assert leftovers == [], "temporaries of killed writers were not cleaned up"
+    assert survived == [rule for rule, _, _ in STAGES]
+    print(f"faults injected: {len(STAGES)} SIGKILL (one per stage), survived: {len(survived)}")
