@@ -88,6 +88,21 @@ def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Co
     return proc
 
 
+def quick_config(path: Path, **run: object) -> Path:
+    """Write the demo config with a short run (2 optimizer steps, 8 eval examples, ``run``
+    overrides) to ``path``: for tests of scheduling and failure handling, not learning."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    demo = cfg["runs"]["demo"]
+    del demo["epochs"]
+    demo.update(max_steps=2, save_steps=1,
+                eval={"limit": 8, "max_new_tokens": 8, "batch_size": 8}, **run)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 

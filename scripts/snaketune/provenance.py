@@ -78,8 +78,9 @@ def describe_input(path: str | Path) -> dict[str, Any]:
 def hosts_and_jobs() -> dict[str, Any]:
     """Host name, time and SLURM job id of this process (see io.run_context)."""
     ctx = run_context()
-    if os.environ.get("SLURM_JOB_NODELIST"):
-        ctx["slurm_nodelist"] = os.environ["SLURM_JOB_NODELIST"]
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if nodelist:
+        ctx["slurm_nodelist"] = nodelist
     return ctx
 
 
