@@ -23,7 +23,7 @@ from snaketune.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.convert import convert_full, convert_lora, export_dtype
-    from snaketune.provenance import output_hashes, record, write_provenance
+    from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def finish(tmp: Path, report: dict) -> None:
         prov = record("convert_checkpoint", args.out, config, inputs, output_hashes(tmp),
                       report=report)  # fmt: skip
-        write_provenance(tmp, prov)
+        write_provenance(tmp / NAME, prov)
 
     if args.method == "full":
         report = convert_full(

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snaketune.evaluate import evaluate
-    from snaketune.provenance import output_hashes, record, write_provenance
+    from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def finish(tmp: Path, _: dict) -> None:
         stage = "evaluate" if args.train else "evaluate_base"
-        write_provenance(tmp, record(stage, args.out, config, inputs, output_hashes(tmp)))
+        write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
     metrics = evaluate(
         args.model,

@@ -22,7 +22,7 @@ from snaketune.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.convert import export_dtype, merge_lora
-    from snaketune.provenance import output_hashes, record, write_provenance
+    from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def finish(tmp: Path, report: dict) -> None:
         prov = record("merge_lora", args.out, config, inputs, output_hashes(tmp), report=report)
-        write_provenance(tmp, prov)
+        write_provenance(tmp / NAME, prov)
 
     report = merge_lora(
         args.base,

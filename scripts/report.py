@@ -21,11 +21,9 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_paths
+from snaketune.plan import FINAL_MODEL
 from snaketune.provenance import lineage
 from snaketune.report import loss_curve_svg, summary_html, summary_row, write_summary
-
-# The model a run ends with, by method (the artefact its lineage starts from without eval).
-FINAL = {"lora": "merged_model", "full": "hf"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,9 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()
                 samples[name] = [json.loads(x) for x in lines if x]
-            final = (
-                ev.parent if "eval_dataset" in spec else args.results / name / FINAL[spec["method"]]
-            )
+            model = args.results / name / FINAL_MODEL[spec["method"]]
+            final = ev.parent if "eval_dataset" in spec else model
             href = os.path.relpath(final / "provenance.json", args.html.parent)
             lineages[name] = (href, str(final), "\n".join(lineage(final)))
         write_summary(rows, summary)

@@ -18,7 +18,7 @@ from pathlib import Path
 from snaketune.cli import run
 from snaketune.errors import DataError
 from snaketune.io import atomic_path, write_json
-from snaketune.provenance import output_hashes, record, write_provenance
+from snaketune.provenance import NAME, output_hashes, record, write_provenance
 from snaketune.shard import Layout, check_overlap, shard
 
 
@@ -42,23 +42,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="run name (for messages)")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
-    if args.eval:
-        try:
-            check_overlap(Path(args.tokenized), Path(args.eval))
-        except DataError as exc:
-            raise DataError(f"runs.{args.run}: {exc}") from None
     layout = Layout(
         args.nodes, args.gpus_per_node, args.micro_batch_size, args.gradient_accumulation_steps
     )
-    with atomic_path(args.out) as tmp:
-        try:
+    try:  # the data errors of this step name the run
+        if args.eval:
+            check_overlap(Path(args.tokenized), Path(args.eval))
+        with atomic_path(args.out) as tmp:
             manifest = shard(args.tokenized, tmp, layout, args.seed)
-        except DataError as exc:
-            raise DataError(f"runs.{args.run}: {exc}") from None
-        write_json(tmp / "manifest.json", manifest)
-        inputs = {"tokenized": args.tokenized, **({"eval": args.eval} if args.eval else {})}
-        config = {k: v for k, v in vars(args).items() if k not in ("tokenized", "eval", "out")}
-        write_provenance(tmp, record("shard_dataset", args.out, config, inputs, output_hashes(tmp)))
+            write_json(tmp / "manifest.json", manifest)
+            inputs = {"tokenized": args.tokenized, **({"eval": args.eval} if args.eval else {})}
+            config = {k: v for k, v in vars(args).items() if k not in ("tokenized", "eval", "out")}
+            prov = record("shard_dataset", args.out, config, inputs, output_hashes(tmp))
+            write_provenance(tmp / NAME, prov)
+    except DataError as exc:
+        raise DataError(f"runs.{args.run}: {exc}") from None
     return 0
 
 

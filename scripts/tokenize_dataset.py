@@ -23,7 +23,7 @@ from pathlib import Path
 from snaketune.cli import run
 from snaketune.errors import DataError
 from snaketune.io import atomic_paths, sha256_file
-from snaketune.provenance import NAME, record
+from snaketune.provenance import NAME, record, write_provenance
 from snaketune.tokenization import Source, tokenize
 
 
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = {out.name: tmp, Path(args.stats).name: tmp_stats}
         prov = record("tokenize_dataset", out.parent, spec, inputs,
                       {n: sha256_file(t) for n, t in names.items()})  # fmt: skip
-        tmp_prov.write_text(json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
+        write_provenance(tmp_prov, prov)
     return 0
 
 

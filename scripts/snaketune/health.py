@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 FILE_ENV = "SNAKETUNE_GPU_HEALTH_FILE"
 OK, WARNING, FATAL = 0, 1, 2
 STATUS = {OK: "ok", WARNING: "warning", FATAL: "fatal"}
+LEVEL = {name: level for level, name in STATUS.items()}
 
 
 @dataclass
@@ -182,7 +183,7 @@ def assess(
         flag(WARNING, f"clocks throttled ({', '.join(s.throttle)})")
     used, total = s.memory_used_mib, s.memory_total_mib
     if used is not None and total and used >= limits.memory_warn_fraction * total:
-        flag(WARNING, f"memory {s.memory_used_mib:.0f}/{s.memory_total_mib:.0f} MiB")
+        flag(WARNING, f"memory {used:.0f}/{total:.0f} MiB")
     return level, problems
 
 

@@ -92,15 +92,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
     Works for files and directories. An existing ``path`` is replaced only on success.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_name(path)
-    remove_stale_temps(path)
-    try:
+    with atomic_paths(path) as (tmp,):
         yield tmp
-        publish([(tmp, path)])
-    finally:
-        _remove(tmp)
 
 
 @contextlib.contextmanager

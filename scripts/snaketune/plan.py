@@ -20,6 +20,8 @@ from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
+# The directory under results/<run>/ of the model a run ends with, by method.
+FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
 DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
 
 

@@ -106,9 +106,10 @@ def record(
     }
 
 
-def write_provenance(directory: Path, prov: dict[str, Any]) -> None:
-    """Write ``prov`` as directory/provenance.json (directory: a finished temporary)."""
-    (directory / NAME).write_text(json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
+def write_provenance(path: Path, prov: dict[str, Any]) -> None:
+    """Write ``prov`` to ``path`` (provenance.json in a finished temporary directory, or the
+    temporary of a provenance.json beside the outputs)."""
+    path.write_text(json.dumps(prov, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def output_hashes(directory: Path, names: list[str] | None = None) -> dict[str, str]:

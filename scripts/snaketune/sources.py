@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from snaketune.errors import DataError
 from snaketune.io import atomic_path, atomic_paths, sha256_file, sha256_tree
-from snaketune.provenance import NAME, record
+from snaketune.provenance import NAME, record, write_provenance
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
         files = sha256_tree(tmp)
         prov = _provenance("model", name, spec, out, files, source=spec["source"], files=files,
                            **extra)  # fmt: skip
-        (tmp / NAME).write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+        write_provenance(tmp / NAME, prov)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -230,6 +230,6 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
         outputs = {"data.parquet": sha256_file(tmp)}
         prov = _provenance("dataset", name, spec, out_dir, outputs, source=spec["source"],
                            rows=rows, output=outputs, **extra)  # fmt: skip
-        tmp_prov.write_text(json.dumps(prov, indent=2, sort_keys=True) + "\n")
+        write_provenance(tmp_prov, prov)
     log.info("dataset %s: %d rows -> %s", name, rows, data)
     return data

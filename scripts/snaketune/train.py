@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import TrainerCallback
 
 from snaketune.errors import UserError
-from snaketune.health import Watchdog
+from snaketune.health import LEVEL, STATUS, Limits, Watchdog, open_reader
 from snaketune.io import host_name
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,6 @@ def start_watchdog(
     cfg: dict[str, Any], env: WorkerEnv, ckpt_dir: Path, run: str
 ) -> Watchdog | None:
     """This process's GPU watchdog (snaketune.health), or None (off, said once in the log)."""
-    from snaketune.health import Limits, Watchdog, open_reader
-
     if not cfg["enabled"]:
         return None
     reader, how = open_reader(torch.cuda.is_available())
@@ -299,7 +297,7 @@ class SnaketuneCallback(TrainerCallback):
         )
         self._tokens, self._samples = self.collator.tokens, self.collator.samples
         last = self.watchdog.last if self.watchdog is not None else None
-        status = {"ok": 0, "warning": 1, "fatal": 2}[last["status"]] if last else -1
+        status = LEVEL[last["status"]] if last else -1
         temp = last.get("temperature_c", -1) if last else -1
         peak, status, temp = _all_reduce([peak_memory_mib(), status, temp], op="max")
         seconds = max(now - self._last, 1e-9)
@@ -318,7 +316,7 @@ class SnaketuneCallback(TrainerCallback):
             "elapsed_s": round(now - self._start, 3),
         }
         if status >= 0:  # the worst GPU of the job at its last sample
-            record["gpu_health"] = ("ok", "warning", "fatal")[int(status)]
+            record["gpu_health"] = STATUS[int(status)]
             if temp >= 0:
                 record["gpu_max_temp_c"] = temp
         with open(self.metrics, "a", encoding="utf-8") as fh:

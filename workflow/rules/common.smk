@@ -3,7 +3,12 @@ import json
 from pathlib import Path
 
 from snaketune.config import resolve_deepspeed
-from snaketune.plan import run_eval_tokenize_spec, run_tokenize_spec, tokenize_key
+from snaketune.plan import (
+    FINAL_MODEL,
+    run_eval_tokenize_spec,
+    run_tokenize_spec,
+    tokenize_key,
+)
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
 SCRIPTS = Path(workflow.basedir) / "scripts"
@@ -134,8 +139,7 @@ def convert_inputs(wildcards):
 
 def final_model(run):
     """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
-    kind = export_kind(run)
-    return f"results/{run}/{'merged_model' if kind == 'lora_adapters' else kind}"
+    return f"results/{run}/{FINAL_MODEL[config['runs'][run]['method']]}"
 
 
 def eval_args(settings):
