@@ -1,11 +1,15 @@
-"""Split a tokenized dataset into one step-balanced parquet shard per node.
+"""Plan every optimizer step of an epoch and write one parquet shard per node.
 
     python scripts/shard_dataset.py --tokenized results/tokenized/KEY/data.parquet \
         --nodes 2 --gpus-per-node 1 --micro-batch-size 4 --gradient-accumulation-steps 1 \
-        --seed 42 --eval results/tokenized/EVALKEY/data.parquet --run demo --out results/demo/shards
+        --seed 42 --packing --model resources/models/tiny --attn-implementation auto \
+        --eval results/tokenized/EVALKEY/data.parquet --run demo --out results/demo/shards
 
-Writes node-{k}.parquet for each node and manifest.json (rows, tokens, sha256 per shard,
-steps per epoch, and the example ids left out to give every node the same step count).
+Writes node-{k}.parquet for each node (one row per example, with the step, rank and micro
+batch it is trained in) and manifest.json (rows, tokens, sha256 per shard, steps per epoch,
+the worst step's token balance across ranks, and the example ids left out to give every
+node the same step count). With --packing and --model, a model that cannot train on packed
+sequences is refused here, before any training job.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from snaketune.cli import run
 from snaketune.errors import DataError
 from snaketune.io import atomic_path, write_json
+from snaketune.packing import check_packing, expected_attention
 from snaketune.provenance import NAME, output_hashes, record, write_provenance
 from snaketune.shard import Layout, check_overlap, shard
 
@@ -37,6 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=42, help="seed of the shard assignment")
     parser.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="balance each step's tokens across ranks for packed training (default on)",
+    )
+    parser.add_argument("--model", help="the run's model directory (checked for packing)")
+    parser.add_argument(
+        "--attn-implementation", default="auto", help="the run's attention (packing check)"
+    )
+    parser.add_argument(
         "--eval", help="the run's tokenized eval set: fail here if it shares training examples"
     )
     parser.add_argument("--run", default="run", help="run name (for messages)")
@@ -45,14 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = Layout(
         args.nodes, args.gpus_per_node, args.micro_batch_size, args.gradient_accumulation_steps
     )
+    if args.packing and args.model:
+        check_packing(args.model, expected_attention(args.attn_implementation), f"runs.{args.run}")
     try:  # the data errors of this step name the run
         if args.eval:
             check_overlap(Path(args.tokenized), Path(args.eval))
         with atomic_path(args.out) as tmp:
-            manifest = shard(args.tokenized, tmp, layout, args.seed)
+            manifest = shard(args.tokenized, tmp, layout, args.seed, args.packing)
             write_json(tmp / "manifest.json", manifest)
             inputs = {"tokenized": args.tokenized, **({"eval": args.eval} if args.eval else {})}
-            config = {k: v for k, v in vars(args).items() if k not in ("tokenized", "eval", "out")}
+            skip = ("tokenized", "eval", "out", "model")
+            config = {k: v for k, v in vars(args).items() if k not in skip}
             prov = record("shard_dataset", args.out, config, inputs, output_hashes(tmp))
             write_provenance(tmp / NAME, prov)
     except DataError as exc:

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, snakemake
+from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, snakemake, train
 from safetensors.torch import load_file
 
 from snaketune.train import COMPLETE, checkpoints
@@ -76,7 +76,10 @@ def test_lora_zero2_demo_trains(demo):
     assert list((train / "tensorboard").iterdir())
     log = (demo / "logs/train/demo.log").read_text()
     assert "global batch 16 = micro 4 x 1 devices x 2 nodes x accumulation 2" in log
+    assert "attention sdpa, rows batches" in log  # packed (the default) on CPU
     assert "ETA" in log
+    # packed rows of at most max_length: little padding left (the last row of a micro batch)
+    assert all(0 <= m["padding"] < 0.35 for m in metrics), [m["padding"] for m in metrics]
     # only complete checkpoints are kept, at most save_total_limit of them
     kept = checkpoints(train / "checkpoints")
     assert [p.name for p in kept] == ["checkpoint-30", "checkpoint-32"]
@@ -105,6 +108,7 @@ def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, t
     assert "Error in rule train" in out  # the failure was reported
     log = (tmp_path / "logs/train/demo.log").read_text()
     assert "resuming from checkpoint-10" in log
+    assert "rows batches" in log  # a packed run, resumed
     got = read_jsonl(tmp_path / "results/demo/train/metrics.jsonl")
     want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
     assert [m["step"] for m in got] == [m["step"] for m in want]
@@ -142,9 +146,15 @@ def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
         int(p.stem.split("-")[1]): p.read_text().split() for p in ids_dir.glob("rank-*.txt")
     }
     assert sorted(per_rank) == [0, 1, 2, 3]
-    assert len({len(v) for v in per_rank.values()}) == 1  # no rank runs out before another
     counts = Counter(i for ids in per_rank.values() for i in ids)
     manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["packing"] is True  # token-balanced plan: ranks differ in example counts
+    planned = {r: [] for r in range(4)}
+    for s in manifest["shards"]:
+        t = pq.read_table(shards / s["file"], columns=["example_id", "rank"]).to_pydict()
+        for i, r in zip(t["example_id"], t["rank"], strict=True):
+            planned[r].append(i)
+    assert {r: sorted(v) for r, v in per_rank.items()} == {r: sorted(v) for r, v in planned.items()}
     node_ids = [
         set(pq.read_table(shards / s["file"]).column("example_id").to_pylist())
         for s in manifest["shards"]
@@ -164,6 +174,28 @@ def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
     assert (model / "config.json").is_file() and (
         model / "model.safetensors"
     ).stat().st_size > 500_000
+
+
+def test_packed_and_padded_runs_of_the_same_examples_train_the_same(demo, tmp_path):
+    """The demo trains packed; the same run with packing: false (same global batches, split
+    into padded micro batches at random) logs the same losses and gradient norms."""
+    tokenized = next((demo / "results/tokenized").glob("*/data.parquet"))
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
+         "--nodes", "2", "--gpus-per-node", "1", "--micro-batch-size", "4",
+         "--gradient-accumulation-steps", "2", "--seed", "42", "--no-packing",
+         "--out", str(tmp_path / "shards")],
+        check=True, env=ENV, capture_output=True,
+    )  # fmt: skip
+    spec = run_spec(packing=False)
+    out = train(tmp_path, spec, tmp_path / "shards", demo / "resources/models/tiny", "zero2")
+    padded = read_jsonl(out / "metrics.jsonl")
+    packed = read_jsonl(demo / "results/demo/train/metrics.jsonl")
+    assert [m["step"] for m in padded] == [m["step"] for m in packed]
+    assert all(m["padding"] > 0.05 for m in padded)  # really padded
+    for a, b in zip(padded, packed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
 def test_global_batch_larger_than_the_data_fails_beforelaunch_train(tmp_path):

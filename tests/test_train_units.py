@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 from snaketune.launch import RENDEZVOUS, local_commands, slurm_command, supervise
 from snaketune.train import (
     COMPLETE,
-    NodeShardSampler,
+    PlanBatches,
     newest_complete,
     prune,
     resolve_precision,
@@ -23,24 +22,27 @@ from snaketune.train import (
 )
 
 
-@pytest.mark.parametrize("gpus", [1, 2, 4])
-def test_sampler_splits_the_node_shard_exactly_once_per_epoch(gpus):
-    n = 48
-    samplers = [NodeShardSampler(n, r, gpus, seed=3) for r in range(gpus)]
-    epochs = []
-    for _ in range(3):
-        parts = [list(s) for s in samplers]
-        assert {len(p) for p in parts} == {n // gpus}
-        assert Counter(i for p in parts for i in p) == Counter(range(n))
-        epochs.append(parts)
-    assert epochs[0] != epochs[1]  # reshuffled every epoch
-    resumed = NodeShardSampler(n, 0, gpus, seed=3, start_epoch=2)
-    assert list(resumed) == epochs[2][0]  # a resumed run continues the same order
+def test_plan_batches_run_each_planned_micro_batch_once_per_epoch():
+    import numpy as np
+
+    step = np.array([1, 0, 2, 1, 0, 2, 0, 1, 2, 0])
+    micro = np.array([0, 0, 1, 1, 1, 0, 1, 0, 1, 0])
+    batches = PlanBatches(step, micro, steps=3, accumulation=2, seed=0)
+    assert len(batches) == 6
+    first = list(batches)
+    assert first == [[1, 9], [4, 6], [0, 7], [3], [5], [2, 8]]  # as planned, step by step
+    second = list(batches)
+    assert sorted(map(tuple, second)) == sorted(map(tuple, first))  # the same micro batches
+    assert second == first[4:6] + first[0:2] + first[2:4]  # steps 2, 0, 1: (seed 0, epoch 1)
+    resumed = PlanBatches(step, micro, steps=3, accumulation=2, seed=0, start_epoch=1)
+    assert list(resumed) == second  # a resumed run continues the same order
 
 
-def test_sampler_refuses_a_shard_that_does_not_split():
-    with pytest.raises(Exception, match="not a multiple of its 4 processes"):
-        NodeShardSampler(10, 0, 4, seed=0)
+def test_plan_batches_refuse_an_empty_micro_batch():
+    import numpy as np
+
+    with pytest.raises(Exception, match="plans no example for step 1 micro batch 0"):
+        PlanBatches(np.array([0, 0]), np.array([0, 0]), steps=2, accumulation=1, seed=0)
 
 
 def test_only_complete_checkpoints_count_and_are_kept(tmp_path):

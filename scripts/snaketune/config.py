@@ -22,6 +22,7 @@ import jsonschema
 import yaml
 
 from snaketune.errors import ConfigError
+from snaketune.packing import check_kernels_installed
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
 PRESET_DIR = Path("config/deepspeed")
@@ -290,6 +291,7 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         f"{where}.lora: only for method lora; remove it or set method: lora",
     )
     _check_deepspeed(name, run["deepspeed"], root)
+    check_kernels_installed(where, run)
 
 
 def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str, Any]:

@@ -72,6 +72,10 @@ def shard_eval_input(wildcards):
     return {"eval": run_eval_tokenized(wildcards)}
 
 
+def shard_packing_arg(wildcards):
+    return "--packing" if config["runs"][wildcards.run]["packing"] else "--no-packing"
+
+
 def shard_eval_arg(wildcards, input):
     return f"--eval {input.eval}" if "eval" in input.keys() else ""
 

@@ -32,6 +32,7 @@ rule shard_dataset:
         unpack(shard_eval_input),
         script=f"{SCRIPTS}/shard_dataset.py",
         tokenized=run_tokenized,
+        model=run_model,
     output:
         shards=directory("results/{run}/shards"),
     log:
@@ -51,9 +52,12 @@ rule shard_dataset:
             dpath="runs/{run}/gradient_accumulation_steps", within=config
         ),
         seed=lookup(dpath="runs/{run}/seed", within=config),
+        packing=shard_packing_arg,
+        attention=lookup(dpath="runs/{run}/attn_implementation", within=config),
         eval=shard_eval_arg,
     shell:
         "python {input.script} --tokenized {input.tokenized} --nodes {params.nodes}"
         " --gpus-per-node {params.gpus_per_node} --micro-batch-size {params.micro_batch_size}"
         " --gradient-accumulation-steps {params.accumulation} --seed {params.seed}"
+        " {params.packing} --model {input.model} --attn-implementation {params.attention}"
         " {params.eval} --run {wildcards.run} --out {output.shards} > {log} 2>&1"

@@ -1,0 +1,222 @@
+"""What the training loop reports and obeys at each step: metrics, progress, stop requests,
+checkpoint completion. Shared by every training method (a transformers TrainerCallback).
+
+Per optimizer step the callback makes ONE collective: an all-gather of a few numbers per
+rank (stop flag, tokens, padding, samples, attention work, peak memory, GPU health), from
+which the stop decision and the step's metrics are both taken. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from snaketune.checkpoints import mark_complete, prune
+from snaketune.health import LEVEL, STATUS, Watchdog
+from snaketune.throughput import mfu, step_flops
+
+log = logging.getLogger(__name__)
+
+# the per-rank numbers of a step: how each is combined across ranks
+FIELDS = (("flag", "max"), ("tokens", "sum"), ("padded", "sum"), ("samples", "sum"),
+          ("squares", "sum"), ("peak", "max"), ("status", "max"), ("temp", "max"))  # fmt: skip
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGUSR1; read by the callback at every step end."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint at the end of this step", self.signal)
+
+
+def is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if is_distributed():
+        dist.barrier()
+
+
+def gather_step(values: list[float]) -> dict[str, float]:
+    """Every rank's ``values`` (in FIELDS order), combined: one all-gather."""
+    import torch.distributed as dist
+
+    rows = [values]
+    if is_distributed():
+        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        rows = torch.stack(parts).cpu().tolist()
+    return {
+        name: (sum if how == "sum" else max)(r[i] for r in rows)
+        for i, (name, how) in enumerate(FIELDS)
+    }
+
+
+def peak_memory_mib() -> float:
+    """Peak device memory of this process (CUDA), or its peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """What the MFU of a step needs (see snaketune.throughput); None on CPU."""
+
+    n_params: int
+    layers: int
+    hidden: int
+    lora: bool
+    gpus: int
+    peak_tflops: float | None
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return str(timedelta(seconds=int(seconds)))
+
+
+class SnaketuneCallback(TrainerCallback):
+    """Metrics, progress, stop-on-signal and checkpoint completion marks."""
+
+    def __init__(
+        self,
+        rank: int,
+        collator,
+        stop: StopRequest,
+        metrics: Path,
+        keep: int,
+        start_step: int,
+        watchdog: Watchdog | None = None,
+        flops: FlopsModel | None = None,
+    ):
+        self.rank, self.collator, self.stop = rank, collator, stop
+        self.metrics, self.keep, self.watchdog, self.flops = metrics, keep, watchdog, flops
+        self.stopped_at: int | None = None
+        self.stopped_for_health = False
+        self._start = self._last = time.monotonic()
+        self._start_step = start_step
+        self._seen = {"tokens": 0, "padded": 0, "samples": 0, "squares": 0}
+        self._window = dict.fromkeys(self._seen, 0.0)  # summed over ranks since the last log
+        self._latest: dict[str, float] = {}
+        self._out = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = self._last = time.monotonic()
+        if self.rank == 0:
+            self._out = open(self.metrics, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # flag: 1 = a rank got a stop signal, 2 = a rank's GPU is failing
+        unhealthy = self.watchdog is not None and self.watchdog.fatal is not None
+        last = self.watchdog.last if self.watchdog is not None else None
+        counts = {k: getattr(self.collator, k) - v for k, v in self._seen.items()}
+        self._seen = {k: getattr(self.collator, k) for k in self._seen}
+        mine = {
+            "flag": 2.0 if unhealthy else 1.0 if self.stop.signal else 0.0,
+            **counts,
+            "peak": peak_memory_mib(),
+            "status": LEVEL[last["status"]] if last else -1,
+            "temp": last.get("temperature_c", -1) if last else -1,
+        }
+        got = gather_step([float(mine[name]) for name, _ in FIELDS])
+        for k in self._window:
+            self._window[k] += got[k]
+        self._latest = got
+        if got["flag"]:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            self.stopped_for_health = got["flag"] >= 2
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.rank != 0 or not logs or "loss" not in logs:
+            return
+        now = time.monotonic()
+        seconds = max(now - self._last, 1e-9)
+        self._last = now
+        w, got = self._window, self._latest
+        self._window = dict.fromkeys(self._window, 0.0)
+        record: dict[str, Any] = {
+            "step": state.global_step,
+            "epoch": round(state.epoch or 0.0, 4),
+            "loss": logs.get("loss"),
+            "lr": logs.get("learning_rate"),
+            "grad_norm": logs.get("grad_norm"),
+            "tokens_per_s": round(w["tokens"] / seconds, 1),
+            "padding": round(1 - w["tokens"] / w["padded"], 4) if w["padded"] else 0.0,
+            "samples_per_s": round(w["samples"] / seconds, 2),
+            "peak_memory_mib": round(got.get("peak", 0.0), 1),
+            "elapsed_s": round(now - self._start, 3),
+        }
+        if self.flops is not None:
+            f = self.flops
+            flops = step_flops(f.n_params, w["tokens"], w["squares"], f.layers, f.hidden, f.lora)
+            value = mfu(flops, seconds, f.gpus, f.peak_tflops)
+            if value is not None:
+                record["mfu"] = round(value, 4)
+        if got.get("status", -1) >= 0:  # the worst GPU of the job at its last sample
+            record["gpu_health"] = STATUS[int(got["status"])]
+            if got["temp"] >= 0:
+                record["gpu_max_temp_c"] = got["temp"]
+        self._out.write(json.dumps(record) + "\n")
+        done = state.global_step - self._start_step
+        left = state.max_steps - state.global_step
+        eta = (now - self._start) / done * left if done > 0 else float("nan")
+        log.info(
+            "step %d/%d (%.0f%%) epoch %.2f loss %.4f lr %.2e grad %.3f | %.0f tok/s, "
+            "padding %.0f%%%s | ETA %s",
+            state.global_step,
+            state.max_steps,
+            100 * state.global_step / max(state.max_steps, 1),
+            record["epoch"],
+            record["loss"],
+            record["lr"] or 0.0,
+            record["grad_norm"] or 0.0,
+            record["tokens_per_s"],
+            100 * record["padding"],
+            f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "",
+            _duration(eta),
+        )
+
+    def on_save(self, args, state, control, **kwargs):
+        barrier()  # every rank has written its part of the checkpoint
+        if self.rank == 0:
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            mark_complete(path, state.global_step, time.time())
+            prune(Path(args.output_dir), self.keep)
+            log.info("checkpoint %s complete", path.name)
+        barrier()
