@@ -8,7 +8,8 @@ the same shard, in the same example order and batch size, for the same number of
 steps, in one process:
   ours   scripts/train.py (torchrun agent, DeepSpeed ZeRO-2 engine, SFTTrainer, callbacks,
          metrics) on 1 node x 1 process; tokens/s from its metrics.jsonl
-  plain  model(**batch).loss.backward(); optimizer.step() with trl's padding collator
+  plain  model(**batch).loss.backward(); optimizer.step() with the stage's padded collator
+         over the same planned micro batches (packing: false on both sides)
 tokens/s counts the (unpadded) example tokens of the steps after the first --warmup steps.
 Target (issue 3): ours / plain >= 0.8.
 """
@@ -23,9 +24,7 @@ if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
     sys.path.pop(0)
 
 import argparse
-import json
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -40,73 +39,40 @@ def prepare(tmp: Path, micro: int, steps: int) -> tuple[Path, Path]:
     from snaketune.shard import Layout
 
     sizes = FixtureSizes(train_rows=max(512, micro * steps), test_rows=8)
-    made = make_sharded_fixture(tmp, sizes, Layout(1, 1, micro, 1))
+    made = make_sharded_fixture(tmp, sizes, Layout(1, 1, micro, 1), packing=False)
     return made["model"], made["shards"]
 
 
 def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
-    from snaketune.config import load_yaml, validate_config
+    from snaketune.fixtures import demo_run_spec, run_train_stage
 
-    config = load_yaml(ROOT / "config" / "config.yaml")
-    run = config["runs"]["demo"]
-    del run["epochs"], run["lora"]
-    run.update(
-        method="full",
-        nodes=1,
-        gpus_per_node=1,
-        micro_batch_size=micro,
-        gradient_accumulation_steps=1,
-        max_steps=steps,
-        learning_rate=lr,
-        warmup_ratio=0.0,
-        lr_scheduler="linear",
-        save_steps=10**6,
-        max_grad_norm=0.0,
-        seed=0,
-    )
-    run = validate_config(config, ROOT)["runs"]["demo"]
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "train.py"),
-        "--run-spec",
-        json.dumps(run),
-        "--shards",
-        str(shards),
-        "--model",
-        str(model),
-        "--deepspeed",
-        str(ROOT / "config" / "deepspeed" / "zero2.json"),
-        "--out",
-        str(tmp / "train"),
-    ]
-    subprocess.run(
-        cmd,
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())},
-    )
-    return [json.loads(x) for x in (tmp / "train" / "metrics.jsonl").read_text().splitlines()]
+    spec = demo_run_spec(ROOT, method="full", nodes=1, gpus_per_node=1, micro_batch_size=micro,
+                         gradient_accumulation_steps=1, max_steps=steps, learning_rate=lr,
+                         warmup_ratio=0.0, lr_scheduler="linear", save_steps=10**6,
+                         max_grad_norm=0.0, seed=0, packing=False)  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())}
+    return run_train_stage(ROOT, spec, shards, model, tmp / "train", env=env)
 
 
 def run_plain(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
-    import datasets
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    from snaketune.train import Collator, NodeShardSampler
+    from snaketune.packing import Collator
+    from snaketune.train import PlanBatches, read_rank_rows
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())
-    shard = datasets.Dataset.from_parquet(str(shards / "node-0.parquet"))
-    collator = Collator(pad_token_id=0)
+    shard = read_rank_rows(shards, 0, 0)
+    steps_planned = max(shard["step"]) + 1
+    collator = Collator("padded", 0, 512)
     loader = torch.utils.data.DataLoader(
         shard,
-        batch_size=micro,
-        sampler=NodeShardSampler(len(shard), 0, 1, 0),
+        batch_sampler=PlanBatches(np.asarray(shard["step"]), np.asarray(shard["micro"]),
+                                  steps_planned, 1, 0),  # the stage's plan and order
         collate_fn=collator,
-        drop_last=True,
-    )
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

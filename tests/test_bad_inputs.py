@@ -130,6 +130,13 @@ PARSE = [
          "config error: runs.demo.deepspeed: ds.json is not valid JSON"),
     Case("chat-template-missing", "config", put("models/tiny/chat_template", "none.jinja"),
          "config error: models.tiny.chat_template: file 'none.jinja' not found"),
+    Case("flash-attention-not-installed", "config",
+         put("runs/demo/attn_implementation", "flash_attention_2"),
+         "config error: runs.demo.attn_implementation: flash_attention_2 asked for but "
+         'flash-attn is not installed; pip install -e ".[gpu]"'),
+    Case("liger-kernel-not-installed", "config", put("runs/demo/liger_kernel", True),
+         "config error: runs.demo.liger_kernel: true asked for but liger-kernel is not "
+         'installed; pip install -e ".[gpu]"'),
     Case("dataset-file-missing", "data", put("datasets/gsm8k_demo/path", "data/train.jsonl"),
          "error: datasets.gsm8k_demo.path: data/train.jsonl does not exist"),
     Case("dataset-file-empty", "data",
@@ -202,6 +209,13 @@ def small_vocab(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def as_bloom(path: Path) -> None:
+    """An ALiBi architecture: its forward takes no position_ids."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="bloom", architectures=["BloomForCausalLM"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
 def no_tokenizer(path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (path / name).unlink(missing_ok=True)
@@ -239,6 +253,11 @@ JOBS = [
          "40 filtered out", "tokenize_dataset"),
     Case("all-rows-too-long", "data", run_on_demo("bad_too_long", max_length=8),
          "error: datasets.gsm8k_demo: no example left after tokenizing:", "tokenize_dataset"),
+    Case("example-longer-than-max-length", "data",
+         run_on_demo("bad_overlong", max_length=60, overlong="error"),
+         "error: datasets.gsm8k_demo: 194 examples are longer than max_length 60 (overlong: "
+         "error; the longest, gsm8k_demo:0, has 67 tokens); raise max_length to 67 or set "
+         "overlong: drop", "tokenize_dataset"),
     Case("null-prompt", "data",
          dataset("bad_null", [QA, {"question": None, "answer": "#### 1"}, *QA_ROWS]),
          "error: datasets.bad_null row 1: column 'question' is null; clean the data or filter "
@@ -271,6 +290,10 @@ JOBS = [
          "tokenize_dataset"),
     Case("vocab-smaller-than-token-ids", "model", tiny_copy("smallvocab", small_vocab),
          "error: models.smallvocab: the tokenizer makes token id", "tokenize_dataset"),
+    Case("model-cannot-take-packed-sequences", "model", tiny_copy("nopack", as_bloom),
+         "error: runs.nopack.packing: nopack cannot train on packed sequences with sdpa "
+         "attention (BloomForCausalLM takes no position_ids, so positions cannot restart per "
+         "example); set packing: false", "shard_dataset"),
     Case("model-without-tokenizer", "model", tiny_copy("notok", no_tokenizer),
          "error: models.notok: resources/models/notok: cannot load its tokenizer",
          "tokenize_dataset"),

@@ -50,6 +50,17 @@ def test_defaults_are_filled(demo):
     assert run["lr_scheduler"] == "cosine" and run["timeout_minutes"] == 10
 
 
+def test_a_config_without_packing_keys_trains_packed_with_automatic_kernels(demo):
+    for key in ("packing", "attn_implementation", "liger_kernel"):
+        demo["runs"]["demo"].pop(key, None)
+    run = validate_config(demo, ROOT)["runs"]["demo"]
+    assert (run["packing"], run["attn_implementation"], run["liger_kernel"]) == (
+        True,
+        "auto",
+        "auto",
+    )
+
+
 def test_numbers_from_the_command_line_are_read(demo):
     demo["runs"]["demo"].update(nodes="4", learning_rate="1e-4", gradient_checkpointing="true")
     run = validate_config(demo, ROOT)["runs"]["demo"]
@@ -115,7 +126,7 @@ BAD = [
     (_set("runs.demo.lora.r", 0), "runs.demo.lora.r: 0 is less than the minimum of 1"),
     (
         _set("runs.demo.overlong", "wrap"),
-        "runs.demo.overlong: 'wrap' is not one of ['drop', 'truncate']",
+        "runs.demo.overlong: 'wrap' is not one of ['drop', 'truncate', 'error']",
     ),
     (_set("runs.demo.model", "gpt5"), "runs.demo.model: unknown model 'gpt5' (defined: tiny)"),
     (_set("runs.demo.dataset", "nope"), "runs.demo.dataset: unknown dataset 'nope'"),

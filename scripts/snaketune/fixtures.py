@@ -18,6 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from snaketune.io import atomic_paths
 
@@ -188,7 +189,7 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
 
 
 def make_sharded_fixture(
-    out: str | Path, sizes: FixtureSizes, layout, seed: int = 0
+    out: str | Path, sizes: FixtureSizes, layout, seed: int = 0, packing: bool = True
 ) -> dict[str, Path]:
     """Fixtures plus their train split tokenized and sharded for ``layout`` (a shard.Layout):
     what a benchmark needs to start the train stage without the workflow."""
@@ -206,6 +207,48 @@ def make_sharded_fixture(
     }
     data = download_dataset("fixture", spec, out / "dataset")
     tokenize([Source("fixture", data, spec)], paths["model"], out / "tokenized.parquet", 512)
-    manifest = shard(out / "tokenized.parquet", out / "shards", layout, seed)
+    manifest = shard(out / "tokenized.parquet", out / "shards", layout, seed, packing)
     (out / "shards" / "manifest.json").write_text(json.dumps(manifest))
     return {"model": paths["model"], "shards": out / "shards"}
+
+
+def demo_run_spec(root: str | Path, **overrides: Any) -> dict[str, Any]:
+    """The demo config's run with ``overrides``, validated with its defaults filled (what the
+    train rule passes as --run-spec): for benchmarks that start the train stage directly.
+    ``method="full"`` drops the LoRA block; ``max_steps`` replaces ``epochs``."""
+    from snaketune.config import load_yaml, validate_config
+
+    root = Path(root)
+    config = load_yaml(root / "config" / "config.yaml")
+    run = config["runs"]["demo"]
+    if "max_steps" in overrides:
+        del run["epochs"]
+    if overrides.get("method") == "full":
+        del run["lora"]
+    run.update(overrides)
+    return validate_config(config, root)["runs"]["demo"]
+
+
+def run_train_stage(
+    root: str | Path,
+    spec: dict[str, Any],
+    shards: Path,
+    model: Path,
+    out: Path,
+    preset: str = "zero2",
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """scripts/train.py (torchrun agents, DeepSpeed, the whole stage) to the end; returns
+    the metrics.jsonl records."""
+    import subprocess
+    import sys
+
+    root = Path(root)
+    deepspeed = root / "config" / "deepspeed" / f"{preset}.json"
+    cmd = [sys.executable, str(root / "scripts" / "train.py"), "--run-spec", json.dumps(spec),
+           "--shards", str(shards), "--model", str(model), "--deepspeed", str(deepspeed),
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or dict(os.environ))
+    if proc.returncode != 0:
+        raise RuntimeError(f"train stage failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -8,15 +8,32 @@ import json
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "eval_loss",
-           "perplexity", "exact_match", "base_exact_match", "gain_exact_match", "gain_loss",
-           "wall_time_s", "gpu_hours"]  # fmt: skip
+COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "tokens_per_s",
+           "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
+           "gain_exact_match", "gain_loss", "wall_time_s", "gpu_hours"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Median real tokens/s (the first step, with its start-up, left out), mean padding
+    share, median MFU (GPU runs) of a run's metrics."""
+    from statistics import median
+
+    steady = metrics[1:] or metrics
+    out: dict[str, float] = {}
+    if steady and "tokens_per_s" in steady[0]:
+        out["tokens_per_s"] = round(median(m["tokens_per_s"] for m in steady), 1)
+    if steady and "padding" in steady[0]:
+        out["padding"] = round(sum(m["padding"] for m in steady) / len(steady), 4)
+    mfus = [m["mfu"] for m in steady if "mfu" in m]
+    if mfus:
+        out["mfu"] = round(median(mfus), 4)
+    return out
 
 
 def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
@@ -28,6 +45,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
         "steps": metrics[-1]["step"] if metrics else 0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
+        **throughput(metrics),
     }  # fmt: skip
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())

@@ -88,6 +88,7 @@ class Stats:
     label_tokens: int = 0
     max_tokens: int = 0
     max_token_id: int = -1
+    longest_overlong: tuple[int, str] = (0, "")  # (tokens, example id), overlong: error
     per_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -486,7 +487,11 @@ def label_batch(
     row_of = np.repeat(np.arange(n), lengths)
     position = np.arange(total) - row_start[:-1][row_of]
     overlong_rows = lengths > max_length
-    if overlong == "drop":
+    if overlong_rows.any() and overlong == "error":  # counted as dropped; tokenize() refuses
+        worst = int(np.argmax(np.where(overlong_rows, lengths, 0)))  # the first longest
+        if lengths[worst] > stats.longest_overlong[0]:
+            stats.longest_overlong = (int(lengths[worst]), items[worst][0])
+    if overlong in ("drop", "error"):
         keep_row = ~overlong_rows
     else:
         keep_row = np.ones(n, bool)
@@ -498,7 +503,7 @@ def label_batch(
     keep_tok &= keep_row[row_of]
 
     stats.conversations += n
-    stats.dropped_overlong += int(overlong_rows.sum()) if overlong == "drop" else 0
+    stats.dropped_overlong += int(overlong_rows.sum()) if overlong != "truncate" else 0
     stats.dropped_no_response += int(no_response.sum())
     kept_lengths = np.minimum(lengths, max_length)[keep_row]
     if kept_lengths.size:
@@ -592,6 +597,13 @@ def tokenize(
             pending = submitted
         if pending is not None:
             finish(pending)
+    if overlong == "error" and stats.dropped_overlong:
+        tokens, example = stats.longest_overlong
+        raise DataError(
+            f"{stats.dropped_overlong} examples are longer than max_length {max_length} "
+            f"(overlong: error; the longest, {example}, has {tokens} tokens); raise max_length "
+            f"to {tokens} or set overlong: drop (leave them out) or truncate (cut them)"
+        )
     if stats.rows == 0:
         raise DataError(
             f"no example left after tokenizing: {stats.rows_read} rows read, "
