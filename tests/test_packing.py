@@ -63,7 +63,7 @@ def test_an_example_packed_between_two_others_has_its_own_losses(arch, attention
     first, middle, last = example(13, 1), example(9, 2), example(6, 3)
     alone = token_losses(model, packed_rows([middle], 64, 0))[0]
     packed = packed_rows([first, middle, last], 64, 0)
-    # first-fit decreasing lays them out longest first: first (13), middle (9), last (6)
+    # one row, in the micro batch's order: first (13), middle (9), last (6)
     assert packed["position_ids"][0].tolist() == [*range(13), *range(9), *range(6)]
     losses = token_losses(model, packed)[0]
     got = losses[13 : 13 + 8]  # middle's targets: positions 13..20 predict 14..21
@@ -118,17 +118,20 @@ def test_one_step_packed_and_padded_gives_the_same_loss_and_gradient(arch, atten
     assert norm_b == pytest.approx(norm_a, rel=1e-4)
 
 
-def test_fill_rows_is_first_fit_decreasing_and_never_cuts_an_example():
-    assert fill_rows([5, 9, 3, 7, 2], 12) == [[1, 2], [3, 0], [4]]
+def test_fill_rows_makes_few_nearly_equal_rows_and_never_cuts_an_example():
+    # 26 tokens in rows of 12: 3 rows, longest first to the least-filled: 9 | 7+2 | 5+3
+    assert fill_rows([5, 9, 3, 7, 2], 12) == [[1], [3, 4], [0, 2]]
+    assert fill_rows([6, 6, 6, 6, 1], 13) == [[0, 2, 4], [1, 3]]  # 25 tokens: 2 rows of <= 13
     assert fill_rows([20, 3], 12) == [[0], [1]]  # longer than a row: a row of its own
+    assert fill_rows([4, 4, 4], 100) == [[0, 1, 2]]
 
 
 def test_collator_counts_real_and_padded_tokens_and_logs_ids(tmp_path):
     ids = tmp_path / "ids.txt"
     collate = Collator("rows", 0, 16, ids)
     batch = collate([example(10, 1), example(6, 2), example(5, 3)])
-    assert batch["input_ids"].shape == (2, 16) and batch["use_cache"] is False  # [10+6], [5]
-    assert (collate.tokens, collate.padded, collate.samples) == (21, 32, 3)
+    assert batch["input_ids"].shape == (2, 11) and batch["use_cache"] is False  # [10], [6+5]
+    assert (collate.tokens, collate.padded, collate.samples) == (21, 22, 3)
     assert collate.squares == 100 + 36 + 25
     assert ids.read_text().split() == ["e1", "e2", "e3"]
     padded = Collator("padded", 0, 16)

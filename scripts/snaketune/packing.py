@@ -9,13 +9,14 @@ chosen) into model inputs, in one of three layouts:
   no pad token, position ids restarting at 0 per example, and the sequence boundaries
   (``cu_seq_lens``) for flash-attention's variable-length kernel (trl's padding-free
   collator). Attention cost follows each example's own length.
-- ``rows`` (packing with sdpa or eager): examples first-fit into rows of at most
-  ``row_tokens`` (max_length, or the longest example), position ids restarting per
-  example, rows right-padded to the longest row, and NO attention mask: transformers then
-  finds the example boundaries from the position ids and builds a block-diagonal causal
-  mask (masking_utils.find_packed_sequence_indices), so no token attends to another
-  example. These kernels have no variable-length path and pay attention over a whole row
-  (rows^2): keeping rows to max_length bounds that, where one long row would square it.
+- ``rows`` (packing with sdpa or eager): examples dealt into few rows of at most
+  ``row_tokens`` (max_length) tokens, balanced so the rows come out nearly equal; position
+  ids restart per example, rows are right-padded to the longest row (a few tokens), and
+  NO attention mask: transformers then finds the example boundaries from the position
+  ids and builds a block-diagonal causal mask (masking_utils.find_packed_sequence_indices),
+  so no token attends to another example. These kernels have no variable-length path and
+  pay attention over a whole row (rows^2): keeping rows to max_length bounds that, where
+  one long row would square it (bench/train_throughput.py measures both).
 
 In every packed layout the first label of each example is -100, so the last token of one
 example never learns to predict the next example's first token (position 0 is never a
@@ -191,20 +192,28 @@ def expected_attention(preference: str) -> str:
 
 
 def fill_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: indices of the examples in each row of at most ``capacity``
-    tokens (an example longer than that gets a row of its own)."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(capacity - lengths[i])
-    return rows
+    """Indices of the examples in each row. Of the layouts into r rows of at most
+    ``capacity`` tokens (r from the fewest possible, two more tried), the one with the
+    fewest tokens once rows are padded to the longest, each balanced like the ranks of a
+    step (snaketune.shard.balanced_bins). An example longer than ``capacity`` gets a row of
+    its own; no example is ever cut."""
+    import numpy as np
+
+    from snaketune.shard import balanced_bins
+
+    n, sizes = len(lengths), np.asarray(lengths, dtype=np.int64)
+    fewest = max(1, -(-int(sizes.sum()) // capacity))
+    best, best_cost = [[i] for i in range(n)], float("inf")
+    for r in range(min(fewest, n), min(fewest + 2, n) + 1):
+        bins = balanced_bins(sizes, r)
+        loads = np.bincount(bins, weights=sizes, minlength=r)
+        alone = np.bincount(bins, minlength=r) == 1
+        if (loads[~alone] > capacity).any():
+            continue
+        if r * int(loads.max()) < best_cost:
+            best = [np.flatnonzero(bins == q).tolist() for q in range(r)]
+            best_cost = r * int(loads.max())
+    return best
 
 
 def packed_rows(
