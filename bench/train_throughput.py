@@ -264,7 +264,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpu", action="store_true", help="the GPU table (needs CUDA)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per side")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per side")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="examples per step")
     parser.add_argument("--layers", type=int, default=8, help="CPU model layers (13M at 8)")
@@ -273,7 +273,6 @@ def main() -> int:
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="GPU mode")
     args = parser.parse_args()
-    args.steps = args.steps or (30 if args.gpu else 30)
     args.micro_batch_size = args.micro_batch_size or (32 if args.gpu else 8)
     (gpu if args.gpu else cpu)(args)
     return 0

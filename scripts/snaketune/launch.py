@@ -229,7 +229,7 @@ def check_job(job: Job) -> tuple[int, int]:
             f"{job.shards} was made for {nodes} x {gpus}, the run asks for "
             f"{spec['nodes']} x {spec['gpus_per_node']}; rerun shard_dataset"
         )
-    if manifest.get("packing") != spec["packing"] or "steps_per_epoch" not in manifest:
+    if manifest.get("packing") != spec["packing"]:
         raise UserError(
             f"{job.shards} was planned with packing {manifest.get('packing')}, the run asks "
             f"for {spec['packing']}; rerun shard_dataset"
