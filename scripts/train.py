@@ -12,7 +12,11 @@ run by torchrun with --worker; by hand on a node:
         scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
 
 A rerun resumes from the newest complete checkpoint in <out>/checkpoints/ when the run's
-settings and shards are unchanged (otherwise the old checkpoints are moved aside).
+settings and shards are unchanged (otherwise the old checkpoints are moved aside). Ahead of
+the job's time limit (SLURM's end time, else --time-limit) the workers stop at a step end
+and save; the job then continues: on SLURM it requeues itself, elsewhere it starts the next
+segment at once (at most max_continuations times). One training per run: the run's
+directory is locked (train.lock) while one trains.
 Exit codes: 0 done, 2 bad input or a failing GPU (the GPU health watchdog stopped the run
 after saving a checkpoint), 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint.
 """
@@ -57,6 +61,27 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="directory: each rank appends the example ids it trains on to rank-<r>.txt",
     )
     parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="the job's time limit, where SLURM does not give its end (the rule's runtime)",
+    )
+    parser.add_argument(
+        "--stop-margin",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="stop this long before the time limit, besides a step and a save (default 120)",
+    )
+    parser.add_argument(
+        "--lock-wait",
+        type=float,
+        default=180.0,
+        help="seconds a second training of the same run waits for the first to end, then "
+        "refuses (default 180)",
+    )
+    parser.add_argument(
         "--worker", action="store_true", help="run as a torchrun worker (set by the launcher)"
     )
     return parser.parse_args(argv)
@@ -79,7 +104,8 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
     job = Job(json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out,
-              args.launcher, worker_argv)  # fmt: skip
+              args.launcher, worker_argv, args.lock_wait, args.time_limit,
+              args.stop_margin)  # fmt: skip
     return launch_job(job)
 
 

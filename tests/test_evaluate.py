@@ -85,6 +85,7 @@ def test_demo_goes_all_the_way_to_the_report(demo):
         "32",
     )
     assert float(row["gain_loss"]) > 0 and float(row["wall_time_s"]) > 0 and row["gpu_hours"] == ""
+    assert row["jobs"] == "1" and 0 < float(row["outside_training_s"]) < float(row["wall_time_s"])
     assert float(row["tokens_per_s"]) > 0 and 0 <= float(row["padding"]) < 0.35
     assert row["mfu"] == ""  # CPU: no MFU
     svg = (demo / "results/loss_curves/demo.svg").read_text()

@@ -4,7 +4,9 @@ two slurmd, partition `tupi`, fake GPUs, accounting in slurmdbd), through profil
 The profile runs as it is; the command line overrides only the account (restating the
 partition, since a command-line `--default-resources` replaces the profile's whole list)
 and shortens the plugin's first status check from 20 s to 5 s and the interval between
-status checks from 10 s to 2 s (test time; a real cluster keeps the profile's pace).
+status checks from 10 s to 2 s (test time; a real cluster keeps the profile's pace). The
+demo pipeline runs through a copy of the profile whose only change is a 2-minute time
+limit on train jobs, so its training takes several jobs (time-aware continuation).
 
 The cluster is started by the fixture; when it cannot start, the tests are skipped, unless
 SNAKETUNE_REQUIRE_SLURM=1 (as .ci/run sets), which turns that into a failure. Every
@@ -18,11 +20,13 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ENV, FAKE_SECRETS, ROOT, leaked_secrets, quick_config
+import yaml
+from conftest import BIN, ENV, FAKE_SECRETS, ROOT, leaked_secrets, quick_config, read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -41,14 +45,16 @@ def cluster() -> None:
         pytest.skip(why)
 
 
-def start_tupi(workdir: Path, *args: str) -> subprocess.Popen:
+def start_tupi(
+    workdir: Path, *args: str, profile: Path = ROOT / "profiles/tupi"
+) -> subprocess.Popen:
     """snakemake --profile profiles/tupi in ``workdir``, in its own process group; the demo
     with a short run (conftest.quick_config) unless ``args`` name a config file."""
     if "--configfile" not in args:
         args = ("--configfile", str(quick_config(workdir / "quick.yaml")), *args)
     cmd = [
         str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"),
-        "--profile", str(ROOT / "profiles" / "tupi"), "--directory", str(workdir),
+        "--profile", str(profile), "--directory", str(workdir),
         "--default-resources", "slurm_partition=tupi", f"slurm_account={ACCOUNT}",
         "--slurm-init-seconds-before-status-checks", "5", "--seconds-between-status-checks", "2",
         *args,
@@ -59,15 +65,34 @@ def start_tupi(workdir: Path, *args: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def tupi(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _release_requeued(stop: threading.Event) -> None:
+    """SLURM holds a requeued job for 2 minutes (its BeginTime) before it may start again;
+    on a real cluster that is noise against a 24-hour limit, here it would be most of the
+    test. Start each requeued job at once (what `scontrol update StartTime=now` lets any
+    user do for their own pending job)."""
+    while not stop.wait(2):
+        out = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+        for job_id, reason in (line.split(maxsplit=1) for line in out.splitlines() if line):
+            if reason.strip() == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                               capture_output=True)  # fmt: skip
+
+
+def tupi(workdir: Path, *args: str, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
     """snakemake --profile profiles/tupi in ``workdir``; killed (process group) at ``timeout``."""
-    proc = start_tupi(workdir, *args)
+    proc = start_tupi(workdir, *args, **kw)
+    stop = threading.Event()
+    releaser = threading.Thread(target=_release_requeued, args=(stop,), daemon=True)
+    releaser.start()
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"snakemake did not finish in {timeout}s:\n{out[-5000:]}")
+    finally:
+        stop.set()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
@@ -87,12 +112,27 @@ def sacct(job_id: str, fields: str) -> list[str]:
     return out.strip().split("|")
 
 
+TRAIN_LIMIT_MIN = 2
+
+
 @pytest.fixture(scope="module")
 def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
-    """The whole demo pipeline (2 optimizer steps) through profiles/tupi: (workdir,
-    snakemake's output)."""
+    """The whole demo pipeline through profiles/tupi with a 2-minute limit on train jobs:
+    (workdir, snakemake's output). The demo run (32 steps, a short evaluation) with
+    stop_margin_seconds 65, so each train job trains for about 15-25 s of its 2 minutes
+    (after about 35 s of start-up) and the run takes 3 or more jobs."""
     workdir = tmp_path_factory.mktemp("slurm_demo")
-    proc = tupi(workdir)
+    profile = workdir / "profile-tupi"
+    profile.mkdir()
+    settings = yaml.safe_load((ROOT / "profiles/tupi/config.yaml").read_text())
+    settings["set-resources"]["train"]["runtime"] = TRAIN_LIMIT_MIN
+    (profile / "config.yaml").write_text(yaml.safe_dump(settings))
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    config["stop_margin_seconds"] = 65
+    config["runs"]["demo"]["eval"].update(limit=8, max_new_tokens=8, batch_size=8)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), profile=profile,
+                timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:]
     return workdir, proc.stdout
 
@@ -136,9 +176,36 @@ def test_demo_pipeline_through_profiles_tupi(slurm_demo):
     assert len(hosts) == 2
 
 
+def test_training_past_the_time_limit_continues_across_jobs(slurm_demo, demo):
+    """The train job stopped ahead of its 2-minute limit, saved, requeued itself and
+    continued, 3 or more times in one snakemake invocation; no step was trained twice and
+    the losses are those of the uninterrupted local demo run."""
+    workdir, output = slurm_demo
+    (train_job,) = submitted(output)["train"]  # one submission: continuations are requeues
+    segments = read_jsonl(workdir / "results/demo/train/checkpoints/segments.jsonl")
+    assert len(segments) >= 3, segments
+    assert {s["job"] for s in segments} == {train_job}
+    assert [s["restart"] for s in segments] == list(range(len(segments)))
+    assert [s["reason"] for s in segments] == ["time"] * (len(segments) - 1) + ["done"]
+    for before, after in zip(segments, segments[1:], strict=False):
+        assert after["from_step"] == before["to_step"]
+        assert after["began"] - before["began"] <= TRAIN_LIMIT_MIN * 60 + 60  # within its limit
+    got = read_jsonl(workdir / "results/demo/train/metrics.jsonl")
+    want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want]  # every step once
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
+    # SLURM ended no job at its limit; the report shows the jobs and the time outside training
+    assert "TIMEOUT" not in output
+    row = (workdir / "results/summary.tsv").read_text().splitlines()
+    summary = dict(zip(row[0].split("\t"), row[1].split("\t"), strict=True))
+    assert int(summary["jobs"]) == len(segments) and float(summary["outside_training_s"]) > 0
+
+
 def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):
     workdir, _ = slurm_demo
-    proc = tupi(workdir, "--forcerun", "evaluate")
+    proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), "--forcerun", "evaluate",
+                profile=workdir / "profile-tupi")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert set(submitted(proc.stdout)) == {"evaluate"}, proc.stdout[-4000:]
 

@@ -72,6 +72,7 @@ def test_lora_zero2_demo_trains(demo):
     assert probe["logits"].shape[:2] == probe["input_ids"].shape and probe["logits"].shape[2] == 888
     prov = json.loads((train / "provenance.json").read_text())
     assert set(prov["hosts"]) == {"node-0", "node-1"}
+    assert prov["segments"]["jobs"] == 1 and prov["segments"]["continuations"] == 0
     assert json.loads((train / "run_config.json").read_text())["method"] == "lora"
     assert list((train / "tensorboard").iterdir())
     log = (demo / "logs/train/demo.log").read_text()
@@ -86,7 +87,23 @@ def test_lora_zero2_demo_trains(demo):
     assert all((p / COMPLETE).is_file() for p in kept)
 
 
-def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, tmp_path):
+def _launcher(workdir: Path) -> psutil.Process:
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = p.info["cmdline"] or []
+        if (
+            "--worker" not in cmd
+            and any(c.endswith("scripts/train.py") for c in cmd)
+            and p.info["cwd"] == str(workdir)
+        ):
+            return p
+    raise AssertionError("no train launcher running")
+
+
+def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, tmp_path):
+    """Two faults in one run of the workflow (local profile, retries: 2): the launcher killed
+    with SIGKILL takes its agents and workers with it (no orphan keeps training beside the
+    retry); then a killed rank fails the job fast. Each retry resumes; the losses are an
+    uninterrupted run's, every step logged once."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
          "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory", str(tmp_path)],
@@ -94,7 +111,17 @@ def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, t
     )  # fmt: skip
     live = tmp_path / "results/demo/train/checkpoints/metrics.jsonl"
     try:
-        _wait_for(lambda: _last_step(live) >= 13, 300, "step 13")
+        # 1. SIGKILL the launcher (what Snakemake runs) after the first checkpoint
+        _wait_for(lambda: _last_step(live) >= 11, 300, "step 11")
+        launcher = _launcher(tmp_path)
+        family = launcher.children(recursive=True)
+        assert len([p for p in family if "--worker" in p.cmdline()]) >= 2, family  # 2 ranks
+        launcher.kill()
+        gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]  # no orphan agent or worker
+        # 2. the retry resumes from checkpoint-10; kill one of its ranks at step 13
+        _wait_for(lambda: _last_step(live) in range(1, 11), 120, "the retry to resume")
+        _wait_for(lambda: _last_step(live) >= 13, 300, "step 13 of the retry")
         victim = _workers(tmp_path)[-1]
         victim.kill()
         killed = time.monotonic()
@@ -104,17 +131,46 @@ def test_killed_rank_fails_fast_and_the_retry_resumes_to_the_same_losses(demo, t
     finally:
         proc.kill()
     assert stopped < 60, stopped
-    assert proc.returncode == 0, out  # the rule's retry resumed and finished
-    assert "Error in rule train" in out  # the failure was reported
-    log = (tmp_path / "logs/train/demo.log").read_text()
+    assert proc.returncode == 0, out  # the rule's second retry resumed and finished
+    assert out.count("Error in rule train") == 2, out  # both failures were reported
+    log = (tmp_path / "logs/train/demo.log").read_text()  # the last attempt's
     assert "resuming from checkpoint-10" in log
+    # the second attempt's log (printed by snakemake, show-failed-logs) took over the lock of
+    # the SIGKILLed launcher and resumed
+    assert "taking it over" in out and "is gone" in out, out[-5000:]
+    assert out.count("resuming from checkpoint-10") >= 1
     assert "rows batches" in log  # a packed run, resumed
+    assert not (tmp_path / "results/demo/train/train.lock").exists()
     got = read_jsonl(tmp_path / "results/demo/train/metrics.jsonl")
     want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
+
+
+def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path):
+    """A 1-minute time limit (the rule's runtime off SLURM): each segment stops at a step end
+    ahead of it, saves, and the next segment continues; no step twice, the losses of the
+    uninterrupted demo run."""
+    out = train(tmp_path, run_spec(), demo / "results/demo/shards", demo / "resources/models/tiny",
+                "zero2", "--time-limit", "1", "--stop-margin", "10")  # fmt: skip
+    segments = read_jsonl(out / "checkpoints/segments.jsonl")
+    reasons = [s["reason"] for s in segments]
+    assert len(segments) >= 2 and set(reasons[:-1]) == {"time"} and reasons[-1] == "done", segments
+    for before, after in zip(segments, segments[1:], strict=False):
+        assert after["from_step"] == before["to_step"]  # each continues where the last saved
+    got = read_jsonl(out / "metrics.jsonl")
+    want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
+    summary = json.loads((out / "provenance.json").read_text())["segments"]
+    assert summary["jobs"] == len(segments) and summary["continuations"] == len(segments) - 1
+    assert 0 < summary["train_s"] < summary["wall_s"]
+    assert summary["outside_training_s"] == pytest.approx(
+        summary["wall_s"] - summary["train_s"], abs=0.2
+    )
 
 
 def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):

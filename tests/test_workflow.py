@@ -197,12 +197,13 @@ def test_cluster_profiles_dry_run_with_resources_per_stage(profile, tmp_path):
     assert "gres=gpu:1" in resources["evaluate"]
 
 
-def test_single_node_train_has_no_mpi_resource(tmp_path):
-    """One node: no `mpi` (the plugin's own single-task step runs torchrun directly)."""
+def test_single_node_train_runs_its_own_srun_step(tmp_path):
+    """One node too: `mpi` (the launcher starts the srun step, so SLURM's --signal reaches
+    only the training processes)."""
     config = (ROOT / "config/config.yaml").read_text().replace("nodes: 2", "nodes: 1")
     (tmp_path / "one-node.yaml").write_text(config)
     proc = snakemake(
         "-n", "--directory", str(tmp_path), "--configfile", str(tmp_path / "one-node.yaml")
     )
     train = re.search(r"\nrule train:.*?\n\s+resources: ([^\n]+)", proc.stdout, re.S).group(1)
-    assert "nodes=1" in train and "mpi" not in train, train
+    assert "nodes=1" in train and "mpi=srun" in train, train

@@ -4,6 +4,8 @@ snaketune validate config/config.yaml     # check a config, print the plan
 snaketune fixtures resources/fixtures     # build the offline demo fixtures
 snaketune lineage results/demo/merged_model [--verify]
                                           # the chain of artefacts behind a result
+snaketune plan config.yaml [--gpu h100-80gb | --gpu-memory 80] [--json]
+                                          # per-GPU memory of each run: will it fit?
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     lin.add_argument(
         "--verify", action="store_true", help="also recompute each artefact's file hashes"
     )
+    pla = sub.add_parser(
+        "plan", help="per-GPU memory estimate of each run, and whether it fits (exit 1 if not)"
+    )
+    pla.add_argument("config", help="path to the YAML config")
+    pla.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
+    which = pla.add_mutually_exclusive_group()
+    which.add_argument("--gpu", help="GPU type from the table (h100-80gb, a100-40gb, ...)")
+    which.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB")
+    pla.add_argument("--json", action="store_true", help="one JSON list, a dict per run")
     args = parser.parse_args(argv)
 
     def _main(_: Sequence[str] | None) -> int:
@@ -77,6 +88,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tokenized": sorted(tokenize_jobs(config, Path(args.root))),
             }
             print(json.dumps(plan, indent=2))
+        elif args.command == "plan":
+            from snaketune.config import load_config
+            from snaketune.memplan import format_plan, plan_config
+
+            config = load_config(args.config, args.root)
+            plans = plan_config(config, Path(args.root), args.gpu_memory or args.gpu)
+            if args.json:
+                print(json.dumps(plans, indent=2))
+            else:
+                for plan in plans:
+                    print(format_plan(plan["run"], plan))
+            return 1 if any(p["fits"] is False for p in plans) else 0
         elif args.command == "lineage":
             from snaketune.provenance import lineage
 

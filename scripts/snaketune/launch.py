@@ -30,10 +30,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from snaketune.errors import UserError
 from snaketune.io import digest, publish, sha256_file, write_json
+from snaketune.runlock import RunLock, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +142,10 @@ def supervise(
     seconds). SIGTERM, SIGINT and SIGUSR1 sent to this process are passed on to every
     agent, which forward them to their workers (so they checkpoint before stopping).
     """
-    procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in commands]
+    procs = [
+        subprocess.Popen(c, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        for c in commands
+    ]
     log.info("started %d torchrun agents (pids %s)", len(procs), [p.pid for p in procs])
 
     forwarded: list[str] = []
@@ -202,17 +207,25 @@ class Job:
     out: Path
     launcher: str  # auto, local or slurm
     worker_argv: list[str]  # the worker's command line (scripts/train.py --worker ...)
+    lock_wait_s: float = 180.0  # how long a second training of the run waits for the first
+    time_limit_min: float | None = None  # the job's runtime (used where SLURM gives no end)
+    stop_margin_s: float = 120.0  # stop this long (plus a step and a save) before the end
 
     @property
     def ckpt(self) -> Path:
         return self.out / "checkpoints"
 
 
+# Run keys that say how the training is run, not what it trains: changing them keeps the
+# checkpoints.
+OPERATIONAL = ("max_continuations",)
+
+
 def fingerprint(job: Job) -> str:
     """What a checkpoint must match to be resumed from."""
     return digest(
         {
-            "run": job.spec,
+            "run": {k: v for k, v in job.spec.items() if k not in OPERATIONAL},
             "manifest": sha256_file(job.shards / "manifest.json"),
             "deepspeed": sha256_file(job.deepspeed),
         }
@@ -309,17 +322,43 @@ def run_preflight(job: Job, nodes: int, gpus: int, env: dict[str, str]) -> None:
     )
 
 
-def start_workers(job: Job, nodes: int, gpus: int) -> tuple[int, str | None]:
-    """Run the workers to the end; (exit code, signal passed on to them, if any)."""
+def start_workers(
+    job: Job, nodes: int, gpus: int, deadline: float | None = None
+) -> tuple[int, str | None]:
+    """Run the workers to the end; (exit code, signal passed on to them, if any). With a
+    ``deadline`` (epoch seconds) they stop ahead of it at a step end and save."""
     run_id = f"snaketune-{job.out.parent.name}"
     launcher = choose_launcher(job, nodes)
     env = worker_environment()
+    env.pop("SNAKETUNE_DEADLINE", None)
+    if deadline is not None:
+        env["SNAKETUNE_DEADLINE"] = f"{deadline:.0f}"
+        env["SNAKETUNE_STOP_MARGIN"] = f"{job.stop_margin_s:.0f}"
+        saves = [s["save_s"] for s in read_segments(job) if s.get("save_s")]
+        if saves:  # the save time the last job measured
+            env["SNAKETUNE_SAVE_S"] = f"{saves[-1]:.1f}"
     log.info("launching %d node(s) x %d process(es) with the %s launcher", nodes, gpus, launcher)
     if launcher == "local":
         return supervise(local_commands(nodes, gpus, job.worker_argv, run_id, free_port()), env)
     run_preflight(job, nodes, gpus, env)
     command = slurm_command(nodes, gpus, job.worker_argv, run_id)
-    return subprocess.run(command, env=env).returncode, None
+    # SLURM signals the step's tasks itself (scancel, time limit, preemption, --signal) and
+    # srun forwards what it gets: here the signal is only noted, and srun waited for.
+    got: list[str] = []
+
+    def note(signum, _frame):
+        got.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        proc = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+        while proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return proc.returncode, got[0] if got else None
 
 
 def outcome(job: Job, code: int, signalled: str | None) -> int | None:
@@ -381,6 +420,7 @@ def publish_outputs(job: Job) -> None:
         hosts={h.name: h.read_text() for h in hosts},
         device="cuda" if torch.cuda.is_available() else "cpu",
         final_checkpoint_bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
+        segments=segments_summary(read_segments(job)),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
     )
     write_json(staged(job.out, "provenance.json"), prov)
@@ -388,14 +428,134 @@ def publish_outputs(job: Job) -> None:
     publish([(staged(job.out, n), job.out / n) for n in names])
 
 
+# ----------------------------------------------------------------------------- continuation
+
+SEGMENTS = "segments.jsonl"  # one line per job of the run: when, where, why it ended
+
+
+def allocation_end(job: Job, started: float) -> float | None:
+    """When this job's allocation ends (epoch seconds): SLURM's end time for a SLURM job,
+    else ``started`` plus the rule's runtime; None: no limit known."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id and shutil.which("squeue"):
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
+                                 text=True, timeout=60).stdout.strip()  # fmt: skip
+            return datetime.fromisoformat(out).timestamp()
+        except (subprocess.SubprocessError, ValueError):  # UNLIMITED, N/A, squeue down
+            log.warning("could not read the end time of SLURM job %s from squeue", job_id)
+    if job.time_limit_min:
+        return started + job.time_limit_min * 60
+    return None
+
+
+def read_segments(job: Job) -> list[dict]:
+    path = job.ckpt / SEGMENTS
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def record_segment(job: Job, began: float, from_step: int, ended: dict) -> None:
+    line = {
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        "host": socket.gethostname(),
+        "began": round(began, 3),
+        "ended": round(time.time(), 3),
+        "from_step": from_step,
+        "to_step": ended.get("step"),
+        "reason": ended.get("reason", "failed"),
+        "train_s": ended.get("train_s", 0.0),
+        "save_s": ended.get("save_s"),
+    }
+    with open(job.ckpt / SEGMENTS, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def segments_summary(segments: list[dict]) -> dict:
+    """Jobs the run took, its wall time from the first start to the last end (queue waits
+    between jobs included) and the part of it spent outside training steps."""
+    if not segments:
+        return {"jobs": 0}
+    wall = segments[-1]["ended"] - segments[0]["began"]
+    train = sum(s.get("train_s") or 0.0 for s in segments)
+    return {
+        "jobs": len(segments),
+        "continuations": sum(s["reason"] == "time" for s in segments),
+        "wall_s": round(wall, 1),
+        "train_s": round(train, 1),
+        "outside_training_s": round(wall - train, 1),
+    }
+
+
+def requeue_self() -> bool:
+    """Put this SLURM job back in the queue (``scontrol requeue``): SLURM ends this run of
+    it and starts it again, same job id, which resumes from the checkpoint just saved."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, proc.stderr.strip())
+        return False
+    log.warning("SLURM job %s requeued: it continues from the checkpoint when it starts again",
+                job_id)  # fmt: skip
+    return True
+
+
+def train_segments(job: Job, nodes: int, gpus: int) -> int | str:
+    """Run the workers until the run is done, failed, or (on SLURM) its job must go back to
+    the queue: 0, an exit code, or "requeue". Off SLURM, a stop ahead of the time limit is
+    followed at once by the next segment, with a fresh limit."""
+    from snaketune.train import SEGMENT, checkpoint_step, newest_complete
+
+    limit = job.spec.get("max_continuations", 50)
+    while True:
+        began = time.time()
+        deadline = allocation_end(job, began)
+        saved = newest_complete(job.ckpt)
+        from_step = checkpoint_step(saved) if saved else 0
+        segment = job.ckpt / SEGMENT
+        segment.unlink(missing_ok=True)
+        code, signalled = start_workers(job, nodes, gpus, deadline)
+        ended = json.loads(segment.read_text()) if segment.exists() else {}
+        record_segment(job, began, from_step, ended)
+        if ended.get("reason") == "time" and signalled in (None, "SIGUSR1"):
+            used = segments_summary(read_segments(job))["continuations"]
+            if used > limit:
+                raise UserError(
+                    f"runs.{job.out.parent.name}: stopped at the time limit {used} times, more "
+                    f"than max_continuations ({limit}); at step {ended.get('step')}; raise "
+                    "max_continuations or the train rule's runtime, then rerun to continue"
+                )
+            if os.environ.get("SLURM_JOB_ID"):
+                return "requeue"
+            log.warning("continuation %d of at most %d: starting the next segment", used, limit)
+            continue
+        failed = outcome(job, code, signalled)
+        if failed is not None:
+            return failed
+        publish_outputs(job)
+        return 0
+
+
 def launch_job(job: Job) -> int:
-    """The train job: check, keep or set aside checkpoints, run the workers on every node,
-    and publish their outputs when all of them finished."""
+    """The train job: check, keep or set aside checkpoints, run the workers on every node
+    (again after each stop ahead of the time limit), and publish their outputs when all of
+    them finished. On SLURM, a stop ahead of the limit requeues the job (lock released
+    first)."""
+    from snaketune.train import STOPPED_EXIT_CODE
+
+    log.info(
+        "train job started: host %s, PID %d%s",
+        socket.gethostname(), os.getpid(),
+        f", SLURM job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else "",
+    )  # fmt: skip
     nodes, gpus = check_job(job)
-    prepare_checkpoints(job)
-    code, signalled = start_workers(job, nodes, gpus)
-    failed = outcome(job, code, signalled)
-    if failed is not None:
-        return failed
-    publish_outputs(job)
-    return 0
+    with RunLock(job.out / "train.lock", job.lock_wait_s):
+        prepare_checkpoints(job)
+        result = train_segments(job, nodes, gpus)
+    if result != "requeue":
+        return result
+    if requeue_self():
+        time.sleep(300)  # SLURM ends this run of the job now; the next one resumes
+    return STOPPED_EXIT_CODE

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import signal
 import time
@@ -29,12 +30,15 @@ from snaketune.throughput import mfu, step_flops
 log = logging.getLogger(__name__)
 
 # the per-rank numbers of a step: how each is combined across ranks
-FIELDS = (("flag", "max"), ("tokens", "sum"), ("padded", "sum"), ("samples", "sum"),
-          ("squares", "sum"), ("peak", "max"), ("status", "max"), ("temp", "max"))  # fmt: skip
+FIELDS = (("flag", "max"), ("timeup", "max"), ("tokens", "sum"), ("padded", "sum"),
+          ("samples", "sum"), ("squares", "sum"), ("peak", "max"), ("status", "max"),
+          ("temp", "max"))  # fmt: skip
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGUSR1; read by the callback at every step end."""
+    """Set by SIGTERM/SIGUSR1; read by the callback at every step end. SIGUSR1 is SLURM's
+    warning ahead of the time limit (``--signal=USR1@<seconds>``): a stop to continue in the
+    next job; SIGTERM (scancel, preemption) a stop for good."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
@@ -46,6 +50,49 @@ class StopRequest:
     def _handle(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name
         log.warning("%s received: saving a checkpoint at the end of this step", self.signal)
+
+
+class Deadline:
+    """When to stop ahead of the allocation's end (epoch seconds ``end``; None: no limit).
+
+    Due at a step end when another step, a checkpoint save and ``margin_s`` would no longer
+    fit before the end. The step time is the longest of the last few steps; the save time is
+    the last save measured (``save_guess_s`` before the first one), with a quarter more.
+    """
+
+    def __init__(self, end: float | None, margin_s: float, save_guess_s: float = 30.0):
+        self.end, self.margin_s, self.save_s = end, margin_s, save_guess_s
+        self.steps: list[float] = []
+        self.train_s = 0.0  # time in training steps (saves and start-up left out)
+        self._t = time.time()
+
+    @classmethod
+    def from_environ(cls) -> Deadline:
+        """Set by the launcher: SNAKETUNE_DEADLINE (epoch seconds), SNAKETUNE_STOP_MARGIN, and
+        SNAKETUNE_SAVE_S (the save time the previous job measured)."""
+        end, env = os.environ.get("SNAKETUNE_DEADLINE"), os.environ
+        return cls(float(end) if end else None, float(env.get("SNAKETUNE_STOP_MARGIN", 60)),
+                   float(env.get("SNAKETUNE_SAVE_S", 30)))  # fmt: skip
+
+    def restart(self) -> None:
+        self._t = time.time()
+
+    def step_done(self) -> None:
+        now = time.time()
+        self.steps = [*self.steps[-4:], now - self._t]
+        self.train_s += now - self._t
+        self._t = now
+
+    def saved(self, seconds: float) -> None:
+        self.save_s = seconds
+        self._t = time.time()  # the save is not a step
+
+    def due(self, now: float | None = None) -> bool:
+        if self.end is None:
+            return False
+        now = time.time() if now is None else now
+        step = max(self.steps, default=0.0)
+        return now + step + 1.25 * self.save_s + self.margin_s >= self.end
 
 
 def is_distributed() -> bool:
@@ -116,8 +163,12 @@ class SnaketuneCallback(TrainerCallback):
         start_step: int,
         watchdog: Watchdog | None = None,
         flops: FlopsModel | None = None,
+        deadline: Deadline | None = None,
     ):
         self.rank, self.collator, self.stop = rank, collator, stop
+        self.deadline = deadline or Deadline(None, 0.0)
+        self.stop_reason: str | None = None  # time (continue in the next job), signal, health
+        self._save_began: float | None = None
         self.metrics, self.keep, self.watchdog, self.flops = metrics, keep, watchdog, flops
         self.stopped_at: int | None = None
         self.stopped_for_health = False
@@ -130,6 +181,7 @@ class SnaketuneCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = self._last = time.monotonic()
+        self.deadline.restart()
         if self.rank == 0:
             self._out = open(self.metrics, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
@@ -139,13 +191,16 @@ class SnaketuneCallback(TrainerCallback):
             self._out = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        # flag: 1 = a rank got a stop signal, 2 = a rank's GPU is failing
+        # flag: 1 = a rank got a stop signal, 2 = a rank's GPU is failing; timeup: the time
+        # limit is near (a rank's deadline or SIGUSR1): stop, save, continue in the next job
+        self.deadline.step_done()
         unhealthy = self.watchdog is not None and self.watchdog.fatal is not None
         last = self.watchdog.last if self.watchdog is not None else None
         counts = {k: getattr(self.collator, k) - v for k, v in self._seen.items()}
         self._seen = {k: getattr(self.collator, k) for k in self._seen}
         mine = {
-            "flag": 2.0 if unhealthy else 1.0 if self.stop.signal else 0.0,
+            "flag": 2.0 if unhealthy else 1.0 if self.stop.signal == "SIGTERM" else 0.0,
+            "timeup": 1.0 if self.stop.signal == "SIGUSR1" or self.deadline.due() else 0.0,
             **counts,
             "peak": peak_memory_mib(),
             "status": LEVEL[last["status"]] if last else -1,
@@ -155,11 +210,14 @@ class SnaketuneCallback(TrainerCallback):
         for k in self._window:
             self._window[k] += got[k]
         self._latest = got
-        if got["flag"]:
+        if got["flag"] or got["timeup"]:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
             self.stopped_for_health = got["flag"] >= 2
+            self.stop_reason = {2: "health", 1: "signal"}.get(int(got["flag"]), "time")
+        if control.should_save:
+            self._save_began = time.time()
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -220,3 +278,6 @@ class SnaketuneCallback(TrainerCallback):
             prune(Path(args.output_dir), self.keep)
             log.info("checkpoint %s complete", path.name)
         barrier()
+        if self._save_began is not None:
+            self.deadline.saved(time.time() - self._save_began)
+            self._save_began = None

@@ -10,7 +10,8 @@ from typing import Any
 
 COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
-           "gain_exact_match", "gain_loss", "wall_time_s", "gpu_hours"]  # fmt: skip
+           "gain_exact_match", "gain_loss", "wall_time_s", "jobs", "outside_training_s",
+           "gpu_hours"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -56,9 +57,15 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
                 gain_exact_match=ev["gain"]["exact_match"],
                 gain_loss=ev["gain"]["loss"],
             )
+    seconds = None
     if train_benchmark is not None and train_benchmark.is_file():
         with open(train_benchmark) as fh:
             seconds = float(next(csv.DictReader(fh, delimiter="\t"))["s"])
+    segments = provenance.get("segments") or {}
+    if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
+        seconds = segments["wall_s"]  # first start to last end, queue waits between included
+        row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
+    if seconds is not None:
         row["wall_time_s"] = round(seconds, 1)
         if provenance.get("device") == "cuda":
             row["gpu_hours"] = round(seconds * spec["nodes"] * spec["gpus_per_node"] / 3600, 3)

@@ -55,7 +55,7 @@ from snaketune.checkpoints import (  # noqa: F401 (re-exported for the tests and
 )
 from snaketune.errors import UserError
 from snaketune.health import Limits, Watchdog, open_reader
-from snaketune.io import host_name
+from snaketune.io import host_name, write_json
 from snaketune.packing import (
     Collator,
     check_packing,
@@ -63,12 +63,13 @@ from snaketune.packing import (
     resolve_attention,
     resolve_liger,
 )
-from snaketune.progress import FlopsModel, SnaketuneCallback, StopRequest, barrier
+from snaketune.progress import Deadline, FlopsModel, SnaketuneCallback, StopRequest, barrier
 from snaketune.throughput import matmul_params, peak_tflops
 
 log = logging.getLogger(__name__)
 
 STOPPED_EXIT_CODE = 3
+SEGMENT = "segment.json"  # written by rank 0 when this job's training ends: why, at which step
 HEALTH_EXIT_CODE = 4  # stopped by the GPU health watchdog (checkpoint saved)
 
 
@@ -417,6 +418,9 @@ def start(run: dict[str, Any], shards: Path, out: Path) -> tuple[WorkerEnv, dict
     """Join the job, check it matches the shards, and find the checkpoint to resume from."""
     import deepspeed as ds
 
+    from snaketune.runlock import worker_dies_with_agent
+
+    worker_dies_with_agent()  # never outlive the job: see snaketune.runlock
     env = WorkerEnv.from_environ()
     manifest = json.loads((shards / "manifest.json").read_text())
     expected = manifest["nodes"] * manifest["gpus_per_node"]
@@ -471,7 +475,8 @@ def run_worker(
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     callback = SnaketuneCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
                                  run["save_total_limit"], start_step, watchdog,
-                                 flops_model(run, model, env.world_size))  # fmt: skip
+                                 flops_model(run, model, env.world_size),
+                                 Deadline.from_environ())  # fmt: skip
     trainer = METHODS[method_of(run)](ctx, model, data, [callback])
     if env.rank == 0:
         log.info(
@@ -486,11 +491,23 @@ def run_worker(
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if watchdog is not None:
         watchdog.stop()
+    if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
+        write_json(ckpt_dir / SEGMENT, {
+            "reason": callback.stop_reason or "done",
+            "step": trainer.state.global_step,
+            "train_s": round(callback.deadline.train_s, 3),
+            "save_s": round(callback.deadline.save_s, 3),
+        })  # fmt: skip
     if callback.stopped_for_health:
         report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
         return HEALTH_EXIT_CODE
     if callback.stopped_at is not None:
-        if env.rank == 0:
+        if env.rank == 0 and callback.stop_reason == "time":
+            log.warning(
+                "stopped at step %d ahead of the time limit (%s); checkpoint saved, the next "
+                "job continues from there", callback.stopped_at, stop.signal or "deadline",
+            )  # fmt: skip
+        elif env.rank == 0:
             log.warning(
                 "stopped by %s at step %d; checkpoint saved, a rerun resumes there",
                 stop.signal or "a signal on another rank",

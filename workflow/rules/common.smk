@@ -95,12 +95,26 @@ def run_deepspeed(wildcards):
 
 # Run keys later stages read; left out of the train rule's params so that changing them
 # does not retrain.
-NOT_TRAINING = ("eval", "eval_dataset", "export")
+NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check")
 
 
 def run_spec(wildcards):
     run = config["runs"][wildcards.run]
     return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
+
+
+def memory_plan_args(wildcards):
+    """The GPU a run is checked against (the run's, else the config's), whether the check is
+    skipped, and whether jobs run on this machine (then a run without a GPU type set is
+    checked against this machine's memory)."""
+    run = config["runs"][wildcards.run]
+    gpu = run.get("gpu", config.get("gpu"))
+    args = [f"--gpu {gpu}"] if gpu is not None else []
+    if run.get("skip_memory_check"):
+        args.append("--skip")
+    if workflow.local_exec:
+        args.append("--local")
+    return " ".join(args)
 
 
 def train_threads(wildcards):
@@ -115,10 +129,11 @@ def train_nodes(wildcards):
 
 
 def train_mpi(wildcards):
-    """The SLURM executor plugin's `mpi` resource for a multi-node run: the rule's shell then
-    runs in the batch script and starts its own srun step (one task per node). None for one
-    node: the plugin's single-task step is enough."""
-    return "srun" if config["runs"][wildcards.run]["nodes"] > 1 else None
+    """The SLURM executor plugin's `mpi` resource, for every train job: the rule's shell runs
+    in the batch script and starts its own srun step (one task per node). So SLURM's
+    `--signal=USR1@...` (sent to job steps) reaches only the training processes, which
+    handle it, never the job's own snakemake, which it would end."""
+    return "srun"
 
 
 def train_gres(wildcards):

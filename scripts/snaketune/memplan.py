@@ -1,0 +1,393 @@
+"""Will a run fit on its GPUs? A per-GPU memory estimate from the model's config.json alone.
+
+Per GPU, for N GPUs in all, P parameters, T of them trained (all of them for full
+fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
+
+- weights: w·P, ZeRO-3: w·P/N plus the largest layer gathered (4 bytes per parameter of
+  it, DeepSpeed's own figure); ZeRO-3 with parameter offload: only the gathered layer;
+- gradients: (w + 4)·T (16-bit and fp32 copies; fp32 training: 4·T), divided by N from
+  ZeRO-2 on; ZeRO-3: 4·T/N (the 16-bit gradients are reduce-scattered in buckets straight
+  into the fp32 partition); 0 with optimizer offload (reduced to CPU in buckets);
+- optimizer: Adam's two fp32 moments and the fp32 master weights, 12·T (fp32 training:
+  8·T), divided by N from ZeRO-1 on; 0 with optimizer offload (then in CPU memory);
+- activations: tokens of a micro batch (micro_batch_size x max_length, the worst case packed
+  or not) x per layer (8h + 4·kv + 4·I)·w bytes (the tensors a Llama-shaped decoder layer
+  keeps for backward), for every layer without gradient checkpointing, or the layer inputs
+  (h·w per token per layer) plus one layer recomputed with it; eager attention adds its
+  micro x heads x max_length^2 score and probability matrices per layer; the logits add
+  tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
+  gradient), none with Liger's fused linear cross-entropy;
+- margin: 1.5 GiB for the CUDA context and NCCL buffers, plus 10% of the rest for
+  fragmentation.
+
+The model-state figures (weights, gradients, optimizer) are DeepSpeed's own estimators'
+(``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``;
+tests/test_memplan.py checks them within 10%). CPU memory per node is what offload needs
+(DeepSpeed's 1.5 buffer factor included) or, without offload, what loading the model takes
+in every process of the node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from snaketune.errors import UserError
+
+GIB = 1024**3
+# Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
+GPUS: dict[str, float] = {
+    "a100-40gb": 39.4,
+    "a100-64gb": 63.4,  # Leonardo's A100 64 GB
+    "a100-80gb": 79.2,
+    "h100-80gb": 79.6,
+    "h200-141gb": 139.8,
+    "l40s-48gb": 44.4,
+}
+CONTEXT_GIB = 1.5
+FRAGMENTATION = 0.10
+BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs from a model's config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], where: str = "config.json") -> Shape:
+        cfg = cfg.get("text_config", cfg)
+        missing = [k for k in REQUIRED if k not in cfg]
+        if missing:
+            raise UserError(
+                f"{where}: cannot plan memory for model_type {cfg.get('model_type')!r} (no "
+                f"{', '.join(missing)}); set skip_memory_check: true on the run to go without"
+            )
+        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        return cls(
+            hidden=h,
+            intermediate=cfg.get("intermediate_size") or 4 * h,
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or h // heads,
+            vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one decoder layer."""
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
+            "down_proj": (self.intermediate, h),
+        }  # fmt: skip
+
+    @property
+    def params(self) -> int:
+        per_layer = sum(i * o for i, o in self.linear_shapes().values()) + 2 * self.hidden
+        if self.qkv_bias:
+            per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * per_layer + self.hidden
+
+    @property
+    def largest_layer(self) -> int:
+        """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit)."""
+        return max(self.vocab * self.hidden, *(i * o for i, o in self.linear_shapes().values()))
+
+    def lora_params(self, r: int, targets: str | list[str]) -> int:
+        names = LINEARS if targets == "all-linear" else [t for t in targets if t in LINEARS]
+        shapes = self.linear_shapes()
+        return self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run settings the estimate depends on."""
+
+    method: str  # full or lora
+    stage: int  # ZeRO stage
+    offload_optimizer: bool
+    offload_params: bool
+    nodes: int
+    gpus_per_node: int
+    micro_batch_size: int
+    max_length: int
+    gradient_checkpointing: bool
+    attention: str  # eager, sdpa, flash_attention_2 (auto: sdpa or flash, no max_length^2)
+    liger: bool
+    bytes_per_weight: int  # 2 (bf16/fp16) or 4 (fp32)
+    lora_r: int = 0
+    lora_targets: Any = "all-linear"
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def model_states(shape: Shape, s: Setup) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients and optimizer states."""
+    n, w, p = s.gpus, s.bytes_per_weight, shape.params
+    t = p if s.method == "full" else shape.lora_params(s.lora_r, s.lora_targets)
+    mixed = w == 2
+    if s.stage >= 3:
+        gathered = 4 * shape.largest_layer
+        weights = gathered if s.offload_params else gathered + w * p / n
+    else:
+        weights = w * p
+    # ZeRO-3 reduce-scatters the 16-bit gradients in buckets into the fp32 partition
+    grad_bytes = (w + 4) if mixed and s.stage < 3 else 4
+    grads = 0.0 if s.offload_optimizer else grad_bytes * t / (n if s.stage >= 2 else 1)
+    optim_bytes = 12 if mixed else 8
+    optim = 0.0 if s.offload_optimizer else optim_bytes * t / (n if s.stage >= 1 else 1)
+    return {"weights": weights, "gradients": grads, "optimizer": optim}
+
+
+def activations(shape: Shape, s: Setup) -> float:
+    """Bytes per GPU of what forward keeps for backward (and the logits)."""
+    w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_heads * shape.head_dim
+    tokens = s.micro_batch_size * s.max_length
+    layer = tokens * (8 * h + 4 * kv + 4 * shape.intermediate) * w
+    if s.attention == "eager":
+        layer += 2 * s.micro_batch_size * shape.heads * s.max_length**2 * w
+    if s.gradient_checkpointing:
+        kept = shape.layers * tokens * h * w + layer
+    else:
+        kept = shape.layers * layer
+    logits = 0 if s.liger else tokens * shape.vocab * (w + 8)
+    return kept + logits
+
+
+def cpu_per_node(shape: Shape, s: Setup) -> float:
+    """Bytes of CPU memory per node: offloaded states, or loading the model in each process."""
+    p, t = shape.params, shape.params if s.method == "full" else 0
+    if s.offload_optimizer or s.offload_params:
+        states = 16 * t if s.offload_optimizer else 0
+        states += 2 * p if s.offload_params else 0
+        return states / s.nodes * BUFFER
+    return p * s.bytes_per_weight * s.gpus_per_node
+
+
+def estimate(shape: Shape, s: Setup) -> dict[str, float]:
+    """GiB per GPU: each part, the margin and the total."""
+    parts = {**model_states(shape, s), "activations": activations(shape, s)}
+    body = sum(parts.values())
+    parts["margin"] = CONTEXT_GIB * GIB + FRAGMENTATION * body
+    gib = {k: v / GIB for k, v in parts.items()}
+    gib["total"] = sum(gib.values())
+    return {k: round(v, 2) for k, v in gib.items()}
+
+
+def changes(s: Setup) -> list[tuple[str, Setup]]:
+    """Changes that lower the per-GPU memory, cheapest first."""
+    out: list[tuple[str, Setup]] = []
+    m = s.micro_batch_size
+    while m > 1:
+        m //= 2
+        out.append((f"micro_batch_size: {m} (raise gradient_accumulation_steps to keep the "
+                    "global batch)", replace(s, micro_batch_size=m)))  # fmt: skip
+    if not s.gradient_checkpointing:
+        out.append(("gradient_checkpointing: true", replace(s, gradient_checkpointing=True)))
+    if s.stage < 3:
+        out.append(("deepspeed: zero3", replace(s, stage=3)))
+        out.append(("deepspeed: zero3 with gradient_checkpointing: true",
+                    replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
+    if not (s.offload_optimizer and s.offload_params):
+        out.append(("deepspeed: zero3_offload (optimizer and weights in CPU memory)",
+                    replace(s, stage=3, offload_optimizer=True, offload_params=True,
+                            gradient_checkpointing=True)))  # fmt: skip
+    nodes = s.nodes
+    while nodes < 64:
+        nodes *= 2
+        out.append((f"nodes: {nodes}", replace(s, nodes=nodes)))
+    return out
+
+
+def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
+    """The plan of one run: per-GPU parts, CPU per node, fits, and the cheapest change."""
+    per_gpu = estimate(shape, s)
+    out: dict[str, Any] = {
+        "params": shape.params,
+        "per_gpu_gib": per_gpu,
+        "gpu_gib": gpu_gib,
+        "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
+        "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
+        "suggestion": None,
+    }
+    if out["fits"] is False:
+        for what, changed in changes(s):
+            total = estimate(shape, changed)["total"]
+            if total <= gpu_gib:
+                out["suggestion"] = f"{what} (then {total:.1f} GiB per GPU)"
+                break
+        else:
+            out["suggestion"] = "no single change fits: use GPUs with more memory"
+    return out
+
+
+def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
+    """The estimate's settings from a validated run and its DeepSpeed JSON."""
+    zero = deepspeed.get("zero_optimization", {})
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+    precision = run.get("precision", "auto")
+    if precision == "auto":
+        precision = "bf16" if on_gpu else "fp32"
+    attention = run.get("attn_implementation", "auto")
+    liger = run.get("liger_kernel", "auto")
+    return Setup(
+        method=run["method"],
+        stage=int(zero.get("stage", 0)),
+        offload_optimizer=offloaded("offload_optimizer"),
+        offload_params=offloaded("offload_param"),
+        nodes=run["nodes"],
+        gpus_per_node=run["gpus_per_node"],
+        micro_batch_size=run["micro_batch_size"],
+        max_length=run["max_length"],
+        gradient_checkpointing=bool(run.get("gradient_checkpointing", False)),
+        attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
+        liger=on_gpu and liger is True,
+        bytes_per_weight=4 if precision == "fp32" else 2,
+        lora_r=(run.get("lora") or {}).get("r", 0),
+        lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
+    )
+
+
+def gpu_memory(name_or_gib: str | float | None) -> float | None:
+    """GiB of one GPU from a table name (``h100-80gb``) or a number; None: not set."""
+    if name_or_gib is None:
+        return None
+    if isinstance(name_or_gib, int | float):
+        return float(name_or_gib)
+    try:
+        return GPUS[str(name_or_gib).lower()]
+    except KeyError:
+        raise UserError(
+            f"gpu: {name_or_gib!r} is not a known GPU ({', '.join(GPUS)}); give one of them "
+            "or its memory in GiB (e.g. gpu: 94)"
+        ) from None
+
+
+def read_shape(model_dir: Path) -> Shape:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found: download the model first (snakemake download_model)")
+    return Shape.from_config(json.loads(path.read_text()), str(path))
+
+
+def format_plan(run: str, plan: dict[str, Any]) -> str:
+    """One line: the run, the per-GPU total and its parts, against what the GPU has."""
+    g = plan["per_gpu_gib"]
+    parts = ", ".join(f"{k} {g[k]:.1f}" for k in
+                      ("weights", "gradients", "optimizer", "activations", "margin"))  # fmt: skip
+    against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
+    verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
+    line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
+            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node")  # fmt: skip
+    if plan["suggestion"]:
+        line += f"; cheapest change that fits: {plan['suggestion']}"
+    return line
+
+
+def machine_memory_gib() -> float:
+    """Total memory of this machine, GiB."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Path:
+    """Where the run's model (its config.json) is: resources/models/<name> once downloaded,
+    else a local model's own path."""
+    downloaded = root / "resources" / "models" / run["model"]
+    spec = config["models"][run["model"]]
+    if not (downloaded / "config.json").is_file() and spec.get("source") == "local":
+        return Path(spec["path"])
+    return downloaded
+
+
+def plan_config(
+    config: dict[str, Any], root: Path, gpu: str | float | None = None
+) -> list[dict[str, Any]]:
+    """The plan of every run of a validated config; ``gpu`` overrides the runs' own."""
+    from snaketune.config import resolve_deepspeed
+
+    plans = []
+    for name, run in sorted(config["runs"].items()):
+        deepspeed = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text())
+        shape = read_shape(model_dir_of(config, run, root))
+        chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
+        plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
+    return plans
+
+
+def check_cpu_run(
+    shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any], machine_gib: float
+) -> dict[str, Any]:
+    """A run on this machine's CPU (every emulated node here): all its processes' memory
+    against the machine's."""
+    s = setup_of(run, deepspeed, on_gpu=False)
+    per_process = estimate(shape, s)["total"] - CONTEXT_GIB
+    out = plan_run(shape, s, None)
+    out["per_gpu_gib"]["total"] = round(per_process, 2)
+    out["machine_gib"] = round(machine_gib, 1)
+    out["processes"] = s.gpus
+    out["fits"] = per_process * s.gpus <= machine_gib
+    return out
+
+
+def check_before_queueing(
+    run_name: str,
+    run: dict[str, Any],
+    model_dir: Path,
+    deepspeed: dict[str, Any],
+    gpu: str | float | None,
+    local: bool,
+    skip: bool,
+) -> dict[str, Any]:
+    """The workflow's check before a train job is queued: the plan, or a UserError with the
+    plan's line when the run cannot fit (``skip``: logged, not refused)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    shape = read_shape(model_dir)
+    if gpu is not None:
+        plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
+        line = format_plan(run_name, plan)
+    elif local:
+        plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        line = (f"{run_name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
+                f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this machine's "
+                f"{plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
+    else:
+        plan = {**plan_run(shape, setup_of(run, deepspeed), None), "skipped": "no GPU type set"}
+        line = (f"{run_name}: memory check skipped: no GPU type set (set `gpu:` in the config, "
+                "or `config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
+    log.info("%s", line)
+    plan["run"] = run_name
+    if plan["fits"] is False:
+        if skip:
+            log.warning("%s does not fit, but skip_memory_check is set: going ahead", run_name)
+            plan["skipped"] = "skip_memory_check"
+        else:
+            raise UserError(f"{line} (or set skip_memory_check: true on the run)")
+    return plan

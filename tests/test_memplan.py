@@ -1,0 +1,229 @@
+"""The per-GPU memory plan: model states against DeepSpeed's own estimators for 1B, 7B and
+32B shapes, the config examples planned as fitting, a 32B full fine-tune with ZeRO-2 that
+does not fit (and the change that makes it), and `snaketune plan`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ENV, ROOT, snakemake
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from snaketune.errors import UserError
+from snaketune.memplan import Setup, Shape, changes, estimate, model_states, plan_run
+
+# The config.json values of the models the config examples name (as published on the Hub).
+SHAPES = {
+    "meta-llama/Llama-3.2-1B": {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+    },
+    "deepseek-ai/deepseek-coder-6.7b-instruct": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32256, "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-32B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+# Parameter counts the Hub states for them.
+PARAMS = {
+    "meta-llama/Llama-3.2-1B": 1.24e9,
+    "deepseek-ai/deepseek-coder-6.7b-instruct": 6.74e9,
+    "Qwen/Qwen2.5-32B-Instruct": 32.8e9,
+}
+
+
+def setup(**overrides) -> Setup:
+    base = dict(method="full", stage=2, offload_optimizer=False, offload_params=False, nodes=2,
+                gpus_per_node=8, micro_batch_size=4, max_length=1024, gradient_checkpointing=False,
+                attention="sdpa", liger=False, bytes_per_weight=2)  # fmt: skip
+    return Setup(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_parameter_count_from_config_json(model):
+    assert Shape.from_config(SHAPES[model]).params == pytest.approx(PARAMS[model], rel=0.01)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+@pytest.mark.parametrize("nodes,gpus", [(1, 1), (2, 8), (4, 4)])
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero2_model_states_match_deepspeed(model, nodes, gpus, offload):
+    shape = Shape.from_config(SHAPES[model])
+    ours = model_states(
+        shape, setup(stage=2, nodes=nodes, gpus_per_node=gpus, offload_optimizer=offload)
+    )
+    _, theirs = estimate_zero2_model_states_mem_needs(
+        shape.params, gpus, nodes, cpu_offload=offload
+    )
+    assert sum(ours.values()) == pytest.approx(theirs, rel=0.10)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+@pytest.mark.parametrize("nodes,gpus", [(1, 1), (2, 8), (4, 4)])
+@pytest.mark.parametrize("optim,params", [(False, False), (True, False), (True, True)])
+def test_zero3_model_states_match_deepspeed(model, nodes, gpus, optim, params):
+    shape = Shape.from_config(SHAPES[model])
+    s = setup(stage=3, nodes=nodes, gpus_per_node=gpus, offload_optimizer=optim,
+              offload_params=params)  # fmt: skip
+    ours = model_states(shape, s)
+    _, theirs, _ = estimate_zero3_model_states_mem_needs(
+        shape.params, shape.largest_layer, gpus, nodes, cpu_offload=optim,
+        cpu_offload_params=params,
+    )  # fmt: skip
+    assert sum(ours.values()) == pytest.approx(theirs, rel=0.10)
+
+
+def test_lora_states_are_the_frozen_weights_plus_small_adapters():
+    shape = Shape.from_config(SHAPES["deepseek-ai/deepseek-coder-6.7b-instruct"])
+    lora = model_states(shape, setup(method="lora", lora_r=16))
+    full = model_states(shape, setup())
+    assert lora["weights"] == full["weights"] == 2 * shape.params
+    assert 0 < lora["optimizer"] < full["optimizer"] / 100
+    # r=16 on every linear of 32 layers: 16 x (in + out) summed
+    assert shape.lora_params(16, "all-linear") == 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))
+
+
+def test_activation_knobs_move_the_estimate_the_right_way():
+    shape = Shape.from_config(SHAPES["meta-llama/Llama-3.2-1B"])
+    s = setup(max_length=2048, micro_batch_size=8)
+    plain = estimate(shape, s)["activations"]
+    layers = estimate(shape, replace(s, liger=True))["activations"]  # without the logits
+    checkpointed = estimate(shape, replace(s, liger=True, gradient_checkpointing=True))
+    assert checkpointed["activations"] < layers / 4
+    assert estimate(shape, replace(s, micro_batch_size=4))["activations"] == pytest.approx(
+        plain / 2, rel=0.01
+    )
+    assert estimate(shape, replace(s, attention="eager"))["activations"] > plain * 1.5
+    assert estimate(shape, replace(s, liger=True))["activations"] < plain
+
+
+def test_32b_full_zero2_does_not_fit_and_the_suggestion_does():
+    shape = Shape.from_config(SHAPES["Qwen/Qwen2.5-32B-Instruct"])
+    s = setup(nodes=4, gpus_per_node=4, micro_batch_size=1, max_length=4096,
+              gradient_checkpointing=True)  # fmt: skip
+    plan = plan_run(shape, s, 79.2)
+    assert plan["fits"] is False
+    assert plan["per_gpu_gib"]["weights"] > 60  # 2 bytes x 32.8B unpartitioned
+    assert plan["suggestion"].startswith("deepspeed: zero3"), plan["suggestion"]
+    # the suggestion's own setting plans as fitting
+    fixed = [c for what, c in changes(s) if plan["suggestion"].startswith(what)][0]
+    assert plan_run(shape, fixed, 79.2)["fits"] is True
+
+
+def test_unknown_architecture_is_one_line():
+    with pytest.raises(
+        UserError, match="cannot plan memory for model_type 'mamba'.*skip_memory_check"
+    ):
+        Shape.from_config({"model_type": "mamba", "hidden_size": 8})
+
+
+def _example_root(tmp_path: Path, example: str, edit=None) -> Path:
+    """A workflow root holding the example config and the config.json of its model where
+    download_model puts it (resources/models/<name>/)."""
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    shutil.copytree(ROOT / "workflow", tmp_path / "workflow")
+    config = yaml.safe_load((ROOT / "config/examples" / example).read_text())
+    for name, spec in config["models"].items():
+        (tmp_path / "resources/models" / name).mkdir(parents=True)
+        (tmp_path / "resources/models" / name / "config.json").write_text(
+            json.dumps(SHAPES[spec["id"]])
+        )
+    if edit:
+        edit(config)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _plan(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snaketune.cli", "plan", str(config), "--root", str(config.parent),
+         *args], capture_output=True, text=True, env=ENV, cwd=config.parent, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "example,gpu",
+    [("llama3.2-1b-gsm8k-full-2x8.yaml", "h100-80gb"), ("coder-6.7b-lora-2x4.yaml", "a100-40gb"),
+     ("qwen-32b-zero3-offload-4x4.yaml", "a100-80gb")],
+)  # fmt: skip
+def test_config_examples_plan_as_fitting(tmp_path, example, gpu):
+    proc = _plan(_example_root(tmp_path, example), "--gpu", gpu, "--json")
+    assert proc.returncode == 0, proc.stderr
+    (plan,) = json.loads(proc.stdout)
+    assert plan["fits"] is True, plan
+    assert set(plan["per_gpu_gib"]) >= {"weights", "gradients", "optimizer", "activations",
+                                        "margin", "total"}  # fmt: skip
+    assert {"run", "gpu_gib", "cpu_gib_per_node", "suggestion"} <= set(plan)
+
+
+def test_32b_example_changed_to_zero2_plans_as_not_fitting(tmp_path):
+    def to_zero2(config):
+        config["runs"][next(iter(config["runs"]))]["deepspeed"] = "zero2"
+
+    config = _example_root(tmp_path, "qwen-32b-zero3-offload-4x4.yaml", to_zero2)
+    proc = _plan(config, "--gpu-memory", "80")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "does NOT fit" in line and "cheapest change that fits: deepspeed: zero3" in line
+    assert "against GPU 80.0 GiB" in line
+
+
+def test_plan_without_a_downloaded_model_says_so(tmp_path):
+    config = _example_root(tmp_path, "coder-6.7b-lora-2x4.yaml")
+    shutil.rmtree(tmp_path / "resources/models")
+    proc = _plan(config, "--gpu", "a100-40gb")
+    assert proc.returncode == 2
+    assert "config.json not found" in proc.stderr and "download" in proc.stderr
+
+
+def test_workflow_refuses_a_run_that_cannot_fit_before_its_train_job(tmp_path):
+    """Through the workflow (local profile): the memory_plan rule runs before train and
+    refuses with the plan's line; skip_memory_check lets the run go ahead."""
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    config["runs"]["demo"]["gpu"] = 0.5  # GiB: not even the CUDA context fits
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = snakemake("--configfile", str(path), "--directory", str(tmp_path),
+                     "results/demo/train/metrics.jsonl", check=False)  # fmt: skip
+    assert proc.returncode != 0
+    text = (tmp_path / "logs/memory_plan/demo.log").read_text()
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in text, text
+    assert errors[0].startswith("error: demo: ") and "does NOT fit" in errors[0], errors
+    assert "against GPU 0.5 GiB" in errors[0] and "skip_memory_check: true" in errors[0]
+    assert not (tmp_path / "logs/train/demo.log").exists()  # no train job started
+    assert not (tmp_path / "results/demo/memory_plan.json").exists()
+
+    config["runs"]["demo"]["skip_memory_check"] = True
+    path.write_text(yaml.safe_dump(config))
+    snakemake("--configfile", str(path), "--directory", str(tmp_path),
+              "results/demo/memory_plan.json")  # fmt: skip
+    plan = json.loads((tmp_path / "results/demo/memory_plan.json").read_text())
+    assert plan["fits"] is False and plan["skipped"] == "skip_memory_check"
+
+
+def test_demo_run_is_checked_against_this_machine(tmp_path):
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    snakemake("--configfile", str(path), "--directory", str(tmp_path),
+              "results/demo/memory_plan.json")  # fmt: skip
+    plan = json.loads((tmp_path / "results/demo/memory_plan.json").read_text())
+    assert plan["fits"] is True and plan["processes"] == 2 and plan["machine_gib"] > 1
+    log = (tmp_path / "logs/memory_plan/demo.log").read_text()
+    assert "a CPU run, 2 process(es)" in log
