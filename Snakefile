@@ -51,6 +51,12 @@ except UserError as error:
     sys.exit(f"error: {error}")
 
 
+# Before anything runs or is queued: memory plans of the runs about to train; on SLURM,
+# every job's resources against its partition.
+onstart:
+    before_queueing()
+
+
 wildcard_constraints:
     model=NAME_PATTERN,
     dataset=NAME_PATTERN,

@@ -191,39 +191,43 @@ def test_plan_without_a_downloaded_model_says_so(tmp_path):
     assert "config.json not found" in proc.stderr and "download" in proc.stderr
 
 
-def test_workflow_refuses_a_run_that_cannot_fit_before_its_train_job(tmp_path):
-    """Through the workflow (local profile): the memory_plan rule runs before train and
-    refuses with the plan's line; skip_memory_check lets the run go ahead."""
+def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):
+    """Through the workflow (local profile): once the model's config.json is there, a run
+    that cannot fit stops the workflow before any job runs, with the plan's line."""
+    snakemake("--directory", str(tmp_path), "make_fixtures")  # the demo's model is built
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["runs"]["demo"]["gpu"] = 0.5  # GiB: not even the CUDA context fits
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = snakemake("--configfile", str(path), "--directory", str(tmp_path),
-                     "results/demo/train/metrics.jsonl", check=False)  # fmt: skip
+    proc = snakemake("--configfile", str(path), "--directory", str(tmp_path), check=False)
     assert proc.returncode != 0
-    text = (tmp_path / "logs/memory_plan/demo.log").read_text()
-    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in text, text
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2 and "Traceback" not in proc.stdout + proc.stderr, errors
     assert errors[0].startswith("error: demo: ") and "does NOT fit" in errors[0], errors
     assert "against GPU 0.5 GiB" in errors[0] and "skip_memory_check: true" in errors[0]
-    assert not (tmp_path / "logs/train/demo.log").exists()  # no train job started
-    assert not (tmp_path / "results/demo/memory_plan.json").exists()
+    assert errors[1] == "error: 1 problem(s) found before queueing; nothing was run"
+    assert not (tmp_path / "results").exists()  # no job ran
 
+
+def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
+    from snaketune.config import load_yaml, validate_config
+    from snaketune.memplan import check_runs
+
+    config = load_yaml(ROOT / "config/config.yaml")
+    config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
+    config["datasets"]["gsm8k_demo"]["path"] = str(fixtures_dir / "gsm8k-demo/train.jsonl")
+    config["datasets"]["gsm8k_demo_test"]["path"] = str(fixtures_dir / "gsm8k-demo/test.jsonl")
+    config = validate_config(config, ROOT)
+    # the demo on this machine's CPU: 2 processes against its memory
+    assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []
+    # a GPU that is far too small: refused, unless skip_memory_check
+    config["runs"]["demo"]["gpu"] = 0.5
+    (line,) = check_runs(config, ["demo"], tmp_path, ROOT, local=True)
+    assert line.startswith("demo: ") and "does NOT fit" in line
     config["runs"]["demo"]["skip_memory_check"] = True
-    path.write_text(yaml.safe_dump(config))
-    snakemake("--configfile", str(path), "--directory", str(tmp_path),
-              "results/demo/memory_plan.json")  # fmt: skip
-    plan = json.loads((tmp_path / "results/demo/memory_plan.json").read_text())
-    assert plan["fits"] is False and plan["skipped"] == "skip_memory_check"
-
-
-def test_demo_run_is_checked_against_this_machine(tmp_path):
-    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    snakemake("--configfile", str(path), "--directory", str(tmp_path),
-              "results/demo/memory_plan.json")  # fmt: skip
-    plan = json.loads((tmp_path / "results/demo/memory_plan.json").read_text())
-    assert plan["fits"] is True and plan["processes"] == 2 and plan["machine_gib"] > 1
-    log = (tmp_path / "logs/memory_plan/demo.log").read_text()
-    assert "a CPU run, 2 process(es)" in log
+    assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []
+    # no GPU type on SLURM: not checked; a model not built yet: checked later
+    del config["runs"]["demo"]["gpu"]
+    assert check_runs(config, ["demo"], tmp_path, ROOT, local=False) == []
+    config["models"]["tiny"]["path"] = str(tmp_path / "not-built-yet")
+    assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []

@@ -5,8 +5,9 @@ The profile runs as it is; the command line overrides only the account (restatin
 partition, since a command-line `--default-resources` replaces the profile's whole list)
 and shortens the plugin's first status check from 20 s to 5 s and the interval between
 status checks from 10 s to 2 s (test time; a real cluster keeps the profile's pace). The
-demo pipeline runs through a copy of the profile whose only change is a 2-minute time
-limit on train jobs, so its training takes several jobs (time-aware continuation).
+demo pipeline runs through a copy of the profile whose only changes are a 2-minute time
+limit on train jobs and SLURM's warning signal 30 s (not 600 s) before it, so its training
+takes several jobs (time-aware continuation).
 
 The cluster is started by the fixture; when it cannot start, the tests are skipped, unless
 SNAKETUNE_REQUIRE_SLURM=1 (as .ci/run sets), which turns that into a failure. Every
@@ -118,17 +119,19 @@ TRAIN_LIMIT_MIN = 2
 @pytest.fixture(scope="module")
 def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     """The whole demo pipeline through profiles/tupi with a 2-minute limit on train jobs:
-    (workdir, snakemake's output). The demo run (32 steps, a short evaluation) with
-    stop_margin_seconds 65, so each train job trains for about 15-25 s of its 2 minutes
-    (after about 35 s of start-up) and the run takes 3 or more jobs."""
+    (workdir, snakemake's output). The demo run (32 steps of ~0.6 s, a short evaluation)
+    with stop_margin_seconds 90: the first job stops after its first step (its save time
+    not yet measured, 30 s are assumed), the next ones train ~10-20 s each after ~10 s of
+    start-up, so the run takes 3 or more jobs."""
     workdir = tmp_path_factory.mktemp("slurm_demo")
     profile = workdir / "profile-tupi"
     profile.mkdir()
     settings = yaml.safe_load((ROOT / "profiles/tupi/config.yaml").read_text())
     settings["set-resources"]["train"]["runtime"] = TRAIN_LIMIT_MIN
+    settings["set-resources"]["train"]["slurm_extra"] = "--signal=USR1@30"
     (profile / "config.yaml").write_text(yaml.safe_dump(settings))
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    config["stop_margin_seconds"] = 65
+    config["stop_margin_seconds"] = 90
     config["runs"]["demo"]["eval"].update(limit=8, max_new_tokens=8, batch_size=8)
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), profile=profile,
@@ -208,6 +211,31 @@ def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):
                 profile=workdir / "profile-tupi")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert set(submitted(proc.stdout)) == {"evaluate"}, proc.stdout[-4000:]
+
+
+def test_resources_no_node_has_fail_before_anything_is_queued(cluster, tmp_path):
+    """A profile asking more CPUs and memory for tokenize_dataset than tupi's nodes have
+    (32 CPUs, 256 GB): the run stops within a minute, before any job (local or SLURM),
+    with one line per problem naming the rule, the resource, both figures and the key."""
+    settings = yaml.safe_load((ROOT / "profiles/tupi/config.yaml").read_text())
+    settings["set-resources"]["tokenize_dataset"].update(cpus_per_task=64, mem_mb=512000)
+    profile = tmp_path / "profile-too-big"
+    profile.mkdir()
+    (profile / "config.yaml").write_text(yaml.safe_dump(settings))
+    began = time.monotonic()
+    proc = tupi(tmp_path / "work", profile=profile, timeout=120)
+    assert time.monotonic() - began < 60
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error: ")]
+    assert errors == [
+        "error: rule tokenize_dataset: asks 64 CPUs per node, the largest node of partition "
+        "tupi has 32; lower set-resources tokenize_dataset: cpus_per_task in the profile",
+        "error: rule tokenize_dataset: asks 512000 MB of memory per node, the largest node of "
+        "partition tupi has 256000; lower set-resources tokenize_dataset: mem_mb in the profile",
+        "error: 2 problem(s) found before queueing; nothing was run",
+    ], proc.stdout[-3000:]
+    assert "has been submitted" not in proc.stdout
+    assert not (tmp_path / "work/resources/fixtures").exists()  # not even a local job ran
 
 
 def test_rule_failing_inside_slurm_exits_nonzero_naming_its_log(cluster, tmp_path):

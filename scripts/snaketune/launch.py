@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -456,10 +457,25 @@ def read_segments(job: Job) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def slurm_restarts() -> int:
+    """How many times this SLURM job was requeued (scontrol's Restarts; SLURM_RESTART_COUNT
+    does not always reach the job's shell)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return 0
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                             text=True, timeout=60).stdout  # fmt: skip
+    except (subprocess.SubprocessError, OSError):
+        out = ""
+    found = re.search(r"\bRestarts=(\d+)", out)
+    return int(found.group(1)) if found else int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
 def record_segment(job: Job, began: float, from_step: int, ended: dict) -> None:
     line = {
         "job": os.environ.get("SLURM_JOB_ID"),
-        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        "restart": slurm_restarts(),
         "host": socket.gethostname(),
         "began": round(began, 3),
         "ended": round(time.time(), 3),

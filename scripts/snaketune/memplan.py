@@ -333,7 +333,14 @@ def plan_config(
     plans = []
     for name, run in sorted(config["runs"].items()):
         deepspeed = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text())
-        shape = read_shape(model_dir_of(config, run, root))
+        path = find_config_json(config, run, root)
+        if path is None:
+            raise UserError(
+                f"runs.{name}: the config.json of model {run['model']} is not in "
+                f"{model_dir_of(config, run, root)} and could not be fetched from the Hub: "
+                "download the model first (snakemake download_model) or go online"
+            )
+        shape = Shape.from_config(json.loads(path.read_text()), str(path))
         chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
         plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
     return plans
@@ -354,40 +361,68 @@ def check_cpu_run(
     return out
 
 
-def check_before_queueing(
-    run_name: str,
-    run: dict[str, Any],
-    model_dir: Path,
-    deepspeed: dict[str, Any],
-    gpu: str | float | None,
-    local: bool,
-    skip: bool,
-) -> dict[str, Any]:
-    """The workflow's check before a train job is queued: the plan, or a UserError with the
-    plan's line when the run cannot fit (``skip``: logged, not refused)."""
-    import logging
+def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
+    """The run's model config.json where it can be read now: the downloaded model, a local
+    model's path, or (a hub model not yet downloaded) config.json alone from the Hub, when
+    this machine is online. None: not available yet."""
+    local = model_dir_of(config, run, workdir) / "config.json"
+    if local.is_file():
+        return local
+    spec = config["models"][run["model"]]
+    if spec.get("source") != "hub":
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
 
-    log = logging.getLogger(__name__)
-    shape = read_shape(model_dir)
-    if gpu is not None:
-        plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
-        line = format_plan(run_name, plan)
-    elif local:
-        plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
-        verdict = "fits" if plan["fits"] else "does NOT fit"
-        line = (f"{run_name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
-                f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this machine's "
-                f"{plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
-    else:
-        plan = {**plan_run(shape, setup_of(run, deepspeed), None), "skipped": "no GPU type set"}
-        line = (f"{run_name}: memory check skipped: no GPU type set (set `gpu:` in the config, "
-                "or `config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
-    log.info("%s", line)
-    plan["run"] = run_name
-    if plan["fits"] is False:
-        if skip:
-            log.warning("%s does not fit, but skip_memory_check is set: going ahead", run_name)
-            plan["skipped"] = "skip_memory_check"
+        return Path(hf_hub_download(spec["id"], "config.json", revision=spec.get("revision")))
+    except Exception:  # offline, gated without a token, no such repo: checked later
+        return None
+
+
+def check_runs(
+    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool
+) -> list[str]:
+    """The workflow's check before anything is queued: a line per run that cannot fit.
+
+    Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
+    machine (``local``) against this machine's memory, others not at all. A run whose
+    model's config.json cannot be read yet (a model a job will build or download) is
+    skipped, with a log line. ``skip_memory_check`` turns a refusal into a warning.
+    """
+    import sys
+
+    from snaketune.config import resolve_deepspeed
+
+    def say(line: str) -> None:
+        print(f"memory plan: {line}", file=sys.stderr)
+
+    found = []
+    for name in runs:
+        run = config["runs"][name]
+        path = find_config_json(config, run, workdir)
+        if path is None:
+            say(f"{name}: skipped for now (the model's config.json is not there yet)")
+            continue
+        shape = Shape.from_config(json.loads(path.read_text()), str(path))
+        deepspeed = json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
+        gpu = run.get("gpu", config.get("gpu"))
+        if gpu is not None:
+            plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
+            line = format_plan(name, plan)
+        elif local:
+            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
+            verdict = "fits" if plan["fits"] else "does NOT fit"
+            line = (f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
+                    f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "
+                    f"machine's {plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
         else:
-            raise UserError(f"{line} (or set skip_memory_check: true on the run)")
-    return plan
+            say(f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
+                "`config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
+            continue
+        if plan["fits"] is not False:
+            say(line)
+        elif run.get("skip_memory_check"):
+            say(f"{line} (skip_memory_check is set: going ahead)")
+        else:
+            found.append(f"{line} (or set skip_memory_check: true on the run)")
+    return found

@@ -491,9 +491,12 @@ def run_worker(
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if watchdog is not None:
         watchdog.stop()
+    # a stop asked at the last step leaves nothing to continue: the run is done
+    finished = trainer.state.global_step >= trainer.state.max_steps
+    stopped = callback.stopped_at is not None and (callback.stopped_for_health or not finished)
     if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
         write_json(ckpt_dir / SEGMENT, {
-            "reason": callback.stop_reason or "done",
+            "reason": (callback.stop_reason or "done") if stopped else "done",
             "step": trainer.state.global_step,
             "train_s": round(callback.deadline.train_s, 3),
             "save_s": round(callback.deadline.save_s, 3),
@@ -501,7 +504,7 @@ def run_worker(
     if callback.stopped_for_health:
         report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
         return HEALTH_EXIT_CODE
-    if callback.stopped_at is not None:
+    if stopped:
         if env.rank == 0 and callback.stop_reason == "time":
             log.warning(
                 "stopped at step %d ahead of the time limit (%s); checkpoint saved, the next "

@@ -1,5 +1,7 @@
 # Plain helpers for the rules (no rules here). Logic lives in scripts/snaketune/.
 import json
+import os
+import sys
 from pathlib import Path
 
 from snaketune.config import resolve_deepspeed
@@ -103,20 +105,6 @@ def run_spec(wildcards):
     return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
 
 
-def memory_plan_args(wildcards):
-    """The GPU a run is checked against (the run's, else the config's), whether the check is
-    skipped, and whether jobs run on this machine (then a run without a GPU type set is
-    checked against this machine's memory)."""
-    run = config["runs"][wildcards.run]
-    gpu = run.get("gpu", config.get("gpu"))
-    args = [f"--gpu {gpu}"] if gpu is not None else []
-    if run.get("skip_memory_check"):
-        args.append("--skip")
-    if workflow.local_exec:
-        args.append("--local")
-    return " ".join(args)
-
-
 def train_threads(wildcards):
     """Processes of a run on one machine (the local profile runs every emulated node here)."""
     run = config["runs"][wildcards.run]
@@ -216,3 +204,36 @@ def report_inputs(wildcards):
         else:
             inputs[f"{run}_lineage"] = final_model(run)
     return inputs
+
+
+def before_queueing():
+    """Before any job runs (onstart): each run about to train against its GPUs' memory
+    (snaketune.memplan); on SLURM, every job of the plan against its partition's nodes and
+    limits (snaketune.slurmfit). One line per problem, then stop; on SLURM, a watch then
+    cancels a pending job whose reason can never clear."""
+    from snaketune.memplan import check_runs
+    from snaketune.slurmfit import PendingWatch, check_jobs
+
+    jobs = list(workflow.dag.needrun_jobs())
+    runs = sorted({job.wildcards["run"] for job in jobs if job.rule.name == "train"})
+    found = check_runs(
+        config, runs, Path("."), Path(workflow.basedir), workflow.local_exec
+    )
+    if not workflow.local_exec:
+        found += check_jobs(
+            [
+                (job.rule.name, dict(job.resources.items()))
+                for job in jobs
+                if not job.is_local
+            ]
+        )
+    if found:
+        for line in found:
+            print(f"error: {line}", file=sys.stderr)
+        print(
+            f"error: {len(found)} problem(s) found before queueing; nothing was run",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+    if not workflow.local_exec:
+        PendingWatch(os.getcwd()).start()

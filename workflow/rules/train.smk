@@ -1,37 +1,12 @@
 # Multi-node DeepSpeed training of one run on its per-node shards.
 
 
-# Will the run fit its GPUs? Checked where snakemake runs, before the train job is queued
-# (snaketune.memplan; `snaketune plan CONFIG` prints the same).
-rule memory_plan:
-    input:
-        script=f"{SCRIPTS}/memory_plan.py",
-        model=run_model,
-        deepspeed=run_deepspeed,
-    output:
-        plan="results/{run}/memory_plan.json",
-    log:
-        "logs/memory_plan/{run}.log",
-    localrule: True
-    conda:
-        "../../envs/snaketune.yaml"
-    params:
-        spec=run_spec,
-        args=memory_plan_args,
-    shell:
-        "python {input.script} --run {wildcards.run} --run-spec {params.spec:q}"
-        " --model {input.model} --deepspeed {input.deepspeed} {params.args}"
-        " --out {output.plan} > {log} 2>&1"
-
-
 rule train:
     input:
         script=f"{SCRIPTS}/train.py",
         shards="results/{run}/shards",
         model=run_model,
         deepspeed=run_deepspeed,
-        # ancient: a new plan (another GPU type) does not retrain a finished run
-        memory_plan=ancient("results/{run}/memory_plan.json"),
     output:
         checkpoint=directory("results/{run}/train/final_checkpoint"),
         model=directory("results/{run}/train/model"),
