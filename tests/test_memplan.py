@@ -188,7 +188,9 @@ def test_plan_without_a_downloaded_model_says_so(tmp_path):
     shutil.rmtree(tmp_path / "resources/models")
     proc = _plan(config, "--gpu", "a100-40gb")
     assert proc.returncode == 2
-    assert "config.json not found" in proc.stderr and "download" in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: runs.coder_lora: the config.json of model deepseek_coder_6_7b")
+    assert "download the model first (snakemake download_model) or go online" in line
 
 
 def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):

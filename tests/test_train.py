@@ -173,6 +173,33 @@ def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path)
     )
 
 
+def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
+    """The run's lock is held by a live process (another training): the train stage waits
+    its bounded time, then refuses with one line naming host and PID, before any compute
+    and without touching the run's directory."""
+    from snaketune.io import host_name
+    from snaketune.runlock import _start_time
+
+    holder = subprocess.Popen(["sleep", "60"])
+    lock = tmp_path / "results/x/train/train.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps({"host": host_name(), "pid": holder.pid, "job": None,
+                                "pid_started": _start_time(holder.pid), "since": "now"}))  # fmt: skip
+    try:
+        proc = launch_train(tmp_path, run_spec(), demo / "results/demo/shards",
+                            demo / "resources/models/tiny", "zero2", "--lock-wait", "3")  # fmt: skip
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert proc.returncode == 2, out
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: results/x/train is in use by another training of this run (host {host_name()}, "
+        f"PID {holder.pid}, since now); let it finish or stop it, then rerun (waited 3s for it)"
+    ], out
+    assert sorted(p.name for p in lock.parent.iterdir()) == ["train.lock"]  # nothing else
+
+
 def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
     spec = run_spec(max_steps=32, save_steps=1000)
     proc = launch_train(

@@ -195,3 +195,46 @@ def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monk
     node_check(tmp_path, 2, "127.0.0.1", free_port(), 1)
     with pytest.raises(UserError, match="sees 1 devices .* the run asks for 2"):
         gather(tmp_path, 1)
+
+
+def test_deadline_is_due_when_a_step_a_save_and_the_margin_no_longer_fit():
+    from snaketune.progress import Deadline
+
+    assert not Deadline(None, 60).due()  # no limit known
+    d = Deadline(end=1000.0, margin_s=100.0, save_guess_s=40.0)
+    d.steps = [5.0, 10.0, 8.0]  # the longest recent step counts: 10
+    assert not d.due(now=839.0)  # 839 + 10 + 1.25 x 40 + 100 = 999
+    assert d.due(now=841.0)
+    d.saved(4.0)  # a measured save replaces the guess
+    assert not d.due(now=880.0) and d.due(now=886.0)  # + 10 + 5 + 100
+
+
+def _callback_step(signal_name, deadline):
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from snaketune.progress import SnaketuneCallback, StopRequest
+
+    collator = SimpleNamespace(tokens=0, padded=0, samples=0, squares=0)
+    stop = StopRequest()
+    stop.signal = signal_name
+    cb = SnaketuneCallback(0, collator, stop, None, 2, 0, deadline=deadline)
+    control = cb.on_step_end(None, SimpleNamespace(global_step=7), TrainerControl())
+    return cb, control
+
+
+def test_usr1_or_the_deadline_stop_to_continue_sigterm_to_stop():
+    from snaketune.progress import Deadline
+
+    for signal_name, deadline, reason in [
+        ("SIGUSR1", None, "time"),  # SLURM's warning ahead of the limit
+        (None, Deadline(end=0.0, margin_s=0.0), "time"),  # our own deadline, long past
+        ("SIGTERM", None, "signal"),  # scancel, preemption: stop for good
+        (None, Deadline(end=None, margin_s=0.0), None),
+    ]:
+        cb, control = _callback_step(signal_name, deadline)
+        assert cb.stop_reason == reason, (signal_name, deadline)
+        assert control.should_save == control.should_training_stop == (reason is not None)
+        if reason:
+            assert cb.stopped_at == 7
