@@ -57,6 +57,11 @@ onstart:
     before_queueing()
 
 
+# At the end of a successful pipeline: one line with the report's path and the results.
+onsuccess:
+    report_line()
+
+
 wildcard_constraints:
     model=NAME_PATTERN,
     dataset=NAME_PATTERN,

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base,
         finish,
     )
-    print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match")}))
+    print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
     return 0
 
 

@@ -111,7 +111,10 @@ def read_jsonl(path: Path) -> list[dict]:
 def demo(tmp_path_factory) -> Path:
     """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted."""
     workdir = tmp_path_factory.mktemp("demo")
-    snakemake("--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir))
+    proc = snakemake(
+        "--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir)
+    )
+    (workdir / "snakemake.out").write_text(proc.stdout + proc.stderr)
     return workdir
 
 

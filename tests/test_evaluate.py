@@ -14,7 +14,14 @@ import pytest
 from conftest import ROOT, read_jsonl, snakemake
 
 from snaketune.errors import DataError
-from snaketune.evaluate import check_overlap, evaluate, normalise_number, parse_answer
+from snaketune.evaluate import (
+    check_overlap,
+    evaluate,
+    final_answer,
+    math_verify_match,
+    normalise_number,
+    parse_answer,
+)
 from snaketune.tokenization import OUTPUT_SCHEMA
 
 
@@ -25,6 +32,33 @@ from snaketune.tokenization import OUTPUT_SCHEMA
 )  # fmt: skip
 def test_parse_answer_normalises_numbers(text, answer):
     assert parse_answer(text) == answer
+
+
+@pytest.mark.parametrize(
+    "generation",
+    ["The total is\n#### $1,000", "#### 1,000.00", "so the answer is \\boxed{1000}.",
+     "She pays 1000 dollars.", "#### 1000 dollars", "#### \\$1,000", "x = \\boxed{\\frac{2000}{2}}",
+     "first 12, then 7, finally 1000"],
+)  # fmt: skip
+def test_math_verify_matches_the_ways_a_number_is_written(generation):
+    assert math_verify_match("1000", final_answer(generation)), final_answer(generation)
+
+
+@pytest.mark.parametrize(
+    "generation",
+    ["#### 1001", "#### 100", "\\boxed{999}", "1000 apples then 10 left", "#### 1000.5",
+     "#### -1000", "no number at all", "####", "#### 10,00"],
+)  # fmt: skip
+def test_math_verify_never_matches_a_wrong_number(generation):
+    assert not math_verify_match("1000", final_answer(generation)), final_answer(generation)
+
+
+def test_final_answer_prefers_the_marker_then_boxed_then_the_last_number():
+    assert final_answer("\\boxed{3} and later\n#### 4") == "4"
+    assert final_answer("2 then \\boxed{x+{1}} then 5") == "\\boxed{x+{1}}"
+    assert final_answer("2 then 5.5") == "5.5"
+    assert final_answer("nothing") is None
+    assert not math_verify_match(None, "5") and not math_verify_match("5", None)
 
 
 def test_normalise_number():
@@ -64,13 +98,23 @@ def test_demo_goes_all_the_way_to_the_report(demo):
     metrics = json.loads((demo / "results/demo/eval/metrics.json").read_text())
     assert metrics["examples"] == 32 and 0.0 <= metrics["exact_match"] <= 1.0
     assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
-    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match"}
+    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match", "math_verify"}
     assert metrics["gain"]["loss"] == pytest.approx(metrics["base"]["loss"] - metrics["loss"])
+    assert 0.0 <= metrics["math_verify"] <= 1.0
+    assert metrics["gain"]["math_verify"] == pytest.approx(
+        metrics["math_verify"] - metrics["base"]["math_verify"]
+    )
     assert metrics["gain"]["loss"] > 0  # training lowered the held-out loss
     samples = read_jsonl(demo / "results/demo/eval/samples.jsonl")
     assert len(samples) == 32
     assert set(samples[0]) >= {"prompt", "reference", "generation", "parsed_answer", "correct"}
     assert samples[0]["reference_answer"] == parse_answer(samples[0]["reference"]) is not None
+    assert {"final_answer", "math_verify"} <= set(samples[0])
+    # the pipeline ended with one line: where the report is, and the run's headline result
+    (line,) = [ln for ln in (demo / "snakemake.out").read_text().splitlines()
+               if ln.startswith("report: ")]  # fmt: skip
+    assert f"report: {demo / 'results/summary.html'}" in line
+    assert "| demo: exact_match " in line and "math_verify " in line and "(base " in line
     base = next((demo / "results/base_eval").iterdir())
     assert json.loads((base / "metrics.json").read_text())["model"].endswith(
         "resources/models/tiny"

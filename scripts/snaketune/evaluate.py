@@ -1,5 +1,8 @@
 """Evaluate a model on a held-out tokenized set: loss and perplexity over response tokens,
-and GSM8K-style exact match of greedy generations (the answer after ``####``).
+GSM8K-style exact match of greedy generations (the number after ``####``, as a string),
+and ``math_verify`` accuracy: the generation's final answer (its ``####`` line, else its
+last ``\\boxed{}``, else its last number) checked against the reference's by math-verify,
+so ``$1,000``, ``1,000.00``, ``\\boxed{1000}`` and ``1000 dollars`` all match 1000.
 
 The eval set is checked against the training set first, by example id and by text hash:
 an eval example that was trained on fails the stage before any model is loaded.
@@ -11,7 +14,9 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,46 @@ def parse_answer(text: str) -> str | None:
         return None
     match = _NUMBER.search(text.rsplit("####", 1)[1])
     return normalise_number(match.group(0)) if match else None
+
+
+_LAST_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_boxed(text: str) -> str | None:
+    """The last ``\\boxed{...}`` of ``text`` (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start : j + 1]
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """A generation's final answer: the rest of its last ``####`` line, else its last
+    ``\\boxed{}``, else its last number (None: none of them)."""
+    if "####" in text:
+        line = text.rsplit("####", 1)[1].strip().splitlines()
+        return line[0].strip() if line and line[0].strip() else None
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _LAST_NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def math_verify_match(reference: str | None, answer: str | None) -> bool:
+    """math-verify's ``verify(gold, answer)`` (gold first). Its timeouts use signal.alarm, so
+    this runs in the main thread."""
+    if not reference or not answer:
+        return False
+    from math_verify import parse, verify
+
+    gold, got = parse(reference), parse(answer.replace("\\$", "$"))  # LaTeX-escaped dollars
+    return bool(gold) and bool(got) and bool(verify(gold, got))
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -85,13 +130,15 @@ def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[
 
 
 def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int) -> list[str]:
-    """Greedy continuations of each example's prompt (the tokens before its first label)."""
+    """Greedy continuations of each example's prompt (the tokens before its first label), in
+    batches with left padding and the KV cache; a progress line per batch."""
     prompts = []
     for r in rows:
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
         prompts.append(r["input_ids"][:first])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = []
+    out: list[str] = []
+    began = time.monotonic()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         n = max(len(p) for p in batch)
@@ -110,6 +157,11 @@ def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens
                 eos_token_id=tokenizer.eos_token_id,
             )
         out += tokenizer.batch_decode(gen[:, n:].cpu(), skip_special_tokens=True)
+        rate = len(out) / max(time.monotonic() - began, 1e-9)
+        log.info(
+            "generated %d/%d examples, %.1f examples/s, ETA %s", len(out), len(prompts), rate,
+            timedelta(seconds=int((len(prompts) - len(out)) / rate)),
+        )  # fmt: skip
     return out
 
 
@@ -147,7 +199,7 @@ def evaluate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
     generations = generate(model, tokenizer, rows, batch_size, max_new_tokens)
-    samples, correct = [], 0
+    samples, correct, verified = [], 0, 0
     for r, text in zip(rows, generations, strict=True):
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
         reference = tokenizer.decode(
@@ -156,6 +208,9 @@ def evaluate(
         want, got = parse_answer(reference), parse_answer(text)
         ok = want is not None and got == want
         correct += ok
+        final = final_answer(text)
+        mv = math_verify_match(want, final)
+        verified += mv
         samples.append(
             {
                 "example_id": r["example_id"],
@@ -165,20 +220,25 @@ def evaluate(
                 "parsed_answer": got,
                 "reference_answer": want,
                 "correct": ok,
+                "final_answer": final,
+                "math_verify": mv,
             }
         )
     metrics.update(
         {
             "exact_match": correct / len(rows),
+            "math_verify": verified / len(rows),
             "examples": len(rows),
             "model": str(model_dir),
             "max_new_tokens": max_new_tokens,
         }
     )
     if base_metrics is not None:
-        metrics["base"] = {k: base_metrics[k] for k in ("loss", "perplexity", "exact_match")}
+        keys = ("loss", "perplexity", "exact_match", "math_verify")
+        metrics["base"] = {k: base_metrics[k] for k in keys}
         metrics["gain"] = {
             "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
+            "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
             "loss": base_metrics["loss"] - metrics["loss"],
         }
     with atomic_path(out_dir) as tmp:
@@ -188,10 +248,11 @@ def evaluate(
         if finish is not None:
             finish(tmp, metrics)
     log.info(
-        "loss %.4f, perplexity %.2f, exact match %.3f on %d examples",
+        "loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f on %d examples",
         metrics["loss"],
         metrics["perplexity"],
         metrics["exact_match"],
+        metrics["math_verify"],
         len(rows),
     )
     return metrics

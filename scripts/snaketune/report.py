@@ -10,8 +10,8 @@ from typing import Any
 
 COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
-           "gain_exact_match", "gain_loss", "wall_time_s", "jobs", "outside_training_s",
-           "gpu_hours"]  # fmt: skip
+           "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
+           "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -50,11 +50,14 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     }  # fmt: skip
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
-        row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"])
+        row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
+                   math_verify=ev.get("math_verify"))  # fmt: skip
         if "base" in ev:
             row.update(
                 base_exact_match=ev["base"]["exact_match"],
                 gain_exact_match=ev["gain"]["exact_match"],
+                base_math_verify=ev["base"].get("math_verify"),
+                gain_math_verify=ev["gain"].get("math_verify"),
                 gain_loss=ev["gain"]["loss"],
             )
     seconds = None
@@ -153,3 +156,22 @@ def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
         "</style></head><body><h1>snaketune: all runs</h1>"
         f'<table id="summary"><tr>{head}</tr>{body}</table>{"".join(sections)}</body></html>\n'
     )
+
+
+def headline(summary_tsv: Path, html: Path) -> str:
+    """One line for the end of a pipeline: where the report is, and each run's result."""
+    with open(summary_tsv) as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    parts = [f"report: {html}"]
+    for r in rows:
+        figures = []
+        for key in ("exact_match", "math_verify"):
+            if r.get(key):
+                base = f" (base {r[f'base_{key}']})" if r.get(f"base_{key}") else ""
+                figures.append(f"{key} {r[key]}{base}")
+        if r.get("eval_loss"):
+            figures.append(f"eval loss {r['eval_loss']}")
+        elif r.get("final_loss"):
+            figures.append(f"final loss {r['final_loss']}")
+        parts.append(f"{r['run']}: {', '.join(figures)}")
+    return " | ".join(parts)

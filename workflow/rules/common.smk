@@ -237,3 +237,12 @@ def before_queueing():
         sys.exit(1)
     if not workflow.local_exec:
         PendingWatch(os.getcwd()).start()
+
+
+def report_line():
+    """After a successful pipeline (onsuccess): the report's path and each run's result."""
+    from snaketune.report import headline
+
+    html, tsv = Path("results/summary.html"), Path("results/summary.tsv")
+    if html.is_file() and tsv.is_file():
+        print(headline(tsv, html.resolve()), file=sys.stderr)
