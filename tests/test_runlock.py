@@ -137,3 +137,28 @@ def test_child_dies_with_its_parent_even_by_sigkill(tmp_path):
         child.wait(timeout=5)  # raises psutil.TimeoutExpired if it outlived its parent
     finally:
         parent.kill()
+
+
+def test_a_lock_taken_over_in_between_is_put_back(tmp_path):
+    """Two takers judged the same stale lock; the first already holds a fresh one: the
+    second, moving the fresh one aside, sees it is not the stale one and puts it back."""
+    path = tmp_path / "train.lock"
+    first = RunLock(path)
+    first.acquire()
+    fresh = json.loads(path.read_text())
+    second = RunLock(path)
+    second._take_over({"host": host_name(), "pid": _dead_pid()}, "its process is gone")
+    assert json.loads(path.read_text()) == fresh
+    assert [p.name for p in tmp_path.iterdir()] == ["train.lock"]
+    first.release()
+
+
+def test_an_unreadable_lock_goes_stale_by_its_age(tmp_path):
+    path = tmp_path / "train.lock"
+    path.write_text("")  # a writer that died between creating and writing it
+    with pytest.raises(UserError):
+        RunLock(path, wait_s=0.3, poll_s=0.1).acquire()
+    old = time.time() - runlock.STALE_S - 5
+    os.utime(path, (old, old))
+    with RunLock(path, wait_s=0.3, poll_s=0.1) as lock:
+        assert json.loads(path.read_text())["token"] == lock.token

@@ -238,3 +238,22 @@ def test_usr1_or_the_deadline_stop_to_continue_sigterm_to_stop():
         assert control.should_save == control.should_training_stop == (reason is not None)
         if reason:
             assert cb.stopped_at == 7
+
+
+def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
+    import subprocess as sp
+    from datetime import datetime
+
+    from snaketune import launch
+    from snaketune.launch import Job, allocation_end
+
+    job = Job({}, tmp_path, tmp_path, tmp_path, tmp_path, "auto", [], time_limit_min=10)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert allocation_end(job, 1000.0) == 1600.0  # off SLURM: the rule's runtime
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(launch.shutil, "which", lambda _: "/usr/bin/squeue")
+    for printed, want in [("2026-11-23T12:00:00", datetime(2026, 11, 23, 12).timestamp()),
+                          ("UNLIMITED", None), ("N/A", 1600.0)]:  # fmt: skip
+        monkeypatch.setattr(launch.subprocess, "run",
+                            lambda *a, p=printed, **k: sp.CompletedProcess(a, 0, p + "\n", ""))  # fmt: skip
+        assert allocation_end(job, 1000.0) == want, printed

@@ -442,8 +442,10 @@ def allocation_end(job: Job, started: float) -> float | None:
         try:
             out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
                                  text=True, timeout=60).stdout.strip()  # fmt: skip
+            if out in ("UNLIMITED", "NONE"):
+                return None  # the job has no time limit
             return datetime.fromisoformat(out).timestamp()
-        except (subprocess.SubprocessError, ValueError):  # UNLIMITED, N/A, squeue down
+        except (subprocess.SubprocessError, ValueError):  # N/A, squeue down
             log.warning("could not read the end time of SLURM job %s from squeue", job_id)
     if job.time_limit_min:
         return started + job.time_limit_min * 60

@@ -145,11 +145,22 @@ class RunLock:
         return None
 
     def _take_over(self, holder: dict, why: str) -> None:
+        """Move the stale lock aside (then O_EXCL decides who takes it). Should another
+        taker have replaced it in between, the lock moved aside is theirs: put it back."""
         log.warning("run lock %s: taking it over from %s (%s)", self.path, describe(holder), why)
         aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(self.path, aside)  # only one taker wins the rename; O_EXCL decides
-            aside.unlink()
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, json.JSONDecodeError):
+            moved = {}
+        if moved != holder:
+            with contextlib.suppress(FileExistsError, OSError):
+                os.link(aside, self.path)  # back in place, unless a lock exists again
+        aside.unlink(missing_ok=True)
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +170,7 @@ class RunLock:
             holder, age = self.holder()
             if holder is None:
                 continue  # released between our two calls
-            why = self.stale(holder, age) if holder else None
+            why = self.stale(holder, age)  # an unreadable record goes stale by its age
             if why:
                 self._take_over(holder, why)
                 continue
