@@ -69,15 +69,21 @@ def start_tupi(
 def _release_requeued(stop: threading.Event) -> None:
     """SLURM holds a requeued job for 2 minutes (its BeginTime) before it may start again;
     on a real cluster that is noise against a 24-hour limit, here it would be most of the
-    test. Start each requeued job at once (what `scontrol update StartTime=now` lets any
-    user do for their own pending job)."""
-    while not stop.wait(2):
+    test. Start each requeued job early (what `scontrol update StartTime=now` lets any user
+    do for their own pending job), but not in the first seconds: a job started again within
+    the second of its requeue is killed by SLURM ("Job credential revoked")."""
+    first_seen: dict[str, float] = {}
+    while not stop.wait(1):
         out = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"],
                              capture_output=True, text=True).stdout  # fmt: skip
         for job_id, reason in (line.split(maxsplit=1) for line in out.splitlines() if line):
-            if reason.strip() == "BeginTime":
+            if reason.strip() != "BeginTime":
+                continue
+            seen = first_seen.setdefault(job_id, time.monotonic())
+            if time.monotonic() - seen >= 5:
                 subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
                                capture_output=True)  # fmt: skip
+                del first_seen[job_id]
 
 
 def tupi(workdir: Path, *args: str, timeout: int = 900, **kw) -> subprocess.CompletedProcess:
