@@ -286,11 +286,14 @@ def gpu_memory(name_or_gib: str | float | None) -> float | None:
         ) from None
 
 
-def read_shape(model_dir: Path) -> Shape:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path} not found: download the model first (snakemake download_model)")
-    return Shape.from_config(json.loads(path.read_text()), str(path))
+def shape_and_deepspeed(
+    config_json: Path, run: dict[str, Any], basedir: Path
+) -> tuple[Shape, dict[str, Any]]:
+    """The model's shape from its config.json, and the run's DeepSpeed JSON as written."""
+    from snaketune.config import resolve_deepspeed
+
+    shape = Shape.from_config(json.loads(config_json.read_text()), str(config_json))
+    return shape, json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
 
 
 def format_plan(run: str, plan: dict[str, Any]) -> str:
@@ -328,11 +331,8 @@ def plan_config(
     config: dict[str, Any], root: Path, gpu: str | float | None = None
 ) -> list[dict[str, Any]]:
     """The plan of every run of a validated config; ``gpu`` overrides the runs' own."""
-    from snaketune.config import resolve_deepspeed
-
     plans = []
     for name, run in sorted(config["runs"].items()):
-        deepspeed = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text())
         path = find_config_json(config, run, root)
         if path is None:
             raise UserError(
@@ -340,7 +340,7 @@ def plan_config(
                 f"{model_dir_of(config, run, root)} and could not be fetched from the Hub: "
                 "download the model first (snakemake download_model) or go online"
             )
-        shape = Shape.from_config(json.loads(path.read_text()), str(path))
+        shape, deepspeed = shape_and_deepspeed(path, run, root)
         chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
         plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
     return plans
@@ -391,8 +391,6 @@ def check_runs(
     """
     import sys
 
-    from snaketune.config import resolve_deepspeed
-
     def say(line: str) -> None:
         print(f"memory plan: {line}", file=sys.stderr)
 
@@ -403,8 +401,7 @@ def check_runs(
         if path is None:
             say(f"{name}: skipped for now (the model's config.json is not there yet)")
             continue
-        shape = Shape.from_config(json.loads(path.read_text()), str(path))
-        deepspeed = json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
+        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         gpu = run.get("gpu", config.get("gpu"))
         if gpu is not None:
             plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))

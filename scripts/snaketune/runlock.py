@@ -42,8 +42,8 @@ PR_SET_PDEATHSIG = 1
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent exits (Linux only).
 
-    Usable as a ``preexec_fn``. When the parent is already gone (re-parented to init or a
-    subreaper before this ran), the signal is sent at once.
+    Usable as a ``preexec_fn``. A parent already gone before this ran is not noticed (the
+    kernel only watches from now on); ``worker_dies_with_agent`` checks for that.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
