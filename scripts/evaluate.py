@@ -5,6 +5,7 @@
         --base-metrics results/base_eval/EVALKEY/metrics.json --out results/demo/eval \
         --max-new-tokens 256 --batch-size 8
 
+With --lm-eval, also runs those lm-evaluation-harness tasks (metrics.json's lm_eval).
 Writes metrics.json, samples.jsonl (prompt, reference, generation, parsed answer,
 correct) and provenance.json. With --train, fails first if any eval example is a training
 example. With --base-metrics, adds the base model's figures and the gain over them.
@@ -40,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-new-tokens", type=int, default=256, help="longest generation")
     parser.add_argument("--batch-size", type=int, default=8, help="examples per batch")
+    parser.add_argument(
+        "--lm-eval", type=json.loads, default=None,
+        help="lm-evaluation-harness settings as JSON (a run's eval.lm_eval block)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
     base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None
@@ -47,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"train": args.train} if args.train else {})
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
-              "batch_size": args.batch_size}  # fmt: skip
+              "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
 
     def finish(tmp: Path, _: dict) -> None:
         stage = "evaluate" if args.train else "evaluate_base"
@@ -63,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batch_size,
         base,
         finish,
+        args.lm_eval,
     )
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
     return 0

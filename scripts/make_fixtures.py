@@ -1,4 +1,5 @@
-"""Build the offline demo fixtures: a tiny Llama model, its tokenizer, a GSM8K-like dataset.
+"""Build the offline demo fixtures: a tiny Llama model, its tokenizer, the demo's arithmetic
+task and a GSM8K-like dataset.
 
     python scripts/make_fixtures.py --out resources/fixtures
 
@@ -20,7 +21,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--out", required=True, help="directory to write tiny-llama/ and gsm8k-demo/ into"
+        "--out",
+        required=True,
+        help="directory to write tiny-llama/, arith-demo/ and gsm8k-demo/ into",
     )
     args = parser.parse_args(argv)
     make_fixtures(args.out)

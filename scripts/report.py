@@ -1,5 +1,6 @@
-"""Summarise every run: results/summary.tsv (one row per run), a loss curve per run, and
-results/summary.html (the table, the curves and eval samples on one page).
+"""Summarise every run: results/summary.tsv (one row per run), training plots per run
+(loss, learning rate, tokens/s), and results/summary.html (the table, the plots, base versus
+tuned for every metric, and eval samples marked right or wrong, on one page).
 
     python scripts/report.py --runs '{"demo": {...run config...}}' --results results \
         --benchmarks benchmarks --summary results/summary.tsv --curves results/loss_curves \
@@ -7,7 +8,8 @@ results/summary.html (the table, the curves and eval samples on one page).
 
 Columns: run, model, method, nodes x devices, steps, final training loss, eval loss,
 perplexity, exact match, the base model's exact match, gain over the base (exact match
-and loss), wall time of the train job, GPU-hours (GPU runs only).
+and loss), wall time of the train job, GPU-hours (GPU runs only); then, per lm-eval task
+metric, lm_eval:<task>:<metric,filter> with its base_ and gain_ twins.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from snaketune.cli import run
 from snaketune.io import atomic_paths
 from snaketune.plan import FINAL_MODEL
 from snaketune.provenance import lineage
-from snaketune.report import loss_curve_svg, summary_html, summary_row, write_summary
+from snaketune.report import summary_html, summary_row, training_svg, write_summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, required=True, help="output HTML page")
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
-    rows, svgs, samples, lineages = [], {}, {}, {}
+    rows, svgs, evals, samples, lineages = [], {}, {}, {}, {}
     with atomic_paths(args.curves, args.summary, args.html) as (curves, summary, html):
         curves.mkdir()
         for name, spec in runs.items():
@@ -58,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics = [
                 json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x
             ]
-            svgs[name] = loss_curve_svg(metrics, f"{name}: training loss")
+            if "eval_dataset" in spec:
+                evals[name] = json.loads(ev.read_text())
+            held_out = evals[name]["loss"] if name in evals else None
+            svgs[name] = training_svg(metrics, f"{name}: training", held_out)
             (curves / f"{name}.svg").write_text(svgs[name])
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()
@@ -68,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             href = os.path.relpath(final / "provenance.json", args.html.parent)
             lineages[name] = (href, str(final), "\n".join(lineage(final)))
         write_summary(rows, summary)
-        html.write_text(summary_html(rows, svgs, samples, lineages))
+        html.write_text(summary_html(rows, svgs, evals, samples, lineages))
     return 0
 
 

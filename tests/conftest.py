@@ -152,16 +152,18 @@ def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *ex
 
 @pytest.fixture(scope="session")
 def full_zero3(demo, tmp_path_factory) -> Path:
-    """Full fine-tuning with ZeRO-3 on 2 nodes x 2 processes, one epoch, example ids logged."""
+    """Full fine-tuning with ZeRO-3 on 2 nodes x 2 processes, one epoch of the demo's 2048
+    examples (32 steps of 64), example ids logged."""
     workdir = tmp_path_factory.mktemp("full_zero3")
-    tokenized = next((demo / "results/tokenized").glob("*/data.parquet"))
+    tokenized = next((demo / "results/tokenized").glob("arith__*/data.parquet"))
     subprocess.run(
         [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
-         "--nodes", "2", "--gpus-per-node", "2", "--micro-batch-size", "4",
+         "--nodes", "2", "--gpus-per-node", "2", "--micro-batch-size", "16",
          "--gradient-accumulation-steps", "1", "--seed", "7", "--out", str(workdir / "shards")],
         check=True, env=ENV, capture_output=True,
     )  # fmt: skip
     spec = run_spec(method="full", nodes=2, gpus_per_node=2, gradient_accumulation_steps=1,
+                    micro_batch_size=16,
                     learning_rate=1e-3, deepspeed="zero3", save_steps=1000)  # fmt: skip
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip

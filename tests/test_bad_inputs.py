@@ -98,8 +98,8 @@ PARSE = [
     Case("unknown-model", "config", put("runs/demo/model", "gpt5"),
          "config error: runs.demo.model: unknown model 'gpt5' (defined: tiny)"),
     Case("unknown-dataset", "config", put("runs/demo/dataset", "gsm9k"),
-         "config error: runs.demo.dataset: unknown dataset 'gsm9k' (defined: gsm8k_demo, "
-         "gsm8k_demo_test)"),
+         "config error: runs.demo.dataset: unknown dataset 'gsm9k' (defined: arith, arith_test, "
+         "gsm8k_demo, gsm8k_demo_test)"),
     Case("duplicate-run-name", "config", lambda cfg, _: cfg.update(_duplicate=True),
          "'demo' is given twice in the same mapping; names must be unique"),
     Case("run-name-dotdot", "config", rename_run("../x"),
@@ -137,6 +137,15 @@ PARSE = [
     Case("liger-kernel-not-installed", "config", put("runs/demo/liger_kernel", True),
          "config error: runs.demo.liger_kernel: true asked for but liger-kernel is not "
          'installed; pip install -e ".[gpu]"'),
+    Case("lm-eval-include-path-missing", "config",
+         put("runs/demo/eval/lm_eval/include_path", "my-tasks"),
+         "config error: runs.demo.eval.lm_eval.include_path: my-tasks is not a directory"),
+    Case("lm-eval-unknown-task", "config", put("runs/demo/eval/lm_eval/tasks", ["arith_dmeo"]),
+         "error: runs.demo.eval.lm_eval.tasks: lm-eval knows no task 'arith_dmeo' (not among "
+         "its own tasks or in "),
+    Case("lora-on-the-output-layer", "config",
+         put("runs/demo/lora/target_modules", ["q_proj", "lm_head"]),
+         "config error: runs.demo.lora.target_modules: lm_head cannot take a LoRA adapter"),
     Case("dataset-file-missing", "data", put("datasets/gsm8k_demo/path", "data/train.jsonl"),
          "error: datasets.gsm8k_demo.path: data/train.jsonl does not exist"),
     Case("dataset-file-empty", "data",
@@ -172,6 +181,10 @@ def dataset(name: str, rows: list[dict] | bytes, suffix: str = ".jsonl", **spec)
         cfg["runs"][name] = {**cfg["runs"]["demo"], "dataset": name}
 
     return make
+
+
+# the GSM8K-shaped fixture (worked answers), for the length cases
+GSM8K = {"dataset": "gsm8k_demo", "eval_dataset": "gsm8k_demo_test"}
 
 
 def run_on_demo(name: str, **overrides):
@@ -222,7 +235,7 @@ def no_tokenizer(path: Path) -> None:
 
 
 def overlap(cfg: dict, workdir: Path) -> None:
-    cfg["datasets"]["copy_of_train"] = {**cfg["datasets"]["gsm8k_demo"]}
+    cfg["datasets"]["copy_of_train"] = {**cfg["datasets"]["arith"]}
     cfg["runs"]["bad_overlap"] = {**cfg["runs"]["demo"], "eval_dataset": "copy_of_train"}
 
 
@@ -251,12 +264,12 @@ JOBS = [
                  filters=[{"column": "question", "op": "==", "value": "nothing matches"}]),
          "error: datasets.bad_filtered: no example left after tokenizing: 40 rows read, "
          "40 filtered out", "tokenize_dataset"),
-    Case("all-rows-too-long", "data", run_on_demo("bad_too_long", max_length=8),
+    Case("all-rows-too-long", "data", run_on_demo("bad_too_long", **GSM8K, max_length=8),
          "error: datasets.gsm8k_demo: no example left after tokenizing:", "tokenize_dataset"),
     Case("example-longer-than-max-length", "data",
-         run_on_demo("bad_overlong", max_length=60, overlong="error"),
-         "error: datasets.gsm8k_demo: 194 examples are longer than max_length 60 (overlong: "
-         "error; the longest, gsm8k_demo:0, has 67 tokens); raise max_length to 67 or set "
+         run_on_demo("bad_overlong", **GSM8K, max_length=60, overlong="error"),
+         "error: datasets.gsm8k_demo: 389 examples are longer than max_length 60 (overlong: "
+         "error; the longest, gsm8k_demo:7, has 94 tokens); raise max_length to 94 or set "
          "overlong: drop", "tokenize_dataset"),
     Case("null-prompt", "data",
          dataset("bad_null", [QA, {"question": None, "answer": "#### 1"}, *QA_ROWS]),
@@ -281,7 +294,7 @@ JOBS = [
          "error: datasets.bad_noasst row 20: no assistant turn to learn from",
          "tokenize_dataset"),
     Case("fewer-rows-than-a-batch", "data", dataset("bad_few", QA_ROWS[:3]),
-         "error: runs.bad_few: the dataset has 3 examples, fewer than one global batch of 16",
+         "error: runs.bad_few: the dataset has 3 examples, fewer than one global batch of 64",
          "shard_dataset"),
     Case("eval-overlaps-train", "data", overlap,
          "error: runs.bad_overlap: the eval set shares", "shard_dataset"),

@@ -46,7 +46,8 @@ def test_examples_cover_the_scenarios():
 def test_defaults_are_filled(demo):
     del demo["runs"]["demo"]["lora"]
     run = validate_config(demo, ROOT)["runs"]["demo"]
-    assert run["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
+    assert run["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear",
+                           "modules_to_save": []}  # fmt: skip
     assert run["lr_scheduler"] == "cosine" and run["timeout_minutes"] == 10
 
 
@@ -131,7 +132,7 @@ BAD = [
     (_set("runs.demo.model", "gpt5"), "runs.demo.model: unknown model 'gpt5' (defined: tiny)"),
     (_set("runs.demo.dataset", "nope"), "runs.demo.dataset: unknown dataset 'nope'"),
     (
-        _set("runs.demo.eval_dataset", "gsm8k_demo"),
+        _set("runs.demo.eval_dataset", "arith"),
         "runs.demo.eval_dataset: must differ from the training dataset",
     ),
     (_set("runs.demo.max_steps", 10), "runs.demo: give exactly one of `epochs` and `max_steps`"),
@@ -240,7 +241,7 @@ def test_tokenize_key_shared_by_runs_that_differ_in_training_keys_only(demo):
     for edit in (
         _set("runs.other.max_length", 128),
         _set("runs.other.overlong", "truncate"),
-        _set("datasets.gsm8k_demo.columns.prompt", ["question"]),
+        _set("datasets.arith.columns.prompt", ["question"]),
         _set("models.tiny.chat_template", "config/templates/llama3.jinja"),
     ):
         changed = copy.deepcopy(config)

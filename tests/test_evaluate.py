@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 
@@ -87,26 +88,38 @@ def test_overlap_by_text_or_id_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_training_data_as_eval_set_fails_before_loading_a_model(demo, tmp_path):
-    train = next(p for p in (demo / "results/tokenized").glob("gsm8k_demo__*/data.parquet"))
-    with pytest.raises(DataError, match="shares 512 examples with the training set"):
+    train = next(p for p in (demo / "results/tokenized").glob("arith__*/data.parquet"))
+    with pytest.raises(DataError, match="shares 2048 examples with the training set"):
         evaluate(tmp_path / "no-model-needed", train, train, tmp_path / "eval", None, 8, 8)
     assert not (tmp_path / "eval").exists()
 
 
 @pytest.mark.slow
-def test_demo_goes_all_the_way_to_the_report(demo):
+def test_demo_learns_and_goes_all_the_way_to_the_report(demo):
     metrics = json.loads((demo / "results/demo/eval/metrics.json").read_text())
-    assert metrics["examples"] == 32 and 0.0 <= metrics["exact_match"] <= 1.0
+    # the demo visibly learns: the random base model answers almost nothing of the 64
+    # held-out questions (their number pairs are never trained on), the tuned model most
+    assert metrics["examples"] == 64
+    assert metrics["base"]["exact_match"] <= 0.05 and metrics["exact_match"] >= 0.5
     assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
     assert set(metrics["base"]) == {"loss", "perplexity", "exact_match", "math_verify"}
     assert metrics["gain"]["loss"] == pytest.approx(metrics["base"]["loss"] - metrics["loss"])
-    assert 0.0 <= metrics["math_verify"] <= 1.0
+    assert metrics["math_verify"] >= metrics["exact_match"]  # what #### matches, it verifies
     assert metrics["gain"]["math_verify"] == pytest.approx(
         metrics["math_verify"] - metrics["base"]["math_verify"]
     )
     assert metrics["gain"]["loss"] > 0  # training lowered the held-out loss
+    # lm-eval ran the project's own task over the local file, offline, on both models; its
+    # exact match is the same question as ours, so the figures agree
+    (figure,) = metrics["lm_eval"]["arith_demo"].values()
+    assert set(figure) == {"value", "stderr", "base", "gain"}
+    assert figure["value"] == pytest.approx(metrics["exact_match"], abs=0.05)
+    assert figure["base"] <= 0.05 and figure["gain"] == pytest.approx(
+        figure["value"] - figure["base"]
+    )
+    assert 0 < figure["stderr"] < 0.2
     samples = read_jsonl(demo / "results/demo/eval/samples.jsonl")
-    assert len(samples) == 32
+    assert len(samples) == 64
     assert set(samples[0]) >= {"prompt", "reference", "generation", "parsed_answer", "correct"}
     assert samples[0]["reference_answer"] == parse_answer(samples[0]["reference"]) is not None
     assert {"final_answer", "math_verify"} <= set(samples[0])
@@ -116,9 +129,9 @@ def test_demo_goes_all_the_way_to_the_report(demo):
     assert f"report: {demo / 'results/summary.html'}" in line
     assert "| demo: exact_match " in line and "math_verify " in line and "(base " in line
     base = next((demo / "results/base_eval").iterdir())
-    assert json.loads((base / "metrics.json").read_text())["model"].endswith(
-        "resources/models/tiny"
-    )
+    base_metrics = json.loads((base / "metrics.json").read_text())
+    assert base_metrics["model"].endswith("resources/models/tiny")
+    assert base_metrics["lm_eval"]["arith_demo"]  # evaluate_base ran the tasks too
 
     with open(demo / "results/summary.tsv") as fh:
         (row,) = list(csv.DictReader(fh, delimiter="\t"))
@@ -126,14 +139,18 @@ def test_demo_goes_all_the_way_to_the_report(demo):
         "demo",
         "lora",
         "2x1",
-        "32",
+        "192",
     )
     assert float(row["gain_loss"]) > 0 and float(row["wall_time_s"]) > 0 and row["gpu_hours"] == ""
     assert row["jobs"] == "1" and 0 < float(row["outside_training_s"]) < float(row["wall_time_s"])
     assert float(row["tokens_per_s"]) > 0 and 0 <= float(row["padding"]) < 0.35
     assert row["mfu"] == ""  # CPU: no MFU
+    key = "lm_eval:arith_demo:exact_match,strict-match"
+    assert float(row[key]) == pytest.approx(figure["value"])
+    assert float(row[f"gain_{key}"]) == pytest.approx(figure["gain"])
+    assert float(row[f"base_{key}"]) == pytest.approx(figure["base"])
     svg = (demo / "results/loss_curves/demo.svg").read_text()
-    assert svg.startswith("<svg") and 'class="loss"' in svg
+    assert svg.startswith("<svg") and 'id="loss"' in svg
 
     snakemake("--configfile", str(ROOT / "config/config.yaml"), "--directory", str(demo),
               "--report", str(demo / "report.html"))  # fmt: skip
@@ -145,24 +162,55 @@ def test_demo_goes_all_the_way_to_the_report(demo):
     assert chromium, (
         "chromium is needed to check the report renders (scripts/setup_env.sh installs it)"
     )
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={demo / '.chromium'}"]  # fmt: skip
     dom = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={demo / '.chromium'}", "--virtual-time-budget=15000", "--dump-dom",
-         (demo / "report.html").as_uri()],
+        [*flags, "--virtual-time-budget=15000", "--dump-dom", (demo / "report.html").as_uri()],
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
     for section in ("Summary", "Loss curves", "Evaluation samples"):
         assert f"<span>{section}</span>" in dom, section
     assert dom.count("<table") > 0 and dom.count("<svg") > 0
-    # and the summary page it bundles renders the table, the loss curve and the samples
+
+    # the summary page: self-contained (nothing fetched), the table with readable numbers,
+    # per run the plots, base versus tuned for every metric, samples marked right or wrong
+    page_html = (demo / "results/summary.html").read_text()
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page_html), "fetches from the web"
     page = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={demo / '.chromium'}", "--dump-dom", (demo / "results/summary.html").as_uri()],
+        [*flags, "--dump-dom", (demo / "results/summary.html").as_uri()],
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
     table = page.split('<table id="summary">')[1].split("</table>")[0]
     assert "<td>demo</td>" in table and "<td>lora</td>" in table
+    assert f"{100 * metrics['exact_match']:.1f}%" in table  # a share, not 0.765625
+    assert not re.search(r"\d\.\d{5}", table), "numbers with too many digits"
     run_section = page.split('<section id="run-demo">')[1]
-    assert '<polyline class="loss"' in run_section and run_section.count("<tr>") == 6  # header + 5
+    for title in ("loss", "learning rate", "throughput"):  # matplotlib plots, with tick labels
+        assert f">{title}" in run_section or f"{title}</text>" in run_section, title
+    assert run_section.count("<svg") == 2  # training plots, base-versus-tuned chart
+    assert "optimizer step" in run_section and "real tokens / s" in run_section
+    comparison = run_section.split('<table class="comparison">')[1].split("</table>")[0]
+    for metric in ("exact match", "math_verify", "held-out loss", "perplexity",
+                   "lm-eval arith_demo exact_match [strict-match]"):  # fmt: skip
+        assert metric in comparison, metric
+    rows = run_section.split('<table class="samples">')[1].split("</table>")[0]
+    marks = re.findall(r'<tr class="(right|wrong)">', rows)
+    assert len(marks) == 8 and rows.count("✓ right") == marks.count("right")
+    assert marks.count("right") == sum(s["correct"] for s in samples[:8])
+    # at 1280 px wide nothing runs off the page: the page measures itself in Chromium
+    probe = demo / "results/width-probe.html"
+    probe.write_text(page_html.replace(
+        "</body>", "<script>document.title = 'W' + document.documentElement.scrollWidth + "
+        "'/' + window.innerWidth;</script></body>"))  # fmt: skip
+    measured = subprocess.run(
+        [*flags, "--window-size=1280,900", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    scroll, inner = map(int, re.search(r"<title>W(\d+)/(\d+)</title>", measured).groups())
+    assert inner == 1280 and scroll <= inner, f"the page is {scroll} px wide at {inner} px"
+    shot = demo / "results/summary-1280.png"
+    subprocess.run([*flags, "--window-size=1280,2400", "--hide-scrollbars",
+                    f"--screenshot={shot}", (demo / "results/summary.html").as_uri()],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -14,7 +14,15 @@ from conftest import run_spec, train
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from snaketune.convert import convert_full, convert_lora, merge_lora
+from snaketune.convert import (
+    adapter_key,
+    adapter_target,
+    check_adapter,
+    convert_full,
+    convert_lora,
+    lora_delta,
+    merge_lora,
+)
 from snaketune.errors import DataError
 from snaketune.fixtures import FixtureSizes, make_fixtures
 
@@ -49,12 +57,24 @@ def test_full_zero3_converts_to_a_model_transformers_loads(full_zero3, tmp_path)
 def test_demo_lora_zero2_adapter_and_merged_model(demo):
     adapter, merged = demo / "results/demo/lora_adapters", demo / "results/demo/merged_model"
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    assert len(tensors) == 28 and all(t.numel() > 0 for t in tensors.values())  # 2 layers x 7 x A,B
-    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+    # 2 layers x 7 linears x (A, B), and the two modules trained in full (modules_to_save)
+    lora = [k for k in tensors if ".lora_" in k]
+    assert len(lora) == 28 and all(t.numel() > 0 for t in tensors.values())
+    whole = sorted(set(tensors) - set(lora))
+    assert whole == [
+        "base_model.model.lm_head.weight",
+        "base_model.model.model.embed_tokens.weight",
+    ]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 8 and sorted(config["modules_to_save"]) == ["embed_tokens", "lm_head"]
     base = AutoModelForCausalLM.from_pretrained(demo / "resources/models/tiny")
     model = AutoModelForCausalLM.from_pretrained(merged)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(model.state_dict()[q], base.state_dict()[q])  # the merge changed it
+    for key in whole:  # the trained copies replace the base's, exactly
+        name = key.removeprefix("base_model.model.")
+        assert torch.equal(model.state_dict()[name], tensors[key])
+        assert not torch.equal(base.state_dict()[name], tensors[key])
     assert "probe logits match the reference" in (demo / "logs/merge_lora/demo.log").read_text()
 
 
@@ -72,9 +92,11 @@ def test_lora_zero3_adapter_is_whole_and_merges(lora_zero3, demo, tmp_path):
                  torch.float32, probe)  # fmt: skip
     tensors = load_file(str(tmp_path / "a/adapter_model.safetensors"))
     shapes = {tuple(t.shape) for t in tensors.values()}
-    assert {(8, 64), (64, 8), (8, 256), (256, 8)} <= shapes  # full shapes, not ZeRO-3 partitions
+    vocab = AutoModelForCausalLM.from_pretrained(base).config.vocab_size
+    # full shapes, not ZeRO-3 partitions (the modules trained in full included)
+    assert {(8, 64), (64, 8), (8, 256), (256, 8), (vocab, 64)} <= shapes
     report = merge_lora(base, tmp_path / "a", tmp_path / "m", torch.float32, "5GB", probe)
-    assert report["merged_tensors"] == 14 and report["max_weight_change"] > 0
+    assert report["merged_tensors"] == 16 and report["max_weight_change"] > 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     trained = load_file(str(probe))["logits"]
     assert (_logits(merged, probe) - trained).abs().max() <= 1e-4
@@ -140,9 +162,12 @@ def test_empty_or_inert_adapters_fail_the_merge(demo, tmp_path):
     good = demo / "results/demo/lora_adapters"
     tensors = load_file(str(good / "adapter_model.safetensors"))
     key = next(k for k in tensors if ".lora_A." in k)
+    base_weights = load_file(str(base / "model.safetensors"))
     for name, edit, message in (
         ("empty", {key: torch.empty(0)}, r"adapter tensor .*lora_A.weight is empty \(shape \(0,\)\)"),
-        ("inert", {k: torch.zeros_like(v) for k, v in tensors.items() if ".lora_B." in k},
+        ("inert", {**{k: torch.zeros_like(v) for k, v in tensors.items() if ".lora_B." in k},
+                   **{k: base_weights[k.removeprefix("base_model.model.")]
+                      for k in tensors if ".lora_" not in k}},
          "the adapter changes nothing"),
     ):  # fmt: skip
         bad = tmp_path / name
@@ -151,3 +176,42 @@ def test_empty_or_inert_adapters_fail_the_merge(demo, tmp_path):
         with pytest.raises(DataError, match=message):
             merge_lora(base, bad, tmp_path / f"{name}-merged", torch.float32, "5GB", probe)
         assert not (tmp_path / f"{name}-merged").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "target"),
+    [
+        ("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight",
+         "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+         "model.layers.0.mlp.up_proj.weight"),
+        ("base_model.model.model.embed_tokens.lora_embedding_B.default",
+         "base_model.model.model.embed_tokens.lora_embedding_B", "model.embed_tokens.weight"),
+        ("base_model.model.lm_head.modules_to_save.default.weight",
+         "base_model.model.lm_head.weight", "lm_head.weight"),
+        ("base_model.model.lm_head.original_module.weight", None, None),
+        ("base_model.model.model.norm.weight", None, None),
+    ],
+)  # fmt: skip
+def test_adapter_names_map_to_peft_keys_and_base_weights(name, key, target):
+    assert adapter_key(name) == key
+    if key is not None:
+        assert adapter_target(key) == target
+
+
+def test_embedding_adapter_and_whole_modules_shape_check_and_merge(tmp_path):
+    """An embedding's LoRA (stored transposed) and a module trained in full merge right,
+    and a whole module of the wrong shape is refused."""
+    base = {"model.embed_tokens.weight": (10, 4), "lm_head.weight": (10, 4)}
+    a, b = torch.randn(2, 10), torch.randn(4, 2)
+    lm_head = torch.randn(10, 4)
+    good = {"base_model.model.model.embed_tokens.lora_embedding_A": a,
+            "base_model.model.model.embed_tokens.lora_embedding_B": b,
+            "base_model.model.lm_head.weight": lm_head}  # fmt: skip
+    check_adapter(good, base, 2)
+    delta = lora_delta("x.lora_embedding_A", a, b, 2.0)
+    assert delta.shape == (10, 4) and torch.allclose(delta, 2.0 * (b @ a).T)
+    with pytest.raises(DataError, match=r"lm_head.weight has shape \(9, 4\), the base weight"):
+        check_adapter({**good, "base_model.model.lm_head.weight": torch.randn(9, 4)}, base, 2)
+    with pytest.raises(DataError, match=r"lora_embedding_A has shape \(10, 2\).*needs \(2, 10\)"):
+        check_adapter({**good, "base_model.model.model.embed_tokens.lora_embedding_A":
+                       torch.randn(10, 2)}, base, 2)  # fmt: skip

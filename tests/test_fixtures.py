@@ -20,7 +20,7 @@ def test_tiny_llama_loads_and_is_tiny(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
     assert model.config.model_type == "llama"
     n = sum(p.numel() for p in model.parameters())
-    assert 200_000 <= n <= 300_000, n
+    assert 150_000 <= n <= 300_000, n
 
 
 def test_tokenizer_is_byte_level_bpe_with_specials_and_template(tokenizer):
@@ -30,7 +30,10 @@ def test_tokenizer_is_byte_level_bpe_with_specials_and_template(tokenizer):
     assert tokenizer.chat_template
     backend = json.loads(tokenizer.backend_tokenizer.to_str())
     assert backend["model"]["type"] == "BPE"
-    assert backend["pre_tokenizer"]["type"] == "ByteLevel"
+    # byte-level BPE, numbers split into single digits first (as Llama 3 and Qwen do)
+    steps = [p["type"] for p in backend["pre_tokenizer"]["pretokenizers"]]
+    assert steps == ["Digits", "ByteLevel"]
+    assert tokenizer.tokenize(" 1234")[-4:] == ["1", "2", "3", "4"]
     text = "Ünïcödé & emoji 🙂 round-trip"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     rendered = tokenizer.apply_chat_template(
@@ -50,3 +53,21 @@ def test_gsm8k_like_splits(fixtures_dir):
     assert len(splits["train"]) == 512 and len(splits["test"]) == 64
     train_q = {r["question"] for r in splits["train"]}
     assert not train_q & {r["question"] for r in splits["test"]}
+
+
+def test_arith_demo_splits_hold_out_number_pairs(fixtures_dir):
+    """The demo's task: GSM8K-style questions, "#### a+b" answers without a carry, and no
+    number pair of the test split in the train split."""
+    pattern = re.compile(
+        r"\w+ has (\d+) \w+\. She buys (\d) more\. How many \w+ does she have now\?"
+    )
+    pairs = {}
+    for split in ("train", "test"):
+        lines = (fixtures_dir / "arith-demo" / f"{split}.jsonl").read_text().splitlines()
+        pairs[split] = set()
+        for row in map(json.loads, lines):
+            a, b = map(int, pattern.fullmatch(row["question"]).groups())
+            assert row["answer"] == f"#### {a + b}" and a % 10 + b <= 9 and 10 <= a <= 94
+            pairs[split].add((a, b))
+        assert len(lines) == {"train": 2048, "test": 64}[split]
+    assert len(pairs["test"]) == 64 and not pairs["test"] & pairs["train"]

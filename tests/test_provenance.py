@@ -11,8 +11,8 @@ from conftest import BIN, ENV, ROOT
 
 ARTEFACTS = {
     "resources/models/tiny": "download_model",
-    "resources/datasets/gsm8k_demo": "download_dataset",
-    "resources/datasets/gsm8k_demo_test": "download_dataset",
+    "resources/datasets/arith": "download_dataset",
+    "resources/datasets/arith_test": "download_dataset",
     "results/demo/shards": "shard_dataset",
     "results/demo/train": "train",
     "results/demo/lora_adapters": "convert_checkpoint",
@@ -62,12 +62,12 @@ def test_lineage_from_the_merged_model_to_the_raw_dataset(demo):
              "checkpoint: results/demo/train [train]",
              "shards: results/demo/shards [shard_dataset]",
              "[tokenize_dataset]",
-             "resources/datasets/gsm8k_demo [download_dataset]"]  # fmt: skip
+             "resources/datasets/arith [download_dataset]"]  # fmt: skip
     positions = [text.find(c) for c in chain]
     assert -1 not in positions and positions == sorted(positions), text
     # the raw file the training set came from, with its hash
     raw = text[positions[-1] :].splitlines()[1]
-    assert "source: local " in raw and "gsm8k-demo/train.jsonl (1 files, train.jsonl sha256 " in raw
+    assert "source: local " in raw and "arith-demo/train.jsonl (1 files, train.jsonl sha256 " in raw
     assert "model: resources/models/tiny [download_model]" in text
     assert "(see above)" in text  # the base model appears once in full
     assert "verify: " in text and "changed" not in text and "missing" not in text
@@ -78,7 +78,7 @@ def test_lineage_verify_finds_a_changed_file(demo, tmp_path):
     work = tmp_path / "w"
     shutil.copytree(demo / "results", work / "results", symlinks=True)
     shutil.copytree(demo / "resources", work / "resources", symlinks=True)
-    stats = next((work / "results/tokenized").glob("gsm8k_demo__*/stats.json"))
+    stats = next((work / "results/tokenized").glob("arith__*/stats.json"))
     stats.write_text(stats.read_text().replace('"rows"', '"rows" '))
     proc = lineage(work, "results/demo/eval", "--verify")
     assert proc.returncode == 1

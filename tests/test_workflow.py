@@ -107,25 +107,25 @@ def test_data_stages_run_on_the_local_profile(tmp_path):
     shards = "results/demo/shards"
     snakemake(shards, "--configfile", config, "--directory", str(tmp_path))
     manifest = json.loads((tmp_path / "results/demo/shards/manifest.json").read_text())
-    assert manifest["nodes"] == 2 and manifest["global_batch"] == 16
+    assert manifest["nodes"] == 2 and manifest["global_batch"] == 64
     assert (
-        manifest["steps_per_epoch"] == 512 // 16 and manifest["dropped_for_balance"]["count"] == 0
+        manifest["steps_per_epoch"] == 2048 // 64 and manifest["dropped_for_balance"]["count"] == 0
     )
     ids = []
     for entry in manifest["shards"]:
         table = pq.read_table(tmp_path / "results/demo/shards" / entry["file"])
-        assert table.num_rows == entry["rows"] == 256
+        assert table.num_rows == entry["rows"] == 1024
         ids += table.column("example_id").to_pylist()
-    assert sorted(ids) == sorted(f"gsm8k_demo:{i}" for i in range(512))
+    assert sorted(ids) == sorted(f"arith:{i}" for i in range(2048))
     # the training set and the eval set (shard_dataset checks that they do not overlap)
     assert len(list((tmp_path / "results/tokenized").iterdir())) == 2
-    tokenized = next((tmp_path / "results/tokenized").glob("gsm8k_demo__*"))
+    tokenized = next((tmp_path / "results/tokenized").glob("arith__*"))
     stats = json.loads((tokenized / "stats.json").read_text())
-    assert stats["rows"] == 512 and stats["dropped_overlong"] == 0
+    assert stats["rows"] == 2048 and stats["dropped_overlong"] == 0
     prov = json.loads((tmp_path / "resources/models/tiny/provenance.json").read_text())
     assert prov["source"] == "local" and "model.safetensors" in prov["files"]
-    prov = json.loads((tmp_path / "resources/datasets/gsm8k_demo/provenance.json").read_text())
-    assert prov["rows"] == 512 and len(prov["files"]["train.jsonl"]) == 64
+    prov = json.loads((tmp_path / "resources/datasets/arith/provenance.json").read_text())
+    assert prov["rows"] == 2048 and len(prov["files"]["train.jsonl"]) == 64
 
     # Nothing to redo; a training-only change reuses the tokens and the shards.
     assert (
@@ -166,17 +166,17 @@ def test_bad_data_fails_the_rule_with_one_line(tmp_path):
     cfg.write_text(
         (ROOT / "config" / "config.yaml")
         .read_text()
-        .replace("resources/fixtures/gsm8k-demo/train.jsonl", str(tmp_path / "d.jsonl"))
+        .replace("resources/fixtures/arith-demo/train.jsonl", str(tmp_path / "d.jsonl"))
     )
     proc = snakemake(
         "results/demo/shards", "--configfile", str(cfg), "--directory", str(tmp_path), check=False
     )
     assert proc.returncode != 0
-    (log,) = (tmp_path / "logs/tokenize_dataset").glob("gsm8k_demo__*")
+    (log,) = (tmp_path / "logs/tokenize_dataset").glob("arith__*")
     assert log.read_text().strip().splitlines()[-1] == (
-        "error: datasets.gsm8k_demo row 0: column 'answer' is null; clean the data or filter the row out"
+        "error: datasets.arith row 0: column 'answer' is null; clean the data or filter the row out"
     )
-    assert not list((tmp_path / "results/tokenized").glob("gsm8k_demo__*/data.parquet"))
+    assert not list((tmp_path / "results/tokenized").glob("arith__*/data.parquet"))
 
 
 @pytest.mark.parametrize("profile", ["tupi", "leonardo", "slurm"])

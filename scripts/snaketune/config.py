@@ -290,6 +290,24 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         run["method"] == "lora" or "lora" not in run,
         f"{where}.lora: only for method lora; remove it or set method: lora",
     )
+    lm_eval = run.get("eval", {}).get("lm_eval")
+    if lm_eval and "include_path" in lm_eval:
+        from snaketune.lmeval import resolve_include_path
+
+        found = resolve_include_path(lm_eval["include_path"], root)
+        _require(
+            found is not None,
+            f"{where}.eval.lm_eval.include_path: {lm_eval['include_path']} is not a directory "
+            f"(looked in {Path.cwd()} and {root}); point it at your task YAMLs",
+        )
+        lm_eval["include_path"] = str(found)
+    targets = (run.get("lora") or {}).get("target_modules")
+    _require(
+        not (isinstance(targets, list) and "lm_head" in targets),
+        f"{where}.lora.target_modules: lm_head cannot take a LoRA adapter (TRL computes the "
+        "loss from its weight, so the adapter would never train); move it to "
+        "lora.modules_to_save to train it in full",
+    )
     _check_deepspeed(name, run["deepspeed"], root)
     check_kernels_installed(where, run)
 

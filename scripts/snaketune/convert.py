@@ -178,9 +178,11 @@ def probe_logits(model, probe: dict[str, torch.Tensor]) -> torch.Tensor:
 def gate(
     logits: torch.Tensor, probe: dict[str, torch.Tensor], dtype: torch.dtype, what: str
 ) -> float:
-    """Fail unless ``logits`` match the training job's probe logits; return the max diff."""
+    """Fail unless ``logits`` match the training job's probe logits; return the max diff.
+    The tolerance is relative: TOLERANCE times the largest reference logit (at least 1),
+    as rounding error grows with the logits' size."""
     diff = (logits - probe["logits"]).abs().max().item()
-    tol = TOLERANCE[dtype]
+    tol = TOLERANCE[dtype] * max(1.0, probe["logits"].abs().max().item())
     if not diff <= tol:
         raise DataError(
             f"{what}: logits on the probe inputs differ from the reference by {diff:.3g} "
@@ -252,15 +254,36 @@ def convert_full(
 
 
 def adapter_key(name: str) -> str | None:
-    """DeepSpeed/peft training name -> peft's saved adapter key (None: not an adapter tensor)."""
+    """DeepSpeed/peft training name -> peft's saved adapter key (None: not an adapter tensor):
+    ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` and, for an embedding,
+    ``...embed_tokens.lora_embedding_A.default`` -> ``...embed_tokens.lora_embedding_A``."""
+    if ".modules_to_save." in name:  # a module trained in full: saved under its own name
+        return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
     if ".lora_" not in name:
         return None
-    return re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.[^.]+\.", r".\1.", name)
+    return re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.[^.]+(\.|$)", r".\1\2", name)
 
 
 def adapter_target(key: str) -> str:
     """The base weight an adapter tensor wraps (peft's saved key -> base model key)."""
-    return re.sub(r"\.lora_[AB]\.weight$", ".weight", re.sub(r"^base_model\.model\.", "", key))
+    key = re.sub(r"^base_model\.model\.", "", key)
+    return re.sub(r"\.(lora_[AB]\.weight|lora_embedding_[AB])$", ".weight", key)
+
+
+def is_lora(key: str) -> bool:
+    """An adapter's low-rank tensor (else a module trained in full, saved whole)."""
+    return ".lora_" in key
+
+
+def is_embedding(key: str) -> bool:
+    return ".lora_embedding_" in key
+
+
+def lora_delta(key_a: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The change B @ A makes to the base weight, in the base weight's layout (an
+    embedding's adapter is stored transposed: A is (r, vocab), B is (dim, r))."""
+    delta = scale * (b.float() @ a.float())
+    return delta.T if is_embedding(key_a) else delta
 
 
 def check_adapter(
@@ -280,8 +303,17 @@ def check_adapter(
         target = adapter_target(key)
         if target not in base:
             raise DataError(f"adapter tensor {key}: the base model has no weight {target}")
+        if not is_lora(key):  # a whole module: the base weight's own shape
+            if tuple(t.shape) != tuple(base[target]):
+                raise DataError(
+                    f"adapter tensor {key} has shape {tuple(t.shape)}, the base weight "
+                    f"{target} has {base[target]}"
+                )
+            continue
         out_f, in_f = base[target][0], base[target][-1]
-        want = (r, in_f) if ".lora_A." in key else (out_f, r)
+        if is_embedding(key):  # base (vocab, dim): A is (r, vocab), B (dim, r)
+            out_f, in_f = in_f, out_f
+        want = (r, in_f) if re.search(r"\.lora_(embedding_)?A(\.|$)", key) else (out_f, r)
         if tuple(t.shape) != want:
             raise DataError(
                 f"adapter tensor {key} has shape {tuple(t.shape)}, the base weight "
@@ -353,10 +385,12 @@ def merge_lora(
     scale = lora_scale(config)
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     check_adapter(lora, base_shapes(base_model), config["r"])
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for key, a in lora.items():
-        if ".lora_A." in key:
-            pairs[adapter_target(key)] = (a, lora[key.replace(".lora_A.", ".lora_B.")])
+        if ".lora_A." in key or key.endswith(".lora_embedding_A"):
+            b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
+            pairs[adapter_target(key)] = (key, a, b)
+    whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
     change = {"max_abs": 0.0, "merged": 0}
 
     refs = {
@@ -369,9 +403,15 @@ def merge_lora(
         # pread, not safe_open: a memory map would keep every page of the base resident
         for name, ref in refs.items():
             t = ref.read().view(ref.shape)
-            if name in pairs:
-                a, b = pairs[name]
-                delta = scale * (b.float() @ a.float())
+            if name in whole:  # trained in full (modules_to_save): the trained copy replaces it
+                new = whole[name].to(t.dtype)
+                change["max_abs"] = max(
+                    change["max_abs"], (new.float() - t.float()).abs().max().item()
+                )
+                change["merged"] += 1
+                t = new
+            elif name in pairs:
+                delta = lora_delta(*pairs[name], scale)
                 change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
                 change["merged"] += 1
                 t = t.float() + delta

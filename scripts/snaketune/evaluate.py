@@ -175,11 +175,13 @@ def evaluate(
     batch_size: int,
     base_metrics: dict[str, Any] | None = None,
     finish: Callable[[Path, dict[str, Any]], None] | None = None,
+    lm_eval: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
 
     ``base_metrics`` (the base model's) adds the base figures and the gain over them;
-    ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place.
+    ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
+    ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -233,6 +235,11 @@ def evaluate(
             "max_new_tokens": max_new_tokens,
         }
     )
+    if lm_eval:
+        from snaketune.lmeval import run_tasks, with_base
+
+        base_lm = (base_metrics or {}).get("lm_eval") if base_metrics is not None else None
+        metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
     if base_metrics is not None:
         keys = ("loss", "perplexity", "exact_match", "math_verify")
         metrics["base"] = {k: base_metrics[k] for k in keys}

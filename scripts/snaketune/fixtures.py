@@ -1,4 +1,4 @@
-"""Offline fixtures: a tiny Llama model, a byte-level BPE tokenizer, a GSM8K-like dataset.
+"""Offline fixtures: a tiny Llama model, a byte-level BPE tokenizer, and two datasets.
 
 Everything is made from fixed seeds and local text, byte for byte the same on every run,
 in a few seconds, so tests and the demo never touch the network::
@@ -8,7 +8,12 @@ in a few seconds, so tests and the demo never touch the network::
 Layout written under ``out``::
 
     tiny-llama/      config.json, generation_config.json, model.safetensors, tokenizer files
-    gsm8k-demo/      train.jsonl, test.jsonl  ({"question", "answer"}; answers end in "#### N")
+    gsm8k-demo/      train.jsonl, test.jsonl  ({"question", "answer"}; GSM8K's shape: a worked
+                     answer with <<calculator>> marks and a "#### N" line)
+    arith-demo/      train.jsonl, test.jsonl  (the demo's task, learnable by the tiny model in a
+                     minute on two CPU cores: "Tina has 43 clips. She buys 5 more. ..." ->
+                     "#### 48", two-digit plus one-digit sums without a carry; no number pair
+                     of the test split is in the train split)
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ class FixtureSizes:
     heads: int = 4
     kv_heads: int = 2
     tie_word_embeddings: bool = False
+    # Std of the random weights. Wider than Llama's 0.02 so that a LoRA adapter over frozen
+    # random embeddings and output layer can still make confident predictions (at 0.02 the
+    # frozen output layer caps every logit near 1 and LoRA cannot learn the demo task).
+    init_range: float = 0.1
+    arith_train_rows: int = 2048
+    arith_test_rows: int = 64
 
 
 def _problem(rng: random.Random) -> dict[str, str]:
@@ -92,22 +103,57 @@ def make_gsm8k_like(train_rows: int, test_rows: int, seed: int = 1234) -> dict[s
     return splits
 
 
-def _corpus(splits: dict[str, list[dict]]) -> list[str]:
-    """Text the tokenizer is trained on: the train split and the chat markup words."""
+def _arith_question(rng: random.Random, a: int, b: int) -> dict[str, str]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    return {
+        "question": f"{name} has {a} {item}. She buys {b} more. How many {item} does she have now?",
+        "answer": f"#### {a + b}",
+    }
+
+
+def make_arith(train_rows: int, test_rows: int, seed: int = 4321) -> dict[str, list[dict]]:
+    """The demo's learnable task: a two-digit count (units 0-4) plus 1-5 more, so no carry.
+    The test split takes ``test_rows`` number pairs (one question each) that the train split
+    never uses, so a tuned model's score there is arithmetic, not recall."""
+    rng = random.Random(seed)
+    pairs = [(10 * t + u, b) for t in range(1, 10) for u in range(5) for b in range(1, 6)]
+    rng.shuffle(pairs)
+    test_pairs, train_pairs = pairs[:test_rows], pairs[test_rows:]
+    splits: dict[str, list[dict]] = {"test": [_arith_question(rng, a, b) for a, b in test_pairs]}
+    seen: set[str] = set()
+    splits["train"] = []
+    while len(splits["train"]) < train_rows:
+        row = _arith_question(rng, *rng.choice(train_pairs))
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            splits["train"].append(row)
+    return splits
+
+
+def _corpus(*datasets: dict[str, list[dict]]) -> list[str]:
+    """Text the tokenizer is trained on: the train splits and the chat markup words."""
     lines = ["user assistant system", "Question Answer Instruction Input Response"]
-    for row in splits["train"]:
-        lines.append(row["question"])
-        lines.append(row["answer"])
+    for splits in datasets:
+        for row in splits["train"]:
+            lines.append(row["question"])
+            lines.append(row["answer"])
     return lines
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer (fast) with pad/eos tokens and a chat template."""
+    """A byte-level BPE tokenizer (fast) with pad/eos tokens and a chat template. Numbers are
+    split into single digits (as Llama 3's and Qwen's tokenizers do), so arithmetic is
+    learnable digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -140,6 +186,7 @@ def build_model(tokenizer, sizes: FixtureSizes, seed: int = 0):
         num_key_value_heads=sizes.kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=sizes.tie_word_embeddings,
+        initializer_range=sizes.init_range,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -175,17 +222,19 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     splits = make_gsm8k_like(sizes.train_rows, sizes.test_rows)
+    arith = make_arith(sizes.arith_train_rows, sizes.arith_test_rows)
 
-    data_dir, model_dir = out / "gsm8k-demo", out / "tiny-llama"
-    with atomic_paths(data_dir, model_dir) as (data_tmp, model_tmp):
-        data_tmp.mkdir()
-        for split, rows in splits.items():
-            _write_jsonl(data_tmp / f"{split}.jsonl", rows)
-        tokenizer = build_tokenizer(_corpus(splits), sizes.vocab_size)
+    data_dir, arith_dir, model_dir = out / "gsm8k-demo", out / "arith-demo", out / "tiny-llama"
+    with atomic_paths(data_dir, arith_dir, model_dir) as (data_tmp, arith_tmp, model_tmp):
+        for directory, dataset in ((data_tmp, splits), (arith_tmp, arith)):
+            directory.mkdir()
+            for split, rows in dataset.items():
+                _write_jsonl(directory / f"{split}.jsonl", rows)
+        tokenizer = build_tokenizer(_corpus(splits, arith), sizes.vocab_size)
         model = build_model(tokenizer, sizes)
         model.save_pretrained(model_tmp, safe_serialization=True)
         tokenizer.save_pretrained(model_tmp)
-    return {"model": model_dir, "dataset": data_dir}
+    return {"model": model_dir, "dataset": data_dir, "arith": arith_dir}
 
 
 def make_sharded_fixture(

@@ -340,6 +340,11 @@ def start_workers(
             env["SNAKETUNE_SAVE_S"] = f"{saves[-1]:.1f}"
     log.info("launching %d node(s) x %d process(es) with the %s launcher", nodes, gpus, launcher)
     if launcher == "local":
+        # Every emulated node's workers share this machine's cores: one thread pool each
+        # of all cores would oversubscribe them (torchrun sets 1 only for 2+ per node).
+        env.setdefault(
+            "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (nodes * gpus)))
+        )
         return supervise(local_commands(nodes, gpus, job.worker_argv, run_id, free_port()), env)
     run_preflight(job, nodes, gpus, env)
     command = slurm_command(nodes, gpus, job.worker_argv, run_id)

@@ -30,6 +30,7 @@ in every process of the node.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,15 @@ class Shape:
         """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit)."""
         return max(self.vocab * self.hidden, *(i * o for i, o in self.linear_shapes().values()))
 
-    def lora_params(self, r: int, targets: str | list[str]) -> int:
+    def lora_params(self, r: int, targets: str | list[str], saved: Sequence[str] = ()) -> int:
+        """Trainable parameters: the adapters over ``targets`` and the modules of ``saved``
+        (modules_to_save, trained in full)."""
         names = LINEARS if targets == "all-linear" else [t for t in targets if t in LINEARS]
         shapes = self.linear_shapes()
-        return self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+        count = self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+        if targets != "all-linear" and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)
+            count += r * (self.vocab + self.hidden)
+        return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class Setup:
     bytes_per_weight: int  # 2 (bf16/fp16) or 4 (fp32)
     lora_r: int = 0
     lora_targets: Any = "all-linear"
+    lora_saved: tuple[str, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -144,7 +151,7 @@ class Setup:
 def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     """Bytes per GPU of weights, gradients and optimizer states."""
     n, w, p = s.gpus, s.bytes_per_weight, shape.params
-    t = p if s.method == "full" else shape.lora_params(s.lora_r, s.lora_targets)
+    t = p if s.method == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
     mixed = w == 2
     if s.stage >= 3:
         gathered = 4 * shape.largest_layer
@@ -268,6 +275,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         bytes_per_weight=4 if precision == "fp32" else 2,
         lora_r=(run.get("lora") or {}).get("r", 0),
         lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
+        lora_saved=tuple((run.get("lora") or {}).get("modules_to_save", ())),
     )
 
 

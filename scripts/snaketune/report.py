@@ -1,5 +1,6 @@
-"""The summary of all runs: one row per run, and a loss curve per run (SVG, no plotting
-library needed)."""
+"""The summary of all runs: one row per run (results/summary.tsv) and one self-contained
+HTML page: per run its training plots (matplotlib, inline SVG), a base-versus-tuned view of
+every metric, and samples marked right or wrong."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         ev = json.loads(eval_metrics.read_text())
         row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
                    math_verify=ev.get("math_verify"))  # fmt: skip
+        row.update(lm_eval_columns(ev))
         if "base" in ev:
             row.update(
                 base_exact_match=ev["base"]["exact_match"],
@@ -72,64 +74,279 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         row["wall_time_s"] = round(seconds, 1)
         if provenance.get("device") == "cuda":
             row["gpu_hours"] = round(seconds * spec["nodes"] * spec["gpus_per_node"] / 3600, 3)
-    return {c: _fmt(row.get(c)) for c in COLUMNS}
+    extra = sorted((c for c in row if "lm_eval:" in c), key=_lm_eval_order)
+    return {c: _fmt(row.get(c)) for c in COLUMNS + extra}
+
+
+def _lm_eval_order(column: str) -> tuple[str, int]:
+    """lm_eval:T:M, then base_lm_eval:T:M, then gain_lm_eval:T:M, task by task."""
+    prefix, _, name = column.partition("lm_eval:")
+    return name, ("", "base_", "gain_").index(prefix)
 
 
 def write_summary(rows: list[dict[str, str]], path: Path) -> None:
+    """The fixed COLUMNS, then every run's lm-eval columns (empty where a run has none)."""
+    extra = sorted({c for row in rows for c in row} - set(COLUMNS), key=_lm_eval_order)
     with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS, delimiter="\t", lineterminator="\n")
+        writer = csv.DictWriter(
+            fh, fieldnames=COLUMNS + extra, delimiter="\t", lineterminator="\n", restval=""
+        )
         writer.writeheader()
         writer.writerows(rows)
 
 
-def loss_curve_svg(
-    metrics: list[dict[str, Any]], title: str, width: int = 640, height: int = 320
-) -> str:
-    """A line plot of loss against step."""
+def lm_eval_figures(ev: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label ``task metric``, figure) for every lm-eval metric of an eval's metrics.json;
+    ``metric`` is lm-eval's ``metric,filter`` key with the filter in brackets."""
+    out = []
+    for task, metrics in sorted((ev.get("lm_eval") or {}).items()):
+        for key, figure in sorted(metrics.items()):
+            metric, _, filt = key.partition(",")
+            label = f"{task} {metric}" + (f" [{filt}]" if filt and filt != "none" else "")
+            out.append((label, figure))
+    return out
+
+
+def lm_eval_columns(ev: dict[str, Any]) -> dict[str, Any]:
+    """summary.tsv columns of the lm-eval figures: ``lm_eval:<task>:<metric,filter>`` and its
+    ``base_`` and ``gain_`` twins."""
+    row: dict[str, Any] = {}
+    for task, metrics in (ev.get("lm_eval") or {}).items():
+        for key, figure in metrics.items():
+            name = f"lm_eval:{task}:{key}"
+            row[name] = figure["value"]
+            if "base" in figure:
+                row[f"base_{name}"], row[f"gain_{name}"] = figure["base"], figure["gain"]
+    return row
+
+
+def pretty(value: Any, percent: bool = False) -> str:
+    """A number as a person reads it: 0.7656 -> 76.6% (``percent``), 6.31459 -> 6.31,
+    552.575 -> 553, 26290.8 -> 26,291, 0.000123 -> 1.23e-04."""
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if percent:
+        return f"{100 * value:.1f}%"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 1:
+        return f"{value:.3g}" if size < 10 else f"{value:.1f}"
+    if size >= 1e-3:
+        return f"{value:.3f}"
+    return f"{value:.2e}"
+
+
+def _svg(fig) -> str:
+    """A matplotlib figure as inline SVG (text kept as text, no external files)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _figure(width_in: float, height_in: float, cols: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True,
+                         "grid.alpha": 0.3, "svg.hashsalt": "snaketune"})  # fmt: skip
+    return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False)
+
+
+def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None) -> str:
+    """Training loss (with the held-out loss where measured), learning rate and tokens/s
+    against the optimizer step, side by side, with ticks and units."""
     steps = [m["step"] for m in metrics]
-    losses = [m["loss"] for m in metrics]
-    pad = 48
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    y0, y1 = min(losses), max(max(losses), min(losses) + 1e-9)
-
-    def xy(s: float, v: float) -> str:
-        x = pad + (s - x0) / (x1 - x0) * (width - 2 * pad)
-        y = height - pad - (v - y0) / (y1 - y0) * (height - 2 * pad)
-        return f"{x:.1f},{y:.1f}"
-
-    points = " ".join(xy(s, v) for s, v in zip(steps, losses, strict=True))
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">'
-        f'<title>{title}</title><rect width="100%" height="100%" fill="white"/>'
-        f'<text x="{width / 2}" y="20" text-anchor="middle">{title}</text>'
-        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
-        'stroke="black"/>'
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>'
-        f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">step ({x0}-{x1})</text>'
-        f'<text x="12" y="{height / 2}" transform="rotate(-90 12 {height / 2})" '
-        f'text-anchor="middle">loss ({y0:.3f}-{y1:.3f})</text>'
-        f'<polyline class="loss" fill="none" stroke="steelblue" stroke-width="2" '
-        f'points="{points}"/>'
-        "</svg>\n"
-    )
+    fig, axes = _figure(11.5, 3.0, 3)
+    loss, lr, tps = axes[0]
+    (line,) = loss.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="training")
+    line.set_gid("loss")
+    evals = [(m["step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
+    if evals:
+        loss.plot(*zip(*evals, strict=True), "o-", color="tab:orange", label="eval")
+    if eval_loss is not None and steps:
+        loss.plot([steps[-1]], [eval_loss], "D", color="tab:red", label="held-out (final)")
+    loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
+    loss.legend(fontsize=8)
+    lr.plot(steps, [m.get("lr", float("nan")) for m in metrics], color="tab:green")
+    lr.set(title="learning rate", xlabel="optimizer step", ylabel="learning rate")
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    speed = [(m["step"], m["tokens_per_s"]) for m in metrics[1:] if "tokens_per_s" in m]
+    if speed:
+        tps.plot(*zip(*speed, strict=True), color="tab:purple")
+    tps.set(title="throughput (first step left out)", xlabel="optimizer step",
+            ylabel="real tokens / s (all ranks)")  # fmt: skip
+    loss.set_title(f"{title}: loss")
+    for ax in axes[0]:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    return _svg(fig)
 
 
-def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
-                 samples: dict[str, list[dict[str, Any]]],
-                 lineages: dict[str, tuple[str, str, str]] | None = None,
-                 n_samples: int = 5) -> str:  # fmt: skip
-    """One self-contained page: the summary table, each run's loss curve, eval samples and
-    lineage (``lineages``: run -> (link to its provenance.json, its artefact, the lineage))."""
+def comparison_rows(ev: dict[str, Any]) -> list[tuple[str, Any, Any, Any, bool, bool]]:
+    """(metric, base, tuned, gain, shown as a percentage, higher is better) for every metric
+    of an evaluation: exact match, math_verify, loss, perplexity, each lm-eval figure."""
+    base, gain = ev.get("base") or {}, ev.get("gain") or {}
+    rows = [
+        ("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
+         gain.get("exact_match"), True, True),
+        ("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
+         gain.get("math_verify"), True, True),
+        ("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
+         None if "loss" not in gain else -gain["loss"], False, False),
+        ("perplexity", base.get("perplexity"), ev.get("perplexity"),
+         None if base.get("perplexity") is None else ev["perplexity"] - base["perplexity"],
+         False, False),
+    ]  # fmt: skip
+    for label, f in lm_eval_figures(ev):
+        value, stderr = f["value"], f.get("stderr")
+        shown = pretty(value) + (f" ± {pretty(stderr)}" if stderr is not None else "")
+        rows.append((f"lm-eval {label}", f.get("base"), (value, shown), f.get("gain"), False, True))
+    return rows
+
+
+def comparison_svg(ev: dict[str, Any], title: str) -> str | None:
+    """Base and tuned side by side, one pair of bars per accuracy-like metric (0-1)."""
+    pairs = [(label, b, t) for label, b, t, _, _, _ in comparison_rows(ev) if b is not None]
+    pairs = [(lab, b, t[0] if isinstance(t, tuple) else t) for lab, b, t in pairs]
+    pairs = [(lab, b, t) for lab, b, t in pairs if 0 <= b <= 1 and 0 <= t <= 1]
+    if not pairs:
+        return None
+    import textwrap
+
+    fig, axes = _figure(min(11.5, 2.0 + 2.0 * len(pairs)), 3.0, 1)
+    ax = axes[0][0]
+    xs = range(len(pairs))
+    for offset, which, name, color in (
+        (-0.2, 1, "base", "tab:gray"),
+        (0.2, 2, "tuned", "tab:blue"),
+    ):
+        values = [p[which] for p in pairs]
+        bars = ax.bar([x + offset for x in xs], values, 0.4, label=name, color=color)
+        ax.bar_label(bars, labels=[f"{100 * v:.0f}%" for v in values], fontsize=8)
+    ax.set_xticks(list(xs), [textwrap.fill(lab, 22) for lab, _, _ in pairs], fontsize=8)
+    ax.set(ylim=(0, 1.1), ylabel="accuracy (share of examples)", title=title)
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;"
+    "color:#222}h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em}"
+    "table{border-collapse:collapse;margin:.5em 0 1em;max-width:100%}"
+    "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top;text-align:left}"
+    "td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}"
+    "th{background:#f4f4f4}svg{max-width:100%;height:auto}"
+    "table.samples{table-layout:fixed;width:100%}"
+    "pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}"
+    "tr.right td.mark{color:#167a2c;font-weight:bold}tr.wrong td.mark{color:#b3261e;"
+    "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
+)
+SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method", False),
+           ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
+           ("final_loss", "final train loss", False), ("eval_loss", "held-out loss", False),
+           ("base_exact_match", "exact match, base", True), ("exact_match", "exact match", True),
+           ("math_verify", "math_verify", True), ("tokens_per_s", "tokens/s", False),
+           ("padding", "padding", True), ("mfu", "MFU", True),
+           ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+
+
+def _gain(value: Any, percent: bool, higher_better: bool) -> str:
     from html import escape
 
-    head = "".join(f"<th>{escape(c)}</th>" for c in COLUMNS)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(row[c])}</td>" for c in COLUMNS) + "</tr>" for row in rows
+    if value is None:
+        return "<td class='num'>–</td>"
+    good = (value > 0) == higher_better if value else None
+    cls = "" if good is None else (" gain-pos" if good else " gain-neg")
+    sign = "+" if value > 0 else ""
+    text = f"{sign}{100 * value:.1f} pt" if percent else f"{sign}{pretty(value)}"
+    return f"<td class='num{cls}'>{escape(text)}</td>"
+
+
+def comparison_table(ev: dict[str, Any]) -> str:
+    from html import escape
+
+    trs = []
+    for label, base, tuned, gain, percent, higher in comparison_rows(ev):
+        shown = tuned[1] if isinstance(tuned, tuple) else pretty(tuned, percent)
+        trs.append(
+            f"<tr><td>{escape(label)}</td><td class='num'>{escape(pretty(base, percent))}</td>"
+            f"<td class='num'>{escape(shown)}</td>{_gain(gain, percent, higher)}</tr>"
+        )
+    return (
+        "<table class='comparison'><tr><th>metric</th><th>base model</th><th>tuned</th>"
+        f"<th>gain</th></tr>{''.join(trs)}</table>"
     )
+
+
+def samples_table(samples: list[dict[str, Any]], n: int) -> str:
+    from html import escape
+
+    right = sum(bool(s.get("correct")) for s in samples)
+    trs = []
+    for s in samples[:n]:
+        ok = bool(s.get("correct"))
+        trs.append(
+            f"<tr class='{'right' if ok else 'wrong'}'>"
+            f"<td class='mark'>{'✓ right' if ok else '✗ wrong'}</td>"
+            f"<td><pre>{escape(str(s.get('prompt', '')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('reference_answer')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
+        )
+    return (
+        f"<p>First {min(n, len(samples))} of {len(samples)} held-out examples ({right} answered "
+        "right; the mark is exact match on the number after ####).</p>"
+        "<table class='samples'><col style='width:8%'><col style='width:42%'>"
+        "<col style='width:10%'><col style='width:40%'><tr><th></th><th>prompt</th>"
+        f"<th>reference</th><th>generation (tuned)</th></tr>{''.join(trs)}</table>"
+    )
+
+
+def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
+                 evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
+                 lineages: dict[str, tuple[str, str, str]] | None = None,
+                 n_samples: int = 8) -> str:  # fmt: skip
+    """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
+    run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
+    and its provenance link and lineage."""
+    from html import escape
+
+    head = "".join(f"<th>{escape(label)}</th>" for _, label, _ in SUMMARY)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{escape(row[key])}</td>" if key in ("run", "model", "method")
+            else f"<td class='num'>{escape(pretty(row.get(key), pct))}</td>"
+            for key, _, pct in SUMMARY
+        )
+        + "</tr>"
+        for row in rows
+    )  # fmt: skip
     sections = []
-    for run, svg in curves.items():
-        parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>', svg]
+    for run, svg in plots.items():
+        parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>',
+                 "<h3>Training</h3>", svg]  # fmt: skip
+        ev = evals.get(run)
+        if ev is not None:
+            parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))
+            chart = comparison_svg(ev, f"{run}: base versus tuned")
+            parts.append(chart or "")
         if lineages and run in lineages:
             href, artefact, text = lineages[run]
             parts.append(
@@ -138,22 +355,13 @@ def summary_html(rows: list[dict[str, str]], curves: dict[str, str],
                 f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
             )
         if samples.get(run):
-            cells = ("prompt", "reference", "generation", "parsed_answer", "correct")
-            trs = "".join(
-                "<tr>"
-                + "".join(f"<td><pre>{escape(str(s.get(c)))}</pre></td>" for c in cells)
-                + "</tr>"
-                for s in samples[run][:n_samples]
-            )
-            ths = "".join(f"<th>{c}</th>" for c in cells)
-            parts.append(f'<table class="samples"><tr>{ths}</tr>{trs}</table>')
+            parts.append("<h3>Samples</h3>" + samples_table(samples[run], n_samples))
         sections.append("".join(parts) + "</section>")
     return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>snaketune summary</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px;vertical-align:top}"
-        "pre{margin:0;white-space:pre-wrap}"
-        "</style></head><body><h1>snaketune: all runs</h1>"
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
+        f"<style>{STYLE}</style></head><body><h1>snaketune: all runs</h1>"
+        "<p>Every figure is also in results/summary.tsv (full precision).</p>"
         f'<table id="summary"><tr>{head}</tr>{body}</table>{"".join(sections)}</body></html>\n'
     )
 

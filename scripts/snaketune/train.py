@@ -319,7 +319,8 @@ def peft_config(run: dict[str, Any]):
 
     lora = run["lora"]
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=lora["target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+                      target_modules=lora["target_modules"], task_type="CAUSAL_LM",
+                      modules_to_save=lora["modules_to_save"] or None)  # fmt: skip
 
 
 def sft_trainer(ctx: Context, model, data: Data, callbacks: list):

@@ -1,6 +1,7 @@
 # Plain helpers for the rules (no rules here). Logic lives in scripts/snaketune/.
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -152,7 +153,11 @@ def final_model(run):
 def eval_args(settings):
     """evaluate.py options for a run's eval settings."""
     args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
-    return args + (f" --limit {settings['limit']}" if "limit" in settings else "")
+    args += f" --limit {settings['limit']}" if "limit" in settings else ""
+    if settings.get("lm_eval"):
+        settings_json = json.dumps(settings["lm_eval"], sort_keys=True)
+        args += f" --lm-eval {shlex.quote(settings_json)}"
+    return args
 
 
 def run_eval_key(run):
@@ -208,9 +213,11 @@ def report_inputs(wildcards):
 
 def before_queueing():
     """Before any job runs (onstart): each run about to train against its GPUs' memory
-    (snaketune.memplan); on SLURM, every job of the plan against its partition's nodes and
+    (snaketune.memplan); each run about to evaluate with lm-eval tasks lm-eval knows
+    (snaketune.lmeval); on SLURM, every job of the plan against its partition's nodes and
     limits (snaketune.slurmfit). One line per problem, then stop; on SLURM, a watch then
     cancels a pending job whose reason can never clear."""
+    from snaketune.lmeval import check_tasks
     from snaketune.memplan import check_runs
     from snaketune.slurmfit import PendingWatch, check_jobs
 
@@ -219,6 +226,13 @@ def before_queueing():
     found = check_runs(
         config, runs, Path("."), Path(workflow.basedir), workflow.local_exec
     )
+    evaluating = {job.wildcards["run"] for job in jobs if job.rule.name == "evaluate"}
+    evaluating |= {
+        BASE_EVALS[job.wildcards["key"]]["run"]
+        for job in jobs
+        if job.rule.name == "evaluate_base"
+    }
+    found += check_tasks(config, sorted(evaluating))
     if not workflow.local_exec:
         found += check_jobs(
             [

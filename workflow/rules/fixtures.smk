@@ -1,4 +1,5 @@
-# Offline fixtures for the demo and the tests: a tiny Llama model and a GSM8K-like dataset.
+# Offline fixtures for the demo and the tests: a tiny Llama model, the demo's arithmetic task
+# and a GSM8K-like dataset.
 
 
 rule make_fixtures:
@@ -8,6 +9,8 @@ rule make_fixtures:
         model=directory("resources/fixtures/tiny-llama"),
         train="resources/fixtures/gsm8k-demo/train.jsonl",
         test="resources/fixtures/gsm8k-demo/test.jsonl",
+        arith_train="resources/fixtures/arith-demo/train.jsonl",
+        arith_test="resources/fixtures/arith-demo/test.jsonl",
     log:
         "logs/make_fixtures/make_fixtures.log",
     benchmark:

@@ -1,0 +1,49 @@
+"""The report's number formatting and lm-eval result handling (no pipeline needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from snaketune.lmeval import collect, with_base
+from snaketune.report import lm_eval_columns, pretty
+
+
+@pytest.mark.parametrize(
+    ("value", "percent", "shown"),
+    [(0.765625, True, "76.6%"), (6.31459, False, "6.31"), (552.575, False, "553"),
+     (26290.8, False, "26,291"), (0.000123, False, "1.23e-04"), (0.111044, False, "0.111"),
+     (12.34, False, "12.3"), (192, False, "192"), (None, False, "–"), ("", True, "–")],
+)  # fmt: skip
+def test_numbers_are_shown_with_sensible_digits(value, percent, shown):
+    assert pretty(value, percent) == shown
+
+
+RESULTS = {
+    "arith_demo": {"alias": "arith_demo", "sample_len": 64,
+                   "exact_match,strict-match": 0.75, "exact_match_stderr,strict-match": 0.05},
+    "hellaswag": {"alias": "hellaswag", "acc,none": 0.3, "acc_stderr,none": 0.01,
+                  "acc_norm,none": 0.32, "acc_norm_stderr,none": "N/A"},
+}  # fmt: skip
+
+
+def test_lm_eval_results_keep_each_metric_with_its_stderr():
+    figures = collect(RESULTS)
+    assert figures == {
+        "arith_demo": {"exact_match,strict-match": {"value": 0.75, "stderr": 0.05}},
+        "hellaswag": {"acc,none": {"value": 0.3, "stderr": 0.01},
+                      "acc_norm,none": {"value": 0.32, "stderr": None}},
+    }  # fmt: skip
+
+
+def test_lm_eval_gain_over_base_and_summary_columns():
+    tuned = with_base(
+        collect(RESULTS), {"arith_demo": {"exact_match,strict-match": {"value": 0.0}}}
+    )
+    em = tuned["arith_demo"]["exact_match,strict-match"]
+    assert (em["base"], em["gain"]) == (0.0, 0.75)
+    acc = tuned["hellaswag"]["acc,none"]
+    assert acc["base"] is None and acc["gain"] is None  # no base figure: no gain invented
+    columns = lm_eval_columns({"lm_eval": tuned})
+    assert columns["lm_eval:arith_demo:exact_match,strict-match"] == 0.75
+    assert columns["gain_lm_eval:arith_demo:exact_match,strict-match"] == 0.75
+    assert columns["base_lm_eval:hellaswag:acc,none"] is None
