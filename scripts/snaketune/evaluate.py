@@ -238,7 +238,7 @@ def evaluate(
     if lm_eval:
         from snaketune.lmeval import run_tasks, with_base
 
-        base_lm = (base_metrics or {}).get("lm_eval") if base_metrics is not None else None
+        base_lm = (base_metrics or {}).get("lm_eval")
         metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
     if base_metrics is not None:
         keys = ("loss", "perplexity", "exact_match", "math_verify")

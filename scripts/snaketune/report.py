@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
@@ -199,33 +199,46 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
     return _svg(fig)
 
 
-def comparison_rows(ev: dict[str, Any]) -> list[tuple[str, Any, Any, Any, bool, bool]]:
-    """(metric, base, tuned, gain, shown as a percentage, higher is better) for every metric
-    of an evaluation: exact match, math_verify, loss, perplexity, each lm-eval figure."""
+class Comparison(NamedTuple):
+    """One metric of an evaluation, base against tuned."""
+
+    label: str
+    base: Any
+    tuned: Any
+    gain: Any
+    percent: bool  # shown as a share (76.6%)
+    higher_is_better: bool
+    stderr: float | None = None
+
+
+def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
+    """Every metric of an evaluation: exact match, math_verify, loss, perplexity, each
+    lm-eval figure (with its stderr)."""
     base, gain = ev.get("base") or {}, ev.get("gain") or {}
     rows = [
-        ("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
-         gain.get("exact_match"), True, True),
-        ("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
-         gain.get("math_verify"), True, True),
-        ("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
-         None if "loss" not in gain else -gain["loss"], False, False),
-        ("perplexity", base.get("perplexity"), ev.get("perplexity"),
-         None if base.get("perplexity") is None else ev["perplexity"] - base["perplexity"],
-         False, False),
+        Comparison("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
+                   gain.get("exact_match"), True, True),
+        Comparison("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
+                   gain.get("math_verify"), True, True),
+        Comparison("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
+                   None if "loss" not in gain else -gain["loss"], False, False),
+        Comparison("perplexity", base.get("perplexity"), ev.get("perplexity"),
+                   None if base.get("perplexity") is None
+                   else ev["perplexity"] - base["perplexity"], False, False),
     ]  # fmt: skip
     for label, f in lm_eval_figures(ev):
-        value, stderr = f["value"], f.get("stderr")
-        shown = pretty(value) + (f" ± {pretty(stderr)}" if stderr is not None else "")
-        rows.append((f"lm-eval {label}", f.get("base"), (value, shown), f.get("gain"), False, True))
+        rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
+                               False, True, f.get("stderr")))  # fmt: skip
     return rows
 
 
 def comparison_svg(ev: dict[str, Any], title: str) -> str | None:
     """Base and tuned side by side, one pair of bars per accuracy-like metric (0-1)."""
-    pairs = [(label, b, t) for label, b, t, _, _, _ in comparison_rows(ev) if b is not None]
-    pairs = [(lab, b, t[0] if isinstance(t, tuple) else t) for lab, b, t in pairs]
-    pairs = [(lab, b, t) for lab, b, t in pairs if 0 <= b <= 1 and 0 <= t <= 1]
+    pairs = [
+        (r.label, r.base, r.tuned)
+        for r in comparison_rows(ev)
+        if r.base is not None and 0 <= r.base <= 1 and 0 <= r.tuned <= 1
+    ]
     if not pairs:
         return None
     import textwrap
@@ -283,11 +296,13 @@ def comparison_table(ev: dict[str, Any]) -> str:
     from html import escape
 
     trs = []
-    for label, base, tuned, gain, percent, higher in comparison_rows(ev):
-        shown = tuned[1] if isinstance(tuned, tuple) else pretty(tuned, percent)
+    for r in comparison_rows(ev):
+        shown = pretty(r.tuned, r.percent)
+        shown += f" ± {pretty(r.stderr)}" if r.stderr is not None else ""
         trs.append(
-            f"<tr><td>{escape(label)}</td><td class='num'>{escape(pretty(base, percent))}</td>"
-            f"<td class='num'>{escape(shown)}</td>{_gain(gain, percent, higher)}</tr>"
+            f"<tr><td>{escape(r.label)}</td><td class='num'>{escape(pretty(r.base, r.percent))}"
+            f"</td><td class='num'>{escape(shown)}</td>"
+            f"{_gain(r.gain, r.percent, r.higher_is_better)}</tr>"
         )
     return (
         "<table class='comparison'><tr><th>metric</th><th>base model</th><th>tuned</th>"
