@@ -40,6 +40,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/publish.smk"
 
 
 # Checks of the machine this runs on, before any job: local sources exist (or a rule makes

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_paths
-from snaketune.plan import FINAL_MODEL
+from snaketune.plan import final_model_dir
 from snaketune.provenance import lineage
 from snaketune.report import summary_html, summary_row, training_svg, write_summary
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()
                 samples[name] = [json.loads(x) for x in lines if x]
-            model = args.results / name / FINAL_MODEL[spec["method"]]
+            model = args.results / name / final_model_dir(spec)
             final = ev.parent if "eval_dataset" in spec else model
             href = os.path.relpath(final / "provenance.json", args.html.parent)
             lineages[name] = (href, str(final), "\n".join(lineage(final)))

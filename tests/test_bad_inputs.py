@@ -86,6 +86,28 @@ def model_dir_without_config(cfg: dict, workdir: Path) -> None:
     cfg["models"]["tiny"]["path"] = "bare-model"
 
 
+def grpo_run(**changes) -> Callable[[dict, Path], None]:
+    """Add a GRPO run `rl` starting from the demo, with ``changes``."""
+
+    def make(cfg: dict, _: Path) -> None:
+        cfg["runs"]["rl"] = {"init_from": "demo", "dataset": "arith", "method": "grpo",
+                             "nodes": 1, "gpus_per_node": 1, "max_length": 128,
+                             "micro_batch_size": 16, "learning_rate": 1e-5, "max_steps": 4,
+                             **changes}  # fmt: skip
+
+    return make
+
+
+def grpo_loop(cfg: dict, workdir: Path) -> None:
+    grpo_run(init_from="rl2")(cfg, workdir)
+    cfg["runs"]["rl2"] = {**cfg["runs"]["rl"], "init_from": "rl"}
+
+
+def grpo_on_messages(cfg: dict, workdir: Path) -> None:
+    cfg["datasets"]["chat"] = {"source": "local", "path": "chat.jsonl", "format": "messages"}
+    grpo_run(dataset="chat")(cfg, workdir)
+
+
 PARSE = [
     Case("unknown-key", "config", put("runs/demo/lerning_rate", 1e-3),
          "config error: runs.demo.lerning_rate: unknown key; did you mean 'learning_rate'?"),
@@ -94,7 +116,22 @@ PARSE = [
     Case("missing-required-key", "config", drop("runs/demo/model"),
          "config error: runs.demo: missing required key 'model'"),
     Case("unknown-enum", "config", put("runs/demo/method", "lorra"),
-         "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full']"),
+         "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo']"),
+    Case("grpo-init-from-unknown-run", "config", grpo_run(init_from="demoo"),
+         "config error: runs.rl.init_from: unknown run 'demoo' (defined: demo, rl)"),
+    Case("grpo-init-from-loop", "config", grpo_loop,
+         "config error: runs.rl.init_from: the runs start from each other in a loop "
+         "(rl -> rl2 -> rl); one of them must start from a `model`"),
+    Case("grpo-unknown-reward", "config", grpo_run(grpo={"rewards": {"correctnes": 1.0}}),
+         "config error: runs.rl.grpo.rewards.correctnes: unknown key; did you mean "
+         "'correctness'? (allowed: correctness, format)"),
+    Case("grpo-dataset-without-answers", "config", grpo_on_messages,
+         "config error: runs.rl.dataset: 'chat' (format messages) gives no reference answers "
+         "for the GRPO rewards"),
+    Case("grpo-generations-do-not-divide-the-batch", "config",
+         grpo_run(grpo={"num_generations": 6}),
+         "config error: runs.rl.grpo.num_generations: 6 does not divide micro_batch_size 16 "
+         "(each device generates whole groups)"),
     Case("unknown-model", "config", put("runs/demo/model", "gpt5"),
          "config error: runs.demo.model: unknown model 'gpt5' (defined: tiny)"),
     Case("unknown-dataset", "config", put("runs/demo/dataset", "gsm9k"),

@@ -47,3 +47,18 @@ def test_lm_eval_gain_over_base_and_summary_columns():
     assert columns["lm_eval:arith_demo:exact_match,strict-match"] == 0.75
     assert columns["gain_lm_eval:arith_demo:exact_match,strict-match"] == 0.75
     assert columns["base_lm_eval:hellaswag:acc,none"] is None
+
+
+def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
+    from snaketune.report import reward_quarters, training_svg
+
+    metrics = [{"step": s, "loss": 0.01, "lr": 1e-3, "tokens_per_s": 100.0,
+                "reward": 0.1 * s, "reward_correctness_mean": 0.05 * s,
+                "reward_format_mean": 1.0} for s in range(1, 9)]  # fmt: skip
+    svg = training_svg(metrics, "rl", None)
+    assert 'id="reward"' in svg and 'id="loss"' not in svg
+    assert "mean reward per completion" in svg and "correctness" in svg
+    assert reward_quarters(metrics) == {"reward_first_quarter": 0.15, "reward_last_quarter": 0.75}
+    sft = [{k: v for k, v in m.items() if not k.startswith("reward")} for m in metrics]
+    assert reward_quarters(sft) == {}
+    assert 'id="loss"' in training_svg(sft, "sft", 0.5)

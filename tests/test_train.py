@@ -109,7 +109,9 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
     uninterrupted run's, every step logged once."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
-         "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory", str(tmp_path)],
+         "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory", str(tmp_path),
+         # a checkpoint every 10 steps (the math is the demo's); only as far as training
+         "--config", "runs={'demo': {'save_steps': 10}}", "--", "results/demo/train/metrics.jsonl"],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     live = tmp_path / "results/demo/train/checkpoints/metrics.jsonl"
@@ -263,22 +265,32 @@ def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
 
 
 def test_packed_and_padded_runs_of_the_same_examples_train_the_same(demo, tmp_path):
-    """The demo trains packed; the same run with packing: false (same global batches, split
-    into padded micro batches at random) logs the same losses and gradient norms."""
+    """One epoch of the demo trained packed and with packing: false (same global batches,
+    split into padded micro batches at random) logs the same losses and gradient norms.
+
+    One epoch (32 steps) each, not the demo's six: over 192 steps the rounding differences of
+    the two layouts grow chaotically once the loss is near 0, which says nothing about packing.
+    """
     tokenized = next((demo / "results/tokenized").glob("arith__*/data.parquet"))
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
-         "--nodes", "2", "--gpus-per-node", "1", "--micro-batch-size", "32",
-         "--gradient-accumulation-steps", "1", "--seed", "42", "--no-packing",
-         "--out", str(tmp_path / "shards")],
-        check=True, env=ENV, capture_output=True,
-    )  # fmt: skip
-    spec = run_spec(packing=False)
-    out = train(tmp_path, spec, tmp_path / "shards", demo / "resources/models/tiny", "zero2")
-    padded = read_jsonl(out / "metrics.jsonl")
-    packed = read_jsonl(demo / "results/demo/train/metrics.jsonl")
-    assert [m["step"] for m in padded] == [m["step"] for m in packed]
-    assert all(m["padding"] > 0.05 for m in padded)  # really padded
+    logs = {}
+    for packing in (True, False):
+        work = tmp_path / ("packed" if packing else "padded")
+        work.mkdir()
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized", str(tokenized),
+             "--nodes", "2", "--gpus-per-node", "1", "--micro-batch-size", "32",
+             "--gradient-accumulation-steps", "1", "--seed", "42",
+             "--packing" if packing else "--no-packing", "--out", str(work / "shards")],
+            check=True, env=ENV, capture_output=True,
+        )  # fmt: skip
+        spec = run_spec(packing=packing, epochs=1)
+        out = train(work, spec, work / "shards", demo / "resources/models/tiny", "zero2")
+        logs[packing] = read_jsonl(out / "metrics.jsonl")
+    packed, padded = logs[True], logs[False]
+    assert [m["step"] for m in padded] == [m["step"] for m in packed] == list(range(1, 33))
+    # really padded: more pad work than the packed run's (whose rows are only rounded up)
+    assert sum(m["padding"] for m in padded) > 2 * sum(m["padding"] for m in packed)
+    assert packed[-1]["loss"] < 0.5 * packed[0]["loss"]  # it learned: not a flat comparison
     for a, b in zip(padded, packed, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
@@ -289,7 +301,7 @@ def test_global_batch_larger_than_the_data_fails_beforelaunch_train(tmp_path):
         "--configfile",
         CONFIG,
         "--config",
-        "runs={'demo': {'micro_batch_size': 1000}}",
+        "runs={'demo': {'micro_batch_size': 2000}}",
         "--directory",
         str(tmp_path),
         check=False,

@@ -264,6 +264,97 @@ def _check_deepspeed(run: str, value: str, root: Path) -> None:
     _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
 
 
+def trains_lora(run: Mapping[str, Any]) -> bool:
+    """Whether a run trains a LoRA adapter (method lora, or grpo with a `lora` block)."""
+    return run["method"] == "lora" or (run["method"] == "grpo" and "lora" in run)
+
+
+def adapter_kind(run: Mapping[str, Any]) -> str:
+    """`lora` or `full`: what a run's checkpoint holds, whatever its method."""
+    return "lora" if trains_lora(run) else "full"
+
+
+def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    where = f"runs.{name}"
+    if run["method"] != "grpo":
+        _require(
+            "grpo" not in run, f"{where}.grpo: only for method grpo; remove it or set method: grpo"
+        )
+        _require(
+            "init_from" not in run,
+            f"{where}.init_from: only for method grpo (an SFT run starts from `model`)",
+        )
+        return
+    grpo = run["grpo"]
+    _require(
+        run["micro_batch_size"] % grpo["num_generations"] == 0,
+        f"{where}.grpo.num_generations: {grpo['num_generations']} does not divide "
+        f"micro_batch_size {run['micro_batch_size']} (each device generates whole groups); "
+        "make micro_batch_size a multiple of it",
+    )
+    for part in _dataset_parts(cfg, run["dataset"]):
+        fmt = cfg["datasets"][part]["format"]
+        _require(
+            fmt in ("prompt_response", "alpaca"),
+            f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for the GRPO "
+            "rewards; use a prompt_response dataset (columns.response: the answer) or alpaca",
+        )
+
+
+def _dataset_parts(cfg: Mapping[str, Any], dataset: str) -> list[str]:
+    spec = cfg["datasets"][dataset]
+    if spec["source"] == "mixture":
+        return [c["dataset"] for c in spec["mixture"]]
+    return [dataset]
+
+
+def _resolve_init(config: dict[str, Any]) -> None:
+    """Fill `model` of each run with `init_from` from the run it starts from (following
+    chains); refuse an unknown run, a chain that loops, and an eval set that differs."""
+    runs = config["runs"]
+    for name, run in runs.items():
+        where = f"runs.{name}"
+        if "init_from" not in run:
+            _require("model" in run, f"{where}: missing required key 'model'")
+            continue
+        _require("model" not in run,
+                 f"{where}: give one of `model` and `init_from`, not both (init_from's model "
+                 "is the base)")  # fmt: skip
+        chain, current = [name], run
+        while "init_from" in current:
+            parent = current["init_from"]
+            _require(
+                parent in runs,
+                f"{where}.init_from: unknown run {parent!r} (defined: {', '.join(sorted(runs))})",
+            )
+            _require(
+                parent not in chain,
+                f"{where}.init_from: the runs start from each other in a loop "
+                f"({' -> '.join([*chain, parent])}); one of them must start from a `model`",
+            )
+            chain.append(parent)
+            current = runs[parent]
+        parent = runs[run["init_from"]]
+        if "eval_dataset" in run:
+            _require(
+                parent.get("eval_dataset") == run["eval_dataset"],
+                f"{where}.eval_dataset: must be {run['init_from']}'s eval set "
+                f"({parent.get('eval_dataset', 'none')}): that run's evaluation is this run's "
+                "base; give both the same eval_dataset",
+            )
+            _require(
+                parent["eval"] == run["eval"],
+                f"{where}.eval: must equal runs.{run['init_from']}.eval (that run's evaluation "
+                "is this run's base, so both must be measured the same way)",
+            )
+    for run in runs.values():
+        if "init_from" in run:
+            current = run
+            while "init_from" in current:
+                current = runs[current["init_from"]]
+            run["model"] = current["model"]
+
+
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
     where = f"runs.{name}"
     for key, section in (
@@ -287,9 +378,10 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _require(
-        run["method"] == "lora" or "lora" not in run,
-        f"{where}.lora: only for method lora; remove it or set method: lora",
+        run["method"] in ("lora", "grpo") or "lora" not in run,
+        f"{where}.lora: only for method lora (or grpo); remove it or set method: lora",
     )
+    _check_grpo(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:
         from snaketune.lmeval import resolve_include_path
@@ -331,6 +423,13 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
         )
     for name, spec in config["datasets"].items():
         _check_dataset(name, spec, config["datasets"])
+    _resolve_init(config)
+    for run in config["runs"].values():
+        if run["method"] == "grpo" and "grpo" not in run:
+            run["grpo"] = {}
+            check_schema(config, schema)  # fills the GRPO defaults
+        if run["method"] == "grpo":
+            run["packing"] = False  # GRPO plans prompts; its rollouts are padded batches
     for name, run in config["runs"].items():
         _check_run(name, run, config, root)
         if run["method"] == "lora" and "lora" not in run:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from snaketune.config import adapter_kind
 from snaketune.errors import UserError
 
 GIB = 1024**3
@@ -261,7 +262,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
     attention = run.get("attn_implementation", "auto")
     liger = run.get("liger_kernel", "auto")
     return Setup(
-        method=run["method"],
+        method=adapter_kind(run),  # GRPO plans as its LoRA or full update (rollouts not counted)
         stage=int(zero.get("stage", 0)),
         offload_optimizer=offloaded("offload_optimizer"),
         offload_params=offloaded("offload_param"),

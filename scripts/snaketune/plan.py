@@ -14,14 +14,21 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from snaketune.config import SINGLE_DATASET_KEYS
+from snaketune.config import SINGLE_DATASET_KEYS, adapter_kind
 from snaketune.errors import ConfigError
 from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
-# The directory under results/<run>/ of the model a run ends with, by method.
+# The directory under results/<run>/ of the model a run ends with, by what it trains.
 FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
+
+
+def final_model_dir(run: dict[str, Any]) -> str:
+    """results/<run>/<this>: the model a run ends with (merged for LoRA, converted for full)."""
+    return FINAL_MODEL[adapter_kind(run)]
+
+
 DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
 
 
@@ -117,7 +124,7 @@ def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str
     """
     evals: dict[str, dict[str, Any]] = {}
     for run, r in config["runs"].items():
-        if "eval_dataset" not in r:
+        if "eval_dataset" not in r or "init_from" in r:  # its base: the init run's evaluation
             continue
         key = tokenize_key(run_eval_tokenize_spec(config, run, root))
         first = evals.setdefault(key, {"run": run, **r["eval"]})

@@ -250,6 +250,10 @@ class SnaketuneCallback(TrainerCallback):
             record["gpu_health"] = STATUS[int(got["status"])]
             if got["temp"] >= 0:
                 record["gpu_max_temp_c"] = got["temp"]
+        if "reward" in logs:  # a GRPO step: rewards, KL, completion length
+            from snaketune.grpo import step_record
+
+            record.update(step_record(logs))
         self._out.write(json.dumps(record) + "\n")
         done = state.global_step - self._start_step
         left = state.max_steps - state.global_step

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss", "tokens_per_s",
+COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss",
+           "reward_first_quarter", "reward_last_quarter", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
            "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours"]  # fmt: skip
@@ -38,6 +39,17 @@ def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """A GRPO run's mean total reward over its first and last quarter of steps (at least
+    one step each); nothing for a run without rewards."""
+    rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
+    if not rewards:
+        return {}
+    n = max(1, len(rewards) // 4)
+    return {"reward_first_quarter": round(sum(rewards[:n]) / n, 4),
+            "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
+
+
 def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
                 train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
     metrics = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines() if x]
@@ -47,6 +59,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
         "steps": metrics[-1]["step"] if metrics else 0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
+        **reward_quarters(metrics),
         **throughput(metrics),
     }  # fmt: skip
     if eval_metrics is not None:
@@ -171,20 +184,18 @@ def _figure(width_in: float, height_in: float, cols: int):
 
 
 def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None) -> str:
-    """Training loss (with the held-out loss where measured), learning rate and tokens/s
-    against the optimizer step, side by side, with ticks and units."""
+    """Training loss (with the held-out loss where measured) or, for a GRPO run, its
+    rewards; learning rate; tokens/s; against the optimizer step, side by side, with ticks
+    and units."""
     steps = [m["step"] for m in metrics]
     fig, axes = _figure(11.5, 3.0, 3)
     loss, lr, tps = axes[0]
-    (line,) = loss.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="training")
-    line.set_gid("loss")
-    evals = [(m["step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
-    if evals:
-        loss.plot(*zip(*evals, strict=True), "o-", color="tab:orange", label="eval")
-    if eval_loss is not None and steps:
-        loss.plot([steps[-1]], [eval_loss], "D", color="tab:red", label="held-out (final)")
-    loss.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
-    loss.legend(fontsize=8)
+    if metrics and "reward" in metrics[0]:
+        _reward_panel(loss, metrics, steps)
+        loss.set_title(f"{title}: reward")
+    else:
+        _loss_panel(loss, metrics, steps, eval_loss)
+        loss.set_title(f"{title}: loss")
     lr.plot(steps, [m.get("lr", float("nan")) for m in metrics], color="tab:green")
     lr.set(title="learning rate", xlabel="optimizer step", ylabel="learning rate")
     lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
@@ -193,10 +204,34 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
         tps.plot(*zip(*speed, strict=True), color="tab:purple")
     tps.set(title="throughput (first step left out)", xlabel="optimizer step",
             ylabel="real tokens / s (all ranks)")  # fmt: skip
-    loss.set_title(f"{title}: loss")
     for ax in axes[0]:
         ax.xaxis.get_major_locator().set_params(integer=True)
     return _svg(fig)
+
+
+def _loss_panel(ax, metrics: list[dict[str, Any]], steps: list[int], eval_loss) -> None:
+    (line,) = ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="training")
+    line.set_gid("loss")
+    evals = [(m["step"], m["eval_loss"]) for m in metrics if m.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", color="tab:orange", label="eval")
+    if eval_loss is not None and steps:
+        ax.plot([steps[-1]], [eval_loss], "D", color="tab:red", label="held-out (final)")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
+    ax.legend(fontsize=8)
+
+
+def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
+    """GRPO: the total (weighted) reward per completion and each reward's mean."""
+    (line,) = ax.plot(steps, [m["reward"] for m in metrics], color="tab:blue", label="total")
+    line.set_gid("reward")
+    names = sorted({k[len("reward_"):-len("_mean")] for m in metrics for k in m
+                    if k.startswith("reward_") and k.endswith("_mean")})  # fmt: skip
+    for name in names:
+        ax.plot(steps, [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],
+                linewidth=1, label=name)  # fmt: skip
+    ax.set(xlabel="optimizer step", ylabel="mean reward per completion")
+    ax.legend(fontsize=8)
 
 
 class Comparison(NamedTuple):

@@ -53,6 +53,7 @@ from snaketune.checkpoints import (  # noqa: F401 (re-exported for the tests and
     prune,
     truncate_metrics,
 )
+from snaketune.config import trains_lora
 from snaketune.errors import UserError
 from snaketune.health import Limits, Watchdog, open_reader
 from snaketune.io import host_name, write_json
@@ -156,7 +157,7 @@ class Data:
 
     table: Any  # datasets.Dataset of this rank's rows
     batches: PlanBatches
-    collator: Collator
+    collator: Any  # a packing.Collator (SFT) or a grpo.RolloutCounter: what the callback counts
 
 
 def read_rank_rows(shards: Path, node: int, rank: int):
@@ -175,7 +176,7 @@ def build_data(
     manifest: dict[str, Any],
     shards: Path,
     env: WorkerEnv,
-    pad_token_id: int,
+    tokenizer,
     attention: str,
     start_step: int,
     ids_log: Path | None,
@@ -190,8 +191,13 @@ def build_data(
         run["seed"],
         start_epoch=start_step // steps,
     )
+    if run["method"] == "grpo":  # prompts and reference answers, counted per rollout
+        from snaketune.grpo import RolloutCounter, prompt_rows
+
+        return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
     layout = layout_for(run["packing"], attention)
-    return Data(table, batches, Collator(layout, pad_token_id, run["max_length"], ids_log))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Data(table, batches, Collator(layout, pad, run["max_length"], ids_log))
 
 
 # ----------------------------------------------------------------------------- model
@@ -234,7 +240,7 @@ def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | Non
             torch.cuda.get_device_name(),
         )
     return FlopsModel(matmul_params(model), cfg.num_hidden_layers, cfg.hidden_size,
-                      run["method"] == "lora", world_size, peak)  # fmt: skip
+                      trains_lora(run), world_size, peak)  # fmt: skip
 
 
 def load_deepspeed(path: Path) -> dict[str, Any]:
@@ -313,7 +319,9 @@ def training_args(ctx: Context, config_class, **method_args):
 
 
 def peft_config(run: dict[str, Any]):
-    if run["method"] != "lora":
+    from snaketune.config import trains_lora
+
+    if not trains_lora(run):
         return None
     from peft import LoraConfig
 
@@ -352,12 +360,19 @@ def sft_trainer(ctx: Context, model, data: Data, callbacks: list):
 
 # A method builds its trainer from the shared context, model, data and callbacks; the rest
 # of the worker (launch, data plan, checkpoints, resume, callback, outputs) is shared.
-METHODS: dict[str, Callable] = {"sft": sft_trainer}
+def grpo_trainer(ctx: Context, model, data: Data, callbacks: list):
+    """Reinforcement learning with verifiable rewards (snaketune.grpo)."""
+    from snaketune.grpo import grpo_trainer as build
+
+    return build(ctx, model, data, callbacks)
+
+
+METHODS: dict[str, Callable] = {"sft": sft_trainer, "grpo": grpo_trainer}
 
 
 def method_of(run: dict[str, Any]) -> str:
     """The training method of a run (LoRA and full fine-tuning are both ``sft``)."""
-    return "sft"
+    return "grpo" if run["method"] == "grpo" else "sft"
 
 
 # ----------------------------------------------------------------------------- health
@@ -463,11 +478,10 @@ def run_worker(
     ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
 
     attention = resolve_attention(run["attn_implementation"])
-    if run["packing"]:
+    if run["packing"] and run["method"] != "grpo":
         check_packing(model_dir, attention, f"runs.{out.parent.name}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    data = build_data(run, manifest, shards, env, pad, attention, start_step, ids_log)
+    data = build_data(run, manifest, shards, env, tokenizer, attention, start_step, ids_log)
 
     precision = resolve_precision(run["precision"])
     model = build_model(model_dir, precision, attention)
@@ -479,11 +493,21 @@ def run_worker(
                                  flops_model(run, model, env.world_size),
                                  Deadline.from_environ())  # fmt: skip
     trainer = METHODS[method_of(run)](ctx, model, data, [callback])
+    # our callback logs one line per step; Trainer's printer would add each step's raw dict
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    if env.rank == 0 and run["method"] == "grpo":
+        g = run["grpo"]["num_generations"]
+        log.info("GRPO: %d prompts per step x %d generations = %d completions; %s",
+                 manifest["global_batch"], g, manifest["global_batch"] * g,
+                 ", ".join(f"{k} x {v}" for k, v in run["grpo"]["rewards"].items()))  # fmt: skip
     if env.rank == 0:
         log.info(
             "global batch %d = micro %d x %d devices x %d nodes x accumulation %d; %d steps per "
             "epoch; precision %s; %s; attention %s, %s batches%s; resuming from %s",
-            manifest["global_batch"], run["micro_batch_size"], env.local_world_size,
+            manifest["global_batch"] * (run["grpo"]["num_generations"] if "grpo" in run else 1),
+            run["micro_batch_size"], env.local_world_size,
             env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
             manifest["steps_per_epoch"], precision, run["method"], attention,
             data.collator.layout, ", Liger kernels" if ctx.liger else "",

@@ -5,9 +5,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from snaketune.config import resolve_deepspeed
+from snaketune.config import adapter_kind, resolve_deepspeed
 from snaketune.plan import (
-    FINAL_MODEL,
+    components,
+    final_model_dir,
     run_eval_tokenize_spec,
     run_tokenize_spec,
     tokenize_key,
@@ -76,7 +77,23 @@ def shard_eval_input(wildcards):
 
 
 def shard_packing_arg(wildcards):
-    return "--packing" if config["runs"][wildcards.run]["packing"] else "--no-packing"
+    """--packing for an SFT run that packs; GRPO plans prompts, which are never packed."""
+    run = config["runs"][wildcards.run]
+    return "--packing" if run["packing"] and run["method"] != "grpo" else "--no-packing"
+
+
+def shard_micro_batch(wildcards):
+    """Examples per device and pass; for GRPO, prompts (each makes num_generations rows)."""
+    run = config["runs"][wildcards.run]
+    if run["method"] == "grpo":
+        return run["micro_batch_size"] // run["grpo"]["num_generations"]
+    return run["micro_batch_size"]
+
+
+def shard_model(wildcards):
+    """The base model's directory (its tokenizer and packing support); a GRPO run's shards
+    need not wait for the run it starts from."""
+    return f"resources/models/{config['runs'][wildcards.run]['model']}"
 
 
 def shard_eval_arg(wildcards, input):
@@ -84,7 +101,11 @@ def shard_eval_arg(wildcards, input):
 
 
 def run_model(wildcards):
-    return f"resources/models/{config['runs'][wildcards.run]['model']}"
+    """The model a run trains from: its base model, or (init_from) that run's final model."""
+    run = config["runs"][wildcards.run]
+    if "init_from" in run:
+        return final_model(run["init_from"])
+    return f"resources/models/{run['model']}"
 
 
 def run_deepspeed(wildcards):
@@ -98,7 +119,7 @@ def run_deepspeed(wildcards):
 
 # Run keys later stages read; left out of the train rule's params so that changing them
 # does not retrain.
-NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check")
+NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")
 
 
 def run_spec(wildcards):
@@ -132,7 +153,7 @@ def train_gres(wildcards):
 
 def export_kind(run):
     """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
-    return "lora_adapters" if config["runs"][run]["method"] == "lora" else "hf"
+    return "lora_adapters" if adapter_kind(config["runs"][run]) == "lora" else "hf"
 
 
 def convert_inputs(wildcards):
@@ -147,7 +168,7 @@ def convert_inputs(wildcards):
 
 def final_model(run):
     """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
-    return f"results/{run}/{FINAL_MODEL[config['runs'][run]['method']]}"
+    return f"results/{run}/{final_model_dir(config['runs'][run])}"
 
 
 def eval_args(settings):
@@ -169,7 +190,17 @@ def run_eval_tokenized(wildcards):
 
 
 def run_base_metrics(wildcards):
+    """What a run's evaluation is compared with: its base model's evaluation, or (init_from)
+    the evaluation of the run it started from."""
+    run = config["runs"][wildcards.run]
+    if "init_from" in run:
+        return f"results/{run['init_from']}/eval/metrics.json"
     return f"results/base_eval/{run_eval_key(wildcards.run)}/metrics.json"
+
+
+def run_adapter_kind(wildcards):
+    """convert_checkpoint's --method: what the run's checkpoint holds (lora or full)."""
+    return adapter_kind(config["runs"][wildcards.run])
 
 
 def run_final_model(wildcards):
@@ -251,6 +282,42 @@ def before_queueing():
         sys.exit(1)
     if not workflow.local_exec:
         PendingWatch(os.getcwd()).start()
+
+
+def publish_inputs(wildcards):
+    """The run's evaluation (its figures go into the model card), when it has one."""
+    if "eval_dataset" in config["runs"][wildcards.run]:
+        return {"metrics": f"results/{wildcards.run}/eval/metrics.json"}
+    return {}
+
+
+def publish_metrics_arg(wildcards, input):
+    return f"--metrics {input.metrics}" if "metrics" in input.keys() else ""
+
+
+def publish_spec(wildcards):
+    """The run's config entry and the datasets it trained on (for the model card)."""
+    run = config["runs"][wildcards.run]
+    sources = [c["name"] for c in components(config, run["dataset"])]
+    return as_json({**run, "dataset_sources": sources})
+
+
+def publish_settings(wildcards):
+    run = config["runs"][wildcards.run]
+    if not run.get("publish", {}).get("repo_id"):
+        raise ValueError(
+            f"results/{wildcards.run}/publish: run {wildcards.run} has no publish.repo_id"
+        )
+    return as_json(run["publish"])
+
+
+def publish_targets(wildcards):
+    """What `publish` asks for: the receipt of every run with publish.repo_id."""
+    return [
+        f"results/{run}/publish.json"
+        for run, r in config["runs"].items()
+        if r.get("publish", {}).get("repo_id")
+    ]
 
 
 def report_line():

@@ -32,7 +32,7 @@ rule shard_dataset:
         unpack(shard_eval_input),
         script=f"{SCRIPTS}/shard_dataset.py",
         tokenized=run_tokenized,
-        model=run_model,
+        model=shard_model,
     output:
         shards=directory("results/{run}/shards"),
     log:
@@ -47,7 +47,7 @@ rule shard_dataset:
     params:
         nodes=lookup(dpath="runs/{run}/nodes", within=config),
         gpus_per_node=lookup(dpath="runs/{run}/gpus_per_node", within=config),
-        micro_batch_size=lookup(dpath="runs/{run}/micro_batch_size", within=config),
+        micro_batch_size=shard_micro_batch,
         accumulation=lookup(
             dpath="runs/{run}/gradient_accumulation_steps", within=config
         ),

@@ -21,7 +21,7 @@ rule convert_checkpoint:
         mem_mb=16000,
         runtime=240,
     params:
-        method=lookup(dpath="runs/{run}/method", within=config),
+        method=run_adapter_kind,
         max_shard_size=lookup(dpath="runs/{run}/export/max_shard_size", within=config),
         dtype=lookup(dpath="runs/{run}/export/dtype", within=config),
     shell:

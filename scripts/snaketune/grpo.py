@@ -1,0 +1,210 @@
+"""GRPO: reinforcement learning with verifiable rewards, on TRL's GRPOTrainer.
+
+A GRPO run trains on the same tokenized copy and the same per-node shards as supervised
+fine-tuning: a row's prompt is its tokens before the first trained label (the chat
+template's user turn and the assistant header), its reference answer the text of its
+trained labels. shard_dataset plans prompts, ``micro_batch_size / num_generations`` per
+device and pass, exactly once per epoch, equal steps per node.
+
+Each optimizer step, every device generates ``num_generations`` completions for each of
+its prompts (one generation batch per step: TRL's ``steps_per_generation`` is the
+accumulation), so each group of completions is scored and normalised where it was
+generated; TRL gathers the rewards of every rank before the group statistics, which need
+only the groups to be contiguous, as they are here.
+
+Rewards (``REWARDS``, weights from ``grpo.rewards``):
+
+- ``correctness``: 1.0 when the completion's final answer (its ``####`` line, else its last
+  number) equals the reference's, as math-verify judges it;
+- ``format``: 1.0 when the completion ends with a ``#### <number>`` line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from snaketune.evaluate import final_answer, math_verify_match, parse_answer
+
+_FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
+
+
+def correctness(completions: list[str], answer: list[str], **_) -> list[float]:
+    """1.0 where the completion's final answer equals the reference answer (math-verify)."""
+    out = []
+    for completion, reference in zip(completions, answer, strict=True):
+        want = parse_answer(reference) or final_answer(reference)
+        out.append(1.0 if math_verify_match(want, final_answer(completion)) else 0.0)
+    return out
+
+
+def format_reward(completions: list[str], **_) -> list[float]:
+    """1.0 where the completion ends with a "#### <number>" line."""
+    return [1.0 if _FORMAT.search(c.strip()) else 0.0 for c in completions]
+
+
+REWARDS: dict[str, Callable[..., list[float]]] = {
+    "correctness": correctness,
+    "format": format_reward,
+}
+
+
+def reward_functions(weights: dict[str, float]) -> tuple[list[Callable], list[float]]:
+    """The run's reward functions (named as in the config, for TRL's logs) and weights."""
+    funcs, values = [], []
+    for name, weight in weights.items():
+        func = REWARDS[name]
+
+        def named(*args, _func=func, **kwargs):
+            return _func(*args, **kwargs)
+
+        named.__name__ = name
+        funcs.append(named)
+        values.append(float(weight))
+    return funcs, values
+
+
+def prompt_rows(table, tokenizer):
+    """SFT rows -> GRPO rows: prompt (the decoded prompt tokens), prompt_ids, answer."""
+    import datasets
+
+    prompts, ids, answers = [], [], []
+    for input_ids, labels in zip(table["input_ids"], table["labels"], strict=True):
+        first = next((i for i, label in enumerate(labels) if label != -100), len(labels))
+        ids.append(list(input_ids[:first]))
+        prompts.append(tokenizer.decode(input_ids[:first]))
+        trained = [t for t in labels if t != -100]
+        answers.append(tokenizer.decode(trained, skip_special_tokens=True).strip())
+    return datasets.Dataset.from_dict({
+        "example_id": list(table["example_id"]), "prompt": prompts, "prompt_ids": ids,
+        "answer": answers, "step": list(table["step"]), "micro": list(table["micro"]),
+    })  # fmt: skip
+
+
+class RolloutCounter:
+    """What SnaketuneCallback reads from a collator, counted over generated rollouts:
+    real tokens (prompt + completion), tokens in the model's input (padding included),
+    completions, and the squared lengths (attention work). Logs the prompt ids it trains
+    on, once per prompt, when asked to."""
+
+    layout = "rollouts"
+
+    def __init__(self, ids_log: Path | None):
+        self.tokens = self.padded = self.samples = self.squares = 0
+        self._ids_log = open(ids_log, "a", encoding="utf-8") if ids_log else None  # noqa: SIM115
+
+    def count(self, prompt_mask, completion_mask) -> None:
+        lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
+        self.tokens += sum(lengths)
+        self.padded += prompt_mask.numel() + completion_mask.numel()
+        self.samples += len(lengths)
+        self.squares += sum(n * n for n in lengths)
+
+    def log_ids(self, ids: list[str]) -> None:
+        if self._ids_log is not None:
+            self._ids_log.write("".join(f"{i}\n" for i in ids))
+            self._ids_log.flush()
+
+
+def group_batches(batches, generations: int):
+    """A sampler over GRPO rows from a PlanBatches: per step, the step's prompts (all its
+    micro batches), each repeated ``generations`` times in a row, given ``accumulation``
+    times (TRL generates on the first and trains each pass on a slice of it)."""
+    from torch.utils.data import Sampler
+
+    class GroupBatches(Sampler[list[int]]):
+        def __iter__(self):
+            epoch, batches.epoch = batches.epoch, batches.epoch + 1
+            for s in batches.order(epoch):
+                rows = [i for micro in batches.batches[s] for i in micro]
+                batch = list(np.repeat(rows, generations).tolist())
+                for _ in range(batches.accumulation):
+                    yield batch
+
+        def __len__(self) -> int:
+            return len(batches)
+
+    return GroupBatches()
+
+
+def use_vllm(setting: bool | str) -> bool:
+    """vLLM for the rollouts: asked for (true), or auto where it is installed on a GPU."""
+    if setting == "auto":
+        import torch
+
+        from snaketune.packing import installed
+
+        return torch.cuda.is_available() and installed("vllm")
+    return bool(setting)
+
+
+def grpo_trainer(ctx, model, data, callbacks: list):
+    """TRL's GRPOTrainer on the planned prompts, with the shared settings of training_args."""
+    import torch
+    from torch.utils.data import DataLoader
+    from trl import GRPOConfig, GRPOTrainer
+
+    from snaketune.train import peft_config, training_args
+
+    grpo = ctx.run["grpo"]
+    funcs, weights = reward_functions(grpo["rewards"])
+    args = training_args(
+        ctx, GRPOConfig, num_generations=grpo["num_generations"],
+        max_completion_length=grpo["max_completion_length"], temperature=grpo["temperature"],
+        top_p=grpo["top_p"], beta=grpo["beta"], epsilon=grpo["epsilon"],
+        num_iterations=grpo["num_iterations"], loss_type=grpo["loss_type"],
+        reward_weights=weights, steps_per_generation=ctx.run["gradient_accumulation_steps"],
+        use_vllm=use_vllm(grpo["use_vllm"]), vllm_mode="colocate",
+        vllm_gpu_memory_utilization=grpo["vllm_gpu_memory_utilization"],
+        shuffle_dataset=False, log_completions=False, model_init_kwargs=None,
+    )  # fmt: skip
+    counter: RolloutCounter = data.collator
+    prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
+    sampler = group_batches(data.batches, grpo["num_generations"])
+    pin = torch.cuda.is_available()
+
+    class PlannedGRPOTrainer(GRPOTrainer):
+        def get_train_dataloader(self) -> DataLoader:
+            # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
+            return DataLoader(data.table, batch_sampler=sampler, collate_fn=list,
+                              num_workers=0, pin_memory=pin)  # fmt: skip
+
+        def _tokenize_prompts(self, prompts: list):
+            # the tokens tokenize wrote (chat template applied), not a re-encoding of them
+            return [list(prompt_ids[p]) for p in prompts], None, {}
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            if self.model.training:
+                counter.count(out["prompt_mask"], out["completion_mask"])
+                counter.log_ids([x["example_id"] for x in inputs[:: self.num_generations]])
+            return out
+
+    return PlannedGRPOTrainer(model=model, reward_funcs=funcs, args=args,
+                              train_dataset=data.table, processing_class=ctx.tokenizer,
+                              peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+
+
+# TRL's log keys -> metrics.jsonl keys (reward functions' keys are added by name).
+LOG_KEYS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "kl": "kl",
+    "completions/mean_length": "completion_length",
+    "completions/clipped_ratio": "completion_clipped",
+}
+
+
+def step_record(logs: dict[str, Any]) -> dict[str, float]:
+    """The GRPO figures of a step's logs, for metrics.jsonl: total reward, each reward's
+    mean and std, KL, completion length."""
+    out = {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
+    for key, value in logs.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("mean", "std"):
+            out[f"reward_{parts[1]}_{parts[2]}"] = value
+    return out

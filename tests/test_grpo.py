@@ -1,0 +1,208 @@
+"""GRPO after SFT (config/grpo_demo.yaml over the demo's config) and publishing.
+
+One pipeline for the slow tests (the `grpo_chain` fixture): on a copy of the finished demo,
+`snakemake publish` trains the short SFT run, GRPO from its merged model on 2 emulated
+nodes, converts, merges and evaluates both, and writes the dry-run publish folder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+
+import psutil
+import pytest
+import yaml
+from conftest import ENV, FAKE_SECRETS, ROOT, launch_train, leaked_secrets, read_jsonl, snakemake
+
+from snaketune.config import load_yaml, validate_config
+from snaketune.grpo import correctness, format_reward, group_batches, step_record
+from snaketune.train import PlanBatches
+
+OVERLAY = ROOT / "config" / "grpo_demo.yaml"
+
+
+def chain_config() -> dict:
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    config["runs"].update(copy.deepcopy(load_yaml(OVERLAY)["runs"]))
+    return validate_config(config, ROOT)
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def test_correctness_reward_checks_the_final_answer_against_the_reference():
+    got = correctness(["#### 46", "#### 47", "so 46", "#### 46.0", ""], ["#### 46"] * 5)
+    assert got == [1.0, 0.0, 1.0, 1.0, 0.0]
+    # GSM8K references: the worked answer, then "#### N"
+    assert correctness(["She has 72 now.\n#### 72"], ["48/2 = <<48/2=24>>24\n#### 72"]) == [1.0]
+
+
+def test_format_reward_wants_a_final_number_line():
+    got = format_reward(["#### 46", "x\n#### 1,234", "#### 46 apples", "46", "#### 4\nmore"])
+    assert got == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_step_record_names_each_reward():
+    logs = {"loss": 0.1, "reward": 1.1, "reward_std": 0.2, "kl": 0.01,
+            "completions/mean_length": 5.0, "rewards/correctness/mean": 0.9,
+            "rewards/correctness/std": 0.3, "rewards/format/mean": 1.0,
+            "rewards/format/std": 0.0, "entropy": 0.5}  # fmt: skip
+    assert step_record(logs) == {
+        "reward": 1.1, "reward_std": 0.2, "kl": 0.01, "completion_length": 5.0,
+        "reward_correctness_mean": 0.9, "reward_correctness_std": 0.3,
+        "reward_format_mean": 1.0, "reward_format_std": 0.0,
+    }  # fmt: skip
+
+
+def test_group_batches_repeat_each_planned_prompt_in_a_row():
+    import numpy as np
+
+    # 3 steps x 2 micro batches of 1 prompt (rows 0..5), 2 generations each
+    plan = PlanBatches(np.array([0, 0, 1, 1, 2, 2]), np.array([0, 1, 0, 1, 0, 1]), 3, 2, seed=7)
+    sampler = group_batches(plan, 2)
+    first = list(sampler)
+    # a step's prompts, each twice in a row, given once per accumulation pass
+    assert first == [[0, 0, 1, 1]] * 2 + [[2, 2, 3, 3]] * 2 + [[4, 4, 5, 5]] * 2
+    assert len(sampler) == 6
+    second = list(sampler)  # the next epoch: the same steps, permuted
+    assert sorted(map(tuple, second)) == sorted(map(tuple, first)) and second != first
+
+
+# ----------------------------------------------------------------------------- the chain
+
+
+@pytest.fixture(scope="session")
+def grpo_chain(demo, tmp_path_factory):
+    """A copy of the finished demo, then `snakemake publish` with the GRPO overlay."""
+    workdir = tmp_path_factory.mktemp("grpo") / "w"
+    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
+    start = time.monotonic()
+    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
+                     "--directory", str(workdir), "publish")  # fmt: skip
+    (workdir / "grpo.out").write_text(proc.stdout + proc.stderr)
+    (workdir / "grpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
+    return workdir
+
+
+def quarter_means(values: list[float]) -> tuple[float, float]:
+    n = len(values) // 4
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+@pytest.mark.slow
+def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
+    w = grpo_chain
+    metrics = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
+    steps = chain_config()["runs"]["rl_demo"]["max_steps"]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:  # what a GRPO step logs
+        for key in ("loss", "reward", "reward_std", "reward_correctness_mean",
+                    "reward_correctness_std", "reward_format_mean", "reward_format_std",
+                    "kl", "completion_length", "tokens_per_s"):  # fmt: skip
+            assert key in m, (key, m)
+    first, last = quarter_means([m["reward"] for m in metrics])
+    assert last > first, (first, last)
+    log = (w / "logs/train/rl_demo.log").read_text()
+    assert "2 nodes" in log or "x 2 nodes" in log, log[-2000:]
+    sft = json.loads((w / "results/sft_demo/eval/metrics.json").read_text())
+    rl = json.loads((w / "results/rl_demo/eval/metrics.json").read_text())
+    assert rl["exact_match"] >= sft["exact_match"], (sft["exact_match"], rl["exact_match"])
+    # the base of a GRPO run is the run it started from: the gain is what RL added
+    assert rl["base"]["exact_match"] == sft["exact_match"]
+    assert rl["gain"]["exact_match"] == pytest.approx(rl["exact_match"] - sft["exact_match"])
+    # the GRPO run trained from the SFT run's merged model, and made its own
+    assert (w / "results/rl_demo/lora_adapters").is_dir()
+    assert (w / "results/rl_demo/merged_model/config.json").is_file()
+    cfg = json.loads((w / "results/rl_demo/train/run_config.json").read_text())
+    assert cfg["method"] == "grpo" and cfg["init_from"] == "sft_demo"
+
+
+@pytest.mark.slow
+def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_path):
+    """The GRPO run again from its shards, its launcher killed after the first checkpoint;
+    the rerun resumes there and logs what the uninterrupted pipeline run logged."""
+    w = grpo_chain
+    spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
+            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
+    shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
+    live = tmp_path / "results/x/train/checkpoints/metrics.jsonl"
+    proc = launch_train(tmp_path, spec, shards, model, "zero2")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            rows = read_jsonl(live) if live.exists() and live.read_text() else []
+            if rows and rows[-1]["step"] > spec["save_steps"] + 1:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
+    finally:
+        proc.kill()
+        proc.communicate()
+    out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
+    assert f"resuming from checkpoint-{spec['save_steps']}" in out, out[-3000:]
+    resumed = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
+    assert [m["step"] for m in resumed] == [m["step"] for m in reference]
+    for a, b in zip(resumed, reference, strict=True):
+        for key in ("loss", "reward", "reward_correctness_mean", "reward_format_mean", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_publish_dry_run_writes_the_folder_with_a_model_card(grpo_chain):
+    from huggingface_hub import ModelCard
+
+    w = grpo_chain
+    folder = w / "results/rl_demo/publish"
+    names = sorted(p.name for p in folder.iterdir())
+    assert "model.safetensors" in names and "config.json" in names, names
+    assert "tokenizer.json" in names and "README.md" in names, names
+    assert not any(n.startswith(("training_args", "provenance", "optimizer")) for n in names)
+    receipt = json.loads((w / "results/rl_demo/publish.json").read_text())
+    assert receipt["dry_run"] is True and receipt["private"] is True
+    assert "url" not in receipt  # nothing uploaded
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.license == "apache-2.0"
+    results = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    rl = json.loads((w / "results/rl_demo/eval/metrics.json").read_text())
+    assert results["exact_match"] == pytest.approx(rl["exact_match"])
+    assert results["math_verify"] == pytest.approx(rl["math_verify"])
+    assert "model-index" in (folder / "README.md").read_text()
+    text = card.text
+    assert "sft_demo" in text and "grpo" in text and "num_generations" in text
+    prov = w / "results/rl_demo/merged_model/provenance.json"
+    import hashlib
+
+    assert hashlib.sha256(prov.read_bytes()).hexdigest() in text
+    # the fake HF_TOKEN of the test environment is nowhere in what the pipeline wrote
+    assert ENV["HF_TOKEN"] == FAKE_SECRETS["HF_TOKEN"]
+    assert leaked_secrets(w) == []
+
+
+def test_publish_without_a_license_says_how_to_set_one(tmp_path):
+    """The tiny base model's card names no license: without publish.license, one line."""
+    from snaketune.errors import UserError
+    from snaketune.publish import build_folder
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/provenance.json").write_text("{}")
+    spec = {"model": "tiny", "method": "lora", "dataset_sources": []}
+    with pytest.raises(
+        UserError, match=r"runs.x.publish.license: the base model's card names no license"
+    ):
+        build_folder("x", spec, tmp_path / "model", None, tmp_path / "resources",
+                     {"repo_id": "a/b"}, tmp_path / "out")  # fmt: skip
+
+
+def test_grpo_overlay_is_a_valid_chain():
+    config = chain_config()
+    rl = config["runs"]["rl_demo"]
+    assert rl["model"] == "tiny" and rl["packing"] is False
+    assert rl["grpo"]["beta"] == 0.04  # our default (TRL's is 0)
+    assert yaml.safe_load(OVERLAY.read_text())["runs"]["rl_demo"]["publish"]["dry_run"] is True
