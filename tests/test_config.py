@@ -102,7 +102,10 @@ def _delete(path: str) -> Callable[[dict], None]:
 
 
 BAD = [
-    (_set("runs.demo.method", "lorra"), "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo']"),
+    (
+        _set("runs.demo.method", "lorra"),
+        "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo']",
+    ),
     (
         _rename("runs.demo.learning_rate", "lerning_rate"),
         "runs.demo.lerning_rate: unknown key; did you mean 'learning_rate'?",
