@@ -163,7 +163,7 @@ def full_zero3(demo, tmp_path_factory) -> Path:
         check=True, env=ENV, capture_output=True,
     )  # fmt: skip
     spec = run_spec(method="full", nodes=2, gpus_per_node=2, gradient_accumulation_steps=1,
-                    micro_batch_size=16,
+                    micro_batch_size=16, epochs=1,
                     learning_rate=1e-3, deepspeed="zero3", save_steps=1000)  # fmt: skip
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip

@@ -46,7 +46,7 @@ def test_every_artefact_directory_has_provenance(demo):
         for name, entry in prov["inputs"].items():  # each input pinned by a hash
             assert {"sha256", "provenance_sha256", "files"} & set(entry), (path, name)
     train = json.loads((demo / "results/demo/train/provenance.json").read_text())
-    assert train["config"]["learning_rate"] == 1e-2 and len(train["hosts"]) == 2
+    assert train["config"]["learning_rate"] == 6e-3 and len(train["hosts"]) == 2
     assert train["inputs"]["shards"]["provenance"] == "results/demo/shards/provenance.json"
     assert "sha256" in train["inputs"]["deepspeed"]
 
