@@ -215,3 +215,36 @@ def test_grpo_overlay_is_a_valid_chain():
     assert rl["model"] == "tiny" and rl["packing"] is False
     assert rl["grpo"]["beta"] == 0.04  # our default (TRL's is 0)
     assert yaml.safe_load(OVERLAY.read_text())["runs"]["rl_demo"]["publish"]["dry_run"] is True
+
+
+def test_upload_creates_a_private_repo_and_needs_a_token(tmp_path, monkeypatch):
+    """upload() with huggingface_hub's HfApi replaced: the repo is created private unless
+    told, the folder is uploaded as it is; without a token, one line and no call."""
+    import huggingface_hub
+
+    from snaketune import publish
+    from snaketune.errors import UserError
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw["repo_id"], kw["folder_path"]))
+            return type("Info", (), {"oid": "abc123"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_x")
+    done = publish.upload(tmp_path, "me/model", private=True)
+    assert done == {"url": "https://huggingface.co/me/model", "commit": "abc123"}
+    assert calls == [
+        ("create_repo", "me/model", {"private": True, "exist_ok": True, "repo_type": "model"}),
+        ("upload_folder", "me/model", str(tmp_path)),
+    ]
+    calls.clear()
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(UserError, match="no Hugging Face token; export HF_TOKEN"):
+        publish.upload(tmp_path, "me/model", private=False)
+    assert calls == []
