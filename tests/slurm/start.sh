@@ -34,7 +34,9 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   die "$what did not come up in ${limit}s; see $D/log"
 }
 
+# (accounting too: sacct needs slurmdbd and its MariaDB; what is down is started below)
 if running "$D/slurmctld.pid" && running "$D/slurmd-tupi1.pid" && running "$D/slurmd-tupi2.pid" \
+   && running "$D/mariadb.pid" && running "$D/slurmdbd.pid" \
    && sinfo -h -o %T -p tupi 2>/dev/null | grep -qv -e down -e drain; then
   echo "SLURM already running (sinfo: $(sinfo -h -o '%P %D %T' | tr '\n' ' '))"
   exit 0
