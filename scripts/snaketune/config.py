@@ -292,20 +292,15 @@ def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> No
         f"micro_batch_size {run['micro_batch_size']} (each device generates whole groups); "
         "make micro_batch_size a multiple of it",
     )
-    for part in _dataset_parts(cfg, run["dataset"]):
+    from snaketune.plan import components  # plan imports this module
+
+    for part in (c["name"] for c in components(cfg, run["dataset"])):
         fmt = cfg["datasets"][part]["format"]
         _require(
             fmt in ("prompt_response", "alpaca"),
             f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for the GRPO "
             "rewards; use a prompt_response dataset (columns.response: the answer) or alpaca",
         )
-
-
-def _dataset_parts(cfg: Mapping[str, Any], dataset: str) -> list[str]:
-    spec = cfg["datasets"][dataset]
-    if spec["source"] == "mixture":
-        return [c["dataset"] for c in spec["mixture"]]
-    return [dataset]
 
 
 def _resolve_init(config: dict[str, Any]) -> None:
@@ -334,6 +329,7 @@ def _resolve_init(config: dict[str, Any]) -> None:
             )
             chain.append(parent)
             current = runs[parent]
+        run["model"] = current.get("model")  # the chain's first run's (none: refused there)
         parent = runs[run["init_from"]]
         if "eval_dataset" in run:
             _require(
@@ -347,12 +343,6 @@ def _resolve_init(config: dict[str, Any]) -> None:
                 f"{where}.eval: must equal runs.{run['init_from']}.eval (that run's evaluation "
                 "is this run's base, so both must be measured the same way)",
             )
-    for run in runs.values():
-        if "init_from" in run:
-            current = run
-            while "init_from" in current:
-                current = runs[current["init_from"]]
-            run["model"] = current["model"]
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
@@ -425,11 +415,11 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
         _check_dataset(name, spec, config["datasets"])
     _resolve_init(config)
     for run in config["runs"].values():
-        if run["method"] == "grpo" and "grpo" not in run:
-            run["grpo"] = {}
-            check_schema(config, schema)  # fills the GRPO defaults
         if run["method"] == "grpo":
             run["packing"] = False  # GRPO plans prompts; its rollouts are padded batches
+            if "grpo" not in run:
+                run["grpo"] = {}
+                check_schema(config, schema)  # fills the GRPO defaults
     for name, run in config["runs"].items():
         _check_run(name, run, config, root)
         if run["method"] == "lora" and "lora" not in run:

@@ -319,8 +319,6 @@ def training_args(ctx: Context, config_class, **method_args):
 
 
 def peft_config(run: dict[str, Any]):
-    from snaketune.config import trains_lora
-
     if not trains_lora(run):
         return None
     from peft import LoraConfig
@@ -478,7 +476,7 @@ def run_worker(
     ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
 
     attention = resolve_attention(run["attn_implementation"])
-    if run["packing"] and run["method"] != "grpo":
+    if run["packing"]:  # never for GRPO (validation turns it off)
         check_packing(model_dir, attention, f"runs.{out.parent.name}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = build_data(run, manifest, shards, env, tokenizer, attention, start_step, ids_log)

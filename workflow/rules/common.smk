@@ -77,9 +77,8 @@ def shard_eval_input(wildcards):
 
 
 def shard_packing_arg(wildcards):
-    """--packing for an SFT run that packs; GRPO plans prompts, which are never packed."""
-    run = config["runs"][wildcards.run]
-    return "--packing" if run["packing"] and run["method"] != "grpo" else "--no-packing"
+    """--packing or --no-packing (validation turns packing off for GRPO runs)."""
+    return "--packing" if config["runs"][wildcards.run]["packing"] else "--no-packing"
 
 
 def shard_micro_batch(wildcards):
