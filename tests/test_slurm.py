@@ -125,10 +125,12 @@ TRAIN_LIMIT_MIN = 2
 @pytest.fixture(scope="module")
 def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     """The whole demo pipeline through profiles/tupi with a 2-minute limit on train jobs:
-    (workdir, snakemake's output). The demo run (32 steps of ~0.6 s, a short evaluation)
-    with stop_margin_seconds 90: the first job stops after its first step (its save time
-    not yet measured, 30 s are assumed), the next ones train ~10-20 s each after ~10 s of
-    start-up, so the run takes 3 or more jobs."""
+    (workdir, snakemake's output). The demo run (192 steps of ~0.1 s, a short evaluation)
+    with stop_margin_seconds 80: the first job stops after its first step (its save time
+    not yet measured, 30 s are assumed: 80 + 37.5 s no longer fit), the next ones train
+    what fits after 15-35 s of start-up, so the run takes 2 or more jobs (3 when a job's
+    start-up leaves less than the ~19 s the rest needs). At margin 90 the first, slow step
+    of each job left no time for a second: 20 jobs of one step, 13 minutes."""
     workdir = tmp_path_factory.mktemp("slurm_demo")
     profile = workdir / "profile-tupi"
     profile.mkdir()
@@ -137,7 +139,7 @@ def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     settings["set-resources"]["train"]["slurm_extra"] = "--signal=USR1@30"
     (profile / "config.yaml").write_text(yaml.safe_dump(settings))
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    config["stop_margin_seconds"] = 90
+    config["stop_margin_seconds"] = 80
     config["runs"]["demo"]["eval"].update(limit=8, max_new_tokens=8, batch_size=8)
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), profile=profile,
@@ -187,12 +189,12 @@ def test_demo_pipeline_through_profiles_tupi(slurm_demo):
 
 def test_training_past_the_time_limit_continues_across_jobs(slurm_demo, demo):
     """The train job stopped ahead of its 2-minute limit, saved, requeued itself and
-    continued, 3 or more times in one snakemake invocation; no step was trained twice and
+    continued, once or more in one snakemake invocation; no step was trained twice and
     the losses are those of the uninterrupted local demo run."""
     workdir, output = slurm_demo
     (train_job,) = submitted(output)["train"]  # one submission: continuations are requeues
     segments = read_jsonl(workdir / "results/demo/train/checkpoints/segments.jsonl")
-    assert len(segments) >= 3, segments
+    assert len(segments) >= 2, segments
     assert {s["job"] for s in segments} == {train_job}
     assert [s["restart"] for s in segments] == list(range(len(segments)))
     assert [s["reason"] for s in segments] == ["time"] * (len(segments) - 1) + ["done"]
