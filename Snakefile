@@ -11,6 +11,7 @@ from snaketune.config import check_config_files, check_local_sources, validate_c
 from snaketune.errors import UserError
 from snaketune.io import check_writable
 from snaketune.plan import base_evaluations, tokenize_jobs
+from snaketune.topology import adapt_accumulation
 
 min_version("9.0")
 
@@ -24,6 +25,10 @@ configfile: "config/config.yaml"
 try:
     check_config_files(workflow.configfiles)
     validate_config(config, workflow.basedir)
+    # A run moved to another node count keeps its checkpoints' global batch (and continues
+    # from them): its gradient_accumulation_steps adapts (snaketune.topology).
+    for note in adapt_accumulation(config):
+        print(f"note: {note}", file=sys.stderr)
     # Every tokenized copy the runs need, by key (runs that share tokens share one), and
     # the settings of each base-model evaluation.
     TOKENIZE = tokenize_jobs(config)

@@ -153,7 +153,7 @@ def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *ex
 @pytest.fixture(scope="session")
 def full_zero3(demo, tmp_path_factory) -> Path:
     """Full fine-tuning with ZeRO-3 on 2 nodes x 2 processes, one epoch of the demo's 2048
-    examples (32 steps of 64), example ids logged."""
+    examples (32 steps of 64), example ids logged, checkpoints 20 and 32 kept."""
     workdir = tmp_path_factory.mktemp("full_zero3")
     tokenized = next((demo / "results/tokenized").glob("arith__*/data.parquet"))
     subprocess.run(
@@ -164,7 +164,7 @@ def full_zero3(demo, tmp_path_factory) -> Path:
     )  # fmt: skip
     spec = run_spec(method="full", nodes=2, gpus_per_node=2, gradient_accumulation_steps=1,
                     micro_batch_size=16, epochs=1,
-                    learning_rate=1e-3, deepspeed="zero3", save_steps=1000)  # fmt: skip
+                    learning_rate=1e-3, deepspeed="zero3", save_steps=20)  # fmt: skip
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip
     return workdir

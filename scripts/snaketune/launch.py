@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from snaketune.checkpoints import checkpoint_step, newest_complete
 from snaketune.errors import UserError
 from snaketune.io import digest, publish, sha256_file, write_json
 from snaketune.runlock import RunLock, die_with_parent
@@ -217,20 +218,13 @@ class Job:
         return self.out / "checkpoints"
 
 
-# Run keys that say how the training is run, not what it trains: changing them keeps the
-# checkpoints.
-OPERATIONAL = ("max_continuations",)
+def fingerprint(job: Job) -> dict:
+    """What a checkpoint must match to be continued from, and the topology it ran on
+    (snaketune.topology)."""
+    from snaketune.topology import stamp
 
-
-def fingerprint(job: Job) -> str:
-    """What a checkpoint must match to be resumed from."""
-    return digest(
-        {
-            "run": {k: v for k, v in job.spec.items() if k not in OPERATIONAL},
-            "manifest": sha256_file(job.shards / "manifest.json"),
-            "deepspeed": sha256_file(job.deepspeed),
-        }
-    )
+    manifest = json.loads((job.shards / "manifest.json").read_text())
+    return stamp(job.spec, manifest, sha256_file(job.deepspeed))
 
 
 def check_job(job: Job) -> tuple[int, int]:
@@ -257,19 +251,52 @@ def check_job(job: Job) -> tuple[int, int]:
 
 
 def prepare_checkpoints(job: Job) -> None:
-    """Keep the checkpoints a rerun can resume from; move those of other settings aside."""
+    """Keep the checkpoints a rerun continues from (same math, any topology); move those of
+    other settings aside, naming what changed."""
+    from snaketune.topology import STAMP, changed_keys, describe, read_stamp
+
     job.out.mkdir(parents=True, exist_ok=True)
-    stamp, print_ = job.ckpt / "fingerprint", fingerprint(job)
-    if job.ckpt.exists() and (not stamp.exists() or stamp.read_text() != print_):
-        aside = job.out / f"checkpoints.previous-{print_[:8]}"
+    name, now = job.out.parent.name, fingerprint(job)
+    old = read_stamp(job.ckpt) if job.ckpt.exists() else None
+    saved = newest_complete(job.ckpt) if job.ckpt.exists() else None
+    if job.ckpt.exists() and (old is None or old["math"] != now["math"]):
+        changed = changed_keys(old["math"], now["math"]) if old else ["no stamp of this version"]
+        aside = job.out / f"checkpoints.previous-{digest(old)[:8]}"
         shutil.rmtree(aside, ignore_errors=True)
         job.ckpt.rename(aside)
         log.warning(
-            "run settings or shards changed: old checkpoints moved to %s; starting fresh", aside
+            "run settings changed (%s): old checkpoints moved to %s; starting fresh",
+            ", ".join(changed[:6]) + (", ..." if len(changed) > 6 else ""),
+            aside,
         )
+    elif old is not None:  # the same math: continue, on whatever topology
+        if saved is not None and old["topology"] != now["topology"]:
+            log.warning(
+                "continuing %s at step %d on %s (was %s), global batch %d unchanged",
+                name, checkpoint_step(saved), describe(now["topology"]),
+                describe(old["topology"]), now["math"]["global_batch"],
+            )  # fmt: skip
+        now["origin"] = old.get("origin", old["topology"])
     job.ckpt.mkdir(exist_ok=True)
-    stamp.write_text(print_)
+    (job.ckpt / STAMP).write_text(json.dumps(now, sort_keys=True, default=str))
     (job.ckpt / "health" / "fatal.json").unlink(missing_ok=True)  # from an earlier attempt
+
+
+def resume_environment(job: Job, ranks: int) -> dict[str, str]:
+    """What the workers need to resume: when the newest complete checkpoint was written by
+    another number of data-parallel ranks, its universal form (made here, once) and the
+    flag that has DeepSpeed load it."""
+    from snaketune.topology import checkpoint_ranks, make_universal
+
+    saved = newest_complete(job.ckpt)
+    written = checkpoint_ranks(saved) if saved else None
+    if written is None or written == ranks:
+        return {}
+    began = time.monotonic()
+    made = make_universal(saved)
+    log.info("%s: ZeRO states of %d ranks turned into %s for %d ranks (%.1f s)",
+             saved.name, written, made.name, ranks, time.monotonic() - began)  # fmt: skip
+    return {"SNAKETUNE_LOAD_UNIVERSAL": "1"}
 
 
 def choose_launcher(job: Job, nodes: int) -> str:
@@ -332,6 +359,8 @@ def start_workers(
     launcher = choose_launcher(job, nodes)
     env = worker_environment()
     env.pop("SNAKETUNE_DEADLINE", None)
+    env.pop("SNAKETUNE_LOAD_UNIVERSAL", None)
+    env.update(resume_environment(job, nodes * gpus))
     if deadline is not None:
         env["SNAKETUNE_DEADLINE"] = f"{deadline:.0f}"
         env["SNAKETUNE_STOP_MARGIN"] = f"{job.stop_margin_s:.0f}"

@@ -21,8 +21,10 @@ Every rank runs the same number of micro batches per step and every kept example
 exactly one (step, rank, micro batch). Node k's shard holds the rows of ranks k*G ..
 k*G+G-1, one row per example in the tokenized file's order, with three more columns:
 ``step``, ``rank`` (global data-parallel rank) and ``micro``. The trainer only executes this
-plan (see snaketune.train.PlanBatches); the manifest records the tokens per shard and the
-worst step's max/mean token ratio across ranks.
+plan (see snaketune.train.PlanBatches); the manifest records the tokens per shard, the
+worst step's max/mean token ratio across ranks, and ``plan_sha256``: a digest of which
+examples form each global step, the same for every topology of the same global batch (a
+run continues on another topology only when it matches; snaketune.topology).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from snaketune.errors import DataError
-from snaketune.io import sha256_file
+from snaketune.io import digest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +186,16 @@ def plan(lengths: np.ndarray, layout: Layout, seed: int, balance: bool) -> Plan:
     return Plan(step, rank, micro, steps)
 
 
+def plan_digest(example_ids: list[str], p: Plan) -> str:
+    """sha256 of the examples of each global step (sets: the split across ranks and micro
+    batches left out), so that every topology of one global batch has the same digest."""
+    kept = np.flatnonzero(p.step >= 0)
+    steps = [[] for _ in range(p.steps)]
+    for i in kept.tolist():
+        steps[p.step[i]].append(example_ids[i])
+    return digest([sorted(s) for s in steps])
+
+
 def token_balance(lengths: np.ndarray, p: Plan, ranks: int) -> dict[str, Any]:
     """Per step, the most tokens a rank processes over the mean across ranks."""
     kept = p.step >= 0
@@ -238,6 +250,7 @@ def shard(
         for writer in writers:
             writer.close()
     balance = token_balance(lengths, p, layout.ranks)
+    ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id").to_pylist()
     manifest = {
         "examples": n_rows,
         "kept": sum(rows),
@@ -250,6 +263,7 @@ def shard(
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "seed": seed,
         "packing": packing,
+        "plan_sha256": plan_digest(ids, p),
         "token_balance": balance,
         "dropped_for_balance": {"count": len(leftover), "example_ids": leftover},
         "shards": [

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
+from transformers import TrainerCallback
 
 from snaketune.checkpoints import (  # noqa: F401 (re-exported for the tests and the launcher)
     COMPLETE,
@@ -251,7 +252,37 @@ def load_deepspeed(path: Path) -> dict[str, Any]:
         zero = config.get("zero_optimization", {})
         for key in ("offload_optimizer", "offload_param"):
             zero.pop(key, None)
+    if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1":  # written by another rank count
+        config.setdefault("checkpoint", {})["load_universal"] = True
     return config
+
+
+def untie_optimizer_steps(optimizer) -> int:
+    """Give every optimizer state its own ``step`` tensor; returns how many were shared.
+
+    DeepSpeed's ZeRO-3 universal load (0.19) puts one ``step`` tensor object in the state
+    of every parameter group, and torch's Adam increments each state's step in place: the
+    shared counter then advances once per group and step, and the bias correction of every
+    group but the first drifts (measured: losses 1e-3 off four steps after the load)."""
+    base = getattr(optimizer, "optimizer", optimizer)
+    base = getattr(base, "optimizer", base)  # accelerate's wrapper, then DeepSpeed's
+    seen, shared = set(), 0
+    for state in getattr(base, "state", {}).values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"], shared = step.clone(), shared + 1
+            seen.add(id(step))
+    return shared
+
+
+class UniversalLoadFix(TrainerCallback):
+    """On a continuation from a universal checkpoint: untie the optimizer steps once the
+    checkpoint is loaded, before the first step."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and untie_optimizer_steps(optimizer):
+            log.info("universal checkpoint: the optimizer's shared step counters were untied")
 
 
 # ----------------------------------------------------------------------------- methods
@@ -490,7 +521,8 @@ def run_worker(
                                  run["save_total_limit"], start_step, watchdog,
                                  flops_model(run, model, env.world_size),
                                  Deadline.from_environ())  # fmt: skip
-    trainer = METHODS[method_of(run)](ctx, model, data, [callback])
+    fixes = [UniversalLoadFix()] if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1" else []
+    trainer = METHODS[method_of(run)](ctx, model, data, [callback, *fixes])
     # our callback logs one line per step; Trainer's printer would add each step's raw dict
     from transformers.trainer_callback import PrinterCallback
 

@@ -89,6 +89,19 @@ def shard_micro_batch(wildcards):
     return run["micro_batch_size"]
 
 
+def shard_layout(wildcards):
+    """The batch layout's arguments, named: Snakemake compares a rule's params as a sorted
+    list of values without their names, so nodes 2 / accumulation 1 and nodes 1 /
+    accumulation 2 would look the same and the shards would not be redone."""
+    run = config["runs"][wildcards.run]
+    return (
+        f"--nodes {run['nodes']} --gpus-per-node {run['gpus_per_node']}"
+        f" --micro-batch-size {shard_micro_batch(wildcards)}"
+        f" --gradient-accumulation-steps {run['gradient_accumulation_steps']}"
+        f" --seed {run['seed']}"
+    )
+
+
 def shard_model(wildcards):
     """The base model's directory (its tokenizer and packing support); a GRPO run's shards
     need not wait for the run it starts from."""

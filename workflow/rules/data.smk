@@ -45,19 +45,11 @@ rule shard_dataset:
         mem_mb=4000,
         runtime=60,
     params:
-        nodes=lookup(dpath="runs/{run}/nodes", within=config),
-        gpus_per_node=lookup(dpath="runs/{run}/gpus_per_node", within=config),
-        micro_batch_size=shard_micro_batch,
-        accumulation=lookup(
-            dpath="runs/{run}/gradient_accumulation_steps", within=config
-        ),
-        seed=lookup(dpath="runs/{run}/seed", within=config),
+        layout=shard_layout,
         packing=shard_packing_arg,
         attention=lookup(dpath="runs/{run}/attn_implementation", within=config),
         eval=shard_eval_arg,
     shell:
-        "python {input.script} --tokenized {input.tokenized} --nodes {params.nodes}"
-        " --gpus-per-node {params.gpus_per_node} --micro-batch-size {params.micro_batch_size}"
-        " --gradient-accumulation-steps {params.accumulation} --seed {params.seed}"
+        "python {input.script} --tokenized {input.tokenized} {params.layout}"
         " {params.packing} --model {input.model} --attn-implementation {params.attention}"
         " {params.eval} --run {wildcards.run} --out {output.shards} > {log} 2>&1"
