@@ -226,6 +226,7 @@ def shard(
     rows = [0] * layout.nodes
     tokens = [0] * layout.nodes
     leftover: list[str] = []
+    ids: list[str] = []  # every row's example id, for the plan digest
     schema = pf.schema_arrow
     for name, kind in PLAN_COLUMNS:
         schema = schema.append(pa.field(name, kind))
@@ -246,11 +247,11 @@ def shard(
                     rows[k] += part.num_rows
                     tokens[k] += pc.sum(part.column("length")).as_py()
             leftover.extend(table.filter(pa.array(where < 0)).column("example_id").to_pylist())
+            ids.extend(batch.column("example_id").to_pylist())
     finally:
         for writer in writers:
             writer.close()
     balance = token_balance(lengths, p, layout.ranks)
-    ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id").to_pylist()
     manifest = {
         "examples": n_rows,
         "kept": sum(rows),

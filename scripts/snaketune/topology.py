@@ -56,11 +56,6 @@ def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) ->
     # older manifests have no plan digest: their shards must then match byte for byte
     math["plan"] = manifest.get("plan_sha256") or manifest.get("shards")
     math["deepspeed_config"] = deepspeed_sha
-    # in what the micro batch counts (completions for GRPO), as adapt_accumulation sees it
-    math["global_batch_examples"] = (
-        spec["micro_batch_size"] * spec["gradient_accumulation_steps"]
-        * spec["nodes"] * spec["gpus_per_node"]
-    )  # fmt: skip
     topology = {k: spec[k] for k in TOPOLOGY}
     return {"math": math, "topology": topology, "origin": topology}
 
@@ -165,7 +160,9 @@ def adapt_accumulation(config: dict[str, Any], results: Path = Path("results")) 
             run["gradient_accumulation_steps"],
         ):
             continue
-        batch = found["math"]["global_batch_examples"]
+        # in what the micro batch counts (completions for GRPO), from the stamp's topology
+        batch = (origin["micro_batch_size"] * origin["gradient_accumulation_steps"]
+                 * origin["nodes"] * origin["gpus_per_node"])  # fmt: skip
         ranks = run["nodes"] * run["gpus_per_node"]
         per_pass = run["micro_batch_size"] * ranks
         if per_pass * run["gradient_accumulation_steps"] == batch:
