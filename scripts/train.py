@@ -82,6 +82,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "refuses (default 180)",
     )
     parser.add_argument(
+        "--min-busbw",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="fail a multi-node job whose all-reduce bus bandwidth is under this (GB/s)",
+    )
+    parser.add_argument(
         "--worker", action="store_true", help="run as a torchrun worker (set by the launcher)"
     )
     return parser.parse_args(argv)
@@ -94,9 +101,8 @@ def worker(args: argparse.Namespace) -> int:
     if args.log_example_ids:
         args.log_example_ids.mkdir(parents=True, exist_ok=True)
         ids_log = args.log_example_ids / f"rank-{os.environ.get('RANK', '0')}.txt"
-    return run_worker(
-        json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out, ids_log
-    )
+    return run_worker(json.loads(args.run_spec), args.shards, args.model, args.deepspeed,
+                      args.out, ids_log, args.min_busbw)  # fmt: skip
 
 
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -72,6 +73,18 @@ def leaked_secrets(root: Path) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, mib: float):
+    """A tmpfs of ``mib`` MiB mounted on ``path`` (the tests run as root, as CI does)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(mib * 1024)}k", "tmpfs",
+                    str(path)], check=True)  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess:
     """Run snakemake with the local profile; fail with its output when ``check``."""
     cmd = [
@@ -109,11 +122,33 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory) -> Path:
-    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted."""
-    workdir = tmp_path_factory.mktemp("demo")
+    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted; its
+    kept checkpoints keep their optimizer states (tests continue from the older one).
+
+    Under tests/run.sh (SNAKETUNE_SHARED_DIR set) the two pytest runs share one: the first
+    to need it builds it, the other waits on the lock. Tests copy it before changing it."""
+    shared = os.environ.get("SNAKETUNE_SHARED_DIR")
+    if not shared:
+        return run_demo(tmp_path_factory.mktemp("demo"))
+    import fcntl
+    import shutil
+
+    workdir = Path(shared) / "demo"
+    with open(Path(shared) / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (Path(shared) / "demo.complete").exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt of the other run
+            workdir.mkdir()
+            run_demo(workdir)
+            (Path(shared) / "demo.complete").touch()
+    return workdir
+
+
+def run_demo(workdir: Path) -> Path:
     proc = snakemake(
-        "--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir)
-    )
+        "--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir),
+        "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}}",
+    )  # fmt: skip
     (workdir / "snakemake.out").write_text(proc.stdout + proc.stderr)
     return workdir
 
@@ -153,7 +188,7 @@ def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *ex
 @pytest.fixture(scope="session")
 def full_zero3(demo, tmp_path_factory) -> Path:
     """Full fine-tuning with ZeRO-3 on 2 nodes x 2 processes, one epoch of the demo's 2048
-    examples (32 steps of 64), example ids logged, checkpoints 20 and 32 kept."""
+    examples (32 steps of 64), example ids logged, checkpoints 20 and 32 kept whole."""
     workdir = tmp_path_factory.mktemp("full_zero3")
     tokenized = next((demo / "results/tokenized").glob("arith__*/data.parquet"))
     subprocess.run(
@@ -164,7 +199,8 @@ def full_zero3(demo, tmp_path_factory) -> Path:
     )  # fmt: skip
     spec = run_spec(method="full", nodes=2, gpus_per_node=2, gradient_accumulation_steps=1,
                     micro_batch_size=16, epochs=1,
-                    learning_rate=1e-3, deepspeed="zero3", save_steps=20)  # fmt: skip
+                    learning_rate=1e-3, deepspeed="zero3", save_steps=20,
+                    checkpoints={"optimizer": "all"})  # fmt: skip
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip
     return workdir

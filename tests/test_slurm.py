@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -27,7 +28,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, ENV, FAKE_SECRETS, ROOT, leaked_secrets, quick_config, read_jsonl
+from conftest import (
+    BIN,
+    ENV,
+    FAKE_SECRETS,
+    ROOT,
+    leaked_secrets,
+    quick_config,
+    read_jsonl,
+    tmpfs,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -292,3 +302,24 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
     assert "SLURM status is: 'CANCELLED'" in out
     for job in cancelled:
         assert sacct(job, "State")[0].startswith("CANCELLED")
+
+
+def test_results_too_small_for_a_run_fail_before_anything_is_queued(cluster, demo, tmp_path):
+    """The demo (its model there) with results/ on a 1 MiB filesystem: refused within a
+    minute with one line naming the run, its need and the free space; nothing queued."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(demo / "resources", work / "resources", symlinks=True)
+    with tmpfs(work / "results", 1):
+        began = time.monotonic()
+        proc = tupi(work, "--configfile", str(ROOT / "config/config.yaml"), timeout=120)
+        assert time.monotonic() - began < 60
+        assert proc.returncode != 0
+        errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 2 and errors[0].startswith("error: disk plan: demo: needs "), (
+            proc.stdout[-3000:]
+        )
+        assert "does NOT fit" in errors[0] and "lower save_total_limit" in errors[0]
+        assert errors[1] == "error: 1 problem(s) found before queueing; nothing was run"
+        assert "has been submitted" not in proc.stdout
+        assert not list((work / "results").iterdir())

@@ -240,7 +240,8 @@ def test_full_zero3_continues_on_one_node_exactly(full_zero3, demo, tmp_path):
 def test_full_zero2_continues_on_one_node_exactly(demo, tmp_path):
     """Full fine-tuning, ZeRO-2: 2 nodes x 1 to step 4, then 1 node x 1 (accumulation 2)."""
     model = demo / "resources/models/tiny"
-    spec = run_spec(method="full", max_steps=8, save_steps=4, learning_rate=1e-3)
+    spec = run_spec(method="full", max_steps=8, save_steps=4, learning_rate=1e-3,
+                    checkpoints={"optimizer": "all"})  # fmt: skip
     (tmp_path / "ref").mkdir()
     reference = train(tmp_path / "ref", spec, _shard(demo, tmp_path / "s2", 2, 1, 32, 1), model,
                       "zero2")  # fmt: skip

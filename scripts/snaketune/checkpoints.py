@@ -29,20 +29,67 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE).is_file()
 
 
+def is_reduced(path: Path) -> bool:
+    """Reduced to its model weights (``checkpoints.optimizer: last``): not resumable."""
+    try:
+        return bool(json.loads((path / COMPLETE).read_text()).get("weights_only"))
+    except (OSError, ValueError):
+        return False
+
+
 def newest_complete(directory: Path) -> Path | None:
-    """The checkpoint a rerun resumes from (half-written ones are ignored)."""
-    done = [p for p in checkpoints(directory) if is_complete(p)]
+    """The checkpoint a rerun resumes from (half-written and reduced ones are ignored)."""
+    done = [p for p in checkpoints(directory) if is_complete(p) and not is_reduced(p)]
     return done[-1] if done else None
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; drop older and half-written ones."""
+# What Trainer writes of the model into a checkpoint (a reduced checkpoint keeps these).
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+               "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
+
+
+def reduce_to_weights(path: Path) -> int:
+    """Drop a complete checkpoint's DeepSpeed states (optimizer and module partitions),
+    keeping the model Trainer saved beside them; returns the bytes freed (0: left whole,
+    when it has no saved model, e.g. ZeRO-3 without gathered 16-bit weights)."""
+    if not is_complete(path) or is_reduced(path):
+        return 0
+    if not any((path / name).is_file() for name in MODEL_FILES):
+        return 0
+    # marked first: a reduction cut short never leaves a checkpoint that claims to resume
+    mark = json.loads((path / COMPLETE).read_text())
+    (path / COMPLETE).write_text(json.dumps({**mark, "weights_only": True}))
+    freed = 0
+    for states in path.glob("global_step*"):
+        freed += sum(f.stat().st_size for f in states.rglob("*") if f.is_file())
+        shutil.rmtree(states, ignore_errors=True)
+    for name in ("latest", "latest_universal"):
+        (path / name).unlink(missing_ok=True)
+    return freed
+
+
+def prune(directory: Path, keep: int, optimizer: str = "all") -> None:
+    """Keep the newest ``keep`` complete checkpoints; drop older and half-written ones. With
+    ``optimizer`` last, every kept one but the newest is reduced to its model weights."""
     done = [p for p in checkpoints(directory) if is_complete(p)]
     newest = checkpoint_step(done[-1]) if done else -1
     for p in checkpoints(directory):
         stale = p in done[:-keep] if is_complete(p) else checkpoint_step(p) <= newest
         if stale:
             shutil.rmtree(p, ignore_errors=True)
+    resumable = newest_complete(directory)
+    if optimizer == "last" and resumable is not None:
+        for p in done[-keep:]:
+            if checkpoint_step(p) < checkpoint_step(resumable):
+                reduce_to_weights(p)
+
+
+def drop_incomplete(directory: Path) -> list[Path]:
+    """Remove every checkpoint without its COMPLETE mark (only when no worker runs)."""
+    dropped = [p for p in checkpoints(directory) if not is_complete(p)]
+    for p in dropped:
+        shutil.rmtree(p, ignore_errors=True)
+    return dropped
 
 
 def mark_complete(path: Path, step: int, time: float) -> None:

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--verify", action="store_true", help="also recompute each artefact's file hashes"
     )
     pla = sub.add_parser(
-        "plan", help="per-GPU memory estimate of each run, and whether it fits (exit 1 if not)"
+        "plan",
+        help="per-GPU memory and disk estimates of each run, and whether they fit (exit 1 if not)",
     )
     pla.add_argument("config", help="path to the YAML config")
     pla.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
@@ -90,16 +91,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(plan, indent=2))
         elif args.command == "plan":
             from snaketune.config import load_config
+            from snaketune.diskplan import disk_plan_of, format_disk
             from snaketune.memplan import format_plan, plan_config
 
             config = load_config(args.config, args.root)
             plans = plan_config(config, Path(args.root), args.gpu_memory or args.gpu)
+            root = Path(args.root)
+            for plan in plans:  # the model's config.json is there: plan_config read it
+                plan["disk"] = disk_plan_of(config, plan["run"], root, root)
             if args.json:
                 print(json.dumps(plans, indent=2))
             else:
                 for plan in plans:
                     print(format_plan(plan["run"], plan))
-            return 1 if any(p["fits"] is False for p in plans) else 0
+                    print(format_disk(plan["run"], plan["disk"]))
+            bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]]
+            return 1 if bad else 0
         elif args.command == "lineage":
             from snaketune.provenance import lineage
 

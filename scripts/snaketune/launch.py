@@ -29,14 +29,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from snaketune.checkpoints import checkpoint_step, newest_complete
 from snaketune.errors import UserError
+from snaketune.heartbeat import StallWatch, stall_verdict
 from snaketune.io import digest, publish, sha256_file, write_json
+from snaketune.network import RESULT as NETWORK
+from snaketune.network import read_result
 from snaketune.runlock import RunLock, die_with_parent
 
 log = logging.getLogger(__name__)
@@ -134,14 +137,21 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def supervise(
-    commands: list[list[str]], env: dict[str, str], grace: float = 150.0
+    commands: list[list[str]],
+    env: dict[str, str],
+    grace: float = 150.0,
+    stalled: Callable[[], bool] = lambda: False,
 ) -> tuple[int, str | None]:
     """Run the agents; return (exit code, name of the signal passed on, if any).
 
     The code is 0 when all agents succeed, else the first failure's exit code.
 
     The first agent to fail makes the others stop (SIGTERM, then SIGKILL after ``grace``
-    seconds). SIGTERM, SIGINT and SIGUSR1 sent to this process are passed on to every
+    seconds). When ``stalled()`` says a rank stopped making progress, every agent is killed
+    at once (SIGKILL; their workers die with them): the stalled rank would not act on
+    SIGTERM, and the ranks waiting for it would only time out one by one.
+
+    SIGTERM, SIGINT and SIGUSR1 sent to this process are passed on to every
     agent, which forward them to their workers (so they checkpoint before stopping).
     """
     procs = [
@@ -167,8 +177,14 @@ def supervise(
     failed: int | None = None
     deadline = None
     try:
+        killed = False
         while True:
             codes = [p.poll() for p in procs]
+            if not killed and stalled():
+                killed, failed = True, failed or 1
+                for p in procs:
+                    if p.poll() is None:
+                        _signal_group(p, signal.SIGKILL)
             if failed is None:
                 bad = [c for c in codes if c not in (None, 0)]
                 if bad:
@@ -250,6 +266,25 @@ def check_job(job: Job) -> tuple[int, int]:
     return nodes, gpus
 
 
+def check_disk(job: Job) -> None:
+    """Refuse a run whose checkpoints and outputs do not fit on its filesystem (one line,
+    before any worker starts); tell the workers the estimated checkpoint size."""
+    import torch
+
+    from snaketune.diskplan import check_job_disk, format_disk
+    from snaketune.memplan import Shape
+
+    try:
+        Shape.from_config(json.loads((job.model / "config.json").read_text()))
+    except (UserError, OSError, ValueError) as exc:  # a model the estimate cannot read
+        log.warning("disk plan: not checked (%s); each save is still checked", exc)
+        return
+    plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
+                          torch.cuda.is_available())  # fmt: skip
+    log.info("disk plan: %s", format_disk(job.out.parent.name, plan))
+    os.environ["SNAKETUNE_CHECKPOINT_BYTES"] = str(plan["need_bytes"]["checkpoint"])
+
+
 def prepare_checkpoints(job: Job) -> None:
     """Keep the checkpoints a rerun continues from (same math, any topology); move those of
     other settings aside, naming what changed."""
@@ -327,6 +362,29 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
+def flight_recorder_dir(job: Job) -> Path:
+    """Where NCCL's flight recorder dumps each rank's last collectives on a timeout: the
+    run's log folder, logs/train/<run>/flight_recorder/rank_<r>."""
+    return Path("logs/train").resolve() / job.out.parent.name / "flight_recorder"
+
+
+def flight_recorder(job: Job) -> dict[str, str]:
+    """PyTorch's flight recorder on GPU (NCCL): the last 2000 collectives of every rank kept,
+    dumped when a collective times out. Off on CPU: torch 2.13's gloo records nothing on a
+    timeout to dump (docs/reliability.md); the heartbeats name the rank there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    folder = flight_recorder_dir(job)
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{folder}/rank_",
+    }
+
+
 def run_preflight(job: Job, nodes: int, gpus: int, env: dict[str, str]) -> None:
     """On every node before any compute: devices, shared run directory, rendezvous host and
     port. One line and exit 2 on a problem."""
@@ -361,6 +419,8 @@ def start_workers(
     env.pop("SNAKETUNE_DEADLINE", None)
     env.pop("SNAKETUNE_LOAD_UNIVERSAL", None)
     env.update(resume_environment(job, nodes * gpus))
+    env.update(flight_recorder(job))
+    (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
     if deadline is not None:
         env["SNAKETUNE_DEADLINE"] = f"{deadline:.0f}"
         env["SNAKETUNE_STOP_MARGIN"] = f"{job.stop_margin_s:.0f}"
@@ -368,13 +428,25 @@ def start_workers(
         if saves:  # the save time the last job measured
             env["SNAKETUNE_SAVE_S"] = f"{saves[-1]:.1f}"
     log.info("launching %d node(s) x %d process(es) with the %s launcher", nodes, gpus, launcher)
+    watch = StallWatch(job.ckpt, job.spec["timeout_minutes"] * 60).start()
+    try:
+        return run_workers(job, nodes, gpus, launcher, run_id, env, watch)
+    finally:
+        watch.stop()
+
+
+def run_workers(
+    job: Job, nodes: int, gpus: int, launcher: str, run_id: str, env: dict[str, str],
+    watch: StallWatch,
+) -> tuple[int, str | None]:  # fmt: skip
     if launcher == "local":
         # Every emulated node's workers share this machine's cores: one thread pool each
         # of all cores would oversubscribe them (torchrun sets 1 only for 2+ per node).
         env.setdefault(
             "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (nodes * gpus)))
         )
-        return supervise(local_commands(nodes, gpus, job.worker_argv, run_id, free_port()), env)
+        commands = local_commands(nodes, gpus, job.worker_argv, run_id, free_port())
+        return supervise(commands, env, stalled=lambda: watch.verdict is not None)
     run_preflight(job, nodes, gpus, env)
     command = slurm_command(nodes, gpus, job.worker_argv, run_id)
     # SLURM signals the step's tasks itself (scancel, time limit, preemption, --signal) and
@@ -396,10 +468,24 @@ def start_workers(
     return proc.returncode, got[0] if got else None
 
 
-def outcome(job: Job, code: int, signalled: str | None) -> int | None:
+DISK_FIXES = ("free space on it (lower save_total_limit, set checkpoints.optimizer: last, or "
+              "put results/ on a larger filesystem) and rerun to resume")  # fmt: skip
+
+
+def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = None) -> int | None:
     """The job's exit code when the workers did not finish (None: they did)."""
+    from snaketune.checkpoints import drop_incomplete
+    from snaketune.diskplan import DiskGuard
     from snaketune.train import STOPPED_EXIT_CODE, newest_complete
 
+    ended = ended or {}
+    if ended.get("reason") == "disk":  # the workers stopped before a save with no room
+        saved = newest_complete(job.ckpt)
+        raise UserError(
+            f"disk full: {ended.get('disk')}; stopped at step {ended.get('step')} without "
+            f"saving; {saved.name if saved else 'no checkpoint'} is complete and resumable: "
+            + DISK_FIXES
+        )
     if signalled:
         # The agents exit 1 on a forwarded signal whatever their workers did; report the stop.
         saved = newest_complete(job.ckpt)
@@ -409,6 +495,19 @@ def outcome(job: Job, code: int, signalled: str | None) -> int | None:
             saved.name if saved else "none",
         )
         return STOPPED_EXIT_CODE
+    network = read_result(job.ckpt) or {}
+    if code != 0 and network.get("problem"):
+        raise UserError(network["problem"])
+    stalled = stall_verdict(job.ckpt)
+    if code != 0 and stalled:
+        saved = newest_complete(job.ckpt)
+        dumps = sorted(flight_recorder_dir(job).glob("rank_*"))
+        raise UserError(
+            f"stalled: {stalled}; every process of the job was stopped; a retry resumes from "
+            f"{saved.name if saved else 'the start'} (if it stalls again, take that host out, "
+            "e.g. sbatch --exclude)"
+            + (f"; flight recorder dumps in {dumps[0].parent}" if dumps else "")
+        )
     fatal = job.ckpt / "health" / "fatal.json"
     if code != 0 and fatal.is_file():  # torchrun's own exit code is 1 whatever the workers'
         report = json.loads(fatal.read_text())
@@ -419,6 +518,16 @@ def outcome(job: Job, code: int, signalled: str | None) -> int | None:
             "--exclude) and rerun to resume"
         )
     if code != 0:
+        short = DiskGuard(job.ckpt, 0.0).short()
+        if short:  # the disk filled while a checkpoint was written (every worker is gone)
+            dropped = drop_incomplete(job.ckpt)
+            saved = newest_complete(job.ckpt)
+            raise UserError(
+                f"disk full during a save: {short}; half-written "
+                f"{', '.join(p.name for p in dropped) or 'checkpoints: none'} removed; "
+                f"{saved.name if saved else 'no checkpoint'} is complete and resumable: "
+                + DISK_FIXES
+            )
         log.error(
             "training exited with code %d; rerun the rule to resume from the last checkpoint", code
         )
@@ -456,6 +565,7 @@ def publish_outputs(job: Job) -> None:
         device="cuda" if torch.cuda.is_available() else "cpu",
         final_checkpoint_bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
         segments=segments_summary(read_segments(job)),
+        network=read_result(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
     )
     write_json(staged(job.out, "provenance.json"), prov)
@@ -521,8 +631,11 @@ def record_segment(job: Job, began: float, from_step: int, ended: dict) -> None:
         "train_s": ended.get("train_s", 0.0),
         "save_s": ended.get("save_s"),
     }
-    with open(job.ckpt / SEGMENTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
+    try:
+        with open(job.ckpt / SEGMENTS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as exc:  # a full disk: the job's own outcome is what to report
+        log.warning("could not record this job in %s: %s", SEGMENTS, exc)
 
 
 def segments_summary(segments: list[dict]) -> dict:
@@ -583,7 +696,7 @@ def train_segments(job: Job, nodes: int, gpus: int) -> int | str:
                 return "requeue"
             log.warning("continuation %d of at most %d: starting the next segment", used, limit)
             continue
-        failed = outcome(job, code, signalled)
+        failed = outcome(job, code, signalled, ended)
         if failed is not None:
             return failed
         publish_outputs(job)
@@ -603,6 +716,7 @@ def launch_job(job: Job) -> int:
         f", SLURM job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else "",
     )  # fmt: skip
     nodes, gpus = check_job(job)
+    check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
         prepare_checkpoints(job)
         result = train_segments(job, nodes, gpus)

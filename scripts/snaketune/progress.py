@@ -24,6 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from snaketune.checkpoints import mark_complete, prune
+from snaketune.diskplan import DiskGuard
 from snaketune.health import LEVEL, STATUS, Watchdog
 from snaketune.throughput import mfu, step_flops
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 # the per-rank numbers of a step: how each is combined across ranks
 FIELDS = (("flag", "max"), ("timeup", "max"), ("tokens", "sum"), ("padded", "sum"),
           ("samples", "sum"), ("squares", "sum"), ("peak", "max"), ("status", "max"),
-          ("temp", "max"))  # fmt: skip
+          ("temp", "max"), ("disk", "max"))  # fmt: skip
 
 
 class StopRequest:
@@ -164,8 +165,14 @@ class SnaketuneCallback(TrainerCallback):
         watchdog: Watchdog | None = None,
         flops: FlopsModel | None = None,
         deadline: Deadline | None = None,
+        optimizer: str = "all",
+        disk: DiskGuard | None = None,
+        network: dict | None = None,
     ):
         self.rank, self.collator, self.stop = rank, collator, stop
+        self.optimizer, self.disk = optimizer, disk  # older checkpoints' states; space check
+        self.disk_short: str | None = None  # why the run stopped without its save
+        self.network = network  # the job's all-reduce figure, on its first metrics line
         self.deadline = deadline or Deadline(None, 0.0)
         self.stop_reason: str | None = None  # time (continue in the next job), signal, health
         self._save_began: float | None = None
@@ -206,6 +213,10 @@ class SnaketuneCallback(TrainerCallback):
             "status": LEVEL[last["status"]] if last else -1,
             "temp": last.get("temperature_c", -1) if last else -1,
         }
+        # Room for the save this step may make (checked only then: no cost on other steps)
+        saving = control.should_save or mine["flag"] or mine["timeup"]
+        short = self.disk.short() if self.disk is not None and saving else None
+        mine["disk"] = 1.0 if short else 0.0
         got = gather_step([float(mine[name]) for name, _ in FIELDS])
         for k in self._window:
             self._window[k] += got[k]
@@ -216,6 +227,12 @@ class SnaketuneCallback(TrainerCallback):
             self.stopped_at = state.global_step
             self.stopped_for_health = got["flag"] >= 2
             self.stop_reason = {2: "health", 1: "signal"}.get(int(got["flag"]), "time")
+        if got["disk"] and control.should_save:  # stop without writing a checkpoint
+            control.should_save = False
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            self.stop_reason = "disk"
+            self.disk_short = short or "a node's checkpoint folder has no room for the next save"
         if control.should_save:
             self._save_began = time.time()
         return control
@@ -250,6 +267,9 @@ class SnaketuneCallback(TrainerCallback):
             record["gpu_health"] = STATUS[int(got["status"])]
             if got["temp"] >= 0:
                 record["gpu_max_temp_c"] = got["temp"]
+        if self.network is not None:
+            record["allreduce_busbw_gbps"] = self.network["busbw_gbps"]
+            self.network = None
         if "reward" in logs:  # a GRPO step: rewards, KL, completion length
             from snaketune.grpo import step_record
 
@@ -279,7 +299,7 @@ class SnaketuneCallback(TrainerCallback):
         if self.rank == 0:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             mark_complete(path, state.global_step, time.time())
-            prune(Path(args.output_dir), self.keep)
+            prune(Path(args.output_dir), self.keep, self.optimizer)
             log.info("checkpoint %s complete", path.name)
         barrier()
         if self._save_began is not None:

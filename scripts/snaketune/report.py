@@ -13,7 +13,8 @@ COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
            "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
-           "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours"]  # fmt: skip
+           "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
+           "allreduce_busbw_gbps"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -83,6 +84,8 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
         seconds = segments["wall_s"]  # first start to last end, queue waits between included
         row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
+    network = provenance.get("network") or {}  # multi-node jobs: their all-reduce figure
+    row["allreduce_busbw_gbps"] = network.get("busbw_gbps")
     if seconds is not None:
         row["wall_time_s"] = round(seconds, 1)
         if provenance.get("device") == "cuda":

@@ -55,8 +55,11 @@ from snaketune.checkpoints import (  # noqa: F401 (re-exported for the tests and
     truncate_metrics,
 )
 from snaketune.config import trains_lora
+from snaketune.diskplan import DiskGuard
 from snaketune.errors import UserError
 from snaketune.health import Limits, Watchdog, open_reader
+from snaketune.heartbeat import FOLDER as HEARTBEATS
+from snaketune.heartbeat import Heartbeat, HeartbeatCallback
 from snaketune.io import host_name, write_json
 from snaketune.packing import (
     Collator,
@@ -73,6 +76,8 @@ log = logging.getLogger(__name__)
 STOPPED_EXIT_CODE = 3
 SEGMENT = "segment.json"  # written by rank 0 when this job's training ends: why, at which step
 HEALTH_EXIT_CODE = 4  # stopped by the GPU health watchdog (checkpoint saved)
+DISK_EXIT_CODE = 5  # stopped before a save the disk had no room for (last checkpoint intact)
+NETWORK_EXIT_CODE = 6  # the all-reduce was slower than preflight.min_busbw_gbps
 
 
 @dataclass(frozen=True)
@@ -459,8 +464,11 @@ def report_unhealthy(
 # ----------------------------------------------------------------------------- the worker
 
 
-def start(run: dict[str, Any], shards: Path, out: Path) -> tuple[WorkerEnv, dict, Path | None]:
-    """Join the job, check it matches the shards, and find the checkpoint to resume from."""
+def start(
+    run: dict[str, Any], shards: Path, out: Path, min_busbw: float | None = None
+) -> tuple[WorkerEnv, dict, Path | None, dict | None]:
+    """Join the job, check it matches the shards, time the network (multi-node jobs:
+    snaketune.network), and find the checkpoint to resume from."""
     import deepspeed as ds
 
     from snaketune.runlock import worker_dies_with_agent
@@ -477,16 +485,30 @@ def start(run: dict[str, Any], shards: Path, out: Path) -> tuple[WorkerEnv, dict
     ds.init_distributed(timeout=timedelta(minutes=run["timeout_minutes"]))
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    network = None
+    if env.world_size > env.local_world_size:  # more than one node
+        from snaketune.network import RESULT, allreduce_busbw, too_slow
+
+        network = allreduce_busbw()
+        problem = too_slow(network, min_busbw)
+        if env.rank == 0:
+            write_json(ckpt_dir / RESULT, {**network, "problem": problem})
+            log.info("network: all-reduce of %d MiB across %d ranks (%s): bus bandwidth %.2f "
+                     "GB/s", network["bytes"] // 2**20, network["ranks"], network["backend"],
+                     network["busbw_gbps"])  # fmt: skip
+        if problem:  # the launcher says it, once (snaketune.launch.outcome)
+            raise SystemExit(NETWORK_EXIT_CODE)
     resume = newest_complete(ckpt_dir)
     if env.rank == 0:
-        prune(ckpt_dir, run["save_total_limit"])  # half-written checkpoints of a killed run
+        # half-written checkpoints of a killed run
+        prune(ckpt_dir, run["save_total_limit"], run["checkpoints"]["optimizer"])
         truncate_metrics(ckpt_dir / "metrics.jsonl", checkpoint_step(resume) if resume else 0)
     if env.local_rank == 0:
         hosts = ckpt_dir / "hosts"
         hosts.mkdir(exist_ok=True)
         (hosts / f"node-{env.node_rank}").write_text(host_name())
     barrier()
-    return env, manifest, resume
+    return env, manifest, resume, network
 
 
 def run_worker(
@@ -496,14 +518,16 @@ def run_worker(
     deepspeed: Path,
     out: Path,
     ids_log: Path | None = None,
+    min_busbw: float | None = None,
 ) -> int:
     """Train one run; returns 0 when finished, STOPPED_EXIT_CODE when stopped by a signal,
-    HEALTH_EXIT_CODE when the GPU watchdog stopped it."""
+    HEALTH_EXIT_CODE when the GPU watchdog stopped it, DISK_EXIT_CODE when the disk had no
+    room for a save."""
     from transformers import AutoTokenizer
 
     stop = StopRequest()
     stop.install()
-    env, manifest, resume = start(run, shards, out)
+    env, manifest, resume, network = start(run, shards, out, min_busbw)
     ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
 
     attention = resolve_attention(run["attn_implementation"])
@@ -517,12 +541,20 @@ def run_worker(
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
                   resolve_liger(run["liger_kernel"]), tokenizer)  # fmt: skip
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
+    # one process per node checks the room for each save (the node's view of the folder)
+    disk = None
+    if env.local_rank == 0:
+        disk = DiskGuard(ckpt_dir, float(os.environ.get("SNAKETUNE_CHECKPOINT_BYTES", 0)))
     callback = SnaketuneCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
                                  run["save_total_limit"], start_step, watchdog,
                                  flops_model(run, model, env.world_size),
-                                 Deadline.from_environ())  # fmt: skip
+                                 Deadline.from_environ(), run["checkpoints"]["optimizer"],
+                                 disk, network)  # fmt: skip
     fixes = [UniversalLoadFix()] if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1" else []
-    trainer = METHODS[method_of(run)](ctx, model, data, [callback, *fixes])
+    # where this rank is, for the launcher's stall watch (snaketune.heartbeat)
+    beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
+    trainer = METHODS[method_of(run)](ctx, model, data,
+                                      [callback, HeartbeatCallback(beat), *fixes])  # fmt: skip
     # our callback logs one line per step; Trainer's printer would add each step's raw dict
     from transformers.trainer_callback import PrinterCallback
 
@@ -546,16 +578,29 @@ def run_worker(
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if watchdog is not None:
         watchdog.stop()
+    beat.stop()
     # a stop asked at the last step leaves nothing to continue: the run is done
     finished = trainer.state.global_step >= trainer.state.max_steps
-    stopped = callback.stopped_at is not None and (callback.stopped_for_health or not finished)
+    if finished and callback.stopped_at is None and room_short(disk):  # for the outputs
+        callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
+        callback.disk_short = disk.short() if disk is not None else None
+    kept = callback.stopped_for_health or callback.stop_reason == "disk"
+    stopped = callback.stopped_at is not None and (kept or not finished)
     if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
         write_json(ckpt_dir / SEGMENT, {
             "reason": (callback.stop_reason or "done") if stopped else "done",
             "step": trainer.state.global_step,
             "train_s": round(callback.deadline.train_s, 3),
             "save_s": round(callback.deadline.save_s, 3),
+            **({"disk": callback.disk_short} if callback.stop_reason == "disk" else {}),
         })  # fmt: skip
+    if callback.stop_reason == "disk":
+        if env.rank == 0:
+            saved = newest_complete(ckpt_dir)
+            log.error("disk full: %s; stopped at step %d without saving; %s is complete and "
+                      "resumable", callback.disk_short, callback.stopped_at,
+                      saved.name if saved else "no checkpoint")  # fmt: skip
+        return DISK_EXIT_CODE
     if callback.stopped_for_health:
         report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
         return HEALTH_EXIT_CODE
@@ -574,6 +619,21 @@ def run_worker(
         return STOPPED_EXIT_CODE
     save_outputs(trainer, env, out, ckpt_dir / "metrics.jsonl", probe_inputs(shards), precision)
     return 0
+
+
+def room_short(disk: DiskGuard | None) -> bool:
+    """Does any node lack the room for the final outputs (about one checkpoint)? One
+    collective, at the end of training."""
+    import torch.distributed as dist
+
+    short = disk is not None and disk.short() is not None
+    if not (dist.is_available() and dist.is_initialized()):
+        return short
+    flag = torch.tensor([1.0 if short else 0.0])
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -139,6 +139,12 @@ def run_spec(wildcards):
     return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
 
 
+def min_busbw_arg(wildcards):
+    """The train job's floor on the all-reduce bus bandwidth (preflight.min_busbw_gbps)."""
+    floor = config["preflight"].get("min_busbw_gbps")
+    return f"--min-busbw {floor}" if floor else ""
+
+
 def train_threads(wildcards):
     """Processes of a run on one machine (the local profile runs every emulated node here)."""
     run = config["runs"][wildcards.run]
@@ -256,10 +262,11 @@ def report_inputs(wildcards):
 
 def before_queueing():
     """Before any job runs (onstart): each run about to train against its GPUs' memory
-    (snaketune.memplan); each run about to evaluate with lm-eval tasks lm-eval knows
+    (snaketune.memplan) and its results filesystem's free space (snaketune.diskplan); each run about to evaluate with lm-eval tasks lm-eval knows
     (snaketune.lmeval); on SLURM, every job of the plan against its partition's nodes and
     limits (snaketune.slurmfit). One line per problem, then stop; on SLURM, a watch then
     cancels a pending job whose reason can never clear."""
+    from snaketune.diskplan import check_disk_runs
     from snaketune.lmeval import check_tasks
     from snaketune.memplan import check_runs
     from snaketune.slurmfit import PendingWatch, check_jobs
@@ -268,6 +275,9 @@ def before_queueing():
     runs = sorted({job.wildcards["run"] for job in jobs if job.rule.name == "train"})
     found = check_runs(
         config, runs, Path("."), Path(workflow.basedir), workflow.local_exec
+    )
+    found += check_disk_runs(
+        config, runs, Path("."), Path(workflow.basedir), not workflow.local_exec
     )
     evaluating = {job.wildcards["run"] for job in jobs if job.rule.name == "evaluate"}
     evaluating |= {

@@ -38,9 +38,11 @@ rule train:
         spec=run_spec,
         out="results/{run}/train",
         margin=config["stop_margin_seconds"],
+        busbw=min_busbw_arg,
     # Ahead of the time limit (runtime; on SLURM the job's end time) the job saves and
     # continues: on SLURM it requeues itself (docs/slurm.md), locally it trains on.
     shell:
         "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
         " --model {input.model} --deepspeed {input.deepspeed} --out {params.out}"
-        " --time-limit {resources.runtime} --stop-margin {params.margin} > {log} 2>&1"
+        " --time-limit {resources.runtime} --stop-margin {params.margin} {params.busbw}"
+        " > {log} 2>&1"

@@ -1,0 +1,170 @@
+"""Name the rank that stalls: per-rank heartbeats and the launcher's watch over them.
+
+Each worker keeps where it is (step, phase: data, forward, backward, optimizer, step end,
+save) in a few Python attributes, set by hooks on the model and a TrainerCallback: no file
+write, no host sync in the step. A daemon thread writes them to
+``<checkpoints>/heartbeat/rank-<r>.json`` every ``INTERVAL_S`` seconds, with a counter of
+the moves made. A rank stopped whole (SIGSTOP, a frozen node) writes nothing; a rank stuck
+in a collective or on its GPU writes the same counter again.
+
+The launcher (``StallWatch``) reads every rank's file and notes, on its own clock, when each
+counter last moved (no clock of another host is trusted). When one rank has not moved for
+the run's ``timeout_minutes`` while others moved after it, that rank is the one the others
+wait for: one line names it, its host, pid, step and phase, the verdict goes to
+``<checkpoints>/health/stall.json``, and the local launcher ends the job at once (the ranks
+waiting for it would otherwise time out one by one). On SLURM, the collective timeouts end
+the step (``--kill-on-bad-exit``) and the line names the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from snaketune.io import host_name
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0  # how often each rank writes its heartbeat
+POLL_S = 2.0  # how often the launcher reads them
+FOLDER = "heartbeat"
+STALL = "stall.json"  # <checkpoints>/health/stall.json: the verdict, for the launcher's outcome
+
+
+class Heartbeat:
+    """This rank's position, written by a daemon thread (see the module's docstring)."""
+
+    def __init__(self, folder: Path, rank: int, node: int):
+        self.path = folder / f"rank-{rank}.json"
+        self.fixed = {"rank": rank, "node": node, "host": host_name(), "pid": os.getpid()}
+        self.step, self.phase, self.moves = 0, "start", 0
+        self._stop = threading.Event()
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def move(self, phase: str, step: int | None = None) -> None:
+        """The hot path: three attribute writes."""
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.moves += 1
+
+    def write(self) -> None:
+        record = {**self.fixed, "step": self.step, "phase": self.phase, "moves": self.moves}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            with contextlib.suppress(OSError):  # a full disk: the watch just sees no move
+                self.write()
+
+    def start(self, model=None) -> Heartbeat:
+        """Start writing; with ``model``, forward hooks mark the forward and backward."""
+        if model is not None:
+            model.register_forward_pre_hook(lambda *_: self.move("forward"))
+            model.register_forward_hook(lambda *_: self.move("backward"))
+        self.write()
+        threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class HeartbeatCallback(TrainerCallback):
+    """The phases Trainer's loop goes through (added after the shared callback, so a save
+    that callback asked for is seen as one)."""
+
+    def __init__(self, beat: Heartbeat):
+        self.beat = beat
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.beat.move("data", state.global_step + 1)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.beat.move("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.beat.move("save" if control.should_save else "step end")
+
+    def on_save(self, args, state, control, **kwargs):
+        self.beat.move("step end")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.beat.move("outputs")
+
+
+class StallWatch:
+    """The launcher's reader of every rank's heartbeat (a daemon thread)."""
+
+    def __init__(self, ckpt_dir: Path, limit_s: float):
+        self.folder, self.limit_s = ckpt_dir / FOLDER, limit_s
+        self.verdict_path = ckpt_dir / "health" / STALL
+        self.seen: dict[int, tuple[int, float, dict]] = {}  # rank: (moves, when moved, record)
+        self.verdict: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+
+    def start(self) -> StallWatch:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)  # an earlier job's ranks
+        self.verdict_path.unlink(missing_ok=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def read(self, now: float) -> None:
+        for path in self.folder.glob("rank-*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):  # being replaced right now
+                continue
+            moves = record["moves"]
+            before = self.seen.get(record["rank"])
+            if before is None or before[0] != moves or before[2]["pid"] != record["pid"]:
+                self.seen[record["rank"]] = (moves, now, record)
+
+    def judge(self, now: float) -> str | None:
+        """The line naming the stalled rank, or None."""
+        if len(self.seen) < 2:
+            return None
+        rank, (_, moved, record) = min(self.seen.items(), key=lambda kv: kv[1][1])
+        quiet = now - moved
+        later = [r for r, (_, when, _) in self.seen.items() if r != rank and when > moved]
+        if quiet < self.limit_s or not later:
+            return None
+        waiting = f"{len(later)} ranks wait" if len(later) != 1 else "1 rank waits"
+        return (f"rank {rank} on {record['host']} (pid {record['pid']}) made no progress for "
+                f"{quiet:.0f} s in step {record['step']} ({record['phase']}); "
+                f"{waiting} for it")  # fmt: skip
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            now = time.monotonic()
+            self.read(now)
+            verdict = self.judge(now)
+            if verdict and self.verdict is None:
+                self.verdict = verdict
+                log.error("stalled: %s", verdict)
+                self.verdict_path.parent.mkdir(parents=True, exist_ok=True)
+                self.verdict_path.write_text(json.dumps({"message": verdict}) + "\n")
+
+
+def stall_verdict(ckpt_dir: Path) -> str | None:
+    """The verdict a watch wrote in this job, if any."""
+    path = ckpt_dir / "health" / STALL
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["message"]

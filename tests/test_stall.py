@@ -1,0 +1,98 @@
+"""A rank that stalls is named (snaketune.heartbeat): the watch's verdict, and a worker
+stopped with SIGSTOP mid-training on 2 emulated nodes."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import launch_train, read_jsonl, run_spec
+
+from snaketune.checkpoints import COMPLETE
+from snaketune.heartbeat import Heartbeat, StallWatch
+from snaketune.io import host_name
+
+
+def _beats(tmp_path, n: int) -> list[Heartbeat]:
+    beats = [Heartbeat(tmp_path / "heartbeat", r, r) for r in range(n)]
+    for b in beats:
+        b.write()
+    return beats
+
+
+def test_the_rank_that_stopped_moving_while_the_others_moved_on_is_named(tmp_path):
+    beats = _beats(tmp_path, 4)
+    watch = StallWatch(tmp_path, limit_s=60)
+    watch.read(0.0)
+    beats[1].move("backward", 6)  # rank 1 got to step 6's backward, then stopped
+    beats[1].write()
+    watch.read(1.0)
+    for b in (beats[0], beats[2], beats[3]):  # the others reached the gradient reduction
+        b.move("backward", 6)
+        b.move("optimizer")
+        b.write()
+    watch.read(2.0)
+    assert watch.judge(50.0) is None  # not yet the run's timeout
+    line = watch.judge(61.5)
+    assert line == (f"rank 1 on {host_name()} (pid {beats[1].fixed['pid']}) made no progress "
+                    "for 60 s in step 6 (backward); 3 ranks wait for it")  # fmt: skip
+
+
+def test_ranks_that_are_all_quiet_together_are_not_a_stall(tmp_path):
+    """Every rank in the same long phase (a big save, a slow start): no rank is named."""
+    beats = _beats(tmp_path, 2)
+    watch = StallWatch(tmp_path, limit_s=10)
+    watch.read(0.0)
+    for b in beats:
+        b.move("save", 4)
+        b.write()
+    watch.read(1.0)
+    assert watch.judge(1000.0) is None
+
+
+def _workers(proc) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "--worker" in p.cmdline()]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_within_the_timeout_and_the_rerun_is_exact(demo, tmp_path):
+    """LoRA on 2 emulated nodes, timeout_minutes 0.5: rank 1 stopped with SIGSTOP after
+    checkpoint-4. The job fails within the timeout plus a minute with one line naming rank
+    1, its host and pid; no process of the job is left; the rerun resumes from the last
+    checkpoint and trains every step once."""
+    shards, model = demo / "results/demo/shards", demo / "resources/models/tiny"
+    spec = run_spec(max_steps=12, save_steps=4, timeout_minutes=0.5)
+    ckpt = tmp_path / "results/x/train/checkpoints"
+    proc = launch_train(tmp_path, spec, shards, model, "zero2")
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "checkpoint-4" / COMPLETE).is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        workers = _workers(proc)
+        victim = next(w for w in workers if w.environ().get("RANK") == "1")
+        victim.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, _ = proc.communicate(timeout=300)
+        took = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and took < 30 + 60, (took, out[-3000:])
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert re.match(
+        rf"error: stalled: rank 1 on {re.escape(host_name())} \(pid {victim.pid}\) made no "
+        r"progress for \d+ s in step \d+ \(\w[\w ]*\); 1 rank waits for it; every process of "
+        r"the job was stopped; a retry resumes from checkpoint-\d+",
+        errors[0],
+    ), errors[0]
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.pid for p in alive]  # no orphan, the stopped rank included
+    out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
+    assert "resuming from checkpoint-" in out, out[-3000:]
+    steps = [m["step"] for m in read_jsonl(tmp_path / "results/x/train/metrics.jsonl")]
+    assert steps == list(range(1, 13))
