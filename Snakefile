@@ -46,6 +46,7 @@ include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/publish.smk"
+include: "workflow/rules/sweep.smk"
 
 
 # Checks of the machine this runs on, before any job: local sources exist (or a rule makes
@@ -72,6 +73,7 @@ wildcard_constraints:
     model=NAME_PATTERN,
     dataset=NAME_PATTERN,
     run=NAME_PATTERN,
+    sweep=NAME_PATTERN,
     key=KEY_PATTERN,
     export="hf|lora_adapters",
 

@@ -25,7 +25,36 @@ from snaketune.cli import run
 from snaketune.io import atomic_paths
 from snaketune.plan import final_model_dir
 from snaketune.provenance import lineage
-from snaketune.report import summary_html, summary_row, training_svg, write_summary
+from snaketune.report import (
+    summary_html,
+    summary_row,
+    sweep_section,
+    sweep_svg,
+    training_svg,
+    write_summary,
+)
+
+
+def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, list[dict]],
+                   evals: dict[str, dict]) -> list[str]:  # fmt: skip
+    """The report's section of each sweep (snaketune.sweep): its members compared, the best
+    one chosen as results/<sweep>/best.json chooses it."""
+    from snaketune.sweep import figures, select, sweeps_of
+
+    sections = []
+    for sweep, members in sweeps_of(runs).items():
+        info = {
+            m: {"values": runs[m]["sweep_of"]["values"],
+                "figures": figures(evals.get(m), (curves[m][-1].get("loss") if curves[m]
+                                                  else None))}
+            for m in members
+        }  # fmt: skip
+        best = select(info, runs[members[0]]["sweep_of"]["select"])
+        held_out = {m: evals[m]["loss"] for m in members if m in evals}
+        svg = sweep_svg({m: curves[m] for m in members}, held_out, best["best"],
+                        f"sweep {sweep}: training loss of each member")  # fmt: skip
+        sections.append(sweep_section(sweep, best, rows, svg))
+    return sections
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, required=True, help="output HTML page")
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
-    rows, svgs, evals, samples, lineages = [], {}, {}, {}, {}
+    rows, svgs, evals, samples, lineages, curves_of = [], {}, {}, {}, {}, {}
     with atomic_paths(args.curves, args.summary, args.html) as (curves, summary, html):
         curves.mkdir()
         for name, spec in runs.items():
@@ -60,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics = [
                 json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x
             ]
+            curves_of[name] = metrics
             if "eval_dataset" in spec:
                 evals[name] = json.loads(ev.read_text())
             held_out = evals[name]["loss"] if name in evals else None
@@ -73,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             href = os.path.relpath(final / "provenance.json", args.html.parent)
             lineages[name] = (href, str(final), "\n".join(lineage(final)))
         write_summary(rows, summary)
-        html.write_text(summary_html(rows, svgs, evals, samples, lineages))
+        sweeps = sweep_sections(runs, rows, curves_of, evals)
+        html.write_text(summary_html(rows, svgs, evals, samples, lineages, sweeps=sweeps))
     return 0
 
 

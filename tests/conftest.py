@@ -204,3 +204,53 @@ def full_zero3(demo, tmp_path_factory) -> Path:
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip
     return workdir
+
+
+BASE_EOS = "<|endoftext|>"
+
+
+def base_variant(model: Path, out: Path) -> Path:
+    """A copy of the tiny model shaped like a Qwen base model: its own end-of-text token
+    (a new special token, embeddings resized) is its eos and the only id its generation
+    config stops on; its chat template still ends a turn with <|im_end|>."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"eos_token": BASE_EOS})
+    m = AutoModelForCausalLM.from_pretrained(model)
+    m.resize_token_embeddings(len(tok))
+    eos = tok.convert_tokens_to_ids(BASE_EOS)
+    m.config.eos_token_id = m.generation_config.eos_token_id = eos
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+STOP_SWEEP = {"max_steps": [2, 96], "lora.r": [4, 8]}
+
+
+@pytest.fixture(scope="session")
+def stop_sweep(demo, tmp_path_factory) -> Path:
+    """A sweep through the local profile, on a base model that stops on another token than
+    its chat template's end of turn (Qwen base models): the demo's LoRA run on 1 node as
+    members of max_steps x lora.r (2 or 96 steps; rank 4 or 8), 16 eval examples each."""
+    import shutil
+
+    import yaml
+
+    work = tmp_path_factory.mktemp("stop_sweep")
+    shutil.copytree(demo / "resources", work / "resources", symlinks=True)
+    base = base_variant(demo / "resources/models/tiny", work / "qwen-like-base")
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg["models"]["qwen_like"] = {"source": "local", "path": str(base)}
+    run = cfg["runs"].pop("demo")
+    del run["epochs"]
+    run.update(model="qwen_like", nodes=1, gradient_accumulation_steps=2, save_steps=96,
+               eval={"limit": 16, "max_new_tokens": 24, "batch_size": 16}, sweep=STOP_SWEEP)  # fmt: skip
+    cfg["runs"] = {"stops": run}
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # key order: names
+    proc = snakemake("--configfile", str(work / "config.yaml"), "--directory", str(work),
+                     check=False)  # fmt: skip
+    (work / "snakemake.out").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return work

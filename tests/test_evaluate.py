@@ -102,7 +102,8 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo):
     assert metrics["examples"] == 64
     assert metrics["base"]["exact_match"] <= 0.05 and metrics["exact_match"] >= 0.5
     assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
-    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match", "math_verify"}
+    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match", "math_verify", "stop_rate"}
+    assert 0 <= metrics["base"]["stop_rate"] <= 1 and metrics["stop_rate"] >= 0.9  # it stops
     assert metrics["gain"]["loss"] == pytest.approx(metrics["base"]["loss"] - metrics["loss"])
     assert metrics["math_verify"] >= metrics["exact_match"]  # what #### matches, it verifies
     assert metrics["gain"]["math_verify"] == pytest.approx(
@@ -182,7 +183,7 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo):
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
     table = page.split('<table id="summary">')[1].split("</table>")[0]
-    assert "<td>demo</td>" in table and "<td>lora</td>" in table
+    assert '<td class="name">demo</td>' in table and '<td class="name">lora</td>' in table
     assert f"{100 * metrics['exact_match']:.1f}%" in table  # a share, not 0.765625
     assert not re.search(r"\d\.\d{5}", table), "numbers with too many digits"
     run_section = page.split('<section id="run-demo">')[1]

@@ -400,8 +400,11 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
     ``root`` is the workflow directory (where config/deepspeed/ lives).
     Raises ConfigError with a one-line message on the first problem found.
     """
+    from snaketune.sweep import expand_sweeps
+
     root = Path(root)
     schema = load_yaml(root / SCHEMA_PATH)
+    expand_sweeps(config, schema)  # a run with `sweep` becomes its members
     check_schema(config, schema)
     for name, spec in config["models"].items():
         _check_source("models", name, spec, {"id", "revision"})

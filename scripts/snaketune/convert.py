@@ -214,6 +214,18 @@ def _load_config(model_dir: Path):
     return config
 
 
+def stop_at_end_of_turn(model_dir: Path) -> str | None:
+    """The exported model stops where its chat template ends an assistant turn (Qwen base
+    models stop on <|endoftext|>, their template ends a turn with <|im_end|>): see
+    snaketune.tokenization.add_end_of_turn. Logged and recorded in the report."""
+    from snaketune.tokenization import add_end_of_turn
+
+    done = add_end_of_turn(model_dir)
+    if done:
+        log.warning("%s", done)
+    return done
+
+
 def _report(kind: str, ckpt: ZeroCheckpoint, tensors: int, diff: float) -> dict:
     """What convert_checkpoint prints and records: the checkpoint's shape and the gate."""
     return {"kind": kind, "zero_stage": ckpt.stage, "ranks": ckpt.world, "tensors": tensors,
@@ -246,8 +258,9 @@ def convert_full(
         config = config.result()
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
+        stops = stop_at_end_of_turn(tmp)
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)), str(out))
-        report = _report("full", ckpt, len(weight_map), diff)
+        report = {**_report("full", ckpt, len(weight_map), diff), "generation_config": stops}
         if finish is not None:
             finish(tmp, report)
     return report
@@ -432,6 +445,7 @@ def merge_lora(
         base_config.save_pretrained(tmp)
         _copy(("generation_config.json",), base_model, tmp)
         _copy(TOKENIZER_FILES, adapter, tmp)
+        stops = stop_at_end_of_turn(tmp)
         # The reference is the training job's probe logits: base + this adapter, as
         # convert_checkpoint's gate verified with peft, so no second model is loaded here.
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)),
@@ -440,6 +454,7 @@ def merge_lora(
             "merged_tensors": change["merged"],
             "max_weight_change": change["max_abs"],
             "max_logit_diff": diff,
+            "generation_config": stops,
         }
         if finish is not None:
             finish(tmp, report)

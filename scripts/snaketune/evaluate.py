@@ -129,15 +129,30 @@ def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
 
 
-def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int) -> list[str]:
+def stop_ids_of(model, tokenizer) -> list[int]:
+    """What plain ``generate`` stops on: the model's generation_config eos_token_id (the
+    tokenizer's eos when it has none)."""
+    ids = model.generation_config.eos_token_id
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def generate(
+    model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int
+) -> tuple[list[str], list[bool]]:
     """Greedy continuations of each example's prompt (the tokens before its first label), in
-    batches with left padding and the KV cache; a progress line per batch."""
+    batches with left padding and the KV cache, stopping where the model's generation_config
+    stops (as any application loading the model does); a progress line per batch. Returns
+    the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``)."""
     prompts = []
     for r in rows:
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
         prompts.append(r["input_ids"][:first])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = stop_ids_of(model, tokenizer)
     out: list[str] = []
+    stopped: list[bool] = []
     began = time.monotonic()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -154,15 +169,17 @@ def generate(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stops,
             )
-        out += tokenizer.batch_decode(gen[:, n:].cpu(), skip_special_tokens=True)
+        new = gen[:, n:].cpu()
+        out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        stopped += torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
         rate = len(out) / max(time.monotonic() - began, 1e-9)
         log.info(
             "generated %d/%d examples, %.1f examples/s, ETA %s", len(out), len(prompts), rate,
             timedelta(seconds=int((len(prompts) - len(out)) / rate)),
         )  # fmt: skip
-    return out
+    return out, stopped
 
 
 def evaluate(
@@ -200,9 +217,9 @@ def evaluate(
     model.to("cuda" if cuda else "cpu").eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
-    generations = generate(model, tokenizer, rows, batch_size, max_new_tokens)
+    generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
     samples, correct, verified = [], 0, 0
-    for r, text in zip(rows, generations, strict=True):
+    for r, text, ended in zip(rows, generations, stopped, strict=True):
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
         reference = tokenizer.decode(
             [t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True
@@ -224,12 +241,16 @@ def evaluate(
                 "correct": ok,
                 "final_answer": final,
                 "math_verify": mv,
+                "stopped": ended,
             }
         )
     metrics.update(
         {
             "exact_match": correct / len(rows),
             "math_verify": verified / len(rows),
+            # generations that ended on a stop id of the model, not at max_new_tokens
+            "stop_rate": sum(stopped) / len(rows),
+            "stop_ids": stop_ids_of(model, tokenizer),
             "examples": len(rows),
             "model": str(model_dir),
             "max_new_tokens": max_new_tokens,
@@ -241,8 +262,8 @@ def evaluate(
         base_lm = (base_metrics or {}).get("lm_eval")
         metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
     if base_metrics is not None:
-        keys = ("loss", "perplexity", "exact_match", "math_verify")
-        metrics["base"] = {k: base_metrics[k] for k in keys}
+        keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
+        metrics["base"] = {k: base_metrics.get(k) for k in keys}
         metrics["gain"] = {
             "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
             "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
@@ -255,11 +276,14 @@ def evaluate(
         if finish is not None:
             finish(tmp, metrics)
     log.info(
-        "loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f on %d examples",
+        "loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f (stop "
+        "ids %s) on %d examples",
         metrics["loss"],
         metrics["perplexity"],
         metrics["exact_match"],
         metrics["math_verify"],
+        metrics["stop_rate"],
+        metrics["stop_ids"],
         len(rows),
     )
     return metrics

@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-COLUMNS = ["run", "model", "method", "nodes_x_devices", "steps", "final_loss",
+COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
            "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
+           "stop_rate", "base_stop_rate",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
            "allreduce_busbw_gbps"]  # fmt: skip
 
@@ -66,7 +67,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
         row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
-                   math_verify=ev.get("math_verify"))  # fmt: skip
+                   math_verify=ev.get("math_verify"), stop_rate=ev.get("stop_rate"))  # fmt: skip
         row.update(lm_eval_columns(ev))
         if "base" in ev:
             row.update(
@@ -74,6 +75,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
                 gain_exact_match=ev["gain"]["exact_match"],
                 base_math_verify=ev["base"].get("math_verify"),
                 gain_math_verify=ev["gain"].get("math_verify"),
+                base_stop_rate=ev["base"].get("stop_rate"),
                 gain_loss=ev["gain"]["loss"],
             )
     seconds = None
@@ -90,8 +92,19 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         row["wall_time_s"] = round(seconds, 1)
         if provenance.get("device") == "cuda":
             row["gpu_hours"] = round(seconds * spec["nodes"] * spec["gpus_per_node"] / 3600, 3)
-    extra = sorted((c for c in row if "lm_eval:" in c), key=_lm_eval_order)
-    return {c: _fmt(row.get(c)) for c in COLUMNS + extra}
+    if "sweep_of" in spec:  # a sweep's member: its sweep and its values, a column each
+        row["sweep"] = spec["sweep_of"]["run"]
+        row.update({f"sweep:{k}": v for k, v in spec["sweep_of"]["values"].items()})
+    return {c: _fmt(row.get(c)) for c in COLUMNS + extra_columns([row])}
+
+
+def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
+    first), then the lm-eval columns task by task."""
+    seen = [c for row in rows for c in row if c not in COLUMNS]
+    swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
+    lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
+    return swept + lm
 
 
 def _lm_eval_order(column: str) -> tuple[str, int]:
@@ -102,7 +115,7 @@ def _lm_eval_order(column: str) -> tuple[str, int]:
 
 def write_summary(rows: list[dict[str, str]], path: Path) -> None:
     """The fixed COLUMNS, then every run's lm-eval columns (empty where a run has none)."""
-    extra = sorted({c for row in rows for c in row} - set(COLUMNS), key=_lm_eval_order)
+    extra = extra_columns(rows)
     with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(
             fh, fieldnames=COLUMNS + extra, delimiter="\t", lineterminator="\n", restval=""
@@ -258,6 +271,9 @@ def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
                    gain.get("exact_match"), True, True),
         Comparison("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
                    gain.get("math_verify"), True, True),
+        Comparison("stop rate (ends on a stop id)", base.get("stop_rate"), ev.get("stop_rate"),
+                   None if None in (base.get("stop_rate"), ev.get("stop_rate"))
+                   else ev["stop_rate"] - base["stop_rate"], True, True),
         Comparison("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
                    None if "loss" not in gain else -gain["loss"], False, False),
         Comparison("perplexity", base.get("perplexity"), ev.get("perplexity"),
@@ -308,12 +324,15 @@ STYLE = (
     "pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}"
     "tr.right td.mark{color:#167a2c;font-weight:bold}tr.wrong td.mark{color:#b3261e;"
     "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
+    "tr.best td{background:#eef7ee}tr.best td.mark{color:#167a2c;font-weight:bold}"
+    "div.wide{max-width:100%;overflow-x:auto}td.name{overflow-wrap:anywhere;min-width:6em}"
 )
 SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method", False),
            ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
            ("final_loss", "final train loss", False), ("eval_loss", "held-out loss", False),
            ("base_exact_match", "exact match, base", True), ("exact_match", "exact match", True),
-           ("math_verify", "math_verify", True), ("tokens_per_s", "tokens/s", False),
+           ("math_verify", "math_verify", True), ("stop_rate", "stop rate", True),
+           ("tokens_per_s", "tokens/s", False),
            ("padding", "padding", True), ("mfu", "MFU", True),
            ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
 
@@ -371,10 +390,63 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
     )
 
 
+def sweep_svg(curves: dict[str, list[dict[str, Any]]], evals: dict[str, float], best: str,
+              title: str) -> str:  # fmt: skip
+    """Every member's training loss against the step, overlaid; its held-out loss (where
+    measured) as a marker of the same colour at its last step; the best member bold."""
+    fig, axes = _figure(11.5, 3.6, 1)
+    ax = axes[0][0]
+    for i, (member, metrics) in enumerate(curves.items()):
+        steps = [m["step"] for m in metrics]
+        color = f"C{i % 10}"
+        (line,) = ax.plot(steps, [m.get("loss") for m in metrics], color=color,
+                          linewidth=2.2 if member == best else 1.0,
+                          label=member + (" (best)" if member == best else ""))  # fmt: skip
+        line.set_gid(f"sweep-loss-{i}")
+        if member in evals and steps:
+            ax.plot([steps[-1]], [evals[member]], "D", color=color)
+    ax.set(xlabel="optimizer step", ylabel="training loss (nats/token)", title=title)
+    ax.legend(fontsize=7, loc="upper right")
+    return _svg(fig)
+
+
+def sweep_section(sweep: str, best: dict[str, Any], rows: list[dict[str, str]], svg: str) -> str:
+    """A sweep's members side by side: their values, the selection figure, headline metrics,
+    throughput and GPU-hours; the best one marked; the overlaid losses below."""
+    from html import escape
+
+    keys = list(best["members"][0]["values"])
+    by_run = {r["run"]: r for r in rows}
+    metric = best["metric"]
+    cols = [("exact_match", "exact match", True), ("eval_loss", "held-out loss", False),
+            ("stop_rate", "stop rate", True), ("tokens_per_s", "tokens/s", False),
+            ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+    head = ("<tr><th></th><th>member</th>" + "".join(f"<th>{escape(k)}</th>" for k in keys)
+            + f"<th>{escape(metric)} ({best['mode']})</th>"
+            + "".join(f"<th>{escape(label)}</th>" for _, label, _ in cols) + "</tr>")  # fmt: skip
+    trs = []
+    for m in best["members"]:
+        row, mark = by_run.get(m["run"], {}), m["run"] == best["best"]
+        trs.append(
+            f"<tr class='{'best' if mark else ''}'><td class='mark'>{'★ best' if mark else ''}"
+            f"</td><td>{escape(m['run'])}</td>"
+            + "".join(f"<td class='num'>{escape(str(m['values'][k]))}</td>" for k in keys)
+            + f"<td class='num'>{escape(pretty(m[metric]))}</td>"
+            + "".join(f"<td class='num'>{escape(pretty(row.get(k), pct))}</td>"
+                      for k, _, pct in cols)
+            + "</tr>"
+        )  # fmt: skip
+    return (f'<section id="sweep-{escape(sweep)}"><h2>Sweep {escape(sweep)}</h2>'
+            f"<p>{len(best['members'])} members; best by {escape(metric)} ({best['mode']}): "
+            f"<b>{escape(best['best'])}</b> (results/{escape(sweep)}/best.json)</p>"
+            f"<div class='wide'><table class='sweep'>{head}{''.join(trs)}</table></div>{svg}"
+            "</section>")  # fmt: skip
+
+
 def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
                  evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
                  lineages: dict[str, tuple[str, str, str]] | None = None,
-                 n_samples: int = 8) -> str:  # fmt: skip
+                 n_samples: int = 8, sweeps: list[str] | None = None) -> str:  # fmt: skip
     """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
     run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
     and its provenance link and lineage."""
@@ -384,7 +456,7 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
     body = "".join(
         "<tr>"
         + "".join(
-            f"<td>{escape(row[key])}</td>" if key in ("run", "model", "method")
+            f"<td class='name'>{escape(row[key])}</td>" if key in ("run", "model", "method")
             else f"<td class='num'>{escape(pretty(row.get(key), pct))}</td>"
             for key, _, pct in SUMMARY
         )
@@ -415,7 +487,9 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
         "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
         f"<style>{STYLE}</style></head><body><h1>snaketune: all runs</h1>"
         "<p>Every figure is also in results/summary.tsv (full precision).</p>"
-        f'<table id="summary"><tr>{head}</tr>{body}</table>{"".join(sections)}</body></html>\n'
+        f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
+        f"{''.join(sweeps or [])}"
+        f"{''.join(sections)}</body></html>\n"
     )
 
 

@@ -90,6 +90,13 @@ class Stats:
     max_token_id: int = -1
     longest_overlong: tuple[int, str] = (0, "")  # (tokens, example id), overlong: error
     per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the token the chat template closes an assistant turn with (None: the template closes
+    # it with no special token), the examples whose labels lack it (cut by max_length), and
+    # whether the model's generation_config stops on it
+    end_of_turn: str | None = None
+    end_of_turn_id: int | None = None
+    rows_without_end_of_turn: int = 0
+    model_stops_at_end_of_turn: bool | None = None
 
 
 # ----------------------------------------------------------------------------- templates
@@ -223,6 +230,60 @@ class ChatRenderer:
             log.warning(
                 "chat template is not verbatim for this data; rendering every row with jinja"
             )
+
+
+def end_of_turn_id(tokenizer, renderer: ChatRenderer) -> int | None:
+    """The special token the chat template closes an assistant turn with (Qwen's and the
+    demo's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the first special token of the markup
+    after an assistant message, within its turn. None when that markup has none."""
+    turns = (("user", _sentinel(0)), ("assistant", _sentinel(1)))
+    try:
+        text, spans = renderer.spans_slow(turns)
+    except Exception:  # noqa: BLE001 -- a template this probe cannot render: no check
+        return None
+    start, end = spans[0]
+    after = text.find(_sentinel(1), start) + len(_sentinel(1))
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    for token in tokenizer.backend_tokenizer.encode(text[after:end], add_special_tokens=False).ids:
+        if token in special:
+            return token
+    return None
+
+
+def stop_ids(model_dir: str | Path) -> list[int]:
+    """The ids plain ``generate`` stops on: generation_config.json's eos_token_id (else
+    config.json's)."""
+    model_dir = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    return []
+
+
+def add_end_of_turn(model_dir: Path) -> str | None:
+    """Make plain ``generate`` of an exported model stop where its chat template ends an
+    assistant turn: add that token to generation_config.json's eos_token_id when missing.
+    Returns what was done, in words (None: nothing to do)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if not tokenizer.chat_template:
+        return None
+    end = end_of_turn_id(tokenizer, ChatRenderer(tokenizer))
+    ids = stop_ids(model_dir)
+    if end is None or end in ids:
+        return None
+    path = model_dir / "generation_config.json"
+    config = (GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+              if path.is_file() else GenerationConfig())  # fmt: skip
+    config.eos_token_id = [*ids, end]
+    config.save_pretrained(model_dir)
+    name = tokenizer.convert_ids_to_tokens(end)
+    return (f"generation_config eos_token_id {ids} -> {[*ids, end]}: {name}, which the chat "
+            "template ends an assistant turn with, now stops generation")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- rows
@@ -502,6 +563,10 @@ def label_batch(
     keep_row &= ~no_response
     keep_tok &= keep_row[row_of]
 
+    if stats.end_of_turn_id is not None:  # kept rows whose labels never close a turn
+        ends = np.bincount(row_of[labelled & keep_tok & (flat == stats.end_of_turn_id)],
+                           minlength=n)  # fmt: skip
+        stats.rows_without_end_of_turn += int((keep_row & (ends == 0)).sum())
     stats.conversations += n
     stats.dropped_overlong += int(overlong_rows.sum()) if overlong != "truncate" else 0
     stats.dropped_no_response += int(no_response.sum())
@@ -528,6 +593,28 @@ def label_batch(
         ],
         schema=OUTPUT_SCHEMA,
     )
+
+
+def check_end_of_turn(stats: Stats, model_dir: str | Path, model_name: str) -> None:
+    """One warning line each: examples whose assistant turn does not end with the
+    template's end-of-turn token (a model trained on them learns not to stop), and a model
+    whose generation_config does not stop on that token (the exports add it)."""
+    if stats.end_of_turn is None:
+        return
+    if stats.rows_without_end_of_turn:
+        log.warning(
+            "%d of %d examples' assistant turns do not end with %s (cut by max_length with "
+            "overlong: truncate): the model learns less of when to stop; raise max_length or "
+            "set overlong: drop", stats.rows_without_end_of_turn, stats.rows, stats.end_of_turn,
+        )  # fmt: skip
+    if not stats.model_stops_at_end_of_turn:
+        log.warning(
+            "models.%s: the chat template ends an assistant turn with %s (id %d), but the "
+            "model's generation_config stops only on %s: a tuned model would run on to "
+            "max_new_tokens; the exported models get %d added to eos_token_id",
+            model_name, stats.end_of_turn, stats.end_of_turn_id, stop_ids(model_dir),
+            stats.end_of_turn_id,
+        )  # fmt: skip
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -578,6 +665,10 @@ def tokenize(
         raise DataError(f"models.{model_name}: {exc}") from None
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     stats = Stats()
+    stats.end_of_turn_id = end_of_turn_id(tokenizer, renderer)
+    if stats.end_of_turn_id is not None:
+        stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
+        stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
 
     def finish(batch: tuple) -> None:
         items, texts, spans, future = batch
@@ -618,6 +709,7 @@ def tokenize(
             f"model's vocab_size is {vocab} (config.json), so training would index past the "
             "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
         )
+    check_end_of_turn(stats, model_dir, model_name)
     log.info(
         "tokenized %d conversations -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
         stats.conversations,

@@ -4,8 +4,10 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from snaketune.config import adapter_kind, resolve_deepspeed
+from snaketune.sweep import sweeps_of
 from snaketune.plan import (
     components,
     final_model_dir,
@@ -16,6 +18,8 @@ from snaketune.plan import (
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
 SCRIPTS = Path(workflow.basedir) / "scripts"
+# {sweep: [members]} of the runs with `sweep` (expanded by validate_config)
+SWEEPS = sweeps_of(config["runs"])
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 
@@ -108,6 +112,33 @@ def shard_model(wildcards):
     return f"resources/models/{config['runs'][wildcards.run]['model']}"
 
 
+def run_shards(wildcards):
+    """The shards a run trains on: its own, or, for a sweep's member, those of the first
+    member with the same shard inputs and layout (a sweep over the learning rate or the
+    LoRA rank shards once)."""
+    run = config["runs"][wildcards.run]
+    if "sweep_of" not in run:
+        return f"results/{wildcards.run}/shards"
+    mine = shard_signature(wildcards.run)
+    for member in SWEEPS[run["sweep_of"]["run"]]:
+        if shard_signature(member) == mine:
+            return f"results/{member}/shards"
+
+
+def shard_signature(name):
+    """Everything shard_dataset's output depends on, for run ``name``."""
+    w = SimpleNamespace(run=name)  # what these functions read of a job's wildcards
+    run = config["runs"][name]
+    return (
+        run_tokenized(w),
+        shard_eval_input(w),
+        shard_model(w),
+        shard_layout(w),
+        shard_packing_arg(w),
+        run["attn_implementation"],
+    )
+
+
 def shard_eval_arg(wildcards, input):
     return f"--eval {input.eval}" if "eval" in input.keys() else ""
 
@@ -131,7 +162,15 @@ def run_deepspeed(wildcards):
 
 # Run keys later stages read; left out of the train rule's params so that changing them
 # does not retrain.
-NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")
+NOT_TRAINING = (
+    "eval",
+    "eval_dataset",
+    "export",
+    "gpu",
+    "skip_memory_check",
+    "publish",
+    "sweep_of",
+)
 
 
 def run_spec(wildcards):
@@ -238,11 +277,26 @@ def base_eval_settings(wildcards):
 
 
 def run_targets(wildcards):
-    """What `all` asks of each run: its evaluation when it has an eval set, else its model."""
+    """What `all` asks of each run: its evaluation when it has an eval set, else its model;
+    and of each sweep its best member."""
     return [
         f"results/{run}/eval/metrics.json" if "eval_dataset" in r else final_model(run)
         for run, r in config["runs"].items()
-    ]
+    ] + [f"results/{sweep}/best.json" for sweep in SWEEPS]
+
+
+def sweep_inputs(wildcards):
+    """Each member's training metrics, and its evaluation when it has one."""
+    inputs = {}
+    for member in SWEEPS[wildcards.sweep]:
+        inputs[f"{member}_train"] = f"results/{member}/train/metrics.jsonl"
+        if "eval_dataset" in config["runs"][member]:
+            inputs[f"{member}_eval"] = f"results/{member}/eval/metrics.json"
+    return inputs
+
+
+def sweep_members(wildcards):
+    return as_json({m: config["runs"][m] for m in SWEEPS[wildcards.sweep]})
 
 
 def report_inputs(wildcards):

@@ -4,7 +4,7 @@
 rule train:
     input:
         script=f"{SCRIPTS}/train.py",
-        shards="results/{run}/shards",
+        shards=run_shards,
         model=run_model,
         deepspeed=run_deepspeed,
     output:

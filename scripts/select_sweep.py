@@ -1,0 +1,50 @@
+"""Pick a sweep's best member: results/<sweep>/best.json (snaketune.sweep).
+
+    python scripts/select_sweep.py --sweep demo --members '{"demo-learning_rate_0p003": {...}}' \\
+        --out results/demo/best.json
+
+Reads each member's results/<member>/train/metrics.jsonl (its last training loss) and, when
+it has an evaluation, results/<member>/eval/metrics.json; writes the best member by the
+sweep's ``sweep_select`` with its values and figures, and every member's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from snaketune.cli import run
+from snaketune.io import atomic_paths
+from snaketune.sweep import figures, last_train_loss, select
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", required=True, help="the swept run's name")
+    parser.add_argument("--members", required=True, help="{member: run config}, as JSON")
+    parser.add_argument("--results", type=Path, default=Path("results"), help="results directory")
+    parser.add_argument("--out", type=Path, required=True, help="results/<sweep>/best.json")
+    args = parser.parse_args(argv)
+    members = json.loads(args.members)
+    info = {}
+    for name, spec in members.items():
+        ev = args.results / name / "eval" / "metrics.json"
+        metrics = json.loads(ev.read_text()) if "eval_dataset" in spec else None
+        loss = last_train_loss(args.results / name / "train" / "metrics.jsonl")
+        info[name] = {"values": spec["sweep_of"]["values"], "figures": figures(metrics, loss)}
+    rule = next(iter(members.values()))["sweep_of"]["select"]
+    best = {"sweep": args.sweep, **select(info, rule)}
+    with atomic_paths(args.out) as (tmp,):
+        tmp.write_text(json.dumps(best, indent=2) + "\n")
+    print(f"{args.sweep}: best {best['metric']} ({best['mode']}) {best['value']:.6g}: "
+          f"{best['best']} {best['values']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

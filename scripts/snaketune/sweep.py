@@ -1,0 +1,239 @@
+"""Sweeps: one run with ``sweep`` becomes a run per combination of the swept values.
+
+    runs:
+      demo:
+        ...
+        sweep: {learning_rate: [0.003, 0.006], lora.r: [4, 8]}
+        sweep_select: {metric: exact_match, mode: max}
+
+expands, before anything else is validated, into the members ``demo-learning_rate_0p003-r_4``,
+``demo-learning_rate_0p003-r_8``, ``demo-learning_rate_0p006-r_4`` and
+``demo-learning_rate_0p006-r_8``: runs of their own (results/<member>/, every stage), which
+share the download, tokenize and shard jobs wherever their inputs are the same (those are
+keyed by their settings, not by run). Each member carries ``sweep_of`` (the sweep's name,
+its values, the selection rule) for the report and the selection.
+
+Member names: the run's name, then for each swept key in the order given ``-<key>_<value>``;
+the key is its last path component (the whole path with ``.`` as ``_`` when two swept paths
+end alike); a number is written in its shortest form with ``.`` as ``p`` (0.0003 -> 0p0003,
+2e-05 -> 2e-05), a boolean as true/false, a string with every character outside letters,
+digits and ``_`` as ``_``, a list as its items joined by ``_``. A name longer than 64
+characters keeps its first 55 and adds ``-`` and 8 hex digits of its SHA-1.
+
+``results/<run>/best.json`` names the member with the best ``sweep_select.metric`` (any
+figure of the members' eval metrics.json: exact_match, math_verify, loss, perplexity,
+stop_rate, an lm-eval column ``lm_eval:<task>:<metric,filter>``; or ``train_loss``, the
+last training loss), with its values and metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import itertools
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from snaketune.errors import ConfigError
+
+MAX_NAME = 64
+EVAL_FIGURES = ("exact_match", "math_verify", "loss", "perplexity", "stop_rate")
+LOWER_IS_BETTER = ("loss", "perplexity", "train_loss")
+
+
+def _run_schema(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    return schema["properties"]["runs"]["additionalProperties"]
+
+
+def _resolve(node: Mapping[str, Any], schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    ref = node.get("$ref")
+    if ref and ref.startswith("#/$defs/"):
+        return schema["$defs"][ref.removeprefix("#/$defs/")]
+    return node
+
+
+def check_path(path: str, schema: Mapping[str, Any], where: str) -> None:
+    """A run key path (``lora.r``) the run schema has; else one line with the closest."""
+    node = _run_schema(schema)
+    done: list[str] = []
+    for part in path.split("."):
+        props = _resolve(node, schema).get("properties", {})
+        if part not in props or part in ("sweep", "sweep_select", "sweep_of"):
+            keys = [k for k in props if k not in ("sweep", "sweep_select", "sweep_of")]
+            close = difflib.get_close_matches(part, keys, n=1)
+            hint = f"did you mean {'.'.join([*done, close[0]])}?" if close else (
+                f"keys there: {', '.join(sorted(keys))}")  # fmt: skip
+            raise ConfigError(f"{where}.sweep: a run has no key {path!r}; {hint}")
+        done.append(part)
+        node = _resolve(props[part], schema)
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value).replace(".", "p")
+    if isinstance(value, list | tuple):
+        return "_".join(_value_text(v) for v in value)
+    if isinstance(value, dict):
+        return "_".join(f"{k}_{_value_text(v)}" for k, v in sorted(value.items()))
+    return re.sub(r"[^A-Za-z0-9_]", "_", str(value))
+
+
+def member_name(run: str, values: list[tuple[str, Any]]) -> str:
+    """The member's name (the rule is in the module's docstring)."""
+    lasts = [p.rsplit(".", 1)[-1] for p, _ in values]
+    keys = [p.replace(".", "_") if lasts.count(last) > 1 else last
+            for (p, _), last in zip(values, lasts, strict=True)]  # fmt: skip
+    name = run + "".join(f"-{k}_{_value_text(v)}" for k, (_, v) in zip(keys, values, strict=True))
+    if len(name) > MAX_NAME:
+        name = f"{name[:55]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return name
+
+
+def _set(run: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for p in parents:
+        run = run.setdefault(p, {})
+    run[last] = copy.deepcopy(value)
+
+
+def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
+    """A selection metric the members will have; else one line naming what they have."""
+    if metric == "train_loss":
+        return
+    if "eval_dataset" not in run:
+        raise ConfigError(
+            f"{where}.sweep_select.metric: {metric!r} needs an evaluation (set eval_dataset), "
+            "or select on train_loss"
+        )
+    if metric in EVAL_FIGURES:
+        return
+    tasks = ((run.get("eval") or {}).get("lm_eval") or {}).get("tasks") or []
+    if metric.startswith("lm_eval:") and metric.split(":")[1] in tasks:
+        return
+    raise ConfigError(
+        f"{where}.sweep_select.metric: {metric!r} is not a figure of the evaluation; use one "
+        f"of {', '.join((*EVAL_FIGURES, 'train_loss'))} or lm_eval:<task>:<metric,filter> of a "
+        "task in eval.lm_eval.tasks"
+    )
+
+
+def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Replace every run with ``sweep`` by its members, in place; {sweep: [members]}.
+
+    One line (ConfigError) for: a sweep that is not a mapping of key paths to non-empty
+    lists, a key path a run does not have (with the closest), more members than
+    ``max_sweep_runs`` (default 64), a member whose name another run has. A value the schema
+    refuses is caught by the schema check that follows, naming the member.
+    """
+    runs = config.get("runs")
+    if not isinstance(runs, dict) or not any(
+        isinstance(r, dict) and "sweep" in r for r in runs.values()
+    ):
+        return {}
+    limit = config.get("max_sweep_runs", 64)
+    expanded: dict[str, Any] = {}
+    sweeps: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        if not isinstance(run, dict) or "sweep" not in run:
+            expanded[name] = run
+            continue
+        where = f"runs.{name}"
+        sweep = run["sweep"]
+        if "publish" in run:
+            raise ConfigError(f"{where}: publish with sweep would push every member to one "
+                              "repo; publish the best member (results/<run>/best.json) as a "
+                              "run of its own")  # fmt: skip
+        if not isinstance(sweep, dict) or not sweep:
+            raise ConfigError(f"{where}.sweep: give key paths with lists of values, e.g. "
+                              "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}")  # fmt: skip
+        for path, values in sweep.items():
+            check_path(str(path), schema, where)
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"{where}.sweep.{path}: give a non-empty list of values "
+                                  f"(got {values!r})")  # fmt: skip
+        count = 1
+        for values in sweep.values():
+            count *= len(values)
+        if count > limit:
+            raise ConfigError(
+                f"{where}.sweep: {' x '.join(str(len(v)) for v in sweep.values())} = {count} "
+                f"members, more than max_sweep_runs ({limit}); sweep fewer values or raise "
+                "max_sweep_runs"
+            )
+        select = dict(run.get("sweep_select") or {})
+        select.setdefault("metric", "exact_match" if "eval_dataset" in run else "train_loss")
+        select.setdefault("mode", "min" if select["metric"] in LOWER_IS_BETTER else "max")
+        check_metric(select["metric"], run, where)
+        base = {k: v for k, v in run.items() if k not in ("sweep", "sweep_select")}
+        members = []
+        for combo in itertools.product(*sweep.values()):
+            values = list(zip(sweep, combo, strict=True))
+            member = member_name(name, values)
+            if member in runs or member in expanded:
+                raise ConfigError(f"{where}.sweep: member {member} has the name of another "
+                                  "run; rename one of them")  # fmt: skip
+            spec = copy.deepcopy(base)
+            for path, value in values:
+                _set(spec, path, value)
+            spec["sweep_of"] = {"run": name, "values": dict(values), "select": select}
+            expanded[member] = spec
+            members.append(member)
+        sweeps[name] = members
+    config["runs"] = expanded
+    return sweeps
+
+
+def sweeps_of(runs: Mapping[str, Any]) -> dict[str, list[str]]:
+    """{sweep: [members]} of expanded runs."""
+    out: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        if "sweep_of" in run:
+            out.setdefault(run["sweep_of"]["run"], []).append(name)
+    return out
+
+
+def figures(metrics: Mapping[str, Any] | None, train_loss: float | None) -> dict[str, float]:
+    """Every figure a member can be selected on."""
+    from snaketune.report import lm_eval_columns
+
+    out: dict[str, float] = {}
+    if train_loss is not None:
+        out["train_loss"] = train_loss
+    if metrics:
+        out.update({k: metrics[k] for k in EVAL_FIGURES if metrics.get(k) is not None})
+        out.update({k: v for k, v in lm_eval_columns(metrics).items()
+                    if not k.startswith(("base_", "gain_")) and v is not None})  # fmt: skip
+    return out
+
+
+def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) -> dict[str, Any]:
+    """best.json: the best member by ``rule`` among ``{member: {values, figures}}``."""
+    metric, mode = rule["metric"], rule["mode"]
+    scored = {m: info["figures"].get(metric) for m, info in members.items()}
+    missing = [m for m, v in scored.items() if v is None]
+    if missing:
+        raise ConfigError(f"sweep_select: {metric} is not in the metrics of {missing[0]}")
+    best = (max if mode == "max" else min)(scored, key=lambda m: (scored[m], m))
+    return {
+        "metric": metric,
+        "mode": mode,
+        "best": best,
+        "value": scored[best],
+        "values": members[best]["values"],
+        "figures": members[best]["figures"],
+        "members": [
+            {"run": m, "values": members[m]["values"], metric: scored[m]} for m in members
+        ],  # fmt: skip
+    }
+
+
+def last_train_loss(metrics_jsonl: Path) -> float | None:
+    rows = [json.loads(x) for x in metrics_jsonl.read_text().splitlines() if x.strip()]
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    return losses[-1] if losses else None

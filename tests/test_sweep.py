@@ -1,0 +1,275 @@
+"""Sweeps (snaketune.sweep): a run's `sweep` expanded into members, validated before any
+job, the best member selected; through the workflow, shared stages run once."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+
+import pytest
+import yaml
+from conftest import ROOT, snakemake
+
+from snaketune.config import load_yaml, validate_config
+from snaketune.errors import ConfigError
+from snaketune.sweep import member_name, select
+
+GRID = {"learning_rate": [0.003, 0.006], "lora.r": [4, 8]}
+MEMBERS = ["demo-learning_rate_0p003-r_4", "demo-learning_rate_0p003-r_8",
+           "demo-learning_rate_0p006-r_4", "demo-learning_rate_0p006-r_8"]  # fmt: skip
+
+
+def demo_with(sweep=None, **run) -> dict:
+    config = load_yaml(ROOT / "config/config.yaml")
+    if sweep is not None:
+        config["runs"]["demo"]["sweep"] = sweep
+    config["runs"]["demo"].update(run)
+    return config
+
+
+def test_a_grid_expands_into_named_members_with_their_values():
+    config = validate_config(demo_with(GRID), ROOT)
+    assert list(config["runs"]) == MEMBERS
+    member = config["runs"]["demo-learning_rate_0p006-r_4"]
+    assert member["learning_rate"] == 0.006 and member["lora"]["r"] == 4
+    assert member["lora"]["alpha"] == 16  # the rest of the run as it was
+    assert member["sweep_of"] == {"run": "demo", "values": {"learning_rate": 0.006, "lora.r": 4},
+                                  "select": {"metric": "exact_match", "mode": "max"}}  # fmt: skip
+    assert "sweep" not in member and "sweep_select" not in member
+
+
+def test_member_names_are_safe_short_and_readable():
+    assert member_name("demo", [("learning_rate", 2e-05), ("dataset", "gsm8k/main")]) == (
+        "demo-learning_rate_2e-05-dataset_gsm8k_main"
+    )
+    assert member_name("x", [("lora.r", 8), ("grpo.r", 2), ("packing", True)]) == (
+        "x-lora_r_8-grpo_r_2-packing_true"
+    )
+    long = member_name("a_rather_long_run_name", [("learning_rate", 0.000123456789),
+                                                  ("dataset", "a_long_dataset_name")])  # fmt: skip
+    assert len(long) == 64 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,63}", long)
+    assert re.fullmatch(r"a_rather_long_run_name-learning_rate_0p000123456789-dat-[0-9a-f]{8}",
+                        long)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sweep", "select_rule", "message"),
+    [
+        ({"lora.rr": [4]}, None, "runs.demo.sweep: a run has no key 'lora.rr'; did you mean lora.r?"),
+        ({"learning_rat": [1.0]}, None,
+         "runs.demo.sweep: a run has no key 'learning_rat'; did you mean learning_rate?"),
+        ({"learning_rate": []}, None,
+         "runs.demo.sweep.learning_rate: give a non-empty list of values (got [])"),
+        ({"learning_rate": [0.1, "fast"]}, None, "runs.demo-learning_rate_fast.learning_rate: "),
+        ({"seed": list(range(9)), "learning_rate": [0.1 * i for i in range(1, 9)]}, None,
+         "runs.demo.sweep: 9 x 8 = 72 members, more than max_sweep_runs (64)"),
+        (GRID, {"metric": "exactmatch"},
+         "runs.demo.sweep_select.metric: 'exactmatch' is not a figure of the evaluation"),
+    ],
+    ids=["closest-nested", "closest", "empty", "bad-value", "too-many", "metric"],
+)  # fmt: skip
+def test_bad_sweeps_are_one_line_before_any_job(sweep, select_rule, message):
+    config = demo_with(sweep, **({"sweep_select": select_rule} if select_rule else {}))
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, ROOT)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_the_best_member_by_any_figure_and_either_direction():
+    members = {
+        "a": {"values": {"lr": 1}, "figures": {"exact_match": 0.5, "loss": 1.2,
+                                               "lm_eval:arith:exact_match,none": 0.7}},
+        "b": {"values": {"lr": 2}, "figures": {"exact_match": 0.6, "loss": 1.4,
+                                               "lm_eval:arith:exact_match,none": 0.6}},
+    }  # fmt: skip
+    assert select(members, {"metric": "exact_match", "mode": "max"})["best"] == "b"
+    assert select(members, {"metric": "loss", "mode": "min"})["best"] == "a"
+    best = select(members, {"metric": "lm_eval:arith:exact_match,none", "mode": "max"})
+    assert best["best"] == "a" and best["values"] == {"lr": 1} and best["value"] == 0.7
+    assert [m["run"] for m in best["members"]] == ["a", "b"]
+    with pytest.raises(ConfigError, match="stop_rate is not in the metrics of a"):
+        select(members, {"metric": "stop_rate", "mode": "max"})
+
+
+def test_validate_lists_the_members_and_the_dry_run_shares_the_data_stages(tmp_path, capsys):
+    from snaketune.cli import main
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(demo_with(copy.deepcopy(GRID))))
+    assert main(["validate", str(path), "--root", str(ROOT)]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == MEMBERS
+    proc = snakemake("-n", "--configfile", str(path), "--directory", str(tmp_path / "w"))
+    jobs = dict(re.findall(r"(?m)^([a-z_]+)\s+(\d+)$", proc.stdout))
+    assert jobs["train"] == "4" and jobs["evaluate"] == "4" and jobs["select_sweep"] == "1"
+    # one tokenized training set and one eval set, one shard plan: the members differ only
+    # in what training does with them
+    assert jobs["tokenize_dataset"] == "2" and jobs["shard_dataset"] == "1", jobs
+
+
+def test_select_sweep_writes_best_json(tmp_path):
+    config = validate_config(demo_with(copy.deepcopy(GRID)), ROOT)
+    members = {m: config["runs"][m] for m in MEMBERS}
+    for i, m in enumerate(MEMBERS):
+        (tmp_path / m / "train").mkdir(parents=True)
+        (tmp_path / m / "eval").mkdir()
+        (tmp_path / m / "train/metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0 - i})
+                                                          + "\n")  # fmt: skip
+        (tmp_path / m / "eval/metrics.json").write_text(json.dumps(
+            {"exact_match": [0.2, 0.5, 0.4, 0.1][i], "loss": 1.0, "perplexity": 2.7}))  # fmt: skip
+    out = tmp_path / "demo/best.json"
+    proc = subprocess.run(
+        ["python", str(ROOT / "scripts/select_sweep.py"), "--sweep", "demo", "--members",
+         json.dumps(members), "--results", str(tmp_path), "--out", str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(out.read_text())
+    assert best["sweep"] == "demo" and best["best"] == "demo-learning_rate_0p003-r_8"
+    assert best["values"] == {"learning_rate": 0.003, "lora.r": 8} and best["value"] == 0.5
+    assert best["figures"]["train_loss"] == 1.0 and len(best["members"]) == 4
+
+
+# ----------------------------------------------------------------------------- end to end
+
+STOP_MEMBERS = ["stops-max_steps_2-r_4", "stops-max_steps_2-r_8", "stops-max_steps_96-r_4",
+                "stops-max_steps_96-r_8"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_its_members_and_picks_the_best(stop_sweep):
+    """4 members, each trained, exported and evaluated on its own; the data stages once;
+    best.json; a summary row per member with the swept values; the report's sweep section
+    renders in Chromium and fits 1280 px."""
+    import csv
+    import shutil
+
+    w = stop_sweep
+    assert sorted(p.name for p in (w / "logs/train").glob("*.log")) == [
+        f"{m}.log" for m in STOP_MEMBERS
+    ]
+    assert len(list((w / "logs/tokenize_dataset").glob("*.log"))) == 2  # train and eval set
+    assert len(list((w / "logs/shard_dataset").glob("*.log"))) == 1
+    for m in STOP_MEMBERS:
+        steps = [json.loads(x)["step"] for x in (w / f"results/{m}/train/metrics.jsonl").open()]
+        assert steps[-1] == int(m.split("_")[2].split("-")[0]), m
+    best = json.loads((w / "results/stops/best.json").read_text())
+    evals = {m: json.loads((w / f"results/{m}/eval/metrics.json").read_text())
+             for m in STOP_MEMBERS}  # fmt: skip
+    top = max(evals[m]["exact_match"] for m in STOP_MEMBERS)
+    assert best["metric"] == "exact_match" and best["value"] == top
+    assert evals[best["best"]]["exact_match"] == top and best["best"] in STOP_MEMBERS
+    assert best["values"] == {"max_steps": int(best["best"].split("_")[2].split("-")[0]),
+                              "lora.r": int(best["best"].rsplit("_", 1)[1])}  # fmt: skip
+    with open(w / "results/summary.tsv") as fh:
+        rows = {r["run"]: r for r in csv.DictReader(fh, delimiter="\t")}
+    assert sorted(rows) == STOP_MEMBERS
+    assert rows["stops-max_steps_96-r_4"]["sweep"] == "stops"
+    assert rows["stops-max_steps_96-r_4"]["sweep:max_steps"] == "96"
+    assert rows["stops-max_steps_96-r_4"]["sweep:lora.r"] == "4"
+    html = (w / "results/summary.html").read_text()
+    section = html.split('<section id="sweep-stops">')[1].split("</section>")[0]
+    assert section.count("<tr") == 5 and "★ best" in section and "<svg" in section
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is needed (scripts/setup_env.sh installs it)"
+    probe = w / "results/width-probe.html"
+    probe.write_text(html.replace(
+        "</body>", "<script>document.title = 'W' + document.documentElement.scrollWidth + "
+        "'/' + window.innerWidth;</script></body>"))  # fmt: skip
+    measured = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         f"--user-data-dir={w / '.chromium'}", "--window-size=1280,900", "--dump-dom",
+         probe.as_uri()], capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert 'id="sweep-stops"' in measured and "★ best" in measured
+    scroll, inner = map(int, re.search(r"<title>W(\d+)/(\d+)</title>", measured).groups())
+    assert inner == 1280 and scroll <= inner, f"the page is {scroll} px wide at {inner} px"
+
+
+@pytest.mark.slow
+def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo):
+    """The base model stops on <|endoftext|>, its template ends a turn with <|im_end|>:
+    tokenize warns, every merged model's generation_config stops on both, the 96-step
+    members' generations stop (plain generate, no argument), and the evaluation records
+    the stop rate of base and tuned; the demo's summary has both columns too."""
+    import csv
+
+    import torch
+    from conftest import BASE_EOS
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    w = stop_sweep
+    eos = AutoTokenizer.from_pretrained(w / "qwen-like-base").convert_tokens_to_ids(BASE_EOS)
+    logs = "".join(p.read_text() for p in (w / "logs/tokenize_dataset").glob("*.log"))
+    assert (f"models.qwen_like: the chat template ends an assistant turn with <|im_end|> (id 2), "
+            f"but the model's generation_config stops only on [{eos}]") in logs  # fmt: skip
+    for m in STOP_MEMBERS:
+        merged = w / f"results/{m}/merged_model"
+        assert json.loads((merged / "generation_config.json").read_text())["eos_token_id"] == [
+            eos, 2]  # fmt: skip
+        ev = json.loads((w / f"results/{m}/eval/metrics.json").read_text())
+        assert ev["stop_ids"] == [eos, 2] and ev["base"]["stop_rate"] < 0.5, ev
+        samples = [json.loads(x) for x in (w / f"results/{m}/eval/samples.jsonl").open()]
+        assert sum(s["stopped"] for s in samples) == round(ev["stop_rate"] * len(samples))
+        if "max_steps_96" in m:
+            assert ev["stop_rate"] >= 0.9, (m, ev)
+    merged = w / "results/stops-max_steps_96-r_8/merged_model"
+    tok = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Tina has 43 clips. She buys "
+                                       "5 more. How many clips does she have now?"}],
+                                     add_generation_prompt=True, return_tensors="pt")  # fmt: skip
+    ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    out = model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :]
+    assert out[-1].item() == 2 and len(out) < 48, tok.decode(out)
+    assert not torch.isin(out[:-1], torch.tensor([2, eos])).any()
+    for where in (w / "results/summary.tsv", demo / "results/summary.tsv"):
+        with open(where) as fh:
+            for row in csv.DictReader(fh, delimiter="\t"):
+                assert 0 <= float(row["base_stop_rate"]) <= 1, row
+                assert 0 <= float(row["stop_rate"]) <= 1, row
+
+
+@pytest.mark.slow
+def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, tmp_path):
+    """A second sweep beside the finished one, one of its members with LoRA targets the
+    model does not have (only its train job finds out): that member's training fails, its
+    sibling's completes, the first sweep's members are not rerun; with the value fixed,
+    the next invocation trains only the new member. (Training is the stage a member runs
+    alone; the exports and evaluations after it are per member the same way.)"""
+    import shutil
+
+    w = tmp_path / "w"
+    shutil.copytree(stop_sweep, w, symlinks=True)
+    cfg = yaml.safe_load((w / "config.yaml").read_text())
+    fails = copy.deepcopy(cfg["runs"]["stops"])
+    fails.update(max_steps=2, sweep={"lora.target_modules": [["q_proj", "v_proj"], ["bogus_proj"]]})
+    cfg["runs"]["fails"] = fails
+    (w / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    trained = {p: p.stat().st_mtime for p in (w / "results").glob("stops-*/train/metrics.jsonl")}
+
+    def train(*members: str) -> subprocess.CompletedProcess:  # every run's training
+        targets = [f"results/{m}/train/metrics.jsonl" for m in members]
+        return snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w),
+                         "--keep-going", *targets, check=False)  # fmt: skip
+
+    good, bad = "fails-target_modules_q_proj_v_proj", "fails-target_modules_bogus_proj"
+    proc = train(*STOP_MEMBERS, good, bad)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert set(re.findall(r"Error in rule (\w+):", out)) == {"train"}, out[-4000:]
+    assert bad in out.split("Error in rule train:")[1][:2000]
+    assert (w / f"results/{good}/train/metrics.jsonl").is_file()
+    assert not (w / f"results/{bad}/train/metrics.jsonl").exists()
+    assert {p: p.stat().st_mtime for p in trained} == trained  # the first sweep: not rerun
+
+    fails["sweep"]["lora.target_modules"][1] = ["o_proj"]
+    (w / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    proc = train(*STOP_MEMBERS, good, "fails-target_modules_o_proj")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    trains = re.findall(r"(?m)^(?:local)?rule train:\n(?:.*\n){0,9}?\s+wildcards: run=(\S+)",
+                        out)  # fmt: skip
+    assert trains == ["fails-target_modules_o_proj"], out[-4000:]
