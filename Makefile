@@ -21,7 +21,7 @@ demo: setup
 
 # The SLURM tests start a local cluster (tests/slurm/start.sh) from Debian's packages;
 # without root they are skipped (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
-# tests/run.sh runs them in a second pytest beside the rest (they mostly wait on SLURM).
+# tests/run.sh runs them (and a few pipeline tests) in a second pytest beside the rest.
 test: setup
 	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
 	bash tests/run.sh

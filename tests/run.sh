@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The test suite as `make test` (and CI) runs it. tests/test_slurm.py mostly waits on the
-# scheduler, so it runs in a second pytest beside the rest; the local demo both need is
-# built once, by whichever gets to it first (SNAKETUNE_SHARED_DIR, tests/conftest.py).
-# Extra arguments go to both pytest runs.
+# The test suite as `make test` (and CI) runs it, in two pytest runs side by side on the
+# machine's cores: tests/test_slurm.py (mostly waiting on the scheduler) with the pipeline
+# tests that need no other module's fixtures but the demo (atomic outputs, sweeps), and
+# the rest. The local demo both need is built once, by whichever gets to it first
+# (SNAKETUNE_SHARED_DIR, tests/conftest.py). Extra arguments go to both pytest runs.
 set -uo pipefail
+SIDE=(tests/test_atomic.py tests/test_slurm.py tests/test_sweep.py)
 shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
 export SNAKETUNE_SHARED_DIR=$shared
-pytest tests/test_slurm.py "$@" > "$shared/slurm.log" 2>&1 &
-slurm=$!
-trap 'kill $slurm 2>/dev/null' INT TERM
-pytest --ignore=tests/test_slurm.py "$@"
+pytest "${SIDE[@]}" "$@" > "$shared/side.log" 2>&1 &
+side_pid=$!
+trap 'kill $side_pid 2>/dev/null' INT TERM
+pytest "${SIDE[@]/#/--ignore=}" "$@"
 main=$?
-wait "$slurm"
+wait "$side_pid"
 side=$?
-echo "========== tests/test_slurm.py (ran beside the rest) =========="
-cat "$shared/slurm.log"
+echo "========== ${SIDE[*]} (ran beside the rest) =========="
+cat "$shared/side.log"
 rm -rf "$shared"
-echo "pytest exit codes: tests/test_slurm.py $side, the rest $main"
+echo "pytest exit codes: ${SIDE[*]}: $side; the rest: $main"
 [ "$main" -eq 0 ] || exit "$main"
 exit "$side"
