@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.cli import run
-from snaketune.io import atomic_paths
+from snaketune.io import atomic_paths, read_jsonl
 from snaketune.plan import final_model_dir
 from snaketune.provenance import lineage
 from snaketune.report import (
@@ -39,17 +39,11 @@ def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, lis
                    evals: dict[str, dict]) -> list[str]:  # fmt: skip
     """The report's section of each sweep (snaketune.sweep): its members compared, the best
     one chosen as results/<sweep>/best.json chooses it."""
-    from snaketune.sweep import figures, select, sweeps_of
+    from snaketune.sweep import best_member, sweeps_of
 
     sections = []
     for sweep, members in sweeps_of(runs).items():
-        info = {
-            m: {"values": runs[m]["sweep_of"]["values"],
-                "figures": figures(evals.get(m), (curves[m][-1].get("loss") if curves[m]
-                                                  else None))}
-            for m in members
-        }  # fmt: skip
-        best = select(info, runs[members[0]]["sweep_of"]["select"])
+        best = best_member({m: runs[m] for m in members}, evals, curves)
         held_out = {m: evals[m]["loss"] for m in members if m in evals}
         svg = sweep_svg({m: curves[m] for m in members}, held_out, best["best"],
                         f"sweep {sweep}: training loss of each member")  # fmt: skip
@@ -86,9 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.benchmarks / "train" / f"{name}.tsv",
                 )
             )
-            metrics = [
-                json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines() if x
-            ]
+            metrics = read_jsonl(train / "metrics.jsonl")
             curves_of[name] = metrics
             if "eval_dataset" in spec:
                 evals[name] = json.loads(ev.read_text())

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.cli import run
-from snaketune.io import atomic_paths
-from snaketune.sweep import figures, last_train_loss, select
+from snaketune.io import atomic_paths, read_jsonl
+from snaketune.sweep import best_member
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,14 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="results/<sweep>/best.json")
     args = parser.parse_args(argv)
     members = json.loads(args.members)
-    info = {}
-    for name, spec in members.items():
-        ev = args.results / name / "eval" / "metrics.json"
-        metrics = json.loads(ev.read_text()) if "eval_dataset" in spec else None
-        loss = last_train_loss(args.results / name / "train" / "metrics.jsonl")
-        info[name] = {"values": spec["sweep_of"]["values"], "figures": figures(metrics, loss)}
-    rule = next(iter(members.values()))["sweep_of"]["select"]
-    best = {"sweep": args.sweep, **select(info, rule)}
+    evals = {name: json.loads((args.results / name / "eval/metrics.json").read_text())
+             for name, spec in members.items() if "eval_dataset" in spec}  # fmt: skip
+    curves = {name: read_jsonl(args.results / name / "train/metrics.jsonl") for name in members}
+    best = {"sweep": args.sweep, **best_member(members, evals, curves)}
     with atomic_paths(args.out) as (tmp,):
         tmp.write_text(json.dumps(best, indent=2) + "\n")
     print(f"{args.sweep}: best {best['metric']} ({best['mode']}) {best['value']:.6g}: "

@@ -177,6 +177,21 @@ def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: s
     )
 
 
+def workers_after(proc: subprocess.Popen, done: Path, timeout: float = 300) -> list:
+    """Once file ``done`` exists (e.g. a checkpoint's COMPLETE mark), the worker processes
+    (psutil) of the training ``proc`` started; fails if it ends or ``timeout`` passes first."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while not done.is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "--worker" in p.cmdline()]  # fmt: skip
+
+
 def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str) -> Path:
     """Run scripts/train.py to the end; return results/x/train."""
     proc = launch_train(workdir, spec, shards, model, preset, *extra)

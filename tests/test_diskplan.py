@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import ROOT, launch_train, read_jsonl, run_spec, snakemake, tmpfs
+from conftest import ROOT, launch_train, read_jsonl, run_spec, snakemake, tmpfs, workers_after
 
 from snaketune.checkpoints import (
     COMPLETE,
@@ -150,11 +148,6 @@ def test_snakemake_refuses_before_queueing_when_results_cannot_hold_the_run(demo
         assert not list((work / "results").iterdir())  # no job ran
 
 
-def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "--worker" in p.cmdline()]  # fmt: skip
-
-
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_before_the_save_and_the_rerun_resumes(demo, tmp_path):
     """LoRA on 2 emulated nodes, a checkpoint every 4 steps, on a 24 MiB tmpfs. Once
@@ -168,11 +161,7 @@ def test_a_disk_that_fills_mid_run_stops_before_the_save_and_the_rerun_resumes(d
     with tmpfs(tmp_path / "results", 24):
         proc = launch_train(tmp_path, spec, shards, model, "zero2")
         try:
-            deadline = time.monotonic() + 300
-            while not (ckpt / "checkpoint-4" / COMPLETE).is_file():
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-                time.sleep(0.02)
-            workers = _workers(proc)
+            workers = workers_after(proc, ckpt / "checkpoint-4" / COMPLETE)
             for w in workers:
                 w.send_signal(signal.SIGSTOP)
             free = shutil.disk_usage(tmp_path / "results").free

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from conftest import launch_train, read_jsonl, run_spec
+from conftest import launch_train, read_jsonl, run_spec, workers_after
 
 from snaketune.checkpoints import COMPLETE
 from snaketune.heartbeat import Heartbeat, StallWatch
@@ -53,11 +53,6 @@ def test_ranks_that_are_all_quiet_together_are_not_a_stall(tmp_path):
     assert watch.judge(1000.0) is None
 
 
-def _workers(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "--worker" in p.cmdline()]  # fmt: skip
-
-
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_within_the_timeout_and_the_rerun_is_exact(demo, tmp_path):
     """LoRA on 2 emulated nodes, timeout_minutes 0.5: rank 1 stopped with SIGSTOP after
@@ -69,11 +64,7 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_the_rerun_is_exact(demo,
     ckpt = tmp_path / "results/x/train/checkpoints"
     proc = launch_train(tmp_path, spec, shards, model, "zero2")
     try:
-        deadline = time.monotonic() + 300
-        while not (ckpt / "checkpoint-4" / COMPLETE).is_file():
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        workers = _workers(proc)
+        workers = workers_after(proc, ckpt / "checkpoint-4" / COMPLETE)
         victim = next(w for w in workers if w.environ().get("RANK") == "1")
         victim.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()

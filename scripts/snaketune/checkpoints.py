@@ -48,24 +48,21 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_mod
                "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
 
 
-def reduce_to_weights(path: Path) -> int:
+def reduce_to_weights(path: Path) -> None:
     """Drop a complete checkpoint's DeepSpeed states (optimizer and module partitions),
-    keeping the model Trainer saved beside them; returns the bytes freed (0: left whole,
-    when it has no saved model, e.g. ZeRO-3 without gathered 16-bit weights)."""
+    keeping the model Trainer saved beside them; a checkpoint with no saved model (ZeRO-3
+    without gathered 16-bit weights) is left whole."""
     if not is_complete(path) or is_reduced(path):
-        return 0
+        return
     if not any((path / name).is_file() for name in MODEL_FILES):
-        return 0
+        return
     # marked first: a reduction cut short never leaves a checkpoint that claims to resume
     mark = json.loads((path / COMPLETE).read_text())
     (path / COMPLETE).write_text(json.dumps({**mark, "weights_only": True}))
-    freed = 0
     for states in path.glob("global_step*"):
-        freed += sum(f.stat().st_size for f in states.rglob("*") if f.is_file())
         shutil.rmtree(states, ignore_errors=True)
     for name in ("latest", "latest_universal"):
         (path / name).unlink(missing_ok=True)
-    return freed
 
 
 def prune(directory: Path, keep: int, optimizer: str = "all") -> None:

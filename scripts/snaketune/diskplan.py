@@ -147,12 +147,13 @@ def plan_disk(
     held = folder_bytes(run_dir / "train") + sum(
         folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")
     )
-    free = free_bytes(run_dir)
+    where = existing(run_dir)
+    free = shutil.disk_usage(where).free
     return {
         "need_bytes": {k: round(v) for k, v in need.items()},
         "free_bytes": free,
         "held_bytes": held,
-        "path": str(existing(run_dir)),
+        "path": str(where),
         "save_total_limit": keep,
         "optimizer": optimizer,
         "fits": need["total"] <= free + held,
@@ -226,15 +227,20 @@ def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir
 
 
 def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_dir: Path,
-                   on_gpu: bool) -> dict[str, Any]:  # fmt: skip
+                   on_gpu: bool) -> dict[str, Any] | None:  # fmt: skip
     """The train job's check before it starts any worker: UserError (one line) when the
-    run does not fit; its plan when it does."""
+    run does not fit; its plan when it does; None (with a log line) for a model whose
+    config.json the estimate cannot read."""
     import json
 
     from snaketune.memplan import setup_of
 
-    shape = Shape.from_config(json.loads((model_dir / "config.json").read_text()),
-                              str(model_dir / "config.json"))  # fmt: skip
+    config = model_dir / "config.json"
+    try:
+        shape = Shape.from_config(json.loads(config.read_text()), str(config))
+    except (UserError, OSError, ValueError) as exc:
+        log.warning("disk plan: not checked (%s); each save is still checked", exc)
+        return None
     ds = json.loads(deepspeed.read_text())
     plan = plan_disk(shape, setup_of(spec, ds, on_gpu), spec, ds, run_dir, model_dir)
     if not plan["fits"]:

@@ -139,6 +139,11 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The JSON value of every non-blank line of ``path`` (metrics.jsonl and the like)."""
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Write JSON atomically (sorted keys, indented, trailing newline)."""
     with atomic_path(path) as tmp:

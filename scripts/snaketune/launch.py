@@ -37,7 +37,7 @@ from pathlib import Path
 from snaketune.checkpoints import checkpoint_step, newest_complete
 from snaketune.errors import UserError
 from snaketune.heartbeat import StallWatch, stall_verdict
-from snaketune.io import digest, publish, sha256_file, write_json
+from snaketune.io import digest, publish, read_jsonl, sha256_file, write_json
 from snaketune.network import RESULT as NETWORK
 from snaketune.network import read_result
 from snaketune.runlock import RunLock, die_with_parent
@@ -272,15 +272,11 @@ def check_disk(job: Job) -> None:
     import torch
 
     from snaketune.diskplan import check_job_disk, format_disk
-    from snaketune.memplan import Shape
 
-    try:
-        Shape.from_config(json.loads((job.model / "config.json").read_text()))
-    except (UserError, OSError, ValueError) as exc:  # a model the estimate cannot read
-        log.warning("disk plan: not checked (%s); each save is still checked", exc)
-        return
     plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
                           torch.cuda.is_available())  # fmt: skip
+    if plan is None:
+        return
     log.info("disk plan: %s", format_disk(job.out.parent.name, plan))
     os.environ["SNAKETUNE_CHECKPOINT_BYTES"] = str(plan["need_bytes"]["checkpoint"])
 
@@ -540,6 +536,7 @@ def publish_outputs(job: Job) -> None:
     them renamed into place at once."""
     import torch
 
+    from snaketune.diskplan import folder_bytes
     from snaketune.provenance import output_hashes, record
     from snaketune.train import WORKER_OUTPUTS, staged
 
@@ -563,7 +560,7 @@ def publish_outputs(job: Job) -> None:
         outputs,
         hosts={h.name: h.read_text() for h in hosts},
         device="cuda" if torch.cuda.is_available() else "cpu",
-        final_checkpoint_bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
+        final_checkpoint_bytes=folder_bytes(final),
         segments=segments_summary(read_segments(job)),
         network=read_result(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
@@ -600,7 +597,7 @@ def read_segments(job: Job) -> list[dict]:
     path = job.ckpt / SEGMENTS
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path)
 
 
 def slurm_restarts() -> int:

@@ -30,9 +30,11 @@ def allreduce_busbw(nbytes: int | None = None, iterations: int = ITERATIONS) -> 
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    from snaketune.progress import collective_device
+
+    device = collective_device()
+    cuda = device.type == "cuda"
     nbytes = nbytes or (GPU_BYTES if cuda else CPU_BYTES)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
 
     def sync() -> None:

@@ -109,14 +109,33 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: this process's GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce; this rank's flag off a job)."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def gather_step(values: list[float]) -> dict[str, float]:
     """Every rank's ``values`` (in FIELDS order), combined: one all-gather."""
     import torch.distributed as dist
 
     rows = [values]
     if is_distributed():
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        mine = torch.tensor(values, dtype=torch.float64, device=collective_device())
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         rows = torch.stack(parts).cpu().tolist()

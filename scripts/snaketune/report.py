@@ -54,7 +54,9 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
 
 def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
                 train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
-    metrics = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines() if x]
+    from snaketune.io import read_jsonl
+
+    metrics = read_jsonl(train_dir / "metrics.jsonl")
     provenance = json.loads((train_dir / "provenance.json").read_text())
     row: dict[str, Any] = {
         "run": run, "model": spec["model"], "method": spec["method"],

@@ -32,10 +32,8 @@ import copy
 import difflib
 import hashlib
 import itertools
-import json
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from snaketune.errors import ConfigError
@@ -233,7 +231,14 @@ def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) ->
     }
 
 
-def last_train_loss(metrics_jsonl: Path) -> float | None:
-    rows = [json.loads(x) for x in metrics_jsonl.read_text().splitlines() if x.strip()]
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
-    return losses[-1] if losses else None
+def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any],
+                curves: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+    """best.json of one sweep from its members' run configs, eval metrics (where they have
+    them) and training metrics rows: what select_sweep writes and the report shows."""
+    info = {}
+    for name, spec in specs.items():
+        losses = [r["loss"] for r in curves[name] if r.get("loss") is not None]
+        last = losses[-1] if losses else None
+        info[name] = {"values": spec["sweep_of"]["values"],
+                      "figures": figures(evals.get(name), last)}  # fmt: skip
+    return select(info, next(iter(specs.values()))["sweep_of"]["select"])

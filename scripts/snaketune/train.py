@@ -68,7 +68,14 @@ from snaketune.packing import (
     resolve_attention,
     resolve_liger,
 )
-from snaketune.progress import Deadline, FlopsModel, SnaketuneCallback, StopRequest, barrier
+from snaketune.progress import (
+    Deadline,
+    FlopsModel,
+    SnaketuneCallback,
+    StopRequest,
+    any_rank,
+    barrier,
+)
 from snaketune.throughput import matmul_params, peak_tflops
 
 log = logging.getLogger(__name__)
@@ -581,9 +588,11 @@ def run_worker(
     beat.stop()
     # a stop asked at the last step leaves nothing to continue: the run is done
     finished = trainer.state.global_step >= trainer.state.max_steps
-    if finished and callback.stopped_at is None and room_short(disk):  # for the outputs
-        callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
-        callback.disk_short = disk.short() if disk is not None else None
+    if finished and callback.stopped_at is None:  # room for the outputs (~one checkpoint)?
+        short = disk.short() if disk is not None else None
+        if any_rank(short is not None):
+            callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
+            callback.disk_short = short
     kept = callback.stopped_for_health or callback.stop_reason == "disk"
     stopped = callback.stopped_at is not None and (kept or not finished)
     if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
@@ -619,21 +628,6 @@ def run_worker(
         return STOPPED_EXIT_CODE
     save_outputs(trainer, env, out, ckpt_dir / "metrics.jsonl", probe_inputs(shards), precision)
     return 0
-
-
-def room_short(disk: DiskGuard | None) -> bool:
-    """Does any node lack the room for the final outputs (about one checkpoint)? One
-    collective, at the end of training."""
-    import torch.distributed as dist
-
-    short = disk is not None and disk.short() is not None
-    if not (dist.is_available() and dist.is_initialized()):
-        return short
-    flag = torch.tensor([1.0 if short else 0.0])
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -126,7 +126,8 @@ def run_shards(wildcards):
 
 
 def shard_signature(name):
-    """Everything shard_dataset's output depends on, for run ``name``."""
+    """Everything shard_dataset's output depends on, for run ``name``: the inputs and
+    params of rule shard_dataset (keep the two in step)."""
     w = SimpleNamespace(run=name)  # what these functions read of a job's wildcards
     run = config["runs"][name]
     return (
@@ -316,8 +317,8 @@ def report_inputs(wildcards):
 
 def before_queueing():
     """Before any job runs (onstart): each run about to train against its GPUs' memory
-    (snaketune.memplan) and its results filesystem's free space (snaketune.diskplan); each run about to evaluate with lm-eval tasks lm-eval knows
-    (snaketune.lmeval); on SLURM, every job of the plan against its partition's nodes and
+    (snaketune.memplan) and its results filesystem's free space (snaketune.diskplan);
+    each run about to evaluate with lm-eval tasks lm-eval knows (snaketune.lmeval); on SLURM, every job of the plan against its partition's nodes and
     limits (snaketune.slurmfit). One line per problem, then stop; on SLURM, a watch then
     cancels a pending job whose reason can never clear."""
     from snaketune.diskplan import check_disk_runs
