@@ -129,6 +129,19 @@ def sacct(job_id: str, fields: str) -> list[str]:
     return out.strip().split("|")
 
 
+def cluster_state() -> str:
+    """The nodes' and jobs' states and the controller's last log lines: what a failed
+    scheduling test prints, since the cluster is gone by the time anyone reads the log."""
+    logs = Path(os.environ.get("SNAKETUNE_SLURM_DIR", "/var/lib/snaketune-slurm")) / "log"
+    parts = []
+    for cmd in (["sinfo", "-N", "-o", "%N %T %E"], ["squeue", "-t", "all", "-o", "%i %j %T %r %N"],
+                ["tail", "-n", "40", str(logs / "slurmctld.log")],
+                ["tail", "-n", "15", str(logs / "slurmd-tupi1.log"), str(logs / "slurmd-tupi2.log")]):  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        parts.append(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return "\n".join(parts)
+
+
 TRAIN_LIMIT_MIN = 2
 
 
@@ -283,7 +296,11 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail("snakemake still waiting 600 s after the train job was cancelled")
+                pytest.fail(
+                    f"snakemake still waiting 600 s after the train job was cancelled "
+                    f"(cancelled: {sorted(cancelled)})\n{cluster_state()}\n"
+                    f"{proc.stdout.read()[-6000:]}"
+                )
             running = subprocess.run(
                 ["squeue", "-h", "-t", "RUNNING", "-o", "%i", "-p", "tupi"],
                 capture_output=True, text=True,
