@@ -53,6 +53,51 @@ def test_ranks_that_are_all_quiet_together_are_not_a_stall(tmp_path):
     assert watch.judge(1000.0) is None
 
 
+def test_a_stopped_process_is_named_though_it_moved_when_the_others_did(tmp_path):
+    """Rank 1 stopped whole (SIGSTOP) at the same poll as rank 0 entered the collective
+    that waits for it: neither moves again, but rank 0's thread still rewrites its file."""
+    beats = _beats(tmp_path, 2)
+    watch = StallWatch(tmp_path, limit_s=30)
+    for b in beats:
+        b.move("save", 4)
+        b.write()
+    watch.read(1.0)
+    for t in range(2, 40):
+        beats[0].write()  # waiting in the barrier: same counter, a fresh file
+        watch.read(float(t))
+        assert watch.judge(float(t)) is None or t >= 31
+    assert watch.judge(40.0) == (
+        f"rank 1 on {host_name()} (pid {beats[1].fixed['pid']}) made no progress for 39 s "
+        "in step 4 (save); 1 rank waits for it"
+    )
+
+
+def test_a_rank_stuck_inside_a_step_behind_the_others_is_named(tmp_path):
+    """Every thread alive, rank 0 further on (in the optimizer's collective) than rank 1
+    (in its backward), both last seen moving at the same poll."""
+    beats = _beats(tmp_path, 2)
+    watch = StallWatch(tmp_path, limit_s=30)
+    beats[0].move("optimizer", 6)
+    beats[1].move("backward", 6)
+    for t in range(1, 40):
+        for b in beats:
+            b.write()
+        watch.read(float(t))
+    assert "rank 1 " in watch.judge(40.0) and "(backward)" in watch.judge(40.0)
+
+
+def test_a_rank_done_training_that_stops_writing_is_not_a_stall(tmp_path):
+    beats = _beats(tmp_path, 2)
+    watch = StallWatch(tmp_path, limit_s=10)
+    for b in beats:
+        b.move("outputs")
+        b.write()
+    for t in range(1, 30):
+        beats[0].write()  # rank 0's thread not stopped yet; rank 1's is
+        watch.read(float(t))
+    assert watch.judge(30.0) is None
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_within_the_timeout_and_the_rerun_is_exact(demo, tmp_path):
     """LoRA on 2 emulated nodes, timeout_minutes 0.5: rank 1 stopped with SIGSTOP after

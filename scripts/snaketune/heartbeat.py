@@ -8,9 +8,13 @@ the moves made. A rank stopped whole (SIGSTOP, a frozen node) writes nothing; a 
 in a collective or on its GPU writes the same counter again.
 
 The launcher (``StallWatch``) reads every rank's file and notes, on its own clock, when each
-counter last moved (no clock of another host is trusted). When one rank has not moved for
-the run's ``timeout_minutes`` while others moved after it, that rank is the one the others
-wait for: one line names it, its host, pid, step and phase, the verdict goes to
+file was last rewritten and when its counter last moved (no clock of another host is
+trusted). A rank is named when, for the run's ``timeout_minutes``, either its file was not
+rewritten while another rank's was (the whole process is stopped: SIGSTOP, a frozen node;
+the ranks waiting for it in a collective still write), or it made no move while another
+rank moved after it or stands further on (stuck inside a step while its thread runs: the
+others reached the collective it never joined). That rank is the one the others wait for:
+one line names it, its host, pid, step and phase, the verdict goes to
 ``<checkpoints>/health/stall.json``, and the local launcher ends the job at once (the ranks
 waiting for it would otherwise time out one by one). On SLURM, the collective timeouts end
 the step (``--kill-on-bad-exit``) and the line names the rank.
@@ -44,7 +48,7 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int, node: int):
         self.path = folder / f"rank-{rank}.json"
         self.fixed = {"rank": rank, "node": node, "host": host_name(), "pid": os.getpid()}
-        self.step, self.phase, self.moves = 0, "start", 0
+        self.step, self.phase, self.moves, self.beats = 0, "start", 0, 0
         self._stop = threading.Event()
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -56,7 +60,9 @@ class Heartbeat:
         self.moves += 1
 
     def write(self) -> None:
-        record = {**self.fixed, "step": self.step, "phase": self.phase, "moves": self.moves}
+        self.beats += 1
+        record = {**self.fixed, "step": self.step, "phase": self.phase, "moves": self.moves,
+                  "beats": self.beats}  # fmt: skip
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
@@ -108,7 +114,8 @@ class StallWatch:
     def __init__(self, ckpt_dir: Path, limit_s: float):
         self.folder, self.limit_s = ckpt_dir / FOLDER, limit_s
         self.verdict_path = ckpt_dir / "health" / STALL
-        self.seen: dict[int, tuple[int, float, dict]] = {}  # rank: (moves, when moved, record)
+        # rank: (moves, when they last changed, beats, when they last changed, record)
+        self.seen: dict[int, tuple[int, float, int, float, dict]] = {}
         self.verdict: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
@@ -131,24 +138,43 @@ class StallWatch:
                 record = json.loads(path.read_text())
             except (OSError, ValueError):  # being replaced right now
                 continue
-            moves = record["moves"]
+            moves, beats = record["moves"], record.get("beats", 0)
             before = self.seen.get(record["rank"])
-            if before is None or before[0] != moves or before[2]["pid"] != record["pid"]:
-                self.seen[record["rank"]] = (moves, now, record)
+            if before is None or before[4]["pid"] != record["pid"]:
+                self.seen[record["rank"]] = (moves, now, beats, now, record)
+                continue
+            moved = now if before[0] != moves else before[1]
+            beat = now if before[2] != beats else before[3]
+            self.seen[record["rank"]] = (moves, moved, beats, beat, record)
 
     def judge(self, now: float) -> str | None:
         """The line naming the stalled rank, or None."""
         if len(self.seen) < 2:
             return None
-        rank, (_, moved, record) = min(self.seen.items(), key=lambda kv: kv[1][1])
-        quiet = now - moved
-        later = [r for r, (_, when, _) in self.seen.items() if r != rank and when > moved]
-        if quiet < self.limit_s or not later:
+        # A rank stopped whole: its file stopped while another rank's is still rewritten (a
+        # rank done training stops writing on purpose)
+        writing = {r for r, s in self.seen.items() if now - s[3] < self.limit_s}
+        frozen = [r for r, s in self.seen.items()
+                  if r not in writing and s[4]["phase"] != "outputs"]  # fmt: skip
+        if frozen and writing:
+            rank = min(frozen, key=lambda r: self.seen[r][3])
+            return self._line(rank, now, len(self.seen) - len(frozen))
+        # A rank stuck inside a step: others moved after it or stand further on
+        rank, (_, moved, _, _, record) = min(
+            self.seen.items(), key=lambda kv: (kv[1][1], _position(kv[1][4]))
+        )
+        if now - moved < self.limit_s:
             return None
-        waiting = f"{len(later)} ranks wait" if len(later) != 1 else "1 rank waits"
+        ahead = [r for r, (_, when, _, _, rec) in self.seen.items()
+                 if r != rank and (when > moved or _position(rec) > _position(record))]  # fmt: skip
+        return self._line(rank, now, len(ahead)) if ahead else None
+
+    def _line(self, rank: int, now: float, waiting: int) -> str:
+        _, moved, _, _, record = self.seen[rank]
+        wait = f"{waiting} ranks wait" if waiting != 1 else "1 rank waits"
         return (f"rank {rank} on {record['host']} (pid {record['pid']}) made no progress for "
-                f"{quiet:.0f} s in step {record['step']} ({record['phase']}); "
-                f"{waiting} for it")  # fmt: skip
+                f"{now - moved:.0f} s in step {record['step']} ({record['phase']}); "
+                f"{wait} for it")  # fmt: skip
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -160,6 +186,16 @@ class StallWatch:
                 log.error("stalled: %s", verdict)
                 self.verdict_path.parent.mkdir(parents=True, exist_ok=True)
                 self.verdict_path.write_text(json.dumps({"message": verdict}) + "\n")
+
+
+# The order of a step's phases (HeartbeatCallback, the model's hooks), to tell which of
+# two ranks seen moving at the same poll stands further on.
+PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs")
+
+
+def _position(record: dict) -> tuple[int, int]:
+    phase = record["phase"]
+    return record["step"], PHASES.index(phase) if phase in PHASES else 0
 
 
 def stall_verdict(ckpt_dir: Path) -> str | None:
