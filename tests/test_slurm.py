@@ -290,6 +290,11 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
     cancellation (squeue status, not sacct's 'CANCELLED by 0') and exit non-zero."""
     workdir, _ = slurm_demo
     proc = start_tupi(workdir, "--forcerun", "train", "--until", "train")
+    # read its output while it runs: each failed attempt prints its job's log, and a full
+    # pipe would block snakemake in a write (this test hung in CI that way, 600 s)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
+    reader.start()
     cancelled: set[str] = set()
     deadline = time.monotonic() + 600
     try:
@@ -299,7 +304,7 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
                 pytest.fail(
                     f"snakemake still waiting 600 s after the train job was cancelled "
                     f"(cancelled: {sorted(cancelled)})\n{cluster_state()}\n"
-                    f"{proc.stdout.read()[-6000:]}"
+                    f"{''.join(chunks)[-6000:]}"
                 )
             running = subprocess.run(
                 ["squeue", "-h", "-t", "RUNNING", "-o", "%i", "-p", "tupi"],
@@ -310,7 +315,8 @@ def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
                 subprocess.run(["scancel", job], check=True)
                 cancelled.add(job)
             time.sleep(1)
-        out = proc.stdout.read()
+        reader.join(timeout=30)
+        out = "".join(chunks)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
