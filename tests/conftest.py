@@ -241,14 +241,15 @@ def base_variant(model: Path, out: Path) -> Path:
     return out
 
 
-STOP_SWEEP = {"max_steps": [2, 96], "lora.r": [4, 8]}
+STOP_SWEEP = {"learning_rate": [2.0e-3, 6.0e-3], "lora.r": [4, 8]}
 
 
 @pytest.fixture(scope="session")
 def stop_sweep(demo, tmp_path_factory) -> Path:
     """A sweep through the local profile, on a base model that stops on another token than
-    its chat template's end of turn (Qwen base models): the demo's LoRA run on 1 node as
-    members of max_steps x lora.r (2 or 96 steps; rank 4 or 8), 16 eval examples each."""
+    its chat template's end of turn (Qwen base models): the demo's LoRA run on 1 node, 96
+    steps, as members of learning rate x LoRA rank (2e-3 or the demo's 6e-3; rank 4 or 8),
+    16 eval examples each."""
     import shutil
 
     import yaml
@@ -260,8 +261,9 @@ def stop_sweep(demo, tmp_path_factory) -> Path:
     cfg["models"]["qwen_like"] = {"source": "local", "path": str(base)}
     run = cfg["runs"].pop("demo")
     del run["epochs"]
-    run.update(model="qwen_like", nodes=1, gradient_accumulation_steps=2, save_steps=96,
-               eval={"limit": 16, "max_new_tokens": 24, "batch_size": 16}, sweep=STOP_SWEEP)  # fmt: skip
+    run.update(model="qwen_like", nodes=1, gradient_accumulation_steps=2, max_steps=96,
+               save_steps=96, eval={"limit": 16, "max_new_tokens": 24, "batch_size": 16},
+               sweep=STOP_SWEEP)  # fmt: skip
     cfg["runs"] = {"stops": run}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # key order: names
     proc = snakemake("--configfile", str(work / "config.yaml"), "--directory", str(work),

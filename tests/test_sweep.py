@@ -134,8 +134,8 @@ def test_select_sweep_writes_best_json(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
-STOP_MEMBERS = ["stops-max_steps_2-r_4", "stops-max_steps_2-r_8", "stops-max_steps_96-r_4",
-                "stops-max_steps_96-r_8"]  # fmt: skip
+STOP_MEMBERS = ["stops-learning_rate_0p002-r_4", "stops-learning_rate_0p002-r_8",
+                "stops-learning_rate_0p006-r_4", "stops-learning_rate_0p006-r_8"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -154,21 +154,29 @@ def test_a_sweep_runs_its_members_and_picks_the_best(stop_sweep):
     assert len(list((w / "logs/shard_dataset").glob("*.log"))) == 1
     for m in STOP_MEMBERS:
         steps = [json.loads(x)["step"] for x in (w / f"results/{m}/train/metrics.jsonl").open()]
-        assert steps[-1] == int(m.split("_")[2].split("-")[0]), m
+        assert steps == list(range(1, 97)), m
+        spec = json.loads((w / f"results/{m}/train/provenance.json").read_text())["config"]
+        lr, r = float(m.split("_")[2].split("-")[0].replace("p", ".")), int(m.rsplit("_", 1)[1])
+        assert (spec["learning_rate"], spec["lora"]["r"]) == (lr, r), m
     best = json.loads((w / "results/stops/best.json").read_text())
     evals = {m: json.loads((w / f"results/{m}/eval/metrics.json").read_text())
              for m in STOP_MEMBERS}  # fmt: skip
     top = max(evals[m]["exact_match"] for m in STOP_MEMBERS)
     assert best["metric"] == "exact_match" and best["value"] == top
     assert evals[best["best"]]["exact_match"] == top and best["best"] in STOP_MEMBERS
-    assert best["values"] == {"max_steps": int(best["best"].split("_")[2].split("-")[0]),
-                              "lora.r": int(best["best"].rsplit("_", 1)[1])}  # fmt: skip
+    assert best["values"] == {
+        "learning_rate": float(best["best"].split("_")[2].split("-")[0].replace("p", ".")),
+        "lora.r": int(best["best"].rsplit("_", 1)[1]),
+    }
     with open(w / "results/summary.tsv") as fh:
         rows = {r["run"]: r for r in csv.DictReader(fh, delimiter="\t")}
     assert sorted(rows) == STOP_MEMBERS
-    assert rows["stops-max_steps_96-r_4"]["sweep"] == "stops"
-    assert rows["stops-max_steps_96-r_4"]["sweep:max_steps"] == "96"
-    assert rows["stops-max_steps_96-r_4"]["sweep:lora.r"] == "4"
+    row = rows["stops-learning_rate_0p006-r_4"]
+    assert (row["sweep"], row["sweep:learning_rate"], row["sweep:lora.r"]) == (
+        "stops",
+        "0.006",
+        "4",
+    )
     html = (w / "results/summary.html").read_text()
     section = html.split('<section id="sweep-stops">')[1].split("</section>")[0]
     assert section.count("<tr") == 5 and "★ best" in section and "<svg" in section
@@ -191,8 +199,8 @@ def test_a_sweep_runs_its_members_and_picks_the_best(stop_sweep):
 @pytest.mark.slow
 def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo):
     """The base model stops on <|endoftext|>, its template ends a turn with <|im_end|>:
-    tokenize warns, every merged model's generation_config stops on both, the 96-step
-    members' generations stop (plain generate, no argument), and the evaluation records
+    tokenize warns, every merged model's generation_config stops on both, every
+    member's generations stop (plain generate, no argument), and the evaluation records
     the stop rate of base and tuned; the demo's summary has both columns too."""
     import csv
 
@@ -213,9 +221,8 @@ def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo)
         assert ev["stop_ids"] == [eos, 2] and ev["base"]["stop_rate"] < 0.5, ev
         samples = [json.loads(x) for x in (w / f"results/{m}/eval/samples.jsonl").open()]
         assert sum(s["stopped"] for s in samples) == round(ev["stop_rate"] * len(samples))
-        if "max_steps_96" in m:
-            assert ev["stop_rate"] >= 0.9, (m, ev)
-    merged = w / "results/stops-max_steps_96-r_8/merged_model"
+        assert ev["stop_rate"] >= 0.9, (m, ev)
+    merged = w / "results/stops-learning_rate_0p006-r_8/merged_model"
     tok = AutoTokenizer.from_pretrained(merged)
     model = AutoModelForCausalLM.from_pretrained(merged)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tina has 43 clips. She buys "
