@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -108,14 +109,33 @@ class HeartbeatCallback(TrainerCallback):
         self.beat.move("outputs")
 
 
+# The order of a step's phases (HeartbeatCallback, the model's hooks), to tell which of
+# two ranks seen moving at the same poll stands further on.
+PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A rank's last heartbeat and when, on the watch's clock, its move counter and its
+    write counter last changed."""
+
+    record: dict
+    moved: float
+    beat: float
+
+    @property
+    def position(self) -> tuple[int, int]:
+        phase = self.record["phase"]
+        return self.record["step"], PHASES.index(phase) if phase in PHASES else 0
+
+
 class StallWatch:
     """The launcher's reader of every rank's heartbeat (a daemon thread)."""
 
     def __init__(self, ckpt_dir: Path, limit_s: float):
         self.folder, self.limit_s = ckpt_dir / FOLDER, limit_s
         self.verdict_path = ckpt_dir / "health" / STALL
-        # rank: (moves, when they last changed, beats, when they last changed, record)
-        self.seen: dict[int, tuple[int, float, int, float, dict]] = {}
+        self.seen: dict[int, Seen] = {}
         self.verdict: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
@@ -138,14 +158,13 @@ class StallWatch:
                 record = json.loads(path.read_text())
             except (OSError, ValueError):  # being replaced right now
                 continue
-            moves, beats = record["moves"], record.get("beats", 0)
             before = self.seen.get(record["rank"])
-            if before is None or before[4]["pid"] != record["pid"]:
-                self.seen[record["rank"]] = (moves, now, beats, now, record)
+            if before is None or before.record["pid"] != record["pid"]:
+                self.seen[record["rank"]] = Seen(record, now, now)
                 continue
-            moved = now if before[0] != moves else before[1]
-            beat = now if before[2] != beats else before[3]
-            self.seen[record["rank"]] = (moves, moved, beats, beat, record)
+            moved = now if before.record["moves"] != record["moves"] else before.moved
+            beat = now if before.record.get("beats") != record.get("beats") else before.beat
+            self.seen[record["rank"]] = Seen(record, moved, beat)
 
     def judge(self, now: float) -> str | None:
         """The line naming the stalled rank, or None."""
@@ -153,27 +172,28 @@ class StallWatch:
             return None
         # A rank stopped whole: its file stopped while another rank's is still rewritten (a
         # rank done training stops writing on purpose)
-        writing = {r for r, s in self.seen.items() if now - s[3] < self.limit_s}
+        writing = {r for r, s in self.seen.items() if now - s.beat < self.limit_s}
         frozen = [r for r, s in self.seen.items()
-                  if r not in writing and s[4]["phase"] != "outputs"]  # fmt: skip
+                  if r not in writing and s.record["phase"] != "outputs"]  # fmt: skip
         if frozen and writing:
-            rank = min(frozen, key=lambda r: self.seen[r][3])
+            rank = min(frozen, key=lambda r: self.seen[r].beat)
             return self._line(rank, now, len(self.seen) - len(frozen))
         # A rank stuck inside a step: others moved after it or stand further on
-        rank, (_, moved, _, _, record) = min(
-            self.seen.items(), key=lambda kv: (kv[1][1], _position(kv[1][4]))
-        )
-        if now - moved < self.limit_s:
+        rank, behind = min(self.seen.items(), key=lambda kv: (kv[1].moved, kv[1].position))
+        if now - behind.moved < self.limit_s:
             return None
-        ahead = [r for r, (_, when, _, _, rec) in self.seen.items()
-                 if r != rank and (when > moved or _position(rec) > _position(record))]  # fmt: skip
+        ahead = [
+            r for r, s in self.seen.items()
+            if r != rank and (s.moved > behind.moved or s.position > behind.position)
+        ]  # fmt: skip
         return self._line(rank, now, len(ahead)) if ahead else None
 
     def _line(self, rank: int, now: float, waiting: int) -> str:
-        _, moved, _, _, record = self.seen[rank]
+        seen = self.seen[rank]
+        record = seen.record
         wait = f"{waiting} ranks wait" if waiting != 1 else "1 rank waits"
         return (f"rank {rank} on {record['host']} (pid {record['pid']}) made no progress for "
-                f"{now - moved:.0f} s in step {record['step']} ({record['phase']}); "
+                f"{now - seen.moved:.0f} s in step {record['step']} ({record['phase']}); "
                 f"{wait} for it")  # fmt: skip
 
     def _run(self) -> None:
@@ -186,16 +206,6 @@ class StallWatch:
                 log.error("stalled: %s", verdict)
                 self.verdict_path.parent.mkdir(parents=True, exist_ok=True)
                 self.verdict_path.write_text(json.dumps({"message": verdict}) + "\n")
-
-
-# The order of a step's phases (HeartbeatCallback, the model's hooks), to tell which of
-# two ranks seen moving at the same poll stands further on.
-PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs")
-
-
-def _position(record: dict) -> tuple[int, int]:
-    phase = record["phase"]
-    return record["step"], PHASES.index(phase) if phase in PHASES else 0
 
 
 def stall_verdict(ckpt_dir: Path) -> str | None:
