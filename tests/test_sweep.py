@@ -4,13 +4,14 @@ job, the best member selected; through the workflow, shared stages run once."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import subprocess
 
 import pytest
 import yaml
-from conftest import ROOT, snakemake
+from conftest import ROOT, STOP_SWEEP, read_jsonl, snakemake
 
 from snaketune.config import load_yaml, validate_config
 from snaketune.errors import ConfigError
@@ -138,6 +139,13 @@ STOP_MEMBERS = ["stops-learning_rate_0p002-r_4", "stops-learning_rate_0p002-r_8"
                 "stops-learning_rate_0p006-r_4", "stops-learning_rate_0p006-r_8"]  # fmt: skip
 
 
+def stop_values(member: str) -> dict:
+    """The swept values of a member of conftest's stop_sweep, by its name's place."""
+    grid = itertools.product(STOP_SWEEP["learning_rate"], STOP_SWEEP["lora.r"])
+    lr, r = dict(zip(STOP_MEMBERS, grid, strict=True))[member]
+    return {"learning_rate": lr, "lora.r": r}
+
+
 @pytest.mark.slow
 def test_a_sweep_runs_its_members_and_picks_the_best(stop_sweep):
     """4 members, each trained, exported and evaluated on its own; the data stages once;
@@ -156,18 +164,16 @@ def test_a_sweep_runs_its_members_and_picks_the_best(stop_sweep):
         steps = [json.loads(x)["step"] for x in (w / f"results/{m}/train/metrics.jsonl").open()]
         assert steps == list(range(1, 97)), m
         spec = json.loads((w / f"results/{m}/train/provenance.json").read_text())["config"]
-        lr, r = float(m.split("_")[2].split("-")[0].replace("p", ".")), int(m.rsplit("_", 1)[1])
-        assert (spec["learning_rate"], spec["lora"]["r"]) == (lr, r), m
+        assert {"learning_rate": spec["learning_rate"], "lora.r": spec["lora"]["r"]} == (
+            stop_values(m)
+        ), m
     best = json.loads((w / "results/stops/best.json").read_text())
     evals = {m: json.loads((w / f"results/{m}/eval/metrics.json").read_text())
              for m in STOP_MEMBERS}  # fmt: skip
     top = max(evals[m]["exact_match"] for m in STOP_MEMBERS)
     assert best["metric"] == "exact_match" and best["value"] == top
     assert evals[best["best"]]["exact_match"] == top and best["best"] in STOP_MEMBERS
-    assert best["values"] == {
-        "learning_rate": float(best["best"].split("_")[2].split("-")[0].replace("p", ".")),
-        "lora.r": int(best["best"].rsplit("_", 1)[1]),
-    }
+    assert best["values"] == stop_values(best["best"])
     with open(w / "results/summary.tsv") as fh:
         rows = {r["run"]: r for r in csv.DictReader(fh, delimiter="\t")}
     assert sorted(rows) == STOP_MEMBERS
@@ -241,18 +247,19 @@ def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo)
 
 @pytest.mark.slow
 def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, tmp_path):
-    """A second sweep beside the finished one, one of its members with LoRA targets the
-    model does not have (only its train job finds out): that member's training fails, its
-    sibling's completes, the first sweep's members are not rerun; with the value fixed,
-    the next invocation trains only the new member. (Training is the stage a member runs
-    alone; the exports and evaluations after it are per member the same way.)"""
+    """A second sweep beside the finished one, 4 members of 2 steps, one of them with LoRA
+    targets the model does not have (only its train job finds out): that member's training
+    fails, the other three complete, the first sweep's members are not rerun; with the
+    value fixed, the next invocation trains only the fixed member. (Training is the stage a
+    member runs alone; the exports and evaluations after it are per member the same way.)"""
     import shutil
 
     w = tmp_path / "w"
     shutil.copytree(stop_sweep, w, symlinks=True)
     cfg = yaml.safe_load((w / "config.yaml").read_text())
     fails = copy.deepcopy(cfg["runs"]["stops"])
-    fails.update(max_steps=2, sweep={"lora.target_modules": [["q_proj", "v_proj"], ["bogus_proj"]]})
+    modules = [["q_proj", "v_proj"], ["q_proj"], ["o_proj"], ["bogus_proj"]]
+    fails.update(max_steps=2, sweep={"lora.target_modules": modules})
     cfg["runs"]["fails"] = fails
     (w / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     trained = {p: p.stat().st_mtime for p in (w / "results").glob("stops-*/train/metrics.jsonl")}
@@ -262,21 +269,26 @@ def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, t
         return snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w),
                          "--keep-going", *targets, check=False)  # fmt: skip
 
-    good, bad = "fails-target_modules_q_proj_v_proj", "fails-target_modules_bogus_proj"
-    proc = train(*STOP_MEMBERS, good, bad)
+    good = ["fails-target_modules_q_proj_v_proj", "fails-target_modules_q_proj",
+            "fails-target_modules_o_proj"]  # fmt: skip
+    bad = "fails-target_modules_bogus_proj"
+    proc = train(*STOP_MEMBERS, *good, bad)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert set(re.findall(r"Error in rule (\w+):", out)) == {"train"}, out[-4000:]
     assert bad in out.split("Error in rule train:")[1][:2000]
-    assert (w / f"results/{good}/train/metrics.jsonl").is_file()
+    for member in good:
+        assert len(read_jsonl(w / f"results/{member}/train/metrics.jsonl")) == 2, member
     assert not (w / f"results/{bad}/train/metrics.jsonl").exists()
     assert {p: p.stat().st_mtime for p in trained} == trained  # the first sweep: not rerun
+    done = {m: (w / f"results/{m}/train/metrics.jsonl").stat().st_mtime for m in good}
 
-    fails["sweep"]["lora.target_modules"][1] = ["o_proj"]
+    modules[3] = ["k_proj"]
     (w / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = train(*STOP_MEMBERS, good, "fails-target_modules_o_proj")
+    proc = train(*STOP_MEMBERS, *good, "fails-target_modules_k_proj")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     trains = re.findall(r"(?m)^(?:local)?rule train:\n(?:.*\n){0,9}?\s+wildcards: run=(\S+)",
                         out)  # fmt: skip
-    assert trains == ["fails-target_modules_o_proj"], out[-4000:]
+    assert trains == ["fails-target_modules_k_proj"], out[-4000:]
+    assert {m: (w / f"results/{m}/train/metrics.jsonl").stat().st_mtime for m in good} == done
