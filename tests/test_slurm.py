@@ -346,3 +346,55 @@ def test_results_too_small_for_a_run_fail_before_anything_is_queued(cluster, dem
         assert errors[1] == "error: 1 problem(s) found before queueing; nothing was run"
         assert "has been submitted" not in proc.stdout
         assert not list((work / "results").iterdir())
+
+
+def test_sweep_members_are_queued_together_and_a_changed_one_reruns_alone(slurm_demo):
+    """A sweep of 2 one-node members on the 2-node cluster: both train jobs are queued
+    together and run side by side, one per node, and complete; with one member's value
+    changed, the next invocation submits only that member's train job. (A member failing
+    alone is tests/test_sweep.py's failing-member test, on the local profile.)"""
+    workdir, _ = slurm_demo
+    config = yaml.safe_load(quick_config(workdir / "sweep.yaml").read_text())
+    modules = [["q_proj", "v_proj"], ["o_proj"]]
+    run = config["runs"].pop("demo")
+    run.update(nodes=1, sweep={"lora.target_modules": modules})
+    config["runs"] = {"members": run}
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    first, second = "members-target_modules_q_proj_v_proj", "members-target_modules_o_proj"
+
+    def train(*members: str) -> subprocess.CompletedProcess:
+        targets = [f"results/{m}/train/metrics.jsonl" for m in members]
+        # the targets first: --configfile takes every argument after it
+        return tupi(workdir, *targets, "--configfile", str(workdir / "sweep.yaml"), timeout=600)
+
+    def train_jobs(output: str) -> dict[str, list[str]]:
+        jobs: dict[str, list[str]] = {}
+        for job, member in re.findall(r"SLURM jobid (\d+) \(log: \S*/rule_train/([^/\s]+)/",
+                                      output):  # fmt: skip
+            jobs.setdefault(member, []).append(job)
+        return jobs
+
+    proc = train(first, second)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    jobs = train_jobs(proc.stdout)
+    assert sorted(jobs) == [second, first], proc.stdout[-6000:]
+    ((job_a,), (job_b,)) = jobs[first], jobs[second]
+    # queued together and run side by side, one on each node: each started before the
+    # other ended
+    (start_a, end_a, nodes_a, state_a), (start_b, end_b, nodes_b, state_b) = (
+        sacct(job, "Start,End,NodeList,State") for job in (job_a, job_b)
+    )
+    assert start_a < end_b and start_b < end_a, (start_a, end_a, start_b, end_b)
+    assert (state_a, state_b) == ("COMPLETED", "COMPLETED") and nodes_a != nodes_b
+    for member in (first, second):
+        assert len(read_jsonl(workdir / f"results/{member}/train/metrics.jsonl")) == 2
+    trained = (workdir / f"results/{first}/train/metrics.jsonl").stat().st_mtime
+
+    modules[1] = ["k_proj"]
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    changed = "members-target_modules_k_proj"
+    proc = train(first, changed)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert list(train_jobs(proc.stdout)) == [changed], proc.stdout[-6000:]
+    assert (workdir / f"results/{first}/train/metrics.jsonl").stat().st_mtime == trained
+    assert len(read_jsonl(workdir / f"results/{changed}/train/metrics.jsonl")) == 2
