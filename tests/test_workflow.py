@@ -201,12 +201,14 @@ def test_cluster_profiles_dry_run_with_resources_per_stage(profile, tmp_path):
 
 
 def test_single_node_train_runs_its_own_srun_step(tmp_path):
-    """One node too: `mpi` (the launcher starts the srun step, so SLURM's --signal reaches
-    only the training processes)."""
+    """One node too: the `mpi` key is there (the job-step plugin then runs the shell
+    unwrapped, the launcher starts the srun step, so SLURM's --signal reaches only the
+    training processes), as 0: the submitting plugin refuses an MPI job of one task, and
+    reads 0 as a plain --ntasks=1 job (the SLURM sweep test submits 1-node train jobs)."""
     config = (ROOT / "config/config.yaml").read_text().replace("nodes: 2", "nodes: 1")
     (tmp_path / "one-node.yaml").write_text(config)
     proc = snakemake(
         "-n", "--directory", str(tmp_path), "--configfile", str(tmp_path / "one-node.yaml")
     )
     train = re.search(r"\nrule train:.*?\n\s+resources: ([^\n]+)", proc.stdout, re.S).group(1)
-    assert "nodes=1" in train and "mpi=srun" in train, train
+    assert "nodes=1" in train and "tasks=1" in train and "mpi=0" in train, train
