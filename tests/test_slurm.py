@@ -113,11 +113,14 @@ def tupi(workdir: Path, *args: str, timeout: int = 900, **kw) -> subprocess.Comp
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
-def submitted(output: str) -> dict[str, list[str]]:
-    """SLURM job ids per rule, from Snakemake's 'has been submitted' lines."""
+def submitted(output: str, rule: str | None = None) -> dict[str, list[str]]:
+    """SLURM job ids per rule, from Snakemake's 'has been submitted' lines; with ``rule``,
+    that rule's job ids per wildcards (the plugin names a job's log folder after them)."""
     jobs: dict[str, list[str]] = {}
-    for job_id, rule in re.findall(r"SLURM jobid (\d+) \(log: \S*/rule_([a-z_]+)/", output):
-        jobs.setdefault(rule, []).append(job_id)
+    pattern = r"SLURM jobid (\d+) \(log: \S*/rule_([a-z_]+)/([^/\s]*)"
+    for job_id, name, wildcards in re.findall(pattern, output):
+        if rule is None or name == rule:
+            jobs.setdefault(wildcards if rule else name, []).append(job_id)
     return jobs
 
 
@@ -367,16 +370,9 @@ def test_sweep_members_are_queued_together_and_a_changed_one_reruns_alone(slurm_
         # the targets first: --configfile takes every argument after it
         return tupi(workdir, *targets, "--configfile", str(workdir / "sweep.yaml"), timeout=600)
 
-    def train_jobs(output: str) -> dict[str, list[str]]:
-        jobs: dict[str, list[str]] = {}
-        for job, member in re.findall(r"SLURM jobid (\d+) \(log: \S*/rule_train/([^/\s]+)/",
-                                      output):  # fmt: skip
-            jobs.setdefault(member, []).append(job)
-        return jobs
-
     proc = train(first, second)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    jobs = train_jobs(proc.stdout)
+    jobs = submitted(proc.stdout, "train")
     assert sorted(jobs) == [second, first], proc.stdout[-6000:]
     ((job_a,), (job_b,)) = jobs[first], jobs[second]
     # queued together and run side by side, one on each node: each started before the
@@ -395,6 +391,6 @@ def test_sweep_members_are_queued_together_and_a_changed_one_reruns_alone(slurm_
     changed = "members-target_modules_k_proj"
     proc = train(first, changed)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert list(train_jobs(proc.stdout)) == [changed], proc.stdout[-6000:]
+    assert list(submitted(proc.stdout, "train")) == [changed], proc.stdout[-6000:]
     assert (workdir / f"results/{first}/train/metrics.jsonl").stat().st_mtime == trained
     assert len(read_jsonl(workdir / f"results/{changed}/train/metrics.jsonl")) == 2
