@@ -49,6 +49,11 @@ def prepare(tmp: Path, micro: int, steps: int) -> tuple[Path, Path]:
     return made["model"], made["shards"]
 
 
+def training_env() -> dict[str, str]:
+    """The environment of both sides' training process: every core to torch's threads."""
+    return {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())}
+
+
 def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
     from snaketune.fixtures import demo_run_spec, run_train_stage
 
@@ -56,8 +61,7 @@ def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: f
                          gradient_accumulation_steps=1, max_steps=steps, learning_rate=lr,
                          warmup_ratio=0.0, lr_scheduler="linear", save_steps=10**6,
                          max_grad_norm=0.0, seed=0, packing=False)  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())}
-    return run_train_stage(ROOT, spec, shards, model, tmp / "train", env=env)
+    return run_train_stage(ROOT, spec, shards, model, tmp / "train", env=training_env())
 
 
 def run_plain(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
@@ -67,9 +71,9 @@ def run_plain(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) 
     import subprocess
 
     out = model_dir.parent / "plain.json"
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())}
     subprocess.run([sys.executable, __file__, "--plain-side", str(model_dir), str(shards),
-                    str(micro), str(steps), str(lr), str(out)], check=True, env=env)  # fmt: skip
+                    str(micro), str(steps), str(lr), str(out)], check=True,
+                   env=training_env())  # fmt: skip
     return json.loads(out.read_text())
 
 
