@@ -14,8 +14,9 @@ steps, in one training process with the same threads (OMP_NUM_THREADS = cores):
 tokens/s counts the (unpadded) example tokens of the steps after the first --warmup steps.
 The two sides run in turn (ours, plain, ours, plain, ...) --repeats times and the ratio is
 taken pair by pair, so that the speed of a shared machine drifting between runs moves both
-sides of a pair alike; the figure is the median pair's ratio. One pair of 60 steps (about
-1.5 s timed a side) swung between 0.66 and 1.03 on this machine: time more steps and pairs.
+sides of a pair alike; the figure is the median pair's ratio. Short runs (60 steps, about
+1.5 s timed a side) gave 0.66 to 1.09 for the same code on this machine: time more steps
+and pairs.
 Target (issue 3, issue 12): ours / plain >= 0.85.
 """
 
