@@ -12,12 +12,14 @@ Nothing is downloaded. Both sides train the same examples in the same global ste
 scripts/train.py: torchrun agent, DeepSpeed ZeRO-2, SFTTrainer, the metrics callback.
 tokens/s counts real (non-pad) tokens of the steps after --warmup, from metrics.jsonl.
 
-CPU mode (1 node x 1 process, full fine-tuning, fp32, sdpa):
+CPU mode (1 node x 1 process, full fine-tuning, fp32, attn_implementation: sdpa):
   padded   packing: false (one row per example, padded to the longest)
-  packed   packing: true  (rows of at most max_length, block-diagonal mask)
-and, on the same model, forward+backward of the same micro batches in three layouts under
-sdpa and eager: padded, rows of at most max_length, one row holding all (what decides
-which packed layout the CPU path uses). Target: packed / padded >= 1.4, same loss per token.
+  packed   packing: true  (what sdpa trains packed batches with on CPU: one row, sdpa one
+           example at a time, snaketune.packing.segment_attention)
+and, on the same model, forward+backward of the same micro batches in each layout under
+sdpa and eager: padded, rows of at most max_length (block-diagonal mask), one row holding
+all (block-diagonal mask), and one row under sdpa_segments (what decides which packed
+layout the CPU path uses). Target: packed / padded >= 1.4, same loss per token.
 
 GPU mode (1 node x 1 GPU, bf16, random weights, max_length 2048): every combination of
 method (LoRA r16, full), packing (on, off), attention (sdpa, flash_attention_2 when
@@ -158,17 +160,21 @@ def layout_timings(model_dir: Path, tokenized: Path, micro: int, rows: int, batc
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from snaketune.packing import Collator
+    from snaketune.packing import SEGMENTS, Collator, register_segment_attention
 
+    register_segment_attention()
     table = pq.read_table(tokenized, columns=["input_ids", "labels"]).to_pylist()
     groups = [table[i * micro : (i + 1) * micro] for i in range(batches)]
+    layouts = {"sdpa": (("padded", Collator("padded", 0, rows)),
+                        ("rows<=max_length", Collator("rows", 0, rows)),
+                        ("one row", Collator("rows", 0, 10**9))),
+               SEGMENTS: (("one row", Collator("varlen", 0, rows)),)}  # fmt: skip
+    layouts["eager"] = layouts["sdpa"]
     out = {}
-    for attention in ("sdpa", "eager"):
+    for attention in ("sdpa", "eager", SEGMENTS):
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention)
         model.config.use_cache = False
-        for name, collate in (("padded", Collator("padded", 0, rows)),
-                              ("rows<=max_length", Collator("rows", 0, rows)),
-                              ("one row", Collator("rows", 0, 10**9))):  # fmt: skip
+        for name, collate in layouts[attention]:
             inputs = [collate(g) for g in groups]
             model(**inputs[0]).loss.backward()  # warm up
             start = time.perf_counter()
@@ -179,6 +185,8 @@ def layout_timings(model_dir: Path, tokenized: Path, micro: int, rows: int, batc
 
 
 def cpu(args: argparse.Namespace) -> None:
+    from snaketune.packing import SEGMENTS
+
     n = args.micro_batch_size * args.steps
     lengths = gsm8k_lengths(n)
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,7 +206,8 @@ def cpu(args: argparse.Namespace) -> None:
         timings = layout_timings(model, tokenized, args.micro_batch_size, 512, args.layout_batches)
     print(
         f"machine: {os.cpu_count()} cores, CPU, 1 node x 1 process; Llama {params / 1e6:.1f}M parameters "
-        f"({args.layers} layers, hidden 384), full fine-tuning, fp32, sdpa, ZeRO-2; micro batch {args.micro_batch_size}, "
+        f"({args.layers} layers, hidden 384), full fine-tuning, fp32, attention sdpa (packed: "
+        f"{SEGMENTS}), ZeRO-2; micro batch {args.micro_batch_size}, "
         f"{args.steps} steps (first {args.warmup} left out); GSM8K-shaped lengths, random micro "
         f"batches keep {real_fraction(lengths, args.micro_batch_size):.2f} of their tokens"
     )
@@ -211,9 +220,9 @@ def cpu(args: argparse.Namespace) -> None:
     print(f"ratio packed / padded: {ratio:.2f}  (target >= 1.4)")
     print(f"\nforward+backward per micro batch of {args.micro_batch_size} (same examples):")
     for (attention, name), seconds in timings.items():
-        base = timings[(attention, "padded")]
+        base = timings[("sdpa" if attention == SEGMENTS else attention, "padded")]
         print(
-            f"  {attention:<6}{name:<20}{seconds * 1000:>9.1f} ms  ({base / seconds:.2f}x padded)"
+            f"  {attention:<15}{name:<18}{seconds * 1000:>9.1f} ms  ({base / seconds:.2f}x padded)"
         )
 
 

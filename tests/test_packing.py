@@ -3,7 +3,9 @@
 (a) an example's per-token losses are the same alone and packed between two others;
 (b) one optimizer step on the same examples, packed and padded, gives the same loss and
 gradient norm (the loss normalised over the global batch's label tokens, as the Trainer
-does with ``num_items_in_batch``). CPU, fp32, tiny Llama and Qwen2, sdpa and eager.
+does with ``num_items_in_batch``). CPU, fp32, tiny Llama and Qwen2, sdpa and eager (rows
+with the block-diagonal mask) and sdpa_segments (one row, sdpa one example at a time: what
+sdpa trains packed batches with on CPU), each on the layout it trains with.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from snaketune.errors import ConfigError, UserError
 from snaketune.packing import (
+    SEGMENTS,
     Collator,
     check_kernels_installed,
     check_packing,
@@ -23,15 +26,21 @@ from snaketune.packing import (
     layout_for,
     packed_rows,
     packing_problem,
+    register_segment_attention,
     resolve_attention,
     resolve_liger,
+    segments_problem,
+    training_kernel,
 )
 
 VOCAB = 96
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+KERNELS = ["sdpa", "eager", SEGMENTS]  # what packed batches train with (layout_for)
 
 
 def tiny(arch: str, attention: str, seed: int = 0):
+    if attention == SEGMENTS:
+        register_segment_attention()
     config_class, model_class = ARCHS[arch]
     config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,13 +65,13 @@ def token_losses(model, batch: dict) -> torch.Tensor:
     return torch.where(labels.reshape(-1) == -100, -1.0, loss).reshape(labels.shape)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", KERNELS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_an_example_packed_between_two_others_has_its_own_losses(arch, attention):
     model = tiny(arch, attention)
     first, middle, last = example(13, 1), example(9, 2), example(6, 3)
     alone = token_losses(model, packed_rows([middle], 64, 0))[0]
-    packed = packed_rows([first, middle, last], 64, 0)
+    packed = Collator(layout_for(True, attention), 0, 64)([first, middle, last])
     # one row, in the micro batch's order: first (13), middle (9), last (6)
     assert packed["position_ids"][0].tolist() == [*range(13), *range(9), *range(6)]
     losses = token_losses(model, packed)[0]
@@ -71,9 +80,11 @@ def test_an_example_packed_between_two_others_has_its_own_losses(arch, attention
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
     # the boundary: first's last token predicts nothing, middle's first label is masked
     assert losses[12] == -1 and losses[13 + 8] == -1
-    # the padded layout of the same example agrees (a batch of one row per example)
+    # the padded layout of the same example agrees (a batch of one row per example; padded
+    # batches never train with sdpa_segments: sdpa, same weights)
     padded = Collator("padded", 0, 64)([first, middle, last])
-    torch.testing.assert_close(token_losses(model, padded)[1][:8], alone, rtol=1e-5, atol=1e-6)
+    reference = tiny(arch, "sdpa") if attention == SEGMENTS else model
+    torch.testing.assert_close(token_losses(reference, padded)[1][:8], alone, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -103,16 +114,19 @@ def _one_step(model, micro_batches: list[dict]) -> tuple[float, float]:
     return total, norm.item()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", KERNELS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_one_step_packed_and_padded_gives_the_same_loss_and_gradient(arch, attention):
     model = tiny(arch, attention)
+    padded_model = tiny(arch, "sdpa")  # the same weights, as packing: false trains them
     examples = [example(n, seed) for seed, n in enumerate([31, 7, 18, 25, 12, 9, 40, 16])]
-    # padded: 4 micro batches of 2 in plan order; packed: 2 micro batches of 4 (rows of 48)
+    # padded: 4 micro batches of 2 in plan order; packed: 2 micro batches of 4 (rows of 48,
+    # or one row of 4 for sdpa_segments)
     padded = [Collator("padded", 0, 48)(examples[i : i + 2]) for i in range(0, 8, 2)]
-    packed = [Collator("rows", 0, 48)(examples[i : i + 4]) for i in range(0, 8, 4)]
+    layout = layout_for(True, attention)
+    packed = [Collator(layout, 0, 48)(examples[i : i + 4]) for i in range(0, 8, 4)]
     assert packed[0]["input_ids"].shape[0] < 4  # really packed: fewer rows than examples
-    loss_a, norm_a = _one_step(model, padded)
+    loss_a, norm_a = _one_step(padded_model, padded)
     loss_b, norm_b = _one_step(model, packed)
     assert loss_b == pytest.approx(loss_a, rel=1e-4)
     assert norm_b == pytest.approx(norm_a, rel=1e-4)
@@ -140,9 +154,37 @@ def test_collator_counts_real_and_padded_tokens_and_logs_ids(tmp_path):
 
 
 def test_layouts_by_attention():
-    assert layout_for(False, "flash_attention_2") == "padded"
-    assert layout_for(True, "flash_attention_2") == "varlen"
+    assert layout_for(False, "flash_attention_2") == layout_for(False, SEGMENTS) == "padded"
+    assert layout_for(True, "flash_attention_2") == layout_for(True, SEGMENTS) == "varlen"
     assert layout_for(True, "sdpa") == layout_for(True, "eager") == "rows"
+
+
+def test_packed_sdpa_runs_one_example_at_a_time_on_cpu_where_the_model_allows():
+    llama = {"model_type": "llama"}
+    assert training_kernel("sdpa", True, llama) == SEGMENTS  # this machine has no GPU
+    assert training_kernel("sdpa", False, llama) == "sdpa"
+    assert training_kernel("eager", True, llama) == "eager"
+    qwen2 = {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
+    assert training_kernel("sdpa", True, qwen2) == SEGMENTS
+    mistral = {"model_type": "mistral", "sliding_window": 4096}
+    assert segments_problem(mistral) == "sliding-window attention"
+    assert training_kernel("sdpa", True, mistral) == "sdpa"  # rows, the block-diagonal mask
+    gemma2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "sliding_window": None}
+    assert training_kernel("sdpa", True, gemma2) == "sdpa"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_segment_attention_refuses_padding_it_cannot_honour(arch):
+    model = tiny(arch, SEGMENTS)
+    batch = Collator("padded", 0, 64)([example(9, 1), example(5, 2)])
+    with pytest.raises(RuntimeError, match="sdpa_segments attention takes packed or unpadded"):
+        model(**batch)
+    # rows of equal length (no padding) are plain causal rows: the same logits as sdpa
+    same = {
+        "input_ids": batch["input_ids"][:, :5],
+        "attention_mask": batch["attention_mask"][:, :5],
+    }
+    torch.testing.assert_close(model(**same).logits, tiny(arch, "sdpa")(**same).logits)
 
 
 def test_varlen_layout_is_one_row_with_flash_boundaries():

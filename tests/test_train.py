@@ -81,10 +81,10 @@ def test_lora_zero2_demo_trains(demo):
     assert list((train / "tensorboard").iterdir())
     log = (demo / "logs/train/demo.log").read_text()
     assert "global batch 64 = micro 32 x 1 devices x 2 nodes x accumulation 1" in log
-    assert "attention sdpa, rows batches" in log  # packed (the default) on CPU
+    # packed (the default) on CPU: one row per micro batch, sdpa one example at a time
+    assert "attention sdpa_segments, varlen batches" in log
     assert "ETA" in log
-    # packed rows of at most max_length: little padding left (the last row of a micro batch)
-    assert all(0 <= m["padding"] < 0.35 for m in metrics), [m["padding"] for m in metrics]
+    assert all(m["padding"] == 0 for m in metrics), [m["padding"] for m in metrics]
     # only complete checkpoints are kept, at most save_total_limit of them
     kept = checkpoints(train / "checkpoints")
     assert [p.name for p in kept] == ["checkpoint-150", "checkpoint-192"]  # save_steps 50
@@ -149,7 +149,7 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
     # the SIGKILLed launcher and resumed
     assert "taking it over" in out and "is gone" in out, out[-5000:]
     assert out.count("resuming from checkpoint-10") >= 1
-    assert "rows batches" in log  # a packed run, resumed
+    assert "varlen batches" in log  # a packed run, resumed
     assert not (work / "results/demo/train/train.lock").exists()
     got = read_jsonl(work / "results/demo/train/metrics.jsonl")
     want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
@@ -292,8 +292,10 @@ def test_packed_and_padded_runs_of_the_same_examples_train_the_same(demo, tmp_pa
         proc = launch_train(work, spec, work / "shards", demo / "resources/models/tiny", "zero2")
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out
-        # the two layouts: packed rows of max_length, one padded row per example
-        assert f"attention sdpa, {'rows' if packing else 'padded'} batches" in out, out[-3000:]
+        # the two layouts: one packed row per micro batch (sdpa one example at a time), one
+        # padded row per example
+        layout = "sdpa_segments, varlen" if packing else "sdpa, padded"
+        assert f"attention {layout} batches" in out, out[-3000:]
         logs[packing] = read_jsonl(work / "results/x/train/metrics.jsonl")
     packed, padded = logs[True], logs[False]
     assert [m["step"] for m in padded] == [m["step"] for m in packed] == list(range(1, 33))

@@ -5,18 +5,27 @@ chosen) into model inputs, in one of three layouts:
 
 - ``padded`` (``packing: false``): one row per example, right-padded to the longest, with an
   attention mask (trl's collator).
-- ``varlen`` (packing with flash-attention 2): every example laid side by side in ONE row,
-  no pad token, position ids restarting at 0 per example, and the sequence boundaries
-  (``cu_seq_lens``) for flash-attention's variable-length kernel (trl's padding-free
-  collator). Attention cost follows each example's own length.
-- ``rows`` (packing with sdpa or eager): examples dealt into few rows of at most
-  ``row_tokens`` (max_length) tokens, balanced so the rows come out nearly equal; position
-  ids restart per example, rows are right-padded to the longest row (a few tokens), and
-  NO attention mask: transformers then finds the example boundaries from the position
-  ids and builds a block-diagonal causal mask (masking_utils.find_packed_sequence_indices),
-  so no token attends to another example. These kernels have no variable-length path and
-  pay attention over a whole row (rows^2): keeping rows to max_length bounds that, where
-  one long row would square it (bench/train_throughput.py measures both).
+- ``varlen`` (packing with flash-attention 2, or with sdpa where there is no GPU): every
+  example laid side by side in ONE row, no pad token, position ids restarting at 0 per
+  example, and the sequence boundaries (``cu_seq_lens``) for a variable-length kernel (trl's
+  padding-free collator). Attention cost follows each example's own length. On GPU the
+  kernel is flash-attention's; on CPU it is :func:`segment_attention` (registered with
+  transformers as ``sdpa_segments``): PyTorch's sdpa run causally on one example at a
+  time, with no mask at all.
+- ``rows`` (packing with eager, or with sdpa on a GPU without flash-attn): examples dealt
+  into few rows of at most ``row_tokens`` (max_length) tokens, balanced so the rows come
+  out nearly equal; position ids restart per example, rows are right-padded to the longest
+  row (a few tokens), and NO attention mask: transformers then finds the example boundaries
+  from the position ids and builds a block-diagonal causal mask
+  (masking_utils.find_packed_sequence_indices), so no token attends to another example.
+  These kernels have no variable-length path and pay attention over a whole row (rows^2):
+  keeping rows to max_length bounds that, where one long row would square it.
+
+Which runs where was measured (bench/train_throughput.py, docs/benchmarks.md): on CPU,
+forward+backward of the same micro batches took about 1,350 ms padded, 1,050 ms as sdpa
+rows with the dense mask and 920 ms as one row under ``sdpa_segments``; one long row under
+the dense mask is slower than padding. The GPU choice for sdpa without flash-attn (rows) is not
+measured: no GPU was lent to this project's sessions.
 
 In every packed layout the first label of each example is -100, so the last token of one
 example never learns to predict the next example's first token (position 0 is never a
@@ -114,11 +123,116 @@ def check_kernels_installed(where: str, run: dict[str, Any]) -> None:
         )
 
 
-def layout_for(packing: bool, attention: str) -> str:
-    """Which collation a run uses: padded, varlen (flash) or rows (sdpa, eager)."""
+def layout_for(packing: bool, kernel: str) -> str:
+    """Which collation a run uses with the attention kernel it trains with (see
+    :func:`training_kernel`): padded, varlen (flash-attention 2, sdpa_segments) or rows
+    (sdpa, eager)."""
     if not packing:
         return "padded"
-    return "varlen" if attention == "flash_attention_2" else "rows"
+    return "varlen" if kernel in ("flash_attention_2", SEGMENTS) else "rows"
+
+
+# ----------------------------------------------------------------------------- sdpa per example
+
+SEGMENTS = "sdpa_segments"
+# what segment_attention cannot honour; a model using any of them trains on rows instead
+_SEGMENT_UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "position_bias")
+
+
+def segment_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Attention of packed rows one example at a time (transformers' attention interface):
+    PyTorch's scaled_dot_product_attention, causal, over each example's own tokens, so no
+    token can see another example and no mask is built or read. The boundaries come from
+    the collator's ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart at 0;
+    a row without either is one sequence (plain causal attention).
+
+    It serves inputs that need no mask (packed rows, unpadded rows) and refuses the others
+    (padding, a KV cache, sliding windows, soft-capping), which snaketune never gives it:
+    its mask function (:func:`segment_mask`) builds nothing and stops at a padding mask."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if (
+        attention_mask is not None
+        or query.shape[2] != key.shape[2]
+        or any(kwargs.get(k) is not None for k in _SEGMENT_UNSUPPORTED)
+    ):
+        raise RuntimeError(f"{SEGMENTS} attention takes packed or unpadded rows only")
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    batch, length = query.shape[0], query.shape[2]
+    bounds = kwargs.get("cu_seq_lens_q")
+    positions = kwargs.get("position_ids")
+    rows = []
+    for r in range(batch):
+        if bounds is not None and batch == 1:
+            cuts = [int(c) for c in bounds.tolist()]
+        elif positions is not None:
+            row = positions[r if positions.shape[0] > 1 else 0]
+            cuts = (row == 0).nonzero().flatten().tolist() + [length]
+        else:
+            cuts = [0, length]
+        if cuts[0] != 0:
+            cuts.insert(0, 0)
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(
+                query[r : r + 1, :, a:b], key[r : r + 1, :, a:b], value[r : r + 1, :, a:b],
+                dropout_p=dropout, is_causal=True, scale=scaling,
+            )
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a
+        ], dim=2))  # fmt: skip
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def segments_problem(config: dict[str, Any]) -> str | None:
+    """Why a model (its config.json as a dict) needs more than causal attention within each
+    example, so that :func:`segment_attention` cannot stand in for its sdpa, or None."""
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        return "sliding-window attention"
+    if "sliding_attention" in (config.get("layer_types") or []):
+        return "sliding-window layers"
+    if config.get("attn_logit_softcapping"):
+        return "soft-capped attention logits"
+    return None
+
+
+def training_kernel(attention: str, packing: bool, config: dict[str, Any]) -> str:
+    """The attention kernel a run trains with: ``attention`` (resolve_attention's choice),
+    except packed batches under sdpa without a GPU, which run one example at a time
+    (:data:`SEGMENTS`, registered here) when the model needs nothing more than causal
+    attention within an example."""
+    import torch
+
+    if (
+        packing
+        and attention == "sdpa"
+        and not torch.cuda.is_available()
+        and segments_problem(config) is None
+    ):
+        register_segment_attention()
+        return SEGMENTS
+    return attention
+
+
+def segment_mask(*, attention_mask=None, **kwargs) -> None:
+    """The mask function of :data:`SEGMENTS` (transformers' mask interface): no mask, since
+    :func:`segment_attention` finds each example's bounds itself; a padding mask (padded
+    or left-padded rows, which it cannot honour) stops the forward."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise RuntimeError(f"{SEGMENTS} attention takes packed or unpadded rows only")
+    return None
+
+
+def register_segment_attention() -> None:
+    """Make :data:`SEGMENTS` a transformers ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(SEGMENTS, segment_attention)
+    AttentionMaskInterface.register(SEGMENTS, segment_mask)
 
 
 # ----------------------------------------------------------------------------- model check

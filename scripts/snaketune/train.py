@@ -67,6 +67,7 @@ from snaketune.packing import (
     layout_for,
     resolve_attention,
     resolve_liger,
+    training_kernel,
 )
 from snaketune.progress import (
     Deadline,
@@ -190,7 +191,7 @@ def build_data(
     shards: Path,
     env: WorkerEnv,
     tokenizer,
-    attention: str,
+    kernel: str,
     start_step: int,
     ids_log: Path | None,
 ) -> Data:
@@ -208,7 +209,7 @@ def build_data(
         from snaketune.grpo import RolloutCounter, prompt_rows
 
         return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
-    layout = layout_for(run["packing"], attention)
+    layout = layout_for(run["packing"], kernel)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Data(table, batches, Collator(layout, pad, run["max_length"], ids_log))
 
@@ -540,11 +541,13 @@ def run_worker(
     attention = resolve_attention(run["attn_implementation"])
     if run["packing"]:  # never for GRPO (validation turns it off)
         check_packing(model_dir, attention, f"runs.{out.parent.name}")
+    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    kernel = training_kernel(attention, run["packing"], model_config)  # see snaketune.packing
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    data = build_data(run, manifest, shards, env, tokenizer, attention, start_step, ids_log)
+    data = build_data(run, manifest, shards, env, tokenizer, kernel, start_step, ids_log)
 
     precision = resolve_precision(run["precision"])
-    model = build_model(model_dir, precision, attention)
+    model = build_model(model_dir, precision, kernel)
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
                   resolve_liger(run["liger_kernel"]), tokenizer)  # fmt: skip
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
@@ -578,7 +581,7 @@ def run_worker(
             manifest["global_batch"] * (run["grpo"]["num_generations"] if "grpo" in run else 1),
             run["micro_batch_size"], env.local_world_size,
             env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
-            manifest["steps_per_epoch"], precision, run["method"], attention,
+            manifest["steps_per_epoch"], precision, run["method"], kernel,
             data.collator.layout, ", Liger kernels" if ctx.liger else "",
             resume.name if resume else "scratch",
         )  # fmt: skip
