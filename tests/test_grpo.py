@@ -124,10 +124,11 @@ def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
 
 @pytest.mark.slow
 def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_path):
-    """The pipeline's GRPO run again from its checkpoint-60 (its checkpoints directory
-    copied, last checkpoint left out): the launcher is killed two steps later (no orphan),
-    the rerun resumes from checkpoint-60 again, and steps 61-80 log the rewards and losses
-    of the uninterrupted pipeline run: the rollouts after a resume are the same samples."""
+    """The pipeline's GRPO run again from its next-to-last checkpoint (its checkpoints
+    directory copied, the last checkpoint left out): the launcher is killed two steps later
+    (no orphan), the rerun resumes from that checkpoint again, and the steps after it log
+    the rewards and losses of the uninterrupted pipeline run: the rollouts after a resume
+    are the same samples."""
     import shutil
 
     w = grpo_chain
@@ -136,16 +137,18 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
     ckpt = tmp_path / "results/x/train/checkpoints"
     shutil.copytree(w / "results/rl_demo/train/checkpoints", ckpt)
+    steps, every = spec["max_steps"], spec["save_steps"]
+    start = (steps - 1) // every * every  # the last periodic save before the final one
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
-    assert saved == [60, 80], saved
-    shutil.rmtree(ckpt / "checkpoint-80")
+    assert saved == [start, steps], saved
+    shutil.rmtree(ckpt / f"checkpoint-{steps}")
     live = ckpt / "metrics.jsonl"
     proc = launch_train(tmp_path, spec, shards, model, "zero2")
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             rows = read_jsonl(live) if live.exists() and live.read_text() else []
-            if rows and 62 <= rows[-1]["step"] < 80:
+            if rows and start + 2 <= rows[-1]["step"] < steps:
                 break
             assert proc.poll() is None, proc.communicate()[0]
             time.sleep(0.1)
@@ -157,11 +160,11 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
         proc.kill()
         proc.communicate()
     out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
-    assert "resuming from checkpoint-60" in out, out[-3000:]
+    assert f"resuming from checkpoint-{start}" in out, out[-3000:]
     resumed = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
     reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
     assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # every step once
-    for a, b in zip(resumed[60:], reference[60:], strict=True):
+    for a, b in zip(resumed[start:], reference[start:], strict=True):
         for key in ("loss", "reward", "reward_correctness_mean", "reward_format_mean", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
