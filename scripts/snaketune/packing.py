@@ -289,8 +289,9 @@ def packing_problem(config: dict[str, Any], attention: str) -> str | None:
     return None
 
 
-def check_packing(model_dir: str | Path, attention: str, where: str) -> None:
-    """Refuse packing for a model that cannot take packed sequences, with the fix."""
+def check_packing(model_dir: str | Path, attention: str, where: str) -> dict[str, Any]:
+    """Refuse packing for a model that cannot take packed sequences, with the fix; else
+    return the model's config.json (as a dict) it read, for :func:`training_kernel`."""
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     problem = packing_problem(config, attention)
     if problem:
@@ -298,6 +299,7 @@ def check_packing(model_dir: str | Path, attention: str, where: str) -> None:
             f"{where}.packing: {Path(model_dir).name} cannot train on packed sequences with "
             f"{attention} attention ({problem}); set packing: false"
         )
+    return config
 
 
 def expected_attention(preference: str) -> str:

@@ -539,9 +539,9 @@ def run_worker(
     ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
 
     attention = resolve_attention(run["attn_implementation"])
-    if run["packing"]:  # never for GRPO (validation turns it off)
-        check_packing(model_dir, attention, f"runs.{out.parent.name}")
-    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    model_config = {}  # read only for packing (never for GRPO: validation turns it off)
+    if run["packing"]:
+        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
     kernel = training_kernel(attention, run["packing"], model_config)  # see snaketune.packing
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = build_data(run, manifest, shards, env, tokenizer, kernel, start_step, ids_log)
