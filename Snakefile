@@ -3,15 +3,13 @@
 #   snakemake --profile profiles/local              # the offline demo (config/config.yaml)
 #   snakemake --profile profiles/local --configfile my.yaml
 #
-# Stages and layout: README.md and ../shared/DESIGN.md.
+# Stages and layout: README.md and docs/.
 import sys
+from pathlib import Path
 
 from snakemake.utils import min_version
-from snaketune.config import check_config_files, check_local_sources, validate_config
-from snaketune.errors import UserError
-from snaketune.io import check_writable
-from snaketune.plan import base_evaluations, tokenize_jobs
-from snaketune.topology import adapt_accumulation
+from snaketune.checks import at_parse, in_dry_runs
+from snaketune.errors import UserError, error_lines
 
 min_version("9.0")
 
@@ -20,21 +18,21 @@ configfile: "config/config.yaml"
 
 
 # Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),
-# but one line naming the key path and the allowed values, and no traceback (a bad
-# config is the user's to fix, not a bug).
+# but one line per problem naming the key path and the fix, and no traceback (a bad config
+# is the user's to fix, not a bug). The same checks as `snaketune validate`: the config,
+# local paths, the working directory; a run moved to another node count keeps its
+# checkpoints' global batch (its gradient_accumulation_steps adapts); every tokenized copy
+# the runs need, by key, and the settings of each base-model evaluation.
 try:
-    check_config_files(workflow.configfiles)
-    validate_config(config, workflow.basedir)
-    # A run moved to another node count keeps its checkpoints' global batch (and continues
-    # from them): its gradient_accumulation_steps adapts (snaketune.topology).
-    for note in adapt_accumulation(config):
-        print(f"note: {note}", file=sys.stderr)
-    # Every tokenized copy the runs need, by key (runs that share tokens share one), and
-    # the settings of each base-model evaluation.
-    TOKENIZE = tokenize_jobs(config)
-    BASE_EVALS = base_evaluations(config)
+    PARSED = at_parse(config, Path(workflow.basedir), workflow.configfiles)
 except UserError as error:
-    sys.exit(f"config error: {error}")
+    for line in error_lines(error):
+        print(f"config error: {line}", file=sys.stderr)
+    sys.exit(1)
+for note in PARSED.notes:
+    print(f"note: {note}", file=sys.stderr)
+TOKENIZE = PARSED.tokenize
+BASE_EVALS = PARSED.base_evals
 
 
 include: "workflow/rules/common.smk"
@@ -49,19 +47,14 @@ include: "workflow/rules/publish.smk"
 include: "workflow/rules/sweep.smk"
 
 
-# Checks of the machine this runs on, before any job: local sources exist (or a rule makes
-# them), and the working directory takes new files.
-try:
-    check_local_sources(config, set(rules.make_fixtures.output))
-    check_writable(".", ("results", "resources", "logs", "benchmarks", ".snakemake"))
-except UserError as error:
-    sys.exit(f"error: {error}")
-
-
-# Before anything runs or is queued: memory plans of the runs about to train; on SLURM,
-# every job's resources against its partition.
+# Before anything runs or is queued, and in a dry run too: memory and disk plans of the
+# runs about to train, lm-eval's task names; on SLURM, every job's resources against its
+# partition (snaketune.checks.before_queueing).
 onstart:
-    before_queueing()
+    check_before_queueing(dry_run=False)
+
+
+in_dry_runs(lambda: check_before_queueing(dry_run=True), lambda: workflow.dryrun)
 
 
 # At the end of a successful pipeline: one line with the report's path and the results.

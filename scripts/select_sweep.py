@@ -37,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     best = {"sweep": args.sweep, **best_member(members, evals, curves)}
     with atomic_paths(args.out) as (tmp,):
         tmp.write_text(json.dumps(best, indent=2) + "\n")
+    if "metric_chosen" in best:
+        print(best["metric_chosen"])
+    if "tied" in best:
+        print(f"{args.sweep}: {len(best['tied'])} members tie on {best['metric']} "
+              f"({best['value']:.6g}): {', '.join(best['tied'])}; broken by "
+              f"{best['tie_broken_by']}")  # fmt: skip
     print(f"{args.sweep}: best {best['metric']} ({best['mode']}) {best['value']:.6g}: "
           f"{best['best']} {best['values']}")  # fmt: skip
     return 0

@@ -118,7 +118,7 @@ PARSE = [
     Case("unknown-enum", "config", put("runs/demo/method", "lorra"),
          "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo']"),
     Case("grpo-init-from-unknown-run", "config", grpo_run(init_from="demoo"),
-         "config error: runs.rl.init_from: unknown run 'demoo' (defined: demo, rl)"),
+         "config error: runs.rl.init_from: unknown run or sweep 'demoo' (defined: demo, rl)"),
     Case("grpo-init-from-loop", "config", grpo_loop,
          "config error: runs.rl.init_from: the runs start from each other in a loop "
          "(rl -> rl2 -> rl); one of them must start from a `model`"),
@@ -184,12 +184,12 @@ PARSE = [
          put("runs/demo/lora/target_modules", ["q_proj", "lm_head"]),
          "config error: runs.demo.lora.target_modules: lm_head cannot take a LoRA adapter"),
     Case("dataset-file-missing", "data", put("datasets/gsm8k_demo/path", "data/train.jsonl"),
-         "error: datasets.gsm8k_demo.path: data/train.jsonl does not exist"),
+         "config error: datasets.gsm8k_demo.path: data/train.jsonl does not exist"),
     Case("dataset-file-empty", "data",
          with_file("empty.jsonl", b"", "datasets/gsm8k_demo/path"),
-         "error: datasets.gsm8k_demo.path: empty.jsonl is empty (0 bytes)"),
+         "config error: datasets.gsm8k_demo.path: empty.jsonl is empty (0 bytes)"),
     Case("model-without-config-json", "model", model_dir_without_config,
-         "error: models.tiny.path: bare-model has no config.json; point it at a Hugging Face "
+         "config error: models.tiny.path: bare-model has no config.json; point it at a Hugging Face "
          "model directory"),
 ]  # fmt: skip
 

@@ -191,8 +191,13 @@ def test_plan_without_a_downloaded_model_says_so(tmp_path):
     proc = _plan(config, "--gpu", "a100-40gb")
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: runs.coder_lora: the config.json of model deepseek_coder_6_7b")
-    assert "download the model first (snakemake download_model) or go online" in line
+    assert line.startswith(
+        "error: runs.coder_lora: cannot plan: the config.json of model deepseek_coder_6_7b"
+    )
+    # offline (the tests' HF_HUB_OFFLINE): said at once, with commands that work
+    assert "this machine is offline (HF_HUB_OFFLINE is set)" in line
+    assert f"(snakemake --profile <profile> --configfile {config} --until download_model)" in line
+    assert "a folder holding its config.json alone" in line
 
 
 def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):

@@ -37,7 +37,7 @@ def test_a_grid_expands_into_named_members_with_their_values():
     assert member["learning_rate"] == 0.006 and member["lora"]["r"] == 4
     assert member["lora"]["alpha"] == 16  # the rest of the run as it was
     assert member["sweep_of"] == {"run": "demo", "values": {"learning_rate": 0.006, "lora.r": 4},
-                                  "select": {"metric": "exact_match", "mode": "max"}}  # fmt: skip
+                                  "select": {"metric": "auto"}}  # fmt: skip
     assert "sweep" not in member and "sweep_select" not in member
 
 
@@ -108,6 +108,33 @@ def test_validate_lists_the_members_and_the_dry_run_shares_the_data_stages(tmp_p
     # one tokenized training set and one eval set, one shard plan: the members differ only
     # in what training does with them
     assert jobs["tokenize_dataset"] == "2" and jobs["shard_dataset"] == "1", jobs
+
+
+def test_auto_selects_on_the_loss_where_the_references_have_no_answers():
+    """Chat data: no '#### <answer>' in the references, every member's exact match is 0; the
+    default (auto) picks the lowest held-out loss, and says why."""
+    members = {m: {"values": {"lr": i}, "answers": 0,
+                   "figures": {"exact_match": 0.0, "loss": [1.5, 1.1, 1.3][i]}}
+               for i, m in enumerate(("a", "b", "c"))}  # fmt: skip
+    best = select(members, {"metric": "auto"})
+    assert (best["metric"], best["mode"], best["best"]) == ("loss", "min", "b")
+    assert "no '#### <answer>' lines" in best["metric_chosen"] and "tied" not in best
+    for info in members.values():  # GSM8K-style references: exact match, as before
+        info["answers"] = 64
+    best = select(members, {"metric": "auto"})
+    assert (best["metric"], best["mode"]) == ("exact_match", "max")
+
+
+def test_a_tie_is_named_and_broken_by_the_heldout_loss():
+    members = {"a": {"values": {}, "figures": {"exact_match": 0.5, "loss": 1.4}},
+               "b": {"values": {}, "figures": {"exact_match": 0.5, "loss": 1.2}},
+               "c": {"values": {}, "figures": {"exact_match": 0.25, "loss": 0.9}}}  # fmt: skip
+    best = select(members, {"metric": "exact_match", "mode": "max"})
+    # by name, "a" would win the tie; the held-out loss says "b"
+    assert best["best"] == "b" and best["tied"] == ["a", "b"]
+    assert best["tie_broken_by"] == "loss"
+    untied = select(members, {"metric": "loss", "mode": "min"})
+    assert untied["best"] == "c" and "tied" not in untied
 
 
 def test_select_sweep_writes_best_json(tmp_path):

@@ -1,11 +1,16 @@
-"""Shared plumbing of the entry scripts, and the ``snaketune`` command.
+"""Check, plan and trace snaketune fine-tuning runs without running them.
 
-snaketune validate config/config.yaml     # check a config, print the plan
-snaketune fixtures resources/fixtures     # build the offline demo fixtures
-snaketune lineage results/demo/merged_model [--verify]
-                                          # the chain of artefacts behind a result
-snaketune plan config.yaml [--gpu h100-80gb | --gpu-memory 80] [--json]
-                                          # per-GPU memory of each run: will it fit?
+  snaketune validate my.yaml            check a config as the workflow does (every problem
+                                        at once); print its runs, sweeps and tokenized copies
+  snaketune plan my.yaml --gpu h100-80gb
+                                        per-GPU memory and disk of each run; exit 1 if one
+                                        does not fit, with the cheapest change that does
+  snaketune lineage results/demo/merged_model [--verify]
+                                        the chain of artefacts behind a result
+  snaketune fixtures resources/fixtures build the offline demo model and datasets
+
+Relative paths in the config start from the directory you run it in (where the workflow's
+results/ and resources/ are). The workflow itself runs with snakemake --profile profiles/...
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from snaketune.errors import UserError
+from snaketune.errors import UserError, error_lines
+
+# (This module is also the entry scripts' shared plumbing: setup_logging and run.)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -47,18 +54,25 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     except UserError as exc:
         from snaketune.redact import redact, secret_values
 
-        print(f"error: {redact(str(exc), secret_values())}", file=sys.stderr)
+        for line in error_lines(exc):
+            print(f"error: {redact(line, secret_values())}", file=sys.stderr)
         return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from snaketune.config import WORKFLOW_ROOT
+    from snaketune.memplan import GPUS
+
     parser = argparse.ArgumentParser(
         prog="snaketune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    val = sub.add_parser("validate", help="validate a config and print the tokenize plan")
+    root_help = f"workflow directory (holds workflow/schemas/ and config/deepspeed/; default {WORKFLOW_ROOT})"  # noqa: E501
+    val = sub.add_parser(
+        "validate", help="check a config as the workflow does; print its runs and tokenized copies"
+    )
     val.add_argument("config", help="path to the YAML config")
-    val.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
+    val.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
     fix = sub.add_parser("fixtures", help="build the offline demo fixtures")
     fix.add_argument("out", help="output directory, e.g. resources/fixtures")
     lin = sub.add_parser("lineage", help="print the chain of artefacts behind an artefact")
@@ -71,43 +85,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="per-GPU memory and disk estimates of each run, and whether they fit (exit 1 if not)",
     )
     pla.add_argument("config", help="path to the YAML config")
-    pla.add_argument("--root", default=".", help="workflow directory (holds config/deepspeed/)")
+    pla.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
     which = pla.add_mutually_exclusive_group()
-    which.add_argument("--gpu", help="GPU type from the table (h100-80gb, a100-40gb, ...)")
+    table = ", ".join(f"{name} ({gib:g} GiB usable)" for name, gib in GPUS.items())
+    which.add_argument("--gpu", help=f"GPU type, one of: {table}; default: each run's `gpu`")
     which.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB")
     pla.add_argument("--json", action="store_true", help="one JSON list, a dict per run")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from snaketune.checks import at_parse
+    from snaketune.config import load_yaml
+    from snaketune.sweep import sweeps_of
+
+    config = load_yaml(args.config)
+    parsed = at_parse(config, Path(args.root), [args.config])
+    for note in parsed.notes:
+        print(f"note: {note}", file=sys.stderr)
+    plan = {
+        "runs": sorted(config["runs"]),
+        "sweeps": sweeps_of(config["runs"]),
+        "tokenized": sorted(parsed.tokenize),
+    }
+    print(json.dumps(plan, indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from snaketune.config import load_config
+    from snaketune.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
+    from snaketune.memplan import format_plan, plan_config
+
+    config = load_config(args.config, args.root)
+    workdir, root = Path("."), Path(args.root)
+    plans = plan_config(config, workdir, root, args.gpu_memory or args.gpu, args.config)
+    for plan in plans:  # the model's config.json is there: plan_config read it
+        plan["disk"] = disk_plan_of(config, plan["run"], workdir, root)
+    shared = shared_filesystems({p["run"]: p["disk"] for p in plans})
+    for plan in plans:  # the runs it shares its filesystem with, added up
+        plan["disk"]["shared"] = next((g for g in shared if plan["run"] in g["runs"]), None)
+    if args.json:
+        print(json.dumps(plans, indent=2))
+    else:
+        for plan in plans:
+            print(format_plan(plan["run"], plan))
+            print(format_disk(plan["run"], plan["disk"]))
+        for group in shared:
+            print(format_shared(group))
+    bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]]
+    return 1 if bad or any(not g["fits"] for g in shared) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     def _main(_: Sequence[str] | None) -> int:
         if args.command == "validate":
-            from snaketune.config import load_config
-            from snaketune.plan import tokenize_jobs
-
-            config = load_config(args.config, args.root)
-            plan = {
-                "runs": sorted(config["runs"]),
-                "tokenized": sorted(tokenize_jobs(config, Path(args.root))),
-            }
-            print(json.dumps(plan, indent=2))
-        elif args.command == "plan":
-            from snaketune.config import load_config
-            from snaketune.diskplan import disk_plan_of, format_disk
-            from snaketune.memplan import format_plan, plan_config
-
-            config = load_config(args.config, args.root)
-            plans = plan_config(config, Path(args.root), args.gpu_memory or args.gpu)
-            root = Path(args.root)
-            for plan in plans:  # the model's config.json is there: plan_config read it
-                plan["disk"] = disk_plan_of(config, plan["run"], root, root)
-            if args.json:
-                print(json.dumps(plans, indent=2))
-            else:
-                for plan in plans:
-                    print(format_plan(plan["run"], plan))
-                    print(format_disk(plan["run"], plan["disk"]))
-            bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]]
-            return 1 if bad else 0
-        elif args.command == "lineage":
+            return _validate(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "lineage":
             from snaketune.provenance import lineage
 
             problems: list[str] = []
@@ -117,11 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {len(problems)} file(s) differ from their provenance: "
                       f"{'; '.join(problems)}", file=sys.stderr)  # fmt: skip
                 return 1
-        else:
-            from snaketune.fixtures import make_fixtures
+            return 0
+        from snaketune.fixtures import make_fixtures
 
-            for name, path in make_fixtures(args.out).items():
-                print(f"{name}: {path}")
+        for name, path in make_fixtures(args.out).items():
+            print(f"{name}: {path}")
         return 0
 
     return run(_main)

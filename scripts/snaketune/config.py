@@ -21,10 +21,13 @@ from typing import Any
 import jsonschema
 import yaml
 
-from snaketune.errors import ConfigError
+from snaketune.errors import ConfigError, ConfigProblems
 from snaketune.packing import check_kernels_installed
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
+# The workflow directory this library belongs to (scripts/snaketune/ -> the repository):
+# where the schema and config/deepspeed/ are found when no other root is given.
+WORKFLOW_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = Path("config/deepspeed")
 
 # For each dataset format: the fields a row must provide (field -> default column name),
@@ -176,6 +179,28 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class _Collect:
+    """Runs checks of independent entries, keeping each one's problem, so that one pass
+    names every bad entry (``raise_all`` at the end)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def check(self, func: Any, *args: Any) -> None:
+        try:
+            func(*args)
+        except ConfigProblems as exc:
+            self.lines += exc.lines
+        except ConfigError as exc:
+            self.lines.append(str(exc))
+
+    def raise_all(self) -> None:
+        if len(self.lines) == 1:
+            raise ConfigError(self.lines[0])
+        if self.lines:
+            raise ConfigProblems(self.lines)
+
+
 def _check_source(kind: str, name: str, spec: Mapping[str, Any], hub_keys: set[str]) -> None:
     where = f"{kind}.{name}"
     src = spec["source"]
@@ -303,10 +328,22 @@ def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> No
         )
 
 
+def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
+    """The runs a run with ``init_from`` may start from: the run it names, or every member
+    of the sweep it names (the best one is chosen once the sweep is evaluated)."""
+    from snaketune.sweep import sweeps_of
+
+    parent = config["runs"][name]["init_from"]
+    return sweeps_of(config["runs"]).get(parent) or [parent]
+
+
 def _resolve_init(config: dict[str, Any]) -> None:
-    """Fill `model` of each run with `init_from` from the run it starts from (following
-    chains); refuse an unknown run, a chain that loops, and an eval set that differs."""
-    runs = config["runs"]
+    """Fill `model` of each run with `init_from` from the run (or sweep) it starts from,
+    following chains; refuse an unknown run, a chain that loops, and a sweep whose members
+    would hand on different base models or model kinds."""
+    from snaketune.sweep import sweeps_of
+
+    runs, sweeps = config["runs"], sweeps_of(config["runs"])
     for name, run in runs.items():
         where = f"runs.{name}"
         if "init_from" not in run:
@@ -319,8 +356,9 @@ def _resolve_init(config: dict[str, Any]) -> None:
         while "init_from" in current:
             parent = current["init_from"]
             _require(
-                parent in runs,
-                f"{where}.init_from: unknown run {parent!r} (defined: {', '.join(sorted(runs))})",
+                parent in runs or parent in sweeps,
+                f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
+                f"{', '.join(sorted([*runs, *sweeps]))})",
             )
             _require(
                 parent not in chain,
@@ -328,21 +366,17 @@ def _resolve_init(config: dict[str, Any]) -> None:
                 f"({' -> '.join([*chain, parent])}); one of them must start from a `model`",
             )
             chain.append(parent)
-            current = runs[parent]
+            members = [runs[m] for m in sweeps.get(parent, [parent])]
+            for key, what in (("model", "base model"), ("method", "method")):
+                values = {str(m.get(key)) for m in members if "init_from" not in m}
+                _require(
+                    len(values) <= 1,
+                    f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
+                    f"({', '.join(sorted(values))}); start from one member, or sweep a key "
+                    "that keeps it",
+                )
+            current = members[0]
         run["model"] = current.get("model")  # the chain's first run's (none: refused there)
-        parent = runs[run["init_from"]]
-        if "eval_dataset" in run:
-            _require(
-                parent.get("eval_dataset") == run["eval_dataset"],
-                f"{where}.eval_dataset: must be {run['init_from']}'s eval set "
-                f"({parent.get('eval_dataset', 'none')}): that run's evaluation is this run's "
-                "base; give both the same eval_dataset",
-            )
-            _require(
-                parent["eval"] == run["eval"],
-                f"{where}.eval: must equal runs.{run['init_from']}.eval (that run's evaluation "
-                "is this run's base, so both must be measured the same way)",
-            )
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
@@ -394,28 +428,61 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
     check_kernels_installed(where, run)
 
 
-def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str, Any]:
+def _check_model(name: str, spec: Mapping[str, Any]) -> None:
+    _check_source("models", name, spec, {"id", "revision"})
+    template = spec.get("chat_template")
+    _require(
+        template is None or Path(template).is_file(),
+        f"models.{name}.chat_template: file {template!r} not found "
+        "(relative paths start from the working directory)",
+    )
+
+
+def load_schema(root: str | Path) -> Any:
+    """The config's JSON Schema under the workflow directory ``root``."""
+    path = Path(root) / SCHEMA_PATH
+    if not path.is_file():
+        raise ConfigError(
+            f"{path}: file not found; give the workflow directory (the one holding "
+            f"workflow/schemas/), e.g. --root {WORKFLOW_ROOT}"
+        )
+    return load_yaml(path)
+
+
+def _check_sweep_publish(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
+    """A sweep's `publish` (kept in its members' sweep_of: the best member is published)
+    against the run schema's `publish`, defaults filled."""
+    sub = schema["properties"]["runs"]["additionalProperties"]["properties"]["publish"]
+    for run in config["runs"].values():
+        settings = (run.get("sweep_of") or {}).get("publish")
+        if settings is None:
+            continue
+        error = _first_error(_Validator(sub).iter_errors(settings))
+        if error is not None:
+            where = _key_path(["runs", run["sweep_of"]["run"], "publish", *error.absolute_path])
+            raise ConfigError(f"{where}: {error.message}")
+
+
+def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) -> dict[str, Any]:
     """Validate ``config`` in place (filling defaults) and return it.
 
-    ``root`` is the workflow directory (where config/deepspeed/ lives).
-    Raises ConfigError with a one-line message on the first problem found.
+    ``root`` is the workflow directory (where config/deepspeed/ lives). Raises ConfigError
+    with a one-line message: the schema's first problem, or else every bad model, dataset
+    and run at once (ConfigProblems, a line each).
     """
     from snaketune.sweep import expand_sweeps
 
     root = Path(root)
-    schema = load_yaml(root / SCHEMA_PATH)
+    schema = load_schema(root)
     expand_sweeps(config, schema)  # a run with `sweep` becomes its members
     check_schema(config, schema)
+    _check_sweep_publish(config, schema)
+    found = _Collect()
     for name, spec in config["models"].items():
-        _check_source("models", name, spec, {"id", "revision"})
-        template = spec.get("chat_template")
-        _require(
-            template is None or Path(template).is_file(),
-            f"models.{name}.chat_template: file {template!r} not found "
-            "(relative paths start from the working directory)",
-        )
+        found.check(_check_model, name, spec)
     for name, spec in config["datasets"].items():
-        _check_dataset(name, spec, config["datasets"])
+        found.check(_check_dataset, name, spec, config["datasets"])
+    found.raise_all()
     _resolve_init(config)
     for run in config["runs"].values():
         if run["method"] == "grpo":
@@ -424,42 +491,48 @@ def validate_config(config: dict[str, Any], root: str | Path = ".") -> dict[str,
                 run["grpo"] = {}
                 check_schema(config, schema)  # fills the GRPO defaults
     for name, run in config["runs"].items():
-        _check_run(name, run, config, root)
+        found.check(_check_run, name, run, config, root)
         if run["method"] == "lora" and "lora" not in run:
             run["lora"] = {}
             check_schema(config, schema)  # fills the LoRA defaults
+    found.raise_all()
     return config
 
 
 def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None:
     """Local model and dataset paths exist (or a rule makes them: ``producible``, paths as
-    written in the workflow), and a local model directory holds a config.json.
+    written in the workflow), and a local model directory holds a config.json. Every
+    problem at once (ConfigProblems).
 
     Run where the jobs will run (the working directory); relative paths start there.
     """
     made = {str(Path(p)) for p in producible}
+    found = _Collect()
     for kind in ("models", "datasets"):
         for name, spec in config[kind].items():
             if spec["source"] != "local" or str(Path(spec["path"])) in made:
                 continue
-            path = Path(spec["path"])
-            where = f"{kind}.{name}.path"
-            _require(
-                path.exists(),
-                f"{where}: {path} does not exist (relative paths start from {Path.cwd()}); "
-                "fix the path",
-            )
-            if kind == "models":
-                _require(
-                    (path / "config.json").is_file(),
-                    f"{where}: {path} has no config.json; point it at a Hugging Face model "
-                    "directory (config.json, tokenizer files, weights)",
-                )
-            elif path.is_file():
-                _require(
-                    path.stat().st_size > 0,
-                    f"{where}: {path} is empty (0 bytes); give a file with at least one row",
-                )
+            found.check(_check_local_path, kind, name, Path(spec["path"]))
+    found.raise_all()
+
+
+def _check_local_path(kind: str, name: str, path: Path) -> None:
+    where = f"{kind}.{name}.path"
+    _require(
+        path.exists(),
+        f"{where}: {path} does not exist (relative paths start from {Path.cwd()}); fix the path",
+    )
+    if kind == "models":
+        _require(
+            (path / "config.json").is_file(),
+            f"{where}: {path} has no config.json; point it at a Hugging Face model "
+            "directory (config.json, tokenizer files, weights)",
+        )
+    elif path.is_file():
+        _require(
+            path.stat().st_size > 0,
+            f"{where}: {path} is empty (0 bytes); give a file with at least one row",
+        )
 
 
 def check_config_files(paths: list[str | Path]) -> None:
@@ -470,6 +543,6 @@ def check_config_files(paths: list[str | Path]) -> None:
             load_yaml(path)
 
 
-def load_config(path: str | Path, root: str | Path = ".") -> dict[str, Any]:
+def load_config(path: str | Path, root: str | Path = WORKFLOW_ROOT) -> dict[str, Any]:
     """Read and validate a config file."""
     return validate_config(load_yaml(path), root)

@@ -28,6 +28,7 @@ ZeRO-2) within 25%.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,14 +199,52 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
     return plan_disk(shape, s, run, deepspeed, root / "results" / name, path.parent)
 
 
+def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs whose results go to one filesystem, added up: a dict per filesystem that two or
+    more of ``plans`` ({run: disk plan}) write to, with their need together against its
+    free space (plus what they already hold there)."""
+    groups: dict[int, list[str]] = {}
+    for name, plan in plans.items():
+        groups.setdefault(os.stat(plan["path"]).st_dev, []).append(name)
+    out = []
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        need = sum(plans[n]["need_bytes"]["total"] for n in names)
+        held = sum(plans[n]["held_bytes"] for n in names)
+        free = min(plans[n]["free_bytes"] for n in names)
+        out.append({
+            "runs": sorted(names),
+            "path": os.path.commonpath([plans[n]["path"] for n in names]),
+            "need_bytes": need, "free_bytes": free, "held_bytes": held,
+            "fits": need <= free + held,
+        })  # fmt: skip
+    return out
+
+
+def format_shared(group: dict[str, Any]) -> str:
+    """One line: the runs on one filesystem, their need together, and whether it fits."""
+    held = f" (+{gib(group['held_bytes'])} they already hold)" if group["held_bytes"] else ""
+    line = (f"{len(group['runs'])} runs write to the filesystem of {group['path']} "
+            f"({', '.join(group['runs'])}): {gib(group['need_bytes'])} together, "
+            f"{gib(group['free_bytes'])} free{held}")  # fmt: skip
+    if group["fits"]:
+        return f"{line}: fits"
+    short = group["need_bytes"] - group["free_bytes"] - group["held_bytes"]
+    return (f"{line}: does NOT fit, {gib(short)} short; train fewer of them at once (ask for "
+            "some runs' outputs, or fewer sweep values), lower save_total_limit, or put "
+            "results/ on a larger filesystem")  # fmt: skip
+
+
 def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir: Path,
                     on_gpu: bool) -> list[str]:  # fmt: skip
     """The workflow's check before anything is queued: a line per run whose checkpoints and
-    exports do not fit on its results filesystem (skipped, with a line, while the model's
+    exports do not fit on its results filesystem, and a line per filesystem that the runs
+    writing to it do not fit on together (runs skipped, with a line, while the model's
     config.json is not there yet; the train job checks again before it starts)."""
     import sys
 
-    found = []
+    found, plans = [], {}
     for name in runs:
         run = config["runs"][name]
         gpu = on_gpu or run.get("gpu", config.get("gpu")) is not None
@@ -218,11 +257,17 @@ def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir
             print(f"disk plan: {name}: checked by the train job (the model's config.json is "
                   "not there yet)", file=sys.stderr)  # fmt: skip
             continue
+        plans[name] = plan
         line = format_disk(name, plan)
         if plan["fits"]:
             print(f"disk plan: {line}", file=sys.stderr)
         else:
             found.append(f"disk plan: {line}")
+    for group in shared_filesystems(plans):
+        if group["fits"]:
+            print(f"disk plan: {format_shared(group)}", file=sys.stderr)
+        else:
+            found.append(f"disk plan: {format_shared(group)}")
     return found
 
 

@@ -17,3 +17,16 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset, model or tokenizer cannot be used as configured."""
+
+
+class ConfigProblems(ConfigError):
+    """Several problems found at once (every missing path, every bad entry): one line each."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = list(lines)
+        super().__init__("; ".join(self.lines))
+
+
+def error_lines(error: UserError) -> list[str]:
+    """The lines to show for ``error``: each of several problems, or its one line."""
+    return list(getattr(error, "lines", None) or [str(error)])

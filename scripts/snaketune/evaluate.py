@@ -218,13 +218,14 @@ def evaluate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
     generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
-    samples, correct, verified = [], 0, 0
+    samples, correct, verified, answers = [], 0, 0, 0
     for r, text, ended in zip(rows, generations, stopped, strict=True):
         first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
         reference = tokenizer.decode(
             [t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True
         )
         want, got = parse_answer(reference), parse_answer(text)
+        answers += want is not None
         ok = want is not None and got == want
         correct += ok
         final = final_answer(text)
@@ -252,6 +253,8 @@ def evaluate(
             "stop_rate": sum(stopped) / len(rows),
             "stop_ids": stop_ids_of(model, tokenizer),
             "examples": len(rows),
+            # references with a '#### <answer>' line: what exact match can score
+            "reference_answers": answers,
             "model": str(model_dir),
             "max_new_tokens": max_new_tokens,
         }

@@ -17,6 +17,13 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   micro x heads x max_length^2 score and probability matrices per layer; the logits add
   tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
   gradient), none with Liger's fused linear cross-entropy;
+- GRPO: sequences are prompt and completion (max_length + max_completion_length tokens);
+  training keeps the activations of micro_batch_size completions of that length and the
+  logits of their completion tokens; generating them (without vLLM) holds a KV cache of
+  2 x layers x kv x w bytes per token, which is freed before the training pass (the larger
+  of the two counts); full fine-tuning with beta > 0 holds a frozen reference copy (w·P,
+  divided by N under ZeRO-3); with vLLM (use_vllm true or auto) its share of each GPU
+  (vllm_gpu_memory_utilization x the GPU's memory) holds its weights and KV cache;
 - margin: 1.5 GiB for the CUDA context and NCCL buffers, plus 10% of the rest for
   fragmentation.
 
@@ -29,6 +36,7 @@ in every process of the node.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -143,10 +151,18 @@ class Setup:
     lora_r: int = 0
     lora_targets: Any = "all-linear"
     lora_saved: tuple[str, ...] = ()
+    completion_length: int = 0  # GRPO: max_completion_length (0: not GRPO)
+    reference: bool = False  # GRPO full fine-tuning with beta > 0: a frozen copy
+    vllm_share: float = 0.0  # GRPO with vLLM: its share of each GPU's memory
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def sequence(self) -> int:
+        """Tokens of one sequence: max_length, or for GRPO prompt and completion."""
+        return self.max_length + self.completion_length
 
 
 def model_states(shape: Shape, s: Setup) -> dict[str, float]:
@@ -168,18 +184,30 @@ def model_states(shape: Shape, s: Setup) -> dict[str, float]:
 
 
 def activations(shape: Shape, s: Setup) -> float:
-    """Bytes per GPU of what forward keeps for backward (and the logits)."""
+    """Bytes per GPU of what forward keeps for backward (and the logits); for GRPO the
+    larger of that and the KV cache of generating the completions (without vLLM)."""
     w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_heads * shape.head_dim
-    tokens = s.micro_batch_size * s.max_length
+    tokens = s.micro_batch_size * s.sequence
     layer = tokens * (8 * h + 4 * kv + 4 * shape.intermediate) * w
     if s.attention == "eager":
-        layer += 2 * s.micro_batch_size * shape.heads * s.max_length**2 * w
+        layer += 2 * s.micro_batch_size * shape.heads * s.sequence**2 * w
     if s.gradient_checkpointing:
         kept = shape.layers * tokens * h * w + layer
     else:
         kept = shape.layers * layer
-    logits = 0 if s.liger else tokens * shape.vocab * (w + 8)
+    scored = s.micro_batch_size * s.completion_length if s.completion_length else tokens
+    logits = 0 if s.liger else scored * shape.vocab * (w + 8)
+    if s.completion_length and not s.vllm_share:
+        kv_cache = 2 * shape.layers * kv * w * tokens
+        return max(kept + logits, kv_cache)
     return kept + logits
+
+
+def reference_copy(shape: Shape, s: Setup) -> float:
+    """Bytes per GPU of GRPO's frozen reference model (full fine-tuning with beta > 0)."""
+    if not s.reference:
+        return 0.0
+    return s.bytes_per_weight * shape.params / (s.gpus if s.stage >= 3 else 1)
 
 
 def cpu_per_node(shape: Shape, s: Setup) -> float:
@@ -192,14 +220,26 @@ def cpu_per_node(shape: Shape, s: Setup) -> float:
     return p * s.bytes_per_weight * s.gpus_per_node
 
 
-def estimate(shape: Shape, s: Setup) -> dict[str, float]:
-    """GiB per GPU: each part, the margin and the total."""
+def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, float]:
+    """GiB per GPU: each part, the margin and the total (vLLM's share needs ``gpu_gib``)."""
     parts = {**model_states(shape, s), "activations": activations(shape, s)}
+    if s.reference:
+        parts["reference"] = reference_copy(shape, s)
     body = sum(parts.values())
     parts["margin"] = CONTEXT_GIB * GIB + FRAGMENTATION * body
+    if s.vllm_share and gpu_gib is not None:
+        parts["vllm"] = s.vllm_share * gpu_gib * GIB
     gib = {k: v / GIB for k, v in parts.items()}
     gib["total"] = sum(gib.values())
     return {k: round(v, 2) for k, v in gib.items()}
+
+
+def not_counted(s: Setup, gpu_gib: float | None) -> list[str]:
+    """What the estimate leaves out for this run, in words (empty: nothing known)."""
+    out = []
+    if s.vllm_share and gpu_gib is None:
+        out.append(f"vLLM's share ({s.vllm_share:g} of each GPU's memory; no GPU type set)")
+    return out
 
 
 def changes(s: Setup) -> list[tuple[str, Setup]]:
@@ -229,7 +269,7 @@ def changes(s: Setup) -> list[tuple[str, Setup]]:
 
 def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
     """The plan of one run: per-GPU parts, CPU per node, fits, and the cheapest change."""
-    per_gpu = estimate(shape, s)
+    per_gpu = estimate(shape, s, gpu_gib)
     out: dict[str, Any] = {
         "params": shape.params,
         "per_gpu_gib": per_gpu,
@@ -237,10 +277,11 @@ def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
         "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
         "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
         "suggestion": None,
+        "not_counted": not_counted(s, gpu_gib),
     }
     if out["fits"] is False:
         for what, changed in changes(s):
-            total = estimate(shape, changed)["total"]
+            total = estimate(shape, changed, gpu_gib)["total"]
             if total <= gpu_gib:
                 out["suggestion"] = f"{what} (then {total:.1f} GiB per GPU)"
                 break
@@ -261,8 +302,10 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         precision = "bf16" if on_gpu else "fp32"
     attention = run.get("attn_implementation", "auto")
     liger = run.get("liger_kernel", "auto")
+    grpo = run.get("grpo") if run["method"] == "grpo" else None
+    vllm = bool(grpo) and on_gpu and grpo.get("use_vllm") in (True, "auto")
     return Setup(
-        method=adapter_kind(run),  # GRPO plans as its LoRA or full update (rollouts not counted)
+        method=adapter_kind(run),  # GRPO plans as its LoRA or full update, plus its rollouts
         stage=int(zero.get("stage", 0)),
         offload_optimizer=offloaded("offload_optimizer"),
         offload_params=offloaded("offload_param"),
@@ -277,6 +320,9 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         lora_r=(run.get("lora") or {}).get("r", 0),
         lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
         lora_saved=tuple((run.get("lora") or {}).get("modules_to_save", ())),
+        completion_length=grpo.get("max_completion_length", 256) if grpo else 0,
+        reference=bool(grpo) and adapter_kind(run) == "full" and grpo.get("beta", 0.04) > 0,
+        vllm_share=grpo.get("vllm_gpu_memory_utilization", 0.3) if vllm else 0.0,
     )
 
 
@@ -306,16 +352,20 @@ def shape_and_deepspeed(
 
 
 def format_plan(run: str, plan: dict[str, Any]) -> str:
-    """One line: the run, the per-GPU total and its parts, against what the GPU has."""
+    """One line: the run, the per-GPU total and its parts, against what the GPU has; what
+    it leaves out, if anything."""
     g = plan["per_gpu_gib"]
-    parts = ", ".join(f"{k} {g[k]:.1f}" for k in
-                      ("weights", "gradients", "optimizer", "activations", "margin"))  # fmt: skip
+    names = ("weights", "gradients", "optimizer", "activations", "reference", "vllm", "margin")
+    labels = {"reference": "reference copy", "vllm": "vLLM"}
+    parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
     against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
     verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
     line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
             f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node")  # fmt: skip
     if plan["suggestion"]:
         line += f"; cheapest change that fits: {plan['suggestion']}"
+    if plan.get("not_counted"):
+        line += f"; not counted: {', '.join(plan['not_counted'])}"
     return line
 
 
@@ -336,20 +386,33 @@ def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Pat
     return downloaded
 
 
+def download_advice(config_path: str | Path | None = None) -> str:
+    """How to get a Hub model's config.json before planning, with commands that work."""
+    cfg = f" --configfile {config_path}" if config_path else " --configfile <your config>"
+    return (f"download it first (snakemake --profile <profile>{cfg} --until download_model), "
+            "or plan from a folder holding its config.json alone (set the model to source: "
+            "local, path: that folder; config.json is all the plan reads)")  # fmt: skip
+
+
 def plan_config(
-    config: dict[str, Any], root: Path, gpu: str | float | None = None
+    config: dict[str, Any],
+    workdir: Path,
+    basedir: Path,
+    gpu: str | float | None = None,
+    config_path: str | Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The plan of every run of a validated config; ``gpu`` overrides the runs' own."""
+    """The plan of every run of a validated config; ``gpu`` overrides the runs' own. The
+    models are looked for under ``workdir`` (resources/models/), the DeepSpeed presets
+    under the workflow directory ``basedir``."""
     plans = []
     for name, run in sorted(config["runs"].items()):
-        path = find_config_json(config, run, root)
+        path, why = locate_config_json(config, run, workdir)
         if path is None:
             raise UserError(
-                f"runs.{name}: the config.json of model {run['model']} is not in "
-                f"{model_dir_of(config, run, root)} and could not be fetched from the Hub: "
-                "download the model first (snakemake download_model) or go online"
+                f"runs.{name}: cannot plan: the config.json of model {run['model']} is not "
+                f"in {model_dir_of(config, run, workdir)}: {why}; " + download_advice(config_path)
             )
-        shape, deepspeed = shape_and_deepspeed(path, run, root)
+        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
         plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
     return plans
@@ -371,21 +434,62 @@ def check_cpu_run(
 
 
 def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
+    """The run's model config.json where it can be read now (``locate_config_json``)."""
+    return locate_config_json(config, run, workdir)[0]
+
+
+def locate_config_json(
+    config: dict[str, Any], run: dict[str, Any], workdir: Path
+) -> tuple[Path | None, str]:
     """The run's model config.json where it can be read now: the downloaded model, a local
-    model's path, or (a hub model not yet downloaded) config.json alone from the Hub, when
-    this machine is online. None: not available yet."""
+    model's path, or (a hub model not yet downloaded) config.json alone from the Hub's cache
+    or the Hub. (None, why) when it cannot be read yet; the Hub is asked at most once per
+    model and process, and not at all when it is unreachable."""
     local = model_dir_of(config, run, workdir) / "config.json"
     if local.is_file():
-        return local
+        return local, ""
     spec = config["models"][run["model"]]
     if spec.get("source") != "hub":
-        return None
-    try:
-        from huggingface_hub import hf_hub_download
+        return None, f"{local.parent} is not there yet (a job makes it)"
+    found, why = hub_config_json(spec["id"], spec.get("revision"))
+    if found is None:
+        return None, f"it is not downloaded yet and {why}"
+    return found, ""
 
-        return Path(hf_hub_download(spec["id"], "config.json", revision=spec.get("revision")))
-    except Exception:  # offline, gated without a token, no such repo: checked later
-        return None
+
+@functools.cache
+def hub_config_json(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
+    """config.json of a Hub model from the local cache, else from the Hub when it answers:
+    (path, "") or (None, why). Offline (HF_HUB_OFFLINE) or unreachable: no download tried."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision,
+                                    local_files_only=True)), ""  # fmt: skip
+    except Exception:  # not in the cache
+        pass
+    if constants.HF_HUB_OFFLINE:
+        return None, "this machine is offline (HF_HUB_OFFLINE is set)"
+    if not hub_reachable(constants.ENDPOINT):
+        return None, f"the Hub ({constants.ENDPOINT}) cannot be reached from here"
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision)), ""
+    except Exception as exc:  # gated without a token, no such repo or revision
+        return None, f"the Hub refused it ({str(exc).splitlines()[0][:200]})"
+
+
+@functools.cache
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's host opens within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def check_runs(

@@ -117,6 +117,23 @@ def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, d
     return jobs
 
 
+def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
+    """Whether a run with ``init_from`` and an eval set scores the model it starts from
+    itself (rule evaluate_start): when the run it starts from (or a member of that sweep)
+    has another eval set or other eval settings, or none. Otherwise that run's evaluation is
+    this run's base."""
+    from snaketune.config import init_parents
+
+    r = config["runs"][run]
+    if "init_from" not in r or "eval_dataset" not in r:
+        return False
+    return any(
+        config["runs"][p].get("eval_dataset") != r["eval_dataset"]
+        or config["runs"][p].get("eval") != r["eval"]
+        for p in init_parents(config, run)
+    )
+
+
 def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
     """Eval settings of each (base model, eval set), by the eval set's tokenize key.
 

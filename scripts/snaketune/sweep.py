@@ -11,7 +11,8 @@ expands, before anything else is validated, into the members ``demo-learning_rat
 ``demo-learning_rate_0p006-r_8``: runs of their own (results/<member>/, every stage), which
 share the download, tokenize and shard jobs wherever their inputs are the same (those are
 keyed by their settings, not by run). Each member carries ``sweep_of`` (the sweep's name,
-its values, the selection rule) for the report and the selection.
+its values, the selection rule, and the sweep's ``publish`` settings: its best member is
+what is published) for the report, the selection and the runs that start from the sweep.
 
 Member names: the run's name, then for each swept key in the order given ``-<key>_<value>``;
 the key is its last path component (the whole path with ``.`` as ``_`` when two swept paths
@@ -23,7 +24,11 @@ characters keeps its first 55 and adds ``-`` and 8 hex digits of its SHA-1.
 ``results/<run>/best.json`` names the member with the best ``sweep_select.metric`` (any
 figure of the members' eval metrics.json: exact_match, math_verify, loss, perplexity,
 stop_rate, an lm-eval column ``lm_eval:<task>:<metric,filter>``; or ``train_loss``, the
-last training loss), with its values and metrics.
+last training loss), with its values and metrics. The default with an eval set, ``auto``,
+is exact_match when the eval references hold ``####`` answers (GSM8K-style) and the
+held-out loss when they do not (chat data, where every member would score 0). Members tied
+on the metric are named in best.json (``tied``) and the tie is broken by the held-out loss
+(else the training loss), then by name.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from snaketune.errors import ConfigError
 MAX_NAME = 64
 EVAL_FIGURES = ("exact_match", "math_verify", "loss", "perplexity", "stop_rate")
 LOWER_IS_BETTER = ("loss", "perplexity", "train_loss")
+AUTO = "auto"  # exact_match where the eval references have #### answers, else the loss
 
 
 def _run_schema(schema: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -102,7 +108,7 @@ def _set(run: dict[str, Any], path: str, value: Any) -> None:
 
 def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
     """A selection metric the members will have; else one line naming what they have."""
-    if metric == "train_loss":
+    if metric in ("train_loss", AUTO):
         return
     if "eval_dataset" not in run:
         raise ConfigError(
@@ -143,10 +149,6 @@ def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str
             continue
         where = f"runs.{name}"
         sweep = run["sweep"]
-        if "publish" in run:
-            raise ConfigError(f"{where}: publish with sweep would push every member to one "
-                              "repo; publish the best member (results/<run>/best.json) as a "
-                              "run of its own")  # fmt: skip
         if not isinstance(sweep, dict) or not sweep:
             raise ConfigError(f"{where}.sweep: give key paths with lists of values, e.g. "
                               "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}")  # fmt: skip
@@ -165,10 +167,12 @@ def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str
                 "max_sweep_runs"
             )
         select = dict(run.get("sweep_select") or {})
-        select.setdefault("metric", "exact_match" if "eval_dataset" in run else "train_loss")
-        select.setdefault("mode", "min" if select["metric"] in LOWER_IS_BETTER else "max")
+        select.setdefault("metric", AUTO if "eval_dataset" in run else "train_loss")
+        if select["metric"] != AUTO:
+            select.setdefault("mode", "min" if select["metric"] in LOWER_IS_BETTER else "max")
         check_metric(select["metric"], run, where)
-        base = {k: v for k, v in run.items() if k not in ("sweep", "sweep_select")}
+        # `publish` is the sweep's: its best member is published (results/<run>/publish.json)
+        base = {k: v for k, v in run.items() if k not in ("sweep", "sweep_select", "publish")}
         members = []
         for combo in itertools.product(*sweep.values()):
             values = list(zip(sweep, combo, strict=True))
@@ -180,6 +184,8 @@ def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str
             for path, value in values:
                 _set(spec, path, value)
             spec["sweep_of"] = {"run": name, "values": dict(values), "select": select}
+            if "publish" in run:
+                spec["sweep_of"]["publish"] = copy.deepcopy(run["publish"])
             expanded[member] = spec
             members.append(member)
         sweeps[name] = members
@@ -210,15 +216,36 @@ def figures(metrics: Mapping[str, Any] | None, train_loss: float | None) -> dict
     return out
 
 
+def resolve_auto(members: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, str]:
+    """The metric and mode ``auto`` stands for, and why: exact_match (max) when every
+    member's eval references hold ``####`` answers, the held-out loss (min) when none do."""
+    answers = [info.get("answers") for info in members.values()]
+    if answers and all(a == 0 for a in answers):
+        return "loss", "min", "the eval references hold no '#### <answer>' lines"
+    return "exact_match", "max", "the eval references hold '#### <answer>' lines"
+
+
 def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) -> dict[str, Any]:
-    """best.json: the best member by ``rule`` among ``{member: {values, figures}}``."""
-    metric, mode = rule["metric"], rule["mode"]
+    """best.json: the best member by ``rule`` among ``{member: {values, figures, answers}}``;
+    members tied on the metric are listed and the tie is broken by the held-out loss (else
+    the training loss), then by name."""
+    metric, mode, why = rule["metric"], rule.get("mode"), None
+    if metric == AUTO:
+        metric, mode, why = resolve_auto(members)
     scored = {m: info["figures"].get(metric) for m, info in members.items()}
     missing = [m for m, v in scored.items() if v is None]
     if missing:
         raise ConfigError(f"sweep_select: {metric} is not in the metrics of {missing[0]}")
-    best = (max if mode == "max" else min)(scored, key=lambda m: (scored[m], m))
-    return {
+    top = (max if mode == "max" else min)(scored.values())
+    tied = sorted(m for m, v in scored.items() if v == top)
+
+    def loss(m: str) -> float:
+        figures = members[m]["figures"]
+        value = figures.get("loss", figures.get("train_loss"))
+        return float("inf") if value is None else value
+
+    best = min(tied, key=lambda m: (loss(m), m))
+    out = {
         "metric": metric,
         "mode": mode,
         "best": best,
@@ -229,6 +256,12 @@ def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) ->
             {"run": m, "values": members[m]["values"], metric: scored[m]} for m in members
         ],  # fmt: skip
     }
+    if why:
+        out["metric_chosen"] = f"sweep_select auto: {metric} ({why})"
+    if len(tied) > 1:
+        out["tied"] = tied
+        out["tie_broken_by"] = "loss" if "loss" in members[best]["figures"] else "train_loss"
+    return out
 
 
 def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any],
@@ -240,5 +273,6 @@ def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any]
         losses = [r["loss"] for r in curves[name] if r.get("loss") is not None]
         last = losses[-1] if losses else None
         info[name] = {"values": spec["sweep_of"]["values"],
-                      "figures": figures(evals.get(name), last)}  # fmt: skip
+                      "figures": figures(evals.get(name), last),
+                      "answers": (evals.get(name) or {}).get("reference_answers")}  # fmt: skip
     return select(info, next(iter(specs.values()))["sweep_of"]["select"])

@@ -10,6 +10,7 @@ from snaketune.config import adapter_kind, resolve_deepspeed
 from snaketune.sweep import sweeps_of
 from snaketune.plan import (
     components,
+    evaluates_its_start,
     final_model_dir,
     run_eval_tokenize_spec,
     run_tokenize_spec,
@@ -144,11 +145,24 @@ def shard_eval_arg(wildcards, input):
     return f"--eval {input.eval}" if "eval" in input.keys() else ""
 
 
+def best_member(sweep):
+    """A sweep's best member, once its evaluations are done and select_sweep (a checkpoint)
+    has chosen it from results/<sweep>/best.json."""
+    best = checkpoints.select_sweep.get(sweep=sweep).output[0]
+    return json.loads(Path(best).read_text())["best"]
+
+
+def start_run(name):
+    """The run a run with init_from starts from: the run it names, or that sweep's best."""
+    parent = config["runs"][name]["init_from"]
+    return best_member(parent) if parent in SWEEPS else parent
+
+
 def run_model(wildcards):
     """The model a run trains from: its base model, or (init_from) that run's final model."""
     run = config["runs"][wildcards.run]
     if "init_from" in run:
-        return final_model(run["init_from"])
+        return final_model(start_run(wildcards.run))
     return f"resources/models/{run['model']}"
 
 
@@ -251,12 +265,15 @@ def run_eval_tokenized(wildcards):
 
 
 def run_base_metrics(wildcards):
-    """What a run's evaluation is compared with: its base model's evaluation, or (init_from)
-    the evaluation of the run it started from."""
+    """What a run's evaluation is compared with: its base model's evaluation; or (init_from)
+    the evaluation of the run it started from, or, where that run was scored on another
+    eval set or otherwise, the starting model's own evaluation (rule evaluate_start)."""
     run = config["runs"][wildcards.run]
-    if "init_from" in run:
-        return f"results/{run['init_from']}/eval/metrics.json"
-    return f"results/base_eval/{run_eval_key(wildcards.run)}/metrics.json"
+    if "init_from" not in run:
+        return f"results/base_eval/{run_eval_key(wildcards.run)}/metrics.json"
+    if evaluates_its_start(config, wildcards.run):
+        return f"results/{wildcards.run}/start_eval/metrics.json"
+    return f"results/{start_run(wildcards.run)}/eval/metrics.json"
 
 
 def run_adapter_kind(wildcards):
@@ -318,57 +335,47 @@ def report_inputs(wildcards):
     return inputs
 
 
-def before_queueing():
-    """Before any job runs (onstart): each run about to train against its GPUs' memory
-    (snaketune.memplan) and its results filesystem's free space (snaketune.diskplan);
-    each run about to evaluate with lm-eval tasks lm-eval knows (snaketune.lmeval); on SLURM, every job of the plan against its partition's nodes and
-    limits (snaketune.slurmfit). One line per problem, then stop; on SLURM, a watch then
-    cancels a pending job whose reason can never clear."""
-    from snaketune.diskplan import check_disk_runs
-    from snaketune.lmeval import check_tasks
-    from snaketune.memplan import check_runs
-    from snaketune.slurmfit import PendingWatch, check_jobs
+def check_before_queueing(dry_run):
+    """Before any job runs (onstart), or in a dry run once the jobs are known: the checks of
+    snaketune.checks.before_queueing on this workflow's jobs; one line per problem, then
+    stop. On SLURM, a watch then cancels a pending job whose reason can never clear."""
+    from snaketune.checks import Job, before_queueing, meant_for_slurm, refuse
+    from snaketune.slurmfit import PendingWatch
 
-    jobs = list(workflow.dag.needrun_jobs())
-    runs = sorted({job.wildcards["run"] for job in jobs if job.rule.name == "train"})
-    found = check_runs(
-        config, runs, Path("."), Path(workflow.basedir), workflow.local_exec
-    )
-    found += check_disk_runs(
-        config, runs, Path("."), Path(workflow.basedir), not workflow.local_exec
-    )
-    evaluating = {job.wildcards["run"] for job in jobs if job.rule.name == "evaluate"}
-    evaluating |= {
-        BASE_EVALS[job.wildcards["key"]]["run"]
-        for job in jobs
-        if job.rule.name == "evaluate_base"
-    }
-    found += check_tasks(config, sorted(evaluating))
-    if not workflow.local_exec:
-        found += check_jobs(
-            [
-                (job.rule.name, dict(job.resources.items()))
-                for job in jobs
-                if not job.is_local
-            ]
+    # (a dry run runs every job locally; whether a rule is local on the cluster is its own)
+    local_rules = {r.name for r in workflow.rules if r.norun} | workflow._localrules
+    jobs = [
+        Job(
+            job.rule.name,
+            dict(job.wildcards_dict),
+            dict(job.resources.items()),
+            job.rule.name in local_rules,
         )
+        for job in workflow.dag.needrun_jobs()
+    ]
+    local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
+    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local)
     if found:
-        for line in found:
-            print(f"error: {line}", file=sys.stderr)
-        print(
-            f"error: {len(found)} problem(s) found before queueing; nothing was run",
-            file=sys.stderr,
-        )
-        sys.exit(1)
-    if not workflow.local_exec:
+        refuse(found, dry_run)
+    if not local and not dry_run:
         PendingWatch(os.getcwd()).start()
 
 
+def published_run(wildcards):
+    """The run whose model `publish_run` uploads: the run itself, or a sweep's best member."""
+    return best_member(wildcards.run) if wildcards.run in SWEEPS else wildcards.run
+
+
 def publish_inputs(wildcards):
-    """The run's evaluation (its figures go into the model card), when it has one."""
-    if "eval_dataset" in config["runs"][wildcards.run]:
-        return {"metrics": f"results/{wildcards.run}/eval/metrics.json"}
-    return {}
+    """The model, the sweep's choice (a sweep), and the evaluation (its figures go into the
+    model card) when the run has one."""
+    name = published_run(wildcards)
+    inputs = {"model": final_model(name)}
+    if wildcards.run in SWEEPS:
+        inputs["best"] = f"results/{wildcards.run}/best.json"
+    if "eval_dataset" in config["runs"][name]:
+        inputs["metrics"] = f"results/{name}/eval/metrics.json"
+    return inputs
 
 
 def publish_metrics_arg(wildcards, input):
@@ -377,26 +384,36 @@ def publish_metrics_arg(wildcards, input):
 
 def publish_spec(wildcards):
     """The run's config entry and the datasets it trained on (for the model card)."""
-    run = config["runs"][wildcards.run]
+    run = config["runs"][published_run(wildcards)]
     sources = [c["name"] for c in components(config, run["dataset"])]
     return as_json({**run, "dataset_sources": sources})
 
 
+def publish_config(name):
+    """publish settings of a run, or of a sweep (kept in its members' sweep_of)."""
+    run = (
+        config["runs"][SWEEPS[name][0]]["sweep_of"]
+        if name in SWEEPS
+        else config["runs"][name]
+    )
+    return run.get("publish") or {}
+
+
 def publish_settings(wildcards):
-    run = config["runs"][wildcards.run]
-    if not run.get("publish", {}).get("repo_id"):
+    settings = publish_config(wildcards.run)
+    if not settings.get("repo_id"):
         raise ValueError(
             f"results/{wildcards.run}/publish: run {wildcards.run} has no publish.repo_id"
         )
-    return as_json(run["publish"])
+    return as_json(settings)
 
 
 def publish_targets(wildcards):
-    """What `publish` asks for: the receipt of every run with publish.repo_id."""
+    """What `publish` asks for: the receipt of every run and sweep with publish.repo_id."""
     return [
-        f"results/{run}/publish.json"
-        for run, r in config["runs"].items()
-        if r.get("publish", {}).get("repo_id")
+        f"results/{name}/publish.json"
+        for name in [*config["runs"], *SWEEPS]
+        if publish_config(name).get("repo_id")
     ]
 
 

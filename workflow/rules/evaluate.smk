@@ -27,6 +27,35 @@ rule evaluate_base:
         " {params.settings} > {log} 2>&1"
 
 
+# A run that starts from another (init_from) but is scored on its own eval set or settings:
+# the model it starts from, on that set, is its base.
+rule evaluate_start:
+    input:
+        script=f"{SCRIPTS}/evaluate.py",
+        model=run_model,
+        eval=run_eval_tokenized,
+        train=run_tokenized,
+    output:
+        metrics="results/{run}/start_eval/metrics.json",
+        samples="results/{run}/start_eval/samples.jsonl",
+        provenance="results/{run}/start_eval/provenance.json",
+    log:
+        "logs/evaluate_start/{run}.log",
+    benchmark:
+        "benchmarks/evaluate_start/{run}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=16000,
+        runtime=240,
+    params:
+        settings=run_eval_settings,
+        out="results/{run}/start_eval",
+    shell:
+        "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
+        " --out {params.out} {params.settings} > {log} 2>&1"
+
+
 rule evaluate:
     input:
         script=f"{SCRIPTS}/evaluate.py",

@@ -1,7 +1,9 @@
 # The best member of each sweep (runs.<name>.sweep; snaketune/sweep.py): results/<name>/best.json.
+# A checkpoint: a run that starts from the sweep (init_from) and the sweep's publish read
+# the choice once it is made.
 
 
-rule select_sweep:
+checkpoint select_sweep:
     input:
         unpack(sweep_inputs),
         script=f"{SCRIPTS}/select_sweep.py",
