@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with atomic_paths(args.out, args.receipt) as (folder, receipt):
         build_folder(args.run, args.spec, args.model, args.metrics, args.resources, settings,
                      folder)  # fmt: skip
-        done = {"repo_id": settings["repo_id"], "private": settings["private"],
+        done = {"run": args.run, "repo_id": settings["repo_id"], "private": settings["private"],
                 "dry_run": settings["dry_run"], "folder": str(args.out)}  # fmt: skip
         if not settings["dry_run"]:
             done.update(upload(folder, settings["repo_id"], settings["private"]))

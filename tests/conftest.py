@@ -44,6 +44,32 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+# The config.json values of the models the config examples name (as published on the Hub).
+SHAPES = {
+    "meta-llama/Llama-3.2-1B": {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+    },
+    "deepseek-ai/deepseek-coder-6.7b-instruct": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "vocab_size": 32256, "tie_word_embeddings": False,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-32B-Instruct": {
+        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = SHAPES["meta-llama/Llama-3.2-1B"]
+
+
 BIN = Path(sys.executable).parent
 # Recognisable fake secrets in the environment of every pipeline the tests run; no file the
 # pipeline writes may contain one (tests/test_secrets.py, tests/test_slurm.py).
@@ -99,6 +125,47 @@ def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Co
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+STAND_IN_SLURM = {
+    # partition: (nodes, CPUs, memory MB, GPUs per node), time limit
+    "tupi": ((4, 64, 512000, 4), "2-00:00:00"),
+    "boost_usr_prod": ((4, 32, 494000, 4), "1-00:00:00"),
+    "gpu": ((4, 128, 2000000, 8), "2-00:00:00"),
+}
+
+
+def stand_in_slurm(bin_dir: Path) -> Path:
+    """`sinfo` and `scontrol` answering for the partitions of the shipped SLURM profiles,
+    as their real counterparts print them (what snaketune.slurmfit reads), for dry runs."""
+    bin_dir.mkdir()
+    nodes = "\n".join(
+        f'    {name}) for i in $(seq 1 {n}); do echo "{name}$i|{cpus}|{mem}|gpu:{gpus}"; done ;;'
+        for name, ((n, cpus, mem, gpus), _) in STAND_IN_SLURM.items()
+    )
+    limits = "\n".join(
+        f'    {name}) echo "PartitionName={name} MaxNodes=UNLIMITED MaxTime={limit}" ;;'
+        for name, (_, limit) in STAND_IN_SLURM.items()
+    )
+    (bin_dir / "sinfo").write_text(f"""#!/bin/bash
+case "$*" in
+  *%P*) echo "tupi*"; echo boost_usr_prod; echo gpu; exit 0 ;;
+esac
+part=$(echo "$*" | sed -n 's/.*-p \\([^ ]*\\).*/\\1/p')
+case "$part" in
+{nodes}
+esac
+""")
+    (bin_dir / "scontrol").write_text(f"""#!/bin/bash
+case "$3" in
+{limits}
+esac
+""")
+    # the SLURM plugin looks for a status command where sinfo is; nothing is ever queued
+    (bin_dir / "squeue").write_text("#!/bin/bash\nexit 0\n")
+    for tool in ("sinfo", "scontrol", "squeue"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
 
 
 def quick_config(path: Path, **run: object) -> Path:

@@ -261,3 +261,71 @@ def test_snaketune_validate_command(capsys):
     bad = ROOT / "config/examples/../config.yaml"
     assert main(["validate", str(bad).replace("config.yaml", "missing.yaml")]) == 2
     assert "missing.yaml: file not found" in capsys.readouterr().err
+
+
+def _bad_config(tmp_path: Path) -> Path:
+    """The demo with three independent problems: two missing local paths, a DeepSpeed
+    preset that does not exist."""
+    import yaml
+
+    cfg = load_yaml(ROOT / "config/config.yaml")
+    cfg["models"]["tiny"]["path"] = "nowhere/tiny-llama"
+    cfg["datasets"]["arith_test"]["path"] = "nowhere/test.jsonl"
+    cfg["runs"]["demo"]["deepspeed"] = "zero9"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+EXPECTED_PROBLEMS = [
+    "runs.demo.deepspeed: 'zero9' is neither a preset",
+    "models.tiny.path: nowhere/tiny-llama does not exist",
+    "datasets.arith_test.path: nowhere/test.jsonl does not exist",
+]
+
+
+def test_validate_lists_every_problem_from_any_directory(tmp_path, monkeypatch, capsys):
+    from snaketune.cli import main
+
+    path = _bad_config(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # outside the repository: no --root needed
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3, lines
+    for line, expected in zip(lines, EXPECTED_PROBLEMS, strict=True):
+        assert line.startswith(f"error: {expected}"), lines
+
+
+def test_the_workflow_and_validate_say_the_same(tmp_path):
+    """One checker: the workflow's parse-time lines are validate's, one per problem."""
+    from conftest import snakemake
+
+    path = _bad_config(tmp_path)
+    proc = snakemake("-n", "--configfile", str(path), "--directory", str(tmp_path), check=False)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error: ")]
+    assert [ln.split(" (")[0].split(" is neither")[0] for ln in lines] == [
+        f"config error: {e}".split(" is neither")[0] for e in EXPECTED_PROBLEMS
+    ], proc.stderr
+
+
+def test_validate_without_the_schema_names_root(tmp_path, capsys):
+    from snaketune.cli import main
+
+    assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "workflow/schemas/config.schema.yaml: file not found" in line and "--root" in line
+
+
+def test_a_fixture_path_needs_no_file_and_the_rule_makes_exactly_those():
+    """Local paths the rule make_fixtures makes need not exist when the config is read; the
+    library's list is the rule's outputs."""
+    import re
+
+    from snaketune.checks import FIXTURE_OUTPUTS
+
+    rule = (ROOT / "workflow/rules/fixtures.smk").read_text()
+    outputs = rule.split("output:")[1].split("log:")[0]
+    assert sorted(re.findall(r'"(resources/[^"]+)"', outputs)) == sorted(FIXTURE_OUTPUTS)

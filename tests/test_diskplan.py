@@ -209,3 +209,29 @@ def test_a_save_cut_short_by_a_full_disk_is_removed_and_named(tmp_path):
             outcome(job, 1, None, {})
         assert not (out / "checkpoints/checkpoint-8").exists()
         assert (out / "checkpoints/checkpoint-4/global_step4").is_dir()
+
+
+def test_runs_on_one_filesystem_are_added_up(fixtures_dir, tmp_path, capsys):
+    """Four sweep members that each fit on a filesystem but not together: each is fine
+    alone, the filesystem's line names all four and refuses."""
+    from snaketune.config import load_yaml, validate_config
+    from snaketune.diskplan import check_disk_runs, disk_plan_of, shared_filesystems
+
+    config = load_yaml(ROOT / "config/config.yaml")
+    config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
+    config["runs"]["demo"]["sweep"] = {"learning_rate": [0.001, 0.002, 0.003, 0.004]}
+    config = validate_config(config, ROOT)
+    members = sorted(config["runs"])
+    one = disk_plan_of(config, members[0], tmp_path, ROOT, False)["need_bytes"]["total"]
+    with tmpfs(tmp_path / "fs", 2.5 * one / 2**20) as fs:  # room for two of them, not four
+        plans = {m: disk_plan_of(config, m, fs, ROOT, False) for m in members}
+        assert all(p["fits"] for p in plans.values())
+        (group,) = shared_filesystems(plans)
+        assert group["runs"] == members and not group["fits"]
+        assert group["need_bytes"] == pytest.approx(4 * one, rel=0.01)
+        (line,) = check_disk_runs(config, members, fs, ROOT, False)
+        assert line.startswith("disk plan: 4 runs write to the filesystem of ")
+        assert "does NOT fit" in line and all(m in line for m in members)
+        # two of them fit together: a note, no refusal
+        assert check_disk_runs(config, members[:2], fs, ROOT, False) == []
+        assert "2 runs write to the filesystem" in capsys.readouterr().err

@@ -13,34 +13,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ENV, ROOT, snakemake
+from conftest import ENV, ROOT, SHAPES, snakemake
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from snaketune.errors import UserError
-from snaketune.memplan import Setup, Shape, changes, estimate, model_states, plan_run
+from snaketune.memplan import Setup, Shape, changes, estimate, format_plan, model_states, plan_run
 
-# The config.json values of the models the config examples name (as published on the Hub).
-SHAPES = {
-    "meta-llama/Llama-3.2-1B": {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
-    },
-    "deepseek-ai/deepseek-coder-6.7b-instruct": {
-        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "vocab_size": 32256, "tie_word_embeddings": False,
-    },
-    "Qwen/Qwen2.5-32B-Instruct": {
-        "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
-        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
-        "vocab_size": 152064, "tie_word_embeddings": False,
-    },
-}  # fmt: skip
 # Parameter counts the Hub states for them.
 PARAMS = {
     "meta-llama/Llama-3.2-1B": 1.24e9,
+    "meta-llama/Llama-3.2-1B-Instruct": 1.24e9,
+    "meta-llama/Llama-3.1-8B-Instruct": 8.03e9,
     "deepseek-ai/deepseek-coder-6.7b-instruct": 6.74e9,
     "Qwen/Qwen2.5-32B-Instruct": 32.8e9,
 }
@@ -240,3 +224,78 @@ def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
     assert check_runs(config, ["demo"], tmp_path, ROOT, local=False) == []
     config["models"]["tiny"]["path"] = str(tmp_path / "not-built-yet")
     assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []
+
+
+def _grpo_run(**grpo) -> dict:
+    """The newcomer example's GRPO run (Llama-3.1-8B, LoRA, 2 x 4 GPUs), with ``grpo``."""
+    config = yaml.safe_load(
+        (ROOT / "config/examples/llama3.1-8b-chat-lora-sweep-grpo-2x4.yaml").read_text()
+    )
+    run = config["runs"]["math_grpo"]
+    run["grpo"].update(grpo)
+    run["grpo"].setdefault("use_vllm", False)
+    run["grpo"].setdefault("vllm_gpu_memory_utilization", 0.3)
+    return run
+
+
+def test_grpo_plan_counts_completions_reference_and_vllm():
+    from snaketune.memplan import setup_of
+
+    shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
+    zero2 = {"zero_optimization": {"stage": 2}}
+
+    def plan(gpu=79.2, **grpo):
+        return plan_run(shape, setup_of(_grpo_run(**grpo), zero2), gpu)
+
+    short, long = plan(max_completion_length=256), plan(max_completion_length=2048)
+    # 16 sequences of 512 + 2048 tokens against 512 + 256: the activations follow the length
+    assert long["per_gpu_gib"]["activations"] > 2.5 * short["per_gpu_gib"]["activations"]
+    # vLLM (colocate) takes its share of each GPU: 0.9 of 79.2 GiB against 0.3 of it
+    low = plan(use_vllm=True, vllm_gpu_memory_utilization=0.3)["per_gpu_gib"]
+    high = plan(use_vllm=True, vllm_gpu_memory_utilization=0.9)["per_gpu_gib"]
+    assert low["vllm"] == pytest.approx(0.3 * 79.2, abs=0.01)
+    assert high["total"] - low["total"] == pytest.approx(0.6 * 79.2, abs=0.02)
+    assert "vllm" not in plan()["per_gpu_gib"]
+    # no GPU type: vLLM's share cannot be counted, and the line says so
+    unknown = plan(gpu=None, use_vllm=True)
+    assert "vLLM's share" in format_plan("math_grpo", unknown)
+    assert "not counted" in format_plan("math_grpo", unknown)
+    # full fine-tuning with beta > 0 holds a frozen bf16 copy: 2 bytes x 8.03B = 15 GiB
+    full = _grpo_run()
+    del full["lora"]
+    ref = plan_run(shape, setup_of(full, zero2), 79.2)["per_gpu_gib"]
+    assert ref["reference"] == pytest.approx(2 * 8.03e9 / 2**30, rel=0.01)
+    full["grpo"]["beta"] = 0.0
+    assert "reference" not in plan_run(shape, setup_of(full, zero2), 79.2)["per_gpu_gib"]
+    # the guide's case: a full fine-tune whose reference copy tips it over 80 GB
+    full["grpo"]["beta"] = 0.04
+    z3 = plan_run(shape, setup_of(full, {"zero_optimization": {"stage": 3}}), 79.2)
+    assert z3["per_gpu_gib"]["reference"] == pytest.approx(2 * 8.03e9 / 8 / 2**30, rel=0.01)
+
+
+def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from snaketune import memplan
+
+    calls = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False):
+        calls.append(local_files_only)
+        raise OSError("not in the cache" if local_files_only else "network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    memplan.hub_config_json.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert memplan.hub_config_json("org/m", None) == (
+        None, "this machine is offline (HF_HUB_OFFLINE is set)")  # fmt: skip
+    assert calls == [True]  # the cache only
+    memplan.hub_config_json.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(memplan, "hub_reachable", lambda endpoint: False)
+    path, why = memplan.hub_config_json("org/m", None)
+    assert path is None and "cannot be reached" in why and calls == [True, True]
+    # once per model and process: a second run of the same model asks nothing
+    assert memplan.hub_config_json("org/m", None)[0] is None and calls == [True, True]
+    memplan.hub_config_json.cache_clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -212,3 +213,60 @@ def test_single_node_train_runs_its_own_srun_step(tmp_path):
     )
     train = re.search(r"\nrule train:.*?\n\s+resources: ([^\n]+)", proc.stdout, re.S).group(1)
     assert "nodes=1" in train and "tasks=1" in train and "mpi=0" in train, train
+
+
+def _big_run_config(tmp_path, **run) -> Path:
+    """A config whose model is a folder holding Llama-3.2-1B's config.json alone (all a plan
+    reads), a LoRA run on an A100 40GB with 64k-token sequences: about 500 GiB per GPU."""
+    from conftest import SHAPES
+
+    model = tmp_path / "llama-1b-config-only"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.2-1B"]))
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1?", "response": "#### 2"}\n')
+    spec = {"model": "llama1b", "dataset": "d", "method": "lora", "deepspeed": "zero2",
+            "nodes": 1, "gpus_per_node": 4, "max_length": 65536, "micro_batch_size": 8,
+            "max_steps": 10, "learning_rate": 1e-4, "gpu": "a100-40gb", **run}  # fmt: skip
+    config = {"models": {"llama1b": {"source": "local", "path": str(model)}},
+              "datasets": {"d": {"source": "local", "path": str(tmp_path / "data.jsonl"),
+                                 "format": "prompt_response"}},
+              "runs": {"big": spec}}  # fmt: skip
+    path = tmp_path / "big.yaml"
+    path.write_text(__import__("yaml").safe_dump(config))
+    return path
+
+
+def test_a_dry_run_refuses_what_queueing_would_refuse(tmp_path):
+    """The memory plan answers in a dry run as before queueing: refused with its line and
+    exit 1, nothing run; skip_memory_check still overrides."""
+    path = _big_run_config(tmp_path)
+    proc = snakemake("-n", "--configfile", str(path), "--directory", str(tmp_path / "w"),
+                     check=False)  # fmt: skip
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("error: big: ") and "does NOT fit" in errors[0], errors
+    assert "against GPU 39.4 GiB" in errors[0] and "skip_memory_check: true" in errors[0]
+    assert errors[-1] == "error: 1 problem(s) found before a dry run; nothing was run"
+    assert not (tmp_path / "w/results").exists()
+    (tmp_path / "skip").mkdir()
+    path = _big_run_config(tmp_path / "skip", skip_memory_check=True)
+    proc = snakemake("-n", "--configfile", str(path), "--directory", str(tmp_path / "w2"))
+    assert "(skip_memory_check is set: going ahead)" in proc.stderr
+    assert "This was a dry-run" in proc.stdout
+
+
+def test_a_dry_run_checks_the_partition(tmp_path):
+    """Through a SLURM profile, against a stand-in sinfo/scontrol: 8 nodes on a 4-node
+    partition is refused in the dry run."""
+    from conftest import stand_in_slurm
+
+    path = _big_run_config(tmp_path, max_length=512, nodes=8, gpus_per_node=4)
+    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--profile", "profiles/tupi", "--configfile", str(path), "-n",
+         "--directory", str(tmp_path / "w")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert any("rule train: asks 8 nodes, partition tupi has 4" in e for e in errors), errors

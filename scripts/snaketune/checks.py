@@ -75,7 +75,7 @@ def at_parse(
         except UserError as exc:
             lines += error_lines(exc)
     if lines:
-        raise ConfigProblems(lines) if len(lines) > 1 else UserError(lines[0])
+        raise ConfigProblems(lines)
     notes = adapt_accumulation(config, workdir / "results")
     return Parsed(notes, tokenize_jobs(config), base_evaluations(config))
 

@@ -195,8 +195,6 @@ class _Collect:
             self.lines.append(str(exc))
 
     def raise_all(self) -> None:
-        if len(self.lines) == 1:
-            raise ConfigError(self.lines[0])
         if self.lines:
             raise ConfigProblems(self.lines)
 

@@ -1,0 +1,198 @@
+"""Every command the docs give works: each `snakemake ...` and `snaketune ...` in README.md
+and docs/*.md (code blocks and inline code) is run, so a doc cannot drift from the tool.
+
+snakemake commands run as dry runs (`-n`, in a scratch directory), against a stand-in
+`sinfo`/`scontrol` for the SLURM profiles' partitions, offline (the Hub models of the
+examples are not downloaded: the dry run must say so in one line and pass); `--lint` and
+`--unlock` run as they are, `--report` on the finished demo. snaketune commands run for
+real: `validate` from outside the repository, `plan` in a directory holding the example's
+model config.json (where `--until download_model` puts it), `lineage` on the finished demo.
+Placeholders the docs use (`profiles/<cluster>`, `my.yaml`, `<run>`) are filled in below;
+a command with any other placeholder fails the test, to be added here or written out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, ENV, ROOT, SHAPES, stand_in_slurm
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The newcomer's config: a chat LoRA sweep on 2 nodes, GRPO from its best member on its own
+# math eval set, a private publish (Hub models and data: offline here).
+NEWCOMER = ROOT / "config/examples/llama3.1-8b-chat-lora-sweep-grpo-2x4.yaml"
+PLACEHOLDERS = {
+    "profiles/<cluster>": "profiles/tupi",
+    "profiles/<your-cluster>": "profiles/slurm",
+    "my-config.yaml": str(NEWCOMER),
+    "my.yaml": str(NEWCOMER),
+    "<run>": "demo",
+}
+# A tool's name alone (`snakemake`, `snaketune`) names the tool; with arguments, a command.
+COMMAND = re.compile(r"(snakemake|snaketune)\s")
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) for each distinct snakemake or snaketune command in the docs."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for block in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S):
+            for line in block.splitlines():
+                command = re.split(r"\s+#\s", line)[0].strip()
+                if COMMAND.match(command):
+                    found.setdefault(command, path.name)
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for span in re.findall(r"`([^`]+)`", prose):
+            command = " ".join(span.split())
+            if COMMAND.match(command):
+                found.setdefault(command, path.name)
+    return sorted((where, command) for command, where in found.items())
+
+
+COMMANDS = documented_commands()
+
+
+def fill(command: str) -> list[str]:
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    assert not re.search(r"<[^>]*>|\.\.\.|\[|\]|\bCONFIG\b", command), (
+        f"a documented command with a placeholder this test does not know: {command!r}"
+    )
+    return shlex.split(command)
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, demo) -> dict[str, Path]:
+    """Where the commands run: a stand-in SLURM, a directory with the newcomer's model
+    config.json, one outside the repository, the finished demo."""
+    base = tmp_path_factory.mktemp("docs")
+    planned = base / "planned"
+    for name, spec in yaml.safe_load(NEWCOMER.read_text())["models"].items():
+        (planned / "resources/models" / name).mkdir(parents=True)
+        (planned / "resources/models" / name / "config.json").write_text(
+            json.dumps(SHAPES[spec["id"]])
+        )
+    (base / "elsewhere").mkdir()
+    return {"bin": stand_in_slurm(base / "bin"), "planned": planned,
+            "elsewhere": base / "elsewhere", "demo": demo, "base": base}  # fmt: skip
+
+
+def run_documented(command: str, places: dict[str, Path], scratch: Path) -> tuple[list, object]:
+    """Run one documented command the way the module docstring says."""
+    argv = fill(command)
+    env = {**ENV, "PATH": f"{places['bin']}:{ENV['PATH']}"}
+    cwd = ROOT
+    tool, args = argv[0], argv[1:]
+    if tool == "snakemake":
+        if "--report" in args:  # the finished demo's report, written to the scratch dir
+            i = args.index("--report")
+            args[i + 1] = str(scratch / args[i + 1])
+            args += ["--directory", str(places["demo"])]
+        elif "--unlock" in args:
+            args += ["--directory", str(scratch)]
+        elif "--lint" not in args:
+            args += ["-n", "--directory", str(scratch)]
+    elif args[0] == "validate":
+        cwd = places["elsewhere"]
+    elif args[0] == "plan":
+        cwd = places["planned"]
+    elif args[0] == "lineage":
+        cwd = places["demo"]
+    else:
+        cwd = scratch
+    argv = [str(BIN / tool), *args]
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return argv, proc
+
+
+@pytest.mark.slow
+def test_every_documented_command_runs(places):
+    assert len(COMMANDS) >= 25, COMMANDS  # the extraction found the docs' commands
+
+    def one(i_item):
+        i, (where, command) = i_item
+        scratch = places["base"] / f"scratch-{i}"
+        scratch.mkdir()
+        argv, proc = run_documented(command, places, scratch)
+        out = proc.stdout + proc.stderr
+        problems = []
+        if proc.returncode != 0 or "Traceback" in out:
+            problems.append(f"exit {proc.returncode}")
+        errors = [ln for ln in out.splitlines() if re.match(r"(config )?error: ", ln)]
+        if errors:
+            problems.append(f"error lines {errors}")
+        return where, command, argv, problems, out
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, enumerate(COMMANDS)))
+    failed = [f"{where}: {command}\n  ran: {' '.join(argv)}\n  {problems}\n{out[-2500:]}"
+              for where, command, argv, problems, out in results if problems]  # fmt: skip
+    assert not failed, "\n\n".join(failed)
+
+
+def test_the_docs_give_the_commands_a_user_needs():
+    """The commands the README promises are among those tested (the extraction reads
+    both code blocks and inline code)."""
+    commands = [c for _, c in COMMANDS]
+    assert "snakemake --profile profiles/local" in commands
+    assert any(c.startswith("snaketune validate ") for c in commands)
+    assert any(c.startswith("snaketune plan ") for c in commands)
+    publish = [c for c in commands if " publish" in f" {c} ".replace("--", "")]
+    assert publish and all(c.split()[1] == "publish" for c in publish if "--configfile" in c)
+
+
+def test_a_target_after_configfile_fails_as_the_docs_used_to_say(tmp_path):
+    """The old publish command (target after --configfile) fails: what this test file
+    guards against. Run by the same helper, it must be caught."""
+    places = {"bin": stand_in_slurm(tmp_path / "bin"), "base": tmp_path}
+    old = ("snakemake --profile profiles/local --configfile config/config.yaml "
+           "config/grpo_demo.yaml publish")  # fmt: skip
+    _, proc = run_documented(old, places, tmp_path)
+    assert proc.returncode != 0 and "publish" in proc.stdout + proc.stderr
+
+
+def test_the_newcomer_example_validates_plans_and_dry_runs(places, tmp_path):
+    """The five goals in one config: a chat LoRA sweep on 2 nodes, GRPO from its best member
+    scored on its own math eval set, a plan before queueing, a private publish."""
+    env = {**ENV, "PATH": f"{places['bin']}:{ENV['PATH']}"}
+    proc = subprocess.run([str(BIN / "snaketune"), "validate", str(NEWCOMER)],
+                          cwd=places["elsewhere"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["sweeps"] == {"chat_lora": ["chat_lora-learning_rate_0p0001",
+                                            "chat_lora-learning_rate_0p0002"]}  # fmt: skip
+    proc = subprocess.run([str(BIN / "snaketune"), "plan", str(NEWCOMER), "--json"],
+                          cwd=places["planned"], env=env, capture_output=True, text=True)  # fmt: skip
+    plans = json.loads(proc.stdout)
+    assert [p["run"] for p in plans] == [*plan["sweeps"]["chat_lora"], "math_grpo"]
+    assert all(p["fits"] for p in plans) and all(p["gpu_gib"] == 79.2 for p in plans)
+    assert plans[0]["disk"]["shared"]["runs"] == plan["runs"]  # added up on one filesystem
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--profile", "profiles/tupi", "--configfile", str(NEWCOMER),
+         "-n", "--directory", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    jobs = dict(re.findall(r"(?m)^([a-z_]+)\s+(\d+)$", out))
+    assert jobs["train"] == "3" and jobs["select_sweep"] == "1", jobs
+    assert jobs["evaluate_start"] == "1" and jobs["evaluate"] == "3", jobs
+    (offline,) = [ln for ln in out.splitlines() if ln.startswith("plans: not checked yet")]
+    assert "math_grpo" in offline and "cannot be reached" in offline or "offline" in offline
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "publish", "--profile", "profiles/tupi", "--configfile",
+         str(NEWCOMER), "-n", "--directory", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "publish_run" in proc.stdout and "math_grpo" in proc.stdout
+    assert shutil.which("sinfo", path=str(places["bin"]))  # the partitions were checked
