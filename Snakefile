@@ -14,7 +14,8 @@ from snaketune.errors import UserError, error_lines
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The demo config, found from the Snakefile (so that --directory can move a run anywhere).
+configfile: f"{workflow.basedir}/config/config.yaml"
 
 
 # Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),

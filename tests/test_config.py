@@ -329,3 +329,23 @@ def test_a_fixture_path_needs_no_file_and_the_rule_makes_exactly_those():
     rule = (ROOT / "workflow/rules/fixtures.smk").read_text()
     outputs = rule.split("output:")[1].split("log:")[0]
     assert sorted(re.findall(r'"(resources/[^"]+)"', outputs)) == sorted(FIXTURE_OUTPUTS)
+
+
+def test_the_command_help_speaks_to_users():
+    """`snaketune --help` opens with what the command is for (not a module's internals),
+    and `plan --help` lists the GPU table it refers to."""
+    import subprocess
+    import sys
+
+    from snaketune.memplan import GPUS
+
+    def helptext(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "snaketune.cli", *args, "--help"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        return " ".join(proc.stdout.split())
+
+    top = helptext()
+    assert "Check, plan and trace snaketune fine-tuning runs" in top
+    assert "plumbing" not in top and "snaketune validate my.yaml" in top
+    plan = helptext("plan")
+    assert all(f"{name} ({gib:g} GiB usable)" in plan for name, gib in GPUS.items()), plan

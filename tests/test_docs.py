@@ -187,7 +187,8 @@ def test_the_newcomer_example_validates_plans_and_dry_runs(places, tmp_path):
     assert jobs["train"] == "3" and jobs["select_sweep"] == "1", jobs
     assert jobs["evaluate_start"] == "1" and jobs["evaluate"] == "3", jobs
     (offline,) = [ln for ln in out.splitlines() if ln.startswith("plans: not checked yet")]
-    assert "math_grpo" in offline and "cannot be reached" in offline or "offline" in offline
+    assert "math_grpo" in offline and ("cannot be reached" in offline or "offline" in offline)
+    assert "--until download_model" in offline  # advice that works (a documented command)
     proc = subprocess.run(
         [str(BIN / "snakemake"), "publish", "--profile", "profiles/tupi", "--configfile",
          str(NEWCOMER), "-n", "--directory", str(tmp_path)],

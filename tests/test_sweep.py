@@ -319,3 +319,58 @@ def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, t
                         out)  # fmt: skip
     assert trains == ["fails-target_modules_k_proj"], out[-4000:]
     assert {m: (w / f"results/{m}/train/metrics.jsonl").stat().st_mtime for m in good} == done
+
+
+@pytest.mark.slow
+def test_grpo_from_a_sweeps_best_member_on_its_own_eval_set_and_the_sweep_published(
+    stop_sweep, tmp_path
+):
+    """Chains without hand edits, through the local profile on a copy of the finished sweep:
+    a GRPO run with `init_from: stops` (the sweep) trains from the best member's merged
+    model once select_sweep (a checkpoint) has chosen it, is scored on its own eval set
+    (GSM8K-shaped, not the sweep's arithmetic) against the starting model scored on that
+    set (evaluate_start), and `publish` on the sweep publishes its best member. The
+    sweep's members are not trained again."""
+    import shutil
+
+    w = tmp_path / "w"
+    shutil.copytree(stop_sweep, w, symlinks=True)
+    cfg = yaml.safe_load((w / "config.yaml").read_text())
+    cfg["runs"]["stops"]["publish"] = {"repo_id": "me/stops-best", "dry_run": True,
+                                       "license": "apache-2.0"}  # fmt: skip
+    cfg["runs"]["rl"] = {
+        "init_from": "stops", "dataset": "gsm8k_demo", "eval_dataset": "gsm8k_demo_test",
+        "method": "grpo", "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"},
+        "grpo": {"num_generations": 4, "max_completion_length": 8},
+        "deepspeed": "zero2", "nodes": 1, "gpus_per_node": 1, "max_length": 256,
+        "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
+        "learning_rate": 1.0e-3, "save_steps": 2,
+        "eval": {"limit": 8, "max_new_tokens": 8, "batch_size": 8},
+    }  # fmt: skip
+    (w / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    trained = {p: p.stat().st_mtime for p in (w / "results").glob("stops-*/train/metrics.jsonl")}
+    proc = snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w), "all",
+                     "publish", check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert {p: p.stat().st_mtime for p in trained} == trained  # the members: not retrained
+    best = json.loads((w / "results/stops/best.json").read_text())["best"]
+    assert best in STOP_MEMBERS
+    # the GRPO run trained from the best member's merged model
+    train = json.loads((w / "results/rl/train/provenance.json").read_text())
+    assert train["inputs"]["model"]["path"] == f"results/{best}/merged_model"
+    assert len(read_jsonl(w / "results/rl/train/metrics.jsonl")) == 2
+    # scored on its own eval set, against the starting model on that set
+    start = json.loads((w / "results/rl/start_eval/metrics.json").read_text())
+    tuned = json.loads((w / "results/rl/eval/metrics.json").read_text())
+    assert start["model"] == f"results/{best}/merged_model" and start["examples"] == 8
+    assert start["reference_answers"] == 8  # GSM8K-shaped: every reference has an answer
+    assert tuned["base"]["exact_match"] == start["exact_match"]
+    assert tuned["base"]["loss"] == start["loss"]
+    sweep_eval = json.loads((w / f"results/{best}/eval/metrics.json").read_text())
+    assert start["loss"] != sweep_eval["loss"]  # another eval set than the sweep's
+    # the sweep published as its best member (dry run: the folder, no upload)
+    receipt = json.loads((w / "results/stops/publish.json").read_text())
+    assert receipt["run"] == best and receipt["repo_id"] == "me/stops-best"
+    card = (w / "results/stops/publish/README.md").read_text()
+    assert f"run `{best}`" in card
