@@ -60,7 +60,9 @@ def make_data(out: Path, rows: int) -> Path:
 
 def run_ours(data: Path, model: Path, out: Path) -> dict:
     """tokenize() in this process; returns tokens, seconds, peak RSS (MiB)."""
-    from snaketune.tokenization import Source, load_tokenizer, tokenize
+    from snaketune.chat import load_tokenizer
+    from snaketune.conversations import Source
+    from snaketune.tokenization import tokenize
 
     load_tokenizer(model)  # imports done before the clock starts, as for the baselines
     start = time.perf_counter()
@@ -79,7 +81,7 @@ def in_subprocess(data: Path, model: Path, out: Path) -> dict:
 def run_raw(data: Path, model: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from snaketune.tokenization import ChatRenderer, load_tokenizer
+    from snaketune.chat import ChatRenderer, load_tokenizer
 
     tok = load_tokenizer(model)
     renderer = ChatRenderer(tok)
@@ -103,7 +105,7 @@ def run_raw(data: Path, model: Path) -> dict:
 def run_map(data: Path, model: Path, cache: Path) -> dict:
     import datasets
 
-    from snaketune.tokenization import load_tokenizer
+    from snaketune.chat import load_tokenizer
 
     datasets.disable_progress_bars()
     tok = load_tokenizer(model)

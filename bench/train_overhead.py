@@ -83,8 +83,8 @@ def plain_loop(model_dir: Path, shards: Path, micro: int, steps: int, lr: float)
     import torch
     from transformers import AutoModelForCausalLM
 
+    from snaketune.batches import PlanBatches, read_rank_rows
     from snaketune.packing import Collator
-    from snaketune.train import PlanBatches, read_rank_rows
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())

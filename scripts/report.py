@@ -23,7 +23,6 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_paths, read_jsonl
-from snaketune.plan import final_model_dir
 from snaketune.provenance import lineage
 from snaketune.report import (
     summary_html,
@@ -33,6 +32,7 @@ from snaketune.report import (
     training_svg,
     write_summary,
 )
+from snaketune.vocabulary import final_model_dir
 
 
 def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, list[dict]],

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.cli import run
+from snaketune.conversations import Source
 from snaketune.errors import DataError
 from snaketune.io import atomic_paths, sha256_file
 from snaketune.provenance import NAME, record, write_provenance
-from snaketune.tokenization import Source, tokenize
+from snaketune.tokenization import tokenize
 
 
 def main(argv: Sequence[str] | None = None) -> int:

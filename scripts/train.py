@@ -95,7 +95,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from snaketune.train import run_worker
+    from snaketune.worker import run_worker
 
     ids_log = None
     if args.log_example_ids:
@@ -106,7 +106,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from snaketune.launch import Job, launch_job
+    from snaketune.job import Job
+    from snaketune.launch import launch_job
 
     worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
     job = Job(json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out,

@@ -34,7 +34,7 @@ def tiny_model(fixtures_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model):
-    from snaketune.tokenization import load_tokenizer
+    from snaketune.chat import load_tokenizer
 
     return load_tokenizer(tiny_model)
 

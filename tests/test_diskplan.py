@@ -194,7 +194,8 @@ def test_a_save_cut_short_by_a_full_disk_is_removed_and_named(tmp_path):
     """The workers died while writing checkpoint-8 on a full disk (ENOSPC): the launcher
     removes the half-written checkpoint and names the disk, the last complete one intact."""
     from snaketune.errors import UserError
-    from snaketune.launch import Job, outcome
+    from snaketune.job import Job
+    from snaketune.launch import outcome
 
     with tmpfs(tmp_path / "results", 1):
         out = tmp_path / "results/x/train"

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from conftest import ENV, FAKE_SECRETS, ROOT, launch_train, leaked_secrets, read_jsonl, snakemake
 
+from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
-from snaketune.grpo import correctness, format_reward, group_batches, step_record
-from snaketune.train import PlanBatches
+from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
 
@@ -49,7 +49,7 @@ def test_step_record_names_each_reward():
             "completions/mean_length": 5.0, "rewards/correctness/mean": 0.9,
             "rewards/correctness/std": 0.3, "rewards/format/mean": 1.0,
             "rewards/format/std": 0.0, "entropy": 0.5}  # fmt: skip
-    assert step_record(logs) == {
+    assert step_fields(logs) == {
         "reward": 1.1, "reward_std": 0.2, "kl": 0.01, "completion_length": 5.0,
         "reward_correctness_mean": 0.9, "reward_correctness_std": 0.3,
         "reward_format_mean": 1.0, "reward_format_std": 0.0,

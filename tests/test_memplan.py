@@ -204,7 +204,7 @@ def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):
 
 def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
     from snaketune.config import load_yaml, validate_config
-    from snaketune.memplan import check_runs
+    from snaketune.fit import check_runs
 
     config = load_yaml(ROOT / "config/config.yaml")
     config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
@@ -277,7 +277,7 @@ def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch)
     import huggingface_hub
     from huggingface_hub import constants
 
-    from snaketune import memplan
+    from snaketune import fit
 
     calls = []
 
@@ -286,16 +286,16 @@ def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch)
         raise OSError("not in the cache" if local_files_only else "network")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    memplan.hub_config_json.cache_clear()
+    fit.hub_config_json.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert memplan.hub_config_json("org/m", None) == (
+    assert fit.hub_config_json("org/m", None) == (
         None, "this machine is offline (HF_HUB_OFFLINE is set)")  # fmt: skip
     assert calls == [True]  # the cache only
-    memplan.hub_config_json.cache_clear()
+    fit.hub_config_json.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(memplan, "hub_reachable", lambda endpoint: False)
-    path, why = memplan.hub_config_json("org/m", None)
+    monkeypatch.setattr(fit, "hub_reachable", lambda endpoint: False)
+    path, why = fit.hub_config_json("org/m", None)
     assert path is None and "cannot be reached" in why and calls == [True, True]
     # once per model and process: a second run of the same model asks nothing
-    assert memplan.hub_config_json("org/m", None)[0] is None and calls == [True, True]
-    memplan.hub_config_json.cache_clear()
+    assert fit.hub_config_json("org/m", None)[0] is None and calls == [True, True]
+    fit.hub_config_json.cache_clear()

@@ -12,9 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
 
+from snaketune.conversations import Source, multiplicity
 from snaketune.errors import DataError
+from snaketune.rows import IGNORE_INDEX
 from snaketune.sources import download_dataset
-from snaketune.tokenization import IGNORE_INDEX, Source, multiplicity, tokenize
+from snaketune.tokenization import tokenize
 
 
 def oracle(tokenizer, turns: list[tuple[str, str]], template: str | None = None):

@@ -17,9 +17,9 @@ import torch
 from conftest import ENV, ROOT, read_jsonl, run_spec, train
 
 from snaketune.errors import ConfigError
+from snaketune.model import untie_optimizer_steps
 from snaketune.shard import Layout, plan, plan_digest
 from snaketune.topology import adapt_accumulation, changed_keys, stamp
-from snaketune.train import untie_optimizer_steps
 
 CONFIG = str(ROOT / "config" / "config.yaml")
 
@@ -256,7 +256,7 @@ def test_full_zero2_continues_on_one_node_exactly(demo, tmp_path):
 
 
 def _job(tmp_path: Path, **spec) -> object:
-    from snaketune.launch import Job
+    from snaketune.job import Job
 
     shards = tmp_path / "shards"
     shards.mkdir(exist_ok=True)

@@ -19,7 +19,7 @@ import pytest
 from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, train
 from safetensors.torch import load_file
 
-from snaketune.train import COMPLETE, checkpoints
+from snaketune.checkpoints import COMPLETE, checkpoints
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "config" / "config.yaml")

@@ -11,15 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from snaketune.launch import RENDEZVOUS, local_commands, slurm_command, supervise
-from snaketune.train import (
-    COMPLETE,
-    PlanBatches,
-    newest_complete,
-    prune,
-    resolve_precision,
-    truncate_metrics,
-)
+from snaketune.agents import RENDEZVOUS, local_commands, slurm_command, supervise
+from snaketune.batches import PlanBatches
+from snaketune.checkpoints import COMPLETE, newest_complete, prune, truncate_metrics
+from snaketune.model import resolve_precision
 
 
 def test_plan_batches_run_each_planned_micro_batch_once_per_epoch():
@@ -176,8 +171,8 @@ def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monk
     (a run directory on a node-local disk), then a device count that does not match."""
     import threading
 
+    from snaketune.agents import free_port
     from snaketune.errors import UserError
-    from snaketune.launch import free_port
     from snaketune.preflight import check_port, gather, node_check
 
     port = free_port()
@@ -214,12 +209,12 @@ def _callback_step(signal_name, deadline):
 
     from transformers import TrainerControl
 
-    from snaketune.progress import SnaketuneCallback, StopRequest
+    from snaketune.progress import StepCallback, StopRequest
 
     collator = SimpleNamespace(tokens=0, padded=0, samples=0, squares=0)
     stop = StopRequest()
     stop.signal = signal_name
-    cb = SnaketuneCallback(0, collator, stop, None, 2, 0, deadline=deadline)
+    cb = StepCallback(0, collator, stop, None, 2, 0, deadline=deadline)
     control = cb.on_step_end(None, SimpleNamespace(global_step=7), TrainerControl())
     return cb, control
 
@@ -245,7 +240,8 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
     from datetime import datetime
 
     from snaketune import launch
-    from snaketune.launch import Job, allocation_end
+    from snaketune.job import Job
+    from snaketune.segments import allocation_end
 
     job = Job({}, tmp_path, tmp_path, tmp_path, tmp_path, "auto", [], time_limit_min=10)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

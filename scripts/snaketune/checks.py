@@ -95,7 +95,7 @@ def unreadable_models(
 ) -> tuple[list[str], dict[str, list[str]]]:
     """Split ``runs`` into those whose model's config.json can be read now and, by reason,
     those whose cannot (a Hub model not downloaded yet on an offline machine)."""
-    from snaketune.memplan import locate_config_json
+    from snaketune.fit import locate_config_json
 
     ready, waiting = [], {}
     for name in runs:
@@ -120,8 +120,8 @@ def before_queueing(
     together), lm-eval tasks lm-eval does not know, SLURM jobs their partition cannot take.
     Notes (what fits, what could not be checked and why) go to stderr."""
     from snaketune.diskplan import check_disk_runs
+    from snaketune.fit import check_runs, download_advice
     from snaketune.lmeval import check_tasks
-    from snaketune.memplan import check_runs, download_advice
 
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
     runs, waiting = unreadable_models(config, training, workdir)

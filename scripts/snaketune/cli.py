@@ -115,7 +115,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from snaketune.config import load_config
     from snaketune.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
-    from snaketune.memplan import format_plan, plan_config
+    from snaketune.fit import plan_config
+    from snaketune.memplan import format_plan
 
     config = load_config(args.config, args.root)
     workdir, root = Path("."), Path(args.root)

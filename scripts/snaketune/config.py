@@ -23,25 +23,14 @@ import yaml
 
 from snaketune.errors import ConfigError, ConfigProblems
 from snaketune.packing import check_kernels_installed
+from snaketune.vocabulary import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
+SCALARS = ("integer", "number", "boolean")
 # The workflow directory this library belongs to (scripts/snaketune/ -> the repository):
 # where the schema and config/deepspeed/ are found when no other root is given.
 WORKFLOW_ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = Path("config/deepspeed")
-
-# For each dataset format: the fields a row must provide (field -> default column name),
-# and which of them may be missing or empty.
-FORMAT_FIELDS: dict[str, dict[str, str]] = {
-    "prompt_response": {"prompt": "prompt", "response": "response"},
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "messages": {"messages": "messages"},
-}
-OPTIONAL_FIELDS = {"input"}
-SCALARS = ("integer", "number", "boolean")
-# Keys of a single (non-mixture) dataset: where its rows come from and how they read.
-SINGLE_DATASET_KEYS = ("id", "path", "subset", "split", "revision", "file_format", "format",
-                       "columns", "system_prompt", "filters")  # fmt: skip
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -287,16 +276,6 @@ def _check_deepspeed(run: str, value: str, root: Path) -> None:
     _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
 
 
-def trains_lora(run: Mapping[str, Any]) -> bool:
-    """Whether a run trains a LoRA adapter (method lora, or grpo with a `lora` block)."""
-    return run["method"] == "lora" or (run["method"] == "grpo" and "lora" in run)
-
-
-def adapter_kind(run: Mapping[str, Any]) -> str:
-    """`lora` or `full`: what a run's checkpoint holds, whatever its method."""
-    return "lora" if trains_lora(run) else "full"
-
-
 def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
     where = f"runs.{name}"
     if run["method"] != "grpo":
@@ -315,8 +294,6 @@ def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> No
         f"micro_batch_size {run['micro_batch_size']} (each device generates whole groups); "
         "make micro_batch_size a multiple of it",
     )
-    from snaketune.plan import components  # plan imports this module
-
     for part in (c["name"] for c in components(cfg, run["dataset"])):
         fmt = cfg["datasets"][part]["format"]
         _require(

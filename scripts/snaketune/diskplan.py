@@ -188,7 +188,8 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
                  on_gpu: bool = True) -> dict[str, Any] | None:  # fmt: skip
     """The disk plan of run ``name`` of a validated config (precision auto: bf16 on GPU,
     fp32 on CPU); None when the model's config.json cannot be read yet."""
-    from snaketune.memplan import find_config_json, setup_of, shape_and_deepspeed
+    from snaketune.fit import find_config_json, shape_and_deepspeed
+    from snaketune.memplan import setup_of
 
     run = config["runs"][name]
     path = find_config_json(config, run, root)

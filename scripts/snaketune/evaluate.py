@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,70 +22,14 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
+from snaketune.answers import final_answer, math_verify_match, parse_answer
 from snaketune.errors import DataError
 from snaketune.io import atomic_path
+from snaketune.model import DTYPES, resolve_precision
+from snaketune.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
 from snaketune.shard import check_overlap
-from snaketune.tokenization import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-
-
-def normalise_number(text: str) -> str:
-    """'1,234.00' -> '1234', '$5' -> '5', '-3.50' -> '-3.5'."""
-    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
-    if re.fullmatch(r"-?\d+\.\d+", text):
-        text = text.rstrip("0").rstrip(".")
-    return text
-
-
-def parse_answer(text: str) -> str | None:
-    """The number after the last ``####`` (None when there is none)."""
-    if "####" not in text:
-        return None
-    match = _NUMBER.search(text.rsplit("####", 1)[1])
-    return normalise_number(match.group(0)) if match else None
-
-
-_LAST_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
-
-
-def _last_boxed(text: str) -> str | None:
-    """The last ``\\boxed{...}`` of ``text`` (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[start : j + 1]
-    return None
-
-
-def final_answer(text: str) -> str | None:
-    """A generation's final answer: the rest of its last ``####`` line, else its last
-    ``\\boxed{}``, else its last number (None: none of them)."""
-    if "####" in text:
-        line = text.rsplit("####", 1)[1].strip().splitlines()
-        return line[0].strip() if line and line[0].strip() else None
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    numbers = _LAST_NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def math_verify_match(reference: str | None, answer: str | None) -> bool:
-    """math-verify's ``verify(gold, answer)`` (gold first). Its timeouts use signal.alarm, so
-    this runs in the main thread."""
-    if not reference or not answer:
-        return False
-    from math_verify import parse, verify
-
-    gold, got = parse(reference), parse(answer.replace("\\$", "$"))  # LaTeX-escaped dollars
-    return bool(gold) and bool(got) and bool(verify(gold, got))
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -145,11 +88,8 @@ def generate(
     batches with left padding and the KV cache, stopping where the model's generation_config
     stops (as any application loading the model does); a progress line per batch. Returns
     the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``)."""
-    prompts = []
-    for r in rows:
-        first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
-        prompts.append(r["input_ids"][:first])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = [r["input_ids"][: prompt_length(r["labels"])] for r in rows]
+    pad = pad_id(tokenizer)
     stops = stop_ids_of(model, tokenizer)
     out: list[str] = []
     stopped: list[bool] = []
@@ -207,23 +147,15 @@ def evaluate(
     rows = load_examples(eval_tokenized, limit)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     # On a GPU node the model runs there in bf16 (fp16 without bf16 support); on CPU in fp32.
-    cuda = torch.cuda.is_available()
-    dtype = (
-        (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-        if cuda
-        else torch.float32
-    )
+    dtype = DTYPES[resolve_precision("auto")]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    model.to("cuda" if cuda else "cpu").eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad)
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad_id(tokenizer))
     generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
     samples, correct, verified, answers = [], 0, 0, 0
     for r, text, ended in zip(rows, generations, stopped, strict=True):
-        first = next(i for i, lab in enumerate(r["labels"]) if lab != IGNORE_INDEX)
-        reference = tokenizer.decode(
-            [t for t in r["labels"] if t != IGNORE_INDEX], skip_special_tokens=True
-        )
+        prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
+        reference = tokenizer.decode(answer, skip_special_tokens=True)
         want, got = parse_answer(reference), parse_answer(text)
         answers += want is not None
         ok = want is not None and got == want
@@ -234,7 +166,7 @@ def evaluate(
         samples.append(
             {
                 "example_id": r["example_id"],
-                "prompt": tokenizer.decode(r["input_ids"][:first]),
+                "prompt": tokenizer.decode(prompt),
                 "reference": reference,
                 "generation": text,
                 "parsed_answer": got,

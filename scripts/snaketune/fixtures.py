@@ -242,9 +242,10 @@ def make_sharded_fixture(
 ) -> dict[str, Path]:
     """Fixtures plus their train split tokenized and sharded for ``layout`` (a shard.Layout):
     what a benchmark needs to start the train stage without the workflow."""
+    from snaketune.conversations import Source
     from snaketune.shard import shard
     from snaketune.sources import download_dataset
-    from snaketune.tokenization import Source, tokenize
+    from snaketune.tokenization import tokenize
 
     out = Path(out)
     paths = make_fixtures(out / "fixtures", sizes)

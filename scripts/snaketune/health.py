@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from snaketune.io import host_name
+from snaketune.job import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -288,3 +289,57 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval + 5)
+
+
+# ----------------------------------------------------------------------------- in a worker
+
+
+def start_watchdog(
+    cfg: dict[str, Any], env: WorkerEnv, ckpt_dir: Path, run: str
+) -> Watchdog | None:
+    """This process's GPU watchdog (snaketune.health), or None (off, said once in the log)."""
+    if not cfg["enabled"]:
+        return None
+    import torch
+
+    reader, how = open_reader(torch.cuda.is_available())
+    if reader is None:
+        if env.rank == 0:
+            log.info("GPU health watchdog: off (%s)", how)
+        return None
+    index = env.local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    mine = visible[env.local_rank].strip() if len(visible) > env.local_rank else ""
+    if torch.cuda.is_available() and mine.isdigit():  # NVML numbers GPUs physically
+        index = int(mine)
+    limits = Limits(cfg["temperature_margin_c"], cfg["throttle_samples"],
+                    cfg["memory_warn_fraction"])  # fmt: skip
+    records = ckpt_dir / "health" / f"node-{env.node_rank}-rank-{env.local_rank}.jsonl"
+    webhook = os.environ.get(cfg["webhook_env"]) or None
+    if env.rank == 0:
+        log.info("GPU health watchdog: every %gs (%s)%s", cfg["interval_seconds"], how,
+                 ", webhook set" if webhook else "")  # fmt: skip
+    context = {"run": run, "node": env.node_rank, "rank": env.rank}
+    return Watchdog(reader, index, cfg["interval_seconds"], limits, records, webhook,
+                    context).start()  # fmt: skip
+
+
+def report_unhealthy(
+    watchdog: Watchdog | None, env: WorkerEnv, ckpt_dir: Path, step: int | None
+) -> None:
+    """Gather the failing GPUs' messages on rank 0 and write checkpoints/health/fatal.json."""
+    import torch.distributed as dist
+
+    mine = watchdog.fatal if watchdog is not None else None
+    messages = [mine]
+    if dist.is_available() and dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, mine)
+    if env.rank == 0:
+        found = list(dict.fromkeys(m for m in messages if m))
+        (ckpt_dir / "health").mkdir(exist_ok=True)
+        (ckpt_dir / "health" / "fatal.json").write_text(
+            json.dumps({"step": step, "messages": found}, indent=2) + "\n"
+        )
+        log.error("GPU health: stopped at step %s after saving a checkpoint: %s", step,
+                  "; ".join(found))  # fmt: skip

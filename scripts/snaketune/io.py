@@ -175,3 +175,16 @@ def run_context() -> dict[str, Any]:
     if job:
         ctx["slurm_job_id"] = job
     return ctx
+
+
+class IdsLog:
+    """Appends the example ids a rank trains on, one per line (``--log-example-ids``; the
+    exact-once tests read it); does nothing without a path."""
+
+    def __init__(self, path: Path | None):
+        self._out = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+
+    def write(self, ids: list[str]) -> None:
+        if self._out is not None:
+            self._out.write("".join(f"{i}\n" for i in ids))
+            self._out.flush()

@@ -36,15 +36,12 @@ in every process of the node.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from snaketune.config import adapter_kind
 from snaketune.errors import UserError
+from snaketune.vocabulary import adapter_kind
 
 GIB = 1024**3
 # Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
@@ -341,16 +338,6 @@ def gpu_memory(name_or_gib: str | float | None) -> float | None:
         ) from None
 
 
-def shape_and_deepspeed(
-    config_json: Path, run: dict[str, Any], basedir: Path
-) -> tuple[Shape, dict[str, Any]]:
-    """The model's shape from its config.json, and the run's DeepSpeed JSON as written."""
-    from snaketune.config import resolve_deepspeed
-
-    shape = Shape.from_config(json.loads(config_json.read_text()), str(config_json))
-    return shape, json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
-
-
 def format_plan(run: str, plan: dict[str, Any]) -> str:
     """One line: the run, the per-GPU total and its parts, against what the GPU has; what
     it leaves out, if anything."""
@@ -367,172 +354,3 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     if plan.get("not_counted"):
         line += f"; not counted: {', '.join(plan['not_counted'])}"
     return line
-
-
-def machine_memory_gib() -> float:
-    """Total memory of this machine, GiB."""
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-
-
-def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Path:
-    """Where the run's model (its config.json) is: resources/models/<name> once downloaded,
-    else a local model's own path."""
-    downloaded = root / "resources" / "models" / run["model"]
-    spec = config["models"][run["model"]]
-    if not (downloaded / "config.json").is_file() and spec.get("source") == "local":
-        return Path(spec["path"])
-    return downloaded
-
-
-def download_advice(config_path: str | Path | None = None) -> str:
-    """How to get a Hub model's config.json before planning, with commands that work."""
-    cfg = f" --configfile {config_path}" if config_path else " --configfile <your config>"
-    return (f"download it first (snakemake --profile <profile>{cfg} --until download_model), "
-            "or plan from a folder holding its config.json alone (set the model to source: "
-            "local, path: that folder; config.json is all the plan reads)")  # fmt: skip
-
-
-def plan_config(
-    config: dict[str, Any],
-    workdir: Path,
-    basedir: Path,
-    gpu: str | float | None = None,
-    config_path: str | Path | None = None,
-) -> list[dict[str, Any]]:
-    """The plan of every run of a validated config; ``gpu`` overrides the runs' own. The
-    models are looked for under ``workdir`` (resources/models/), the DeepSpeed presets
-    under the workflow directory ``basedir``."""
-    plans = []
-    for name, run in sorted(config["runs"].items()):
-        path, why = locate_config_json(config, run, workdir)
-        if path is None:
-            raise UserError(
-                f"runs.{name}: cannot plan: the config.json of model {run['model']} is not "
-                f"in {model_dir_of(config, run, workdir)}: {why}; " + download_advice(config_path)
-            )
-        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
-        plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
-    return plans
-
-
-def check_cpu_run(
-    shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any], machine_gib: float
-) -> dict[str, Any]:
-    """A run on this machine's CPU (every emulated node here): all its processes' memory
-    against the machine's."""
-    s = setup_of(run, deepspeed, on_gpu=False)
-    per_process = estimate(shape, s)["total"] - CONTEXT_GIB
-    out = plan_run(shape, s, None)
-    out["per_gpu_gib"]["total"] = round(per_process, 2)
-    out["machine_gib"] = round(machine_gib, 1)
-    out["processes"] = s.gpus
-    out["fits"] = per_process * s.gpus <= machine_gib
-    return out
-
-
-def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
-    """The run's model config.json where it can be read now (``locate_config_json``)."""
-    return locate_config_json(config, run, workdir)[0]
-
-
-def locate_config_json(
-    config: dict[str, Any], run: dict[str, Any], workdir: Path
-) -> tuple[Path | None, str]:
-    """The run's model config.json where it can be read now: the downloaded model, a local
-    model's path, or (a hub model not yet downloaded) config.json alone from the Hub's cache
-    or the Hub. (None, why) when it cannot be read yet; the Hub is asked at most once per
-    model and process, and not at all when it is unreachable."""
-    local = model_dir_of(config, run, workdir) / "config.json"
-    if local.is_file():
-        return local, ""
-    spec = config["models"][run["model"]]
-    if spec.get("source") != "hub":
-        return None, f"{local.parent} is not there yet (a job makes it)"
-    found, why = hub_config_json(spec["id"], spec.get("revision"))
-    if found is None:
-        return None, f"it is not downloaded yet and {why}"
-    return found, ""
-
-
-@functools.cache
-def hub_config_json(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
-    """config.json of a Hub model from the local cache, else from the Hub when it answers:
-    (path, "") or (None, why). Offline (HF_HUB_OFFLINE) or unreachable: no download tried."""
-    from huggingface_hub import constants, hf_hub_download
-
-    try:
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision,
-                                    local_files_only=True)), ""  # fmt: skip
-    except Exception:  # not in the cache
-        pass
-    if constants.HF_HUB_OFFLINE:
-        return None, "this machine is offline (HF_HUB_OFFLINE is set)"
-    if not hub_reachable(constants.ENDPOINT):
-        return None, f"the Hub ({constants.ENDPOINT}) cannot be reached from here"
-    try:
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision)), ""
-    except Exception as exc:  # gated without a token, no such repo or revision
-        return None, f"the Hub refused it ({str(exc).splitlines()[0][:200]})"
-
-
-@functools.cache
-def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the Hub's host opens within ``timeout`` seconds."""
-    import socket
-    from urllib.parse import urlparse
-
-    url = urlparse(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def check_runs(
-    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool
-) -> list[str]:
-    """The workflow's check before anything is queued: a line per run that cannot fit.
-
-    Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
-    machine (``local``) against this machine's memory, others not at all. A run whose
-    model's config.json cannot be read yet (a model a job will build or download) is
-    skipped, with a log line. ``skip_memory_check`` turns a refusal into a warning.
-    """
-    import sys
-
-    def say(line: str) -> None:
-        print(f"memory plan: {line}", file=sys.stderr)
-
-    found = []
-    for name in runs:
-        run = config["runs"][name]
-        path = find_config_json(config, run, workdir)
-        if path is None:
-            say(f"{name}: skipped for now (the model's config.json is not there yet)")
-            continue
-        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        gpu = run.get("gpu", config.get("gpu"))
-        if gpu is not None:
-            plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
-            line = format_plan(name, plan)
-        elif local:
-            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
-            verdict = "fits" if plan["fits"] else "does NOT fit"
-            line = (f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
-                    f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "
-                    f"machine's {plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
-        else:
-            say(f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
-                "`config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
-            continue
-        if plan["fits"] is not False:
-            say(line)
-        elif run.get("skip_memory_check"):
-            say(f"{line} (skip_memory_check is set: going ahead)")
-        else:
-            found.append(f"{line} (or set skip_memory_check: true on the run)")
-    return found

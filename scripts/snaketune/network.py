@@ -30,7 +30,7 @@ def allreduce_busbw(nbytes: int | None = None, iterations: int = ITERATIONS) -> 
     import torch
     import torch.distributed as dist
 
-    from snaketune.progress import collective_device
+    from snaketune.collective import collective_device
 
     device = collective_device()
     cuda = device.type == "cuda"

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snaketune.errors import ConfigError, UserError
+from snaketune.io import IdsLog
 
 if TYPE_CHECKING:
     import torch
@@ -378,12 +379,10 @@ class Collator:
         self.padded = 0  # tokens in the model's input, padding included
         self.samples = 0
         self.squares = 0  # sum of squared example lengths (attention FLOPs, throughput.py)
-        self._ids_log = open(ids_log, "a", encoding="utf-8") if ids_log else None  # noqa: SIM115
+        self._ids_log = IdsLog(ids_log)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        if self._ids_log is not None:
-            self._ids_log.write("".join(f"{e['example_id']}\n" for e in examples))
-            self._ids_log.flush()
+        self._ids_log.write([e["example_id"] for e in examples])
         plain = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
         if self.layout == "rows":
             batch = packed_rows(plain, self.row_tokens, self.pad_token_id)

@@ -14,31 +14,13 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from snaketune.config import SINGLE_DATASET_KEYS, adapter_kind
 from snaketune.errors import ConfigError
 from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
+from snaketune.vocabulary import SINGLE_DATASET_KEYS, components
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
-# The directory under results/<run>/ of the model a run ends with, by what it trains.
-FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
-
-
-def final_model_dir(run: dict[str, Any]) -> str:
-    """results/<run>/<this>: the model a run ends with (merged for LoRA, converted for full)."""
-    return FINAL_MODEL[adapter_kind(run)]
-
-
 DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
-
-
-def components(config: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
-    """The datasets tokenize reads for ``dataset``: itself, or its mixture components."""
-    spec = config["datasets"][dataset]
-    if spec["source"] != "mixture":
-        return [{"name": dataset, "weight": 1.0, "seed": 0}]
-    seed = spec.get("seed", 0)
-    return [{"name": c["dataset"], "weight": c["weight"], "seed": seed} for c in spec["mixture"]]
 
 
 def chat_template(

@@ -1,5 +1,6 @@
 """What the training loop reports and obeys at each step: metrics, progress, stop requests,
-checkpoint completion. Shared by every training method (a transformers TrainerCallback).
+checkpoint completion. Shared by every training method (a transformers TrainerCallback,
+``StepCallback``); a method adds its own figures to the step's record (``step_fields``).
 
 Per optimizer step the callback makes ONE collective: an all-gather of a few numbers per
 rank (stop flag, tokens, padding, samples, attention work, peak memory, GPU health), from
@@ -15,6 +16,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from snaketune.checkpoints import mark_complete, prune
+from snaketune.collective import barrier, gather_combined
 from snaketune.diskplan import DiskGuard
 from snaketune.health import LEVEL, STATUS, Watchdog
 from snaketune.throughput import mfu, step_flops
@@ -96,53 +99,10 @@ class Deadline:
         return now + step + 1.25 * self.save_s + self.margin_s >= self.end
 
 
-def is_distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if is_distributed():
-        dist.barrier()
-
-
-def collective_device() -> torch.device:
-    """Where a collective's tensors must live: this process's GPU under NCCL, else the CPU."""
-    import torch.distributed as dist
-
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (one all-reduce; this rank's flag off a job)."""
-    import torch.distributed as dist
-
-    if not is_distributed():
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def gather_step(values: list[float]) -> dict[str, float]:
     """Every rank's ``values`` (in FIELDS order), combined: one all-gather."""
-    import torch.distributed as dist
-
-    rows = [values]
-    if is_distributed():
-        mine = torch.tensor(values, dtype=torch.float64, device=collective_device())
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, mine)
-        rows = torch.stack(parts).cpu().tolist()
-    return {
-        name: (sum if how == "sum" else max)(r[i] for r in rows)
-        for i, (name, how) in enumerate(FIELDS)
-    }
+    combined = gather_combined(values, tuple(how for _, how in FIELDS))
+    return {name: value for (name, _), value in zip(FIELDS, combined, strict=True)}
 
 
 def peak_memory_mib() -> float:
@@ -170,8 +130,10 @@ def _duration(seconds: float) -> str:
     return str(timedelta(seconds=int(seconds)))
 
 
-class SnaketuneCallback(TrainerCallback):
-    """Metrics, progress, stop-on-signal and checkpoint completion marks."""
+class StepCallback(TrainerCallback):
+    """At every optimizer step: the step's metrics line (rank 0; the method's own figures
+    from ``step_fields``), the progress line, the decision to stop (signal, time limit, GPU
+    health, no room for a save) and, after a save, the checkpoint's completion mark."""
 
     def __init__(
         self,
@@ -187,11 +149,13 @@ class SnaketuneCallback(TrainerCallback):
         optimizer: str = "all",
         disk: DiskGuard | None = None,
         network: dict | None = None,
+        step_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
         self.rank, self.collator, self.stop = rank, collator, stop
         self.optimizer, self.disk = optimizer, disk  # older checkpoints' states; space check
         self.disk_short: str | None = None  # why the run stopped without its save
         self.network = network  # the job's all-reduce figure, on its first metrics line
+        self.step_fields = step_fields or (lambda logs: {})  # the method's own figures
         self.deadline = deadline or Deadline(None, 0.0)
         self.stop_reason: str | None = None  # time (continue in the next job), signal, health
         self._save_began: float | None = None
@@ -289,10 +253,7 @@ class SnaketuneCallback(TrainerCallback):
         if self.network is not None:
             record["allreduce_busbw_gbps"] = self.network["busbw_gbps"]
             self.network = None
-        if "reward" in logs:  # a GRPO step: rewards, KL, completion length
-            from snaketune.grpo import step_record
-
-            record.update(step_record(logs))
+        record.update(self.step_fields(logs))
         self._out.write(json.dumps(record) + "\n")
         done = state.global_step - self._start_step
         left = state.max_steps - state.global_step

@@ -21,7 +21,7 @@ Every rank runs the same number of micro batches per step and every kept example
 exactly one (step, rank, micro batch). Node k's shard holds the rows of ranks k*G ..
 k*G+G-1, one row per example in the tokenized file's order, with three more columns:
 ``step``, ``rank`` (global data-parallel rank) and ``micro``. The trainer only executes this
-plan (see snaketune.train.PlanBatches); the manifest records the tokens per shard, the
+plan (see snaketune.batches.PlanBatches); the manifest records the tokens per shard, the
 worst step's max/mean token ratio across ranks, and ``plan_sha256``: a digest of which
 examples form each global step, the same for every topology of the same global batch (a
 run continues on another topology only when it matches; snaketune.topology).

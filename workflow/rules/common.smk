@@ -6,12 +6,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from snaketune.config import adapter_kind, resolve_deepspeed
+from snaketune.config import resolve_deepspeed
 from snaketune.sweep import sweeps_of
+from snaketune.vocabulary import adapter_kind, components, final_model_dir
 from snaketune.plan import (
-    components,
     evaluates_its_start,
-    final_model_dir,
     run_eval_tokenize_spec,
     run_tokenize_spec,
     tokenize_key,

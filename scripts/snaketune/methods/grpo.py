@@ -28,7 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from snaketune.evaluate import final_answer, math_verify_match, parse_answer
+from snaketune.answers import final_answer, math_verify_match, parse_answer
+from snaketune.batches import Data, planned_loader
+from snaketune.io import IdsLog
+from snaketune.methods.common import Context, Method, peft_config, training_args
+from snaketune.rows import prompt_and_answer
 
 _FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
 
@@ -74,11 +78,10 @@ def prompt_rows(table, tokenizer):
 
     prompts, ids, answers = [], [], []
     for input_ids, labels in zip(table["input_ids"], table["labels"], strict=True):
-        first = next((i for i, label in enumerate(labels) if label != -100), len(labels))
-        ids.append(list(input_ids[:first]))
-        prompts.append(tokenizer.decode(input_ids[:first]))
-        trained = [t for t in labels if t != -100]
-        answers.append(tokenizer.decode(trained, skip_special_tokens=True).strip())
+        prompt, answer = prompt_and_answer(input_ids, labels)
+        ids.append(prompt)
+        prompts.append(tokenizer.decode(prompt))
+        answers.append(tokenizer.decode(answer, skip_special_tokens=True).strip())
     return datasets.Dataset.from_dict({
         "example_id": list(table["example_id"]), "prompt": prompts, "prompt_ids": ids,
         "answer": answers, "step": list(table["step"]), "micro": list(table["micro"]),
@@ -86,7 +89,7 @@ def prompt_rows(table, tokenizer):
 
 
 class RolloutCounter:
-    """What SnaketuneCallback reads from a collator, counted over generated rollouts:
+    """What the step callback reads from a collator, counted over generated rollouts:
     real tokens (prompt + completion), tokens in the model's input (padding included),
     completions, and the squared lengths (attention work). Logs the prompt ids it trains
     on, once per prompt, when asked to."""
@@ -95,7 +98,7 @@ class RolloutCounter:
 
     def __init__(self, ids_log: Path | None):
         self.tokens = self.padded = self.samples = self.squares = 0
-        self._ids_log = open(ids_log, "a", encoding="utf-8") if ids_log else None  # noqa: SIM115
+        self.ids_log = IdsLog(ids_log)
 
     def count(self, prompt_mask, completion_mask) -> None:
         lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
@@ -104,10 +107,11 @@ class RolloutCounter:
         self.samples += len(lengths)
         self.squares += sum(n * n for n in lengths)
 
-    def log_ids(self, ids: list[str]) -> None:
-        if self._ids_log is not None:
-            self._ids_log.write("".join(f"{i}\n" for i in ids))
-            self._ids_log.flush()
+
+def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
+         ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's planned prompts with their reference answers, counted per rollout."""
+    return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
 
 
 def group_batches(batches, generations: int):
@@ -142,13 +146,10 @@ def use_vllm(setting: bool | str) -> bool:
     return bool(setting)
 
 
-def grpo_trainer(ctx, model, data, callbacks: list):
+def trainer(ctx: Context, model, data: Data, callbacks: list):
     """TRL's GRPOTrainer on the planned prompts, with the shared settings of training_args."""
-    import torch
     from torch.utils.data import DataLoader
     from trl import GRPOConfig, GRPOTrainer
-
-    from snaketune.train import peft_config, training_args
 
     grpo = ctx.run["grpo"]
     funcs, weights = reward_functions(grpo["rewards"])
@@ -165,13 +166,11 @@ def grpo_trainer(ctx, model, data, callbacks: list):
     counter: RolloutCounter = data.collator
     prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
     sampler = group_batches(data.batches, grpo["num_generations"])
-    pin = torch.cuda.is_available()
 
     class PlannedGRPOTrainer(GRPOTrainer):
         def get_train_dataloader(self) -> DataLoader:
             # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
-            return DataLoader(data.table, batch_sampler=sampler, collate_fn=list,
-                              num_workers=0, pin_memory=pin)  # fmt: skip
+            return planned_loader(data.table, sampler, list)
 
         def _tokenize_prompts(self, prompts: list):
             # the tokens tokenize wrote (chat template applied), not a re-encoding of them
@@ -181,7 +180,7 @@ def grpo_trainer(ctx, model, data, callbacks: list):
             out = super()._generate_and_score_completions(inputs)
             if self.model.training:
                 counter.count(out["prompt_mask"], out["completion_mask"])
-                counter.log_ids([x["example_id"] for x in inputs[:: self.num_generations]])
+                counter.ids_log.write([x["example_id"] for x in inputs[:: self.num_generations]])
             return out
 
     return PlannedGRPOTrainer(model=model, reward_funcs=funcs, args=args,
@@ -199,7 +198,7 @@ LOG_KEYS = {
 }
 
 
-def step_record(logs: dict[str, Any]) -> dict[str, float]:
+def step_fields(logs: dict[str, Any]) -> dict[str, float]:
     """The GRPO figures of a step's logs, for metrics.jsonl: total reward, each reward's
     mean and std, KL, completion length."""
     out = {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
@@ -208,3 +207,21 @@ def step_record(logs: dict[str, Any]) -> dict[str, float]:
         if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("mean", "std"):
             out[f"reward_{parts[1]}_{parts[2]}"] = value
     return out
+
+
+def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """The start-up line: prompts, generations and completions per step, the rewards."""
+    g = run["grpo"]["num_generations"]
+    rewards = ", ".join(f"{k} x {v}" for k, v in run["grpo"]["rewards"].items())
+    return (f"GRPO: {manifest['global_batch']} prompts per step x {g} generations = "
+            f"{manifest['global_batch'] * g} completions; {rewards}")  # fmt: skip
+
+
+METHOD = Method(
+    name="grpo",
+    data=data,
+    trainer=trainer,
+    step_fields=step_fields,
+    rows_per_example=lambda run: run["grpo"]["num_generations"],
+    describe=describe,
+)

@@ -1,0 +1,54 @@
+"""Collectives the workers make outside the trainer's own: a barrier, "on any rank?", and
+one all-gather of a step's numbers. Each works off a job too (one process: its own values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if is_distributed():
+        dist.barrier()
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: this process's GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce; this rank's flag off a job)."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_combined(values: list[float], how: tuple[str, ...]) -> list[float]:
+    """Every rank's ``values``, combined position by position by ``how`` ("sum" or "max"):
+    one all-gather."""
+    import torch.distributed as dist
+
+    rows = [values]
+    if is_distributed():
+        mine = torch.tensor(values, dtype=torch.float64, device=collective_device())
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        rows = torch.stack(parts).cpu().tolist()
+    return [(sum if h == "sum" else max)(r[i] for r in rows) for i, h in enumerate(how)]

@@ -1,0 +1,57 @@
+"""Supervised fine-tuning (config methods ``lora`` and ``full``): trl's SFTTrainer on the
+planned micro batches, packed or padded (snaketune.packing), LoRA through peft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from snaketune.batches import Data, PlanBatches, planned_loader
+from snaketune.methods.common import Context, Method, peft_config, training_args
+from snaketune.packing import Collator, layout_for
+from snaketune.rows import pad_id
+
+
+def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
+         ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's rows as planned, collated in the run's layout (packed or padded)."""
+    layout = layout_for(run["packing"], kernel)
+    return Data(table, batches, Collator(layout, pad_id(tokenizer), run["max_length"], ids_log))
+
+
+def trainer(ctx: Context, model, data: Data, callbacks: list):
+    """Supervised fine-tuning: trl's SFTTrainer on the planned micro batches."""
+    from transformers import Trainer
+    from trl import SFTConfig, SFTTrainer
+
+    args = training_args(
+        ctx, SFTConfig, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
+        packing=False, model_init_kwargs=None,
+    )  # fmt: skip
+
+    class PlannedSFTTrainer(SFTTrainer):
+        # The model's own loss (transformers' Trainer.compute_loss). SFTTrainer's adds token
+        # accuracy and entropy metrics, gathered across all ranks with a host sync four times
+        # per micro batch; on the CPU benchmark that alone cost a fifth of the throughput.
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+
+        def get_train_dataloader(self) -> DataLoader:
+            return planned_loader(data.table, data.batches, data.collator)
+
+    return PlannedSFTTrainer(model=model, args=args, train_dataset=data.table,
+                             processing_class=ctx.tokenizer, data_collator=data.collator,
+                             peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+
+
+METHOD = Method(
+    name="sft",
+    data=data,
+    trainer=trainer,
+    step_fields=lambda logs: {},
+    rows_per_example=lambda run: 1,
+    describe=lambda run, manifest: "",
+)

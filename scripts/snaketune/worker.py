@@ -1,0 +1,259 @@
+"""The training worker: one process per device, started by torchrun (see snaketune.launch).
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
+
+``run_worker`` reads top to bottom, the same for every training method:
+
+1. join the job (``join``): the rendezvous, the network check on a multi-node job, the
+   checkpoint to resume from;
+2. choose the attention kernel and the precision;
+3. the method's data for this rank (node ``GROUP_RANK``'s shard, the rows of this
+   process's global ``RANK``; GROUP_RANK is the node rank torchrun's c10d rendezvous
+   assigned, in arrival order), in the planned order (snaketune.batches);
+4. the model;
+5. the callbacks: the step callback (metrics, stops, checkpoint marks), the GPU health
+   watchdog, the heartbeat, the disk guard;
+6. the method's trainer (snaketune.methods);
+7. train, resuming from the newest complete checkpoint;
+8. how it ended (``finish``): the outputs, or the exit code of a stop (snaketune.job).
+
+What every method shares:
+
+- checkpoints in ``<out>/checkpoints/checkpoint-<step>``, each marked complete only after
+  every rank wrote its part; a rerun resumes from the newest complete one, with the same
+  data order (the plan is fixed; later epochs permute its steps with (seed, epoch));
+  Trainer restores the optimizer, scheduler and RNG states and skips the batches seen;
+- the loss of a step is the mean over every label token of the global batch (Trainer's
+  ``num_items_in_batch``, counted across micro batches and ranks), so packed and padded
+  batches of the same examples give the same loss and gradients;
+- SIGTERM/SIGUSR1: every rank agrees (the per-step collective) to save at the end of the
+  current step, then the job exits with code 3 so a retry resumes from there;
+- only rank 0 logs at info level and writes metrics.jsonl, one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from snaketune.batches import Data, PlanBatches, read_rank_rows
+from snaketune.checkpoints import checkpoint_step, newest_complete, prune, truncate_metrics
+from snaketune.collective import any_rank, barrier
+from snaketune.diskplan import DiskGuard
+from snaketune.errors import UserError
+from snaketune.health import report_unhealthy, start_watchdog
+from snaketune.heartbeat import FOLDER as HEARTBEATS
+from snaketune.heartbeat import Heartbeat, HeartbeatCallback
+from snaketune.io import host_name, write_json
+from snaketune.job import (
+    DISK_EXIT_CODE,
+    HEALTH_EXIT_CODE,
+    NETWORK_EXIT_CODE,
+    STOPPED_EXIT_CODE,
+    WorkerEnv,
+    write_segment,
+)
+from snaketune.methods import method_of
+from snaketune.methods.common import Context, Method
+from snaketune.model import UniversalLoadFix, build_model, flops_model, resolve_precision
+from snaketune.outputs import probe_inputs, save_outputs
+from snaketune.packing import check_packing, resolve_attention, resolve_liger, training_kernel
+from snaketune.progress import Deadline, StepCallback, StopRequest
+
+log = logging.getLogger(__name__)
+
+
+def join(
+    run: dict[str, Any], shards: Path, out: Path, min_busbw: float | None = None
+) -> tuple[WorkerEnv, dict, Path | None, dict | None]:
+    """Join the job, check it matches the shards, time the network (multi-node jobs:
+    snaketune.network), and find the checkpoint to resume from."""
+    import deepspeed as ds
+
+    from snaketune.runlock import worker_dies_with_agent
+
+    worker_dies_with_agent()  # never outlive the job: see snaketune.runlock
+    env = WorkerEnv.from_environ()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    expected = manifest["nodes"] * manifest["gpus_per_node"]
+    if env.world_size != expected or env.local_world_size != manifest["gpus_per_node"]:
+        raise UserError(
+            f"launched {env.world_size} processes ({env.local_world_size} per node) but the shards "
+            f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']}; rerun shard_dataset"
+        )
+    ds.init_distributed(timeout=timedelta(minutes=run["timeout_minutes"]))
+    ckpt_dir = out / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    network = time_network(env, ckpt_dir, min_busbw)
+    resume = newest_complete(ckpt_dir)
+    if env.rank == 0:
+        # half-written checkpoints of a killed run
+        prune(ckpt_dir, run["save_total_limit"], run["checkpoints"]["optimizer"])
+        truncate_metrics(ckpt_dir / "metrics.jsonl", checkpoint_step(resume) if resume else 0)
+    if env.local_rank == 0:
+        hosts = ckpt_dir / "hosts"
+        hosts.mkdir(exist_ok=True)
+        (hosts / f"node-{env.node_rank}").write_text(host_name())
+    barrier()
+    return env, manifest, resume, network
+
+
+def time_network(env: WorkerEnv, ckpt_dir: Path, min_busbw: float | None) -> dict | None:
+    """On a multi-node job: the all-reduce bus bandwidth (rank 0 records it); a fabric
+    slower than ``min_busbw`` ends the job (the launcher says why, once)."""
+    if env.world_size <= env.local_world_size:  # one node
+        return None
+    from snaketune.network import RESULT, allreduce_busbw, too_slow
+
+    network = allreduce_busbw()
+    problem = too_slow(network, min_busbw)
+    if env.rank == 0:
+        write_json(ckpt_dir / RESULT, {**network, "problem": problem})
+        log.info("network: all-reduce of %d MiB across %d ranks (%s): bus bandwidth %.2f "
+                 "GB/s", network["bytes"] // 2**20, network["ranks"], network["backend"],
+                 network["busbw_gbps"])  # fmt: skip
+    if problem:  # the launcher says it, once (snaketune.launch.outcome)
+        raise SystemExit(NETWORK_EXIT_CODE)
+    return network
+
+
+def rank_data(method: Method, run: dict[str, Any], manifest: dict[str, Any], shards: Path,
+              env: WorkerEnv, tokenizer, kernel: str, start_step: int,
+              ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's planned rows and batches, as the method trains on them."""
+    table = read_rank_rows(shards, env.node_rank, env.rank)
+    steps = manifest["steps_per_epoch"]
+    batches = PlanBatches(np.asarray(table["step"]), np.asarray(table["micro"]), steps,
+                          manifest["gradient_accumulation_steps"], run["seed"],
+                          start_epoch=start_step // steps)  # fmt: skip
+    return method.data(run, table, batches, tokenizer, kernel, ids_log)
+
+
+def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: str,
+              data: Data, resume: Path | None) -> None:  # fmt: skip
+    """Rank 0's start-up lines: what the method does, the global batch and the settings."""
+    run, env = ctx.run, ctx.env
+    line = method.describe(run, manifest)
+    if line:
+        log.info("%s", line)
+    log.info(
+        "global batch %d = micro %d x %d devices x %d nodes x accumulation %d; %d steps per "
+        "epoch; precision %s; %s; attention %s, %s batches%s; resuming from %s",
+        manifest["global_batch"] * method.rows_per_example(run),
+        run["micro_batch_size"], env.local_world_size,
+        env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
+        manifest["steps_per_epoch"], ctx.precision, run["method"], kernel,
+        data.collator.layout, ", Liger kernels" if ctx.liger else "",
+        resume.name if resume else "scratch",
+    )  # fmt: skip
+
+
+def run_worker(
+    run: dict[str, Any],
+    shards: Path,
+    model_dir: Path,
+    deepspeed: Path,
+    out: Path,
+    ids_log: Path | None = None,
+    min_busbw: float | None = None,
+) -> int:
+    """Train one run; returns 0 when finished, or the exit code of a stop (snaketune.job)."""
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+
+    stop = StopRequest()
+    stop.install()
+    env, manifest, resume, network = join(run, shards, out, min_busbw)
+    ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
+
+    attention = resolve_attention(run["attn_implementation"])
+    model_config = {}  # read only for packing (never for GRPO: validation turns it off)
+    if run["packing"]:
+        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
+    kernel = training_kernel(attention, run["packing"], model_config)  # see snaketune.packing
+    precision = resolve_precision(run["precision"])
+
+    method = method_of(run)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    data = rank_data(method, run, manifest, shards, env, tokenizer, kernel, start_step, ids_log)
+    model = build_model(model_dir, precision, kernel)
+    ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
+                  resolve_liger(run["liger_kernel"]), tokenizer)  # fmt: skip
+
+    watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
+    # one process per node checks the room for each save (the node's view of the folder)
+    disk = None
+    if env.local_rank == 0:
+        disk = DiskGuard(ckpt_dir, float(os.environ.get("SNAKETUNE_CHECKPOINT_BYTES", 0)))
+    callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
+                            run["save_total_limit"], start_step, watchdog,
+                            flops_model(run, model, env.world_size), Deadline.from_environ(),
+                            run["checkpoints"]["optimizer"], disk, network,
+                            method.step_fields)  # fmt: skip
+    fixes = [UniversalLoadFix()] if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1" else []
+    # where this rank is, for the launcher's stall watch (snaketune.heartbeat)
+    beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
+
+    trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
+    trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    if env.rank == 0:
+        log_start(method, ctx, manifest, kernel, data, resume)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if watchdog is not None:
+        watchdog.stop()
+    beat.stop()
+    return finish(trainer, callback, ctx, disk, watchdog, stop, shards)
+
+
+def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None, watchdog,
+           stop: StopRequest, shards: Path) -> int:  # fmt: skip
+    """How the training ended: the segment record for the launcher, then the outputs (0) or
+    the exit code of the stop, with its log line."""
+    env, ckpt_dir = ctx.env, ctx.ckpt_dir
+    # a stop asked at the last step leaves nothing to continue: the run is done
+    finished = trainer.state.global_step >= trainer.state.max_steps
+    if finished and callback.stopped_at is None:  # room for the outputs (~one checkpoint)?
+        short = disk.short() if disk is not None else None
+        if any_rank(short is not None):
+            callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
+            callback.disk_short = short
+    kept = callback.stopped_for_health or callback.stop_reason == "disk"
+    stopped = callback.stopped_at is not None and (kept or not finished)
+    if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
+        write_segment(ckpt_dir, (callback.stop_reason or "done") if stopped else "done",
+                      trainer.state.global_step, callback.deadline.train_s,
+                      callback.deadline.save_s,
+                      callback.disk_short if callback.stop_reason == "disk" else None)  # fmt: skip
+    if callback.stop_reason == "disk":
+        if env.rank == 0:
+            saved = newest_complete(ckpt_dir)
+            log.error("disk full: %s; stopped at step %d without saving; %s is complete and "
+                      "resumable", callback.disk_short, callback.stopped_at,
+                      saved.name if saved else "no checkpoint")  # fmt: skip
+        return DISK_EXIT_CODE
+    if callback.stopped_for_health:
+        report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
+        return HEALTH_EXIT_CODE
+    if stopped:
+        if env.rank == 0 and callback.stop_reason == "time":
+            log.warning(
+                "stopped at step %d ahead of the time limit (%s); checkpoint saved, the next "
+                "job continues from there", callback.stopped_at, stop.signal or "deadline",
+            )  # fmt: skip
+        elif env.rank == 0:
+            log.warning(
+                "stopped by %s at step %d; checkpoint saved, a rerun resumes there",
+                stop.signal or "a signal on another rank",
+                callback.stopped_at,
+            )
+        return STOPPED_EXIT_CODE
+    save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
+                 ctx.precision)  # fmt: skip
+    return 0
