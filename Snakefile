@@ -9,13 +9,16 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 from snaketune.checks import at_parse, in_dry_runs
-from snaketune.errors import UserError, error_lines
+from snaketune.errors import UserError, labelled
+from snaketune.summary import report_line
 
 min_version("9.0")
 
 
-# The demo config, found from the Snakefile (so that --directory can move a run anywhere).
-configfile: f"{workflow.basedir}/config/config.yaml"
+# The demo config, relative to the working directory (inside a SLURM job, Snakemake merges
+# this file with the job's config, so it must not be found there: an absolute path here
+# would add the demo's keys to every other config's jobs).
+configfile: "config/config.yaml"
 
 
 # Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),
@@ -27,8 +30,8 @@ configfile: f"{workflow.basedir}/config/config.yaml"
 try:
     PARSED = at_parse(config, Path(workflow.basedir), workflow.configfiles)
 except UserError as error:
-    for line in error_lines(error):
-        print(f"config error: {line}", file=sys.stderr)
+    for kind, line in labelled(error):
+        print(f"{kind}: {line}", file=sys.stderr)
     sys.exit(1)
 for note in PARSED.notes:
     print(f"note: {note}", file=sys.stderr)

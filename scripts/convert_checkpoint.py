@@ -22,7 +22,8 @@ from snaketune.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.convert import convert_full, convert_lora, export_dtype
+    from snaketune.adapters import convert_lora
+    from snaketune.convert import convert_full, export_dtype
     from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(

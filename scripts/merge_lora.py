@@ -21,7 +21,8 @@ from snaketune.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.convert import export_dtype, merge_lora
+    from snaketune.adapters import merge_lora
+    from snaketune.convert import export_dtype
     from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(

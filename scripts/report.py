@@ -24,14 +24,8 @@ from pathlib import Path
 from snaketune.cli import run
 from snaketune.io import atomic_paths, read_jsonl
 from snaketune.provenance import lineage
-from snaketune.report import (
-    summary_html,
-    summary_row,
-    sweep_section,
-    sweep_svg,
-    training_svg,
-    write_summary,
-)
+from snaketune.report import summary_html, sweep_section, sweep_svg, training_svg
+from snaketune.summary import summary_row, write_summary
 from snaketune.vocabulary import final_model_dir
 
 

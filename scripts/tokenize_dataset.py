@@ -7,7 +7,7 @@
 Writes data.parquet, stats.json and provenance.json beside them, all three renamed into
 place once complete.
 
---spec is the tokenize spec the workflow computes (snaketune.plan.tokenize_spec); --data
+--spec is the tokenize spec the workflow computes (snaketune.stages.tokenize_spec); --data
 gives one parquet per source of the spec, in its order. Streams in batches.
 """
 

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 from snaketune.config import load_yaml, validate_config
 from snaketune.errors import ConfigError
-from snaketune.plan import run_tokenize_spec, tokenize_key
+from snaketune.stages import run_tokenize_spec, tokenize_key
 
 SHIPPED = [ROOT / "config" / "config.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
 

@@ -122,6 +122,8 @@ def test_every_documented_command_runs(places):
         i, (where, command) = i_item
         scratch = places["base"] / f"scratch-{i}"
         scratch.mkdir()
+        # a run directory beside the repository's config/, as where users run snakemake
+        (scratch / "config").symlink_to(ROOT / "config")
         argv, proc = run_documented(command, places, scratch)
         out = proc.stdout + proc.stderr
         problems = []

@@ -14,15 +14,15 @@ from conftest import run_spec, train
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from snaketune.convert import (
+from snaketune.adapters import (
     adapter_key,
     adapter_target,
     check_adapter,
-    convert_full,
     convert_lora,
     lora_delta,
     merge_lora,
 )
+from snaketune.convert import convert_full
 from snaketune.errors import DataError
 from snaketune.fixtures import FixtureSizes, make_fixtures
 

@@ -239,7 +239,7 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
     import subprocess as sp
     from datetime import datetime
 
-    from snaketune import launch
+    from snaketune import segments
     from snaketune.job import Job
     from snaketune.segments import allocation_end
 
@@ -247,9 +247,9 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert allocation_end(job, 1000.0) == 1600.0  # off SLURM: the rule's runtime
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.setattr(launch.shutil, "which", lambda _: "/usr/bin/squeue")
+    monkeypatch.setattr(segments.shutil, "which", lambda _: "/usr/bin/squeue")
     for printed, want in [("2026-11-23T12:00:00", datetime(2026, 11, 23, 12).timestamp()),
                           ("UNLIMITED", None), ("N/A", 1600.0)]:  # fmt: skip
-        monkeypatch.setattr(launch.subprocess, "run",
+        monkeypatch.setattr(segments.subprocess, "run",
                             lambda *a, p=printed, **k: sp.CompletedProcess(a, 0, p + "\n", ""))  # fmt: skip
         assert allocation_end(job, 1000.0) == want, printed

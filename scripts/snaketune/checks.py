@@ -53,9 +53,10 @@ def at_parse(
     """Validate ``config`` in place (defaults filled, sweeps expanded) and check what the
     workflow needs of this machine. Raises ConfigError (ConfigProblems: a line per
     problem) with every problem found once the schema holds."""
-    from snaketune.config import check_config_files, check_local_sources, validate_config
+    from snaketune.config import check_local_sources, validate_config
     from snaketune.io import check_writable
-    from snaketune.plan import base_evaluations, tokenize_jobs
+    from snaketune.schema import check_config_files
+    from snaketune.stages import base_evaluations, tokenize_jobs
     from snaketune.topology import adapt_accumulation
 
     check_config_files(list(config_files))
@@ -66,16 +67,17 @@ def at_parse(
         if not isinstance(exc, ConfigProblems):  # the schema or a chain: nothing else holds
             raise
         lines += exc.lines
-    for check in (
-        lambda: check_local_sources(config, set(FIXTURE_OUTPUTS)),
-        lambda: check_writable(str(workdir), WORKDIR_ENTRIES),
-    ):
-        try:
-            check()
-        except UserError as exc:
-            lines += error_lines(exc)
-    if lines:
-        raise ConfigProblems(lines)
+    try:
+        check_local_sources(config, set(FIXTURE_OUTPUTS))
+    except UserError as exc:
+        lines += error_lines(exc)
+    other = []
+    try:
+        check_writable(str(workdir), WORKDIR_ENTRIES)
+    except UserError as exc:
+        other.append(str(exc))
+    if lines or other:
+        raise ConfigProblems(lines, other)
     notes = adapt_accumulation(config, workdir / "results")
     return Parsed(notes, tokenize_jobs(config), base_evaluations(config))
 
@@ -150,7 +152,7 @@ def meant_for_slurm(jobs: list[Job]) -> bool:
 
 def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:
     """The runs whose evaluation (or whose base model's) is among ``jobs``."""
-    from snaketune.plan import base_evaluations
+    from snaketune.stages import base_evaluations
 
     runs = {job.wildcards["run"] for job in jobs if job.rule in ("evaluate", "evaluate_start")}
     base = [job.wildcards["key"] for job in jobs if job.rule == "evaluate_base"]
@@ -172,6 +174,27 @@ def check_partitions(jobs: list[Job]) -> list[str]:
               "they are checked when the workflow runs there", file=sys.stderr)  # fmt: skip
         return []
     return check_jobs([(job.rule, job.resources) for job in jobs])
+
+
+def check_workflow(config: dict[str, Any], dag_jobs: Iterable[Any], local_rules: set[str],
+                   local_exec: bool, basedir: Path, dry_run: bool) -> None:  # fmt: skip
+    """The workflow's door to ``before_queueing``: its jobs about to run (Snakemake's
+    ``dag.needrun_jobs()``), before any runs (onstart) or once they are known in a dry run;
+    one line per problem, then exit 1. On SLURM (a real run), a watch then cancels a pending
+    job whose reason can never clear (snaketune.slurmfit)."""
+    import os
+
+    from snaketune.slurmfit import PendingWatch
+
+    # (a dry run runs every job locally; whether a rule is local on the cluster is its own)
+    jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),
+                job.rule.name in local_rules) for job in dag_jobs]  # fmt: skip
+    local = local_exec and not (dry_run and meant_for_slurm(jobs))
+    found = before_queueing(config, jobs, Path("."), basedir, local)
+    if found:
+        refuse(found, dry_run)
+    if not local and not dry_run:
+        PendingWatch(os.getcwd()).start()
 
 
 def refuse(found: list[str], dry_run: bool) -> None:

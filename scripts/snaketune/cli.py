@@ -60,8 +60,8 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from snaketune.config import WORKFLOW_ROOT
     from snaketune.memplan import GPUS
+    from snaketune.schema import WORKFLOW_ROOT
 
     parser = argparse.ArgumentParser(
         prog="snaketune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _validate(args: argparse.Namespace) -> int:
     from snaketune.checks import at_parse
-    from snaketune.config import load_yaml
+    from snaketune.schema import load_yaml
     from snaketune.sweep import sweeps_of
 
     config = load_yaml(args.config)

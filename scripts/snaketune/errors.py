@@ -20,13 +20,22 @@ class DataError(UserError):
 
 
 class ConfigProblems(ConfigError):
-    """Several problems found at once (every missing path, every bad entry): one line each."""
+    """Several problems found at once (every missing path, every bad entry): one line each;
+    ``other``: problems of the machine rather than the config (a working directory that
+    takes no file)."""
 
-    def __init__(self, lines: list[str]):
-        self.lines = list(lines)
-        super().__init__("; ".join(self.lines))
+    def __init__(self, lines: list[str], other: list[str] | None = None):
+        self.lines, self.other = list(lines), list(other or [])
+        super().__init__("; ".join(self.lines + self.other))
 
 
 def error_lines(error: UserError) -> list[str]:
     """The lines to show for ``error``: each of several problems, or its one line."""
-    return list(getattr(error, "lines", None) or [str(error)])
+    return [line for _, line in labelled(error)]
+
+
+def labelled(error: UserError) -> list[tuple[str, str]]:
+    """("config error" or "error", line) for each problem of ``error``."""
+    if isinstance(error, ConfigProblems):
+        return [("config error", x) for x in error.lines] + [("error", x) for x in error.other]
+    return [("config error" if isinstance(error, ConfigError) else "error", str(error))]

@@ -122,6 +122,61 @@ def generate(
     return out, stopped
 
 
+def score(rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """Each generation against its reference (snaketune.answers): the samples, and the
+    figures over all of them."""
+    samples, correct, verified, answers = [], 0, 0, 0
+    for r, text, ended in zip(rows, generations, stopped, strict=True):
+        prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
+        reference = tokenizer.decode(answer, skip_special_tokens=True)
+        want, got = parse_answer(reference), parse_answer(text)
+        answers += want is not None
+        ok = want is not None and got == want
+        correct += ok
+        final = final_answer(text)
+        mv = math_verify_match(want, final)
+        verified += mv
+        samples.append({
+            "example_id": r["example_id"], "prompt": tokenizer.decode(prompt),
+            "reference": reference, "generation": text, "parsed_answer": got,
+            "reference_answer": want, "correct": ok, "final_answer": final,
+            "math_verify": mv, "stopped": ended,
+        })  # fmt: skip
+    figures = {
+        "exact_match": correct / len(rows),
+        "math_verify": verified / len(rows),
+        # generations that ended on a stop id of the model, not at max_new_tokens
+        "stop_rate": sum(stopped) / len(rows),
+        # references with a '#### <answer>' line: what exact match can score
+        "reference_answers": answers,
+    }
+    return samples, figures
+
+
+def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
+    """Add the base model's figures and the gain over them, in place."""
+    keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
+    metrics["base"] = {k: base_metrics.get(k) for k in keys}
+    metrics["gain"] = {
+        "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
+        "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
+        "loss": base_metrics["loss"] - metrics["loss"],
+    }
+
+
+def load_model(model_dir: Path):
+    """The tokenizer and the model to evaluate: on a GPU node there, in bf16 (fp16 without
+    bf16 support); on CPU in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    dtype = DTYPES[resolve_precision("auto")]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    return tokenizer, model
+
+
 def evaluate(
     model_dir: Path,
     eval_tokenized: Path,
@@ -140,85 +195,31 @@ def evaluate(
     ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    # On a GPU node the model runs there in bf16 (fp16 without bf16 support); on CPU in fp32.
-    dtype = DTYPES[resolve_precision("auto")]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    tokenizer, model = load_model(model_dir)
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad_id(tokenizer))
     generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
-    samples, correct, verified, answers = [], 0, 0, 0
-    for r, text, ended in zip(rows, generations, stopped, strict=True):
-        prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
-        reference = tokenizer.decode(answer, skip_special_tokens=True)
-        want, got = parse_answer(reference), parse_answer(text)
-        answers += want is not None
-        ok = want is not None and got == want
-        correct += ok
-        final = final_answer(text)
-        mv = math_verify_match(want, final)
-        verified += mv
-        samples.append(
-            {
-                "example_id": r["example_id"],
-                "prompt": tokenizer.decode(prompt),
-                "reference": reference,
-                "generation": text,
-                "parsed_answer": got,
-                "reference_answer": want,
-                "correct": ok,
-                "final_answer": final,
-                "math_verify": mv,
-                "stopped": ended,
-            }
-        )
-    metrics.update(
-        {
-            "exact_match": correct / len(rows),
-            "math_verify": verified / len(rows),
-            # generations that ended on a stop id of the model, not at max_new_tokens
-            "stop_rate": sum(stopped) / len(rows),
-            "stop_ids": stop_ids_of(model, tokenizer),
-            "examples": len(rows),
-            # references with a '#### <answer>' line: what exact match can score
-            "reference_answers": answers,
-            "model": str(model_dir),
-            "max_new_tokens": max_new_tokens,
-        }
-    )
+    samples, figures = score(rows, generations, stopped, tokenizer)
+    metrics.update(figures)
+    metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
+                    "model": str(model_dir), "max_new_tokens": max_new_tokens})  # fmt: skip
     if lm_eval:
         from snaketune.lmeval import run_tasks, with_base
 
         base_lm = (base_metrics or {}).get("lm_eval")
         metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
     if base_metrics is not None:
-        keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
-        metrics["base"] = {k: base_metrics.get(k) for k in keys}
-        metrics["gain"] = {
-            "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
-            "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
-            "loss": base_metrics["loss"] - metrics["loss"],
-        }
+        against_base(metrics, base_metrics)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         if finish is not None:
             finish(tmp, metrics)
-    log.info(
-        "loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f (stop "
-        "ids %s) on %d examples",
-        metrics["loss"],
-        metrics["perplexity"],
-        metrics["exact_match"],
-        metrics["math_verify"],
-        metrics["stop_rate"],
-        metrics["stop_ids"],
-        len(rows),
-    )
+    log.info("loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f "
+             "(stop ids %s) on %d examples", metrics["loss"], metrics["perplexity"],
+             metrics["exact_match"], metrics["math_verify"], metrics["stop_rate"],
+             metrics["stop_ids"], len(rows))  # fmt: skip
     return metrics

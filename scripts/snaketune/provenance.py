@@ -179,6 +179,21 @@ def verify(prov_path: Path, prov: dict[str, Any]) -> list[str]:
     return bad
 
 
+def evaluations_of(root: Path, artefact: Path) -> Iterator[str]:
+    """A line for each evaluation (results/*/eval/) of the model ``artefact``."""
+    target = str(artefact.resolve())
+    for ev in sorted(root.glob("results/*/eval/provenance.json")):
+        prov = _load(ev)
+        model = prov.get("inputs", {}).get("model", {}).get("path")
+        if model and str((root / model).resolve()) == target:
+            metrics = ev.parent / "metrics.json"
+            figures = ""
+            if metrics.is_file():
+                m = json.loads(metrics.read_text())
+                figures = f": exact_match {m.get('exact_match')}, loss {m.get('loss'):.4g}"
+            yield f"evaluated in {ev.parent.relative_to(root)}{figures}"
+
+
 def lineage(
     path: str | Path, check: bool = False, problems: list[str] | None = None
 ) -> Iterator[str]:
@@ -232,14 +247,4 @@ def lineage(
             yield from walk(parent, f"{name}: {note}", depth + 1)
 
     yield from walk(start, "", 0)
-    target = str(start.parent.resolve())
-    for ev in sorted(root.glob("results/*/eval/provenance.json")):
-        prov = _load(ev)
-        model = prov.get("inputs", {}).get("model", {}).get("path")
-        if model and str((root / model).resolve()) == target:
-            metrics = ev.parent / "metrics.json"
-            figures = ""
-            if metrics.is_file():
-                m = json.loads(metrics.read_text())
-                figures = f": exact_match {m.get('exact_match')}, loss {m.get('loss'):.4g}"
-            yield f"evaluated in {ev.parent.relative_to(root)}{figures}"
+    yield from evaluations_of(root, start.parent)

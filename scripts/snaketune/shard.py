@@ -210,23 +210,24 @@ def token_balance(lengths: np.ndarray, p: Plan, ranks: int) -> dict[str, Any]:
     }
 
 
-def shard(
-    tokenized: str | Path, out_dir: str | Path, layout: Layout, seed: int, packing: bool = True
-) -> dict[str, Any]:
-    """Write ``node-{k}.parquet`` for each node under ``out_dir``; return the manifest dict."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Written:
+    """What shard wrote: each node's file, rows and tokens; the examples left over; every
+    row's example id (for the plan digest)."""
+
+    paths: list[Path]
+    rows: list[int]
+    tokens: list[int]
+    leftover: list[str]
+    ids: list[str]
+
+
+def write_nodes(tokenized: str | Path, out_dir: Path, p: Plan, node: np.ndarray,
+                nodes: int) -> Written:  # fmt: skip
+    """Stream the tokenized rows into each node's parquet, with the plan's columns."""
     pf = pq.ParquetFile(tokenized)
-    n_rows = pf.metadata.num_rows
-    lengths = pq.read_table(tokenized, columns=["length"]).column("length").to_numpy()
-    lengths = lengths.astype(np.int64)
-    p = plan(lengths, layout, seed, balance=packing)
-    node = p.node(layout.gpus_per_node)
-    paths = [out_dir / f"node-{k}.parquet" for k in range(layout.nodes)]
-    rows = [0] * layout.nodes
-    tokens = [0] * layout.nodes
-    leftover: list[str] = []
-    ids: list[str] = []  # every row's example id, for the plan digest
+    paths = [out_dir / f"node-{k}.parquet" for k in range(nodes)]
+    out = Written(paths, [0] * nodes, [0] * nodes, [], [])
     schema = pf.schema_arrow
     for name, kind in PLAN_COLUMNS:
         schema = schema.append(pa.field(name, kind))
@@ -244,13 +245,28 @@ def shard(
                 part = table.filter(pa.array(where == k))
                 if part.num_rows:
                     writer.write_table(part)
-                    rows[k] += part.num_rows
-                    tokens[k] += pc.sum(part.column("length")).as_py()
-            leftover.extend(table.filter(pa.array(where < 0)).column("example_id").to_pylist())
-            ids.extend(batch.column("example_id").to_pylist())
+                    out.rows[k] += part.num_rows
+                    out.tokens[k] += pc.sum(part.column("length")).as_py()
+            out.leftover.extend(table.filter(pa.array(where < 0)).column("example_id").to_pylist())
+            out.ids.extend(batch.column("example_id").to_pylist())
     finally:
         for writer in writers:
             writer.close()
+    return out
+
+
+def shard(
+    tokenized: str | Path, out_dir: str | Path, layout: Layout, seed: int, packing: bool = True
+) -> dict[str, Any]:
+    """Write ``node-{k}.parquet`` for each node under ``out_dir``; return the manifest dict."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_rows = pq.ParquetFile(tokenized).metadata.num_rows
+    lengths = pq.read_table(tokenized, columns=["length"]).column("length").to_numpy()
+    lengths = lengths.astype(np.int64)
+    p = plan(lengths, layout, seed, balance=packing)
+    written = write_nodes(tokenized, out_dir, p, p.node(layout.gpus_per_node), layout.nodes)
+    paths, rows, tokens, leftover = written.paths, written.rows, written.tokens, written.leftover
     balance = token_balance(lengths, p, layout.ranks)
     manifest = {
         "examples": n_rows,
@@ -264,7 +280,7 @@ def shard(
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "seed": seed,
         "packing": packing,
-        "plan_sha256": plan_digest(ids, p),
+        "plan_sha256": plan_digest(written.ids, p),
         "token_balance": balance,
         "dropped_for_balance": {"count": len(leftover), "example_ids": leftover},
         "shards": [
@@ -278,18 +294,9 @@ def shard(
             for k, path in enumerate(paths)
         ],
     }
-    log.info(
-        "%d examples -> %d nodes x %d rows (%d steps/epoch of %d); %d left over for balance; "
-        "tokens per rank and step: worst max/mean %.3f (step %d), mean %.3f%s",
-        n_rows,
-        layout.nodes,
-        rows[0],
-        p.steps,
-        layout.global_batch,
-        len(leftover),
-        balance["worst_max_over_mean"],
-        balance["worst_step"],
-        balance["mean_max_over_mean"],
-        "" if packing else " (packing off: random split)",
-    )
+    log.info("%d examples -> %d nodes x %d rows (%d steps/epoch of %d); %d left over for "
+             "balance; tokens per rank and step: worst max/mean %.3f (step %d), mean %.3f%s",
+             n_rows, layout.nodes, rows[0], p.steps, layout.global_batch, len(leftover),
+             balance["worst_max_over_mean"], balance["worst_step"], balance["mean_max_over_mean"],
+             "" if packing else " (packing off: random split)")  # fmt: skip
     return manifest

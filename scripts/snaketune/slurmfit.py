@@ -162,9 +162,11 @@ def problems(rule: str, resources: dict[str, Any], part: Partition) -> list[str]
 
 
 def check_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Problems of every (rule, resources) job against its partition; each rule once."""
+    """Problems of every (rule, resources) job against its partition; each rule once, and
+    a partition that cannot be read once (naming its rules)."""
     found: list[str] = []
     partitions: dict[str | None, Partition] = {}
+    unreadable: dict[str | None, tuple[str, list[str]]] = {}  # partition: (why, rules)
     seen: set[tuple] = set()
     for rule, resources in jobs:
         part_name = resources.get("slurm_partition") or None
@@ -172,14 +174,20 @@ def check_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         if sig in seen:
             continue
         seen.add(sig)
+        if part_name in unreadable:
+            unreadable[part_name][1].append(rule)
+            continue
         if part_name not in partitions:
             try:
                 partitions[part_name] = read_partition(part_name)
             except (LookupError, subprocess.SubprocessError, OSError, ValueError) as exc:
-                found.append(f"rule {rule}: cannot read partition {part_name or '(default)'}: "
-                             f"{exc}; check slurm_partition in the profile")  # fmt: skip
+                unreadable[part_name] = (str(exc), [rule])
                 continue
         found += [p for p in problems(rule, resources, partitions[part_name]) if p not in found]
+    for part_name, (why, rules) in unreadable.items():
+        names = ", ".join(dict.fromkeys(rules))
+        found.append(f"partition {part_name or '(default)'} (rules {names}): cannot read it: "
+                     f"{why}; check slurm_partition in the profile")  # fmt: skip
     return found
 
 

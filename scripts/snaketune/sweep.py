@@ -127,6 +127,36 @@ def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
     )
 
 
+def _check_sweep(where: str, run: Mapping[str, Any], schema: Mapping[str, Any],
+                 limit: int) -> dict[str, str]:  # fmt: skip
+    """A sweep's keys, values and member count (one line, ConfigError, for the first
+    problem); its selection rule, defaults filled."""
+    sweep = run["sweep"]
+    if not isinstance(sweep, dict) or not sweep:
+        raise ConfigError(f"{where}.sweep: give key paths with lists of values, e.g. "
+                          "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}")  # fmt: skip
+    for path, values in sweep.items():
+        check_path(str(path), schema, where)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where}.sweep.{path}: give a non-empty list of values "
+                              f"(got {values!r})")  # fmt: skip
+    count = 1
+    for values in sweep.values():
+        count *= len(values)
+    if count > limit:
+        raise ConfigError(
+            f"{where}.sweep: {' x '.join(str(len(v)) for v in sweep.values())} = {count} "
+            f"members, more than max_sweep_runs ({limit}); sweep fewer values or raise "
+            "max_sweep_runs"
+        )
+    select = dict(run.get("sweep_select") or {})
+    select.setdefault("metric", AUTO if "eval_dataset" in run else "train_loss")
+    if select["metric"] != AUTO:
+        select.setdefault("mode", "min" if select["metric"] in LOWER_IS_BETTER else "max")
+    check_metric(select["metric"], run, where)
+    return select
+
+
 def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str, list[str]]:
     """Replace every run with ``sweep`` by its members, in place; {sweep: [members]}.
 
@@ -149,28 +179,7 @@ def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str
             continue
         where = f"runs.{name}"
         sweep = run["sweep"]
-        if not isinstance(sweep, dict) or not sweep:
-            raise ConfigError(f"{where}.sweep: give key paths with lists of values, e.g. "
-                              "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}")  # fmt: skip
-        for path, values in sweep.items():
-            check_path(str(path), schema, where)
-            if not isinstance(values, list) or not values:
-                raise ConfigError(f"{where}.sweep.{path}: give a non-empty list of values "
-                                  f"(got {values!r})")  # fmt: skip
-        count = 1
-        for values in sweep.values():
-            count *= len(values)
-        if count > limit:
-            raise ConfigError(
-                f"{where}.sweep: {' x '.join(str(len(v)) for v in sweep.values())} = {count} "
-                f"members, more than max_sweep_runs ({limit}); sweep fewer values or raise "
-                "max_sweep_runs"
-            )
-        select = dict(run.get("sweep_select") or {})
-        select.setdefault("metric", AUTO if "eval_dataset" in run else "train_loss")
-        if select["metric"] != AUTO:
-            select.setdefault("mode", "min" if select["metric"] in LOWER_IS_BETTER else "max")
-        check_metric(select["metric"], run, where)
+        select = _check_sweep(where, run, schema, limit)
         # `publish` is the sweep's: its best member is published (results/<run>/publish.json)
         base = {k: v for k, v in run.items() if k not in ("sweep", "sweep_select", "publish")}
         members = []
@@ -204,7 +213,7 @@ def sweeps_of(runs: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def figures(metrics: Mapping[str, Any] | None, train_loss: float | None) -> dict[str, float]:
     """Every figure a member can be selected on."""
-    from snaketune.report import lm_eval_columns
+    from snaketune.summary import lm_eval_columns
 
     out: dict[str, float] = {}
     if train_loss is not None:

@@ -185,6 +185,34 @@ def check_end_of_turn(stats: Stats, model_dir: str | Path, model_name: str) -> N
         )  # fmt: skip
 
 
+def check_result(stats: Stats, max_length: int, overlong: str, model_dir: str | Path,
+                 model_name: str) -> None:  # fmt: skip
+    """After the pass, one line (DataError) for a result training cannot use: overlong
+    examples under ``overlong: error``, nothing left, token ids past the model's
+    vocabulary."""
+    if overlong == "error" and stats.dropped_overlong:
+        tokens, example = stats.longest_overlong
+        raise DataError(
+            f"{stats.dropped_overlong} examples are longer than max_length {max_length} "
+            f"(overlong: error; the longest, {example}, has {tokens} tokens); raise max_length "
+            f"to {tokens} or set overlong: drop (leave them out) or truncate (cut them)"
+        )
+    if stats.rows == 0:
+        raise DataError(
+            f"no example left after tokenizing: {stats.rows_read} rows read, "
+            f"{stats.rows_filtered_out} filtered out, {stats.dropped_overlong} longer than "
+            f"max_length {max_length}, {stats.dropped_no_response} without response tokens; "
+            "check filters, raise max_length or set overlong: truncate"
+        )
+    vocab = model_vocab_size(model_dir)
+    if vocab is not None and stats.max_token_id >= vocab:
+        raise DataError(
+            f"models.{model_name}: the tokenizer makes token id {stats.max_token_id} but the "
+            f"model's vocab_size is {vocab} (config.json), so training would index past the "
+            "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
+        )
+
+
 def tokenize(
     sources: list[Source],
     model_dir: str | Path,
@@ -228,27 +256,7 @@ def tokenize(
             pending = submitted
         if pending is not None:
             finish(pending)
-    if overlong == "error" and stats.dropped_overlong:
-        tokens, example = stats.longest_overlong
-        raise DataError(
-            f"{stats.dropped_overlong} examples are longer than max_length {max_length} "
-            f"(overlong: error; the longest, {example}, has {tokens} tokens); raise max_length "
-            f"to {tokens} or set overlong: drop (leave them out) or truncate (cut them)"
-        )
-    if stats.rows == 0:
-        raise DataError(
-            f"no example left after tokenizing: {stats.rows_read} rows read, "
-            f"{stats.rows_filtered_out} filtered out, {stats.dropped_overlong} longer than "
-            f"max_length {max_length}, {stats.dropped_no_response} without response tokens; "
-            "check filters, raise max_length or set overlong: truncate"
-        )
-    vocab = model_vocab_size(model_dir)
-    if vocab is not None and stats.max_token_id >= vocab:
-        raise DataError(
-            f"models.{model_name}: the tokenizer makes token id {stats.max_token_id} but the "
-            f"model's vocab_size is {vocab} (config.json), so training would index past the "
-            "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
-        )
+    check_result(stats, max_length, overlong, model_dir, model_name)
     check_end_of_turn(stats, model_dir, model_name)
     log.info(
         "tokenized %d conversations -> %d examples, %d tokens (%d dropped overlong, %d truncated)",

@@ -29,10 +29,8 @@ rule tokenize_dataset:
 
 rule shard_dataset:
     input:
-        unpack(shard_eval_input),
+        unpack(shard_inputs),
         script=f"{SCRIPTS}/shard_dataset.py",
-        tokenized=run_tokenized,
-        model=shard_model,
     output:
         shards=directory("results/{run}/shards"),
     log:

@@ -24,7 +24,7 @@ rule report:
     conda:
         "../../envs/snaketune.yaml"
     params:
-        runs=as_json(config["runs"]),
+        runs=stages.as_json(config["runs"]),
     shell:
         "python {input.script} --runs {params.runs:q} --summary {output.summary}"
         " --curves {output.curves} --html {output.html} > {log} 2>&1"

@@ -1,0 +1,366 @@
+"""What each stage needs from a validated config: the keys, paths and arguments the rules'
+input functions return (workflow/rules/common.smk only looks them up here).
+
+Tokenized copies are keyed by what determines their tokens (below); shards by their
+tokenized input and layout (``shard_job``: a sweep's members with the same one share one
+shard job); a run's model is its base or the final model of the run (or sweep's best
+member) it starts from.
+
+A tokenized copy is keyed by everything that determines its tokens: the dataset entry
+(and each mixture component's), the model's tokenizer source, the chat template's
+content, max_length and the overlong policy. Runs that differ only in training keys
+share one copy; a change to any of those makes a new one, and the old one stays for
+runs that still use it. Changes to the bytes of a local file behind the same config are
+caught by Snakemake's rerun triggers (the download rule's input changes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from snaketune.errors import ConfigError
+from snaketune.io import digest
+from snaketune.tokenization import TOKENIZE_VERSION
+from snaketune.vocabulary import SINGLE_DATASET_KEYS, adapter_kind, components, final_model_dir
+
+MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
+DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
+
+
+def chat_template(
+    config: dict[str, Any], model: str, root: Path = Path(".")
+) -> dict[str, str] | None:
+    """Path and sha256 of a model's configured chat template file (None: the tokenizer's)."""
+    path = config["models"][model].get("chat_template")
+    if path is None:
+        return None
+    full = Path(path) if Path(path).is_absolute() else root / path
+    try:
+        text = full.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"models.{model}.chat_template: cannot read {path} ({exc.strerror})"
+        ) from exc
+    return {"path": path, "sha256": hashlib.sha256(text).hexdigest()}
+
+
+def tokenize_spec(
+    config: dict[str, Any],
+    dataset: str,
+    model: str,
+    max_length: int,
+    overlong: str,
+    root: Path = Path("."),
+) -> dict[str, Any]:
+    """Everything that determines the tokens of ``dataset`` under ``model``'s tokenizer."""
+    sources = []
+    for comp in components(config, dataset):
+        spec = config["datasets"][comp["name"]]
+        sources.append({**comp, "spec": {k: spec[k] for k in DATASET_TOKEN_KEYS if k in spec}})
+    model_spec = config["models"][model]
+    return {
+        "dataset": dataset,
+        "sources": sources,
+        "model": model,
+        "tokenizer": {k: model_spec[k] for k in MODEL_TOKEN_KEYS if k in model_spec},
+        "chat_template": chat_template(config, model, root),
+        "max_length": max_length,
+        "overlong": overlong,
+        "version": TOKENIZE_VERSION,
+    }
+
+
+def tokenize_key(spec: dict[str, Any]) -> str:
+    """Directory name under results/tokenized/ for a tokenize spec."""
+    return f"{spec['dataset']}__{spec['model']}__{digest(spec)[:12]}"
+
+
+def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
+    """The tokenize spec of a run's training dataset."""
+    r = config["runs"][run]
+    return tokenize_spec(config, r["dataset"], r["model"], r["max_length"], r["overlong"], root)
+
+
+def run_eval_tokenize_spec(
+    config: dict[str, Any], run: str, root: Path = Path(".")
+) -> dict[str, Any]:
+    """The tokenize spec of a run's eval dataset (same tokenizer and length policy)."""
+    r = config["runs"][run]
+    return tokenize_spec(
+        config, r["eval_dataset"], r["model"], r["max_length"], r["overlong"], root
+    )
+
+
+def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
+    """Every tokenized copy the runs need, by key (runs that share one get one entry)."""
+    jobs = {}
+    for run, r in config["runs"].items():
+        specs = [run_tokenize_spec(config, run, root)]
+        if "eval_dataset" in r:
+            specs.append(run_eval_tokenize_spec(config, run, root))
+        for spec in specs:
+            jobs[tokenize_key(spec)] = spec
+    return jobs
+
+
+def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
+    """Whether a run with ``init_from`` and an eval set scores the model it starts from
+    itself (rule evaluate_start): when the run it starts from (or a member of that sweep)
+    has another eval set or other eval settings, or none. Otherwise that run's evaluation is
+    this run's base."""
+    from snaketune.config import init_parents
+
+    r = config["runs"][run]
+    if "init_from" not in r or "eval_dataset" not in r:
+        return False
+    return any(
+        config["runs"][p].get("eval_dataset") != r["eval_dataset"]
+        or config["runs"][p].get("eval") != r["eval"]
+        for p in init_parents(config, run)
+    )
+
+
+def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
+    """Eval settings of each (base model, eval set), by the eval set's tokenize key.
+
+    The base model is evaluated once per key; runs that share it must share the settings.
+    """
+    evals: dict[str, dict[str, Any]] = {}
+    for run, r in config["runs"].items():
+        if "eval_dataset" not in r or "init_from" in r:  # its base: the init run's evaluation
+            continue
+        key = tokenize_key(run_eval_tokenize_spec(config, run, root))
+        first = evals.setdefault(key, {"run": run, **r["eval"]})
+        if {k: v for k, v in first.items() if k != "run"} != r["eval"]:
+            raise ConfigError(
+                f"runs.{run}.eval: differs from runs.{first['run']}.eval, which evaluates the same "
+                "model on the same eval set; give both the same eval settings"
+            )
+    return evals
+
+
+# ----------------------------------------------------------------------------- common
+
+
+def as_json(value: Any) -> str:
+    """A config value as compact JSON for a script's --spec argument."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def local_source(spec: dict[str, Any]) -> dict[str, str]:
+    """A local model's or dataset's path as an input (so a rule can make it), none for the
+    Hub."""
+    return {"source": spec["path"]} if spec["source"] == "local" else {}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def tokenize_inputs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Downloaded sources, model directory and chat template of a tokenized copy."""
+    inputs: dict[str, Any] = {
+        "data": [f"resources/datasets/{s['name']}/data.parquet" for s in spec["sources"]],
+        "model": f"resources/models/{spec['model']}",
+    }
+    if spec["chat_template"]:
+        inputs["template"] = spec["chat_template"]["path"]
+    return inputs
+
+
+def tokenized(config: dict[str, Any], run: str, eval_set: bool = False) -> str:
+    """The tokenized copy a run trains on (or, ``eval_set``, evaluates on)."""
+    spec = (run_eval_tokenize_spec if eval_set else run_tokenize_spec)(config, run)
+    return f"results/tokenized/{tokenize_key(spec)}/data.parquet"
+
+
+def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
+    """Everything rule shard_dataset's output depends on, for ``run``: its inputs (the
+    tokenized copy, the base model's directory for its tokenizer and packing support, the
+    eval set so an overlap is refused before training) and its arguments. The layout is
+    named: Snakemake compares a rule's params as values without their names, so nodes 2 /
+    accumulation 1 and nodes 1 / accumulation 2 would otherwise look the same."""
+    r = config["runs"][run]
+    micro = r["micro_batch_size"]  # GRPO plans prompts, each makes num_generations rows
+    if r["method"] == "grpo":
+        micro //= r["grpo"]["num_generations"]
+    inputs = {"tokenized": tokenized(config, run), "model": f"resources/models/{r['model']}"}
+    if "eval_dataset" in r:
+        inputs["eval"] = tokenized(config, run, eval_set=True)
+    return {
+        "inputs": inputs,
+        "layout": (
+            f"--nodes {r['nodes']} --gpus-per-node {r['gpus_per_node']}"
+            f" --micro-batch-size {micro}"
+            f" --gradient-accumulation-steps {r['gradient_accumulation_steps']}"
+            f" --seed {r['seed']}"
+        ),  # fmt: skip
+        "packing": "--packing" if r["packing"] else "--no-packing",
+        "attention": r["attn_implementation"],
+    }
+
+
+def shards_of(config: dict[str, Any], sweeps: dict[str, list[str]], run: str) -> str:
+    """The shards a run trains on: its own, or, for a sweep's member, those of the first
+    member with the same shard job (a sweep over the learning rate or the LoRA rank shards
+    once)."""
+    r = config["runs"][run]
+    if "sweep_of" in r:
+        mine = shard_job(config, run)
+        for member in sweeps[r["sweep_of"]["run"]]:
+            if shard_job(config, member) == mine:
+                return f"results/{member}/shards"
+    return f"results/{run}/shards"
+
+
+# ----------------------------------------------------------------------------- train
+
+# Run keys later stages read; left out of the train rule's params so that changing them
+# does not retrain.
+NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
+                "sweep_of")  # fmt: skip
+
+
+def train_spec(run: dict[str, Any]) -> str:
+    """The run's settings the train job reads (--run-spec), as JSON."""
+    return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
+
+
+def train_mpi(run: dict[str, Any]) -> str | int:
+    """The SLURM executor plugins' `mpi` resource, on every train job: the rule's shell runs
+    in the batch script and starts its own srun step (one task per node). So SLURM's
+    `--signal=USR1@...` (sent to job steps) reaches only the training processes, which
+    handle it, never the job's own snakemake, which it would end. The job-step plugin
+    checks only that the key is there; the submitting plugin refuses an MPI job of one task
+    ("'tasks' must be greater than 1"), so a 1-node run sets it to 0, which it reads as
+    no MPI (plain --ntasks=1) while the job step still runs the shell unwrapped."""
+    return "srun" if run["nodes"] > 1 else 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_kind(run: dict[str, Any]) -> str:
+    """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
+    return "lora_adapters" if adapter_kind(run) == "lora" else "hf"
+
+
+def check_export(config: dict[str, Any], run: str, export: str) -> dict:
+    """No extra inputs for convert_checkpoint; refuses the export directory of the other
+    method (ValueError: Snakemake names the target)."""
+    kind = export_kind(config["runs"][run])
+    if export != kind:
+        raise ValueError(f"results/{run}/{export}: run {run} makes results/{run}/{kind}")
+    return {}
+
+
+def final_model(config: dict[str, Any], run: str) -> str:
+    """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
+    return f"results/{run}/{final_model_dir(config['runs'][run])}"
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> str:
+    """What a run's evaluation is compared with: its base model's evaluation; or (init_from)
+    the evaluation of the run it started from (``start()``: its name, a sweep's best member
+    once chosen), or, where that run was scored on another eval set or otherwise, the
+    starting model's own evaluation (rule evaluate_start)."""
+    if "init_from" not in config["runs"][run]:
+        return f"results/base_eval/{tokenize_key(run_eval_tokenize_spec(config, run))}/metrics.json"
+    if evaluates_its_start(config, run):
+        return f"results/{run}/start_eval/metrics.json"
+    return f"results/{start()}/eval/metrics.json"
+
+
+def eval_args(settings: dict[str, Any]) -> str:
+    """evaluate.py options for a run's eval settings."""
+    import shlex
+
+    args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
+    args += f" --limit {settings['limit']}" if "limit" in settings else ""
+    if settings.get("lm_eval"):
+        args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"
+    return args
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def run_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
+    """What `all` asks of each run: its evaluation when it has an eval set, else its model;
+    and of each sweep its best member."""
+    return [
+        f"results/{run}/eval/metrics.json" if "eval_dataset" in r else final_model(config, run)
+        for run, r in config["runs"].items()
+    ] + [f"results/{sweep}/best.json" for sweep in sweeps]
+
+
+def sweep_inputs(config: dict[str, Any], members: list[str]) -> dict[str, str]:
+    """A sweep's members' training metrics, and their evaluations where they have one."""
+    inputs = {}
+    for member in members:
+        inputs[f"{member}_train"] = f"results/{member}/train/metrics.jsonl"
+        if "eval_dataset" in config["runs"][member]:
+            inputs[f"{member}_eval"] = f"results/{member}/eval/metrics.json"
+    return inputs
+
+
+def report_inputs(config: dict[str, Any]) -> dict[str, str]:
+    """Every run's training metrics and provenance, and its evaluation when it has one."""
+    inputs = {}
+    for run, r in config["runs"].items():
+        inputs[f"{run}_metrics"] = f"results/{run}/train/metrics.jsonl"
+        inputs[f"{run}_provenance"] = f"results/{run}/train/provenance.json"
+        if "eval_dataset" in r:
+            inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
+            inputs[f"{run}_samples"] = f"results/{run}/eval/samples.jsonl"
+            inputs[f"{run}_lineage"] = f"results/{run}/eval/provenance.json"
+        else:
+            inputs[f"{run}_lineage"] = final_model(config, run)
+    return inputs
+
+
+def publish_config(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> dict:
+    """`publish` settings of a run, or of a sweep (kept in its members' sweep_of)."""
+    if name in sweeps:
+        return config["runs"][sweeps[name][0]]["sweep_of"].get("publish") or {}
+    return config["runs"][name].get("publish") or {}
+
+
+def publish_settings(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> str:
+    """The publish settings of a run or sweep, as JSON (ValueError: it has no repo_id)."""
+    settings = publish_config(config, sweeps, name)
+    if not settings.get("repo_id"):
+        raise ValueError(f"results/{name}/publish: run {name} has no publish.repo_id")
+    return as_json(settings)
+
+
+def publish_inputs(config: dict[str, Any], name: str, published: str, sweep: bool) -> dict:
+    """The model of the run ``published`` (for a sweep ``name``: its best member), the
+    sweep's choice, and the evaluation (its figures go into the model card) if it has one."""
+    inputs = {"model": final_model(config, published)}
+    if sweep:
+        inputs["best"] = f"results/{name}/best.json"
+    if "eval_dataset" in config["runs"][published]:
+        inputs["metrics"] = f"results/{published}/eval/metrics.json"
+    return inputs
+
+
+def publish_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
+    """What `publish` asks for: the receipt of every run and sweep with publish.repo_id."""
+    return [
+        f"results/{name}/publish.json"
+        for name in [*config["runs"], *sweeps]
+        if publish_config(config, sweeps, name).get("repo_id")
+    ]
+
+
+def publish_spec(config: dict[str, Any], run: str) -> str:
+    """The run's config entry and the datasets it trained on (for the model card)."""
+    r = config["runs"][run]
+    return as_json({**r, "dataset_sources": [c["name"] for c in components(config, r["dataset"])]})
