@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from snakemake.utils import min_version
-from snaketune.checks import at_parse, in_dry_runs
+from snaketune.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.errors import UserError, labelled
 from snaketune.summary import report_line
 
@@ -55,10 +55,12 @@ include: "workflow/rules/sweep.smk"
 # runs about to train, lm-eval's task names; on SLURM, every job's resources against its
 # partition (snaketune.checks.before_queueing).
 onstart:
-    check_before_queueing(dry_run=False)
+    check_workflow(config, workflow, dry_run=False)
 
 
-in_dry_runs(lambda: check_before_queueing(dry_run=True), lambda: workflow.dryrun)
+in_dry_runs(
+    lambda: check_workflow(config, workflow, dry_run=True), lambda: workflow.dryrun
+)
 
 
 # At the end of a successful pipeline: one line with the report's path and the results.

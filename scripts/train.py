@@ -4,9 +4,9 @@
         --model resources/models/tiny --deepspeed config/deepspeed/zero2.json \
         --out results/demo/train
 
-This launches the workers (see snaketune/launch.py): on a SLURM allocation one srun task
-per node, elsewhere N torchrun agents on this machine. Each worker is this script again,
-run by torchrun with --worker; by hand on a node:
+This launches the workers (see snaketune/launch.py and snaketune/agents.py): on a SLURM
+allocation one srun task per node, elsewhere N torchrun agents on this machine. Each
+worker is this script again, run by torchrun with --worker; by hand on a node:
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...

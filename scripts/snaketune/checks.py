@@ -176,21 +176,21 @@ def check_partitions(jobs: list[Job]) -> list[str]:
     return check_jobs([(job.rule, job.resources) for job in jobs])
 
 
-def check_workflow(config: dict[str, Any], dag_jobs: Iterable[Any], local_rules: set[str],
-                   local_exec: bool, basedir: Path, dry_run: bool) -> None:  # fmt: skip
-    """The workflow's door to ``before_queueing``: its jobs about to run (Snakemake's
-    ``dag.needrun_jobs()``), before any runs (onstart) or once they are known in a dry run;
-    one line per problem, then exit 1. On SLURM (a real run), a watch then cancels a pending
-    job whose reason can never clear (snaketune.slurmfit)."""
+def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None:
+    """The workflow's door to ``before_queueing``, given Snakemake's ``workflow`` object: the
+    jobs about to run (``workflow.dag.needrun_jobs()``), before any runs (onstart) or once
+    they are known in a dry run; one line per problem, then exit 1. On SLURM (a real run),
+    a watch then cancels a pending job whose reason can never clear (snaketune.slurmfit)."""
     import os
 
     from snaketune.slurmfit import PendingWatch
 
-    # (a dry run runs every job locally; whether a rule is local on the cluster is its own)
+    # a dry run runs every job locally; whether a rule is local on the cluster is its own
+    local_rules = {r.name for r in workflow.rules if r.norun} | set(workflow._localrules)
     jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),
-                job.rule.name in local_rules) for job in dag_jobs]  # fmt: skip
-    local = local_exec and not (dry_run and meant_for_slurm(jobs))
-    found = before_queueing(config, jobs, Path("."), basedir, local)
+                job.rule.name in local_rules) for job in workflow.dag.needrun_jobs()]  # fmt: skip
+    local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
+    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local)
     if found:
         refuse(found, dry_run)
     if not local and not dry_run:

@@ -216,15 +216,3 @@ def publish_settings(wildcards):
 
 def publish_targets(wildcards):
     return stages.publish_targets(config, SWEEPS)
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def check_before_queueing(dry_run):
-    """Before any job runs (onstart), or in a dry run once the jobs are known."""
-    from snaketune.checks import check_workflow
-
-    local_rules = {r.name for r in workflow.rules if r.norun} | workflow._localrules
-    check_workflow(config, workflow.dag.needrun_jobs(), local_rules, workflow.local_exec,
-                   Path(workflow.basedir), dry_run)  # fmt: skip
