@@ -15,10 +15,13 @@ from snaketune.summary import report_line
 min_version("9.0")
 
 
-# The demo config, relative to the working directory (inside a SLURM job, Snakemake merges
-# this file with the job's config, so it must not be found there: an absolute path here
-# would add the demo's keys to every other config's jobs).
-configfile: "config/config.yaml"
+# The demo config, unless config files are given (--configfile, or a profile's
+# `configfile`): a config given replaces the demo, in this process and in every job it
+# spawns (Snakemake passes a job the config files but not --replace-workflow-config, so a
+# default read there would be merged under them).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 # Our validator instead of snakemake.utils.validate: same JSON Schema (defaults filled),
