@@ -275,3 +275,20 @@ def test_a_dry_run_checks_the_partition(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert any("rule train: asks 8 nodes, partition tupi has 4" in e for e in errors), errors
+
+
+def test_a_given_config_replaces_the_demo_in_a_spawned_job_too(tmp_path):
+    """A SLURM job's snakemake gets the config files but not --replace-workflow-config. Run
+    the same way (no profile) where config/config.yaml is found (the repository, where
+    users run), a config given must still replace the demo's: its run `demo` with
+    max_steps would otherwise also get the demo's epochs (a config error in every job)."""
+    from conftest import quick_config
+
+    (tmp_path / "config").symlink_to(ROOT / "config")
+    quick = quick_config(tmp_path / "quick.yaml")
+    cmd = [str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"), "-n",
+           "--directory", str(tmp_path), "--configfiles", str(quick)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "give exactly one of `epochs` and `max_steps`" not in proc.stderr
+    assert "This was a dry-run" in proc.stdout
