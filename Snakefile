@@ -46,6 +46,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/fixtures.smk"
 include: "workflow/rules/download.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
@@ -77,6 +78,7 @@ wildcard_constraints:
     run=NAME_PATTERN,
     sweep=NAME_PATTERN,
     key=KEY_PATTERN,
+    ref=REF_PATTERN,
     export="hf|lora_adapters",
 
 

@@ -25,7 +25,7 @@ from snaketune.cli import run
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from snaketune.evaluate import evaluate
+    from snaketune.evaluate import base_pair_logps, evaluate
     from snaketune.provenance import NAME, output_hashes, record, write_provenance
 
     parser = argparse.ArgumentParser(
@@ -44,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--lm-eval", type=json.loads, default=None,
         help="lm-evaluation-harness settings as JSON (a run's eval.lm_eval block)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dpo-beta", type=float, default=None,
+        help="a DPO run's beta: the implicit rewards of held-out pairs against the base's",
     )  # fmt: skip
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
@@ -69,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         base,
         finish,
         args.lm_eval,
+        base_pair_logps(args.base_metrics.with_name("samples.jsonl"))
+        if args.base_metrics
+        else None,
+        args.dpo_beta,
     )
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
     return 0

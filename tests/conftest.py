@@ -338,3 +338,21 @@ def stop_sweep(demo, tmp_path_factory) -> Path:
     (work / "snakemake.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return work
+
+
+@pytest.fixture(scope="session")
+def grpo_chain(demo, tmp_path_factory):
+    """A copy of the finished demo, then `snakemake publish` with the GRPO overlay (its
+    checkpoints kept whole: a test resumes from the older one)."""
+    import time
+
+    workdir = tmp_path_factory.mktemp("grpo") / "w"
+    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
+    start = time.monotonic()
+    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config" / "grpo_demo.yaml"),
+                     "--directory", str(workdir), "publish", "--config",
+                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
+                     "'rl_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+    (workdir / "grpo.out").write_text(proc.stdout + proc.stderr)
+    (workdir / "grpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
+    return workdir

@@ -104,7 +104,7 @@ def _delete(path: str) -> Callable[[dict], None]:
 BAD = [
     (
         _set("runs.demo.method", "lorra"),
-        "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo']",
+        "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo']",
     ),
     (
         _rename("runs.demo.learning_rate", "lerning_rate"),
@@ -159,7 +159,7 @@ BAD = [
     ),
     (
         _set("datasets.gsm8k_demo.format", "sharegpt"),
-        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages']",
+        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages', 'preference']",
     ),
     (_delete("datasets.gsm8k_demo.format"), "datasets.gsm8k_demo: missing required key 'format'"),
     (

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 import time
 
 import psutil
 import pytest
 import yaml
-from conftest import ENV, FAKE_SECRETS, ROOT, launch_train, leaked_secrets, read_jsonl, snakemake
+from conftest import ENV, FAKE_SECRETS, ROOT, launch_train, leaked_secrets, read_jsonl
 
 from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
@@ -71,22 +70,6 @@ def test_group_batches_repeat_each_planned_prompt_in_a_row():
 
 
 # ----------------------------------------------------------------------------- the chain
-
-
-@pytest.fixture(scope="session")
-def grpo_chain(demo, tmp_path_factory):
-    """A copy of the finished demo, then `snakemake publish` with the GRPO overlay (its
-    checkpoints kept whole: a test resumes from the older one)."""
-    workdir = tmp_path_factory.mktemp("grpo") / "w"
-    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
-    start = time.monotonic()
-    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
-                     "--directory", str(workdir), "publish", "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'rl_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
-    (workdir / "grpo.out").write_text(proc.stdout + proc.stderr)
-    (workdir / "grpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
-    return workdir
 
 
 def quarter_means(values: list[float]) -> tuple[float, float]:

@@ -86,7 +86,9 @@ def read_rank_rows(shards: Path, node: int, rank: int):
 
     table = pq.read_table(shards / f"node-{node}.parquet")
     table = table.filter(pc.equal(table.column("rank"), rank))
-    return datasets.Dataset(table.select(["example_id", "input_ids", "labels", "step", "micro"]))
+    columns = ["example_id", "input_ids", "labels", "step", "micro"]
+    columns += [c for c in ("rejected_input_ids", "rejected_labels") if c in table.column_names]
+    return datasets.Dataset(table.select(columns))
 
 
 def planned_loader(table, batch_sampler, collate_fn) -> DataLoader:

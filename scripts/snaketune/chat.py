@@ -6,6 +6,7 @@ the model's tokenizer and vocabulary size.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from pathlib import Path
@@ -225,3 +226,13 @@ def model_vocab_size(model_dir: str | Path) -> int | None:
         return None
     cfg = json.loads(path.read_text(encoding="utf-8"))
     return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
+def first_token_at(enc, char: int, n_tokens: int, text_len: int) -> int:
+    """Index of the first token that starts at or after character ``char``."""
+    if char >= text_len:
+        return n_tokens
+    tok = enc.char_to_token(char)
+    if tok is None:  # a character no token covers: look at every offset
+        return bisect.bisect_left([o[0] for o in enc.offsets], char)
+    return tok + 1 if enc.token_to_chars(tok)[0] < char else tok

@@ -31,6 +31,8 @@ FIXTURE_OUTPUTS = (
     "resources/fixtures/gsm8k-demo/test.jsonl",
     "resources/fixtures/arith-demo/train.jsonl",
     "resources/fixtures/arith-demo/test.jsonl",
+    "resources/fixtures/arith-demo/pairs-train.jsonl",
+    "resources/fixtures/arith-demo/pairs-test.jsonl",
 )
 WORKDIR_ENTRIES = ("results", "resources", "logs", "benchmarks", ".snakemake")
 

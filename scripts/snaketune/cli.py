@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> int:
     from snaketune.checks import at_parse
     from snaketune.schema import load_yaml
+    from snaketune.stages import reference_runs
     from snaketune.sweep import sweeps_of
 
     config = load_yaml(args.config)
@@ -107,6 +108,8 @@ def _validate(args: argparse.Namespace) -> int:
         "runs": sorted(config["runs"]),
         "sweeps": sweeps_of(config["runs"]),
         "tokenized": sorted(parsed.tokenize),
+        # DPO runs' precomputed reference log-probs, each computed once: key -> its runs
+        "reference_logps": reference_runs(config),
     }
     print(json.dumps(plan, indent=2))
     return 0

@@ -23,7 +23,13 @@ from snaketune.schema import (
     load_schema,
     load_yaml,
 )
-from snaketune.vocabulary import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components
+from snaketune.vocabulary import (
+    ADAPTER_OPTIONAL,
+    FORMAT_FIELDS,
+    PAIR_FORMATS,
+    SINGLE_DATASET_KEYS,
+    components,
+)
 
 PRESET_DIR = Path("config/deepspeed")
 
@@ -87,6 +93,9 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
                 datasets[other]["source"] != "mixture",
                 f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
             )
+        kinds = {datasets[c["dataset"]].get("format") in PAIR_FORMATS for c in spec["mixture"]}
+        _require(len(kinds) == 1, f"{where}.mixture: mixes preference pairs with other formats; "
+                 "a mixture is all preference datasets (method dpo) or none")  # fmt: skip
         return
     _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
     _require("seed" not in spec, f"{where}.seed: only for source mixture")
@@ -148,8 +157,8 @@ def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> No
             "grpo" not in run, f"{where}.grpo: only for method grpo; remove it or set method: grpo"
         )
         _require(
-            "init_from" not in run,
-            f"{where}.init_from: only for method grpo (an SFT run starts from `model`)",
+            "init_from" not in run or run["method"] in ADAPTER_OPTIONAL,
+            f"{where}.init_from: only for methods grpo and dpo (an SFT run starts from `model`)",
         )
         return
     grpo = run["grpo"]
@@ -166,6 +175,40 @@ def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> No
             f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for the GRPO "
             "rewards; use a prompt_response dataset (columns.response: the answer) or alpaca",
         )
+
+
+def _check_dpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """A dpo block only on a dpo run; a dpo run trains on preference pairs (and evaluates
+    on them, or on any held-out set); its loss weights match its losses."""
+    where = f"runs.{name}"
+    if run["method"] != "dpo":
+        _require("dpo" not in run,
+                 f"{where}.dpo: only for method dpo; remove it or set method: dpo")  # fmt: skip
+    for key in ("dataset", "eval_dataset"):
+        if key not in run:
+            continue
+        for part in (c["name"] for c in components(cfg, run[key])):
+            fmt = cfg["datasets"][part]["format"]
+            pairs = fmt in PAIR_FORMATS
+            if run["method"] == "dpo" and key == "dataset":
+                _require(pairs, f"{where}.dataset: {part!r} (format {fmt}) has no pairs to "
+                         "tune on; method dpo needs a dataset of format preference (prompt, "
+                         "chosen, rejected)")  # fmt: skip
+            elif run["method"] != "dpo":
+                _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
+                         f"which only method dpo trains and evaluates on; set method: dpo or "
+                         "use a dataset of another format")  # fmt: skip
+    if run["method"] != "dpo":
+        return
+    dpo = run["dpo"]
+    losses = dpo["loss_type"] if isinstance(dpo["loss_type"], list) else [dpo["loss_type"]]
+    weights = dpo.get("loss_weights")
+    _require(weights is None or len(weights) == len(losses),
+             f"{where}.dpo.loss_weights: {len(weights or [])} weights for {len(losses)} loss "
+             "types; give one weight per loss in loss_type")  # fmt: skip
+    _require("exo_pair" not in losses or dpo["label_smoothing"] > 0,
+             f"{where}.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0 (the EXO "
+             "paper uses 1e-3)")  # fmt: skip
 
 
 def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
@@ -242,10 +285,11 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _require(
-        run["method"] in ("lora", "grpo") or "lora" not in run,
-        f"{where}.lora: only for method lora (or grpo); remove it or set method: lora",
+        run["method"] == "lora" or run["method"] in ADAPTER_OPTIONAL or "lora" not in run,
+        f"{where}.lora: only for method lora (or grpo, dpo); remove it or set method: lora",
     )
     _check_grpo(name, run, cfg)
+    _check_dpo(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:
         from snaketune.lmeval import resolve_include_path
@@ -300,11 +344,16 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     found.raise_all()
     _resolve_init(config)
     for run in config["runs"].values():
+        if run["method"] == "dpo":
+            run["packing"] = False  # TRL's DPO batches are padded (snaketune.methods.dpo)
         if run["method"] == "grpo":
             run["packing"] = False  # GRPO plans prompts; its rollouts are padded batches
             if "grpo" not in run:
                 run["grpo"] = {}
                 check_schema(config, schema)  # fills the GRPO defaults
+        if run["method"] == "dpo" and "dpo" not in run:
+            run["dpo"] = {}
+            check_schema(config, schema)  # fills the DPO defaults
     for name, run in config["runs"].items():
         found.check(_check_run, name, run, config, root)
         if run["method"] == "lora" and "lora" not in run:

@@ -24,8 +24,17 @@ from snaketune.vocabulary import FORMAT_FIELDS, OPTIONAL_FIELDS
 log = logging.getLogger(__name__)
 
 BATCH_ROWS = 1024  # rows read and rendered at a time
-# One batch of conversations: (example id, turns).
-Items = list[tuple[str, tuple[Turn, ...]]]
+# One batch of conversations: (example id, turns), or (example id, Pair) for preference data.
+Items = list[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference row: the prompt's turns, and the turns of each response after them."""
+
+    prompt: tuple[Turn, ...]
+    chosen: tuple[Turn, ...]
+    rejected: tuple[Turn, ...]
 
 
 @dataclass
@@ -51,6 +60,10 @@ class Stats:
     dropped_overlong: int = 0
     truncated: int = 0
     dropped_no_response: int = 0
+    # preference pairs: a side empty, both sides the same, prompt tokens that differ
+    dropped_empty_pair: int = 0
+    dropped_identical_pair: int = 0
+    dropped_prompt_mismatch: int = 0
     rows: int = 0
     tokens: int = 0
     label_tokens: int = 0
@@ -107,6 +120,9 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     }
     out = []
     for i, row in enumerate(rows):
+        if fmt == "preference":
+            out.append(_pair(source, system, cols, data, i, row))
+            continue
         if fmt == "messages":
             msgs = data[cols["messages"]][i]
             if not isinstance(msgs, list) or not msgs:
@@ -148,8 +164,64 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     return out
 
 
-def text_sha(turns: tuple[Turn, ...]) -> str:
-    """Template-independent hash of a conversation (roles and contents)."""
+def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple[Turn, ...]:
+    """A preference field as turns: text (one turn of ``role``) or a list of messages."""
+    if isinstance(value, str):
+        return ((role, value),) if role else ()
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"datasets.{name} row {row}: column {col!r} must be text or a non-empty list of "
+            f"{{role, content}} messages (got {value!r:.60}); clean the data or filter the row out"
+        )
+    turns = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise DataError(
+                f"datasets.{name} row {row}: column {col!r}: each message needs role system, "
+                f"user or assistant and text content (got {m!r:.80}); clean the data or filter "
+                "the row out"
+            )
+        turns.append((m["role"], _text(m.get("content"), name, row, col)))
+    return tuple(turns)
+
+
+def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict,
+          i: int, row: int) -> Pair:  # fmt: skip
+    """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a
+    prompt message list with assistant turns; or whole conversations sharing their prompt."""
+    name = source.name
+    raw = {
+        f: data[cols[f]][i] if cols[f] in data else None for f in ("prompt", "chosen", "rejected")
+    }
+    chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
+    rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
+    if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
+        shared = 0
+        while (shared < min(len(chosen), len(rejected)) - 1
+               and chosen[shared] == rejected[shared]):  # fmt: skip
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        prompt = _turns(raw["prompt"], name, row, cols["prompt"], "user")
+        if isinstance(raw["prompt"], str):
+            prompt = (*system, *prompt)
+        # whole conversations repeat the prompt's turns: keep what follows them
+        if chosen[: len(prompt)] == prompt and len(chosen) > len(prompt):
+            chosen = chosen[len(prompt) :]
+        if rejected[: len(prompt)] == prompt and len(rejected) > len(prompt):
+            rejected = rejected[len(prompt) :]
+    if not prompt or any(role != "assistant" for role, _ in (*chosen, *rejected)):
+        raise DataError(
+            f"datasets.{name} row {row}: a preference row needs prompt turns and responses of "
+            "assistant turns only (chosen/rejected); clean the data or filter the row out"
+        )
+    return Pair(prompt, chosen, rejected)
+
+
+def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
+    """Template-independent hash of a conversation (roles and contents), or of a pair."""
+    if isinstance(turns, Pair):
+        turns = (*turns.prompt, *turns.chosen, ("\x1d", ""), *turns.rejected)
     blob = "\x1e".join([f"{role}\x1f{content}" for role, content in turns])
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
@@ -217,7 +289,7 @@ def _open_source(source: Source) -> pq.ParquetFile:
 
 
 def _optional(spec: dict[str, Any]) -> set[str]:
-    return {_column(spec, f) for f in OPTIONAL_FIELDS if f in FORMAT_FIELDS[spec["format"]]}
+    return {_column(spec, f) for f in OPTIONAL_FIELDS.get(spec["format"], ())}
 
 
 def iter_conversations(

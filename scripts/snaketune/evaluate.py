@@ -33,7 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    table = pq.read_table(path, columns=["example_id", "input_ids", "labels"])
+    """The eval rows (and, for preference pairs, their rejected sides)."""
+    names = pq.ParquetFile(path).schema_arrow.names
+    columns = ["example_id", "input_ids", "labels"]
+    columns += [c for c in ("rejected_input_ids", "rejected_labels") if c in names]
+    table = pq.read_table(path, columns=columns)
     if limit is not None:
         table = table.slice(0, limit)
     rows = table.to_pylist()
@@ -154,6 +158,64 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
     return samples, figures
 
 
+def pair_logps(model, rows: list[dict], batch_size: int, pad: int) -> list[tuple[float, float]]:
+    """Each held-out pair's summed log-probs of its chosen and its rejected response."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from snaketune.logps import pair_batch, sequence_logps
+
+    add_fused_lm_head(model)  # the log-probs as DPO training computes them
+    out: list[tuple[float, float]] = []
+    for i in range(0, len(rows), batch_size):
+        batch = pair_batch(rows[i : i + batch_size], pad)
+        chosen, rejected = sequence_logps(model, {k: v.to(model.device) for k, v in batch.items()})
+        out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
+    return out
+
+
+def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
+               beta: float | None) -> dict[str, Any]:  # fmt: skip
+    """Figures of the held-out pairs: how often the model finds the chosen response more
+    likely than the rejected (likelihood_accuracy); and, against the model it started from
+    (``base``: example id -> its log-probs) with the run's ``beta``, the implicit reward
+    beta * (log p - log p_start) of each side: how often it ranks chosen above rejected
+    (preference_accuracy; 0 for the starting model itself, whose rewards are all 0) and the
+    mean margin between them."""
+    figures: dict[str, Any] = {
+        "pairs": len(samples),
+        "likelihood_accuracy": sum(s["chosen_logp"] > s["rejected_logp"] for s in samples)
+        / len(samples),
+    }
+    if base is None or beta is None:
+        return figures
+    margins, chosen, rejected = [], [], []
+    for s in samples:
+        c0, r0 = base[s["example_id"]]
+        chosen.append(beta * (s["chosen_logp"] - c0))
+        rejected.append(beta * (s["rejected_logp"] - r0))
+        margins.append(chosen[-1] - rejected[-1])
+    figures.update({
+        "beta": beta,
+        "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
+        "reward_margin": sum(margins) / len(margins),
+        "reward_chosen": sum(chosen) / len(chosen),
+        "reward_rejected": sum(rejected) / len(rejected),
+    })  # fmt: skip
+    return figures
+
+
+def base_pair_logps(samples: Path) -> dict[str, tuple[float, float]] | None:
+    """The pairs' log-probs a base evaluation recorded in its samples (None: none there)."""
+    if not samples.is_file():
+        return None
+    out = {}
+    for line in samples.read_text().splitlines():
+        s = json.loads(line)
+        if "chosen_logp" in s:
+            out[s["example_id"]] = (s["chosen_logp"], s["rejected_logp"])
+    return out or None
+
+
 def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
     """Add the base model's figures and the gain over them, in place."""
     keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
@@ -163,6 +225,14 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
         "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
         "loss": base_metrics["loss"] - metrics["loss"],
     }
+    mine, theirs = metrics.get("preference"), base_metrics.get("preference")
+    if mine and theirs:
+        # the starting model's implicit rewards against itself are all 0
+        start = {"likelihood_accuracy": theirs["likelihood_accuracy"],
+                 "preference_accuracy": 0.0, "reward_margin": 0.0}  # fmt: skip
+        metrics["base"]["preference"] = start
+        metrics["gain"].update({f"preference_{k}" if k != "preference_accuracy" else k:
+                                mine[k] - v for k, v in start.items() if k in mine})  # fmt: skip
 
 
 def load_model(model_dir: Path):
@@ -188,12 +258,16 @@ def evaluate(
     base_metrics: dict[str, Any] | None = None,
     finish: Callable[[Path, dict[str, Any]], None] | None = None,
     lm_eval: dict[str, Any] | None = None,
+    base_pairs: dict[str, tuple[float, float]] | None = None,
+    beta: float | None = None,
 ) -> dict[str, Any]:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
 
     ``base_metrics`` (the base model's) adds the base figures and the gain over them;
     ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
+    An eval set of preference pairs adds each pair's log-probs to its sample and the
+    ``preference`` figures (against ``base_pairs``, the starting model's, with ``beta``).
     """
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
@@ -210,6 +284,11 @@ def evaluate(
 
         base_lm = (base_metrics or {}).get("lm_eval")
         metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
+    if "rejected_input_ids" in rows[0]:
+        logps = pair_logps(model, rows, batch_size, pad_id(tokenizer))
+        for sample, (chosen, rejected) in zip(samples, logps, strict=True):
+            sample.update({"chosen_logp": chosen, "rejected_logp": rejected})
+        metrics["preference"] = preference(samples, base_pairs, beta)
     if base_metrics is not None:
         against_base(metrics, base_metrics)
     with atomic_path(out_dir) as tmp:

@@ -13,7 +13,9 @@ Layout written under ``out``::
     arith-demo/      train.jsonl, test.jsonl  (the demo's task, learnable by the tiny model in a
                      minute on two CPU cores: "Tina has 43 clips. She buys 5 more. ..." ->
                      "#### 48", two-digit plus one-digit sums without a carry; no number pair
-                     of the test split is in the train split)
+                     of the test split is in the train split); pairs-train.jsonl,
+                     pairs-test.jsonl: the same questions as preference pairs ({"question",
+                     "chosen": the right sum, "rejected": a near miss}) for the DPO demo
 """
 
 from __future__ import annotations
@@ -130,6 +132,29 @@ def make_arith(train_rows: int, test_rows: int, seed: int = 4321) -> dict[str, l
     return splits
 
 
+def near_miss(answer: int, rng: random.Random) -> int:
+    """A wrong answer close to the right one: off by one, or its digits swapped."""
+    digits = str(answer)
+    if len(digits) == 2 and digits[0] != digits[1] and digits[1] != "0" and rng.random() < 0.5:
+        return int(digits[::-1])
+    return answer + rng.choice((-1, 1))
+
+
+def make_arith_pairs(arith: dict[str, list[dict]], seed: int = 2718) -> dict[str, list[dict]]:
+    """Preference pairs on the demo's questions: chosen the right sum, rejected a near miss
+    (off by one or swapped digits), for the DPO demo (pairs-train, pairs-test)."""
+    rng = random.Random(seed)
+    out = {}
+    for split, rows in arith.items():
+        pairs = []
+        for row in rows:
+            right = int(row["answer"].removeprefix("#### "))
+            pairs.append({"question": row["question"], "chosen": row["answer"],
+                          "rejected": f"#### {near_miss(right, rng)}"})  # fmt: skip
+        out[f"pairs-{split}"] = pairs
+    return out
+
+
 def _corpus(*datasets: dict[str, list[dict]]) -> list[str]:
     """Text the tokenizer is trained on: the train splits and the chat markup words."""
     lines = ["user assistant system", "Question Answer Instruction Input Response"]
@@ -226,7 +251,8 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
 
     data_dir, arith_dir, model_dir = out / "gsm8k-demo", out / "arith-demo", out / "tiny-llama"
     with atomic_paths(data_dir, arith_dir, model_dir) as (data_tmp, arith_tmp, model_tmp):
-        for directory, dataset in ((data_tmp, splits), (arith_tmp, arith)):
+        for directory, dataset in ((data_tmp, splits),
+                                   (arith_tmp, {**arith, **make_arith_pairs(arith)})):  # fmt: skip
             directory.mkdir()
             for split, rows in dataset.items():
                 _write_jsonl(directory / f"{split}.jsonl", rows)

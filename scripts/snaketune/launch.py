@@ -37,6 +37,7 @@ from snaketune.segments import (
     requeue_self,
     segments_summary,
 )
+from snaketune.vocabulary import balances_tokens
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,10 @@ def check_job(job: Job) -> tuple[int, int]:
             f"{job.shards} was made for {nodes} x {gpus}, the run asks for "
             f"{spec['nodes']} x {spec['gpus_per_node']}; rerun shard_dataset"
         )
-    if manifest.get("packing") != spec["packing"]:
+    if manifest.get("packing") != balances_tokens(spec):
         raise UserError(
             f"{job.shards} was planned with packing {manifest.get('packing')}, the run asks "
-            f"for {spec['packing']}; rerun shard_dataset"
+            f"for {balances_tokens(spec)}; rerun shard_dataset"
         )
     if spec["wandb"]["enabled"] and importlib.util.find_spec("wandb") is None:
         raise UserError(

@@ -24,6 +24,11 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   of the two counts); full fine-tuning with beta > 0 holds a frozen reference copy (w·P,
   divided by N under ZeRO-3); with vLLM (use_vllm true or auto) its share of each GPU
   (vllm_gpu_memory_utilization x the GPU's memory) holds its weights and KV cache;
+- DPO: a micro batch of n pairs is 2n sequences (chosen and rejected sides); full
+  fine-tuning with reference: live holds a frozen reference copy as GRPO's; a precomputed
+  reference (rule reference_logps) and a LoRA run's (the adapter off) hold none. The
+  logits are counted in full, though TRL scores DPO through a chunked LM head (an
+  overcount: the plan errs on the side of fitting);
 - margin: 1.5 GiB for the CUDA context and NCCL buffers, plus 10% of the rest for
   fragmentation.
 
@@ -149,7 +154,9 @@ class Setup:
     lora_targets: Any = "all-linear"
     lora_saved: tuple[str, ...] = ()
     completion_length: int = 0  # GRPO: max_completion_length (0: not GRPO)
-    reference: bool = False  # GRPO full fine-tuning with beta > 0: a frozen copy
+    # a frozen copy of the model: GRPO full fine-tuning with beta > 0, DPO full fine-tuning
+    # with reference: live
+    reference: bool = False
     vllm_share: float = 0.0  # GRPO with vLLM: its share of each GPU's memory
 
     @property
@@ -201,7 +208,8 @@ def activations(shape: Shape, s: Setup) -> float:
 
 
 def reference_copy(shape: Shape, s: Setup) -> float:
-    """Bytes per GPU of GRPO's frozen reference model (full fine-tuning with beta > 0)."""
+    """Bytes per GPU of a frozen reference model (full fine-tuning: GRPO with beta > 0, DPO
+    with a live reference)."""
     if not s.reference:
         return 0.0
     return s.bytes_per_weight * shape.params / (s.gpus if s.stage >= 3 else 1)
@@ -301,6 +309,9 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
     liger = run.get("liger_kernel", "auto")
     grpo = run.get("grpo") if run["method"] == "grpo" else None
     vllm = bool(grpo) and on_gpu and grpo.get("use_vllm") in (True, "auto")
+    dpo = run.get("dpo") if run["method"] == "dpo" else None
+    live = bool(dpo) and dpo.get("reference", "precomputed") == "live"
+    full = adapter_kind(run) == "full"
     return Setup(
         method=adapter_kind(run),  # GRPO plans as its LoRA or full update, plus its rollouts
         stage=int(zero.get("stage", 0)),
@@ -308,7 +319,8 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         offload_params=offloaded("offload_param"),
         nodes=run["nodes"],
         gpus_per_node=run["gpus_per_node"],
-        micro_batch_size=run["micro_batch_size"],
+        # a DPO micro batch of n pairs is 2n sequences (chosen and rejected)
+        micro_batch_size=run["micro_batch_size"] * (2 if dpo else 1),
         max_length=run["max_length"],
         gradient_checkpointing=bool(run.get("gradient_checkpointing", False)),
         attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
@@ -318,7 +330,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
         lora_saved=tuple((run.get("lora") or {}).get("modules_to_save", ())),
         completion_length=grpo.get("max_completion_length", 256) if grpo else 0,
-        reference=bool(grpo) and adapter_kind(run) == "full" and grpo.get("beta", 0.04) > 0,
+        reference=full and ((bool(grpo) and grpo.get("beta", 0.04) > 0) or live),
         vllm_share=grpo.get("vllm_gpu_memory_utilization", 0.3) if vllm else 0.0,
     )
 

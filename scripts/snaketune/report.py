@@ -70,6 +70,9 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
     if metrics and "reward" in metrics[0]:
         _reward_panel(loss, metrics, steps)
         loss.set_title(f"{title}: reward")
+    elif metrics and "reward_margin" in metrics[0]:
+        _preference_panel(loss, metrics, steps)
+        loss.set_title(f"{title}: preference")
     else:
         _loss_panel(loss, metrics, steps, eval_loss)
         loss.set_title(f"{title}: loss")
@@ -111,6 +114,25 @@ def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
     ax.legend(fontsize=8)
 
 
+def _preference_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
+    """DPO: the loss, the implicit rewards of chosen and rejected and their margin, and (on
+    the right axis) the reward accuracy of each step's pairs."""
+    (line,) = ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
+    line.set_gid("loss")
+    for key, color in (("reward_chosen", "tab:green"), ("reward_rejected", "tab:red"),
+                       ("reward_margin", "tab:orange")):  # fmt: skip
+        ax.plot(steps, [m.get(key, float("nan")) for m in metrics], linewidth=1, color=color,
+                label=key.replace("_", " "))  # fmt: skip
+    ax.set(xlabel="optimizer step", ylabel="loss; reward (beta x log-ratio)")
+    right = ax.twinx()
+    right.plot(steps, [m.get("reward_accuracy", float("nan")) for m in metrics], ":",
+               color="tab:gray", label="reward accuracy")  # fmt: skip
+    right.set(ylabel="reward accuracy", ylim=(0, 1.05))
+    right.grid(False)
+    lines = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=7)
+
+
 class Comparison(NamedTuple):
     """One metric of an evaluation, base against tuned."""
 
@@ -141,6 +163,18 @@ def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
                    None if base.get("perplexity") is None
                    else ev["perplexity"] - base["perplexity"], False, False),
     ]  # fmt: skip
+    pref, base_pref = ev.get("preference") or {}, base.get("preference") or {}
+    if "preference_accuracy" in pref:  # held-out pairs of a DPO run
+        rows += [
+            Comparison("preference accuracy (implicit reward ranks chosen first)",
+                       base_pref.get("preference_accuracy"), pref["preference_accuracy"],
+                       gain.get("preference_accuracy"), True, True),
+            Comparison("reward margin (chosen - rejected)", base_pref.get("reward_margin"),
+                       pref["reward_margin"], gain.get("preference_reward_margin"), False, True),
+            Comparison("chosen more likely than rejected", base_pref.get("likelihood_accuracy"),
+                       pref["likelihood_accuracy"], gain.get("preference_likelihood_accuracy"),
+                       True, True),
+        ]  # fmt: skip
     for label, f in lm_eval_figures(ev):
         rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
                                False, True, f.get("stderr")))  # fmt: skip

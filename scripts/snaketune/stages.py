@@ -25,7 +25,13 @@ from typing import Any
 from snaketune.errors import ConfigError
 from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
-from snaketune.vocabulary import SINGLE_DATASET_KEYS, adapter_kind, components, final_model_dir
+from snaketune.vocabulary import (
+    SINGLE_DATASET_KEYS,
+    adapter_kind,
+    balances_tokens,
+    components,
+    final_model_dir,
+)
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
 DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
@@ -198,7 +204,7 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
             f" --gradient-accumulation-steps {r['gradient_accumulation_steps']}"
             f" --seed {r['seed']}"
         ),  # fmt: skip
-        "packing": "--packing" if r["packing"] else "--no-packing",
+        "packing": "--packing" if balances_tokens(r) else "--no-packing",
         "attention": r["attn_implementation"],
     }
 
@@ -224,9 +230,48 @@ NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "p
                 "sweep_of")  # fmt: skip
 
 
-def train_spec(run: dict[str, Any]) -> str:
-    """The run's settings the train job reads (--run-spec), as JSON."""
-    return as_json({k: v for k, v in run.items() if k not in NOT_TRAINING})
+def train_spec(run: dict[str, Any], reference: str | None = None) -> str:
+    """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
+    precomputed reference gets the path of its log-probs (``reference``)."""
+    spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
+    if reference is not None:
+        spec["dpo"] = {**spec["dpo"], "reference_logps": reference}
+    return as_json(spec)
+
+
+def reference_key(config: dict[str, Any], run: str) -> str | None:
+    """The reference log-probs a DPO run with a precomputed reference reads, by what they
+    depend on: the model it starts from (a base model, or the final model of the run or
+    sweep it starts from), its tokenized pairs, the precision and the attention kernel.
+    Runs and sweep members that share these share one reference_logps job. None for others."""
+    r = config["runs"][run]
+    if r["method"] != "dpo" or r["dpo"]["reference"] != "precomputed":
+        return None
+    start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
+    what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
+            "precision": r["precision"],
+            "attn_implementation": r["attn_implementation"]}  # fmt: skip
+    return f"{next(iter(start.values()))}__{digest(what)[:12]}"
+
+
+def reference_path(config: dict[str, Any], run: str) -> str | None:
+    key = reference_key(config, run)
+    return f"results/reference_logps/{key}/logps.parquet" if key else None
+
+
+def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
+    """Every reference_logps job the runs need: key -> the runs that read it."""
+    jobs: dict[str, list[str]] = {}
+    for run in config["runs"]:
+        key = reference_key(config, run)
+        if key is not None:
+            jobs.setdefault(key, []).append(run)
+    return jobs
+
+
+def reference_jobs(config: dict[str, Any]) -> dict[str, str]:
+    """Every reference_logps job the runs need: key -> the first run that reads it."""
+    return {key: runs[0] for key, runs in reference_runs(config).items()}
 
 
 def train_mpi(run: dict[str, Any]) -> str | int:
@@ -277,11 +322,13 @@ def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> 
     return f"results/{start()}/eval/metrics.json"
 
 
-def eval_args(settings: dict[str, Any]) -> str:
-    """evaluate.py options for a run's eval settings."""
+def eval_args(settings: dict[str, Any], beta: float | None = None) -> str:
+    """evaluate.py options for a run's eval settings (``beta``: a DPO run's, for the
+    implicit rewards of held-out pairs)."""
     import shlex
 
     args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
+    args += f" --dpo-beta {beta}" if beta is not None else ""
     args += f" --limit {settings['limit']}" if "limit" in settings else ""
     if settings.get("lm_eval"):
         args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
-           "reward_first_quarter", "reward_last_quarter", "tokens_per_s",
+           "reward_first_quarter", "reward_last_quarter",
+           "reward_accuracy_last_quarter", "reward_margin_last_quarter", "tokens_per_s",
            "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
            "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
-           "stop_rate", "base_stop_rate",
+           "stop_rate", "base_stop_rate", "preference_accuracy", "gain_preference_accuracy",
+           "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
            "allreduce_busbw_gbps"]  # fmt: skip
 
@@ -53,6 +55,16 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
             "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
 
 
+def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """A DPO run's mean reward accuracy and margin over its last quarter of steps."""
+    rows = [m for m in metrics if m.get("reward_margin") is not None]
+    if not rows:
+        return {}
+    last = rows[-max(1, len(rows) // 4) :]
+    return {f"{key}_last_quarter": round(sum(m[key] for m in last) / len(last), 4)
+            for key in ("reward_accuracy", "reward_margin")}  # fmt: skip
+
+
 def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
                 train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
     from snaketune.io import read_jsonl
@@ -65,6 +77,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         "steps": metrics[-1]["step"] if metrics else 0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         **reward_quarters(metrics),
+        **preference_quarter(metrics),
         **throughput(metrics),
     }  # fmt: skip
     if eval_metrics is not None:
@@ -72,6 +85,13 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
                    math_verify=ev.get("math_verify"), stop_rate=ev.get("stop_rate"))  # fmt: skip
         row.update(lm_eval_columns(ev))
+        pref = ev.get("preference") or {}
+        row.update(preference_accuracy=pref.get("preference_accuracy"),
+                   reward_margin=pref.get("reward_margin"),
+                   likelihood_accuracy=pref.get("likelihood_accuracy"),
+                   gain_preference_accuracy=(ev.get("gain") or {}).get("preference_accuracy"),
+                   base_likelihood_accuracy=((ev.get("base") or {}).get("preference") or {})
+                   .get("likelihood_accuracy"))  # fmt: skip
         if "base" in ev:
             row.update(
                 base_exact_match=ev["base"]["exact_match"],

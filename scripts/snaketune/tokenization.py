@@ -23,7 +23,6 @@ rows removed by filters, go into the stats JSON.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import logging
@@ -34,10 +33,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from snaketune.chat import ChatRenderer, end_of_turn_id, load_tokenizer, model_vocab_size, stop_ids
+from snaketune.chat import (
+    ChatRenderer,
+    end_of_turn_id,
+    first_token_at,
+    load_tokenizer,
+    model_vocab_size,
+    stop_ids,
+)
 from snaketune.conversations import Items, Source, Stats, iter_conversations, text_sha
 from snaketune.errors import DataError
+from snaketune.pairs import label_pairs, pair_schema, render_pairs
 from snaketune.rows import IGNORE_INDEX
+from snaketune.vocabulary import PAIR_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +63,6 @@ TOKENIZE_VERSION = 1
 
 
 # ----------------------------------------------------------------------------- encode
-
-
-def _first_token_at(enc, char: int, n_tokens: int, text_len: int) -> int:
-    """Index of the first token that starts at or after character ``char``."""
-    if char >= text_len:
-        return n_tokens
-    tok = enc.char_to_token(char)
-    if tok is None:  # a character no token covers: look at every offset
-        return bisect.bisect_left([o[0] for o in enc.offsets], char)
-    return tok + 1 if enc.token_to_chars(tok)[0] < char else tok
 
 
 def render_batch(
@@ -106,8 +104,8 @@ def label_batch(
     delta = np.zeros(total + 1, np.int32)
     for i, (enc, sp, text) in enumerate(zip(encodings, spans, texts, strict=True)):
         for s, t in sp:
-            a = _first_token_at(enc, s, len(ids[i]), len(text))
-            b = _first_token_at(enc, t, len(ids[i]), len(text))
+            a = first_token_at(enc, s, len(ids[i]), len(text))
+            b = first_token_at(enc, t, len(ids[i]), len(text))
             if b > a:
                 delta[row_start[i] + a] += 1
                 delta[row_start[i] + b] -= 1
@@ -213,6 +211,20 @@ def check_result(stats: Stats, max_length: int, overlong: str, model_dir: str | 
         )
 
 
+def _log_result(stats: Stats, pairs: bool) -> None:
+    log.info(
+        "tokenized %d %s -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
+        stats.conversations, "pairs" if pairs else "conversations", stats.rows, stats.tokens,
+        stats.dropped_overlong, stats.truncated,
+    )  # fmt: skip
+    if pairs:
+        log.info(
+            "preference pairs dropped: %d with identical sides, %d with an empty side, %d whose "
+            "prompt tokens differ between the sides",
+            stats.dropped_identical_pair, stats.dropped_empty_pair, stats.dropped_prompt_mismatch,
+        )  # fmt: skip
+
+
 def tokenize(
     sources: list[Source],
     model_dir: str | Path,
@@ -222,7 +234,8 @@ def tokenize(
     chat_template: str | None = None,
     model_name: str = "model",
 ) -> Stats:
-    """Tokenize ``sources`` into the parquet file ``out``; return the stats.
+    """Tokenize ``sources`` into the parquet file ``out``; return the stats. Preference
+    data (snaketune.pairs) becomes one row per pair.
 
     Errors about the tokenizer start with ``models.<model_name>``.
     """
@@ -237,19 +250,27 @@ def tokenize(
     if stats.end_of_turn_id is not None:
         stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
         stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
+    pairs = any(s.spec["format"] in PAIR_FORMATS for s in sources)
+    schema = pair_schema(OUTPUT_SCHEMA) if pairs else OUTPUT_SCHEMA
+    label = functools.partial(label_pairs, schema=schema) if pairs else label_batch
 
     def finish(batch: tuple) -> None:
         items, texts, spans, future = batch
-        table = label_batch(items, texts, spans, future.result(), max_length, overlong, stats)
+        table = label(items, texts, spans, future.result(), max_length, overlong, stats)
         if table.num_rows:
             writer.write_table(table)
 
     # The Rust encoder releases the GIL: while it encodes batch k on a worker thread, this
     # thread labels batch k-1 and reads and renders batch k+1. Output order is unchanged.
-    with pq.ParquetWriter(str(out), OUTPUT_SCHEMA) as writer, ThreadPoolExecutor(1) as pool:
+    with pq.ParquetWriter(str(out), schema) as writer, ThreadPoolExecutor(1) as pool:
         pending = None
         for items in iter_conversations(sources, stats):
-            texts, spans = render_batch(renderer, items)
+            if pairs:  # the usable pairs, each side rendered
+                items, texts, spans = render_pairs(renderer, items, stats)
+            else:
+                texts, spans = render_batch(renderer, items)
+            if not items:
+                continue
             submitted = (items, texts, spans, pool.submit(encode, texts))
             if pending is not None:
                 finish(pending)
@@ -258,12 +279,5 @@ def tokenize(
             finish(pending)
     check_result(stats, max_length, overlong, model_dir, model_name)
     check_end_of_turn(stats, model_dir, model_name)
-    log.info(
-        "tokenized %d conversations -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
-        stats.conversations,
-        stats.rows,
-        stats.tokens,
-        stats.dropped_overlong,
-        stats.truncated,
-    )
+    _log_result(stats, pairs)
     return stats

@@ -14,16 +14,30 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "prompt_response": {"prompt": "prompt", "response": "response"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
     "messages": {"messages": "messages"},
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
 }
-OPTIONAL_FIELDS = {"input"}
+# Formats whose rows are pairs of responses to one prompt (method dpo trains on them).
+PAIR_FORMATS = {"preference"}
+# Methods that may train through a LoRA adapter (with a `lora` block) or every weight.
+ADAPTER_OPTIONAL = {"grpo", "dpo"}
+# Fields that may be missing or empty, by format (a preference dataset without a prompt
+# column holds whole conversations in chosen and rejected that share their prompt turns).
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}
 # Keys of a single (non-mixture) dataset: where its rows come from and how they read.
 SINGLE_DATASET_KEYS = ("id", "path", "subset", "split", "revision", "file_format", "format",
                        "columns", "system_prompt", "filters")  # fmt: skip
 
 
 def trains_lora(run: Mapping[str, Any]) -> bool:
-    """Whether a run trains a LoRA adapter (method lora, or grpo with a `lora` block)."""
-    return run["method"] == "lora" or (run["method"] == "grpo" and "lora" in run)
+    """Whether a run trains a LoRA adapter (method lora, or grpo or dpo with a `lora`
+    block)."""
+    return run["method"] == "lora" or (run["method"] in ADAPTER_OPTIONAL and "lora" in run)
+
+
+def balances_tokens(run: Mapping[str, Any]) -> bool:
+    """Whether a run's shard plan balances each step's tokens across ranks: packed runs,
+    and DPO runs (padded pairs, but of unequal lengths)."""
+    return bool(run["packing"]) or run["method"] == "dpo"
 
 
 def adapter_kind(run: Mapping[str, Any]) -> str:

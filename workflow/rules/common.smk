@@ -12,8 +12,11 @@ from snaketune.sweep import sweeps_of
 SCRIPTS = Path(workflow.basedir) / "scripts"
 # {sweep: [members]} of the runs with `sweep` (expanded by validate_config)
 SWEEPS = sweeps_of(config["runs"])
+# {key: the first run that reads it} of the DPO runs' precomputed reference log-probs
+REFERENCES = stages.reference_jobs(config)
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
+REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
 
 
 def run_of(wildcards):
@@ -94,11 +97,15 @@ def start_run(name):
     return best_member(parent) if parent in SWEEPS else parent
 
 
-def run_model(wildcards):
+def model_of(run):
     """The model a run trains from: its base model, or (init_from) that run's final model."""
-    if "init_from" in run_of(wildcards):
-        return stages.final_model(config, start_run(wildcards.run))
-    return f"resources/models/{run_of(wildcards)['model']}"
+    if "init_from" in config["runs"][run]:
+        return stages.final_model(config, start_run(run))
+    return f"resources/models/{config['runs'][run]['model']}"
+
+
+def run_model(wildcards):
+    return model_of(wildcards.run)
 
 
 def run_deepspeed(wildcards):
@@ -108,7 +115,14 @@ def run_deepspeed(wildcards):
 
 
 def run_spec(wildcards):
-    return stages.train_spec(run_of(wildcards))
+    reference = stages.reference_path(config, wildcards.run)
+    return stages.train_spec(run_of(wildcards), reference)
+
+
+def run_reference(wildcards):
+    """A DPO run's precomputed reference log-probs (rule reference_logps), if it reads them."""
+    reference = stages.reference_path(config, wildcards.run)
+    return {"reference": reference} if reference else {}
 
 
 def min_busbw_arg(wildcards):
@@ -131,6 +145,45 @@ def train_mpi(wildcards):
 
 def train_gres(wildcards):
     return f"gpu:{run_of(wildcards)['gpus_per_node']}"
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_inputs(wildcards):
+    """What reference_logps scores: the tokenized pairs of the first run that reads it,
+    with the model that run starts from."""
+    run = REFERENCES[wildcards.ref]
+    return {"tokenized": stages.tokenized(config, run), "model": model_of(run)}
+
+
+def reference_run(wildcards):
+    return config["runs"][REFERENCES[wildcards.ref]]
+
+
+def reference_nodes(wildcards):
+    return reference_run(wildcards)["nodes"]
+
+
+def reference_threads(wildcards):
+    return reference_run(wildcards)["nodes"] * reference_run(wildcards)["gpus_per_node"]
+
+
+def reference_mpi(wildcards):
+    return stages.train_mpi(reference_run(wildcards))
+
+
+def reference_gres(wildcards):
+    return f"gpu:{reference_run(wildcards)['gpus_per_node']}"
+
+
+def reference_settings(wildcards):
+    r = reference_run(wildcards)
+    return (
+        f"--nodes {r['nodes']} --gpus-per-node {r['gpus_per_node']}"
+        f" --batch-pairs {r['micro_batch_size']} --precision {r['precision']}"
+        f" --attn-implementation {r['attn_implementation']}"
+    )
 
 
 # ----------------------------------------------------------------------------- export
@@ -156,7 +209,8 @@ def run_base_metrics(wildcards):
 
 
 def run_eval_settings(wildcards):
-    return stages.eval_args(run_of(wildcards)["eval"])
+    beta = run_of(wildcards).get("dpo", {}).get("beta")
+    return stages.eval_args(run_of(wildcards)["eval"], beta)
 
 
 def base_eval_model(wildcards):

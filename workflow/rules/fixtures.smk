@@ -11,6 +11,8 @@ rule make_fixtures:
         test="resources/fixtures/gsm8k-demo/test.jsonl",
         arith_train="resources/fixtures/arith-demo/train.jsonl",
         arith_test="resources/fixtures/arith-demo/test.jsonl",
+        pairs_train="resources/fixtures/arith-demo/pairs-train.jsonl",
+        pairs_test="resources/fixtures/arith-demo/pairs-test.jsonl",
     log:
         "logs/make_fixtures/make_fixtures.log",
     benchmark:

@@ -3,6 +3,7 @@
 
 rule train:
     input:
+        unpack(run_reference),
         script=f"{SCRIPTS}/train.py",
         shards=run_shards,
         model=run_model,

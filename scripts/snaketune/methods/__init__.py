@@ -17,6 +17,7 @@ REGISTRY = {
     "lora": "snaketune.methods.sft",
     "full": "snaketune.methods.sft",
     "grpo": "snaketune.methods.grpo",
+    "dpo": "snaketune.methods.dpo",
 }
 
 

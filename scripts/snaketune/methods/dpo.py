@@ -1,0 +1,154 @@
+"""Preference tuning (config method ``dpo``): TRL's DPOTrainer and its loss family on the
+planned pairs of a ``preference`` dataset (snaketune.pairs), LoRA or every weight.
+
+A pair is one planned example: both its sides are in the same micro batch (chosen sides
+first, then rejected: snaketune.logps.pair_batch), padded on the right. TRL 1.16's
+DPOTrainer has no padding-free path (its ``padding_free`` is disabled after a refactor and
+falls back to padding), so DPO batches are padded everywhere; the shard plan still
+balances each step's pairs across ranks by their tokens.
+
+The reference:
+
+- ``reference: precomputed`` (default): the reference log-probs of every training pair
+  come from rule reference_logps (snaketune.logps), joined by example id in the collator;
+  no training job holds a reference model;
+- ``reference: live``: TRL's own, each step: the base with the adapter off (LoRA) or a
+  frozen copy of the starting model (full fine-tuning).
+
+The loss of a step is the mean over every pair of the global batch: TRL averages a micro
+batch's pairs, and a token-balanced plan gives micro batches of unequal pair counts, so
+each micro batch's loss is weighted by its pairs over ``micro_batch_size`` (1 when they are
+equal, as TRL does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from snaketune.batches import Data, PlanBatches, planned_loader
+from snaketune.io import IdsLog
+from snaketune.logps import pair_batch, read_reference
+from snaketune.methods.common import Context, Method, peft_config, training_args
+from snaketune.rows import pad_id
+
+
+class PairCollator:
+    """Collates planned pairs (and their reference log-probs, when precomputed), counting
+    the tokens the step callback reports."""
+
+    layout = "padded pairs"
+
+    def __init__(self, pad_token_id: int, reference: dict[str, tuple[float, float]] | None,
+                 ids_log: Path | None):  # fmt: skip
+        self.pad_token_id, self.reference = pad_token_id, reference
+        self.tokens = self.padded = self.samples = self.squares = 0
+        self._ids_log = IdsLog(ids_log)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = [e["example_id"] for e in examples]
+        self._ids_log.write(ids)
+        batch = pair_batch(examples, self.pad_token_id)
+        if self.reference is not None:
+            ref = [self.reference[i] for i in ids]
+            batch["ref_chosen_logps"] = torch.tensor([c for c, _ in ref], dtype=torch.float32)
+            batch["ref_rejected_logps"] = torch.tensor([r for _, r in ref], dtype=torch.float32)
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        self.tokens += sum(lengths)
+        self.squares += sum(n * n for n in lengths)
+        self.padded += batch["input_ids"].numel()
+        self.samples += len(examples)
+        return batch
+
+
+def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
+         ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's planned pairs, with the precomputed reference log-probs of each."""
+    reference = None
+    if run["dpo"]["reference"] == "precomputed":
+        reference = read_reference(run["dpo"]["reference_logps"])
+        missing = [i for i in table["example_id"] if i not in reference]
+        if missing:
+            raise RuntimeError(f"{len(missing)} planned pairs have no reference log-probs "
+                               f"(first: {missing[0]}); rerun rule reference_logps")  # fmt: skip
+    return Data(table, batches, PairCollator(pad_id(tokenizer), reference, ids_log))
+
+
+def losses(dpo: dict[str, Any]) -> list[str]:
+    return dpo["loss_type"] if isinstance(dpo["loss_type"], list) else [dpo["loss_type"]]
+
+
+def trainer(ctx: Context, model, data: Data, callbacks: list):
+    """TRL's DPOTrainer on the planned pairs, with the shared settings of training_args."""
+    from unittest import mock
+
+    from torch.utils.data import DataLoader
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer import dpo_trainer
+
+    dpo, micro = ctx.run["dpo"], ctx.run["micro_batch_size"]
+    precomputed = dpo["reference"] == "precomputed"
+    args = training_args(
+        ctx, DPOConfig, beta=dpo["beta"], loss_type=losses(dpo),
+        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
+        precompute_ref_log_probs=precomputed, max_length=None, model_init_kwargs=None,
+    )  # fmt: skip
+
+    class PlannedDPOTrainer(DPOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kwargs):
+            return dataset  # tokenized by tokenize_dataset (snaketune.pairs)
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            return dataset  # computed by rule reference_logps, read by the collator
+
+        def get_train_dataloader(self) -> DataLoader:
+            return planned_loader(data.table, data.batches, data.collator)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if return_outputs:
+                return loss
+            return loss * (inputs["input_ids"].shape[0] // 2) / micro  # see the docstring
+
+    # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
+    # content key replaces that cache, so the hash (minutes on a large model) is skipped.
+    with mock.patch.object(dpo_trainer, "hash_module", lambda module: None):
+        return PlannedDPOTrainer(model=model, args=args, train_dataset=data.table,
+                                 processing_class=ctx.tokenizer, data_collator=data.collator,
+                                 peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+
+
+# TRL's log keys -> metrics.jsonl keys.
+LOG_KEYS = {
+    "rewards/chosen": "reward_chosen",
+    "rewards/rejected": "reward_rejected",
+    "rewards/accuracies": "reward_accuracy",
+    "rewards/margins": "reward_margin",
+    "logps/chosen": "logp_chosen",
+    "logps/rejected": "logp_rejected",
+}
+
+
+def step_fields(logs: dict[str, Any]) -> dict[str, float]:
+    """The DPO figures of a step's logs: rewards of each side, reward accuracy and margin,
+    the policy's log-probs."""
+    return {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
+
+
+def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
+    dpo = run["dpo"]
+    return (f"DPO: {manifest['global_batch']} pairs per step; loss {'+'.join(losses(dpo))}, "
+            f"beta {dpo['beta']}; reference {dpo['reference']}; padded pairs (TRL 1.16's "
+            "DPOTrainer has no padding-free path)")  # fmt: skip
+
+
+METHOD = Method(
+    name="dpo",
+    data=data,
+    trainer=trainer,
+    step_fields=step_fields,
+    rows_per_example=lambda run: 1,
+    describe=describe,
+)

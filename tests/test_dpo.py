@@ -1,0 +1,447 @@
+"""Preference tuning (method dpo): pair tokenization, the loss against TRL's and a hand
+computation, the reference log-probs stage, and the demo chain (config/dpo_demo.yaml).
+
+The slow tests share one pipeline (the ``dpo_chain`` fixture): on a copy of the GRPO chain
+(whose sft_demo is the DPO run's start), DPO from sft_demo on 2 emulated nodes with its
+evaluation, and a two-member beta sweep that reads the same reference log-probs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from conftest import ROOT, launch_train, read_jsonl, snakemake
+from test_tokenize import oracle, run_tokenize
+
+from snaketune.config import load_yaml, validate_config
+from snaketune.errors import ConfigError
+from snaketune.rows import IGNORE_INDEX
+
+OVERLAY = ROOT / "config" / "dpo_demo.yaml"
+PAIRS = [
+    {"question": f"What is {i} + 1?", "good": f"#### {i + 1}", "bad": f"#### {i + 2}"}
+    for i in range(12)
+]
+SPEC = {"format": "preference",
+        "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}  # fmt: skip
+
+
+def chain_config() -> dict:
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    overlay = load_yaml(OVERLAY)
+    config["datasets"].update(copy.deepcopy(overlay["datasets"]))
+    config["runs"].update(copy.deepcopy(overlay["runs"]))
+    return validate_config(config, ROOT)
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+
+def labelled(ids: list[int], labels: list[int]) -> list[int]:
+    return [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]
+
+
+def test_pair_tokens_share_the_prompt_and_label_each_response_only(tmp_path, tiny_model,
+                                                                   tokenizer):  # fmt: skip
+    rows, stats = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
+    assert stats.rows == len(PAIRS) == len(rows)
+    for row, pair in zip(rows, PAIRS, strict=True):
+        # each side as apply_chat_template renders it, labels on the response's turn only
+        for side, ids_key, labels_key in (("good", "input_ids", "labels"),
+                                          ("bad", "rejected_input_ids", "rejected_labels")):  # fmt: skip
+            ids, labels = oracle(tokenizer, [("user", pair["question"]), ("assistant", pair[side])])
+            assert row[ids_key] == ids and row[labels_key] == labels
+            assert tokenizer.decode(labelled(ids, labels)) == pair[side] + "<|im_end|>\n"
+        # the prompt's tokens are the same on both sides and never labelled
+        start = row["labels"].index(next(x for x in row["labels"] if x != IGNORE_INDEX))
+        assert row["input_ids"][:start] == row["rejected_input_ids"][:start]
+        assert set(row["labels"][:start]) == {IGNORE_INDEX}
+        assert set(row["rejected_labels"][:start]) == {IGNORE_INDEX}
+        assert row["length"] == len(row["input_ids"]) + len(row["rejected_input_ids"])
+
+
+def test_conversational_pairs_in_both_of_trls_forms(tmp_path, tiny_model, tokenizer):
+    """A prompt message list with assistant turns, and whole conversations sharing their
+    prompt (no prompt column): the same tokens as the text form; a multi-turn prompt's own
+    assistant turn is context, not labelled."""
+    explicit = [{"prompt": [{"role": "user", "content": p["question"]}],
+                 "chosen": [{"role": "assistant", "content": p["good"]}],
+                 "rejected": [{"role": "assistant", "content": p["bad"]}]} for p in PAIRS]  # fmt: skip
+    implicit = [{"chosen": e["prompt"] + e["chosen"], "rejected": e["prompt"] + e["rejected"]}
+                for e in explicit]  # fmt: skip
+    text, _ = run_tokenize(tmp_path, "text", SPEC, PAIRS, tiny_model)
+    a, _ = run_tokenize(tmp_path, "explicit", {"format": "preference"}, explicit, tiny_model)
+    b, _ = run_tokenize(tmp_path, "implicit", {"format": "preference"}, implicit, tiny_model)
+    keys = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
+    for x, y, z in zip(text, a, b, strict=True):
+        assert [x[k] for k in keys] == [y[k] for k in keys] == [z[k] for k in keys]
+    multi = [{"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                         {"role": "user", "content": "2+2?"}],
+              "chosen": [{"role": "assistant", "content": "#### 4"}],
+              "rejected": [{"role": "assistant", "content": "#### 5"}]}]  # fmt: skip
+    (row,), _ = run_tokenize(tmp_path, "multi", {"format": "preference"}, multi, tiny_model)
+    assert tokenizer.decode(labelled(row["input_ids"], row["labels"])) == "#### 4<|im_end|>\n"
+    assert tokenizer.decode(labelled(row["rejected_input_ids"], row["rejected_labels"])) == (
+        "#### 5<|im_end|>\n"
+    )
+
+
+def test_identical_empty_and_overlong_pairs_are_dropped_and_counted(tmp_path, tiny_model):
+    rows = [*PAIRS[:4],
+            {"question": "same?", "good": "#### 1", "bad": "#### 1"},
+            {"question": "empty?", "good": "#### 1", "bad": "  "},
+            # only the rejected side is long: overlong applies to the longer side
+            {"question": "long?", "good": "#### 1", "bad": "#### " + "9" * 300}]  # fmt: skip
+    out, stats = run_tokenize(tmp_path, "bad", SPEC, rows, tiny_model, max_length=64)
+    assert [r["example_id"] for r in out] == [f"bad:{i}" for i in range(4)]
+    assert (stats.dropped_identical_pair, stats.dropped_empty_pair, stats.dropped_overlong) == (
+        1, 1, 1,
+    )  # fmt: skip
+    cut, stats = run_tokenize(tmp_path, "cut", SPEC, rows, tiny_model, max_length=64,
+                              overlong="truncate")  # fmt: skip
+    assert stats.truncated == 1 and len(cut) == 5
+    assert max(len(r["rejected_input_ids"]) for r in cut) == 64
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def plain_logps(model, batch) -> torch.Tensor:
+    """Summed log-probs of the completion tokens, from the full logits (not TRL's fused
+    head): an independent computation."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token = logp.gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)
+    return (token * batch["completion_mask"][:, 1:]).sum(dim=1)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_loss_of_hand_computed_pairs_equals_trls(tmp_path, tiny_model, loss_type):
+    """TRL's DPOTrainer on our pair batches (snaketune.logps.pair_batch, the reference
+    log-probs given as precomputed) against the loss written out by hand from full-logit
+    log-probs: equal to 1e-6."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from snaketune.logps import pair_batch
+
+    rows, _ = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    batch = pair_batch(rows[:6], tok.pad_token_id)
+    ref_c = torch.tensor([-3.0, -1.5, -2.0, -4.0, -0.5, -2.5])
+    ref_r = torch.tensor([-2.0, -2.5, -1.0, -4.5, -3.5, -0.5])
+    batch.update(ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
+    beta = 0.3
+    args = DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, beta=beta,
+                     loss_type=[loss_type], precompute_ref_log_probs=True, max_length=None,
+                     report_to=[], gradient_checkpointing=False)  # fmt: skip
+
+    class Given(DPOTrainer):
+        def _prepare_dataset(self, dataset, *a, **k):
+            return dataset
+
+        def _precompute_ref_logps(self, dataset, *a, **k):
+            return dataset
+
+    import datasets
+
+    trainer = Given(model=model, args=args, processing_class=tok,
+                    train_dataset=datasets.Dataset.from_list(rows[:6]))  # fmt: skip
+    trainer.model.train()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(trainer.model, batch).item()
+        c, r = plain_logps(model, batch).chunk(2)
+        delta = (c - ref_c) - (r - ref_r)
+        if loss_type == "sigmoid":
+            hand = -F.logsigmoid(beta * delta).mean()
+        elif loss_type == "hinge":
+            hand = torch.relu(1 - beta * delta).mean()
+        else:  # ipo: per-token averages (TRL's normalisation, confirmed with the authors)
+            n_c, n_r = batch["completion_mask"].sum(1).chunk(2)
+            d = (c - ref_c) / n_c - (r - ref_r) / n_r
+            hand = ((d - 1 / (2 * beta)) ** 2).mean()
+    assert trl_loss == pytest.approx(hand.item(), rel=1e-6, abs=1e-7)
+    assert math.isfinite(trl_loss)
+
+
+def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
+    """compute_parts + merge (two workers, chunks of 4 pairs) give every pair's summed
+    log-probs as full logits do, in the tokenized order; a rerun computes only a chunk
+    that is missing."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snaketune import logps
+
+    _, _ = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
+    tokenized = tmp_path / "pairs.tok.parquet"
+    parts, out = tmp_path / "ref" / "parts", tmp_path / "ref" / "logps.parquet"
+    parts.mkdir(parents=True)
+    with mock.patch.object(logps, "CHUNK_PAIRS", 4):
+        assert [logps.compute_parts(tokenized, tiny_model, parts, w, 2, 3, "fp32", "sdpa")
+                for w in (0, 1)] == [2, 1]  # fmt: skip
+        (parts / "part-000001.parquet").unlink()
+        assert logps.compute_parts(tokenized, tiny_model, parts, 1, 2, 3, "fp32", "sdpa") == 1
+        table = logps.merge(tokenized, parts, out).to_pylist()
+    rows = pq.read_table(tokenized).to_pylist()
+    assert [t["example_id"] for t in table] == [r["example_id"] for r in rows]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with torch.no_grad():
+        c, r = plain_logps(model, logps.pair_batch(rows, tok.pad_token_id)).chunk(2)
+    for t, want_c, want_r in zip(table, c.tolist(), r.tolist(), strict=True):
+        assert t["ref_chosen_logps"] == pytest.approx(want_c, rel=1e-5)
+        assert t["ref_rejected_logps"] == pytest.approx(want_r, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def dpo_config(**run) -> dict:
+    config = load_yaml(ROOT / "config" / "config.yaml")
+    overlay = load_yaml(OVERLAY)
+    config["datasets"].update(copy.deepcopy(overlay["datasets"]))
+    p = copy.deepcopy(overlay["runs"]["dpo_demo"])
+    del p["init_from"]
+    config["runs"]["p"] = {**p, "model": "tiny", **run}
+    return config
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        ({"datasets": {"arith_pairs": {"columns": {"prompt": "question", "rejectd": "x"}}}},
+         "datasets.arith_pairs.columns.rejectd: unknown key; did you mean 'rejected'?"),
+        ({"runs": {"p": {"method": "lora", "dpo": {"beta": 0.2}}}},
+         "runs.p.dpo: only for method dpo; remove it or set method: dpo"),
+        ({"runs": {"p": {"dpo": {"loss_type": "sigmod"}}}}, "runs.p.dpo.loss_type"),
+        ({"runs": {"p": {"dataset": "arith"}}},
+         "runs.p.dataset: 'arith' (format prompt_response) has no pairs to tune on"),
+        ({"runs": {"p": {"dpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}}}},
+         "runs.p.dpo.loss_weights: 1 weights for 2 loss types"),
+    ],
+)  # fmt: skip
+def test_bad_dpo_configs_get_one_line(change, line):
+    config = dpo_config()
+    for section, entries in change.items():
+        for name, values in entries.items():
+            config[section][name].update(values)
+    with pytest.raises(ConfigError) as exc:
+        validate_config(config, ROOT)
+    assert line in str(exc.value), str(exc.value)
+
+
+def test_a_preference_set_needs_a_rejected_column(tmp_path, tiny_model):
+    from snaketune.errors import DataError
+
+    rows = [{"question": p["question"], "good": p["good"]} for p in PAIRS]
+    with pytest.raises(DataError, match="column 'bad' not found"):
+        run_tokenize(tmp_path, "norej", SPEC, rows, tiny_model)
+
+
+# ----------------------------------------------------------------------------- the chain
+
+SWEEP = {"runs": {"dpo_sweep": {"sweep": {"dpo.beta": [0.1, 0.3]}, "max_steps": 16}}}
+
+
+@pytest.fixture(scope="session")
+def dpo_chain(grpo_chain, tmp_path_factory):
+    """A copy of the GRPO chain (its sft_demo is the DPO run's start), then the DPO overlay
+    (its checkpoints kept whole: a test resumes from the older one) with a two-member beta
+    sweep of the same run, to the report."""
+    workdir = tmp_path_factory.mktemp("dpo") / "w"
+    subprocess.run(["cp", "-a", str(grpo_chain), str(workdir)], check=True)
+    overlay = load_yaml(OVERLAY)
+    sweep = {**copy.deepcopy(overlay["runs"]["dpo_demo"]), **SWEEP["runs"]["dpo_sweep"]}
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
+    start = time.monotonic()
+    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
+                     str(workdir / "sweep.yaml"), "--directory", str(workdir), "--config",
+                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
+                     "'dpo_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+    (workdir / "dpo.out").write_text(proc.stdout + proc.stderr)
+    (workdir / "dpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
+    return workdir
+
+
+def dpo_spec(**overrides) -> dict:
+    run = chain_config()["runs"]["dpo_demo"]
+    spec = {k: v for k, v in run.items()
+            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check")}  # fmt: skip
+    spec.update(overrides)
+    return spec
+
+
+@pytest.mark.slow
+def test_dpo_after_sft_learns_on_two_nodes(dpo_chain):
+    w = dpo_chain
+    metrics = read_jsonl(w / "results/dpo_demo/train/metrics.jsonl")
+    steps = chain_config()["runs"]["dpo_demo"]["max_steps"]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:  # what a DPO step logs
+        for key in ("loss", "reward_chosen", "reward_rejected", "reward_accuracy",
+                    "reward_margin", "logp_chosen", "logp_rejected", "tokens_per_s"):  # fmt: skip
+            assert key in m, (key, m)
+    # step 1 is scored before any update, against the precomputed reference: the model it
+    # starts from, so its rewards are 0 (fp32 log-probs of the same model, two batchings)
+    for key in ("reward_chosen", "reward_rejected", "reward_margin"):
+        assert abs(metrics[0][key]) < 1e-5, (key, metrics[0])
+    log = (w / "logs/train/dpo_demo.log").read_text()
+    assert "x 1 devices x 2 nodes x accumulation 1" in log, log[-2000:]
+    sft = json.loads((w / "results/sft_demo/eval/metrics.json").read_text())
+    dpo = json.loads((w / "results/dpo_demo/eval/metrics.json").read_text())
+    # held-out pairs: the tuned model's implicit reward ranks the right sum first
+    assert dpo["preference"]["pairs"] == 64
+    assert dpo["preference"]["preference_accuracy"] >= 0.9, dpo["preference"]
+    assert dpo["base"]["preference"]["preference_accuracy"] == 0.0
+    # the chosen sides are the held-out questions' right answers: exact match rose
+    assert dpo["base"]["exact_match"] == sft["exact_match"]  # the same 64 questions
+    assert dpo["exact_match"] >= sft["exact_match"] + 0.2, (sft["exact_match"], dpo["exact_match"])
+    summary = (w / "results/summary.tsv").read_text().splitlines()
+    header, rows = summary[0].split("\t"), [dict(zip(summary[0].split("\t"), r.split("\t"), strict=True)) for r in summary[1:]]  # fmt: skip
+    assert "preference_accuracy" in header and "reward_margin_last_quarter" in header
+    row = next(r for r in rows if r["run"] == "dpo_demo")
+    assert float(row["preference_accuracy"]) == pytest.approx(
+        dpo["preference"]["preference_accuracy"]
+    )
+    svg = next((w / "results/loss_curves").glob("dpo_demo*.svg")).read_text()
+    assert "preference" in svg and "reward accuracy" in svg
+
+
+@pytest.mark.slow
+def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
+    """dpo_demo and both members of the beta sweep start from sft_demo and train on the same
+    tokenized pairs: one reference_logps job served the three."""
+    w = dpo_chain
+    out = (w / "dpo.out").read_text()
+    assert out.count("rule reference_logps:") == 1, out[-3000:]
+    (ref,) = (w / "results/reference_logps").iterdir()
+    members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
+               for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip
+    assert {m["dpo"]["reference_logps"] for m in members} == {
+        f"results/reference_logps/{ref.name}/logps.parquet"
+    }
+    assert [m["dpo"]["beta"] for m in members] == [0.1, 0.1, 0.3]
+    assert pq.read_table(ref / "logps.parquet").num_rows == 2048
+
+
+@pytest.mark.slow
+def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo_chain, tmp_path):
+    """One epoch (32 steps) of the demo's DPO run on its shards, the reference precomputed
+    and live (LoRA: the adapter off): the same losses and rewards at every step (fp32,
+    relative 1e-5); every pair the plan keeps trained exactly once across the 2 nodes."""
+    w = dpo_chain
+    shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
+    ref = next((w / "results/reference_logps").iterdir()) / "logps.parquet"
+    runs = {}
+    for how in ("precomputed", "live"):
+        work = tmp_path / how
+        work.mkdir()
+        spec = dpo_spec(max_steps=32, save_steps=100)
+        spec["dpo"] = {**spec["dpo"], "reference": how, "reference_logps": str(ref)}
+        proc = launch_train(work, spec, shards, model, "zero2", "--log-example-ids",
+                            str(work / "ids"))  # fmt: skip
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+        runs[how] = read_jsonl(work / "results/x/train/metrics.jsonl")
+    for a, b in zip(runs["precomputed"], runs["live"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        for key in ("reward_chosen", "reward_rejected", "logp_chosen"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    planned = []
+    for node in range(2):
+        table = pq.read_table(shards / f"node-{node}.parquet", columns=["example_id"])
+        planned += table.column("example_id").to_pylist()
+    trained = []
+    for rank in range(2):
+        trained += (tmp_path / "live/ids" / f"rank-{rank}.txt").read_text().split()
+    assert manifest["steps_per_epoch"] == 32
+    assert sorted(trained) == sorted(planned)  # each kept pair once, on one rank
+    assert len(set(trained)) == len(trained) == 32 * 64
+
+
+@pytest.mark.slow
+def test_killed_dpo_run_resumes_to_the_same_losses(dpo_chain, tmp_path):
+    """The pipeline's DPO run again from its next-to-last checkpoint: the launcher killed
+    two steps later (no orphan), the rerun resumes there, and every step after it logs the
+    losses and rewards of the uninterrupted run."""
+    import shutil
+
+    import psutil
+
+    w = dpo_chain
+    spec = dpo_spec()
+    spec["dpo"] = {**spec["dpo"], "reference_logps": str(
+        next((w / "results/reference_logps").iterdir()) / "logps.parquet")}  # fmt: skip
+    shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
+    ckpt = tmp_path / "results/x/train/checkpoints"
+    shutil.copytree(w / "results/dpo_demo/train/checkpoints", ckpt)
+    steps, every = spec["max_steps"], spec["save_steps"]
+    start = (steps - 1) // every * every
+    shutil.rmtree(ckpt / f"checkpoint-{steps}")
+    live = ckpt / "metrics.jsonl"
+    proc = launch_train(tmp_path, spec, shards, model, "zero2")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            rows = read_jsonl(live) if live.exists() and live.read_text() else []
+            if rows and start + 2 <= rows[-1]["step"] < steps:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.05)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
+    finally:
+        proc.kill()
+        proc.communicate()
+    out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
+    assert f"resuming from checkpoint-{start}" in out, out[-3000:]
+    resumed = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    reference = read_jsonl(w / "results/dpo_demo/train/metrics.jsonl")
+    assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # every step once
+    for a, b in zip(resumed[start:], reference[start:], strict=True):
+        for key in ("loss", "reward_chosen", "reward_rejected", "reward_margin"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_reference_key_is_shared_by_what_it_depends_on_only():
+    from snaketune.stages import reference_jobs, reference_key
+
+    config = dpo_config()
+    config["runs"]["q"] = {**copy.deepcopy(config["runs"]["p"]), "dpo": {"beta": 0.5},
+                           "learning_rate": 1e-4}  # fmt: skip
+    config["runs"]["other_data"] = {**copy.deepcopy(config["runs"]["p"]),
+                                    "dataset": "arith_pairs_test", "eval_dataset": "arith_test"}  # fmt: skip
+    config["runs"]["live"] = {**copy.deepcopy(config["runs"]["p"]), "dpo": {"reference": "live"}}
+    config = validate_config(config, ROOT)
+    keys = {run: reference_key(config, run) for run in ("p", "q", "other_data", "live")}
+    assert keys["p"] == keys["q"]  # beta and the learning rate leave the reference as it is
+    assert keys["other_data"] not in (None, keys["p"])
+    assert keys["live"] is None
+    assert reference_jobs(config) == {keys["p"]: "p", keys["other_data"]: "other_data"}
+
+
+def test_memory_plan_counts_pairs_and_a_live_full_reference():
+    from snaketune.memplan import setup_of
+
+    ds = {"zero_optimization": {"stage": 2}}
+    run = validate_config(dpo_config(), ROOT)["runs"]["p"]
+    lora = setup_of(run, ds)
+    assert lora.micro_batch_size == 2 * run["micro_batch_size"]  # chosen and rejected
+    assert not lora.reference  # LoRA: the adapter off
+    full = {k: v for k, v in run.items() if k != "lora"}
+    assert not setup_of(full, ds).reference  # precomputed: no copy in training
+    assert setup_of({**full, "dpo": {**run["dpo"], "reference": "live"}}, ds).reference
