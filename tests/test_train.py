@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, train
+from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, workers_after
 from safetensors.torch import load_file
 
 from snaketune.checkpoints import COMPLETE, checkpoints
@@ -160,11 +160,24 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
 
 
 def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path):
-    """A 1-minute time limit (the rule's runtime off SLURM): each segment stops at a step end
+    """A 1-minute time limit (the rule's runtime off SLURM): a segment stops at a step end
     ahead of it, saves, and the next segment continues; no step twice, the losses of the
-    uninterrupted demo run."""
-    out = train(tmp_path, run_spec(), demo / "results/demo/shards", demo / "resources/models/tiny",
-                "zero2", "--time-limit", "1", "--stop-margin", "10")  # fmt: skip
+    uninterrupted demo run. The workers are paused (SIGSTOP) after the first checkpoint until
+    the limit is near, as a slow stretch would: the stop does not depend on how fast this
+    machine trains (a fast one finished the demo inside the limit)."""
+    began = time.time()
+    proc = launch_train(tmp_path, run_spec(), demo / "results/demo/shards",
+                        demo / "resources/models/tiny", "zero2", "--time-limit", "1",
+                        "--stop-margin", "10")  # fmt: skip
+    out = tmp_path / "results/x/train"
+    workers = workers_after(proc, out / "checkpoints/checkpoint-50" / COMPLETE)
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    time.sleep(max(0.0, began + 65 - time.time()))  # the launcher started after `began`
+    for w in workers:
+        w.send_signal(signal.SIGCONT)
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-5000:]
     segments = read_jsonl(out / "checkpoints/segments.jsonl")
     reasons = [s["reason"] for s in segments]
     assert len(segments) >= 2 and set(reasons[:-1]) == {"time"} and reasons[-1] == "done", segments
