@@ -259,6 +259,49 @@ def workers_after(proc: subprocess.Popen, done: Path, timeout: float = 300) -> l
             if "--worker" in p.cmdline()]  # fmt: skip
 
 
+def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Path,
+                    model: Path) -> tuple[int, list[dict]]:  # fmt: skip
+    """A pipeline run's training again from its next-to-last checkpoint (its checkpoints
+    directory copied, the last checkpoint left out): the launcher is killed two steps later
+    (asserting no orphan worker), then rerun; asserts it resumes there and logs every step
+    once. Returns (that step, the resumed run's metrics) for the caller's figures."""
+    import shutil
+    import time
+
+    import psutil
+
+    ckpt = workdir / "results/x/train/checkpoints"
+    shutil.copytree(pipeline_train / "checkpoints", ckpt)
+    steps, every = spec["max_steps"], spec["save_steps"]
+    start = (steps - 1) // every * every  # the last periodic save before the final one
+    saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
+    assert saved == [start, steps], saved
+    shutil.rmtree(ckpt / f"checkpoint-{steps}")
+    live = ckpt / "metrics.jsonl"
+    proc = launch_train(workdir, spec, shards, model, "zero2")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            rows = read_jsonl(live) if live.exists() and live.read_text() else []
+            if rows and start + 2 <= rows[-1]["step"] < steps:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.05)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
+    finally:
+        proc.kill()
+        proc.communicate()
+    out, _ = launch_train(workdir, spec, shards, model, "zero2").communicate(timeout=600)
+    assert f"resuming from checkpoint-{start}" in out, out[-3000:]
+    resumed = read_jsonl(workdir / "results/x/train/metrics.jsonl")
+    uninterrupted = read_jsonl(pipeline_train / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [m["step"] for m in uninterrupted]  # each step once
+    return start, resumed
+
+
 def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str) -> Path:
     """Run scripts/train.py to the end; return results/x/train."""
     proc = launch_train(workdir, spec, shards, model, preset, *extra)

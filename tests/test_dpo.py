@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import subprocess
 import time
 
@@ -17,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ROOT, launch_train, read_jsonl, snakemake
+from conftest import ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.config import load_yaml, validate_config
@@ -258,14 +259,14 @@ SWEEP = {"runs": {"dpo_sweep": {"sweep": {"dpo.beta": [0.1, 0.3]}, "max_steps": 
 def dpo_chain(grpo_chain, tmp_path_factory):
     """A copy of the GRPO chain (its sft_demo is the DPO run's start), then the DPO overlay
     (its checkpoints kept whole: a test resumes from the older one) with a two-member beta
-    sweep of the same run, to the report."""
+    sweep of the same run, to the report and the DPO run's dry-run publish folder."""
     workdir = tmp_path_factory.mktemp("dpo") / "w"
     subprocess.run(["cp", "-a", str(grpo_chain), str(workdir)], check=True)
     overlay = load_yaml(OVERLAY)
     sweep = {**copy.deepcopy(overlay["runs"]["dpo_demo"]), **SWEEP["runs"]["dpo_sweep"]}
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
     start = time.monotonic()
-    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
+    proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
                      str(workdir / "sweep.yaml"), "--directory", str(workdir), "--config",
                      "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
                      "'dpo_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
@@ -376,45 +377,75 @@ def test_killed_dpo_run_resumes_to_the_same_losses(dpo_chain, tmp_path):
     """The pipeline's DPO run again from its next-to-last checkpoint: the launcher killed
     two steps later (no orphan), the rerun resumes there, and every step after it logs the
     losses and rewards of the uninterrupted run."""
-    import shutil
-
-    import psutil
-
     w = dpo_chain
     spec = dpo_spec()
     spec["dpo"] = {**spec["dpo"], "reference_logps": str(
         next((w / "results/reference_logps").iterdir()) / "logps.parquet")}  # fmt: skip
     shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
-    ckpt = tmp_path / "results/x/train/checkpoints"
-    shutil.copytree(w / "results/dpo_demo/train/checkpoints", ckpt)
-    steps, every = spec["max_steps"], spec["save_steps"]
-    start = (steps - 1) // every * every
-    shutil.rmtree(ckpt / f"checkpoint-{steps}")
-    live = ckpt / "metrics.jsonl"
-    proc = launch_train(tmp_path, spec, shards, model, "zero2")
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            rows = read_jsonl(live) if live.exists() and live.read_text() else []
-            if rows and start + 2 <= rows[-1]["step"] < steps:
-                break
-            assert proc.poll() is None, proc.communicate()[0]
-            time.sleep(0.05)
-        family = psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        _, alive = psutil.wait_procs(family, timeout=30)
-        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
-    finally:
-        proc.kill()
-        proc.communicate()
-    out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
-    assert f"resuming from checkpoint-{start}" in out, out[-3000:]
-    resumed = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    start, resumed = kill_and_resume(w / "results/dpo_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/dpo_demo/train/metrics.jsonl")
-    assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # every step once
     for a, b in zip(resumed[start:], reference[start:], strict=True):
         for key in ("loss", "reward_chosen", "reward_rejected", "reward_margin"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_dpo_continues_on_one_node_from_its_two_node_checkpoint(dpo_chain, tmp_path):
+    """dpo_demo's training taken back to checkpoint-100 and rerun with nodes: 1 through the
+    local profile: its pairs resharded (not tokenized again), the reference's log-probs
+    reused (they do not depend on the layout), the accumulation adapted (global batch 64
+    kept), and the steps after 100 log the uninterrupted 2-node run's losses and rewards."""
+    work = tmp_path / "w"
+    subprocess.run(["cp", "-a", str(dpo_chain), str(work)], check=True)
+    train_dir = work / "results/dpo_demo/train"
+    for p in train_dir.iterdir():
+        if p.name != "checkpoints":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    shutil.rmtree(train_dir / "checkpoints/checkpoint-128")
+    proc = snakemake("results/dpo_demo/train/metrics.jsonl", "--configfile",
+                     str(ROOT / "config/config.yaml"), str(OVERLAY), "--directory", str(work),
+                     "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "
+                     "'dpo_demo': {'nodes': 1, 'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "rule shard_dataset:" in out and "rule tokenize_dataset:" not in out, out[-3000:]
+    assert "rule reference_logps:" not in out, out[-3000:]  # the layout is not in its key
+    assert "gradient_accumulation_steps 1 -> 2 on 1 node x 1 GPU" in out, out[-3000:]
+    log = (work / "logs/train/dpo_demo.log").read_text()
+    assert "continuing dpo_demo at step 100 on 1 node x 1 GPU" in log, log[-3000:]
+    assert "resuming from checkpoint-100" in log and "starting fresh" not in log
+    got = read_jsonl(train_dir / "metrics.jsonl")
+    want = read_jsonl(dpo_chain / "results/dpo_demo/train/metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got[100:], want[100:], strict=True):  # measured: 2e-7 relative at most
+        for key in ("loss", "reward_chosen", "reward_rejected", "reward_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_publish_dry_run_of_the_dpo_model(dpo_chain):
+    """`snakemake publish` with the DPO overlay: the merged DPO model's folder, its card with
+    the DPO keys and the held-out preference figures, nothing uploaded, no secret."""
+    from huggingface_hub import ModelCard
+
+    w = dpo_chain
+    folder = w / "results/dpo_demo/publish"
+    names = sorted(p.name for p in folder.iterdir())
+    assert "model.safetensors" in names and "tokenizer.json" in names, names
+    receipt = json.loads((w / "results/dpo_demo/publish.json").read_text())
+    assert receipt["dry_run"] is True and "url" not in receipt
+    merged = w / "results/dpo_demo/merged_model/model.safetensors"
+    assert (folder / "model.safetensors").read_bytes() == merged.read_bytes()
+    card = ModelCard.load(folder / "README.md")
+    figures = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    dpo = json.loads((w / "results/dpo_demo/eval/metrics.json").read_text())
+    assert figures["preference_accuracy"] == pytest.approx(dpo["preference"]["preference_accuracy"])
+    assert figures["reward_margin"] == pytest.approx(dpo["preference"]["reward_margin"])
+    assert figures["exact_match"] == pytest.approx(dpo["exact_match"])
+    assert "dpo" in card.data.tags
+    text = card.text
+    assert "continuing run `sft_demo`" in text and '"loss_type": [' in text, text
+    assert "reference_logps" not in text and str(w) not in text  # no local path
+    assert leaked_secrets(w) == []
 
 
 def test_reference_key_is_shared_by_what_it_depends_on_only():

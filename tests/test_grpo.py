@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
-import psutil
 import pytest
 import yaml
-from conftest import ENV, FAKE_SECRETS, ROOT, launch_train, leaked_secrets, read_jsonl
+from conftest import ENV, FAKE_SECRETS, ROOT, kill_and_resume, leaked_secrets, read_jsonl
 
 from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
@@ -112,41 +110,12 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     (no orphan), the rerun resumes from that checkpoint again, and the steps after it log
     the rewards and losses of the uninterrupted pipeline run: the rollouts after a resume
     are the same samples."""
-    import shutil
-
     w = grpo_chain
     spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
             if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
-    ckpt = tmp_path / "results/x/train/checkpoints"
-    shutil.copytree(w / "results/rl_demo/train/checkpoints", ckpt)
-    steps, every = spec["max_steps"], spec["save_steps"]
-    start = (steps - 1) // every * every  # the last periodic save before the final one
-    saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
-    assert saved == [start, steps], saved
-    shutil.rmtree(ckpt / f"checkpoint-{steps}")
-    live = ckpt / "metrics.jsonl"
-    proc = launch_train(tmp_path, spec, shards, model, "zero2")
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            rows = read_jsonl(live) if live.exists() and live.read_text() else []
-            if rows and start + 2 <= rows[-1]["step"] < steps:
-                break
-            assert proc.poll() is None, proc.communicate()[0]
-            time.sleep(0.1)
-        family = psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        _, alive = psutil.wait_procs(family, timeout=30)
-        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
-    finally:
-        proc.kill()
-        proc.communicate()
-    out, _ = launch_train(tmp_path, spec, shards, model, "zero2").communicate(timeout=600)
-    assert f"resuming from checkpoint-{start}" in out, out[-3000:]
-    resumed = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    start, resumed = kill_and_resume(w / "results/rl_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
-    assert [m["step"] for m in resumed] == [m["step"] for m in reference]  # every step once
     for a, b in zip(resumed[start:], reference[start:], strict=True):
         for key in ("loss", "reward", "reward_correctness_mean", "reward_format_mean", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)

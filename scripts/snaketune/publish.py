@@ -33,7 +33,11 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json",
 # Run keys shown as hyperparameters in the card.
 CARD_KEYS = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "epochs", "max_steps",
              "micro_batch_size", "gradient_accumulation_steps", "nodes", "gpus_per_node",
-             "max_length", "packing", "deepspeed", "seed", "lora", "grpo")  # fmt: skip
+             "max_length", "packing", "deepspeed", "seed", "lora", "grpo", "dpo")  # fmt: skip
+# Held-out preference figures of a DPO run (metrics.json's `preference`), for the card.
+PREFERENCE_FIGURES = (("preference_accuracy", "preference accuracy"),
+                      ("reward_margin", "reward margin"),
+                      ("likelihood_accuracy", "likelihood accuracy"))  # fmt: skip
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -75,6 +79,10 @@ def eval_results(metrics: dict[str, Any], dataset: str):
                       ("loss", "held-out loss"), ("perplexity", "perplexity")):  # fmt: skip
         if metrics.get(key) is not None:
             out.append(result(key, metrics[key], name))
+    preference = metrics.get("preference") or {}
+    for key, name in PREFERENCE_FIGURES:
+        if preference.get(key) is not None:
+            out.append(result(key, preference[key], f"held-out {name}"))
     for task, figures in (metrics.get("lm_eval") or {}).items():
         for key, figure in figures.items():
             if figure.get("value") is not None:
@@ -98,6 +106,8 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         eval_results=eval_results(metrics, spec.get("eval_dataset", "eval")) or None,
     )
     hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
+    if "dpo" in hyper:  # the reference's log-probs file is a local path
+        hyper["dpo"] = {k: v for k, v in hyper["dpo"].items() if k != "reference_logps"}
     rows = "\n".join(f"| {r.dataset_name} | {r.metric_name} | {r.metric_value:.4g} |"
                      for r in (data.eval_results or []))  # fmt: skip
 

@@ -177,12 +177,19 @@ def reference_gres(wildcards):
     return f"gpu:{reference_run(wildcards)['gpus_per_node']}"
 
 
+def reference_gpus(wildcards):
+    return reference_run(wildcards)["gpus_per_node"]
+
+
+def reference_batch(wildcards):
+    return reference_run(wildcards)["micro_batch_size"]
+
+
 def reference_settings(wildcards):
+    """What the log-probs depend on besides the inputs (also in the output's key)."""
     r = reference_run(wildcards)
     return (
-        f"--nodes {r['nodes']} --gpus-per-node {r['gpus_per_node']}"
-        f" --batch-pairs {r['micro_batch_size']} --precision {r['precision']}"
-        f" --attn-implementation {r['attn_implementation']}"
+        f"--precision {r['precision']} --attn-implementation {r['attn_implementation']}"
     )
 
 

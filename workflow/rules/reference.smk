@@ -16,7 +16,9 @@ rule reference_logps:
         "../../envs/snaketune.yaml"
     threads: reference_threads
     # On the GPUs of the run it serves (data parallel: one worker per GPU, on each of its
-    # nodes); a rerun after a kill computes only the chunks not written yet.
+    # nodes); a rerun after a kill computes only the chunks not written yet. The layout and
+    # batch are resources, not params: they change how fast, not what (the output's key), so
+    # a run continued on another node count reuses the log-probs.
     resources:
         mem_mb=16000,
         runtime=240,
@@ -25,8 +27,12 @@ rule reference_logps:
         mpi=reference_mpi,
         gres=reference_gres,
         tasks_per_gpu=0,
+        workers_per_node=reference_gpus,
+        batch_pairs=reference_batch,
     params:
         settings=reference_settings,
     shell:
         "python {input.script} --tokenized {input.tokenized} --model {input.model}"
-        " {params.settings} --out {output.logps} > {log} 2>&1"
+        " --nodes {resources.nodes} --gpus-per-node {resources.workers_per_node}"
+        " --batch-pairs {resources.batch_pairs} {params.settings} --out {output.logps}"
+        " > {log} 2>&1"
