@@ -3,6 +3,7 @@
     python bench/train_throughput.py                  # CPU: ~13M-parameter Llama, micro batch 8
     python bench/train_throughput.py --steps 40 --warmup 8
     python bench/train_throughput.py --gpu            # one GPU: Llama-3.2-1B shape, the table
+    python bench/train_throughput.py --qlora          # CPU: LoRA against QLoRA (4-bit base)
 
 Examples are random token ids whose lengths follow GSM8K's spread with the demo's chat
 template (a clipped log-normal, median 180 tokens, 5-95% 104-310; random micro batches of
@@ -21,8 +22,12 @@ sdpa and eager: padded, rows of at most max_length (block-diagonal mask), one ro
 all (block-diagonal mask), and one row under sdpa_segments (what decides which packed
 layout the CPU path uses). Target: packed / padded >= 1.4, same loss per token.
 
+QLoRA mode (CPU, same model and examples, packed): LoRA r16 on every linear layer with the
+base in fp32 against the same adapter on a 4-bit NF4 base (lora.quantize: 4bit): real
+tokens/s, peak memory (RSS) and loss per token.
+
 GPU mode (1 node x 1 GPU, bf16, random weights, max_length 2048): every combination of
-method (LoRA r16, full), packing (on, off), attention (sdpa, flash_attention_2 when
+method (LoRA r16, QLoRA r16, full), packing (on, off), attention (sdpa, flash_attention_2 when
 installed) and Liger (on, off when installed): tokens/s per GPU, MFU and peak memory.
 """
 
@@ -184,6 +189,46 @@ def layout_timings(model_dir: Path, tokenized: Path, micro: int, rows: int, batc
     return out
 
 
+LORA = {
+    "r": 16,
+    "alpha": 32,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "modules_to_save": [],
+    "quant_type": "nf4",
+    "double_quant": True,
+    "compute_dtype": "auto",
+}
+
+
+def qlora(args: argparse.Namespace) -> None:
+    """LoRA against QLoRA on CPU: the same model, examples and adapter."""
+    n = args.micro_batch_size * args.steps
+    lengths = gsm8k_lengths(n)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model, params = make_model(tmp / "model", gpu=False, layers=args.layers)
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        tokenized = write_tokenized(tmp / "tokenized.parquet", lengths, vocab)
+        sides = {}
+        for name, quantize in (("LoRA", "none"), ("QLoRA (4-bit NF4 base)", "4bit")):
+            run = {"method": "lora", "attn_implementation": "sdpa", "max_length": 512,
+                   "learning_rate": 1e-4, "lora": {**LORA, "quantize": quantize}}  # fmt: skip
+            records = train_side(tmp, name.split()[0], tokenized, model, args.micro_batch_size,
+                                 args.steps, True, **run)  # fmt: skip
+            sides[name] = steady(records, args.warmup)
+    print(f"machine: {os.cpu_count()} cores, CPU, 1 node x 1 process; Llama {params / 1e6:.1f}M "
+          f"parameters ({args.layers} layers, hidden 384), LoRA r16 on every linear layer, fp32, "
+          f"packed, ZeRO-2; micro batch {args.micro_batch_size}, {args.steps} steps (first "
+          f"{args.warmup} left out)")  # fmt: skip
+    print("| run | real tokens/s | peak RSS GiB | loss/token |")
+    print("|---|---:|---:|---:|")
+    for name, s in sides.items():
+        print(f"| {name} | {s['tokens_per_s']:,.0f} | {s['peak_gib']:.2f} | {s['loss']:.4f} |")
+
+
 def cpu(args: argparse.Namespace) -> None:
     from snaketune.packing import SEGMENTS
 
@@ -242,13 +287,14 @@ def gpu(args: argparse.Namespace) -> None:
         model, _ = make_model(tmp / "model", gpu=True, layers=16)
         tokenized = write_tokenized(tmp / "tokenized.parquet", lengths, 128256)
         for method, packing, attention, liger in itertools.product(
-            ("lora", "full"), (True, False), attentions, ligers
+            ("lora", "qlora", "full"), (True, False), attentions, ligers
         ):
             run = {"method": method, "attn_implementation": attention, "liger_kernel": liger,
                    "max_length": 2048, "precision": "bf16", "learning_rate": 1e-5,
                    "gradient_checkpointing": args.gradient_checkpointing}  # fmt: skip
-            if method == "lora":
-                run["lora"] = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+            if method in ("lora", "qlora"):
+                run["lora"] = {**LORA, "quantize": "4bit" if method == "qlora" else "none"}
+                run["method"] = "lora"
             name = f"{method}-{packing}-{attention}-{liger}"
             try:
                 records = train_side(tmp, name, tokenized, model, args.micro_batch_size,
@@ -281,9 +327,10 @@ def main() -> int:
         "--layout-batches", type=int, default=6, help="micro batches timed per layout"
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="GPU mode")
+    parser.add_argument("--qlora", action="store_true", help="CPU: LoRA against QLoRA")
     args = parser.parse_args()
     args.micro_batch_size = args.micro_batch_size or (32 if args.gpu else 8)
-    (gpu if args.gpu else cpu)(args)
+    (gpu if args.gpu else qlora if args.qlora else cpu)(args)
     return 0
 
 

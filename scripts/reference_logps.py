@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from snaketune import qlora
 from snaketune.cli import run
 from snaketune.logps import compute_parts, merge, threads_per_worker
 from snaketune.model import resolve_precision
@@ -56,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-pairs", type=int, default=8, help="pairs per forward pass")
     parser.add_argument("--precision", default="auto", help="the run's precision")
     parser.add_argument("--attn-implementation", default="auto", help="the run's attention")
+    parser.add_argument("--quantize", default="none", choices=["none", "4bit"],
+                        help="the run's lora.quantize (a 4-bit base)")  # fmt: skip
+    parser.add_argument("--quant-type", default="nf4", help="the run's lora.quant_type")
+    parser.add_argument("--double-quant", default="true", choices=["true", "false"],
+                        help="the run's lora.double_quant")  # fmt: skip
+    parser.add_argument("--compute-dtype", default="auto", help="the run's lora.compute_dtype")
     parser.add_argument("--out", required=True, help="the log-probs parquet to write")
     parser.add_argument("--node", type=int, help="(internal) start this node's workers")
     parser.add_argument("--worker", type=int, help="(internal) compute as this worker")
@@ -67,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     shared = ["--tokenized", args.tokenized, "--model", args.model, "--nodes", str(args.nodes),
               "--gpus-per-node", str(args.gpus_per_node), "--batch-pairs", str(args.batch_pairs),
               "--precision", args.precision, "--attn-implementation", args.attn_implementation,
+              "--quantize", args.quantize, "--quant-type", args.quant_type,
+              "--double-quant", args.double_quant, "--compute-dtype", args.compute_dtype,
               "--out", args.out]  # fmt: skip
     if args.worker is not None:  # one device's share
         from snaketune.runlock import die_with_parent
@@ -75,9 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.getppid() != args.parent:
             return 1  # that process is already gone
         parts.mkdir(parents=True, exist_ok=True)
+        precision = resolve_precision(args.precision)
+        lora = {
+            "quantize": args.quantize,
+            "quant_type": args.quant_type,
+            "double_quant": args.double_quant == "true",
+            "compute_dtype": args.compute_dtype,
+        }
+        quantize = qlora.settings({"method": "lora", "lora": lora}, precision)
         done = compute_parts(args.tokenized, args.model, parts, args.worker, args.workers,
-                             args.batch_pairs, resolve_precision(args.precision),
-                             resolve_attention(args.attn_implementation))  # fmt: skip
+                             args.batch_pairs, precision,
+                             resolve_attention(args.attn_implementation), quantize)  # fmt: skip
         log.info("worker %d: %d chunks computed", args.worker, done)
         return 0
     if args.node is not None:  # one node's workers (an srun task)
@@ -96,7 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "the rest", code)  # fmt: skip
         return code
     table = merge(args.tokenized, parts, out)
-    settings = {"precision": args.precision, "attn_implementation": args.attn_implementation}
+    settings = {
+        "precision": args.precision,
+        "attn_implementation": args.attn_implementation,
+        "quantize": args.quantize,
+    }
     inputs = {"tokenized": args.tokenized, "model": args.model}
     prov = record("reference_logps", str(out), settings, inputs,
                   output_hashes(out.parent, [out.name]))  # fmt: skip

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv and install the stack.
 #
-#   bash scripts/setup_env.sh            # runtime stack, lm-eval (the eval extra), dev tools
+#   bash scripts/setup_env.sh            # runtime stack, lm-eval and bitsandbytes (eval, qlora extras), dev tools
 #
 # torch: on a machine with an NVIDIA driver (nvidia-smi answers) pip installs torch==2.13.0
 # from PyPI, which is the CUDA build. Without one it installs the same version, and pip
@@ -44,7 +44,7 @@ fi
 
 # The rest of the stack. torch is already satisfied, so nothing pulls another build.
 # DeepSpeed ships as an sdist; its ops are JIT-compiled on first use.
-pip_install -e ".[dev,eval]"
+pip_install -e ".[dev,eval,qlora]"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
 # Without a GPU, DeepSpeed's CPU collective op is compiled (about 30 s) the first time a
 # training starts; compile it here once, into torch's extension cache, instead.

@@ -76,11 +76,13 @@ def places(tmp_path_factory, demo) -> dict[str, Path]:
     config.json, one outside the repository, the finished demo."""
     base = tmp_path_factory.mktemp("docs")
     planned = base / "planned"
-    for name, spec in yaml.safe_load(NEWCOMER.read_text())["models"].items():
-        (planned / "resources/models" / name).mkdir(parents=True)
-        (planned / "resources/models" / name / "config.json").write_text(
-            json.dumps(SHAPES[spec["id"]])
-        )
+    for example in sorted((ROOT / "config/examples").glob("*.yaml")):  # the newcomer's and all
+        for name, spec in yaml.safe_load(example.read_text())["models"].items():
+            (planned / "resources/models" / name).mkdir(parents=True, exist_ok=True)
+            (planned / "resources/models" / name / "config.json").write_text(
+                json.dumps(SHAPES[spec["id"]])
+            )
+    (planned / "config").symlink_to(ROOT / "config")  # documented paths are the repository's
     (base / "elsewhere").mkdir()
     return {"bin": stand_in_slurm(base / "bin"), "planned": planned,
             "elsewhere": base / "elsewhere", "demo": demo, "base": base}  # fmt: skip

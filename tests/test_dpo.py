@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
+from conftest import ENV, ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.config import load_yaml, validate_config
@@ -370,6 +370,40 @@ def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo
     assert manifest["steps_per_epoch"] == 32
     assert sorted(trained) == sorted(planned)  # each kept pair once, on one rank
     assert len(set(trained)) == len(trained) == 32 * 64
+
+
+@pytest.mark.slow
+def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
+    """dpo_demo on a 4-bit base (lora.quantize): its reference is the same 4-bit base with
+    the adapter off, so rule reference_logps scores the pairs in 4 bits (the run's
+    settings) and the first step's rewards are 0; against the unquantized reference they
+    are not."""
+    import sys
+
+    w = dpo_chain
+    tokenized = next((w / "results/tokenized").glob("arith_pairs__*/data.parquet"))
+    shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
+    out = tmp_path / "ref4/logps.parquet"
+    subprocess.run([sys.executable, str(ROOT / "scripts/reference_logps.py"), "--tokenized",
+                    str(tokenized), "--model", str(model), "--nodes", "2", "--batch-pairs", "32",
+                    "--quantize", "4bit", "--out", str(out)], check=True, env=ENV,
+                   capture_output=True)  # fmt: skip
+    rewards = {}
+    for name, ref in (("4bit", out), ("unquantized", next(
+            (w / "results/reference_logps").iterdir()) / "logps.parquet")):  # fmt: skip
+        spec = dpo_spec(max_steps=2, save_steps=100)
+        spec["lora"] = {**spec["lora"], "quantize": "4bit", "quant_type": "nf4",
+                        "double_quant": True, "compute_dtype": "auto"}  # fmt: skip
+        spec["dpo"] = {**spec["dpo"], "reference_logps": str(ref)}
+        (tmp_path / name).mkdir()
+        proc = launch_train(tmp_path / name, spec, shards, model, "zero2")
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, log[-3000:]
+        assert "4-bit base: 14 linear layers" in log
+        rewards[name] = read_jsonl(tmp_path / name / "results/x/train/metrics.jsonl")[0]
+    for key in ("reward_chosen", "reward_rejected"):
+        assert abs(rewards["4bit"][key]) < 1e-5, rewards["4bit"]
+    assert abs(rewards["unquantized"]["reward_chosen"]) > 1e-3, rewards["unquantized"]
 
 
 @pytest.mark.slow

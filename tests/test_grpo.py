@@ -11,7 +11,15 @@ import json
 
 import pytest
 import yaml
-from conftest import ENV, FAKE_SECRETS, ROOT, kill_and_resume, leaked_secrets, read_jsonl
+from conftest import (
+    ENV,
+    FAKE_SECRETS,
+    ROOT,
+    kill_and_resume,
+    launch_train,
+    leaked_secrets,
+    read_jsonl,
+)
 
 from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
@@ -206,3 +214,28 @@ def test_upload_creates_a_private_repo_and_needs_a_token(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="no Hugging Face token; export HF_TOKEN"):
         publish.upload(tmp_path, "me/model", private=False)
     assert calls == []
+
+
+@pytest.mark.slow
+def test_grpo_on_a_4bit_base(grpo_chain, tmp_path):
+    """rl_demo on a 4-bit base (lora.quantize): 4-bit in the worker (read from its modules),
+    and its KL reference is that same 4-bit base with the adapter off, so the first step's KL
+    is 0 (the adapter starts as the identity); the adapter and its quantization record are
+    written."""
+    from snaketune import qlora
+
+    w = grpo_chain
+    spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
+            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
+    spec.update(max_steps=6, save_steps=100)
+    spec["lora"] = {**spec["lora"], "quantize": "4bit"}
+    shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
+    proc = launch_train(tmp_path, spec, shards, model, "zero2")
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    assert "4-bit base: 14 linear layers in nf4" in log, log[-3000:]
+    rows = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert abs(rows[0]["kl"]) < 1e-6, rows[0]
+    assert all(r["loss"] == r["loss"] and r["reward"] == r["reward"] for r in rows)  # no NaN
+    assert qlora.read_record(tmp_path / "results/x/train/model")["modules"]

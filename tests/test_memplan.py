@@ -143,7 +143,7 @@ def _plan(config: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "example,gpu",
     [("llama3.2-1b-gsm8k-full-2x8.yaml", "h100-80gb"), ("coder-6.7b-lora-2x4.yaml", "a100-40gb"),
-     ("qwen-32b-zero3-offload-4x4.yaml", "a100-80gb")],
+     ("qwen-32b-zero3-offload-4x4.yaml", "a100-80gb"), ("qwen-32b-qlora-1x4.yaml", "a100-40gb")],
 )  # fmt: skip
 def test_config_examples_plan_as_fitting(tmp_path, example, gpu):
     proc = _plan(_example_root(tmp_path, example), "--gpu", gpu, "--json")
@@ -299,3 +299,91 @@ def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch)
     # once per model and process: a second run of the same model asks nothing
     assert fit.hub_config_json("org/m", None)[0] is None and calls == [True, True]
     fit.hub_config_json.cache_clear()
+
+
+# ----------------------------------------------------------------------------- 4-bit base
+
+
+def _llama(tmp_path: Path, **sizes) -> Path:
+    """A random Llama with the given sizes, saved in fp32 (offline)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+                            "num_hidden_layers": 4, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, **sizes})  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
+    """The plan's 4-bit weights against a model bitsandbytes really loaded: its parameters
+    (4-bit packed and fp32) plus each layer's quantization constants, within 1%."""
+    import torch
+
+    from snaketune.model import build_model
+
+    path = _llama(tmp_path)
+    q = {"bits": 4, "quant_type": "nf4", "double_quant": double_quant, "blocksize": 64,
+         "load_dtype": "fp32", "compute_dtype": "fp32"}  # fmt: skip
+    model = build_model(path, "fp32", "sdpa", q)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            held += state.absmax.numel() * state.absmax.element_size()
+            if state.state2 is not None:
+                held += state.state2.absmax.numel() * state.state2.absmax.element_size()
+    shape = Shape.from_config(json.loads((path / "config.json").read_text()))
+    s = setup(method="lora", lora_r=8, bytes_per_weight=4, nodes=1, gpus_per_node=1,
+              quantized=True, double_quant=double_quant)  # fmt: skip
+    assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
+    unquantized = model_states(shape, replace(s, quantized=False))["weights"]
+    assert held < unquantized * (0.3 if double_quant else 0.35)
+    assert torch.is_tensor(model.model.layers[0].mlp.down_proj.weight.quant_state.absmax)
+
+
+def test_a_lora_run_that_does_not_fit_is_told_about_qlora(tmp_path):
+    """The 32B QLoRA example without quantize on one A100 40 GB: ZeRO-3 cannot help a single
+    GPU, the 4-bit base can; with it the example fits on one node, ZeRO-2."""
+    shape = Shape.from_config(SHAPES["Qwen/Qwen2.5-32B-Instruct"])
+    s = setup(method="lora", lora_r=16, nodes=1, gpus_per_node=1, micro_batch_size=1,
+              max_length=4096, gradient_checkpointing=True)  # fmt: skip
+    plan = plan_run(shape, s, 39.4)
+    assert plan["fits"] is False
+    assert plan["suggestion"].startswith("lora.quantize: 4bit (QLoRA) (then "), plan
+    quantized = plan_run(shape, replace(s, quantized=True), 39.4)
+    assert quantized["fits"] is True and quantized["per_gpu_gib"]["weights"] < 18.5
+    # a 4-bit run is never offered offload (validation refuses it)
+    assert not [what for what, _ in changes(replace(s, quantized=True)) if "offload" in what]
+    config = _example_root(tmp_path, "qwen-32b-qlora-1x4.yaml")
+    proc = _plan(config, "--gpu", "a100-40gb")
+    (line,) = [ln for ln in proc.stdout.splitlines() if "per GPU" in ln]
+    assert "weights (4-bit base)" in line and ": fits;" in line, line
+
+
+def _bench(name: str):
+    """A module of bench/ (loaded by path: bench/ holds a tokenize.py that would shadow the
+    standard library's on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_the_plan_for_the_demo_model_is_what_training_holds(quantized):
+    """The demo's model with qlora_demo's settings (LoRA r8, modules_to_save, micro batch
+    32 x 256), trained 2 steps on CPU: the plan (its CUDA margin set aside) within 15% of
+    the largest sum of live tensors that PyTorch's MemTracker saw (bench/qlora_memory.py;
+    measured: 1.03 for both, and 1.09 / 1.12 on a 29M-weight Llama)."""
+    bench = _bench("qlora_memory")
+    got = bench.measure(bench.CASES["demo"], quantized, steps=2)
+    held, planned = got["tensors"]["Total"], got["plan"]["planned"]
+    assert planned == pytest.approx(held, rel=0.15), (planned, held, got["tensors"])
+    assert got["losses"][-1] < got["losses"][0]  # it trained

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from snaketune import qlora
 from snaketune.convert import (
     TOKENIZER_FILES,
     Finish,
@@ -134,8 +135,11 @@ def convert_lora(
     with atomic_path(out) as tmp:
         tmp.mkdir()
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        copy_files(("adapter_config.json", *TOKENIZER_FILES), trained, tmp)
+        copy_files(("adapter_config.json", qlora.RECORD, *TOKENIZER_FILES), trained, tmp)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True)
+        quantized = qlora.read_record(trained)
+        if quantized is not None:  # the base as the 4-bit run computed with it
+            qlora.dequantize_model(base, quantized)
         model = PeftModel.from_pretrained(base, str(tmp))
         data = load_file(str(probe))
         diff = gate(probe_logits(model, data), data, dtype, str(out))
@@ -164,7 +168,9 @@ def merge_lora(
 
     Gates: every adapter tensor non-empty; the merged weights differ from the base; the
     merged model's logits on the probe inputs equal the base-with-adapter logits (the
-    training job's probe logits).
+    training job's probe logits). The adapter of a 4-bit run (its quantization.json) is
+    merged into the base as that run computed with it: quantized and dequantized again
+    (snaketune.qlora), written in ``dtype``, never in 4 bits.
     """
     config = json.loads((adapter / "adapter_config.json").read_text())
     if config.get("fan_in_fan_out"):
@@ -179,6 +185,9 @@ def merge_lora(
             pairs[adapter_target(key)] = (key, a, b)
     whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
     change = {"max_abs": 0.0, "merged": 0}
+    # a 4-bit run trained the dequantized base: merged into that, it is the model trained
+    quantized = qlora.read_record(adapter)
+    as_trained = qlora.quantized_tensors(quantized) if quantized else set()
 
     refs = {
         name: ref
@@ -190,6 +199,8 @@ def merge_lora(
         # pread, not safe_open: a memory map would keep every page of the base resident
         for name, ref in refs.items():
             t = ref.read().view(ref.shape)
+            if name in as_trained:
+                t = qlora.as_trained(t, quantized)
             if name in whole:  # trained in full (modules_to_save): the trained copy replaces it
                 new = whole[name].to(t.dtype)
                 change["max_abs"] = max(

@@ -284,6 +284,7 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         f"{where}.eval_dataset: must differ from the training dataset {run['dataset']!r} "
         "(evaluate on held-out data)",
     )
+    _check_quantize(name, run, root)
     _require(
         run["method"] == "lora" or run["method"] in ADAPTER_OPTIONAL or "lora" not in run,
         f"{where}.lora: only for method lora (or grpo, dpo); remove it or set method: lora",
@@ -310,6 +311,35 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
     )
     _check_deepspeed(name, run["deepspeed"], root)
     check_kernels_installed(where, run)
+
+
+def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
+    """A 4-bit base (lora.quantize): a LoRA update, DeepSpeed without offload (tested: ZeRO
+    1-3; a 4-bit base needs no offload, and DeepSpeed would page its packed weights), and
+    bitsandbytes installed."""
+    from snaketune.qlora import missing_bitsandbytes
+
+    where = f"runs.{name}.lora.quantize"
+    if (run.get("lora") or {}).get("quantize", "none") == "none":
+        return
+    _require(
+        run["method"] != "full",
+        f"{where}: a 4-bit base is frozen, so only an adapter can train on it; a full "
+        "fine-tune needs the weights in full precision (set method: lora, or drop quantize)",
+    )
+    _check_deepspeed(name, run["deepspeed"], root)
+    ds = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text(encoding="utf-8"))
+    zero = ds.get("zero_optimization") or {}
+    offloaded = [k for k in ("offload_optimizer", "offload_param")
+                 if (zero.get(k) or {}).get("device", "none") != "none"]  # fmt: skip
+    _require(
+        not offloaded,
+        f"{where}: 4bit with DeepSpeed offload ({run['deepspeed']}: "
+        f"{', '.join(offloaded)}) is not supported; a 4-bit base needs none: use deepspeed: "
+        "zero2, or zero3 to shard the 4-bit base too",
+    )
+    missing = missing_bitsandbytes()
+    _require(missing is None, f"{where}: {missing}")
 
 
 def _check_model(name: str, spec: Mapping[str, Any]) -> None:

@@ -27,10 +27,20 @@ from snaketune.memplan import (
 def shape_and_deepspeed(
     config_json: Path, run: dict[str, Any], basedir: Path
 ) -> tuple[Shape, dict[str, Any]]:
-    """The model's shape from its config.json, and the run's DeepSpeed JSON as written."""
+    """The model's shape from its config.json, and the run's DeepSpeed JSON as written. A
+    run with a 4-bit base on a model that is already quantized: one line (UserError)."""
     from snaketune.config import resolve_deepspeed
+    from snaketune.qlora import already_quantized
 
-    shape = Shape.from_config(json.loads(config_json.read_text()), str(config_json))
+    cfg = json.loads(config_json.read_text())
+    method = already_quantized(cfg)
+    if method and (run.get("lora") or {}).get("quantize", "none") != "none":
+        raise UserError(
+            f"model {run['model']} ({config_json}) is already quantized ({method}): "
+            "bitsandbytes cannot quantize it again for lora.quantize: 4bit; use the model's "
+            "unquantized release, or drop lora.quantize"
+        )
+    shape = Shape.from_config(cfg, str(config_json))
     return shape, json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
 
 

@@ -71,7 +71,27 @@ def check_job(job: Job) -> tuple[int, int]:
             "wandb.enabled is set but wandb is not installed: pip install wandb, "
             "or set wandb.enabled: false"
         )
+    check_quantizable(job)
     return nodes, gpus
+
+
+def check_quantizable(job: Job) -> None:
+    """A 4-bit base needs bitsandbytes on this node and a model not quantized already."""
+    from snaketune.qlora import already_quantized, missing_bitsandbytes
+
+    if (job.spec.get("lora") or {}).get("quantize", "none") == "none":
+        return
+    where = f"runs.{job.out.parent.name}.lora.quantize"
+    missing = missing_bitsandbytes()
+    if missing:
+        raise UserError(f"{where}: {missing}")
+    config = job.model / "config.json"
+    method = already_quantized(json.loads(config.read_text())) if config.is_file() else None
+    if method:
+        raise UserError(
+            f"{where}: {job.model} is already quantized ({method}); bitsandbytes cannot "
+            "quantize it again: use the model's unquantized release, or drop lora.quantize"
+        )
 
 
 def check_disk(job: Job) -> None:

@@ -70,13 +70,19 @@ def sequence_logps(model, batch: dict[str, Any]):
     return [x.float() for x in out.log_probs.sum(dim=1).chunk(2, dim=0)]
 
 
-def load_scorer(model_dir: str | Path, precision: str, attention: str, device):
-    """The reference model, in eval mode on ``device``, with TRL's fused LM head."""
+def load_scorer(model_dir: str | Path, precision: str, attention: str, device,
+                quantize: dict | None = None):  # fmt: skip
+    """The reference model, in eval mode on ``device``, with TRL's fused LM head; with
+    ``quantize`` its base in 4 bits, as the DPO run's policy starts (snaketune.qlora)."""
     from trl.trainer.utils import add_fused_lm_head
 
     from snaketune.model import build_model
 
-    model = build_model(Path(model_dir), precision, attention).to(device).eval()
+    if quantize is not None:
+        model = build_model(Path(model_dir), precision, attention, quantize, device=str(device))
+    else:
+        model = build_model(Path(model_dir), precision, attention).to(device)
+    model.eval()
     add_fused_lm_head(model)
     return model
 
@@ -92,8 +98,8 @@ def part_path(parts: Path, chunk: int) -> Path:
 
 
 def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, worker: int,
-                  workers: int, batch_pairs: int, precision: str,
-                  attention: str) -> int:  # fmt: skip
+                  workers: int, batch_pairs: int, precision: str, attention: str,
+                  quantize: dict | None = None) -> int:  # fmt: skip
     """Worker ``worker`` of ``workers``: compute its chunks that have no part file yet;
     returns how many it computed."""
     import torch
@@ -110,7 +116,7 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     from transformers import AutoTokenizer
 
     pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-    model = load_scorer(model_dir, precision, attention, device)
+    model = load_scorer(model_dir, precision, attention, device, quantize)
     table = pq.read_table(tokenized, columns=PAIR_COLUMNS)
     for c in todo:
         rows = table.slice(c * CHUNK_PAIRS, CHUNK_PAIRS).to_pylist()

@@ -29,6 +29,11 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   reference (rule reference_logps) and a LoRA run's (the adapter off) hold none. The
   logits are counted in full, though TRL scores DPO through a chunked LM head (an
   overcount: the plan errs on the side of fitting);
+- a 4-bit base (lora.quantize, QLoRA): the decoder's linear weights take 0.5 bytes each
+  plus their quantization constants (an fp32 absmax per 64 weights, 1/16 byte; with double
+  quantization an 8-bit one, 1/64 byte, and an fp32 per 256 blocks), divided by N under
+  ZeRO-3; the other weights (embeddings, output layer, norms) stay at w bytes; the
+  activations add the largest 4-bit layer dequantized for its matmul (w bytes a weight);
 - margin: 1.5 GiB for the CUDA context and NCCL buffers, plus 10% of the rest for
   fragmentation.
 
@@ -119,6 +124,11 @@ class Shape:
         return embed * (1 if self.tied else 2) + self.layers * per_layer + self.hidden
 
     @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear weights (what a 4-bit base quantizes)."""
+        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
+
+    @property
     def largest_layer(self) -> int:
         """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit)."""
         return max(self.vocab * self.hidden, *(i * o for i, o in self.linear_shapes().values()))
@@ -158,6 +168,8 @@ class Setup:
     # with reference: live
     reference: bool = False
     vllm_share: float = 0.0  # GRPO with vLLM: its share of each GPU's memory
+    quantized: bool = False  # a 4-bit base (lora.quantize: 4bit)
+    double_quant: bool = True  # its quantization constants quantized too
 
     @property
     def gpus(self) -> int:
@@ -174,17 +186,27 @@ def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     n, w, p = s.gpus, s.bytes_per_weight, shape.params
     t = p if s.method == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
     mixed = w == 2
+    base = w * p  # the frozen and trained weights as stored
+    if s.quantized:  # 4-bit decoder linears and their constants; the rest at w bytes
+        base = w * (p - shape.linear_params) + quant_bytes(s.double_quant) * shape.linear_params
     if s.stage >= 3:
         gathered = 4 * shape.largest_layer
-        weights = gathered if s.offload_params else gathered + w * p / n
+        weights = gathered if s.offload_params else gathered + base / n
     else:
-        weights = w * p
+        weights = base
     # ZeRO-3 reduce-scatters the 16-bit gradients in buckets into the fp32 partition
     grad_bytes = (w + 4) if mixed and s.stage < 3 else 4
     grads = 0.0 if s.offload_optimizer else grad_bytes * t / (n if s.stage >= 2 else 1)
     optim_bytes = 12 if mixed else 8
     optim = 0.0 if s.offload_optimizer else optim_bytes * t / (n if s.stage >= 1 else 1)
     return {"weights": weights, "gradients": grads, "optimizer": optim}
+
+
+def quant_bytes(double_quant: bool) -> float:
+    """Bytes per 4-bit weight with its constants (bitsandbytes' blocks of 64): the packed
+    half byte, an fp32 absmax per block, or with double quantization an 8-bit absmax per
+    block and an fp32 constant per 256 blocks."""
+    return 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
 
 
 def activations(shape: Shape, s: Setup) -> float:
@@ -199,6 +221,8 @@ def activations(shape: Shape, s: Setup) -> float:
         kept = shape.layers * tokens * h * w + layer
     else:
         kept = shape.layers * layer
+    if s.quantized:  # one 4-bit layer dequantized for its matmul at a time
+        kept += w * max(i * o for i, o in shape.linear_shapes().values())
     scored = s.micro_batch_size * s.completion_length if s.completion_length else tokens
     logits = 0 if s.liger else scored * shape.vocab * (w + 8)
     if s.completion_length and not s.vllm_share:
@@ -261,7 +285,14 @@ def changes(s: Setup) -> list[tuple[str, Setup]]:
         out.append(("deepspeed: zero3", replace(s, stage=3)))
         out.append(("deepspeed: zero3 with gradient_checkpointing: true",
                     replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
-    if not (s.offload_optimizer and s.offload_params):
+    if s.method == "lora" and not s.quantized:
+        out.append(("lora.quantize: 4bit (QLoRA)", replace(s, quantized=True)))
+        out.append(("lora.quantize: 4bit with gradient_checkpointing: true",
+                    replace(s, quantized=True, gradient_checkpointing=True)))  # fmt: skip
+        both = replace(s, quantized=True, stage=3, gradient_checkpointing=True)
+        out.append(("lora.quantize: 4bit with deepspeed: zero3 and gradient_checkpointing: "
+                    "true", both))  # fmt: skip
+    if not (s.offload_optimizer and s.offload_params) and not s.quantized:
         out.append(("deepspeed: zero3_offload (optimizer and weights in CPU memory)",
                     replace(s, stage=3, offload_optimizer=True, offload_params=True,
                             gradient_checkpointing=True)))  # fmt: skip
@@ -283,6 +314,7 @@ def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
         "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
         "suggestion": None,
         "not_counted": not_counted(s, gpu_gib),
+        "quantized": s.quantized,
     }
     if out["fits"] is False:
         for what, changed in changes(s):
@@ -332,6 +364,8 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         completion_length=grpo.get("max_completion_length", 256) if grpo else 0,
         reference=full and ((bool(grpo) and grpo.get("beta", 0.04) > 0) or live),
         vllm_share=grpo.get("vllm_gpu_memory_utilization", 0.3) if vllm else 0.0,
+        quantized=not full and (run.get("lora") or {}).get("quantize", "none") == "4bit",
+        double_quant=bool((run.get("lora") or {}).get("double_quant", True)),
     )
 
 
@@ -356,6 +390,8 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     g = plan["per_gpu_gib"]
     names = ("weights", "gradients", "optimizer", "activations", "reference", "vllm", "margin")
     labels = {"reference": "reference copy", "vllm": "vLLM"}
+    if plan.get("quantized"):
+        labels["weights"] = "weights (4-bit base)"
     parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
     against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
     verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]

@@ -34,17 +34,55 @@ def resolve_precision(preference: str) -> str:
     return "fp32"
 
 
-def build_model(model_dir: Path, precision: str, attention: str):
+def build_model(model_dir: Path, precision: str, attention: str,
+                quantize: dict[str, Any] | None = None, checkpointing: bool = False,
+                device: str | None = None):  # fmt: skip
     """The base model for training (no KV cache: training never reads one, and with one
-    transformers would not see packed sequences)."""
+    transformers would not see packed sequences). With ``quantize`` (snaketune.qlora's
+    settings) its linear layers are loaded in 4 bits on this process's device and the model
+    prepared by peft for k-bit training (the other weights in fp32), on ``device`` (default:
+    this rank's GPU, or the CPU)."""
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[precision]
+    extra: dict[str, Any] = {}
+    if quantize is not None:
+        from snaketune.qlora import bnb_config, exact_on_cpu
+
+        if device is None:
+            gpu = torch.cuda.is_available()
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
+        extra = {"quantization_config": bnb_config(quantize), "device_map": {"": device}}
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention, local_files_only=True
+        model_dir, dtype=dtype, attn_implementation=attention, local_files_only=True, **extra
     )
     model.config.use_cache = False
+    if quantize is not None:
+        from peft import prepare_model_for_kbit_training
+
+        exact_on_cpu(model)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )  # fmt: skip
     return model
+
+
+def trainable_in(model, dtype: torch.dtype) -> None:
+    """The trainable weights of a quantized model in the run's precision, as loaded. TRL
+    casts them to bf16 (the QLoRA paper's choice); DeepSpeed casts them to a 16-bit run's
+    precision anyway, and an fp32 run (CPU) needs them fp32 beside its fp32 hidden states.
+    The modules trained in full (modules_to_save) get their base module's values back: the
+    cast rounded them, and the run would start from a model that is not its base."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            for copy in module.modules_to_save.values():
+                copy.load_state_dict(module.original_module.state_dict())
 
 
 def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | None:

@@ -7,6 +7,7 @@ the launcher renames into place once every worker has exited 0.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -46,10 +47,17 @@ def record_probe(engine, probe: torch.Tensor, path: Path, rank: int, precision: 
 
 
 def save_outputs(
-    trainer, env: WorkerEnv, out: Path, live_metrics: Path, probe: torch.Tensor, precision: str
+    trainer,
+    env: WorkerEnv,
+    out: Path,
+    live_metrics: Path,
+    probe: torch.Tensor,
+    precision: str,
+    records: dict[str, dict] | None = None,
 ) -> None:
-    """Final DeepSpeed checkpoint, model (adapter) directory, probe logits and metrics,
-    each written to its staged name (see :func:`staged`)."""
+    """Final DeepSpeed checkpoint, model (adapter) directory with ``records`` (JSON files
+    beside the model: a 4-bit base's quantization.json), probe logits and metrics, each
+    written to its staged name (see :func:`staged`)."""
     final_tmp, model_tmp = staged(out, "final_checkpoint"), staged(out, "model")
     probe_tmp, metrics_tmp = staged(out, "probe.safetensors"), staged(out, "metrics.jsonl")
     if env.rank == 0:
@@ -63,6 +71,8 @@ def save_outputs(
     record_probe(trainer.model_wrapped, probe, probe_tmp, env.rank, precision)
     if env.rank == 0:
         shutil.copyfile(live_metrics, metrics_tmp)
+        for name, record in (records or {}).items():
+            (model_tmp / name).write_text(json.dumps(record, indent=2) + "\n")
     barrier()
     with contextlib.suppress(Exception):
         import torch.distributed as dist

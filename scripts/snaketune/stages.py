@@ -242,7 +242,8 @@ def train_spec(run: dict[str, Any], reference: str | None = None) -> str:
 def reference_key(config: dict[str, Any], run: str) -> str | None:
     """The reference log-probs a DPO run with a precomputed reference reads, by what they
     depend on: the model it starts from (a base model, or the final model of the run or
-    sweep it starts from), its tokenized pairs, the precision and the attention kernel.
+    sweep it starts from), its tokenized pairs, the precision, the attention kernel and a
+    4-bit base's quantization.
     Runs and sweep members that share these share one reference_logps job. None for others."""
     r = config["runs"][run]
     if r["method"] != "dpo" or r["dpo"]["reference"] != "precomputed":
@@ -251,6 +252,10 @@ def reference_key(config: dict[str, Any], run: str) -> str | None:
     what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
             "precision": r["precision"],
             "attn_implementation": r["attn_implementation"]}  # fmt: skip
+    lora = r.get("lora") or {}
+    if lora.get("quantize", "none") != "none":  # a 4-bit base scores differently
+        what["quantize"] = {k: lora[k] for k in ("quantize", "quant_type", "double_quant",
+                                                  "compute_dtype")}  # fmt: skip
     return f"{next(iter(start.values()))}__{digest(what)[:12]}"
 
 

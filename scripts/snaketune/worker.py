@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from snaketune import qlora
 from snaketune.batches import Data, PlanBatches, read_rank_rows
 from snaketune.checkpoints import checkpoint_step, newest_complete, prune, truncate_metrics
 from snaketune.collective import any_rank, barrier
@@ -62,7 +63,14 @@ from snaketune.job import (
 )
 from snaketune.methods import method_of
 from snaketune.methods.common import Context, Method
-from snaketune.model import UniversalLoadFix, build_model, flops_model, resolve_precision
+from snaketune.model import (
+    DTYPES,
+    UniversalLoadFix,
+    build_model,
+    flops_model,
+    resolve_precision,
+    trainable_in,
+)
 from snaketune.outputs import probe_inputs, save_outputs
 from snaketune.packing import check_packing, resolve_attention, resolve_liger, training_kernel
 from snaketune.progress import Deadline, StepCallback, StopRequest
@@ -183,9 +191,11 @@ def run_worker(
     method = method_of(run)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = rank_data(method, run, manifest, shards, env, tokenizer, kernel, start_step, ids_log)
-    model = build_model(model_dir, precision, kernel)
+    quantize = qlora.settings(run, precision)
+    model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
+    quantized = qlora.record(model, quantize) if quantize else None
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
-                  resolve_liger(run["liger_kernel"]), tokenizer)  # fmt: skip
+                  resolve_liger(run["liger_kernel"]), tokenizer, quantized)  # fmt: skip
 
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
@@ -203,6 +213,10 @@ def run_worker(
 
     trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    if quantized is not None:
+        trainable_in(trainer.model, DTYPES[precision])
+        if env.rank == 0:
+            log.info("%s", qlora.describe(quantized))
     if env.rank == 0:
         log_start(method, ctx, manifest, kernel, data, resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -254,6 +268,7 @@ def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None
                 callback.stopped_at,
             )
         return STOPPED_EXIT_CODE
+    records = {qlora.RECORD: ctx.quantized} if ctx.quantized else {}
     save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
-                 ctx.precision)  # fmt: skip
+                 ctx.precision, records)  # fmt: skip
     return 0

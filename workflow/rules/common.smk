@@ -188,9 +188,17 @@ def reference_batch(wildcards):
 def reference_settings(wildcards):
     """What the log-probs depend on besides the inputs (also in the output's key)."""
     r = reference_run(wildcards)
-    return (
+    settings = (
         f"--precision {r['precision']} --attn-implementation {r['attn_implementation']}"
     )
+    lora = r.get("lora") or {}
+    if lora.get("quantize", "none") != "none":  # the policy's 4-bit base, adapter off
+        settings += (
+            f" --quantize {lora['quantize']} --quant-type {lora['quant_type']}"
+            f" --double-quant {str(lora['double_quant']).lower()}"
+            f" --compute-dtype {lora['compute_dtype']}"
+        )
+    return settings
 
 
 # ----------------------------------------------------------------------------- export

@@ -53,6 +53,7 @@ class Context:
     precision: str
     liger: bool
     tokenizer: Any
+    quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.qlora)
 
 
 def training_args(ctx: Context, config_class, **method_args):
