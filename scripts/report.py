@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 evals[name] = json.loads(ev.read_text())
             held_out = evals[name]["loss"] if name in evals else None
-            svgs[name] = training_svg(metrics, f"{name}: training", held_out)
+            exported = json.loads((train / "provenance.json").read_text()).get("exported")
+            step = exported["step"] if exported and exported["checkpoint"] == "best" else None
+            svgs[name] = training_svg(metrics, f"{name}: training", held_out, step)
             (curves / f"{name}.svg").write_text(svgs[name])
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()

@@ -21,9 +21,12 @@ from conftest import (
     read_jsonl,
 )
 
+from snaketune import stages
 from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
+from snaketune.heldout import spec_of, split_rows
 from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
+from snaketune.report import training_svg
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
 
@@ -86,7 +89,7 @@ def quarter_means(values: list[float]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
     w = grpo_chain
-    metrics = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
+    metrics, held = split_rows(read_jsonl(w / "results/rl_demo/train/metrics.jsonl"))
     steps = chain_config()["runs"]["rl_demo"]["max_steps"]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:  # what a GRPO step logs
@@ -104,6 +107,15 @@ def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
     # the base of a GRPO run is the run it started from: the gain is what RL added
     assert rl["base"]["exact_match"] == sft["exact_match"]
     assert rl["gain"]["exact_match"] == pytest.approx(rl["exact_match"] - sft["exact_match"])
+    # held-out exact match while training (eval_steps 80): before the first step it is the
+    # SFT model's, at the last the GRPO model's, as the evaluate stage scored them (greedy
+    # generations of the same examples, split across the 2 ranks)
+    assert [m["step"] for m in held] == [0, 80, 160, 240, 320]
+    assert held[0]["heldout_exact_match"] == pytest.approx(sft["exact_match"], abs=1e-9)
+    assert held[-1]["heldout_exact_match"] == pytest.approx(rl["exact_match"], abs=1e-9)
+    # ... and the report draws them over the reward curve
+    assert 'id="heldout_exact_match"' in training_svg(
+        read_jsonl(w / "results/rl_demo/train/metrics.jsonl"), "rl_demo", None)  # fmt: skip
     # the GRPO run trained from the SFT run's merged model, and made its own
     assert (w / "results/rl_demo/lora_adapters").is_dir()
     assert (w / "results/rl_demo/merged_model/config.json").is_file()
@@ -121,9 +133,12 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     w = grpo_chain
     spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
             if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
+    # the held-out passes as the pipeline ran them (eval_steps), on the chain's eval set
+    spec["heldout"] = spec_of(spec, str(w / stages.tokenized(chain_config(), "rl_demo", True)))
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
     start, resumed = kill_and_resume(w / "results/rl_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")
+    resumed, reference = split_rows(resumed)[0], split_rows(reference)[0]
     for a, b in zip(resumed[start:], reference[start:], strict=True):
         for key in ("loss", "reward", "reward_correctness_mean", "reward_format_mean", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)

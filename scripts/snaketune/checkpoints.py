@@ -65,19 +65,44 @@ def reduce_to_weights(path: Path) -> None:
         (path / name).unlink(missing_ok=True)
 
 
-def prune(directory: Path, keep: int, optimizer: str = "all") -> None:
+def heldout_of(path: Path) -> dict | None:
+    """The held-out figures a checkpoint's completion mark records (None: not evaluated)."""
+    try:
+        return json.loads((path / COMPLETE).read_text()).get("heldout")
+    except (OSError, ValueError):
+        return None
+
+
+def best_checkpoint(directory: Path, metric: str, greater: bool) -> Path | None:
+    """The complete checkpoint with the best held-out ``metric`` in its mark (the earliest
+    of equals; None: no checkpoint was evaluated)."""
+    best, value = None, None
+    for p in checkpoints(directory):
+        got = heldout_of(p) if is_complete(p) else None
+        if got is None or metric not in got:
+            continue
+        if value is None or (got[metric] > value if greater else got[metric] < value):
+            best, value = p, got[metric]
+    return best
+
+
+def prune(directory: Path, keep: int, optimizer: str = "all",
+          best: tuple[str, bool] | None = None) -> None:  # fmt: skip
     """Keep the newest ``keep`` complete checkpoints; drop older and half-written ones. With
-    ``optimizer`` last, every kept one but the newest is reduced to its model weights."""
+    ``optimizer`` last, every kept one but the newest is reduced to its model weights. With
+    ``best`` (a held-out metric and whether greater is better), the checkpoint best by it
+    is kept whole besides (export.checkpoint: best loads it at the end)."""
     done = [p for p in checkpoints(directory) if is_complete(p)]
     newest = checkpoint_step(done[-1]) if done else -1
+    kept = best_checkpoint(directory, *best) if best else None
     for p in checkpoints(directory):
         stale = p in done[:-keep] if is_complete(p) else checkpoint_step(p) <= newest
-        if stale:
+        if stale and p != kept:
             shutil.rmtree(p, ignore_errors=True)
     resumable = newest_complete(directory)
     if optimizer == "last" and resumable is not None:
         for p in done[-keep:]:
-            if checkpoint_step(p) < checkpoint_step(resumable):
+            if checkpoint_step(p) < checkpoint_step(resumable) and p != kept:
                 reduce_to_weights(p)
 
 
@@ -89,8 +114,10 @@ def drop_incomplete(directory: Path) -> list[Path]:
     return dropped
 
 
-def mark_complete(path: Path, step: int, time: float) -> None:
-    (path / COMPLETE).write_text(json.dumps({"step": step, "time": time}))
+def mark_complete(path: Path, step: int, time: float, heldout: dict | None = None) -> None:
+    """The completion mark, with the held-out figures of an evaluation at this step."""
+    mark = {"step": step, "time": time, **({"heldout": heldout} if heldout else {})}
+    (path / COMPLETE).write_text(json.dumps(mark))
 
 
 def truncate_metrics(path: Path, step: int) -> None:

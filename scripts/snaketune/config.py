@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.errors import ConfigError, ConfigProblems
+from snaketune.heldout import check_run as check_heldout
 from snaketune.packing import check_kernels_installed
 from snaketune.schema import (
     WORKFLOW_ROOT,
@@ -285,6 +286,8 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _check_quantize(name, run, root)
+    problem = check_heldout(where, run)
+    _require(problem is None, problem or "")
     _require(
         run["method"] == "lora" or run["method"] in ADAPTER_OPTIONAL or "lora" not in run,
         f"{where}.lora: only for method lora (or grpo, dpo); remove it or set method: lora",

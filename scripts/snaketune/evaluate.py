@@ -46,32 +46,36 @@ def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return rows
 
 
+def nll_sums(model, batch: list[dict], pad_id: int) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``batch``'s response tokens, and their count (one
+    forward pass, right-padded)."""
+    n = max(len(r["input_ids"]) for r in batch)
+    ids = torch.full((len(batch), n), pad_id)
+    labels = torch.full((len(batch), n), IGNORE_INDEX)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for j, r in enumerate(batch):
+        ids[j, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
+        mask[j, : len(r["input_ids"])] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    shift_logits, shift_labels = logits.float().cpu()[:, :-1], labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return nll.item(), int((shift_labels != IGNORE_INDEX).sum())
+
+
 def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[str, float]:
     """Mean negative log-likelihood per response token, and its perplexity."""
     total, count = 0.0, 0
     for i in range(0, len(rows), batch_size):
-        batch = rows[i : i + batch_size]
-        n = max(len(r["input_ids"]) for r in batch)
-        ids = torch.full((len(batch), n), pad_id)
-        labels = torch.full((len(batch), n), IGNORE_INDEX)
-        mask = torch.zeros((len(batch), n), dtype=torch.long)
-        for j, r in enumerate(batch):
-            ids[j, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-            labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
-            mask[j, : len(r["input_ids"])] = 1
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids.to(model.device), attention_mask=mask.to(model.device)
-            ).logits
-        shift_logits, shift_labels = logits.float().cpu()[:, :-1], labels[:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            shift_logits.reshape(-1, shift_logits.size(-1)),
-            shift_labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        total += nll.item()
-        count += int((shift_labels != IGNORE_INDEX).sum())
+        t, c = nll_sums(model, rows[i : i + batch_size], pad_id)
+        total, count = total + t, count + c
     loss = total / max(count, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import time
+from pathlib import Path
 
 from snaketune.agents import (
     choose_launcher,
@@ -258,6 +259,14 @@ def explain_failure(job: Job) -> None:
         )
 
 
+def read_exported(model: Path) -> dict | None:
+    """Which step the model is and why (export.checkpoint: best; snaketune.heldout)."""
+    from snaketune.heldout import EXPORTED
+
+    path = model / EXPORTED
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def publish_outputs(job: Job) -> None:
     """run_config.json and provenance.json beside the workers' staged outputs, then all of
     them renamed into place at once."""
@@ -291,6 +300,7 @@ def publish_outputs(job: Job) -> None:
         segments=segments_summary(read_segments(job)),
         network=read_result(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
+        exported=read_exported(staged(job.out, "model")),
     )
     write_json(staged(job.out, "provenance.json"), prov)
     names = (*WORKER_OUTPUTS, "run_config.json", "provenance.json")

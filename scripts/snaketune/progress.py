@@ -150,6 +150,7 @@ class StepCallback(TrainerCallback):
         disk: DiskGuard | None = None,
         network: dict | None = None,
         step_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        best: tuple[str, bool] | None = None,
     ):
         self.rank, self.collator, self.stop = rank, collator, stop
         self.optimizer, self.disk = optimizer, disk  # older checkpoints' states; space check
@@ -168,6 +169,10 @@ class StepCallback(TrainerCallback):
         self._window = dict.fromkeys(self._seen, 0.0)  # summed over ranks since the last log
         self._latest: dict[str, float] = {}
         self._out = None
+        # the last held-out figures (snaketune.heldout) and their step; the checkpoint kept
+        # for export.checkpoint: best (its held-out metric, greater is better)
+        self.heldout: tuple[int, dict[str, Any]] | None = None
+        self.best = best
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = self._last = time.monotonic()
@@ -220,6 +225,26 @@ class StepCallback(TrainerCallback):
             self._save_began = time.time()
         return control
 
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """A held-out pass (snaketune.heldout): its row in metrics.jsonl, kept for the
+        progress line and the completion mark of a checkpoint saved at this step."""
+        figures = {k[5:]: v for k, v in (metrics or {}).items() if k.startswith("eval_")}
+        self.heldout = (state.global_step, figures)
+        if self.rank == 0 and self._out is not None:
+            row = {"step": state.global_step, **{f"heldout_{k}": v for k, v in figures.items()}}
+            self._out.write(json.dumps(row) + "\n")
+            log.info(
+                "held-out at step %d: %s",
+                state.global_step,
+                ", ".join(
+                    f"{k} {v:.4f}"
+                    for k, v in figures.items()
+                    if k not in ("examples", "seconds", "response_tokens")
+                ),
+            )
+        self._last = time.monotonic()  # the pass is no training time (tokens/s, ETA)
+        self.deadline.restart()
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.rank != 0 or not logs or "loss" not in logs:
             return
@@ -260,7 +285,7 @@ class StepCallback(TrainerCallback):
         eta = (now - self._start) / done * left if done > 0 else float("nan")
         log.info(
             "step %d/%d (%.0f%%) epoch %.2f loss %.4f lr %.2e grad %.3f | %.0f tok/s, "
-            "padding %.0f%%%s | ETA %s",
+            "padding %.0f%%%s | ETA %s%s",
             state.global_step,
             state.max_steps,
             100 * state.global_step / max(state.max_steps, 1),
@@ -272,14 +297,25 @@ class StepCallback(TrainerCallback):
             100 * record["padding"],
             f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "",
             _duration(eta),
+            self._heldout_note(),
         )
+
+    def _heldout_note(self) -> str:
+        """The last held-out figure, for the progress line ("" before the first pass)."""
+        if self.heldout is None:
+            return ""
+        step, figures = self.heldout
+        shown = next((k for k in ("loss", "exact_match") if k in figures), None)
+        return f" | held-out {shown} {figures[shown]:.4f} (step {step})" if shown else ""
 
     def on_save(self, args, state, control, **kwargs):
         barrier()  # every rank has written its part of the checkpoint
         if self.rank == 0:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            mark_complete(path, state.global_step, time.time())
-            prune(Path(args.output_dir), self.keep, self.optimizer)
+            here = self.heldout is not None and self.heldout[0] == state.global_step
+            figures = self.heldout[1] if here else None
+            mark_complete(path, state.global_step, time.time(), figures)
+            prune(Path(args.output_dir), self.keep, self.optimizer, self.best)
             log.info("checkpoint %s complete", path.name)
         barrier()
         if self._save_began is not None:

@@ -90,6 +90,16 @@ def eval_results(metrics: dict[str, Any], dataset: str):
     return out
 
 
+def exported_lines(exported: dict[str, Any] | None) -> list[str]:
+    """The card's word on which training step the weights are (export.checkpoint: best)."""
+    if not exported or exported.get("checkpoint") != "best":
+        return []
+    return ["## Checkpoint", "",
+            f"The weights of step {exported['step']} of {exported['last_step']}: the "
+            f"{exported['reason']}, {exported['value']:.4g}, of the checkpoints evaluated "
+            "on the held-out set while training.", ""]  # fmt: skip
+
+
 def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: dict[str, Any],
               provenance_sha: str, license_: str, repo_id: str) -> str:  # fmt: skip
     """The model card: metadata (license, base model, datasets, model-index) and a body."""
@@ -124,6 +134,7 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         "## Base model", "", pinned(base), "",
         "## Training data", "", *[f"- {pinned(d)}" for d in datasets], "",
         "## Hyperparameters", "", "```json", json.dumps(hyper, indent=2, sort_keys=True), "```", "",
+        *exported_lines(sources.get("exported")),
         "## Evaluation", "",
         "| dataset | metric | value |", "|---|---|---|", rows or "| - | - | - |", "",
         "## Provenance", "",
@@ -161,6 +172,9 @@ def build_folder(run: str, spec: dict[str, Any], model_dir: Path, metrics_path: 
     if not any(name.endswith(".safetensors") for name in copied):
         raise UserError(f"{model_dir}: no safetensors weights to publish")
     sources = {"base": source_of(base), "datasets": datasets}
+    train = model_dir.parent / "train" / "provenance.json"  # which step was exported, and why
+    if train.is_file():
+        sources["exported"] = _read_json(train).get("exported")
     (out / "README.md").write_text(card_text(run, spec, sources, metrics, provenance_sha,
                                              license_, settings["repo_id"]))  # fmt: skip
     log.info("publish %s: %s (%d files)", run, out, len(copied) + 1)

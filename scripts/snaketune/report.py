@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from snaketune.heldout import split_rows
 from snaketune.summary import lm_eval_figures
 
 
@@ -60,22 +61,32 @@ def _figure(width_in: float, height_in: float, cols: int):
     return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False)
 
 
-def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None) -> str:
+def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None,
+                 exported: int | None = None) -> str:  # fmt: skip
     """Training loss (with the held-out loss where measured) or, for a GRPO run, its
     rewards; learning rate; tokens/s; against the optimizer step, side by side, with ticks
-    and units."""
+    and units. Held-out passes while training (eval_steps) are points over the first panel,
+    and ``exported`` (export.checkpoint: best) marks the step the model was taken from."""
+    metrics, held = split_rows(metrics)
     steps = [m["step"] for m in metrics]
     fig, axes = _figure(11.5, 3.0, 3)
     loss, lr, tps = axes[0]
     if metrics and "reward" in metrics[0]:
         _reward_panel(loss, metrics, steps)
         loss.set_title(f"{title}: reward")
+        _heldout_points(loss, held, "exact_match", twin=True)
     elif metrics and "reward_margin" in metrics[0]:
         _preference_panel(loss, metrics, steps)
         loss.set_title(f"{title}: preference")
+        _heldout_points(loss, held, "loss", twin=True)
     else:
         _loss_panel(loss, metrics, steps, eval_loss)
         loss.set_title(f"{title}: loss")
+        _heldout_points(loss, held, "loss", twin=False)
+    if exported is not None:
+        loss.axvline(exported, color="tab:gray", linestyle=":", linewidth=1.5)
+        loss.annotate(f"exported: step {exported}", (exported, 0.02), fontsize=7,
+                      xycoords=("data", "axes fraction"), rotation=90, ha="right")  # fmt: skip
     lr.plot(steps, [m.get("lr", float("nan")) for m in metrics], color="tab:green")
     lr.set(title="learning rate", xlabel="optimizer step", ylabel="learning rate")
     lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
@@ -87,6 +98,24 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
     for ax in axes[0]:
         ax.xaxis.get_major_locator().set_params(integer=True)
     return _svg(fig)
+
+
+def _heldout_points(ax, held: list[dict[str, Any]], figure: str, twin: bool) -> None:
+    """The held-out figure of each pass while training (eval_steps), on the panel's axis or,
+    where its unit differs, on a second one at the right."""
+    points = [(m["step"], m[f"heldout_{figure}"]) for m in held if f"heldout_{figure}" in m]
+    if not points:
+        return
+    target = ax.twinx() if twin else ax
+    name = figure.replace("_", " ")
+    (line,) = target.plot(*zip(*points, strict=True), "s--", color="tab:orange", markersize=4,
+                          label=f"held-out {name} (while training)")  # fmt: skip
+    line.set_gid(f"heldout_{figure}")
+    if twin:
+        target.set_ylabel(f"held-out {name}")
+        target.legend(fontsize=8, loc="lower right")
+    else:
+        ax.legend(fontsize=8)
 
 
 def _loss_panel(ax, metrics: list[dict[str, Any]], steps: list[int], eval_loss) -> None:

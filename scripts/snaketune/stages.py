@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.errors import ConfigError
+from snaketune.heldout import spec_of as held_out_spec
 from snaketune.io import digest
 from snaketune.tokenization import TOKENIZE_VERSION
 from snaketune.vocabulary import (
@@ -230,13 +231,33 @@ NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "p
                 "sweep_of")  # fmt: skip
 
 
-def train_spec(run: dict[str, Any], reference: str | None = None) -> str:
+def train_spec(run: dict[str, Any], reference: str | None = None,
+               heldout: str | None = None) -> str:  # fmt: skip
     """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
-    precomputed reference gets the path of its log-probs (``reference``)."""
+    precomputed reference gets the path of its log-probs (``reference``), a run with
+    eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
+    eval and export keys that matter to it)."""
     spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
+    if "eval_steps" not in run:  # a default that means nothing here: no params change
+        spec.pop("eval_at_start", None)
     if reference is not None:
         spec["dpo"] = {**spec["dpo"], "reference_logps": reference}
+    if heldout is not None:
+        spec["heldout"] = held_out_spec(run, heldout)
     return as_json(spec)
+
+
+def train_extras(config: dict[str, Any], run: str) -> dict[str, str]:
+    """What a run's training reads besides its shards and model, by name: ``reference``
+    (a DPO run's precomputed log-probs) and ``heldout`` (the eval set of a run with
+    eval_steps)."""
+    out = {}
+    reference = reference_path(config, run)
+    if reference:
+        out["reference"] = reference
+    if config["runs"][run].get("eval_steps"):
+        out["heldout"] = tokenized(config, run, eval_set=True)
+    return out
 
 
 def reference_key(config: dict[str, Any], run: str) -> str | None:

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from snaketune.heldout import split_rows
+
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",
            "reward_accuracy_last_quarter", "reward_margin_last_quarter", "tokens_per_s",
@@ -65,11 +67,25 @@ def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
             for key in ("reward_accuracy", "reward_margin")}  # fmt: skip
 
 
+def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[str, Any]:
+    """Held-out passes while training (eval_steps): the last figures, and the step the model
+    was exported from with its figure (export.checkpoint: best)."""
+    if not held:
+        return {}
+    out = {f"heldout_{k}_last": held[-1][f"heldout_{k}"] for k in ("loss", "exact_match")
+           if f"heldout_{k}" in held[-1]}  # fmt: skip
+    if exported:
+        out["exported_step"] = exported["step"]
+        if "metric" in exported:
+            out[f"exported_heldout_{exported['metric']}"] = exported["value"]
+    return out
+
+
 def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
                 train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
     from snaketune.io import read_jsonl
 
-    metrics = read_jsonl(train_dir / "metrics.jsonl")
+    metrics, held = split_rows(read_jsonl(train_dir / "metrics.jsonl"))
     provenance = json.loads((train_dir / "provenance.json").read_text())
     row: dict[str, Any] = {
         "run": run, "model": spec["model"], "method": spec["method"],
@@ -79,6 +95,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         **reward_quarters(metrics),
         **preference_quarter(metrics),
         **throughput(metrics),
+        **heldout_columns(held, provenance.get("exported")),
     }  # fmt: skip
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
@@ -123,11 +140,13 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
 
 def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
-    first), then the lm-eval columns task by task."""
+    first), the held-out columns of runs evaluated while training, then the lm-eval
+    columns task by task."""
     seen = [c for row in rows for c in row if c not in COLUMNS]
     swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
+    held = list(dict.fromkeys(c for c in seen if c.startswith(("heldout_", "exported_"))))
     lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
-    return swept + lm
+    return swept + held + lm
 
 
 def _lm_eval_order(column: str) -> tuple[str, int]:

@@ -45,7 +45,9 @@ from snaketune.errors import ConfigError
 
 MAX_NAME = 64
 EVAL_FIGURES = ("exact_match", "math_verify", "loss", "perplexity", "stop_rate")
-LOWER_IS_BETTER = ("loss", "perplexity", "train_loss")
+# the best held-out figure each member saw while training (eval_steps; snaketune.heldout)
+HELDOUT_FIGURES = ("heldout_loss_best", "heldout_exact_match_best")
+LOWER_IS_BETTER = ("loss", "perplexity", "train_loss", "heldout_loss_best")
 AUTO = "auto"  # exact_match where the eval references have #### answers, else the loss
 
 
@@ -110,6 +112,13 @@ def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
     """A selection metric the members will have; else one line naming what they have."""
     if metric in ("train_loss", AUTO):
         return
+    if metric in HELDOUT_FIGURES:
+        if not run.get("eval_steps"):
+            raise ConfigError(
+                f"{where}.sweep_select.metric: {metric!r} is the best held-out figure seen "
+                "while training: set eval_steps (and eval_dataset)"
+            )
+        return
     if "eval_dataset" not in run:
         raise ConfigError(
             f"{where}.sweep_select.metric: {metric!r} needs an evaluation (set eval_dataset), "
@@ -122,7 +131,8 @@ def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
         return
     raise ConfigError(
         f"{where}.sweep_select.metric: {metric!r} is not a figure of the evaluation; use one "
-        f"of {', '.join((*EVAL_FIGURES, 'train_loss'))} or lm_eval:<task>:<metric,filter> of a "
+        f"of {', '.join((*EVAL_FIGURES, 'train_loss', *HELDOUT_FIGURES))} or "
+        "lm_eval:<task>:<metric,filter> of a "
         "task in eval.lm_eval.tasks"
     )
 
@@ -211,13 +221,20 @@ def sweeps_of(runs: Mapping[str, Any]) -> dict[str, list[str]]:
     return out
 
 
-def figures(metrics: Mapping[str, Any] | None, train_loss: float | None) -> dict[str, float]:
-    """Every figure a member can be selected on."""
+def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,
+            held: list[dict[str, Any]] | None = None) -> dict[str, float]:  # fmt: skip
+    """Every figure a member can be selected on (``held``: its held-out rows while
+    training, whose best figures count too)."""
     from snaketune.summary import lm_eval_columns
 
     out: dict[str, float] = {}
     if train_loss is not None:
         out["train_loss"] = train_loss
+    for key, best in (("loss", min), ("exact_match", max)):
+        seen = [r[f"heldout_{key}"] for r in held or () if r.get("step", 0) > 0
+                and f"heldout_{key}" in r]  # fmt: skip
+        if seen:
+            out[f"heldout_{key}_best"] = best(seen)
     if metrics:
         out.update({k: metrics[k] for k in EVAL_FIGURES if metrics.get(k) is not None})
         out.update({k: v for k, v in lm_eval_columns(metrics).items()
@@ -281,7 +298,8 @@ def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any]
     for name, spec in specs.items():
         losses = [r["loss"] for r in curves[name] if r.get("loss") is not None]
         last = losses[-1] if losses else None
+        held = [r for r in curves[name] if "heldout_loss" in r]
         info[name] = {"values": spec["sweep_of"]["values"],
-                      "figures": figures(evals.get(name), last),
+                      "figures": figures(evals.get(name), last, held),
                       "answers": (evals.get(name) or {}).get("reference_answers")}  # fmt: skip
     return select(info, next(iter(specs.values()))["sweep_of"]["select"])

@@ -43,6 +43,12 @@ OPERATIONAL = (
     "health",
     "wandb",
     "checkpoints",
+    # held-out passes while training (snaketune.heldout): they read the weights, never
+    # change them; early stopping decides only where the run ends
+    "eval_steps",
+    "eval_at_start",
+    "early_stopping",
+    "heldout",
 )
 STAMP = "fingerprint"
 UNIVERSAL = "latest_universal"

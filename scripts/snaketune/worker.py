@@ -43,9 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from snaketune import qlora
+from snaketune import heldout, heldout_pass, qlora
 from snaketune.batches import Data, PlanBatches, read_rank_rows
-from snaketune.checkpoints import checkpoint_step, newest_complete, prune, truncate_metrics
+from snaketune.checkpoints import (
+    best_checkpoint,
+    checkpoint_step,
+    heldout_of,
+    newest_complete,
+    prune,
+    truncate_metrics,
+)
 from snaketune.collective import any_rank, barrier
 from snaketune.diskplan import DiskGuard
 from snaketune.errors import UserError
@@ -103,8 +110,9 @@ def join(
     resume = newest_complete(ckpt_dir)
     if env.rank == 0:
         # half-written checkpoints of a killed run
-        prune(ckpt_dir, run["save_total_limit"], run["checkpoints"]["optimizer"])
-        truncate_metrics(ckpt_dir / "metrics.jsonl", checkpoint_step(resume) if resume else 0)
+        prune(ckpt_dir, run["save_total_limit"], run["checkpoints"]["optimizer"], kept_best(run))
+        # a new run keeps no line (a held-out pass at step 0 is made again)
+        truncate_metrics(ckpt_dir / "metrics.jsonl", checkpoint_step(resume) if resume else -1)
     if env.local_rank == 0:
         hosts = ckpt_dir / "hosts"
         hosts.mkdir(exist_ok=True)
@@ -163,6 +171,28 @@ def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: st
     )  # fmt: skip
 
 
+def kept_best(run: dict[str, Any]) -> tuple[str, bool] | None:
+    """The held-out metric whose best checkpoint pruning keeps (export.checkpoint: best)."""
+    spec = run.get("heldout")
+    if not spec or spec["checkpoint"] != "best":
+        return None
+    metric = spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
+    return metric, heldout.greater_is_better(metric)
+
+
+def held_out(run: dict[str, Any], method: Method, env: WorkerEnv, tokenizer
+             ) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:  # fmt: skip
+    """This rank's share of the eval set scored while training, and when (eval_steps)."""
+    spec = run.get("heldout")
+    if not spec:
+        return None, None
+    metric = spec["metric"] if spec["metric"] != "auto" else method.heldout_metric
+    scored = heldout_pass.HeldOut({**spec, "metric": metric}, run["seed"], env.rank,
+                                  env.world_size, tokenizer)  # fmt: skip
+    early = run.get("early_stopping")
+    return scored, heldout_pass.Schedule(run["eval_steps"], metric, early, env.rank)
+
+
 def run_worker(
     run: dict[str, Any],
     shards: Path,
@@ -194,8 +224,10 @@ def run_worker(
     quantize = qlora.settings(run, precision)
     model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
     quantized = qlora.record(model, quantize) if quantize else None
+    scored, schedule = held_out(run, method, env, tokenizer)
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
-                  resolve_liger(run["liger_kernel"]), tokenizer, quantized)  # fmt: skip
+                  resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,
+                  start_step)  # fmt: skip
 
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
@@ -206,13 +238,17 @@ def run_worker(
                             run["save_total_limit"], start_step, watchdog,
                             flops_model(run, model, env.world_size), Deadline.from_environ(),
                             run["checkpoints"]["optimizer"], disk, network,
-                            method.step_fields)  # fmt: skip
+                            method.step_fields, kept_best(run))  # fmt: skip
     fixes = [UniversalLoadFix()] if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1" else []
     # where this rank is, for the launcher's stall watch (snaketune.heartbeat)
     beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
 
+    if scored is not None:
+        fixes.append(heldout_pass.callback(schedule, scored))
     trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    if scored is not None:
+        heldout_pass.install(trainer, scored)
     if quantized is not None:
         trainable_in(trainer.model, DTYPES[precision])
         if env.rank == 0:
@@ -223,11 +259,12 @@ def run_worker(
     if watchdog is not None:
         watchdog.stop()
     beat.stop()
-    return finish(trainer, callback, ctx, disk, watchdog, stop, shards)
+    return finish(trainer, callback, ctx, disk, watchdog, stop, shards, schedule)
 
 
 def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None, watchdog,
-           stop: StopRequest, shards: Path) -> int:  # fmt: skip
+           stop: StopRequest, shards: Path,
+           schedule: heldout_pass.Schedule | None = None) -> int:  # fmt: skip
     """How the training ended: the segment record for the launcher, then the outputs (0) or
     the exit code of the stop, with its log line."""
     env, ckpt_dir = ctx.env, ctx.ckpt_dir
@@ -268,7 +305,39 @@ def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None
                 callback.stopped_at,
             )
         return STOPPED_EXIT_CODE
+    if schedule is not None and schedule.stopped and env.rank == 0:
+        log.info("%s; the run is finished", schedule.stopped)
     records = {qlora.RECORD: ctx.quantized} if ctx.quantized else {}
+    exported = export_best(trainer, ctx)
+    if exported is not None:
+        records[heldout.EXPORTED] = exported
     save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
                  ctx.precision, records)  # fmt: skip
     return 0
+
+
+def export_best(trainer, ctx: Context) -> dict[str, Any] | None:
+    """With export.checkpoint: best, the best evaluated checkpoint's weights loaded back into
+    the engine (so every output is written from them); what was exported and why."""
+    best_of = kept_best(ctx.run)
+    if best_of is None:
+        return None
+    metric, greater = best_of
+    best = best_checkpoint(ctx.ckpt_dir, metric, greater)
+    step = trainer.state.global_step
+    if best is None:
+        if ctx.env.rank == 0:
+            log.warning("export.checkpoint: best, but no checkpoint was evaluated; exporting "
+                        "the last step's weights (step %d)", step)  # fmt: skip
+        return {"checkpoint": "last", "step": step, "reason": "no evaluated checkpoint"}
+    value = heldout_of(best)[metric]
+    if checkpoint_step(best) != step:
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        deepspeed_load_checkpoint(trainer.model_wrapped, str(best), load_module_strict=False)
+    if ctx.env.rank == 0:
+        log.info("exporting %s: the best held-out %s, %.4f (the last step is %d)", best.name,
+                 metric, value, step)  # fmt: skip
+    return {"checkpoint": "best", "step": checkpoint_step(best), "metric": metric,
+            "value": value, "last_step": step,
+            "reason": f"best held-out {metric} ({'highest' if greater else 'lowest'})"}  # fmt: skip

@@ -115,14 +115,14 @@ def run_deepspeed(wildcards):
 
 
 def run_spec(wildcards):
-    reference = stages.reference_path(config, wildcards.run)
-    return stages.train_spec(run_of(wildcards), reference)
+    return stages.train_spec(run_of(wildcards), **train_extras(wildcards))
 
 
-def run_reference(wildcards):
-    """A DPO run's precomputed reference log-probs (rule reference_logps), if it reads them."""
-    reference = stages.reference_path(config, wildcards.run)
-    return {"reference": reference} if reference else {}
+def train_extras(wildcards):
+    """What a run's training reads besides its shards and model: a DPO run's precomputed
+    reference log-probs (rule reference_logps), the eval set it scores while training
+    (eval_steps)."""
+    return stages.train_extras(config, wildcards.run)
 
 
 def min_busbw_arg(wildcards):

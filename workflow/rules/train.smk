@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        unpack(run_reference),
+        unpack(train_extras),
         script=f"{SCRIPTS}/train.py",
         shards=run_shards,
         model=run_model,

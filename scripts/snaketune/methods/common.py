@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from snaketune.batches import Data, PlanBatches
+from snaketune.heldout_pass import trainer_arguments
 from snaketune.job import WorkerEnv
 from snaketune.model import load_deepspeed
 from snaketune.vocabulary import trains_lora
@@ -38,6 +39,9 @@ class Method:
     rows_per_example: Callable[[dict[str, Any]], int]
     # a start-up log line of what the method does this run ("" for none)
     describe: Callable[[dict[str, Any], dict[str, Any]], str]
+    # the held-out figure that decides the best checkpoint and early stopping by default
+    # (export.metric: auto; snaketune.heldout): loss, or exact_match of greedy generations
+    heldout_metric: str = "loss"
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Context:
     liger: bool
     tokenizer: Any
     quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.qlora)
+    heldout: Any = None  # the held-out set scored while training (snaketune.heldout.HeldOut)
+    start_step: int = 0  # the step this job resumes from (0: a new run)
 
 
 def training_args(ctx: Context, config_class, **method_args):
@@ -98,6 +104,7 @@ def training_args(ctx: Context, config_class, **method_args):
         ddp_timeout=int(run["timeout_minutes"] * 60),
         log_level="warning",
         log_level_replica="warning",
+        **trainer_arguments(ctx.heldout, run, ctx.start_step),
         **method_args,
     )
 

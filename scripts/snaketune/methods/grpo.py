@@ -224,4 +224,5 @@ METHOD = Method(
     step_fields=step_fields,
     rows_per_example=lambda run: run["grpo"]["num_generations"],
     describe=describe,
+    heldout_metric="exact_match",
 )
