@@ -373,6 +373,33 @@ def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo
 
 
 @pytest.mark.slow
+def test_a_dpo_run_scores_its_held_out_pairs_while_training(dpo_chain, tmp_path):
+    """dpo_demo with eval_steps 2 for 2 steps: held-out rows before the first step and at
+    the last, through the DPO trainer; the first is the starting model's loss on the chosen
+    sides of the held-out pairs, as the evaluate stage scored it (the run's base)."""
+    from snaketune import stages
+    from snaketune.heldout import spec_of
+
+    w = dpo_chain
+    config = chain_config()
+    spec = dpo_spec(max_steps=2, save_steps=100, eval_steps=2)
+    ref = next((w / "results/reference_logps").iterdir()) / "logps.parquet"
+    spec["dpo"] = {**spec["dpo"], "reference_logps": str(ref)}
+    eval_set = w / stages.tokenized(config, "dpo_demo", eval_set=True)
+    spec["heldout"] = spec_of(config["runs"]["dpo_demo"], str(eval_set))
+    proc = launch_train(tmp_path, spec, w / "results/dpo_demo/shards",
+                        w / "results/sft_demo/merged_model", "zero2")  # fmt: skip
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    rows = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    held = [r for r in rows if "heldout_loss" in r]
+    assert [r["step"] for r in held] == [0, 2] and held[0]["heldout_examples"] == 64
+    base = json.loads((w / "results/dpo_demo/eval/metrics.json").read_text())["base"]
+    assert held[0]["heldout_loss"] == pytest.approx(base["loss"], rel=1e-5)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+@pytest.mark.slow
 def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
     """dpo_demo on a 4-bit base (lora.quantize): its reference is the same 4-bit base with
     the adapter off, so rule reference_logps scores the pairs in 4 bits (the run's
