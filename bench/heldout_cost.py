@@ -57,7 +57,9 @@ def train(demo: Path, run: dict, work: Path) -> dict:
            "--deepspeed", str(ROOT / "config/deepspeed/zero2.json"),
            "--out", "results/x/train"]  # fmt: skip
     subprocess.run(cmd, cwd=work, env=env, check=True, capture_output=True)
-    rows = [json.loads(x) for x in (work / "results/x/train/metrics.jsonl").read_text().split()]
+    rows = [
+        json.loads(x) for x in (work / "results/x/train/metrics.jsonl").read_text().splitlines()
+    ]
     held = [r for r in rows if "heldout_loss" in r]
     last = [r for r in rows if "loss" in r][-1]
     return {

@@ -262,3 +262,46 @@ def test_a_sweep_selects_on_the_best_heldout_figure_seen_while_training():
         validate_config(config, ROOT)
     config["runs"]["demo"]["eval_steps"] = 50
     assert len(validate_config(config, ROOT)["runs"]) == 2
+
+
+@pytest.mark.slow
+def test_a_run_continued_on_one_node_keeps_its_heldout_history(demo, heldout_run, tmp_path):
+    """The fixture's run taken back to checkpoint-10 (its best, which pruning kept) and
+    continued on 1 node (accumulation 2: the same global batch, resharded): the held-out
+    rows up to step 10 kept, those after written once, with the 2-node run's figures."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ENV
+
+    _, out, spec = heldout_run
+    ckpt = tmp_path / "results/x/train/checkpoints"
+    shutil.copytree(out / "checkpoints", ckpt)
+    shutil.rmtree(ckpt / "checkpoint-40")
+    tokenized = next((demo / "results/tokenized").glob("arith__*/data.parquet"))
+    subprocess.run([sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized",
+                    str(tokenized), "--nodes", "1", "--gpus-per-node", "1",
+                    "--micro-batch-size", "32", "--gradient-accumulation-steps", "2",
+                    "--seed", str(spec["seed"]), "--model", str(demo / "resources/models/tiny"),
+                    "--out", str(tmp_path / "shards")], check=True, env=ENV,
+                   capture_output=True)  # fmt: skip
+    one = {**spec, "nodes": 1, "gradient_accumulation_steps": 2}
+    proc = launch_train(tmp_path, one, tmp_path / "shards", demo / "results/demo/merged_model",
+                        "zero2")  # fmt: skip
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    assert "resuming from checkpoint-10" in log, log[-3000:]
+    got = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    want = read_jsonl(out / "metrics.jsonl")
+    assert [(r["step"], "heldout_loss" in r) for r in got] == [
+        (r["step"], "heldout_loss" in r) for r in want]  # fmt: skip
+    # rows up to the checkpoint are the 2-node run's own; the first pass after it agrees to
+    # float noise (measured 1.1e-5, the training loss at step 20 1.3e-5). Later passes are
+    # compared for presence only: the learning rate this fixture warms up to (0.05) makes
+    # the run unstable from step ~25, which amplifies that noise (3.7e-3 at step 30, 0.58 at
+    # 39; resumed on the same 2 nodes, the test above holds every pass to 1e-6).
+    assert [r for r in got if r["step"] <= 10] == [r for r in want if r["step"] <= 10]
+    (a,) = [r for r in got if r["step"] == 20 and "heldout_loss" in r]
+    (b,) = [r for r in want if r["step"] == 20 and "heldout_loss" in r]
+    assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-4)
