@@ -5,7 +5,7 @@
 # the rest. The local demo both need is built once, by whichever gets to it first
 # (SNAKETUNE_SHARED_DIR, tests/conftest.py). Extra arguments go to both pytest runs.
 set -uo pipefail
-SIDE=(tests/test_atomic.py tests/test_qlora.py tests/test_slurm.py tests/test_sweep.py)
+SIDE=(tests/test_atomic.py tests/test_heldout.py tests/test_qlora.py tests/test_slurm.py tests/test_sweep.py)
 shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
 export SNAKETUNE_SHARED_DIR=$shared
 pytest "${SIDE[@]}" "$@" > "$shared/side.log" 2>&1 &
