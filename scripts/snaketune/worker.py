@@ -171,23 +171,30 @@ def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: st
     )  # fmt: skip
 
 
+def heldout_metric(run: dict[str, Any]) -> str | None:
+    """The held-out figure a run is judged by (export.metric; `auto`: its method's own);
+    None for a run that scores nothing while training."""
+    spec = run.get("heldout")
+    if not spec:
+        return None
+    return spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
+
+
 def kept_best(run: dict[str, Any]) -> tuple[str, bool] | None:
     """The held-out metric whose best checkpoint pruning keeps (export.checkpoint: best)."""
-    spec = run.get("heldout")
-    if not spec or spec["checkpoint"] != "best":
+    metric = heldout_metric(run)
+    if metric is None or run["heldout"]["checkpoint"] != "best":
         return None
-    metric = spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
     return metric, heldout.greater_is_better(metric)
 
 
-def held_out(run: dict[str, Any], method: Method, env: WorkerEnv, tokenizer
+def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
              ) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:  # fmt: skip
     """This rank's share of the eval set scored while training, and when (eval_steps)."""
-    spec = run.get("heldout")
-    if not spec:
+    metric = heldout_metric(run)
+    if metric is None:
         return None, None
-    metric = spec["metric"] if spec["metric"] != "auto" else method.heldout_metric
-    scored = heldout_pass.HeldOut({**spec, "metric": metric}, run["seed"], env.rank,
+    scored = heldout_pass.HeldOut({**run["heldout"], "metric": metric}, run["seed"], env.rank,
                                   env.world_size, tokenizer)  # fmt: skip
     early = run.get("early_stopping")
     return scored, heldout_pass.Schedule(run["eval_steps"], metric, early, env.rank)
@@ -224,7 +231,7 @@ def run_worker(
     quantize = qlora.settings(run, precision)
     model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
     quantized = qlora.record(model, quantize) if quantize else None
-    scored, schedule = held_out(run, method, env, tokenizer)
+    scored, schedule = held_out(run, env, tokenizer)
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
                   resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,
                   start_step)  # fmt: skip
