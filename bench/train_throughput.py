@@ -201,17 +201,22 @@ LORA = {
 }
 
 
+def cpu_inputs(tmp: Path, args: argparse.Namespace) -> tuple[Path, int, Path, np.ndarray]:
+    """The CPU modes' model (its directory and size), tokenized examples and their lengths,
+    under ``tmp``."""
+    from transformers import AutoConfig
+
+    model, params = make_model(tmp / "model", gpu=False, layers=args.layers)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    lengths = gsm8k_lengths(args.micro_batch_size * args.steps)
+    return model, params, write_tokenized(tmp / "tokenized.parquet", lengths, vocab), lengths
+
+
 def qlora(args: argparse.Namespace) -> None:
     """LoRA against QLoRA on CPU: the same model, examples and adapter."""
-    n = args.micro_batch_size * args.steps
-    lengths = gsm8k_lengths(n)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model, params = make_model(tmp / "model", gpu=False, layers=args.layers)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model).vocab_size
-        tokenized = write_tokenized(tmp / "tokenized.parquet", lengths, vocab)
+        model, params, tokenized, lengths = cpu_inputs(tmp, args)
         sides = {}
         for name, quantize in (("LoRA", "none"), ("QLoRA (4-bit NF4 base)", "4bit")):
             run = {"method": "lora", "attn_implementation": "sdpa", "max_length": 512,
@@ -232,15 +237,9 @@ def qlora(args: argparse.Namespace) -> None:
 def cpu(args: argparse.Namespace) -> None:
     from snaketune.packing import SEGMENTS
 
-    n = args.micro_batch_size * args.steps
-    lengths = gsm8k_lengths(n)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model, params = make_model(tmp / "model", gpu=False, layers=args.layers)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model).vocab_size
-        tokenized = write_tokenized(tmp / "tokenized.parquet", lengths, vocab)
+        model, params, tokenized, lengths = cpu_inputs(tmp, args)
         common = {"method": "full", "attn_implementation": "sdpa", "max_length": 512,
                   "learning_rate": 1e-4}  # fmt: skip
         sides = {}
