@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, required=True, help="output HTML page")
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
-    rows, svgs, evals, samples, lineages, curves_of = [], {}, {}, {}, {}, {}
+    rows, svgs, evals, samples, lineages, curves_of, attempts = [], {}, {}, {}, {}, {}, {}
     with atomic_paths(args.curves, args.summary, args.html) as (curves, summary, html):
         curves.mkdir()
         for name, spec in runs.items():
@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 evals[name] = json.loads(ev.read_text())
             held_out = evals[name]["loss"] if name in evals else None
-            exported = json.loads((train / "provenance.json").read_text()).get("exported")
+            provenance = json.loads((train / "provenance.json").read_text())
+            exported = provenance.get("exported")
+            attempts[name] = provenance.get("attempts") or []
             step = exported["step"] if exported and exported["checkpoint"] == "best" else None
             svgs[name] = training_svg(metrics, f"{name}: training", held_out, step)
             (curves / f"{name}.svg").write_text(svgs[name])
@@ -92,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             lineages[name] = (href, str(final), "\n".join(lineage(final)))
         write_summary(rows, summary)
         sweeps = sweep_sections(runs, rows, curves_of, evals)
-        html.write_text(summary_html(rows, svgs, evals, samples, lineages, sweeps=sweeps))
+        html.write_text(
+            summary_html(rows, svgs, evals, samples, lineages, sweeps=sweeps, attempts=attempts)
+        )
     return 0
 
 

@@ -11,6 +11,10 @@ worker is this script again, run by torchrun with --worker; by hand on a node:
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
 
+Each start is an attempt with its own log, kept by every retry and requeue:
+<out>/logs/attempt-<n>.log (snaketune/attempts.py); the output's last lines list every
+attempt's outcome.
+
 A rerun resumes from the newest complete checkpoint in <out>/checkpoints/ when the run's
 settings and shards are unchanged (otherwise the old checkpoints are moved aside). Ahead of
 the job's time limit (SLURM's end time, else --time-limit) the workers stop at a step end
@@ -89,6 +93,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fail a multi-node job whose all-reduce bus bandwidth is under this (GB/s)",
     )
     parser.add_argument(
+        "--announce-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="write one line naming this attempt's log to this file descriptor (the rule "
+        "passes the job's own stderr as 3: SLURM's job output, Snakemake's terminal)",
+    )
+    parser.add_argument(
         "--worker", action="store_true", help="run as a torchrun worker (set by the launcher)"
     )
     return parser.parse_args(argv)
@@ -113,7 +125,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     job = Job(json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out,
               args.launcher, worker_argv, args.lock_wait, args.time_limit,
               args.stop_margin)  # fmt: skip
-    return launch_job(job)
+    return launch_job(job, args.announce_fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,7 +44,7 @@ def test_second_training_waits_then_refuses_naming_the_holder(tmp_path):
     path = tmp_path / "train.lock"
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        _write_holder(path, pid=sleeper.pid, pid_started=runlock._start_time(sleeper.pid), job="77")
+        _write_holder(path, pid=sleeper.pid, pid_started=runlock.start_time(sleeper.pid), job="77")
         began = time.monotonic()
         with pytest.raises(UserError) as err:
             RunLock(path, wait_s=1.5, poll_s=0.1).acquire()

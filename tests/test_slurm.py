@@ -162,14 +162,15 @@ def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     profile.mkdir()
     settings = yaml.safe_load((ROOT / "profiles/tupi/config.yaml").read_text())
     settings["set-resources"]["train"]["runtime"] = TRAIN_LIMIT_MIN
-    settings["set-resources"]["train"]["slurm_extra"] = "--signal=USR1@30"
+    settings["set-resources"]["train"]["slurm_extra"] = "--signal=USR1@30 --open-mode=append"
     (profile / "config.yaml").write_text(yaml.safe_dump(settings))
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["stop_margin_seconds"] = 80
     config["runs"]["demo"]["eval"].update(limit=8, max_new_tokens=8, batch_size=8)
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), profile=profile,
-                timeout=1200)  # fmt: skip
+    # (SLURM's output of each job kept, successful ones too: it names the attempt's log)
+    proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"),
+                "--slurm-keep-successful-logs", profile=profile, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:]
     return workdir, proc.stdout
 
@@ -232,11 +233,59 @@ def test_training_past_the_time_limit_continues_across_jobs(slurm_demo, demo):
     assert [m["step"] for m in got] == [m["step"] for m in want]  # every step once
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
+    # every run of the job was an attempt with its own log, kept across the requeues; the
+    # job's output file (appended to by each run) names each of them
+    attempts = read_jsonl(workdir / "results/demo/train/logs/attempts.jsonl")
+    starts = [a for a in attempts if "began" in a]
+    ends = {a["attempt"]: a for a in attempts if "exit" in a}
+    assert [(a["attempt"], a["job"], a["restart"]) for a in starts] == [
+        (n + 1, train_job, n) for n in range(len(segments))]  # fmt: skip
+    assert [s["attempt"] for s in segments] == [a["attempt"] for a in starts]
+    for n, segment in enumerate(segments[:-1], start=1):
+        assert ends[n]["exit"] == 3, ends[n]
+        assert ends[n]["reason"].startswith(f"stopped ahead of the time limit at step "
+                                            f"{segment['to_step']}")  # fmt: skip
+    assert ends[len(segments)] == {"attempt": len(segments), "ended": ends[len(segments)]["ended"],
+                                   "exit": 0, "reason": "done at step 192"}  # fmt: skip
+    job_output = (workdir / f"logs/slurm/rule_train/demo/{train_job}.log").read_text()
+    for n in range(1, len(segments) + 1):
+        text = (workdir / f"results/demo/train/logs/attempt-{n}.log").read_text()
+        assert f"train attempt {n} of run demo" in text and "preflight passed" in text
+        assert f"attempt {n}, its log: results/demo/train/logs/attempt-{n}.log" in job_output
+    assert "stopped at step" in (workdir / "results/demo/train/logs/attempt-1.log").read_text()
     # SLURM ended no job at its limit; the report shows the jobs and the time outside training
     assert "TIMEOUT" not in output
     row = (workdir / "results/summary.tsv").read_text().splitlines()
     summary = dict(zip(row[0].split("\t"), row[1].split("\t"), strict=True))
     assert int(summary["jobs"]) == len(segments) and float(summary["outside_training_s"]) > 0
+
+
+def test_a_failed_train_job_is_retried_as_new_jobs_never_inside_one(slurm_demo, tmp_path):
+    """The double start: Snakemake inside a SLURM job applies the rule's `retries` too, so
+    a train attempt that failed inside its job started again there (seen with
+    --signal=USR1@600 and a 3-minute runtime: the signal reached torchrun as it shut down
+    after the last step, the step failed, and the job ran the train rule again). A train
+    job failing in the launcher (wandb enabled but not installed) must be started exactly
+    once per job: 3 attempts in 3 SLURM jobs (the rule's 2 retries), each ended by its
+    one line, recorded and logged."""
+    work = tmp_path / "work"
+    shutil.copytree(slurm_demo[0], work, symlinks=True)
+    shutil.rmtree(work / "results/demo/train/logs")
+    proc = tupi(work, "--configfile", str(work / "config.yaml"), "--forcerun", "train",
+                "--until", "train", "--config", "runs={'demo': {'wandb': {'enabled': True}}}",
+                profile=work / "profile-tupi", timeout=600)  # fmt: skip
+    assert proc.returncode != 0
+    jobs = submitted(proc.stdout)["train"]
+    assert len(jobs) == 3, proc.stdout[-6000:]  # the job and the rule's 2 retries
+    attempts = read_jsonl(work / "results/demo/train/logs/attempts.jsonl")
+    starts = [(a["attempt"], a["job"], a["restart"]) for a in attempts if "began" in a]
+    assert starts == [(n + 1, job, 0) for n, job in enumerate(jobs)], (starts, jobs)
+    for end in (a for a in attempts if "exit" in a):
+        assert end["exit"] == 2 and "wandb.enabled is set but wandb is not installed" in (
+            end["reason"]), end  # fmt: skip
+    for n in (1, 2, 3):
+        log = (work / f"results/demo/train/logs/attempt-{n}.log").read_text()
+        assert "error: wandb.enabled is set but wandb is not installed" in log, log[-2000:]
 
 
 def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):

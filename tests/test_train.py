@@ -157,6 +157,56 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
+    _check_every_attempt_kept_its_log(work, log, out, victim.pid)
+
+
+def _check_every_attempt_kept_its_log(work: Path, rule_log: str, out: str, victim: int) -> None:
+    """Three attempts (launcher SIGKILLed, a rank SIGKILLed, done): each kept its whole log
+    in results/demo/train/logs though Snakemake emptied the rule's log before each retry;
+    the first two hold what ended them, the records say how each ended, the rule's log
+    names the earlier files and ends with every outcome, and provenance lists them."""
+    folder = work / "results/demo/train/logs"
+    logs = {n: (folder / f"attempt-{n}.log").read_text() for n in (1, 2, 3)}
+    assert sorted(p.name for p in folder.glob("attempt-*.log")) == [
+        "attempt-1.log", "attempt-2.log", "attempt-3.log"]  # fmt: skip
+    # 1: trained past checkpoint-10, then nothing: SIGKILL leaves no line of its own
+    assert "checkpoint checkpoint-10 complete" in logs[1] and "step 11/" in logs[1]
+    assert "attempts of run demo" not in logs[1]  # it never got to write its outcome
+    # 2: resumed, then the rank killed: torchrun's report of it and the launcher's line
+    assert "resuming from checkpoint-10" in logs[2]
+    assert f"Signal 9 (SIGKILL) received by PID {victim}" in logs[2], logs[2][-3000:]
+    assert "training exited with code" in logs[2]
+    # 3: the rule's log is this attempt's: the attempt's file holds all of it from its start
+    # (what the launcher printed while it imported came before)
+    began = rule_log.rindex("\n", 0, rule_log.index("train attempt 3 of run demo")) + 1
+    assert rule_log[began:].strip() in logs[3] and logs[3].count("\n") > 100
+    records = {a["attempt"]: a for a in _attempts(folder)}
+    assert "exit" not in records[1]  # killed before it could record an end
+    assert records[2]["exit"] == 1
+    assert f"Signal 9 (SIGKILL) received by PID {victim}" in records[2]["reason"]
+    assert records[3]["exit"] == 0 and records[3]["reason"] == "done at step 192"
+    # the rule's log names the earlier files and ends with every attempt's outcome
+    assert "earlier attempts' logs" in rule_log and "attempt-1.log, attempt-2.log" in rule_log
+    tail = rule_log.strip().splitlines()[-4:]
+    assert tail[0].startswith("attempts of run demo"), tail
+    assert "attempt 1 (logs/attempt-1.log" in tail[1] and "ended without a record" in tail[1]
+    assert "attempt 2 (logs/attempt-2.log" in tail[2] and ": exit 1: " in tail[2]
+    assert "SIGKILL" in tail[2]
+    assert tail[3].endswith(": exit 0: done at step 192"), tail[3]
+    # Snakemake's own output (the job's stderr) named each attempt's file
+    for n in (1, 2, 3):
+        assert f"train demo: attempt {n}, its log: results/demo/train/logs/attempt-{n}.log" in out
+    prov = json.loads((work / "results/demo/train/provenance.json").read_text())
+    assert [(a["attempt"], a.get("exit")) for a in prov["attempts"]] == [(1, None), (2, 1), (3, 0)]
+    segments = read_jsonl(work / "results/demo/train/checkpoints/segments.jsonl")
+    assert [s["attempt"] for s in segments] == [2, 3]  # the SIGKILLed launcher recorded none
+
+
+def _attempts(folder: Path) -> list[dict]:
+    merged: dict[int, dict] = {}
+    for record in read_jsonl(folder / "attempts.jsonl"):
+        merged.setdefault(record["attempt"], {}).update(record)
+    return [merged[n] for n in sorted(merged)]
 
 
 def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path):
@@ -201,13 +251,13 @@ def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
     its bounded time, then refuses with one line naming host and PID, before any compute
     and without touching the run's directory."""
     from snaketune.io import host_name
-    from snaketune.runlock import _start_time
+    from snaketune.runlock import start_time
 
     holder = subprocess.Popen(["sleep", "60"])
     lock = tmp_path / "results/x/train/train.lock"
     lock.parent.mkdir(parents=True)
     lock.write_text(json.dumps({"host": host_name(), "pid": holder.pid, "job": None,
-                                "pid_started": _start_time(holder.pid), "since": "now"}))  # fmt: skip
+                                "pid_started": start_time(holder.pid), "since": "now"}))  # fmt: skip
     try:
         proc = launch_train(tmp_path, run_spec(), demo / "results/demo/shards",
                             demo / "resources/models/tiny", "zero2", "--lock-wait", "3")  # fmt: skip

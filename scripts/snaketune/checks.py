@@ -165,17 +165,20 @@ def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:
 
 
 def check_partitions(jobs: list[Job]) -> list[str]:
-    """Every SLURM job against its partition; where this machine has no SLURM (``sinfo``
-    not found: a dry run away from the cluster), one note and nothing refused."""
-    from snaketune.slurmfit import check_jobs
+    """Every SLURM job against its partition (and its --signal lead against its runtime);
+    where this machine has no SLURM (``sinfo`` not found: a dry run away from the cluster),
+    one note and no partition checked."""
+    from snaketune.slurmfit import check_jobs, check_signal_leads
 
     if not jobs:
         return []
+    asked = [(job.rule, job.resources) for job in jobs]
+    leads = check_signal_leads(asked)
     if shutil.which("sinfo") is None:
         print("slurm: partitions not checked: sinfo not found (not a SLURM login node); "
               "they are checked when the workflow runs there", file=sys.stderr)  # fmt: skip
-        return []
-    return check_jobs([(job.rule, job.resources) for job in jobs])
+        return leads
+    return leads + check_jobs(asked)
 
 
 def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None:

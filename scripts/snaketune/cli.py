@@ -52,11 +52,16 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     try:
         return main(argv)
     except UserError as exc:
-        from snaketune.redact import redact, secret_values
-
-        for line in error_lines(exc):
-            print(f"error: {redact(line, secret_values())}", file=sys.stderr)
+        print_error(exc)
         return 2
+
+
+def print_error(exc: UserError) -> None:
+    """``exc`` as its lines on stderr, each "error: ...", secret values masked."""
+    from snaketune.redact import redact, secret_values
+
+    for line in error_lines(exc):
+        print(f"error: {redact(line, secret_values())}", file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:

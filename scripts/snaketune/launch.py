@@ -24,7 +24,7 @@ from snaketune.agents import (
     worker_environment,
 )
 from snaketune.checkpoints import checkpoint_step, newest_complete
-from snaketune.errors import UserError
+from snaketune.errors import UserError, error_lines
 from snaketune.heartbeat import StallWatch, stall_verdict
 from snaketune.io import digest, publish, sha256_file, write_json
 from snaketune.job import SEGMENT, Job, read_segment
@@ -203,6 +203,14 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
             f"saving; {saved.name if saved else 'no checkpoint'} is complete and resumable: "
             + DISK_FIXES
         )
+    if ended.get("reason") == "done" and code != 0:
+        # Rank 0 records "done" after every rank wrote its outputs: what failed came after
+        # (on SLURM, a --signal that reached torchrun while it shut down).
+        log.warning(
+            "the workers finished and wrote every output, then the step exited with code %d%s; "
+            "publishing", code, f" ({signalled})" if signalled else "",
+        )  # fmt: skip
+        return None
     if signalled:
         # The agents exit 1 on a forwarded signal whatever their workers did; report the stop.
         saved = newest_complete(job.ckpt)
@@ -267,11 +275,13 @@ def read_exported(model: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def publish_outputs(job: Job) -> None:
+def publish_outputs(job: Job, attempt: int = 0) -> None:
     """run_config.json and provenance.json beside the workers' staged outputs, then all of
-    them renamed into place at once."""
+    them renamed into place at once. ``attempt``: this one (snaketune.attempts), recorded
+    as done."""
     import torch
 
+    from snaketune.attempts import summary as attempts_summary
     from snaketune.diskplan import folder_bytes
     from snaketune.job import WORKER_OUTPUTS, staged
     from snaketune.provenance import output_hashes, record
@@ -288,6 +298,7 @@ def publish_outputs(job: Job) -> None:
     for n, h in output_hashes(staged(job.out, "model")).items():
         outputs[f"model/{n}"] = h
     final = staged(job.out, "final_checkpoint")
+    segments = read_segments(job)
     prov = record(
         "train",
         job.out,
@@ -297,10 +308,16 @@ def publish_outputs(job: Job) -> None:
         hosts={h.name: h.read_text() for h in hosts},
         device="cuda" if torch.cuda.is_available() else "cpu",
         final_checkpoint_bytes=folder_bytes(final),
-        segments=segments_summary(read_segments(job)),
+        segments=segments_summary(segments),
         network=read_result(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
         exported=read_exported(staged(job.out, "model")),
+        attempts=[
+            {**a, "exit": 0, "reason": f"done at step {segments[-1].get('to_step')}"}
+            if a["attempt"] == attempt
+            else a
+            for a in attempts_summary(job.out)
+        ],
     )
     write_json(staged(job.out, "provenance.json"), prov)
     names = (*WORKER_OUTPUTS, "run_config.json", "provenance.json")
@@ -310,7 +327,7 @@ def publish_outputs(job: Job) -> None:
 # ----------------------------------------------------------------------------- continuation
 
 
-def train_segments(job: Job, nodes: int, gpus: int) -> int | str:
+def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0) -> int | str:
     """Run the workers until the run is done, failed, or (on SLURM) its job must go back to
     the queue: 0, an exit code, or "requeue". Off SLURM, a stop ahead of the time limit is
     followed at once by the next segment, with a fresh limit."""
@@ -324,7 +341,7 @@ def train_segments(job: Job, nodes: int, gpus: int) -> int | str:
         (job.ckpt / SEGMENT).unlink(missing_ok=True)
         code, signalled = start_workers(job, nodes, gpus, deadline)
         ended = read_segment(job.ckpt)
-        record_segment(job, began, from_step, ended)
+        record_segment(job, began, from_step, ended, attempt)
         if ended.get("reason") == "time" and signalled in (None, "SIGUSR1"):
             used = segments_summary(read_segments(job))["continuations"]
             if used > limit:
@@ -340,17 +357,44 @@ def train_segments(job: Job, nodes: int, gpus: int) -> int | str:
         failed = outcome(job, code, signalled, ended)
         if failed is not None:
             return failed
-        publish_outputs(job)
+        publish_outputs(job, attempt)
         return 0
 
 
-def launch_job(job: Job) -> int:
-    """The train job: check, keep or set aside checkpoints, run the workers on every node
+def launch_job(job: Job, announce_fd: int | None = None) -> int:
+    """The train job, as one attempt of the run (snaketune.attempts: its own log, its
+    outcome recorded): check, keep or set aside checkpoints, run the workers on every node
     (again after each stop ahead of the time limit), and publish their outputs when all of
     them finished. On SLURM, a stop ahead of the limit requeues the job (lock released
     first)."""
+    from snaketune.attempts import Attempt
+    from snaketune.cli import print_error
     from snaketune.job import STOPPED_EXIT_CODE
 
+    attempt = Attempt(job.out, announce_fd)
+    try:
+        attempt.refuse_second_start()
+        result = train_job(job, attempt.number)
+    except UserError as exc:
+        print_error(exc)
+        attempt.finish(2, "; ".join(error_lines(exc)))
+        return 2
+    except BaseException as exc:
+        attempt.finish(1, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        raise
+    step = (read_segments(job) or [{}])[-1].get("to_step")
+    if result != "requeue":
+        attempt.finish(result, f"done at step {step}" if result == 0 else None)
+        return result
+    attempt.finish(STOPPED_EXIT_CODE, f"stopped ahead of the time limit at step {step}; the "
+                   f"SLURM job goes back to the queue to continue")  # fmt: skip
+    if requeue_self():
+        time.sleep(300)  # SLURM ends this run of the job now; the next one resumes
+    return STOPPED_EXIT_CODE
+
+
+def train_job(job: Job, attempt: int) -> int | str:
+    """Check the job, take the run's lock and train: 0, an exit code or "requeue"."""
     log.info(
         "train job started: host %s, PID %d%s",
         socket.gethostname(), os.getpid(),
@@ -360,9 +404,4 @@ def launch_job(job: Job) -> int:
     check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
         prepare_checkpoints(job)
-        result = train_segments(job, nodes, gpus)
-    if result != "requeue":
-        return result
-    if requeue_self():
-        time.sleep(300)  # SLURM ends this run of the job now; the next one resumes
-    return STOPPED_EXIT_CODE
+        return train_segments(job, nodes, gpus, attempt)

@@ -367,10 +367,34 @@ def sweep_section(sweep: str, best: dict[str, Any], rows: list[dict[str, str]], 
             "</section>")  # fmt: skip
 
 
+def attempts_table(attempts: list[dict[str, Any]]) -> str:
+    """Every start of the run's training (snaketune.attempts): when, where, how it ended and
+    where its whole log is; open when one of them failed."""
+    import time
+    from html import escape
+
+    failed = sum(a.get("exit") != 0 for a in attempts)
+    rows = "".join(
+        f"<tr><td class='num'>{a['attempt']}</td>"
+        f"<td>{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.get('began', 0)))}</td>"
+        f"<td>{escape(str(a.get('host', '')))}"
+        + (f" (SLURM job {escape(str(a['job']))})" if a.get("job") else "") + "</td>"
+        f"<td class='num'>{escape(str(a.get('exit', '-')))}</td>"
+        f"<td>{escape(str(a.get('reason', '')))}</td>"
+        f"<td><code>train/{escape(str(a.get('log', '')))}</code></td></tr>"
+        for a in attempts
+    )  # fmt: skip
+    return (f"<details{' open' if failed else ''}><summary>Training attempts: {len(attempts)}"
+            f"{f', {failed} ended early or failed' if failed else ''}</summary><table>"
+            "<tr><th>#</th><th>began</th><th>host</th><th>exit</th><th>reason</th>"
+            f"<th>log</th></tr>{rows}</table></details>")  # fmt: skip
+
+
 def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
                  evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
                  lineages: dict[str, tuple[str, str, str]] | None = None,
-                 n_samples: int = 8, sweeps: list[str] | None = None) -> str:  # fmt: skip
+                 n_samples: int = 8, sweeps: list[str] | None = None,
+                 attempts: dict[str, list[dict[str, Any]]] | None = None) -> str:  # fmt: skip
     """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
     run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
     and its provenance link and lineage."""
@@ -403,6 +427,8 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
                 f"(<code>snaketune lineage {escape(artefact)}</code>)</p>"
                 f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
             )
+        if attempts and attempts.get(run):
+            parts.append(attempts_table(attempts[run]))
         if samples.get(run):
             parts.append("<h3>Samples</h3>" + samples_table(samples[run], n_samples))
         sections.append("".join(parts) + "</section>")

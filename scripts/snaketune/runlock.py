@@ -65,7 +65,7 @@ def worker_dies_with_agent() -> None:
         os._exit(1)
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (None: no such process)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -74,14 +74,14 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _alive(pid: int, started: str | None) -> bool:
+def process_alive(pid: int, started: str | None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    now = _start_time(pid)
+    now = start_time(pid)
     return started is None or now is None or now == started
 
 
@@ -105,7 +105,7 @@ class RunLock:
         return {
             "host": host_name(),
             "pid": os.getpid(),
-            "pid_started": _start_time(os.getpid()),
+            "pid_started": start_time(os.getpid()),
             "job": os.environ.get("SLURM_JOB_ID"),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
             "token": self.token,
@@ -137,7 +137,7 @@ class RunLock:
     def stale(self, holder: dict, age: float) -> str | None:
         """Why the holder no longer holds the lock (None: it does)."""
         if holder.get("host") == host_name() and isinstance(holder.get("pid"), int):
-            if not _alive(holder["pid"], holder.get("pid_started")):
+            if not process_alive(holder["pid"], holder.get("pid_started")):
                 return f"its process {holder['pid']} is gone"
             return None
         if age > STALE_S:

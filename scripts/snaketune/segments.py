@@ -64,8 +64,9 @@ def slurm_restarts() -> int:
     return int(found.group(1)) if found else int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
-def record_segment(job: Job, began: float, from_step: int, ended: dict) -> None:
+def record_segment(job: Job, began: float, from_step: int, ended: dict, attempt: int = 0) -> None:
     line = {
+        "attempt": attempt,  # snaketune.attempts: the job start it ran in
         "job": os.environ.get("SLURM_JOB_ID"),
         "restart": slurm_restarts(),
         "host": socket.gethostname(),

@@ -191,6 +191,39 @@ def check_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return found
 
 
+SIGNAL = re.compile(r"--signal[= ]\s*(?:[RB]{1,2}:)?([A-Za-z0-9]+)(?:@(\d+))?")
+
+
+def signal_lead(slurm_extra: str) -> tuple[str, int] | None:
+    """(signal, seconds before the end) of a ``--signal=[R|B:]SIG[@SECONDS]`` in sbatch
+    options (SLURM's default lead: 60 s); None without one."""
+    found = SIGNAL.search(slurm_extra or "")
+    if found is None:
+        return None
+    return found.group(1), int(found.group(2) or 60)
+
+
+def check_signal_leads(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """A job whose ``--signal`` lead is over half its runtime: SLURM sends the signal as
+    soon as the end is that close, so every train job would save and requeue after its
+    first step (each rule once)."""
+    found = []
+    for rule, resources in jobs:
+        lead = signal_lead(str(resources.get("slurm_extra") or ""))
+        runtime = resources.get("runtime")
+        if lead is None or not isinstance(runtime, (int, float)) or lead[1] * 2 <= runtime * 60:
+            continue
+        sig, seconds = lead
+        line = (f"{rule}: slurm_extra's --signal={sig}@{seconds} comes {seconds} s before the "
+                f"end of a {runtime:g}-minute job, more than half of it: every job would stop "
+                f"after its first step; lower the lead to at most {int(runtime * 30)} s (e.g. "
+                f"--signal={sig}@{int(runtime * 30)} in the profile's set-resources, with "
+                "stop_margin_seconds to match) or raise the rule's runtime")  # fmt: skip
+        if line not in found:
+            found.append(line)
+    return found
+
+
 def hopeless(reason: str, node_exists=None) -> str | None:
     """Why a pending job with this squeue reason can never start (None: it may)."""
     base = reason.split("(")[0].strip().rstrip(",")

@@ -284,10 +284,9 @@ def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None
             callback.disk_short = short
     kept = callback.stopped_for_health or callback.stop_reason == "disk"
     stopped = callback.stopped_at is not None and (kept or not finished)
-    if env.rank == 0:  # how this job's training ended, for the launcher (snaketune.launch)
-        write_segment(ckpt_dir, (callback.stop_reason or "done") if stopped else "done",
-                      trainer.state.global_step, callback.deadline.train_s,
-                      callback.deadline.save_s,
+    if env.rank == 0 and stopped:  # how this job's training ended, for the launcher
+        write_segment(ckpt_dir, callback.stop_reason or "done", trainer.state.global_step,
+                      callback.deadline.train_s, callback.deadline.save_s,
                       callback.disk_short if callback.stop_reason == "disk" else None)  # fmt: skip
     if callback.stop_reason == "disk":
         if env.rank == 0:
@@ -320,6 +319,10 @@ def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None
         records[heldout.EXPORTED] = exported
     save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
                  ctx.precision, records)  # fmt: skip
+    barrier()  # every rank's part of the outputs written: "done" means all of them are there
+    if env.rank == 0:
+        write_segment(ckpt_dir, "done", trainer.state.global_step, callback.deadline.train_s,
+                      callback.deadline.save_s)  # fmt: skip
     return 0
 
 

@@ -5,6 +5,7 @@ from functools import partial
 from pathlib import Path
 
 from snaketune import stages
+from snaketune.attempts import one_start_per_job
 from snaketune.config import resolve_deepspeed
 from snaketune.sweep import sweeps_of
 
@@ -17,6 +18,14 @@ REFERENCES = stages.reference_jobs(config)
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
+# The Snakemake inside a cluster job (remote mode; the executor plugin's job step and the
+# one an MPI-style job starts in turn) applies a rule's `retries` too: a failed train
+# attempt would start again inside the same SLURM job, beside the submitting Snakemake's
+# own retry as a new job. Only the submitting side retries; the job side starts the train
+# rule once (snaketune.attempts refuses a second start there).
+JOB_SIDE = workflow.remote_exec
+TRAIN_RETRIES = 0 if JOB_SIDE else 2
+one_start_per_job(JOB_SIDE)
 
 
 def run_of(wildcards):

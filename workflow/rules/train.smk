@@ -19,8 +19,9 @@ rule train:
         "logs/train/{run}.log",
     benchmark:
         "benchmarks/train/{run}.tsv"
-    # A failed or killed job resumes from its newest complete checkpoint when retried.
-    retries: 2
+    # A failed or killed job resumes from its newest complete checkpoint when retried: twice,
+    # by the submitting Snakemake only (TRAIN_RETRIES, common.smk).
+    retries: TRAIN_RETRIES
     conda:
         "../../envs/snaketune.yaml"
     threads: train_threads
@@ -40,10 +41,13 @@ rule train:
         out="results/{run}/train",
         margin=config["stop_margin_seconds"],
         busbw=min_busbw_arg,
+    # Every attempt (a retry, a requeue, the next invocation) also keeps its whole log in
+    # results/{run}/train/logs/attempt-<n>.log; fd 3 (the job's own stderr) gets one line
+    # naming it.
     # Ahead of the time limit (runtime; on SLURM the job's end time) the job saves and
     # continues: on SLURM it requeues itself (docs/slurm.md), locally it trains on.
     shell:
         "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
         " --model {input.model} --deepspeed {input.deepspeed} --out {params.out}"
         " --time-limit {resources.runtime} --stop-margin {params.margin} {params.busbw}"
-        " > {log} 2>&1"
+        " --announce-fd 3 3>&2 > {log} 2>&1"
