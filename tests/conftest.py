@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile as _tempfile
 from pathlib import Path
 
 import pytest
@@ -81,12 +82,40 @@ FAKE_SECRETS = {
     "DB_PASSWORD": "fake-db-password-7f3a9c",
     "OPENAI_API_KEY": "sk-fakeOpenAiKeySnaketune7f3a9c",
 }
+# Offline check (tests/offline/sitecustomize.py, tests/test_offline.py): every Python
+# process the tests start, and this one, log each lookup or connection that would leave the
+# machine here. Under tests/run.sh the two pytest runs share the file.
+NET_LOG = (
+    Path(os.environ.get("SNAKETUNE_SHARED_DIR") or _tempfile.mkdtemp(prefix="snaketune-net-"))
+    / "net.log"
+)
+os.environ.setdefault("SNAKETUNE_NET_LOG", str(NET_LOG))
+NET_LOG = Path(os.environ["SNAKETUNE_NET_LOG"])
+OFFLINE = ROOT / "tests/offline"
 ENV = {
     **os.environ,
     **FAKE_SECRETS,
     "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
     "PYTHONWARNINGS": "ignore::FutureWarning",
+    "PYTHONPATH": os.pathsep.join([str(OFFLINE), *filter(None, [os.environ.get("PYTHONPATH")])]),
 }
+sys.path.insert(0, str(OFFLINE))
+import sitecustomize  # noqa: E402,F401  (the same watch on this process)
+
+sys.path.remove(str(OFFLINE))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``gpu`` run where a CUDA GPU is and are skipped elsewhere (CI here has
+    none); the GPU-aware tests without the mark check the right thing on either machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def leaked_secrets(root: Path) -> list[str]:

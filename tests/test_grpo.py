@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import yaml
@@ -97,13 +98,17 @@ def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
                     "reward_correctness_std", "reward_format_mean", "reward_format_std",
                     "kl", "completion_length", "tokens_per_s"):  # fmt: skip
             assert key in m, (key, m)
+    # "learns": the mean reward rises by a margin. Measured (docs/benchmarks.md, "GRPO after
+    # SFT"): first quarter 0.581 -> last 1.075 (+0.49); half of that is asked.
     first, last = quarter_means([m["reward"] for m in metrics])
-    assert last > first, (first, last)
+    assert last >= first + 0.25, (first, last)
     log = (w / "logs/train/rl_demo.log").read_text()
-    assert "2 nodes" in log or "x 2 nodes" in log, log[-2000:]
+    assert re.search(r"\bx 1 devices x 2 nodes x accumulation", log), log[-2000:]
     sft = json.loads((w / "results/sft_demo/eval/metrics.json").read_text())
     rl = json.loads((w / "results/rl_demo/eval/metrics.json").read_text())
-    assert rl["exact_match"] >= sft["exact_match"], (sft["exact_match"], rl["exact_match"])
+    # held-out exact match gains: measured 20.3% -> 50.0% (seeds 1 and 2: 56.3%, 62.5%), at
+    # least +29.7 points; asked: +15 points (about 10 of the 64 questions)
+    assert rl["exact_match"] >= sft["exact_match"] + 0.15, (sft["exact_match"], rl["exact_match"])
     # the base of a GRPO run is the run it started from: the gain is what RL added
     assert rl["base"]["exact_match"] == sft["exact_match"]
     assert rl["gain"]["exact_match"] == pytest.approx(rl["exact_match"] - sft["exact_match"])

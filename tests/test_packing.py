@@ -160,17 +160,42 @@ def test_layouts_by_attention():
 
 
 def test_packed_sdpa_runs_one_example_at_a_time_on_cpu_where_the_model_allows():
+    """On CPU, packed sdpa batches train one example at a time (sdpa_segments); on a GPU,
+    sdpa takes them whole (rows with the block-diagonal mask)."""
+    packed_sdpa = "sdpa" if torch.cuda.is_available() else SEGMENTS
     llama = {"model_type": "llama"}
-    assert training_kernel("sdpa", True, llama) == SEGMENTS  # this machine has no GPU
+    assert training_kernel("sdpa", True, llama) == packed_sdpa
     assert training_kernel("sdpa", False, llama) == "sdpa"
     assert training_kernel("eager", True, llama) == "eager"
     qwen2 = {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": None}
-    assert training_kernel("sdpa", True, qwen2) == SEGMENTS
+    assert training_kernel("sdpa", True, qwen2) == packed_sdpa
     mistral = {"model_type": "mistral", "sliding_window": 4096}
     assert segments_problem(mistral) == "sliding-window attention"
     assert training_kernel("sdpa", True, mistral) == "sdpa"  # rows, the block-diagonal mask
     gemma2 = {"model_type": "gemma2", "attn_logit_softcapping": 50.0, "sliding_window": None}
     assert training_kernel("sdpa", True, gemma2) == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_an_example_packed_between_two_others_has_its_own_losses_on_a_gpu(arch):
+    """(a) on CUDA with the kernel packed sdpa batches train with there (rows with the
+    block-diagonal mask), fp32. Tolerance: the packed row and the lone example run through
+    different kernel shapes; fp32 sums in another order differ by ~1e-6 relative (the CPU
+    test holds 1e-5), TF32 stays off for matmuls by default."""
+    attention = training_kernel("sdpa", True, {"model_type": arch})
+    assert attention == "sdpa"
+    model = tiny(arch, attention).cuda()
+    first, middle, last = example(13, 1), example(9, 2), example(6, 3)
+
+    def on_gpu(batch: dict) -> dict:
+        return {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    alone = token_losses(model, on_gpu(packed_rows([middle], 64, 0)))[0]
+    packed = on_gpu(Collator(layout_for(True, attention), 0, 64)([first, middle, last]))
+    got = token_losses(model, packed)[0][13 : 13 + 8]
+    assert (alone >= 0).sum() == (got >= 0).sum() == 9 - 3
+    torch.testing.assert_close(got, alone, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -196,14 +221,29 @@ def test_varlen_layout_is_one_row_with_flash_boundaries():
 
 
 def test_kernels_on_this_machine():
-    # CPU only here: auto picks sdpa; naming a kernel that is not installed fails
-    assert resolve_attention("auto") == "sdpa"
+    """auto picks flash-attention 2 where it is installed and the GPU takes it, else sdpa;
+    Liger where it is installed and there is a GPU; naming what this machine lacks fails.
+    The expectation follows the machine (CPU here, a GPU node elsewhere)."""
+    from snaketune.packing import flash_attention_usable, installed
+
+    gpu = torch.cuda.is_available()
+    flash = flash_attention_usable()
+    assert flash is False or gpu  # flash-attention needs a GPU
+    assert resolve_attention("auto") == ("flash_attention_2" if flash else "sdpa")
     assert resolve_attention("eager") == "eager"
-    with pytest.raises(UserError, match="flash_attention_2 needs flash-attn"):
-        resolve_attention("flash_attention_2")
-    assert resolve_liger("auto") is False
-    with pytest.raises(UserError, match="liger_kernel: true needs a CUDA GPU"):
-        resolve_liger(True)
+    if flash:
+        assert resolve_attention("flash_attention_2") == "flash_attention_2"
+    else:
+        with pytest.raises(UserError, match="flash_attention_2 needs flash-attn"):
+            resolve_attention("flash_attention_2")
+    assert resolve_liger("auto") is (gpu and installed("liger_kernel"))
+    if gpu:
+        assert resolve_liger(True) is True
+    else:
+        with pytest.raises(UserError, match="liger_kernel: true needs a CUDA GPU"):
+            resolve_liger(True)
+    if installed("flash_attn") or installed("liger_kernel"):
+        return  # the config-time refusals below are for machines without them
     with pytest.raises(ConfigError) as info:
         check_kernels_installed("runs.r", {"attn_implementation": "flash_attention_2"})
     assert str(info.value) == (

@@ -265,11 +265,17 @@ def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo)
     out = model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :]
     assert out[-1].item() == 2 and len(out) < 48, tok.decode(out)
     assert not torch.isin(out[:-1], torch.tensor([2, eos])).any()
-    for where in (w / "results/summary.tsv", demo / "results/summary.tsv"):
-        with open(where) as fh:
-            for row in csv.DictReader(fh, delimiter="\t"):
-                assert 0 <= float(row["base_stop_rate"]) <= 1, row
-                assert 0 <= float(row["stop_rate"]) <= 1, row
+    # the summary's columns are each run's evaluation figures (the TSV keeps full precision)
+    for root in (w, demo):
+        with open(root / "results/summary.tsv") as fh:
+            rows = list(csv.DictReader(fh, delimiter="\t"))
+        evaluated = [r for r in rows if (root / f"results/{r['run']}/eval/metrics.json").is_file()]
+        assert evaluated, rows
+        for row in evaluated:
+            ev = json.loads((root / f"results/{row['run']}/eval/metrics.json").read_text())
+            assert float(row["stop_rate"]) == pytest.approx(ev["stop_rate"], abs=1e-12), row
+            assert float(row["base_stop_rate"]) == pytest.approx(ev["base"]["stop_rate"],
+                                                                 abs=1e-12), row  # fmt: skip
 
 
 @pytest.mark.slow

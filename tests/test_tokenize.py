@@ -7,12 +7,13 @@ import csv
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
 
-from snaketune.conversations import Source, multiplicity
+from snaketune.conversations import Source
 from snaketune.errors import DataError
 from snaketune.rows import IGNORE_INDEX
 from snaketune.sources import download_dataset
@@ -239,9 +240,22 @@ def test_filters_and_mixture_weights(tmp_path, tiny_model):
     ids = pq.read_table(out).column("example_id").to_pylist()
     odd = range(1, 40, 2)  # the rows that pass the filter
     assert ids[:40] == [x for i in odd for x in (f"cu:{i}", f"cu:{i}:1")]  # weight 2: twice
-    chosen = multiplicity(40, 0.5, 3, "cu")  # weight 0.5: a seeded half of the raw rows
-    assert chosen.sum() == 20 and set(chosen.tolist()) == {0, 1}
-    assert ids[40:] == [f"cu:{i}" for i in odd if chosen[i]]
+    # weight 0.5: a seeded half of the 40 raw rows (before the filter), each at most once.
+    # Expected from the documented draw, written out here (not multiplicity() itself): 20
+    # rows drawn without replacement by numpy's default_rng seeded with the first 8 bytes
+    # (little-endian) of sha256("<seed>:<dataset>")
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(b"3:cu").digest()[:8], "little"))
+    drawn = set(rng.choice(40, size=20, replace=False).tolist())
+    assert ids[40:] == [f"cu:{i}" for i in odd if i in drawn]
+    assert 5 <= len(ids[40:]) <= 15 and len(set(ids[40:])) == len(ids[40:])
+    again = tokenize([Source("cu", parquet, spec, 0.5, seed=3)], tiny_model,
+                     tmp_path / "again.parquet", 512)  # fmt: skip
+    assert pq.read_table(tmp_path / "again.parquet").column("example_id").to_pylist() == ids[40:]
+    assert again.rows == len(ids) - 40
+    other = tokenize([Source("cu", parquet, spec, 0.5, seed=4)], tiny_model,
+                     tmp_path / "other.parquet", 512)  # fmt: skip
+    assert pq.read_table(tmp_path / "other.parquet").column("example_id").to_pylist() != ids[40:]
+    assert other.rows_read == 40
     assert stats.rows_read == 80 and stats.rows_filtered_out == 40 and stats.rows_repeated == 20
     assert stats.rows == len(ids)
 

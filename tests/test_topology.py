@@ -125,20 +125,34 @@ def moments(checkpoint: Path, tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+# Continuing on another node count, measured (this 2-core CPU, gloo, fp32; the tests print
+# their figures): full ZeRO-3 2x2 -> 1x2, losses 1.45e-7 and moments 3.06e-7 apart at most;
+# full ZeRO-2 2x1 -> 1x1 and the LoRA demo 2x1 -> 1x1, identical (0). The sums run
+# in another order on another rank count, so not always bit-equal: 1e-6, as same-topology
+# resume is held to (conftest.kill_and_resume).
+TOLERANCE = 1e-6
+
+
 def assert_same_moments(got: dict, want: dict, rel: float) -> None:
     assert got.keys() == want.keys() and got
+    worst = 0.0
     for name, states in want.items():
         for key, w in states.items():
             diff = (got[name][key] - w).norm() / w.norm().clamp_min(1e-30)
+            worst = max(worst, diff.item())
             assert diff.item() <= rel, (name, key, diff.item())
+    print(f"moments: largest relative difference {worst:.3g}")
 
 
 def assert_same_losses(got: list[dict], want: list[dict], after: int, rel: float) -> None:
     assert [m["step"] for m in got] == [m["step"] for m in want]  # every step once
+    worst = 0.0
     for g, w in zip(got, want, strict=True):
         if g["step"] > after:
+            worst = max(worst, abs(g["loss"] - w["loss"]) / abs(w["loss"]))
             assert g["loss"] == pytest.approx(w["loss"], rel=rel), g["step"]
             assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
+    print(f"losses: largest relative difference {worst:.3g}")
 
 
 @pytest.mark.slow
@@ -178,13 +192,13 @@ def test_demo_continues_on_one_node_from_its_two_node_checkpoint(demo, tmp_path)
     assert "micro 32 x 1 devices x 1 nodes x accumulation 2" in log
     got = read_jsonl(train_dir / "metrics.jsonl")
     want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
-    assert_same_losses(got, want, after=150, rel=1e-3)
+    assert_same_losses(got, want, after=150, rel=TOLERANCE)
     # the old topology's checkpoint stays until the new one has saved its own
     assert (train_dir / "checkpoints/checkpoint-150").is_dir()
     assert_same_moments(
         moments(train_dir / "checkpoints/checkpoint-192", tmp_path / "got"),
         moments(demo / "results/demo/train/checkpoints/checkpoint-192", tmp_path / "want"),
-        rel=1e-3,
+        rel=TOLERANCE,
     )
 
 
@@ -224,10 +238,10 @@ def test_full_zero3_continues_on_one_node_exactly(full_zero3, demo, tmp_path):
     out = _continue(reference, 20, tmp_path / "w", spec, shards, demo / "resources/models/tiny",
                     "zero3", "--log-example-ids", str(tmp_path / "ids"))  # fmt: skip
     assert_same_losses(read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl"),
-                       after=20, rel=1e-3)  # fmt: skip
+                       after=20, rel=TOLERANCE)  # fmt: skip
     assert_same_moments(moments(out / "checkpoints/checkpoint-32", tmp_path / "got"),
                         moments(reference / "checkpoints/checkpoint-32", tmp_path / "want"),
-                        rel=1e-3)  # fmt: skip
+                        rel=TOLERANCE)  # fmt: skip
     trained = [i for f in (tmp_path / "ids").glob("rank-*.txt") for i in f.read_text().split()]
     planned = [pq.read_table(f, columns=["example_id", "step"]).to_pylist()
                for f in sorted((full_zero3 / "shards").glob("node-*.parquet"))]  # fmt: skip
@@ -249,10 +263,10 @@ def test_full_zero2_continues_on_one_node_exactly(demo, tmp_path):
     out = _continue(reference, 4, tmp_path / "w", spec, _shard(demo, tmp_path / "s1", 1, 1, 32, 2),
                     model, "zero2")  # fmt: skip
     assert_same_losses(read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl"),
-                       after=4, rel=1e-3)  # fmt: skip
+                       after=4, rel=TOLERANCE)  # fmt: skip
     assert_same_moments(moments(out / "checkpoints/checkpoint-8", tmp_path / "got"),
                         moments(reference / "checkpoints/checkpoint-8", tmp_path / "want"),
-                        rel=1e-3)  # fmt: skip
+                        rel=TOLERANCE)  # fmt: skip
 
 
 def _job(tmp_path: Path, **spec) -> object:

@@ -70,9 +70,19 @@ def test_truncate_metrics(tmp_path):
     ]
 
 
-def test_precision_on_cpu_is_fp32():
-    assert resolve_precision("auto") == "fp32"
-    assert resolve_precision("bf16") == "fp32"
+def test_precision_follows_the_machine():
+    """auto: bf16 on a GPU that has it (fp16 on one that does not), fp32 on CPU; a half
+    precision asked for on CPU falls back to fp32. CPU here, a GPU node elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        half = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        assert resolve_precision("auto") == half
+        assert resolve_precision("fp16") == "fp16"
+    else:
+        assert resolve_precision("auto") == "fp32"
+        assert resolve_precision("bf16") == "fp32"
+    assert resolve_precision("fp32") == "fp32"
 
 
 def test_local_commands_one_agent_per_emulated_node():

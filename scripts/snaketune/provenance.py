@@ -76,11 +76,18 @@ def describe_input(path: str | Path) -> dict[str, Any]:
 
 
 def hosts_and_jobs() -> dict[str, Any]:
-    """Host name, time and SLURM job id of this process (see io.run_context)."""
+    """Host name, time and SLURM job id of this process (see io.run_context), and the
+    names (never the values) of the secret variables its environment held: whether a job
+    saw HF_TOKEN is a common question, and their values are what every log masks."""
+    from snaketune.redact import MIN_LENGTH, is_secret_name
+
     ctx = run_context()
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if nodelist:
         ctx["slurm_nodelist"] = nodelist
+    ctx["secret_variables"] = sorted(
+        k for k, v in os.environ.items() if is_secret_name(k) and len(v) >= MIN_LENGTH
+    )
     return ctx
 
 
