@@ -49,8 +49,9 @@ def complete(workdir, patterns: list[str]) -> list[str]:
         found = [p for p in workdir.glob(pat) if not p.name.startswith(".")]
         if not found:
             missing.append(pat)
-        if "*" in pat:
-            star = pat.split("/").index("*")
+        parts = pat.split("/")
+        if "*" in parts:  # a folder per wildcard value (e.g. results/tokenized/*/...)
+            star = parts.index("*")
             values[pat] = {p.relative_to(workdir).parts[star] for p in found}
     every = set().union(*values.values()) if values else set()
     for pat, have in values.items():
@@ -112,3 +113,9 @@ def test_complete_finds_a_folder_missing_one_of_its_files(tmp_path):
     (tmp_path / "results/tokenized/b/stats.json").unlink()
     assert complete(tmp_path, patterns) == ["results/tokenized/*/stats.json for b"]
     assert complete(tmp_path, ["results/demo/shards"]) == ["results/demo/shards"]
+    fixtures = STAGES[0][2]  # a folder and files matched by a name pattern (*.jsonl)
+    assert complete(tmp_path, fixtures) == fixtures
+    (tmp_path / "resources/fixtures/tiny-llama").mkdir(parents=True)
+    (tmp_path / "resources/fixtures/gsm8k-demo").mkdir(parents=True)
+    (tmp_path / "resources/fixtures/gsm8k-demo/train.jsonl").write_text("")
+    assert complete(tmp_path, fixtures) == []
