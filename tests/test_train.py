@@ -248,8 +248,9 @@ def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path)
 
 def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
     """The run's lock is held by a live process (another training): the train stage waits
-    its bounded time, then refuses with one line naming host and PID, before any compute
-    and without touching the run's directory."""
+    its bounded time, then refuses with one line naming host and PID, before any compute;
+    the run's directory gets only the refused attempt's log and record (its reason that
+    line)."""
     from snaketune.io import host_name
     from snaketune.runlock import start_time
 
@@ -270,7 +271,11 @@ def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
         f"error: results/x/train is in use by another training of this run (host {host_name()}, "
         f"PID {holder.pid}, since now); let it finish or stop it, then rerun (waited 3s for it)"
     ], out
-    assert sorted(p.name for p in lock.parent.iterdir()) == ["train.lock"]  # nothing else
+    assert sorted(p.name for p in lock.parent.iterdir()) == ["logs", "train.lock"]
+    assert sorted(p.name for p in (lock.parent / "logs").iterdir()) == [
+        "attempt-1.log", "attempts.jsonl"]  # fmt: skip
+    (ended,) = [r for r in read_jsonl(lock.parent / "logs/attempts.jsonl") if "exit" in r]
+    assert ended["exit"] == 2 and ended["reason"] == errors[0].removeprefix("error: ")
 
 
 def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
