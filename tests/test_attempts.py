@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENV, ROOT
+from conftest import ENV, FAKE_SECRETS, ROOT
 
 
 def torchrun_failure(*failures: tuple[int, int, int]) -> str:
@@ -67,7 +67,7 @@ attempt = Attempt(Path({str(out)!r}))
 print("from the launcher")
 os.system("echo from a child process >&2")
 logging.getLogger("snaketune.launch").error("training exited with code 1; rerun")
-attempt.finish(1)
+attempt.finish(1, "training exited with code 1; rerun " + os.environ["HF_TOKEN"])
 """
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
@@ -81,9 +81,11 @@ attempt.finish(1)
     assert last[0] == f"attempts of run x (logs in {out / 'logs'}):"
     assert "attempt 1 (logs/attempt-1.log" in last[1]
     assert "ended without a record" in last[1] and "step 4/10" in last[1]
-    assert last[2].endswith(": exit 1: training exited with code 1; rerun")
+    # the reason is masked as the log line is (the fake HF_TOKEN of the tests' environment)
+    assert last[2].endswith(": exit 1: training exited with code 1; rerun ***")
     records = [json.loads(x) for x in (out / "logs/attempts.jsonl").read_text().splitlines()]
     assert records[-1]["attempt"] == 2 and records[-1]["exit"] == 1
+    assert FAKE_SECRETS["HF_TOKEN"] not in (out / "logs/attempts.jsonl").read_text() + whole
 
 
 def test_a_second_start_inside_one_slurm_job_is_refused(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from snaketune.errors import UserError
 from snaketune.io import host_name, read_jsonl
+from snaketune.redact import redact, secret_values
 from snaketune.runlock import process_alive, start_time
 from snaketune.segments import slurm_restarts
 
@@ -299,6 +300,7 @@ class Attempt:
             if cause:
                 reason += f" ({cause})"
         logging.getLogger().removeHandler(self.last_warning)
+        reason = redact(reason, secret_values())  # as every log line is (snaketune.redact)
         _append(self.out, {"attempt": self.number, "ended": round(time.time(), 3),
                            "exit": code, "reason": reason})  # fmt: skip
         attempts = read_attempts(self.out)
