@@ -86,9 +86,12 @@ def _release_requeued(stop: threading.Event) -> None:
     while not stop.wait(1):
         out = subprocess.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"],
                              capture_output=True, text=True).stdout  # fmt: skip
-        for job_id, reason in (line.split(maxsplit=1) for line in out.splitlines() if line):
-            if reason.strip() != "BeginTime":
-                continue
+        held = [job_id for job_id, reason in (line.split(maxsplit=1) for line in out.splitlines()
+                                              if line) if reason.strip() == "BeginTime"]  # fmt: skip
+        # forget a job no longer held: seen again after its next requeue, its 5 s start
+        # afresh (a stale entry released one 17 ms after a requeue: "credential revoked")
+        first_seen = {j: t for j, t in first_seen.items() if j in held}
+        for job_id in held:
             seen = first_seen.setdefault(job_id, time.monotonic())
             if time.monotonic() - seen >= 5:
                 subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
