@@ -85,11 +85,9 @@ FAKE_SECRETS = {
 # Offline check (tests/offline/sitecustomize.py, tests/test_offline.py): every Python
 # process the tests start, and this one, log each lookup or connection that would leave the
 # machine here. Under tests/run.sh the two pytest runs share the file.
-NET_LOG = (
-    Path(os.environ.get("SNAKETUNE_SHARED_DIR") or _tempfile.mkdtemp(prefix="snaketune-net-"))
-    / "net.log"
-)
-os.environ.setdefault("SNAKETUNE_NET_LOG", str(NET_LOG))
+if "SNAKETUNE_NET_LOG" not in os.environ:
+    _net = os.environ.get("SNAKETUNE_SHARED_DIR") or _tempfile.mkdtemp(prefix="snaketune-net-")
+    os.environ["SNAKETUNE_NET_LOG"] = str(Path(_net) / "net.log")
 NET_LOG = Path(os.environ["SNAKETUNE_NET_LOG"])
 OFFLINE = ROOT / "tests/offline"
 ENV = {

@@ -192,6 +192,7 @@ class Attempt:
         self.earlier = read_attempts(out)
         self._tee: subprocess.Popen | None = None
         self._saved: tuple[int, int] | None = None
+        self.restart = slurm_restarts()  # which run of its SLURM job this is (0 off SLURM)
         self.last_warning = _LastWarning()
         self._announce(announce_fd)
         if copy_output:
@@ -201,7 +202,7 @@ class Attempt:
             "attempt": self.number, "log": str(self.path.relative_to(out)),
             "began": round(self.began, 3), "host": host_name(), "pid": os.getpid(),
             "pid_started": start_time(os.getpid()), "job": os.environ.get("SLURM_JOB_ID"),
-            "restart": slurm_restarts(),
+            "restart": self.restart,
         })  # fmt: skip
         self._header()
 
@@ -212,8 +213,7 @@ class Attempt:
         job = os.environ.get("SLURM_JOB_ID")
         if not job or os.environ.get(ONE_START_PER_JOB) != "1":
             return
-        restart = slurm_restarts()
-        same = [a for a in self.earlier if a.get("job") == job and a.get("restart") == restart]
+        same = [a for a in self.earlier if a.get("job") == job and a.get("restart") == self.restart]
         if same:
             first = same[0]
             raise UserError(
@@ -309,6 +309,11 @@ class Attempt:
         print(f"attempts of run {self.out.parent.name} (logs in {logs_dir(self.out)}"
               + (f"; {skipped} older in {RECORDS}" if skipped else "") + "):",
               *(f"  {line}" for line in lines), sep="\n", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def done(step: int | None) -> str:
+    """The reason of an attempt that finished the run."""
+    return f"done at step {step}"
 
 
 def summary(out: Path) -> list[dict]:

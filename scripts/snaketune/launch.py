@@ -281,7 +281,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     as done."""
     import torch
 
-    from snaketune.attempts import summary as attempts_summary
+    from snaketune import attempts
     from snaketune.diskplan import folder_bytes
     from snaketune.job import WORKER_OUTPUTS, staged
     from snaketune.provenance import output_hashes, record
@@ -313,10 +313,10 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
         exported=read_exported(staged(job.out, "model")),
         attempts=[
-            {**a, "exit": 0, "reason": f"done at step {segments[-1].get('to_step')}"}
+            {**a, "exit": 0, "reason": attempts.done(segments[-1].get("to_step"))}
             if a["attempt"] == attempt
             else a
-            for a in attempts_summary(job.out)
+            for a in attempts.summary(job.out)
         ],
     )
     write_json(staged(job.out, "provenance.json"), prov)
@@ -367,7 +367,7 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     (again after each stop ahead of the time limit), and publish their outputs when all of
     them finished. On SLURM, a stop ahead of the limit requeues the job (lock released
     first)."""
-    from snaketune.attempts import Attempt
+    from snaketune.attempts import Attempt, done
     from snaketune.cli import print_error
     from snaketune.job import STOPPED_EXIT_CODE
 
@@ -384,7 +384,7 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
         raise
     step = (read_segments(job) or [{}])[-1].get("to_step")
     if result != "requeue":
-        attempt.finish(result, f"done at step {step}" if result == 0 else None)
+        attempt.finish(result, done(step) if result == 0 else None)
         return result
     attempt.finish(STOPPED_EXIT_CODE, f"stopped ahead of the time limit at step {step}; the "
                    f"SLURM job goes back to the queue to continue")  # fmt: skip
