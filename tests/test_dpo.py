@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import ENV, ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
+from oracles import dpo_sigmoid_loss, summed_logp
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.config import load_yaml, validate_config
@@ -32,6 +33,8 @@ PAIRS = [
 ]
 SPEC = {"format": "preference",
         "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}  # fmt: skip
+# the fixture's pairs from GSM8K-style worked answers (snaketune.fixtures.make_gsm8k_pairs)
+GSM8K_PAIRS = {"format": "preference", "columns": {"prompt": "question"}}
 
 
 def chain_config() -> dict:
@@ -114,13 +117,23 @@ def test_identical_empty_and_overlong_pairs_are_dropped_and_counted(tmp_path, ti
 # ----------------------------------------------------------------------------- loss
 
 
-def plain_logps(model, batch) -> torch.Tensor:
-    """Summed log-probs of the completion tokens, from the full logits (not TRL's fused
-    head): an independent computation."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    token = logp.gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)
-    return (token * batch["completion_mask"][:, 1:]).sum(dim=1)
+def test_pair_batch_labels_written_out_by_hand():
+    """Two pairs of unequal lengths: chosen sides first, then rejected, right-padded; the
+    scored tokens are each side's labelled ones, its last response token included."""
+    from snaketune.logps import pair_batch
+
+    x = IGNORE_INDEX
+    pairs = [{"input_ids": [5, 6, 7, 8], "labels": [x, x, 7, 8],
+              "rejected_input_ids": [5, 6, 9], "rejected_labels": [x, x, 9]},
+             {"input_ids": [4, 3, 2, 1, 11], "labels": [x, x, x, 1, 11],
+              "rejected_input_ids": [4, 3, 2, 12, 13, 14], "rejected_labels": [x, x, x, 12, 13, 14]}]  # fmt: skip
+    got = {k: v.tolist() for k, v in pair_batch(pairs, pad_token_id=0).items()}
+    assert got["input_ids"] == [[5, 6, 7, 8, 0, 0], [4, 3, 2, 1, 11, 0],
+                                [5, 6, 9, 0, 0, 0], [4, 3, 2, 12, 13, 14]]  # fmt: skip
+    assert got["attention_mask"] == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0],
+                                     [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]  # fmt: skip
+    assert got["completion_mask"] == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0],
+                                      [0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]  # fmt: skip
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
@@ -160,18 +173,116 @@ def test_dpo_loss_of_hand_computed_pairs_equals_trls(tmp_path, tiny_model, loss_
     trainer.model.train()
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, batch).item()
-        c, r = plain_logps(model, batch).chunk(2)
+        # each side's log-prob from its tokenized row alone (not from the batch's masks)
+        c = torch.tensor([summed_logp(model, x["input_ids"], x["labels"]) for x in rows[:6]])
+        r = torch.tensor([summed_logp(model, x["rejected_input_ids"], x["rejected_labels"])
+                          for x in rows[:6]])  # fmt: skip
         delta = (c - ref_c) - (r - ref_r)
         if loss_type == "sigmoid":
             hand = -F.logsigmoid(beta * delta).mean()
         elif loss_type == "hinge":
             hand = torch.relu(1 - beta * delta).mean()
         else:  # ipo: per-token averages (TRL's normalisation, confirmed with the authors)
-            n_c, n_r = batch["completion_mask"].sum(1).chunk(2)
+            n_c = torch.tensor([sum(x != IGNORE_INDEX for x in e["labels"]) for e in rows[:6]])
+            n_r = torch.tensor([sum(x != IGNORE_INDEX for x in e["rejected_labels"])
+                                for e in rows[:6]])  # fmt: skip
             d = (c - ref_c) / n_c - (r - ref_r) / n_r
             hand = ((d - 1 / (2 * beta)) ** 2).mean()
-    assert trl_loss == pytest.approx(hand.item(), rel=1e-6, abs=1e-7)
+    assert trl_loss == pytest.approx(hand.item(), rel=1e-6, abs=1e-7)  # fp32 sums vs float64
     assert math.isfinite(trl_loss)
+
+
+def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, fixtures_dir):
+    """A step of 4 pairs on 2 ranks whose token-balanced plan gave one rank 3 pairs and the
+    other 1 (micro_batch_size 2): the ranks' losses averaged (as DeepSpeed averages their
+    gradients) are the DPO loss of the 4 pairs, written out by hand from plain transformers
+    log-probs (float64). Measured 1.7e-6 relative: TRL sums each side's log-probs (up to
+    ~100 tokens, ~-300) in float32; bound 1e-5. Unweighted, the ranks' mean is 5e-2 off."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig
+
+    from snaketune.logps import pair_batch
+    from snaketune.methods.dpo import trainer_class
+
+    path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
+    rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
+    # four pairs of different lengths, the longest first: the plan's rank of 3 and of 1
+    pairs = sorted({r["length"]: r for r in rows}.values(), key=lambda r: -r["length"])[:4]
+    assert len({r["length"] for r in pairs}) == 4
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    # a reference other than the model, so the margins are not 0
+    ref = {p["example_id"]: (summed_logp(model, p["input_ids"], p["labels"]) + 0.5 * i,
+                             summed_logp(model, p["rejected_input_ids"], p["rejected_labels"]) - i)
+           for i, p in enumerate(pairs)}  # fmt: skip
+    beta = 0.1
+    args = DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, beta=beta,
+                     loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=None,
+                     report_to=[], gradient_checkpointing=False)  # fmt: skip
+    trainer = trainer_class()(model=model, args=args, processing_class=tok,
+                              train_dataset=datasets.Dataset.from_list(pairs), planned=None,
+                              micro_batch_size=2)  # fmt: skip
+
+    def loss_of(micro):
+        batch = pair_batch(micro, tok.pad_token_id)
+        batch["ref_chosen_logps"] = torch.tensor([ref[p["example_id"]][0] for p in micro])
+        batch["ref_rejected_logps"] = torch.tensor([ref[p["example_id"]][1] for p in micro])
+        with torch.no_grad():
+            return trainer.compute_loss(trainer.model, batch).item()
+
+    ranks = [loss_of(pairs[:3]), loss_of(pairs[3:])]
+    want = dpo_sigmoid_loss(model, None, pairs, beta, ref)
+    assert sum(ranks) / 2 == pytest.approx(want, rel=1e-5)
+    # two micro batches of micro_batch_size pairs: TRL's own mean, unweighted
+    assert sum([loss_of(pairs[:2]), loss_of(pairs[2:])]) / 2 == pytest.approx(want, rel=1e-5)
+
+
+def _ragged_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    from accelerate import PartialState
+    from accelerate.utils import gather
+
+    from snaketune.collective import ragged_gather
+
+    PartialState(cpu=True)
+    ragged = ragged_gather(gather)
+    rows = 1 if rank == 0 else 3  # rank 0 holds 1 pair, rank 1 three
+    got = {
+        "rewards": ragged(torch.arange(rows, dtype=torch.float32) + 10 * rank),
+        "matrix": ragged(torch.full((rows, 2), rank, dtype=torch.long)),
+        "flags": ragged(torch.tensor([True] * rows)),
+        "scalar": ragged(torch.tensor(float(rank + 1))),
+        "equal": ragged(torch.tensor([rank, rank])),
+    }
+    if rank == 0:
+        torch.save(got, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # else gloo may abort a rank at exit
+
+
+def test_a_ragged_gather_joins_unequal_rank_counts(tmp_path):
+    """accelerate's gather of per-pair tensors whose first dimension differs across two
+    gloo ranks (1 and 3 rows): every rank's rows in rank order, nothing padded left in; 0-d
+    and equal shapes as accelerate gathers them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "got.pt"
+    mp.spawn(_ragged_worker, args=(port, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["rewards"].tolist() == [0.0, 10.0, 11.0, 12.0]
+    assert got["matrix"].tolist() == [[0, 0], [1, 1], [1, 1], [1, 1]]
+    assert got["flags"].tolist() == [True] * 4 and got["flags"].dtype == torch.bool
+    assert got["scalar"].tolist() == [1.0, 2.0]
+    assert got["equal"].tolist() == [0, 0, 1, 1]
 
 
 def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
@@ -180,7 +291,7 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
     that is missing."""
     from unittest import mock
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from snaketune import logps
 
@@ -196,11 +307,12 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
         table = logps.merge(tokenized, parts, out).to_pylist()
     rows = pq.read_table(tokenized).to_pylist()
     assert [t["example_id"] for t in table] == [r["example_id"] for r in rows]
+    # plain transformers on each tokenized side alone: the sum of its labelled tokens'
+    # log-probs (measured within 2e-7 relative of the stage's float32 figures)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    with torch.no_grad():
-        c, r = plain_logps(model, logps.pair_batch(rows, tok.pad_token_id)).chunk(2)
-    for t, want_c, want_r in zip(table, c.tolist(), r.tolist(), strict=True):
+    for t, row in zip(table, rows, strict=True):
+        want_c = summed_logp(model, row["input_ids"], row["labels"])
+        want_r = summed_logp(model, row["rejected_input_ids"], row["rejected_labels"])
         assert t["ref_chosen_logps"] == pytest.approx(want_c, rel=1e-5)
         assert t["ref_rejected_logps"] == pytest.approx(want_r, rel=1e-5)
 
@@ -248,6 +360,93 @@ def test_a_preference_set_needs_a_rejected_column(tmp_path, tiny_model):
     rows = [{"question": p["question"], "good": p["good"]} for p in PAIRS]
     with pytest.raises(DataError, match="column 'bad' not found"):
         run_tokenize(tmp_path, "norej", SPEC, rows, tiny_model)
+
+
+# ----------------------------------------------------------------------------- unequal ranks
+
+
+@pytest.fixture(scope="module")
+def gsm8k_pairs(tmp_path_factory, tiny_model, fixtures_dir):
+    """The fixture's GSM8K-style pairs (worked answer against a wrong number, a cut answer
+    or a bare number) tokenized, planned for 2 nodes x 1 device with micro_batch_size 2
+    (global batch 4, token-balanced as every DPO plan is), and the reference stage's
+    log-probs of the starting model (the tiny model). 8 of the epoch's 64 steps give the
+    ranks 1 and 3 pairs; seed 28 puts 4 of them among the first 8 steps."""
+    import sys
+
+    work = tmp_path_factory.mktemp("gsm8k_pairs")
+    path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
+    run_tokenize(work, "pairs", GSM8K_PAIRS, path, tiny_model)
+    tokenized = work / "pairs.tok.parquet"
+    subprocess.run([sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized",
+                    str(tokenized), "--nodes", "2", "--gpus-per-node", "1", "--micro-batch-size",
+                    "2", "--gradient-accumulation-steps", "1", "--seed", "28", "--packing",
+                    "--out", str(work / "shards")], check=True, env=ENV, capture_output=True)  # fmt: skip
+    subprocess.run([sys.executable, str(ROOT / "scripts/reference_logps.py"), "--tokenized",
+                    str(tokenized), "--model", str(tiny_model), "--nodes", "2", "--batch-pairs",
+                    "4", "--precision", "fp32", "--out", str(work / "ref/logps.parquet")],
+                   check=True, env=ENV, capture_output=True)  # fmt: skip
+    return work
+
+
+def planned_steps(shards, steps: int) -> list[list[list[dict]]]:
+    """The rows of each of the first ``steps`` planned steps, by rank (from the shards)."""
+    rows = []
+    for node in range(2):
+        rows += pq.read_table(shards / f"node-{node}.parquet").to_pylist()
+    return [[[r for r in rows if r["step"] == k and r["rank"] == q] for q in range(2)]
+            for k in range(steps)]  # fmt: skip
+
+
+STEPS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["precomputed", "live"])
+def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
+    gsm8k_pairs, tiny_model, tmp_path, reference
+):
+    """LoRA DPO on 2 nodes over pairs of widely varying lengths: the token-balanced plan gives
+    the ranks unequal pair counts in several steps (counted from the shards), TRL's metric
+    gathers take them, and every step's loss equals the DPO loss of that step's 4 pairs
+    written out by hand: plain transformers log-probs under the previous step's saved
+    adapter (peft), the reference the starting model. Measured: 3.3e-6 relative at worst
+    (float32 sums of sides up to ~300 tokens), both references; bound 1e-4. Step 2 is still
+    log 2: the first step's learning rate is 0 (warmup)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    plan = planned_steps(gsm8k_pairs / "shards", STEPS)
+    counts = [tuple(len(r) for r in step) for step in plan]
+    assert sum(a != b for a, b in counts) >= 3, counts  # unequal pair counts per rank
+    spec = validate_config(dpo_config(), ROOT)["runs"]["p"]
+    spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
+                save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32")  # fmt: skip
+    spec["dpo"] = {**spec["dpo"], "loss_type": "sigmoid", "loss_weights": None, "beta": 0.1,
+                   "reference": reference,
+                   "reference_logps": str(gsm8k_pairs / "ref/logps.parquet")}  # fmt: skip
+    spec.pop("eval", None)
+    proc = launch_train(tmp_path, spec, gsm8k_pairs / "shards", tiny_model, "zero2",
+                        "--log-example-ids", str(tmp_path / "ids"))  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    metrics = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    # each rank trained the pairs the plan gave it, step by step
+    for q in range(2):
+        trained = (tmp_path / "ids" / f"rank-{q}.txt").read_text().split()
+        assert trained == [r["example_id"] for step in plan for r in step[q]]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ckpts = tmp_path / "results/x/train/checkpoints"
+    for m, step in zip(metrics, plan, strict=True):
+        k = m["step"]
+        model = base
+        if k > 1:
+            fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+            model = PeftModel.from_pretrained(fresh, str(ckpts / f"checkpoint-{k - 1}")).eval()
+        want = dpo_sigmoid_loss(model, base, step[0] + step[1], 0.1)
+        assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
+        assert math.isfinite(m["reward_margin"])
 
 
 # ----------------------------------------------------------------------------- the chain

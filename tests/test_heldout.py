@@ -47,6 +47,22 @@ def test_bad_heldout_settings_get_one_line(change, line):
     assert str(info.value) == line
 
 
+@pytest.mark.parametrize(("eval_steps", "save_steps", "refused"),
+                         [(50, 50, False), (100, 50, False), (150, 50, False), (20, 50, True),
+                          (50, 100, True), (75, 50, True)])  # fmt: skip
+def test_export_best_needs_evaluations_on_saved_steps(eval_steps, save_steps, refused):
+    """An evaluation at a step with no checkpoint could not be exported: eval_steps must be a
+    whole multiple of save_steps (equal included), not the other way round."""
+    config = demo_config(eval_steps=eval_steps, save_steps=save_steps,
+                         export={"checkpoint": "best"})  # fmt: skip
+    if not refused:
+        validate_config(config, ROOT)
+        return
+    with pytest.raises(ConfigError, match=rf"eval_steps \({eval_steps}\) must be a multiple of "
+                                          rf"save_steps \({save_steps}\)"):  # fmt: skip
+        validate_config(config, ROOT)
+
+
 def test_eval_steps_without_an_eval_set_gets_one_line():
     config = demo_config(eval_steps=50)
     del config["runs"]["demo"]["eval_dataset"]
@@ -93,6 +109,30 @@ def test_prune_keeps_the_best_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-20", "checkpoint-40"]
     prune(tmp_path, 1, "all")  # without export best: the newest only
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-40"]
+
+
+@pytest.mark.parametrize(("metric", "kept"), [("loss", "checkpoint-20"),
+                                              ("exact_match", "checkpoint-30"),
+                                              ("auto", "checkpoint-20")])  # fmt: skip
+def test_the_checkpoint_a_run_keeps_as_best(tmp_path, metric, kept):
+    """What the worker tells pruning to keep (worker.kept_best) for a run exporting its best
+    checkpoint: the lowest held-out loss, the highest exact match (picked by hand below);
+    `auto` is the SFT method's own figure, the loss."""
+    from snaketune.worker import kept_best
+
+    figures = {10: (2.0, 0.10), 20: (1.5, 0.20), 30: (1.7, 0.45), 40: (1.9, 0.30)}
+    for step, (loss, exact) in figures.items():
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        mark_complete(tmp_path / f"checkpoint-{step}", step, 0.0,
+                      {"loss": loss, "exact_match": exact})  # fmt: skip
+    run = run_spec(max_steps=40, save_steps=10, eval_steps=10,
+                   export={"checkpoint": "best", "metric": metric})  # fmt: skip
+    run["heldout"] = spec_of(run, "eval.parquet")
+    assert kept_best(run)[0] == ("loss" if metric == "auto" else metric)
+    prune(tmp_path, 1, "all", kept_best(run))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({kept, "checkpoint-40"})
+    run["heldout"]["checkpoint"] = "last"
+    assert kept_best(run) is None
 
 
 # ----------------------------------------------------------------------------- training

@@ -346,6 +346,15 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     s = setup(method="lora", lora_r=8, bytes_per_weight=4, nodes=1, gpus_per_node=1,
               quantized=True, double_quant=double_quant)  # fmt: skip
     assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
+    # the same figure from a run's config (what `snaketune plan` and the checks read):
+    # lora.double_quant reaches the plan (measured 1.0000 of the held bytes either way)
+    from snaketune.memplan import setup_of
+
+    run = {"method": "lora", "precision": "fp32", "nodes": 1, "gpus_per_node": 1,
+           "micro_batch_size": 1, "max_length": 64, "lora": {
+               "r": 8, "quantize": "4bit", "double_quant": double_quant}}  # fmt: skip
+    from_run = setup_of(run, {"zero_optimization": {"stage": 2}}, on_gpu=False)
+    assert model_states(shape, from_run)["weights"] == pytest.approx(held, rel=0.01)
     unquantized = model_states(shape, replace(s, quantized=False))["weights"]
     assert held < unquantized * (0.3 if double_quant else 0.35)
     assert torch.is_tensor(model.model.layers[0].mlp.down_proj.weight.quant_state.absmax)

@@ -52,3 +52,26 @@ def gather_combined(values: list[float], how: tuple[str, ...]) -> list[float]:
         dist.all_gather(parts, mine)
         rows = torch.stack(parts).cpu().tolist()
     return [(sum if h == "sum" else max)(r[i] for r in rows) for i, h in enumerate(how)]
+
+
+def ragged_gather(gather):
+    """``gather`` (an accelerate all-gather) made safe for tensors whose first dimension
+    differs across ranks: a token-balanced plan gives ranks unequal pair or example counts in
+    a step, and an all-gather needs equal shapes (gloo refuses, NCCL hangs). The sizes are
+    gathered first; each rank's tensor is padded to the largest and the padding dropped
+    again, so the result is every rank's rows in rank order. Scalars (0-d) and non-tensors
+    go through ``gather`` as they are."""
+
+    def gathered(data):
+        if not isinstance(data, torch.Tensor) or data.dim() == 0:
+            return gather(data)
+        sizes = gather(torch.tensor([data.shape[0]], device=data.device)).tolist()
+        width = max(sizes)
+        if min(sizes) == width:
+            return gather(data)
+        pad = data.new_zeros((width - data.shape[0], *data.shape[1:]))
+        rows = gather(torch.cat([data, pad])).split(width)
+        return torch.cat([part[:n] for part, n in zip(rows, sizes, strict=True)])
+
+    gathered.ragged = True
+    return gathered

@@ -9,7 +9,11 @@ Layout written under ``out``::
 
     tiny-llama/      config.json, generation_config.json, model.safetensors, tokenizer files
     gsm8k-demo/      train.jsonl, test.jsonl  ({"question", "answer"}; GSM8K's shape: a worked
-                     answer with <<calculator>> marks and a "#### N" line)
+                     answer with <<calculator>> marks and a "#### N" line); pairs-train.jsonl:
+                     preference pairs as a user makes them from such answers, of 1 to 8
+                     steps ({"question", "chosen": the worked answer, "rejected": a wrong
+                     final number, the answer cut short, or a bare wrong number}: sides and
+                     pairs of very different lengths)
     arith-demo/      train.jsonl, test.jsonl  (the demo's task, learnable by the tiny model in a
                      minute on two CPU cores: "Tina has 43 clips. She buys 5 more. ..." ->
                      "#### 48", two-digit plus one-digit sums without a carry; no number pair
@@ -155,6 +159,40 @@ def make_arith_pairs(arith: dict[str, list[dict]], seed: int = 2718) -> dict[str
     return out
 
 
+def _chain_problem(rng: random.Random, steps: int) -> dict[str, str]:
+    """A word problem of ``steps`` purchases, one worked line each, then "#### N" (worked
+    answers of 1 to 8 lines, as GSM8K's run)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    have = rng.randint(2, 30)
+    buys = [rng.randint(2, 20) for _ in range(steps)]
+    q = f"{name} has {have} {item}. " + " ".join(
+        f"{'Then she' if i else 'She'} buys {b} more." for i, b in enumerate(buys)
+    )
+    lines = []
+    for b in buys:
+        lines.append(f"She has {have} + {b} = <<{have}+{b}={have + b}>>{have + b} {item}.")
+        have += b
+    return {"question": f"{q} How many {item} does she have now?",
+            "answer": "\n".join(lines) + f"\n#### {have}"}  # fmt: skip
+
+
+def make_gsm8k_pairs(rows: int, seed: int = 1618) -> list[dict]:
+    """Preference pairs from worked answers, as a user makes them: chosen the worked answer
+    (1 to 8 lines); rejected the same work with a wrong final number, the work cut after its
+    first line, or a bare wrong "#### N". The two sides, and the pairs, differ widely in
+    length, so a token-balanced plan gives ranks unequal pair counts."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(rows):
+        row = _chain_problem(rng, rng.randint(1, 8))
+        work, final = row["answer"].rsplit("\n#### ", 1)
+        wrong = near_miss(int(final), rng)
+        rejected = rng.choice([f"{work}\n#### {wrong}", work.split("\n")[0],
+                               f"#### {wrong}"])  # fmt: skip
+        pairs.append({"question": row["question"], "chosen": row["answer"], "rejected": rejected})
+    return pairs
+
+
 def _corpus(*datasets: dict[str, list[dict]]) -> list[str]:
     """Text the tokenizer is trained on: the train splits and the chat markup words."""
     lines = ["user assistant system", "Question Answer Instruction Input Response"]
@@ -251,7 +289,8 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
 
     data_dir, arith_dir, model_dir = out / "gsm8k-demo", out / "arith-demo", out / "tiny-llama"
     with atomic_paths(data_dir, arith_dir, model_dir) as (data_tmp, arith_tmp, model_tmp):
-        for directory, dataset in ((data_tmp, splits),
+        gsm8k = {**splits, "pairs-train": make_gsm8k_pairs(256)}
+        for directory, dataset in ((data_tmp, gsm8k),
                                    (arith_tmp, {**arith, **make_arith_pairs(arith)})):  # fmt: skip
             directory.mkdir()
             for split, rows in dataset.items():

@@ -53,7 +53,7 @@ from snaketune.checkpoints import (
     prune,
     truncate_metrics,
 )
-from snaketune.collective import any_rank, barrier
+from snaketune.collective import any_rank, barrier, ragged_gather
 from snaketune.diskplan import DiskGuard
 from snaketune.errors import UserError
 from snaketune.health import report_unhealthy, start_watchdog
@@ -254,6 +254,8 @@ def run_worker(
         fixes.append(heldout_pass.callback(schedule, scored))
     trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    # a step's examples are split by tokens: ranks may hold unequal counts (collective)
+    trainer.accelerator.gather = ragged_gather(trainer.accelerator.gather)
     if scored is not None:
         heldout_pass.install(trainer, scored)
     if quantized is not None:

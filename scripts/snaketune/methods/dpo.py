@@ -18,7 +18,9 @@ The reference:
 The loss of a step is the mean over every pair of the global batch: TRL averages a micro
 batch's pairs, and a token-balanced plan gives micro batches of unequal pair counts, so
 each micro batch's loss is weighted by its pairs over ``micro_batch_size`` (1 when they are
-equal, as TRL does).
+equal, as TRL does). TRL's step figures gather per-pair tensors across ranks; with unequal
+counts those gathers go through snaketune.collective.ragged_gather (the worker installs it),
+so each figure is the mean over every pair of the micro batch round.
 """
 
 from __future__ import annotations
@@ -80,23 +82,17 @@ def losses(dpo: dict[str, Any]) -> list[str]:
     return dpo["loss_type"] if isinstance(dpo["loss_type"], list) else [dpo["loss_type"]]
 
 
-def trainer(ctx: Context, model, data: Data, callbacks: list):
-    """TRL's DPOTrainer on the planned pairs, with the shared settings of training_args."""
-    from unittest import mock
-
+def trainer_class():
+    """TRL's DPOTrainer reading the planned pairs (``planned``: this rank's Data) and
+    weighting each micro batch's loss by its pairs over ``micro_batch_size``."""
     from torch.utils.data import DataLoader
-    from trl import DPOConfig, DPOTrainer
-    from trl.trainer import dpo_trainer
-
-    dpo, micro = ctx.run["dpo"], ctx.run["micro_batch_size"]
-    precomputed = dpo["reference"] == "precomputed"
-    args = training_args(
-        ctx, DPOConfig, beta=dpo["beta"], loss_type=losses(dpo),
-        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
-        precompute_ref_log_probs=precomputed, max_length=None, model_init_kwargs=None,
-    )  # fmt: skip
+    from trl import DPOTrainer
 
     class PlannedDPOTrainer(DPOTrainer):
+        def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
+            self.planned, self.micro_batch_size = planned, micro_batch_size
+            super().__init__(*args, **kwargs)
+
         def _prepare_dataset(self, dataset, *args, **kwargs):
             return dataset  # tokenized by tokenize_dataset (snaketune.pairs)
 
@@ -104,20 +100,41 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             return dataset  # computed by rule reference_logps, read by the collator
 
         def get_train_dataloader(self) -> DataLoader:
-            return planned_loader(data.table, data.batches, data.collator)
+            d = self.planned
+            return planned_loader(d.table, d.batches, d.collator)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if return_outputs:
                 return loss
-            return loss * (inputs["input_ids"].shape[0] // 2) / micro  # see the docstring
+            pairs = inputs["input_ids"].shape[0] // 2
+            return loss * pairs / self.micro_batch_size  # see the module docstring
 
+    return PlannedDPOTrainer
+
+
+def trainer(ctx: Context, model, data: Data, callbacks: list):
+    """TRL's DPOTrainer on the planned pairs, with the shared settings of training_args."""
+    from unittest import mock
+
+    from trl import DPOConfig
+    from trl.trainer import dpo_trainer
+
+    dpo = ctx.run["dpo"]
+    precomputed = dpo["reference"] == "precomputed"
+    args = training_args(
+        ctx, DPOConfig, beta=dpo["beta"], loss_type=losses(dpo),
+        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
+        precompute_ref_log_probs=precomputed, max_length=None, model_init_kwargs=None,
+    )  # fmt: skip
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.
     with mock.patch.object(dpo_trainer, "hash_module", lambda module: None):
-        return PlannedDPOTrainer(model=model, args=args, train_dataset=data.table,
-                                 processing_class=ctx.tokenizer, data_collator=data.collator,
-                                 peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+        return trainer_class()(
+            model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
+            data_collator=data.collator, peft_config=peft_config(ctx.run), callbacks=callbacks,
+            planned=data, micro_batch_size=ctx.run["micro_batch_size"],
+        )  # fmt: skip
 
 
 # TRL's log keys -> metrics.jsonl keys.

@@ -1,0 +1,60 @@
+"""Independent computations the tests check the product's figures against: plain
+transformers forward passes on the tokenized rows (the parquet files are the shared ground
+truth), one example at a time, no padding, no batching, no snaketune helper.
+
+A labelled token t (labels[t] != -100) is predicted from position t - 1, as in every causal
+LM loss: its log-prob is log_softmax(logits[t - 1])[input_ids[t]].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE = -100
+
+
+def token_logps(model, input_ids: list[int], labels: list[int]) -> list[float]:
+    """The log-prob of each labelled token of one sequence (float64)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([input_ids])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[t - 1, input_ids[t]].item() for t in range(1, len(input_ids))
+            if labels[t] != IGNORE]  # fmt: skip
+
+
+def summed_logp(model, input_ids: list[int], labels: list[int]) -> float:
+    """A sequence's summed log-prob of its labelled tokens (a DPO side's log-prob)."""
+    return math.fsum(token_logps(model, input_ids, labels))
+
+
+def mean_nll(model, rows: list[dict]) -> tuple[float, int]:
+    """The token mean of the labelled tokens' NLL over ``rows`` (input_ids, labels), and the
+    token count: a held-out loss."""
+    total, count = [], 0
+    for row in rows:
+        got = token_logps(model, row["input_ids"], row["labels"])
+        total += [-x for x in got]
+        count += len(got)
+    return math.fsum(total) / count, count
+
+
+def dpo_sigmoid_loss(model, reference, pairs: list[dict], beta: float,
+                     ref_logps: dict[str, tuple[float, float]] | None = None) -> float:  # fmt: skip
+    """The DPO loss of ``pairs`` (tokenized rows: input_ids/labels chosen,
+    rejected_input_ids/rejected_labels) as the paper writes it, averaged over the pairs:
+    -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))). The reference's log-probs from
+    ``reference`` (a model) or given by example id in ``ref_logps``."""
+    losses = []
+    for p in pairs:
+        pc = summed_logp(model, p["input_ids"], p["labels"])
+        pr = summed_logp(model, p["rejected_input_ids"], p["rejected_labels"])
+        if ref_logps is not None:
+            rc, rr = ref_logps[p["example_id"]]
+        else:
+            rc = summed_logp(reference, p["input_ids"], p["labels"])
+            rr = summed_logp(reference, p["rejected_input_ids"], p["rejected_labels"])
+        margin = (pc - rc) - (pr - rr)
+        losses.append(-torch.nn.functional.logsigmoid(torch.tensor(beta * margin)).item())
+    return math.fsum(losses) / len(losses)

@@ -1,0 +1,92 @@
+"""Figures checked against independent computations (tests/oracles.py: plain transformers
+on the tokenized rows, one example at a time): the held-out loss of the evaluate stage and
+of the pass while training, on the demo's exported model and on a small set whose examples
+have very different numbers of labelled tokens (so a mean over examples differs from the
+mean over tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from oracles import mean_nll
+from test_tokenize import run_tokenize
+
+# Measured on this machine (fp32 model; the product sums float32 cross entropies, the oracle
+# float64 log-probs): relative differences of 1e-7 or less. The bound leaves room for another
+# BLAS, and is far below what a changed divisor or a lost token moves (> 1e-2 here).
+REL = 1e-5
+
+# answers of 1 to 40 words: 3 to 100+ labelled tokens each
+VARIED = [{"question": f"Say {i} words.", "answer": " ".join(["word"] * (1 + (i * 7) % 40))}
+          for i in range(24)]  # fmt: skip
+SPEC = {"format": "prompt_response", "columns": {"prompt": "question", "response": "answer"}}
+
+
+@pytest.fixture(scope="module")
+def varied_eval(tmp_path_factory, tiny_model):
+    where = tmp_path_factory.mktemp("varied")
+    rows, _ = run_tokenize(where, "varied", SPEC, VARIED, tiny_model)
+    counts = {sum(lab != -100 for lab in r["labels"]) for r in rows}
+    assert len(counts) > 10, counts  # the examples' token counts really differ
+    return rows, where / "varied.tok.parquet"
+
+
+def test_evaluate_stage_loss_is_the_token_mean_of_the_label_nll(tiny_model, varied_eval):
+    from transformers import AutoModelForCausalLM
+
+    from snaketune.evaluate import heldout_loss
+
+    rows, _ = varied_eval
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    want, tokens = mean_nll(model, rows)
+    got = heldout_loss(model, rows, 5, pad_id=0)  # batches of 5: padding in most
+    assert got["response_tokens"] == tokens
+    assert got["loss"] == pytest.approx(want, rel=REL)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_heldout_pass_loss_is_the_token_mean_of_the_label_nll(tiny_model, tokenizer, varied_eval,
+                                                              world):  # fmt: skip
+    """The pass while training (heldout_pass.HeldOut): each rank's share scored, then the
+    ranks' sums added before dividing. Ranks are played here one after the other, their
+    shares' sums combined by hand as the all-gather does."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from snaketune import heldout_pass
+
+    rows, path = varied_eval
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    spec = {"path": str(path), "limit": None, "metric": "loss", "batch_size": 4,
+            "max_new_tokens": 8, "answers": False}  # fmt: skip
+    sums = []
+
+    def gather(values, how):  # this rank's values now; all ranks' once each has run
+        sums.append(values)
+        return [sum(v[i] for v in sums) for i in range(len(values))]
+
+    with mock.patch("snaketune.collective.gather_combined", gather):
+        for rank in range(world):
+            got = heldout_pass.HeldOut(spec, 42, rank, world, tokenizer).run(model)
+    want, tokens = mean_nll(model, rows)
+    assert got["response_tokens"] == tokens and got["examples"] == len(VARIED)
+    assert got["loss"] == pytest.approx(want, rel=REL)
+
+
+def test_the_demo_eval_loss_is_the_oracle_on_the_exported_model(demo):
+    """The evaluate stage's held-out loss of the demo (tuned and base) against plain
+    transformers on the eval set's tokenized labels, with the exported merged model."""
+    from transformers import AutoModelForCausalLM
+
+    metrics = json.loads((demo / "results/demo/eval/metrics.json").read_text())
+    rows = pq.read_table(next((demo / "results/tokenized").glob("arith_test__*/data.parquet")))
+    rows = rows.to_pylist()
+    for model_dir, figure in ((demo / "results/demo/merged_model", metrics["loss"]),
+                              (demo / "resources/models/tiny", metrics["base"]["loss"])):  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        want, _ = mean_nll(model, rows)
+        assert figure == pytest.approx(want, rel=REL), model_dir
