@@ -259,3 +259,22 @@ def test_grpo_on_a_4bit_base(grpo_chain, tmp_path):
     assert abs(rows[0]["kl"]) < 1e-6, rows[0]
     assert all(r["loss"] == r["loss"] and r["reward"] == r["reward"] for r in rows)  # no NaN
     assert qlora.read_record(tmp_path / "results/x/train/model")["modules"]
+
+
+def test_grpo_plans_as_many_prompts_on_every_rank_whatever_their_lengths():
+    """TRL's GRPOTrainer slices each rank's completions out of the gathered ones by equal
+    counts, so a GRPO plan never balances by tokens: on prompts of 10 to 400 tokens every
+    rank gets the same number of prompts in every step (an SFT or DPO plan of the same
+    lengths gives unequal counts; the ragged gather serves those)."""
+    import numpy as np
+
+    from snaketune.shard import Layout, plan
+
+    config = chain_config()
+    job = stages.shard_job(config, "rl_demo")
+    assert job["packing"] == "--no-packing"
+    lengths = np.random.default_rng(0).integers(10, 400, size=512)
+    for balance, equal in ((False, True), (True, False)):
+        p = plan(lengths, Layout(2, 2, 4, 2), 42, balance)
+        counts = {tuple(np.bincount(p.rank[p.step == k], minlength=4)) for k in range(p.steps)}
+        assert (counts == {(8, 8, 8, 8)}) is equal, counts

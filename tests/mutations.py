@@ -1,0 +1,147 @@
+"""Break the product on purpose, one known defect at a time, and show that the fast tests
+turn red (docs/testing.md keeps the last result)::
+
+    python tests/mutations.py              # each mutation against the fast tests named for it
+    python tests/mutations.py --tier       # each against the whole fast tier (-m "not slow")
+    python tests/mutations.py --only weighting
+
+Each mutation replaces one exact piece of source (it must occur exactly once) and is undone
+afterwards, also when the run is interrupted. A mutation the tests do not catch is a
+missing test: the script exits 1 naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB = "scripts/snaketune"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "last-token", "pair_batch leaves each side's last response token out of the scored tokens",
+        f"{LIB}/logps.py",
+        "        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)\n",
+        "        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)\n"
+        "        completion[i, int(np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)[-1])] = 0\n",
+        ("tests/test_dpo.py::test_pair_batch_labels_written_out_by_hand",
+         "tests/test_dpo.py::test_dpo_loss_of_hand_computed_pairs_equals_trls",
+         "tests/test_dpo.py::test_reference_stage_log_probs_equal_the_full_logits"),
+    ),
+    Mutation(
+        "weighting", "PlannedDPOTrainer.compute_loss without the per-pair weighting",
+        f"{LIB}/methods/dpo.py",
+        "            return loss * pairs / self.micro_batch_size",
+        "            return loss",
+        ("tests/test_dpo.py::test_unequal_micro_batches_give_the_global_batch_mean",),
+    ),
+    Mutation(
+        "heldout-examples", "the held-out pass while training divides by examples, not tokens",
+        f"{LIB}/heldout_pass.py",
+        "        loss = total / max(count, 1.0)",
+        "        loss = total / max(self.examples, 1)",
+        ("tests/test_oracles.py::test_heldout_pass_loss_is_the_token_mean_of_the_label_nll",),
+    ),
+    Mutation(
+        "eval-examples", "the evaluate stage's held-out loss divides by examples, not tokens",
+        f"{LIB}/evaluate.py",
+        "    loss = total / max(count, 1)",
+        "    loss = total / max(len(rows), 1)",
+        ("tests/test_oracles.py::test_evaluate_stage_loss_is_the_token_mean_of_the_label_nll",),
+    ),
+    Mutation(
+        "kept-best", "worker.kept_best inverts greater-is-better",
+        f"{LIB}/worker.py",
+        "    return metric, heldout.greater_is_better(metric)",
+        "    return metric, not heldout.greater_is_better(metric)",
+        ("tests/test_heldout.py::test_the_checkpoint_a_run_keeps_as_best",),
+    ),
+    Mutation(
+        "eval-save-multiple", "eval_steps/save_steps' multiple check reversed",
+        f"{LIB}/heldout.py",
+        '    if best and steps % run["save_steps"]:',
+        '    if best and run["save_steps"] % steps:',
+        ("tests/test_heldout.py::test_export_best_needs_evaluations_on_saved_steps",),
+    ),
+    Mutation(
+        "double-quant", "the memory plan assumes double quantization always",
+        f"{LIB}/memplan.py",
+        '        double_quant=bool((run.get("lora") or {}).get("double_quant", True)),',
+        "        double_quant=True,",
+        ("tests/test_memplan.py::test_4bit_weights_are_what_bitsandbytes_holds",),
+    ),
+    Mutation(
+        "ragged", "the ragged gather passes unequal rank counts straight to the all-gather",
+        f"{LIB}/collective.py",
+        "        if min(sizes) == width:",
+        "        if True:",
+        ("tests/test_dpo.py::test_a_ragged_gather_joins_unequal_rank_counts",),
+    ),
+)  # fmt: skip
+
+
+def run_tests(tests: list[str]) -> tuple[bool, float, str]:
+    """(passed, seconds, last line) of pytest over ``tests``, stopping at the first failure."""
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *tests], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    return proc.returncode == 0, time.monotonic() - began, lines[-1] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--tier", action="store_true",
+                        help='run the whole fast tier (-m "not slow") against each mutation')  # fmt: skip
+    parser.add_argument("--only", action="append", help="run only this mutation (repeatable)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    missed = []
+    for m in chosen:
+        path = ROOT / m.path
+        original = path.read_text()
+        if original.count(m.old) != 1:
+            print(
+                f"{m.name}: the source to mutate is not found once in {m.path}; update tests/mutations.py"
+            )
+            return 2
+        tests = ["-m", "not slow", "tests"] if args.tier else list(m.tests)
+        baseline, _, line = run_tests(tests) if not args.tier else (True, 0.0, "")
+        if not baseline:
+            print(f"{m.name}: the tests fail before the mutation ({line}); fix them first")
+            return 2
+        try:
+            path.write_text(original.replace(m.old, m.new))
+            passed, seconds, line = run_tests(tests)
+        finally:
+            path.write_text(original)
+        verdict = "MISSED" if passed else "caught"
+        print(f"{m.name:20s} {verdict:6s} {seconds:6.1f} s  {m.what}: {line}")
+        if passed:
+            missed.append(m.name)
+    if missed:
+        print(f"not caught: {', '.join(missed)}")
+        return 1
+    print(f"all {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
