@@ -1,13 +1,15 @@
 # snaketune: the two commands of the README, and a few helpers.
 #
-#   make demo    set up .venv and run the whole offline demo on the local profile
-#   make test    set up .venv and run the test suite (what CI runs)
+#   make demo      set up .venv and run the whole offline demo on the local profile
+#   make test-all  set up .venv and run the whole test suite (what CI runs, under 30 minutes)
+#   make test      set up .venv and run the quick tier (every unit test and one shared demo
+#                  pipeline, under 10 minutes): the check for every change
 
 VENV ?= .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-all bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -19,12 +21,16 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 demo: setup
 	snakemake --profile profiles/local
 
-# The SLURM tests start a local cluster (tests/slurm/start.sh) from Debian's packages;
-# without root they are skipped (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
-# tests/run.sh runs them (and a few pipeline tests) in a second pytest beside the rest.
+# The quick tier: -m "not slow" (tests/run.sh quick).
 test: setup
+	bash tests/run.sh quick
+
+# Everything, in two pytest runs side by side (tests/run.sh all). The SLURM tests start a
+# local cluster (tests/slurm/start.sh) from Debian's packages; without root they are skipped
+# (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
+test-all: setup
 	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
-	bash tests/run.sh
+	bash tests/run.sh all
 
 bench: setup
 	python bench/tokenize.py

@@ -33,12 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def demo_run(eval_steps: int | None, eval_set: Path, answers: bool) -> dict:
-    """config/config.yaml's demo run, validated, with held-out passes or not."""
+def demo_run(eval_steps: int | None, eval_set: Path, answers: bool, steps: int | None) -> dict:
+    """config/config.yaml's demo run, validated, with held-out passes or not (``steps``: that
+    many optimizer steps instead of the demo's)."""
     from snaketune.config import load_yaml, validate_config
     from snaketune.heldout import spec_of
 
     config = load_yaml(ROOT / "config" / "config.yaml")
+    if steps:
+        del config["runs"]["demo"]["epochs"]
+        config["runs"]["demo"]["max_steps"] = steps
     if eval_steps:
         config["runs"]["demo"]["eval_steps"] = eval_steps
         config["runs"]["demo"]["eval"]["during_training_answers"] = answers
@@ -77,6 +81,8 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3, help="runs of each side, in turn")
     parser.add_argument("--every", type=int, default=50, help="eval_steps of the measured side")
     parser.add_argument("--answers", action="store_true", help="greedy exact match too")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="train this many steps (default: the demo's 192; a smoke run)")  # fmt: skip
     args = parser.parse_args()
     eval_set = next((args.demo / "results/tokenized").glob("arith_test__*/data.parquet"))
     costs = []
@@ -84,7 +90,8 @@ def main() -> int:
         got = {}
         for name, every in (("without", None), ("with", args.every)):
             with tempfile.TemporaryDirectory() as tmp:
-                got[name] = train(args.demo, demo_run(every, eval_set, args.answers), Path(tmp))
+                got[name] = train(args.demo, demo_run(every, eval_set, args.answers, args.max_steps),
+                                  Path(tmp))  # fmt: skip
         cost = got["with"]["train_s"] / got["without"]["train_s"] - 1
         costs.append(cost)
         print(f"pair {i + 1}: training {got['without']['train_s']:.1f} s without, "

@@ -168,7 +168,7 @@ def layout_timings(model_dir: Path, tokenized: Path, micro: int, rows: int, batc
     from snaketune.packing import SEGMENTS, Collator, register_segment_attention
 
     register_segment_attention()
-    table = pq.read_table(tokenized, columns=["input_ids", "labels"]).to_pylist()
+    table = pq.read_table(tokenized, columns=["example_id", "input_ids", "labels"]).to_pylist()
     groups = [table[i * micro : (i + 1) * micro] for i in range(batches)]
     layouts = {"sdpa": (("padded", Collator("padded", 0, rows)),
                         ("rows<=max_length", Collator("rows", 0, rows)),

@@ -1,23 +1,56 @@
 #!/usr/bin/env bash
-# The test suite as `make test` (and CI) runs it, in two pytest runs side by side on the
-# machine's cores: tests/test_slurm.py (mostly waiting on the scheduler) with the pipeline
-# tests that need no other module's fixtures but the demo (atomic outputs, held-out passes,
-# QLoRA, sweeps), and the rest. The local demo both need is built once, by whichever gets
-# to it first (SNAKETUNE_SHARED_DIR, tests/conftest.py). Extra arguments go to both runs.
+# The test suite, in two tiers:
+#
+#   bash tests/run.sh quick    # `make test`: every unit and property test and the checks on
+#                              # one shared demo pipeline (-m "not slow"), one pytest run
+#   bash tests/run.sh all      # `make test-all`, what CI runs: everything, in three pytest
+#                              # runs side by side
+#
+# The full tier's three runs share the local demo (built once, by whichever gets to it
+# first: SNAKETUNE_SHARED_DIR, tests/conftest.py). A session fixture is built once per run,
+# so each chain that starts from the demo lives in one run only:
+#   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the cluster);
+#   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain), held-out
+#     passes, sweeps and the atomic-output fault test;
+#   - the rest, the DPO chain among them.
+# Extra arguments go to pytest (every run).
 set -uo pipefail
-SIDE=(tests/test_atomic.py tests/test_heldout.py tests/test_qlora.py tests/test_slurm.py tests/test_sweep.py)
+tier=${1:-all}
+shift || true
 shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
 export SNAKETUNE_SHARED_DIR=$shared
+
+if [ "$tier" = quick ]; then
+  pytest -m "not slow" "$@"
+  status=$?
+  rm -rf "$shared"
+  exit $status
+fi
+if [ "$tier" != all ]; then
+  echo "usage: tests/run.sh [quick|all] [pytest arguments]" >&2
+  exit 2
+fi
+
+SLURM=(tests/test_slurm.py)
+SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_bench.py tests/test_heldout.py
+      tests/test_sweep.py tests/test_atomic.py)
+pytest "${SLURM[@]}" "$@" > "$shared/slurm.log" 2>&1 &
+slurm_pid=$!
 pytest "${SIDE[@]}" "$@" > "$shared/side.log" 2>&1 &
 side_pid=$!
-trap 'kill $side_pid 2>/dev/null' INT TERM
-pytest "${SIDE[@]/#/--ignore=}" "$@"
+trap 'kill $slurm_pid $side_pid 2>/dev/null' INT TERM
+pytest "${SLURM[@]/#/--ignore=}" "${SIDE[@]/#/--ignore=}" "$@"
 main=$?
 wait "$side_pid"
 side=$?
+wait "$slurm_pid"
+slurm=$?
 echo "========== ${SIDE[*]} (ran beside the rest) =========="
 cat "$shared/side.log"
+echo "========== ${SLURM[*]} (ran beside the rest) =========="
+cat "$shared/slurm.log"
 rm -rf "$shared"
-echo "pytest exit codes: ${SIDE[*]}: $side; the rest: $main"
-[ "$main" -eq 0 ] || exit "$main"
-exit "$side"
+echo "pytest exit codes: the rest: $main; ${SIDE[*]}: $side; ${SLURM[*]}: $slurm"
+for code in "$main" "$side" "$slurm"; do
+  [ "$code" -eq 0 ] || exit "$code"
+done

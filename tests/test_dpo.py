@@ -1,9 +1,9 @@
 """Preference tuning (method dpo): pair tokenization, the loss against TRL's and a hand
 computation, the reference log-probs stage, and the demo chain (config/dpo_demo.yaml).
 
-The slow tests share one pipeline (the ``dpo_chain`` fixture): on a copy of the GRPO chain
-(whose sft_demo is the DPO run's start), DPO from sft_demo on 2 emulated nodes with its
-evaluation, and a two-member beta sweep that reads the same reference log-probs."""
+The slow tests share one pipeline (the ``dpo_chain`` fixture): on a copy of the demo, the
+DPO overlay's sft_demo, then DPO from it on 2 emulated nodes with its evaluation, and a
+two-member beta sweep that reads the same reference log-probs."""
 
 from __future__ import annotations
 
@@ -456,12 +456,14 @@ SWEEP = {"runs": {"dpo_sweep": {"sweep": {"dpo.beta": [0.1, 0.3]}, "max_steps": 
 
 
 @pytest.fixture(scope="session")
-def dpo_chain(grpo_chain, tmp_path_factory):
-    """A copy of the GRPO chain (its sft_demo is the DPO run's start), then the DPO overlay
-    (its checkpoints kept whole: a test resumes from the older one) with a two-member beta
-    sweep of the same run, to the report and the DPO run's dry-run publish folder."""
+def dpo_chain(demo, tmp_path_factory):
+    """A copy of the finished demo, then the DPO overlay (its sft_demo, the DPO run's start,
+    trained here; the DPO run's checkpoints kept whole: a test resumes from the older one)
+    with a two-member beta sweep of the same run, to the report and the DPO run's dry-run
+    publish folder. It does not wait for the GRPO chain (which trains the same sft_demo):
+    the two run side by side in the suite's two pytest processes."""
     workdir = tmp_path_factory.mktemp("dpo") / "w"
-    subprocess.run(["cp", "-a", str(grpo_chain), str(workdir)], check=True)
+    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
     overlay = load_yaml(OVERLAY)
     sweep = {**copy.deepcopy(overlay["runs"]["dpo_demo"]), **SWEEP["runs"]["dpo_sweep"]}
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))

@@ -143,20 +143,6 @@ def test_zero2_and_zero3_train_a_4bit_base_to_the_same_losses(demo, tmp_path):
 # ----------------------------------------------------------------------------- the chain
 
 
-@pytest.fixture(scope="session")
-def qlora_chain(demo, tmp_path_factory):
-    """A copy of the finished demo, then the QLoRA overlay (its checkpoints kept whole: a
-    test resumes from the older one) to the report."""
-    workdir = tmp_path_factory.mktemp("qlora") / "w"
-    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
-    proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
-                     "--directory", str(workdir), "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'qlora_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
-    (workdir / "qlora.out").write_text(proc.stdout + proc.stderr)
-    return workdir
-
-
 def qlora_spec() -> dict:
     config = load_yaml(ROOT / "config" / "config.yaml")
     config["runs"].update(copy.deepcopy(load_yaml(OVERLAY)["runs"]))

@@ -177,8 +177,9 @@ def _check_every_attempt_kept_its_log(work: Path, rule_log: str, out: str, victi
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in logs[2], logs[2][-3000:]
     assert "training exited with code" in logs[2]
     # 3: the rule's log is this attempt's: the attempt's file holds all of it from its start
-    # (what the launcher printed while it imported came before)
-    began = rule_log.rindex("\n", 0, rule_log.index("train attempt 3 of run demo")) + 1
+    # (anything the launcher printed before, e.g. while it imported, came before; since the
+    # launcher imports no ML library, the attempt's first line opens the rule's log)
+    began = rule_log.rfind("\n", 0, rule_log.index("train attempt 3 of run demo")) + 1
     assert rule_log[began:].strip() in logs[3] and logs[3].count("\n") > 100
     records = {a["attempt"]: a for a in _attempts(folder)}
     assert "exit" not in records[1]  # killed before it could record an end

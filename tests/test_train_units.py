@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors.torch import load_file
 
 from snaketune.agents import RENDEZVOUS, local_commands, slurm_command, supervise
@@ -263,3 +264,16 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
         monkeypatch.setattr(segments.subprocess, "run",
                             lambda *a, p=printed, **k: sp.CompletedProcess(a, 0, p + "\n", ""))  # fmt: skip
         assert allocation_end(job, 1000.0) == want, printed
+
+
+def test_the_launcher_imports_no_ml_library():
+    """Every train job, retry and requeue starts the launcher before any worker: importing
+    transformers there (it once came in through the heartbeat's callback) cost ~4 s a job.
+    The launcher's modules import none of the ML stack; the workers do."""
+    code = ("import sys, snaketune.launch, snaketune.attempts, snaketune.agents; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', "
+            "'deepspeed', 'trl', 'peft', 'accelerate', 'datasets', 'numpy', 'pandas', "
+            "'pyarrow'}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "scripts", capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.strip() == "[]", out

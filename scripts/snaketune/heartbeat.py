@@ -1,7 +1,9 @@
 """Name the rank that stalls: per-rank heartbeats and the launcher's watch over them.
 
 Each worker keeps where it is (step, phase: data, forward, backward, optimizer, step end,
-save) in a few Python attributes, set by hooks on the model and a TrainerCallback: no file
+save) in a few Python attributes, set by hooks on the model and a TrainerCallback
+(snaketune.progress.HeartbeatCallback; this module imports no ML library, as the launcher
+reads it): no file
 write, no host sync in the step. A daemon thread writes them to
 ``<checkpoints>/heartbeat/rank-<r>.json`` every ``INTERVAL_S`` seconds, with a counter of
 the moves made. A rank stopped whole (SIGSTOP, a frozen node) writes nothing; a rank stuck
@@ -30,8 +32,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 from snaketune.io import host_name
 
@@ -86,30 +86,7 @@ class Heartbeat:
         self._stop.set()
 
 
-class HeartbeatCallback(TrainerCallback):
-    """The phases Trainer's loop goes through (added after the shared callback, so a save
-    that callback asked for is seen as one)."""
-
-    def __init__(self, beat: Heartbeat):
-        self.beat = beat
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.beat.move("data", state.global_step + 1)
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.beat.move("optimizer")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.beat.move("save" if control.should_save else "step end")
-
-    def on_save(self, args, state, control, **kwargs):
-        self.beat.move("step end")
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.beat.move("outputs")
-
-
-# The order of a step's phases (HeartbeatCallback, the model's hooks), to tell which of
+# The order of a step's phases (progress.HeartbeatCallback, the model's hooks), to tell which of
 # two ranks seen moving at the same poll stands further on.
 PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs")
 

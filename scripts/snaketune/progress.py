@@ -29,6 +29,7 @@ from snaketune.checkpoints import mark_complete, prune
 from snaketune.collective import barrier, gather_combined
 from snaketune.diskplan import DiskGuard
 from snaketune.health import LEVEL, STATUS, Watchdog
+from snaketune.heartbeat import Heartbeat
 from snaketune.throughput import mfu, step_flops
 
 log = logging.getLogger(__name__)
@@ -321,3 +322,26 @@ class StepCallback(TrainerCallback):
         if self._save_began is not None:
             self.deadline.saved(time.time() - self._save_began)
             self._save_began = None
+
+
+class HeartbeatCallback(TrainerCallback):
+    """The phases Trainer's loop goes through (added after the shared callback, so a save
+    that callback asked for is seen as one)."""
+
+    def __init__(self, beat: Heartbeat):
+        self.beat = beat
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.beat.move("data", state.global_step + 1)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.beat.move("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.beat.move("save" if control.should_save else "step end")
+
+    def on_save(self, args, state, control, **kwargs):
+        self.beat.move("step end")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.beat.move("outputs")

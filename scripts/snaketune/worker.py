@@ -58,7 +58,7 @@ from snaketune.diskplan import DiskGuard
 from snaketune.errors import UserError
 from snaketune.health import report_unhealthy, start_watchdog
 from snaketune.heartbeat import FOLDER as HEARTBEATS
-from snaketune.heartbeat import Heartbeat, HeartbeatCallback
+from snaketune.heartbeat import Heartbeat
 from snaketune.io import host_name, write_json
 from snaketune.job import (
     DISK_EXIT_CODE,
@@ -80,7 +80,7 @@ from snaketune.model import (
 )
 from snaketune.outputs import probe_inputs, save_outputs
 from snaketune.packing import check_packing, resolve_attention, resolve_liger, training_kernel
-from snaketune.progress import Deadline, StepCallback, StopRequest
+from snaketune.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
 
 log = logging.getLogger(__name__)
 

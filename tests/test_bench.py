@@ -1,0 +1,95 @@
+"""Every benchmark command docs/benchmarks.md gives runs, in a short form, so a broken
+benchmark fails the full suite instead of waiting for the next person who needs its
+figure. Each command is taken from the doc as written; arguments that only shrink it (fewer
+steps, repeats, rows or layers) are appended (argparse keeps the last value), and the
+placeholders name the suite's own finished pipelines. Commands that differ only in such
+size flags run the same code and run once. The figures themselves are not
+judged here: a benchmark prints them; the doc records them."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import ENV, ROOT
+
+pytestmark = pytest.mark.slow
+
+DOC = ROOT / "docs/benchmarks.md"
+# Appended to each benchmark's documented command: the same code paths, tiny sizes.
+SHORT = {
+    "allreduce.py": ["--mib", "1"],
+    "checkpoint_disk.py": ["--keep", "1"],
+    "convert.py": ["--layers", "2", "--repeat", "1"],
+    "dpo_reference.py": ["--steps", "2"],
+    "heldout_cost.py": ["--pairs", "1", "--max-steps", "20", "--every", "10"],
+    "qlora_memory.py": ["--steps", "1"],
+    "qlora_merge.py": [],
+    "tokenize.py": ["--rows", "2000"],
+    "train_overhead.py": ["--steps", "12", "--warmup", "2", "--repeats", "1"],
+    "train_throughput.py": ["--steps", "3", "--warmup", "1", "--layers", "2",
+                            "--layout-batches", "1"],
+}  # fmt: skip
+
+
+def documented() -> list[str]:
+    """Each distinct `python bench/...` command of the doc (code blocks and inline code)."""
+    text = DOC.read_text(encoding="utf-8")
+    found = re.findall(r"python (bench/[\w.]+\.py[^`\n#]*)", text)
+    return sorted({" ".join(c.split()) for c in found})
+
+
+# Flags that only size a benchmark: commands that differ in these alone run the same code,
+# so each such group runs once (its first command, shortened).
+SIZE = {"--steps", "--warmup", "--repeats", "--repeat", "--micro-batch-size", "--pairs",
+        "--every", "--rows", "--layers", "--keep", "--mib", "--ranks", "--layout-batches",
+        "--max-steps"}  # fmt: skip
+
+
+def shape(command: str) -> tuple[str, ...]:
+    """The command without its size flags and their values."""
+    words, out, skip = shlex.split(command), [], False
+    for word in words:
+        if skip and not word.startswith("--"):
+            continue
+        skip = word in SIZE
+        if not skip:
+            out.append(word)
+    return tuple(out)
+
+
+def runs() -> list[str]:
+    """One documented command per shape."""
+    first: dict[tuple[str, ...], str] = {}
+    for command in documented():
+        first.setdefault(shape(command), command)
+    return list(first.values())
+
+
+def test_every_benchmark_is_known_here():
+    """A benchmark added to the doc needs its short form above (and one removed, its entry
+    dropped)."""
+    scripts = {c.split()[0].removeprefix("bench/") for c in documented()}
+    assert scripts == set(SHORT), scripts ^ set(SHORT)
+    assert scripts >= {p.name for p in (ROOT / "bench").glob("*.py")}  # each bench documented
+    assert {shape(c) for c in documented()} == {shape(c) for c in runs()}  # each one runs
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=pytest.mark.gpu) if "--gpu" in c else c for c in runs()],
+)
+def test_documented_benchmark_runs(command, request, tmp_path):
+    for placeholder, fixture in (("<finished demo workdir>", "demo"), ("<workdir>", "qlora_chain")):
+        if placeholder in command:
+            command = command.replace(placeholder, str(request.getfixturevalue(fixture)))
+    script, *args = shlex.split(command)
+    script = script.removeprefix("bench/")
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args, *SHORT[script]]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), "a benchmark prints its figures"
