@@ -26,6 +26,7 @@ SHORT = {
     "convert.py": ["--layers", "2", "--repeat", "1"],
     "dpo_reference.py": ["--steps", "2"],
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "20", "--every", "10"],
+    "launch_startup.py": ["--repeats", "1"],
     "qlora_memory.py": ["--steps", "1"],
     "qlora_merge.py": [],
     "tokenize.py": ["--rows", "2000"],
