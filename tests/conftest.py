@@ -261,16 +261,19 @@ def run_spec(**overrides) -> dict:
     return validate_config(config, ROOT)["runs"]["demo"]
 
 
-def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str):
+def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str,
+                 threads: int | None = None):  # fmt: skip
     """scripts/train.py in ``workdir`` writing results/x/train, as a running process, with
-    the threads the train rule's job gets: Snakemake sets OMP_NUM_THREADS to the rule's
-    threads (nodes x gpus_per_node), and a run compared step by step with a pipeline's must
-    use the same (float sums in another thread count differ in the last bits: measured
-    1e-7 at step 4 of the demo, grown past 1e-6 by step 53)."""
+    the threads Snakemake gives the train rule's job of the same run: OMP_NUM_THREADS = the
+    rule's threads (nodes x gpus_per_node, at most the cores), which each worker keeps. Runs
+    compared step by step must use the same count (float sums in another count differ in
+    the last bits: measured 1e-7 at step 4 of the demo, past 1e-6 by step 53); ``threads``
+    sets it for a run compared with one of another topology."""
     cmd = [sys.executable, str(ROOT / "scripts/train.py"), "--run-spec", json.dumps(spec),
            "--shards", str(shards), "--model", str(model),
            "--deepspeed", str(ROOT / f"config/deepspeed/{preset}.json"), "--out", "results/x/train", *extra]  # fmt: skip
-    env = {**ENV, "OMP_NUM_THREADS": str(spec["nodes"] * spec["gpus_per_node"])}
+    threads = threads or min(spec["nodes"] * spec["gpus_per_node"], os.cpu_count() or 1)
+    env = {**ENV, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(
         cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -335,9 +338,10 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     return start, resumed
 
 
-def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str) -> Path:
+def train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str,
+          threads: int | None = None) -> Path:  # fmt: skip
     """Run scripts/train.py to the end; return results/x/train."""
-    proc = launch_train(workdir, spec, shards, model, preset, *extra)
+    proc = launch_train(workdir, spec, shards, model, preset, *extra, threads=threads)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     return workdir / "results/x/train"

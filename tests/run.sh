@@ -8,11 +8,14 @@
 #
 # The full tier's three runs share the local demo (built once, by whichever gets to it
 # first: SNAKETUNE_SHARED_DIR, tests/conftest.py). A session fixture is built once per run,
-# so each chain that starts from the demo lives in one run only:
-#   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the cluster);
-#   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain), held-out
-#     passes, sweeps and the atomic-output fault test;
-#   - the rest, the DPO chain among them.
+# so each chain that starts from the demo lives in one run only. The split balances what
+# each run takes (measured from a fresh clone: docs/testing.md):
+#   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the
+#     cluster), with the training, continuation, stall, export and disk tests (the full
+#     ZeRO-3 fixture they share) filling the waits;
+#   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain),
+#     held-out passes and sweeps;
+#   - the rest, the DPO chain and the atomic-output fault test among them.
 # Extra arguments go to pytest (every run).
 set -uo pipefail
 tier=${1:-all}
@@ -21,8 +24,9 @@ shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
 export SNAKETUNE_SHARED_DIR=$shared
 
 if [ "$tier" = quick ]; then
-  pytest -m "not slow" "$@"
+  pytest -m "not slow" --junitxml="$shared/quick.xml" "$@"
   status=$?
+  python tests/durations.py "$shared/quick.xml"
   rm -rf "$shared"
   exit $status
 fi
@@ -31,15 +35,16 @@ if [ "$tier" != all ]; then
   exit 2
 fi
 
-SLURM=(tests/test_slurm.py)
+SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
+       tests/test_export.py tests/test_diskplan.py)
 SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_bench.py tests/test_heldout.py
-      tests/test_sweep.py tests/test_atomic.py)
-pytest "${SLURM[@]}" "$@" > "$shared/slurm.log" 2>&1 &
+      tests/test_sweep.py)
+pytest "${SLURM[@]}" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &
 slurm_pid=$!
-pytest "${SIDE[@]}" "$@" > "$shared/side.log" 2>&1 &
+pytest "${SIDE[@]}" --junitxml="$shared/side.xml" "$@" > "$shared/side.log" 2>&1 &
 side_pid=$!
 trap 'kill $slurm_pid $side_pid 2>/dev/null' INT TERM
-pytest "${SLURM[@]/#/--ignore=}" "${SIDE[@]/#/--ignore=}" "$@"
+pytest "${SLURM[@]/#/--ignore=}" "${SIDE[@]/#/--ignore=}" --junitxml="$shared/main.xml" "$@"
 main=$?
 wait "$side_pid"
 side=$?
@@ -49,6 +54,7 @@ echo "========== ${SIDE[*]} (ran beside the rest) =========="
 cat "$shared/side.log"
 echo "========== ${SLURM[*]} (ran beside the rest) =========="
 cat "$shared/slurm.log"
+python tests/durations.py "$shared"/*.xml
 rm -rf "$shared"
 echo "pytest exit codes: the rest: $main; ${SIDE[*]}: $side; ${SLURM[*]}: $slurm"
 for code in "$main" "$side" "$slurm"; do

@@ -24,8 +24,8 @@ SHORT = {
     "allreduce.py": ["--mib", "1"],
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--repeat", "1"],
-    "dpo_reference.py": ["--steps", "2"],
-    "heldout_cost.py": ["--pairs", "1", "--max-steps", "20", "--every", "10"],
+    "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
+    "heldout_cost.py": ["--pairs", "1", "--max-steps", "10", "--every", "5"],
     "launch_startup.py": ["--repeats", "1"],
     "qlora_memory.py": ["--steps", "1"],
     "qlora_merge.py": [],

@@ -327,8 +327,9 @@ def test_a_run_continued_on_one_node_keeps_its_heldout_history(demo, heldout_run
                     "--out", str(tmp_path / "shards")], check=True, env=ENV,
                    capture_output=True)  # fmt: skip
     one = {**spec, "nodes": 1, "gradient_accumulation_steps": 2}
+    # the 2-node run's workers had 2 threads each (conftest.launch_train): so does this one
     proc = launch_train(tmp_path, one, tmp_path / "shards", demo / "results/demo/merged_model",
-                        "zero2")  # fmt: skip
+                        "zero2", threads=2)  # fmt: skip
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-3000:]
     assert "resuming from checkpoint-10" in log, log[-3000:]
