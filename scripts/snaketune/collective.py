@@ -73,5 +73,4 @@ def ragged_gather(gather):
         rows = gather(torch.cat([data, pad])).split(width)
         return torch.cat([part[:n] for part, n in zip(rows, sizes, strict=True)])
 
-    gathered.ragged = True
     return gathered
