@@ -9,7 +9,9 @@ LM loss: its log-prob is log_softmax(logits[t - 1])[input_ids[t]].
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 IGNORE = -100
@@ -58,3 +60,14 @@ def dpo_sigmoid_loss(model, reference, pairs: list[dict], beta: float,
         margin = (pc - rc) - (pr - rr)
         losses.append(-torch.nn.functional.logsigmoid(torch.tensor(beta * margin)).item())
     return math.fsum(losses) / len(losses)
+
+
+def planned_steps(shards: Path, steps: int, nodes: int = 2) -> list[list[list[dict]]]:
+    """The rows of each of the first ``steps`` planned steps, by global rank, read from the
+    shards (``node-<k>.parquet``: the plan the trainers execute, one file per node)."""
+    rows = []
+    for node in range(nodes):
+        rows += pq.read_table(shards / f"node-{node}.parquet").to_pylist()
+    ranks = 1 + max(r["rank"] for r in rows)
+    return [[[r for r in rows if r["step"] == k and r["rank"] == q] for q in range(ranks)]
+            for k in range(steps)]  # fmt: skip

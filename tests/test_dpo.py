@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from conftest import ENV, ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
-from oracles import dpo_sigmoid_loss, summed_logp
+from oracles import dpo_sigmoid_loss, planned_steps, summed_logp
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.config import load_yaml, validate_config
@@ -388,15 +388,6 @@ def gsm8k_pairs(tmp_path_factory, tiny_model, fixtures_dir):
                     "4", "--precision", "fp32", "--out", str(work / "ref/logps.parquet")],
                    check=True, env=ENV, capture_output=True)  # fmt: skip
     return work
-
-
-def planned_steps(shards, steps: int) -> list[list[list[dict]]]:
-    """The rows of each of the first ``steps`` planned steps, by rank (from the shards)."""
-    rows = []
-    for node in range(2):
-        rows += pq.read_table(shards / f"node-{node}.parquet").to_pylist()
-    return [[[r for r in rows if r["step"] == k and r["rank"] == q] for q in range(2)]
-            for k in range(steps)]  # fmt: skip
 
 
 STEPS = 8

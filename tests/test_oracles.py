@@ -11,7 +11,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
-from oracles import mean_nll
+from oracles import mean_nll, planned_steps
 from test_tokenize import run_tokenize
 
 # Measured on this machine (fp32 model; the product sums float32 cross entropies, the oracle
@@ -121,11 +121,7 @@ def test_packed_sft_on_two_ranks_of_unequal_counts_equals_the_oracle(tmp_path, t
                     "--micro-batch-size", "2", "--gradient-accumulation-steps", "2", "--seed",
                     "2", "--packing", "--out", str(tmp_path / "shards")], check=True, env=ENV,
                    capture_output=True)  # fmt: skip
-    rows = []
-    for node in range(2):
-        rows += pq.read_table(tmp_path / f"shards/node-{node}.parquet").to_pylist()
-    plan = [[[r for r in rows if r["step"] == k and r["rank"] == q] for q in range(2)]
-            for k in range(SFT_STEPS)]  # fmt: skip
+    plan = planned_steps(tmp_path / "shards", SFT_STEPS)
     counts = [tuple(len(r) for r in step) for step in plan]
     assert sum(a != b for a, b in counts) >= 2, counts
     run = run_spec(micro_batch_size=2, gradient_accumulation_steps=2, max_steps=SFT_STEPS,
