@@ -233,10 +233,13 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="which models (default: all)")  # fmt: skip
     args = parser.parse_args()
+    cases = [CASES[name] for name in args.cases]
     rows = {
         (case.name, name): measure(case, quantized, args.steps)
-        for case in CASES.values()
+        for case in cases
         for name, quantized in (("LoRA", False), ("QLoRA", True))
     }
     if args.json:
@@ -246,7 +249,7 @@ def main() -> int:
     print(f"CPU, fp32, sdpa, {args.steps} AdamW steps; MiB. Cases: "
           + "; ".join(f"{c.name}: micro batch {c.micro} x {c.length}, LoRA r{c.r}"
                       + (f", modules_to_save {', '.join(c.saved)}" if c.saved else "")
-                      for c in CASES.values()))  # fmt: skip
+                      for c in cases))  # fmt: skip
     print("| model | run | planned (no margin) | tensors' peak | plan / tensors | RSS peak "
           "| plan / RSS | weights planned / held |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---|")

@@ -214,31 +214,37 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> Path:
-    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted; its
-    kept checkpoints keep their optimizer states (tests continue from the older one).
-
-    Under tests/run.sh (SNAKETUNE_SHARED_DIR set) the two pytest runs share one: the first
-    to need it builds it, the other waits on the lock. Tests copy it before changing it."""
+def shared_build(name: str, build, tmp_path_factory) -> Path:
+    """A workdir ``build(workdir)`` fills, once for the session; under tests/run.sh
+    (SNAKETUNE_SHARED_DIR set) once for all its pytest runs: the first to need it builds it,
+    the others wait on its lock. Tests copy it before changing it."""
     shared = os.environ.get("SNAKETUNE_SHARED_DIR")
     if not shared:
-        return run_demo(tmp_path_factory.mktemp("demo"))
+        workdir = tmp_path_factory.mktemp(name) / "w"
+        build(workdir)
+        return workdir
     import fcntl
     import shutil
 
-    workdir = Path(shared) / "demo"
-    with open(Path(shared) / "demo.lock", "w") as lock:
+    workdir = Path(shared) / name
+    with open(Path(shared) / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not (Path(shared) / "demo.complete").exists():
-            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt of the other run
-            workdir.mkdir()
-            run_demo(workdir)
-            (Path(shared) / "demo.complete").touch()
+        if not (Path(shared) / f"{name}.complete").exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt of another run
+            build(workdir)
+            (Path(shared) / f"{name}.complete").touch()
     return workdir
 
 
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> Path:
+    """The whole demo (LoRA + ZeRO-2, 2 nodes x 1) through snakemake, uninterrupted; its
+    kept checkpoints keep their optimizer states (tests continue from the older one)."""
+    return shared_build("demo", run_demo, tmp_path_factory)
+
+
 def run_demo(workdir: Path) -> Path:
+    workdir.mkdir(parents=True)
     proc = snakemake(
         "--configfile", str(ROOT / "config" / "config.yaml"), "--directory", str(workdir),
         "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}}",
@@ -420,14 +426,35 @@ def stop_sweep(demo, tmp_path_factory) -> Path:
     return work
 
 
+# The chains' start: sft_demo, the same run in config/grpo_demo.yaml and config/dpo_demo.yaml
+SFT_TARGETS = ("results/sft_demo/eval/metrics.json", "results/sft_demo/train/provenance.json")
+
+
 @pytest.fixture(scope="session")
-def grpo_chain(demo, tmp_path_factory):
-    """A copy of the finished demo, then `snakemake publish` with the GRPO overlay (its
-    checkpoints kept whole: a test resumes from the older one)."""
+def sft_demo(demo, tmp_path_factory) -> Path:
+    """A copy of the finished demo with the GRPO and DPO chains' shared start, sft_demo,
+    trained, merged and evaluated (once for the suite: each chain copies it)."""
+
+    def build(workdir: Path) -> None:
+        workdir.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
+        proc = snakemake(*SFT_TARGETS, "--configfile", str(ROOT / "config/config.yaml"),
+                         str(ROOT / "config/grpo_demo.yaml"), "--directory", str(workdir),
+                         "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+        (workdir / "sft.out").write_text(proc.stdout + proc.stderr)
+
+    return shared_build("sft_demo", build, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def grpo_chain(sft_demo, tmp_path_factory):
+    """A copy of the finished demo and sft_demo (the ``sft_demo`` fixture), then `snakemake
+    publish` with the GRPO overlay (its checkpoints kept whole: a test resumes from the older
+    one)."""
     import time
 
     workdir = tmp_path_factory.mktemp("grpo") / "w"
-    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
+    subprocess.run(["cp", "-a", str(sft_demo), str(workdir)], check=True)
     start = time.monotonic()
     proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config" / "grpo_demo.yaml"),
                      "--directory", str(workdir), "publish", "--config",

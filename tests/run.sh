@@ -13,9 +13,11 @@
 #   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the
 #     cluster), with the training, continuation, stall, export and disk tests (the full
 #     ZeRO-3 fixture they share) filling the waits;
-#   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain),
-#     held-out passes and sweeps;
-#   - the rest, the DPO chain and the atomic-output fault test among them.
+#   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain) and
+#     sweeps;
+#   - the rest, the DPO chain, held-out passes and the atomic-output fault test among them.
+# The GRPO and DPO chains share their start (the sft_demo fixture): the GRPO chain, first
+# in its run, builds it.
 # Extra arguments go to pytest (every run).
 set -uo pipefail
 tier=${1:-all}
@@ -37,8 +39,7 @@ fi
 
 SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
        tests/test_export.py tests/test_diskplan.py)
-SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_bench.py tests/test_heldout.py
-      tests/test_sweep.py)
+SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_bench.py tests/test_sweep.py)
 pytest "${SLURM[@]}" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &
 slurm_pid=$!
 pytest "${SIDE[@]}" --junitxml="$shared/side.xml" "$@" > "$shared/side.log" 2>&1 &

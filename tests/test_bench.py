@@ -27,7 +27,7 @@ SHORT = {
     "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "10", "--every", "5"],
     "launch_startup.py": ["--repeats", "1"],
-    "qlora_memory.py": ["--steps", "1"],
+    "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
     "tokenize.py": ["--rows", "2000"],
     "train_overhead.py": ["--steps", "12", "--warmup", "2", "--repeats", "1"],

@@ -1,8 +1,8 @@
 """Preference tuning (method dpo): pair tokenization, the loss against TRL's and a hand
 computation, the reference log-probs stage, and the demo chain (config/dpo_demo.yaml).
 
-The slow tests share one pipeline (the ``dpo_chain`` fixture): on a copy of the demo, the
-DPO overlay's sft_demo, then DPO from it on 2 emulated nodes with its evaluation, and a
+The slow tests share one pipeline (the ``dpo_chain`` fixture): on a copy of the demo and its
+sft_demo (the ``sft_demo`` fixture, shared with the GRPO chain), DPO from it on 2 emulated nodes with its evaluation, and a
 two-member beta sweep that reads the same reference log-probs."""
 
 from __future__ import annotations
@@ -447,14 +447,13 @@ SWEEP = {"runs": {"dpo_sweep": {"sweep": {"dpo.beta": [0.1, 0.3]}, "max_steps": 
 
 
 @pytest.fixture(scope="session")
-def dpo_chain(demo, tmp_path_factory):
-    """A copy of the finished demo, then the DPO overlay (its sft_demo, the DPO run's start,
-    trained here; the DPO run's checkpoints kept whole: a test resumes from the older one)
-    with a two-member beta sweep of the same run, to the report and the DPO run's dry-run
-    publish folder. It does not wait for the GRPO chain (which trains the same sft_demo):
-    the two run side by side in the suite's two pytest processes."""
+def dpo_chain(sft_demo, tmp_path_factory):
+    """A copy of the finished demo and sft_demo (the DPO run's start, shared with the GRPO
+    chain: the ``sft_demo`` fixture), then the DPO overlay (the DPO run's checkpoints kept
+    whole: a test resumes from the older one) with a two-member beta sweep of the same run,
+    to the report and the DPO run's dry-run publish folder."""
     workdir = tmp_path_factory.mktemp("dpo") / "w"
-    subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
+    subprocess.run(["cp", "-a", str(sft_demo), str(workdir)], check=True)
     overlay = load_yaml(OVERLAY)
     sweep = {**copy.deepcopy(overlay["runs"]["dpo_demo"]), **SWEEP["runs"]["dpo_sweep"]}
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
@@ -519,6 +518,9 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     w = dpo_chain
     out = (w / "dpo.out").read_text()
     assert out.count("rule reference_logps:") == 1, out[-3000:]
+    # the DPO run and the two members trained here; sft_demo, the same run in the GRPO
+    # overlay the sft_demo fixture trained it with, was not trained again
+    assert out.count("rule train:") == 3, out[-3000:]
     (ref,) = (w / "results/reference_logps").iterdir()
     members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
                for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip

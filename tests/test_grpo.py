@@ -1,7 +1,8 @@
 """GRPO after SFT (config/grpo_demo.yaml over the demo's config) and publishing.
 
-One pipeline for the slow tests (the `grpo_chain` fixture): on a copy of the finished demo,
-`snakemake publish` trains the short SFT run, GRPO from its merged model on 2 emulated
+One pipeline for the slow tests (the `grpo_chain` fixture): on a copy of the finished demo and
+its short SFT run (the `sft_demo` fixture, shared with the DPO chain), `snakemake publish`
+trains GRPO from the SFT run's merged model on 2 emulated
 nodes, converts, merges and evaluates both, and writes the dry-run publish folder."""
 
 from __future__ import annotations
