@@ -38,7 +38,8 @@ def start_workers(args: argparse.Namespace, node: int, local: int, argv: list[st
     """Start ``local`` workers of node ``node`` and wait for them; the first failure's code."""
     first = node * args.gpus_per_node
     workers = args.nodes * args.gpus_per_node
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_worker(local))}
+    env = {"OMP_WAIT_POLICY": "PASSIVE",  # workers sharing cores sleep while they wait
+           **os.environ, "OMP_NUM_THREADS": str(threads_per_worker(local))}  # fmt: skip
     internal = ["--workers", str(workers), "--parent", str(os.getpid())]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(w), *internal],
                               env=env) for w in range(first, first + local)]  # fmt: skip

@@ -16,6 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# The suite runs many ranks on 2 cores (emulated nodes, three pytest runs side by side):
+# OpenMP threads that spin while they wait take the cores from the ranks they wait for.
+# Sleeping instead changes no figure (the same threads sum in the same order) and cut three
+# demo-sized runs side by side from 60 s to 44 s (docs/benchmarks.md). The local launcher
+# does the same for the jobs it starts (snaketune.agents); this covers every process the
+# tests start (SLURM jobs, evaluation, direct launches).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ SHORT = {
     "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "10", "--every", "5"],
     "launch_startup.py": ["--repeats", "1"],
+    "omp_wait.py": ["--steps", "3", "--side-by-side", "2"],
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
     "tokenize.py": ["--rows", "2000"],
@@ -47,7 +48,7 @@ def documented() -> list[str]:
 # so each such group runs once (its first command, shortened).
 SIZE = {"--steps", "--warmup", "--repeats", "--repeat", "--micro-batch-size", "--pairs",
         "--every", "--rows", "--layers", "--keep", "--mib", "--ranks", "--layout-batches",
-        "--max-steps"}  # fmt: skip
+        "--max-steps", "--side-by-side"}  # fmt: skip
 
 
 def shape(command: str) -> tuple[str, ...]:

@@ -294,6 +294,10 @@ def run_workers(
         env.setdefault(
             "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (nodes * gpus)))
         )
+        # ... and a rank's OpenMP threads that spin while they wait would take the cores
+        # from the ranks it waits for (at a collective): they sleep instead. The same sums
+        # in the same order: no figure changes (docs/benchmarks.md, "Ranks sharing cores").
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         commands = local_commands(nodes, gpus, job.worker_argv, run_id, free_port())
         return supervise(commands, env, stalled=lambda: watch.verdict is not None)
     run_preflight(job, nodes, gpus, env)
