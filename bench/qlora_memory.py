@@ -201,7 +201,7 @@ def plan(path: Path, case: Case, quantized: bool) -> dict[str, float]:
     from snaketune.memplan import Setup, Shape, activations, model_states
 
     shape = Shape.from_config(json.loads((path / "config.json").read_text()))
-    setup = Setup(method="lora", stage=0, offload_optimizer=False, offload_params=False,
+    setup = Setup(adapter="lora", stage=0, offload_optimizer=False, offload_params=False,
                   nodes=1, gpus_per_node=1, micro_batch_size=case.micro,
                   max_length=case.length, gradient_checkpointing=False, attention="sdpa",
                   liger=False, bytes_per_weight=4, lora_r=case.r, lora_saved=case.saved,

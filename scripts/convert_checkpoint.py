@@ -30,7 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--method", choices=["full", "lora"], required=True, help="the run's method"
+        "--method",
+        dest="adapter",
+        choices=["full", "lora"],
+        required=True,
+        help="what the checkpoint holds: a LoRA adapter or every weight (the run's adapter kind)",
     )
     parser.add_argument(
         "--checkpoint",
@@ -59,9 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dtype = export_dtype(args.dtype, args.probe)
-    config = {"method": args.method, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
+    config = {"method": args.adapter, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe}
-    if args.method == "lora":
+    if args.adapter == "lora":
         inputs["base"] = args.base
 
     def finish(tmp: Path, report: dict) -> None:
@@ -69,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       report=report)  # fmt: skip
         write_provenance(tmp / NAME, prov)
 
-    if args.method == "full":
+    if args.adapter == "full":
         report = convert_full(
             args.checkpoint, args.trained, args.out, args.max_shard_size, dtype, args.probe, finish
         )

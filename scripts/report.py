@@ -23,10 +23,11 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_paths, read_jsonl
+from snaketune.methods import final_model_dir
+from snaketune.plots import sweep_svg, training_svg
 from snaketune.provenance import lineage
-from snaketune.report import summary_html, sweep_section, sweep_svg, training_svg
+from snaketune.report import summary_html, sweep_section
 from snaketune.summary import summary_row, write_summary
-from snaketune.vocabulary import final_model_dir
 
 
 def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, list[dict]],

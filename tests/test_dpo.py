@@ -343,13 +343,29 @@ def dpo_config(**run) -> dict:
          "runs.p.dataset: 'arith' (format prompt_response) has no pairs to tune on"),
         ({"runs": {"p": {"dpo": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]}}}},
          "runs.p.dpo.loss_weights: 1 weights for 2 loss types"),
+        ({"runs": {"p": {"dpo": {"loss_type": "exo_pair"}}}},
+         "runs.p.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0"),
+        ({"runs": {"demo": {"eval_dataset": "arith_pairs_test"}}},
+         "runs.demo.eval_dataset: 'arith_pairs_test' is a preference dataset (pairs), which "
+         "only method dpo train and evaluate on; set method: dpo"),
+        ({"runs": {"demo": {"init_from": "p", "model": None}}},
+         "runs.demo.init_from: only for methods grpo, dpo (a run of method lora starts from "
+         "`model`)"),
+        ({"runs": {"demo": {"method": "full"}}},
+         "runs.demo.lora: only for method lora (or grpo, dpo); remove it or set method: lora"),
+        ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
+                                                                {"dataset": "arith_pairs"}]}}},
+         "datasets.mix.mixture: mixes preference pairs with other formats"),
     ],
 )  # fmt: skip
 def test_bad_dpo_configs_get_one_line(change, line):
     config = dpo_config()
     for section, entries in change.items():
-        for name, values in entries.items():
-            config[section][name].update(values)
+        for name, values in entries.items():  # None: the key removed
+            entry = config[section].setdefault(name, {})
+            entry.update({k: v for k, v in values.items() if v is not None})
+            for key in (k for k, v in values.items() if v is None):
+                del entry[key]
     with pytest.raises(ConfigError) as exc:
         validate_config(config, ROOT)
     assert line in str(exc.value), str(exc.value)

@@ -28,7 +28,7 @@ from snaketune.batches import PlanBatches
 from snaketune.config import load_yaml, validate_config
 from snaketune.heldout import spec_of, split_rows
 from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
-from snaketune.report import training_svg
+from snaketune.plots import training_svg
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
 

@@ -31,7 +31,7 @@ PARAMS = {
 
 
 def setup(**overrides) -> Setup:
-    base = dict(method="full", stage=2, offload_optimizer=False, offload_params=False, nodes=2,
+    base = dict(adapter="full", stage=2, offload_optimizer=False, offload_params=False, nodes=2,
                 gpus_per_node=8, micro_batch_size=4, max_length=1024, gradient_checkpointing=False,
                 attention="sdpa", liger=False, bytes_per_weight=2)  # fmt: skip
     return Setup(**{**base, **overrides})
@@ -79,7 +79,7 @@ def test_zero3_model_states_match_deepspeed(model, nodes, gpus, optim, params):
 
 def test_lora_states_are_the_frozen_weights_plus_small_adapters():
     shape = Shape.from_config(SHAPES["deepseek-ai/deepseek-coder-6.7b-instruct"])
-    lora = model_states(shape, setup(method="lora", lora_r=16))
+    lora = model_states(shape, setup(adapter="lora", lora_r=16))
     full = model_states(shape, setup())
     assert lora["weights"] == full["weights"] == 2 * shape.params
     assert 0 < lora["optimizer"] < full["optimizer"] / 100
@@ -343,7 +343,7 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
             if state.state2 is not None:
                 held += state.state2.absmax.numel() * state.state2.absmax.element_size()
     shape = Shape.from_config(json.loads((path / "config.json").read_text()))
-    s = setup(method="lora", lora_r=8, bytes_per_weight=4, nodes=1, gpus_per_node=1,
+    s = setup(adapter="lora", lora_r=8, bytes_per_weight=4, nodes=1, gpus_per_node=1,
               quantized=True, double_quant=double_quant)  # fmt: skip
     assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
     # the same figure from a run's config (what `snaketune plan` and the checks read):
@@ -364,7 +364,7 @@ def test_a_lora_run_that_does_not_fit_is_told_about_qlora(tmp_path):
     """The 32B QLoRA example without quantize on one A100 40 GB: ZeRO-3 cannot help a single
     GPU, the 4-bit base can; with it the example fits on one node, ZeRO-2."""
     shape = Shape.from_config(SHAPES["Qwen/Qwen2.5-32B-Instruct"])
-    s = setup(method="lora", lora_r=16, nodes=1, gpus_per_node=1, micro_batch_size=1,
+    s = setup(adapter="lora", lora_r=16, nodes=1, gpus_per_node=1, micro_batch_size=1,
               max_length=4096, gradient_checkpointing=True)  # fmt: skip
     plan = plan_run(shape, s, 39.4)
     assert plan["fits"] is False

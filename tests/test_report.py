@@ -51,7 +51,7 @@ def test_lm_eval_gain_over_base_and_summary_columns():
 
 
 def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
-    from snaketune.report import training_svg
+    from snaketune.plots import training_svg
     from snaketune.summary import reward_quarters
 
     metrics = [{"step": s, "loss": 0.01, "lr": 1e-3, "tokens_per_s": 100.0,

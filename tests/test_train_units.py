@@ -277,3 +277,20 @@ def test_the_launcher_imports_no_ml_library():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "scripts", capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert out.strip() == "[]", out
+
+
+def test_the_launchers_handoff_reaches_the_worker_whole_and_alone():
+    """What the launcher hands one start of the workers (snaketune.job.Handoff) is read back
+    as it was given; an earlier start's variables do not survive into the next one."""
+    from snaketune.job import HANDOFF_ENV, Handoff
+    from snaketune.progress import Deadline
+
+    given = Handoff(deadline=1_000_000.0, stop_margin_s=90.0, save_s=12.5, load_universal=True,
+                    checkpoint_bytes=123456)  # fmt: skip
+    env = given.environ({"PATH": "/bin"})
+    assert Handoff.from_environ(env) == given and env["PATH"] == "/bin"
+    later = Handoff().environ(env)  # no deadline, no universal checkpoint this time
+    assert not set(later) & set(HANDOFF_ENV.values()) and Handoff.from_environ(later) == Handoff()
+    deadline = Deadline.handed(given)
+    assert (deadline.end, deadline.margin_s, deadline.save_s) == (1_000_000.0, 90.0, 12.5)
+    assert Deadline.handed(Handoff(deadline=5.0, stop_margin_s=120.0)).save_s == 30.0  # a guess

@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -155,6 +156,56 @@ def lora_scale(adapter_config: dict) -> float:
     return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r
 
 
+@dataclass
+class Adapter:
+    """A LoRA adapter's tensors by the base tensor each changes: (A, B) pairs and the
+    modules trained in full (modules_to_save), with its scale."""
+
+    pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]]
+    whole: dict[str, torch.Tensor]
+    scale: float
+
+    @classmethod
+    def read(cls, adapter: Path, base_model: Path) -> Adapter:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        if config.get("fan_in_fan_out"):
+            raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
+        lora = load_file(str(adapter / "adapter_model.safetensors"))
+        check_adapter(lora, base_shapes(base_model), config["r"])
+        pairs = {}
+        for key, a in lora.items():
+            if ".lora_A." in key or key.endswith(".lora_embedding_A"):
+                b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
+                pairs[adapter_target(key)] = (key, a, b)
+        whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
+        return cls(pairs, whole, lora_scale(config))
+
+
+def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
+                   change: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The base's tensors (``refs``, read one at a time) with the adapter merged in: a
+    4-bit run's quantized tensors as that run computed with them, a tensor trained in full
+    replaced, a LoRA pair's update added. ``change`` counts the merged tensors and their
+    largest change."""
+    as_trained = qlora.quantized_tensors(quantized) if quantized else set()
+    # pread, not safe_open: a memory map would keep every page of the base resident
+    for name, ref in refs.items():
+        t = ref.read().view(ref.shape)
+        if name in as_trained:
+            t = qlora.as_trained(t, quantized)
+        if name in adapter.whole:  # trained in full (modules_to_save): the copy replaces it
+            new = adapter.whole[name].to(t.dtype)
+            change["max_abs"] = max(change["max_abs"], (new.float() - t.float()).abs().max().item())
+            change["merged"] += 1
+            t = new
+        elif name in adapter.pairs:
+            delta = lora_delta(*adapter.pairs[name], adapter.scale)
+            change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
+            change["merged"] += 1
+            t = t.float() + delta
+        yield name, t
+
+
 def merge_lora(
     base_model: Path,
     adapter: Path,
@@ -172,54 +223,21 @@ def merge_lora(
     merged into the base as that run computed with it: quantized and dequantized again
     (snaketune.qlora), written in ``dtype``, never in 4 bits.
     """
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    if config.get("fan_in_fan_out"):
-        raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
-    scale = lora_scale(config)
-    lora = load_file(str(adapter / "adapter_model.safetensors"))
-    check_adapter(lora, base_shapes(base_model), config["r"])
-    pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
-    for key, a in lora.items():
-        if ".lora_A." in key or key.endswith(".lora_embedding_A"):
-            b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
-            pairs[adapter_target(key)] = (key, a, b)
-    whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
+    lora = Adapter.read(adapter, base_model)
     change = {"max_abs": 0.0, "merged": 0}
     # a 4-bit run trained the dequantized base: merged into that, it is the model trained
     quantized = qlora.read_record(adapter)
-    as_trained = qlora.quantized_tensors(quantized) if quantized else set()
-
     refs = {
         name: ref
         for f in sorted(base_model.glob("*.safetensors"))
         for name, ref in safetensors_refs(f).items()
     }
-
-    def merged() -> Iterator[tuple[str, torch.Tensor]]:
-        # pread, not safe_open: a memory map would keep every page of the base resident
-        for name, ref in refs.items():
-            t = ref.read().view(ref.shape)
-            if name in as_trained:
-                t = qlora.as_trained(t, quantized)
-            if name in whole:  # trained in full (modules_to_save): the trained copy replaces it
-                new = whole[name].to(t.dtype)
-                change["max_abs"] = max(
-                    change["max_abs"], (new.float() - t.float()).abs().max().item()
-                )
-                change["merged"] += 1
-                t = new
-            elif name in pairs:
-                delta = lora_delta(*pairs[name], scale)
-                change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
-                change["merged"] += 1
-                t = t.float() + delta
-            yield name, t
-
+    merged = merged_tensors(refs, lora, quantized, change)
     with ThreadPoolExecutor(1) as pool, atomic_path(out) as tmp:
         base_config = pool.submit(load_model_config, base_model)
         tmp.mkdir()
         plan = [(name, ref.shape, ref.dtype) for name, ref in refs.items()]
-        write_shards(plan, merged(), tmp, parse_size(max_shard_size), dtype)
+        write_shards(plan, merged, tmp, parse_size(max_shard_size), dtype)
         if change["max_abs"] == 0.0:
             raise DataError(
                 f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "

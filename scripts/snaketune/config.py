@@ -16,6 +16,7 @@ from typing import Any
 
 from snaketune.errors import ConfigError, ConfigProblems
 from snaketune.heldout import check_run as check_heldout
+from snaketune.methods import method_of, methods
 from snaketune.packing import check_kernels_installed
 from snaketune.schema import (
     WORKFLOW_ROOT,
@@ -25,7 +26,6 @@ from snaketune.schema import (
     load_yaml,
 )
 from snaketune.vocabulary import (
-    ADAPTER_OPTIONAL,
     FORMAT_FIELDS,
     PAIR_FORMATS,
     SINGLE_DATASET_KEYS,
@@ -96,7 +96,8 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
             )
         kinds = {datasets[c["dataset"]].get("format") in PAIR_FORMATS for c in spec["mixture"]}
         _require(len(kinds) == 1, f"{where}.mixture: mixes preference pairs with other formats; "
-                 "a mixture is all preference datasets (method dpo) or none")  # fmt: skip
+                 "a mixture is all preference datasets (for a method that trains on pairs) or "
+                 "none")  # fmt: skip
         return
     _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
     _require("seed" not in spec, f"{where}.seed: only for source mixture")
@@ -151,116 +152,42 @@ def _check_deepspeed(run: str, value: str, root: Path) -> None:
     _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
 
 
-def _check_grpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    where = f"runs.{name}"
-    if run["method"] != "grpo":
-        _require(
-            "grpo" not in run, f"{where}.grpo: only for method grpo; remove it or set method: grpo"
-        )
-        _require(
-            "init_from" not in run or run["method"] in ADAPTER_OPTIONAL,
-            f"{where}.init_from: only for methods grpo and dpo (an SFT run starts from `model`)",
-        )
-        return
-    grpo = run["grpo"]
-    _require(
-        run["micro_batch_size"] % grpo["num_generations"] == 0,
-        f"{where}.grpo.num_generations: {grpo['num_generations']} does not divide "
-        f"micro_batch_size {run['micro_batch_size']} (each device generates whole groups); "
-        "make micro_batch_size a multiple of it",
-    )
-    for part in (c["name"] for c in components(cfg, run["dataset"])):
-        fmt = cfg["datasets"][part]["format"]
-        _require(
-            fmt in ("prompt_response", "alpaca"),
-            f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for the GRPO "
-            "rewards; use a prompt_response dataset (columns.response: the answer) or alpaca",
-        )
+def _named(names: list[str]) -> str:
+    return f"method {names[0]}" if len(names) == 1 else f"methods {', '.join(names)}"
 
 
-def _check_dpo(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    """A dpo block only on a dpo run; a dpo run trains on preference pairs (and evaluates
-    on them, or on any held-out set); its loss weights match its losses."""
-    where = f"runs.{name}"
-    if run["method"] != "dpo":
-        _require("dpo" not in run,
-                 f"{where}.dpo: only for method dpo; remove it or set method: dpo")  # fmt: skip
+def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """What the run's method allows (its own block and no other method's, a `lora` block
+    where it can train an adapter, init_from where it starts from runs, the data kind it
+    trains on), then the method's own checks."""
+    where, method, every = f"runs.{name}", method_of(run), methods()
+    for block in {m.block for m in every.values() if m.block and m.block != method.block}:
+        owners = [n for n, m in every.items() if m.block == block]
+        _require(block not in run, f"{where}.{block}: only for {_named(owners)}; remove it or "
+                 f"set method: {owners[0]}")  # fmt: skip
+    adapters = [n for n, m in every.items() if m.adapter == "lora"]
+    _require(method.adapter != "full" or "lora" not in run,
+             f"{where}.lora: only for method {adapters[0]} (or "
+             f"{', '.join(n for n, m in every.items() if m.adapter == 'optional')}); remove it "
+             f"or set method: {adapters[0]}")  # fmt: skip
+    starters = [n for n, m in every.items() if m.starts_from_runs]
+    _require("init_from" not in run or method.starts_from_runs,
+             f"{where}.init_from: only for {_named(starters)} (a run of method "
+             f"{run['method']} starts from `model`)")  # fmt: skip
+    on_pairs = [n for n, m in every.items() if m.trains_on == "pairs"]
     for key in ("dataset", "eval_dataset"):
-        if key not in run:
-            continue
-        for part in (c["name"] for c in components(cfg, run[key])):
+        for part in (c["name"] for c in components(cfg, run[key])) if key in run else ():
             fmt = cfg["datasets"][part]["format"]
             pairs = fmt in PAIR_FORMATS
-            if run["method"] == "dpo" and key == "dataset":
+            if method.trains_on == "pairs" and key == "dataset":
                 _require(pairs, f"{where}.dataset: {part!r} (format {fmt}) has no pairs to "
-                         "tune on; method dpo needs a dataset of format preference (prompt, "
-                         "chosen, rejected)")  # fmt: skip
-            elif run["method"] != "dpo":
+                         f"tune on; method {run['method']} needs a dataset of format preference "
+                         "(prompt, chosen, rejected)")  # fmt: skip
+            elif method.trains_on != "pairs":
                 _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
-                         f"which only method dpo trains and evaluates on; set method: dpo or "
-                         "use a dataset of another format")  # fmt: skip
-    if run["method"] != "dpo":
-        return
-    dpo = run["dpo"]
-    losses = dpo["loss_type"] if isinstance(dpo["loss_type"], list) else [dpo["loss_type"]]
-    weights = dpo.get("loss_weights")
-    _require(weights is None or len(weights) == len(losses),
-             f"{where}.dpo.loss_weights: {len(weights or [])} weights for {len(losses)} loss "
-             "types; give one weight per loss in loss_type")  # fmt: skip
-    _require("exo_pair" not in losses or dpo["label_smoothing"] > 0,
-             f"{where}.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0 (the EXO "
-             "paper uses 1e-3)")  # fmt: skip
-
-
-def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
-    """The runs a run with ``init_from`` may start from: the run it names, or every member
-    of the sweep it names (the best one is chosen once the sweep is evaluated)."""
-    from snaketune.sweep import sweeps_of
-
-    parent = config["runs"][name]["init_from"]
-    return sweeps_of(config["runs"]).get(parent) or [parent]
-
-
-def _resolve_init(config: dict[str, Any]) -> None:
-    """Fill `model` of each run with `init_from` from the run (or sweep) it starts from,
-    following chains; refuse an unknown run, a chain that loops, and a sweep whose members
-    would hand on different base models or model kinds."""
-    from snaketune.sweep import sweeps_of
-
-    runs, sweeps = config["runs"], sweeps_of(config["runs"])
-    for name, run in runs.items():
-        where = f"runs.{name}"
-        if "init_from" not in run:
-            _require("model" in run, f"{where}: missing required key 'model'")
-            continue
-        _require("model" not in run,
-                 f"{where}: give one of `model` and `init_from`, not both (init_from's model "
-                 "is the base)")  # fmt: skip
-        chain, current = [name], run
-        while "init_from" in current:
-            parent = current["init_from"]
-            _require(
-                parent in runs or parent in sweeps,
-                f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
-                f"{', '.join(sorted([*runs, *sweeps]))})",
-            )
-            _require(
-                parent not in chain,
-                f"{where}.init_from: the runs start from each other in a loop "
-                f"({' -> '.join([*chain, parent])}); one of them must start from a `model`",
-            )
-            chain.append(parent)
-            members = [runs[m] for m in sweeps.get(parent, [parent])]
-            for key, what in (("model", "base model"), ("method", "method")):
-                values = {str(m.get(key)) for m in members if "init_from" not in m}
-                _require(
-                    len(values) <= 1,
-                    f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
-                    f"({', '.join(sorted(values))}); start from one member, or sweep a key "
-                    "that keeps it",
-                )
-            current = members[0]
-        run["model"] = current.get("model")  # the chain's first run's (none: refused there)
+                         f"which only {_named(on_pairs)} train and evaluate on; set method: "
+                         f"{on_pairs[0]} or use a dataset of another format")  # fmt: skip
+    method.check(where, run, cfg)
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
@@ -288,12 +215,7 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
     _check_quantize(name, run, root)
     problem = check_heldout(where, run)
     _require(problem is None, problem or "")
-    _require(
-        run["method"] == "lora" or run["method"] in ADAPTER_OPTIONAL or "lora" not in run,
-        f"{where}.lora: only for method lora (or grpo, dpo); remove it or set method: lora",
-    )
-    _check_grpo(name, run, cfg)
-    _check_dpo(name, run, cfg)
+    _check_method(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:
         from snaketune.lmeval import resolve_include_path
@@ -326,7 +248,7 @@ def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
     if (run.get("lora") or {}).get("quantize", "none") == "none":
         return
     _require(
-        run["method"] != "full",
+        method_of(run).adapter != "full",
         f"{where}: a 4-bit base is frozen, so only an adapter can train on it; a full "
         "fine-tune needs the weights in full precision (set method: lora, or drop quantize)",
     )
@@ -362,7 +284,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     with a one-line message: the schema's first problem, or else every bad model, dataset
     and run at once (ConfigProblems, a line each).
     """
-    from snaketune.sweep import expand_sweeps
+    from snaketune.sweep import expand_sweeps, resolve_init
 
     root = Path(root)
     schema = load_schema(root)
@@ -375,21 +297,17 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     for name, spec in config["datasets"].items():
         found.check(_check_dataset, name, spec, config["datasets"])
     found.raise_all()
-    _resolve_init(config)
+    resolve_init(config)  # a run's model from the run (or sweep) it starts from
     for run in config["runs"].values():
-        if run["method"] == "dpo":
-            run["packing"] = False  # TRL's DPO batches are padded (snaketune.methods.dpo)
-        if run["method"] == "grpo":
-            run["packing"] = False  # GRPO plans prompts; its rollouts are padded batches
-            if "grpo" not in run:
-                run["grpo"] = {}
-                check_schema(config, schema)  # fills the GRPO defaults
-        if run["method"] == "dpo" and "dpo" not in run:
-            run["dpo"] = {}
-            check_schema(config, schema)  # fills the DPO defaults
+        method = method_of(run)
+        if not method.packs:
+            run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts
+        if method.block and method.block not in run:
+            run[method.block] = {}
+            check_schema(config, schema)  # fills the method block's defaults
     for name, run in config["runs"].items():
         found.check(_check_run, name, run, config, root)
-        if run["method"] == "lora" and "lora" not in run:
+        if method_of(run).adapter == "lora" and "lora" not in run:
             run["lora"] = {}
             check_schema(config, schema)  # fills the LoRA defaults
     found.raise_all()

@@ -66,7 +66,7 @@ class CheckpointSize:
 
 
 def trained_params(shape: Shape, s: Setup) -> int:
-    if s.method == "full":
+    if s.adapter == "full":
         return shape.params
     return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
 
@@ -76,8 +76,8 @@ def checkpoint_size(shape: Shape, s: Setup, gathered: bool = True, small: float 
     """One checkpoint's bytes; ``gathered``: ZeRO-3 saves the 16-bit model beside its
     partitions (stage3_gather_16bit_weights_on_model_save)."""
     w, t = s.bytes_per_weight, trained_params(shape, s)
-    saved = shape.params if s.method == "full" else t
-    model = w * saved if (s.stage < 3 or gathered or s.method != "full") else 0.0
+    saved = shape.params if s.adapter == "full" else t
+    model = w * saved if (s.stage < 3 or gathered or s.adapter != "full") else 0.0
     module = w * t if s.stage < 3 else 0.0
     return CheckpointSize(model, module, OPTIMIZER_BYTES * t, small)
 
@@ -90,7 +90,7 @@ def run_need(shape: Shape, s: Setup, keep: int, optimizer: str, gathered: bool =
         checkpoints = min(keep + 1, 2) * one.whole + max(keep - 1, 0) * one.reduced
     else:
         checkpoints = (keep + 1) * one.whole
-    exports = one.model + (s.bytes_per_weight * shape.params if s.method != "full" else 0.0)
+    exports = one.model + (s.bytes_per_weight * shape.params if s.adapter != "full" else 0.0)
     parts = {
         "checkpoint": one.whole,
         "checkpoints": checkpoints,

@@ -330,17 +330,19 @@ def make_sharded_fixture(
 def demo_run_spec(root: str | Path, **overrides: Any) -> dict[str, Any]:
     """The demo config's run with ``overrides``, validated with its defaults filled (what the
     train rule passes as --run-spec): for benchmarks that start the train stage directly.
-    ``method="full"`` drops the LoRA block; ``max_steps`` replaces ``epochs``."""
+    A method that trains every weight drops the LoRA block; ``max_steps`` replaces
+    ``epochs``."""
     from snaketune.config import load_yaml, validate_config
+    from snaketune.methods import method_of
 
     root = Path(root)
     config = load_yaml(root / "config" / "config.yaml")
     run = config["runs"]["demo"]
     if "max_steps" in overrides:
         del run["epochs"]
-    if overrides.get("method") == "full":
-        del run["lora"]
     run.update(overrides)
+    if method_of(run).adapter == "full":
+        run.pop("lora", None)
     return validate_config(config, root)["runs"]["demo"]
 
 

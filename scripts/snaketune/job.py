@@ -1,7 +1,7 @@
 """The contract between the train job's launcher (snaketune.launch, one per node or job)
 and its workers (snaketune.worker, one per device): exit codes, output names, the record a
-segment of training leaves. Both import this module; the launcher never imports the
-worker (nor torch).
+segment of training leaves, what the launcher hands the workers (``Handoff``). Both
+import this module; the launcher never imports the worker (nor torch).
 """
 
 from __future__ import annotations
@@ -69,6 +69,57 @@ class WorkerEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
             node_rank=int(env.get("GROUP_RANK", 0)),
         )
+
+
+# What the launcher hands its workers for one start of them, through their environment:
+# the Handoff's fields and their variables. Nothing else passes from launcher to worker.
+HANDOFF_ENV = {
+    "deadline": "SNAKETUNE_DEADLINE",
+    "stop_margin_s": "SNAKETUNE_STOP_MARGIN",
+    "save_s": "SNAKETUNE_SAVE_S",
+    "load_universal": "SNAKETUNE_LOAD_UNIVERSAL",
+    "checkpoint_bytes": "SNAKETUNE_CHECKPOINT_BYTES",
+}
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the launcher hands its workers (set by snaketune.launch.start_workers, read by
+    the worker once, at its start)."""
+
+    deadline: float | None = None  # epoch seconds to stop ahead of (None: no limit known)
+    stop_margin_s: float = 0.0  # with a deadline: the run's stop_margin_seconds
+    save_s: float | None = None  # the save time the previous job measured (None: none yet)
+    load_universal: bool = False  # resume from a universal checkpoint (another rank count)
+    checkpoint_bytes: int = 0  # one checkpoint's size, from the disk plan (0: not planned)
+
+    def environ(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` (the workers' environment) with this handoff in it, and nothing of an
+        earlier one."""
+        out = {k: v for k, v in env.items() if k not in HANDOFF_ENV.values()}
+        if self.deadline is not None:
+            out[HANDOFF_ENV["deadline"]] = f"{self.deadline:.0f}"
+            out[HANDOFF_ENV["stop_margin_s"]] = f"{self.stop_margin_s:.0f}"
+        if self.save_s is not None:
+            out[HANDOFF_ENV["save_s"]] = f"{self.save_s:.1f}"
+        if self.load_universal:
+            out[HANDOFF_ENV["load_universal"]] = "1"
+        if self.checkpoint_bytes:
+            out[HANDOFF_ENV["checkpoint_bytes"]] = str(self.checkpoint_bytes)
+        return out
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str] | None = None) -> Handoff:
+        env = os.environ if env is None else env
+
+        def number(key: str) -> float | None:
+            value = env.get(HANDOFF_ENV[key])
+            return float(value) if value else None
+
+        return cls(deadline=number("deadline"), stop_margin_s=number("stop_margin_s") or 0.0,
+                   save_s=number("save_s"),
+                   load_universal=env.get(HANDOFF_ENV["load_universal"]) == "1",
+                   checkpoint_bytes=int(number("checkpoint_bytes") or 0))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from snaketune.checkpoints import checkpoint_step, newest_complete
 from snaketune.errors import UserError, error_lines
 from snaketune.heartbeat import StallWatch, stall_verdict
 from snaketune.io import digest, publish, sha256_file, write_json
-from snaketune.job import SEGMENT, Job, read_segment
+from snaketune.job import SEGMENT, Handoff, Job, read_segment
+from snaketune.methods import balances_tokens
 from snaketune.network import RESULT as NETWORK
 from snaketune.network import read_result
 from snaketune.runlock import RunLock
@@ -38,7 +39,6 @@ from snaketune.segments import (
     requeue_self,
     segments_summary,
 )
-from snaketune.vocabulary import balances_tokens
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,10 @@ def check_quantizable(job: Job) -> None:
         )
 
 
-def check_disk(job: Job) -> None:
+def check_disk(job: Job) -> int:
     """Refuse a run whose checkpoints and outputs do not fit on its filesystem (one line,
-    before any worker starts); tell the workers the estimated checkpoint size."""
+    before any worker starts); the estimated size of one checkpoint, for the workers' check
+    before each save (0: not planned)."""
     import torch
 
     from snaketune.diskplan import check_job_disk, format_disk
@@ -105,9 +106,9 @@ def check_disk(job: Job) -> None:
     plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
                           torch.cuda.is_available())  # fmt: skip
     if plan is None:
-        return
+        return 0
     log.info("disk plan: %s", format_disk(job.out.parent.name, plan))
-    os.environ["SNAKETUNE_CHECKPOINT_BYTES"] = str(plan["need_bytes"]["checkpoint"])
+    return int(plan["need_bytes"]["checkpoint"])
 
 
 def prepare_checkpoints(job: Job) -> None:
@@ -142,42 +143,37 @@ def prepare_checkpoints(job: Job) -> None:
     (job.ckpt / "health" / "fatal.json").unlink(missing_ok=True)  # from an earlier attempt
 
 
-def resume_environment(job: Job, ranks: int) -> dict[str, str]:
-    """What the workers need to resume: when the newest complete checkpoint was written by
-    another number of data-parallel ranks, its universal form (made here, once) and the
-    flag that has DeepSpeed load it."""
+def needs_universal(job: Job, ranks: int) -> bool:
+    """Whether the workers resume from a universal checkpoint: when the newest complete
+    checkpoint was written by another number of data-parallel ranks, its universal form
+    (made here, once) is what DeepSpeed loads."""
     from snaketune.topology import checkpoint_ranks, make_universal
 
     saved = newest_complete(job.ckpt)
     written = checkpoint_ranks(saved) if saved else None
     if written is None or written == ranks:
-        return {}
+        return False
     began = time.monotonic()
     made = make_universal(saved)
     log.info("%s: ZeRO states of %d ranks turned into %s for %d ranks (%.1f s)",
              saved.name, written, made.name, ranks, time.monotonic() - began)  # fmt: skip
-    return {"SNAKETUNE_LOAD_UNIVERSAL": "1"}
+    return True
 
 
-def start_workers(
-    job: Job, nodes: int, gpus: int, deadline: float | None = None
-) -> tuple[int, str | None]:
+def start_workers(job: Job, nodes: int, gpus: int, deadline: float | None = None,
+                  checkpoint_bytes: int = 0) -> tuple[int, str | None]:  # fmt: skip
     """Run the workers to the end; (exit code, signal passed on to them, if any). With a
     ``deadline`` (epoch seconds) they stop ahead of it at a step end and save."""
     run_id = f"snaketune-{job.out.parent.name}"
     launcher = choose_launcher(job, nodes)
-    env = worker_environment()
-    env.pop("SNAKETUNE_DEADLINE", None)
-    env.pop("SNAKETUNE_LOAD_UNIVERSAL", None)
-    env.update(resume_environment(job, nodes * gpus))
+    saves = [s["save_s"] for s in read_segments(job) if s.get("save_s")]
+    handoff = Handoff(deadline=deadline, stop_margin_s=job.stop_margin_s,
+                      save_s=saves[-1] if saves and deadline is not None else None,
+                      load_universal=needs_universal(job, nodes * gpus),
+                      checkpoint_bytes=checkpoint_bytes)  # fmt: skip
+    env = handoff.environ(worker_environment())
     env.update(flight_recorder(job))
     (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
-    if deadline is not None:
-        env["SNAKETUNE_DEADLINE"] = f"{deadline:.0f}"
-        env["SNAKETUNE_STOP_MARGIN"] = f"{job.stop_margin_s:.0f}"
-        saves = [s["save_s"] for s in read_segments(job) if s.get("save_s")]
-        if saves:  # the save time the last job measured
-            env["SNAKETUNE_SAVE_S"] = f"{saves[-1]:.1f}"
     log.info("launching %d node(s) x %d process(es) with the %s launcher", nodes, gpus, launcher)
     watch = StallWatch(job.ckpt, job.spec["timeout_minutes"] * 60).start()
     try:
@@ -327,7 +323,8 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
 # ----------------------------------------------------------------------------- continuation
 
 
-def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0) -> int | str:
+def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0,
+                   checkpoint_bytes: int = 0) -> int | str:  # fmt: skip
     """Run the workers until the run is done, failed, or (on SLURM) its job must go back to
     the queue: 0, an exit code, or "requeue". Off SLURM, a stop ahead of the time limit is
     followed at once by the next segment, with a fresh limit."""
@@ -339,7 +336,7 @@ def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0) -> int | s
         saved = newest_complete(job.ckpt)
         from_step = checkpoint_step(saved) if saved else 0
         (job.ckpt / SEGMENT).unlink(missing_ok=True)
-        code, signalled = start_workers(job, nodes, gpus, deadline)
+        code, signalled = start_workers(job, nodes, gpus, deadline, checkpoint_bytes)
         ended = read_segment(job.ckpt)
         record_segment(job, began, from_step, ended, attempt)
         if ended.get("reason") == "time" and signalled in (None, "SIGUSR1"):
@@ -401,7 +398,7 @@ def train_job(job: Job, attempt: int) -> int | str:
         f", SLURM job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else "",
     )  # fmt: skip
     nodes, gpus = check_job(job)
-    check_disk(job)
+    checkpoint_bytes = check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
         prepare_checkpoints(job)
-        return train_segments(job, nodes, gpus, attempt)
+        return train_segments(job, nodes, gpus, attempt, checkpoint_bytes)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from snaketune.errors import UserError
-from snaketune.vocabulary import adapter_kind
+from snaketune.methods import adapter_kind, method_of
 
 GIB = 1024**3
 # Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
@@ -148,7 +148,7 @@ class Shape:
 class Setup:
     """The run settings the estimate depends on."""
 
-    method: str  # full or lora
+    adapter: str  # what trains: full (every weight) or lora
     stage: int  # ZeRO stage
     offload_optimizer: bool
     offload_params: bool
@@ -184,7 +184,7 @@ class Setup:
 def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     """Bytes per GPU of weights, gradients and optimizer states."""
     n, w, p = s.gpus, s.bytes_per_weight, shape.params
-    t = p if s.method == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
+    t = p if s.adapter == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
     mixed = w == 2
     base = w * p  # the frozen and trained weights as stored
     if s.quantized:  # 4-bit decoder linears and their constants; the rest at w bytes
@@ -241,7 +241,7 @@ def reference_copy(shape: Shape, s: Setup) -> float:
 
 def cpu_per_node(shape: Shape, s: Setup) -> float:
     """Bytes of CPU memory per node: offloaded states, or loading the model in each process."""
-    p, t = shape.params, shape.params if s.method == "full" else 0
+    p, t = shape.params, shape.params if s.adapter == "full" else 0
     if s.offload_optimizer or s.offload_params:
         states = 16 * t if s.offload_optimizer else 0
         states += 2 * p if s.offload_params else 0
@@ -285,7 +285,7 @@ def changes(s: Setup) -> list[tuple[str, Setup]]:
         out.append(("deepspeed: zero3", replace(s, stage=3)))
         out.append(("deepspeed: zero3 with gradient_checkpointing: true",
                     replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
-    if s.method == "lora" and not s.quantized:
+    if s.adapter == "lora" and not s.quantized:
         out.append(("lora.quantize: 4bit (QLoRA)", replace(s, quantized=True)))
         out.append(("lora.quantize: 4bit with gradient_checkpointing: true",
                     replace(s, quantized=True, gradient_checkpointing=True)))  # fmt: skip
@@ -339,20 +339,19 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         precision = "bf16" if on_gpu else "fp32"
     attention = run.get("attn_implementation", "auto")
     liger = run.get("liger_kernel", "auto")
-    grpo = run.get("grpo") if run["method"] == "grpo" else None
-    vllm = bool(grpo) and on_gpu and grpo.get("use_vllm") in (True, "auto")
-    dpo = run.get("dpo") if run["method"] == "dpo" else None
-    live = bool(dpo) and dpo.get("reference", "precomputed") == "live"
+    # what the run's method adds: sequences per planned example (DPO: a pair is 2), its
+    # rollouts (GRPO), a reference model (held by a full fine-tune only: LoRA's is the base
+    # with the adapter off)
+    extra = {"sequences_per_example": 1, **method_of(run).memory(run, on_gpu)}
     full = adapter_kind(run) == "full"
     return Setup(
-        method=adapter_kind(run),  # GRPO plans as its LoRA or full update, plus its rollouts
+        adapter=adapter_kind(run),  # a method plans as its LoRA or full update, plus extra
         stage=int(zero.get("stage", 0)),
         offload_optimizer=offloaded("offload_optimizer"),
         offload_params=offloaded("offload_param"),
         nodes=run["nodes"],
         gpus_per_node=run["gpus_per_node"],
-        # a DPO micro batch of n pairs is 2n sequences (chosen and rejected)
-        micro_batch_size=run["micro_batch_size"] * (2 if dpo else 1),
+        micro_batch_size=run["micro_batch_size"] * extra["sequences_per_example"],
         max_length=run["max_length"],
         gradient_checkpointing=bool(run.get("gradient_checkpointing", False)),
         attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
@@ -361,9 +360,9 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         lora_r=(run.get("lora") or {}).get("r", 0),
         lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
         lora_saved=tuple((run.get("lora") or {}).get("modules_to_save", ())),
-        completion_length=grpo.get("max_completion_length", 256) if grpo else 0,
-        reference=full and ((bool(grpo) and grpo.get("beta", 0.04) > 0) or live),
-        vllm_share=grpo.get("vllm_gpu_memory_utilization", 0.3) if vllm else 0.0,
+        completion_length=extra.get("completion_length", 0),
+        reference=full and extra.get("reference", False),
+        vllm_share=extra.get("vllm_share", 0.0),
         quantized=not full and (run.get("lora") or {}).get("quantize", "none") == "4bit",
         double_quant=bool((run.get("lora") or {}).get("double_quant", True)),
     )

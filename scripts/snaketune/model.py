@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from snaketune.methods import trains_lora
 from snaketune.progress import FlopsModel
 from snaketune.throughput import matmul_params, peak_tflops
-from snaketune.vocabulary import trains_lora
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,9 @@ def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | Non
                       trains_lora(run), world_size, peak)  # fmt: skip
 
 
-def load_deepspeed(path: Path) -> dict[str, Any]:
+def load_deepspeed(path: Path, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON for this machine; ``load_universal``: the checkpoint resumed from
+    is a universal one (written by another number of ranks: snaketune.launch)."""
     config = json.loads(path.read_text())
     if not torch.cuda.is_available():
         # On CPU keep DeepSpeed from building fused GPU kernels; the Trainer's AdamW is used.
@@ -108,7 +110,7 @@ def load_deepspeed(path: Path) -> dict[str, Any]:
         zero = config.get("zero_optimization", {})
         for key in ("offload_optimizer", "offload_param"):
             zero.pop(key, None)
-    if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1":  # written by another rank count
+    if load_universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     return config
 

@@ -117,11 +117,6 @@ def check_kernels_installed(where: str, run: dict[str, Any]) -> None:
             f"{where}.liger_kernel: true asked for but liger-kernel is not installed; "
             f"{GPU_EXTRA} (CUDA GPU nodes), or set liger_kernel: auto"
         )
-    if (run.get("grpo") or {}).get("use_vllm") is True and not installed("vllm"):
-        raise ConfigError(
-            f"{where}.grpo.use_vllm: true asked for but vLLM is not installed; pip install -e "
-            "'.[vllm]' (CUDA GPU nodes), or set use_vllm: auto"
-        )
 
 
 def layout_for(packing: bool, kernel: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import signal
 import time
@@ -30,6 +29,7 @@ from snaketune.collective import barrier, gather_combined
 from snaketune.diskplan import DiskGuard
 from snaketune.health import LEVEL, STATUS, Watchdog
 from snaketune.heartbeat import Heartbeat
+from snaketune.job import Handoff
 from snaketune.throughput import mfu, step_flops
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,12 @@ class Deadline:
         self._t = time.time()
 
     @classmethod
-    def from_environ(cls) -> Deadline:
-        """Set by the launcher: SNAKETUNE_DEADLINE (epoch seconds), SNAKETUNE_STOP_MARGIN, and
-        SNAKETUNE_SAVE_S (the save time the previous job measured)."""
-        end, env = os.environ.get("SNAKETUNE_DEADLINE"), os.environ
-        return cls(float(end) if end else None, float(env.get("SNAKETUNE_STOP_MARGIN", 60)),
-                   float(env.get("SNAKETUNE_SAVE_S", 30)))  # fmt: skip
+    def handed(cls, handoff: Handoff) -> Deadline:
+        """The launcher's deadline, stop margin and last measured save time (the first
+        job's guess where none was measured yet)."""
+        if handoff.save_s is None:
+            return cls(handoff.deadline, handoff.stop_margin_s)
+        return cls(handoff.deadline, handoff.stop_margin_s, handoff.save_s)
 
     def restart(self) -> None:
         self._t = time.time()

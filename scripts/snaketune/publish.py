@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.errors import UserError
+from snaketune.methods import method_of
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,11 @@ log = logging.getLogger(__name__)
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json",
                "generation_config.json", "tokenizer*", "special_tokens_map.json",
                "chat_template.jinja", "vocab.json", "merges.txt", "*.model")  # fmt: skip
-# Run keys shown as hyperparameters in the card.
+# Run keys shown as hyperparameters in the card (and the run's method block, as its method
+# shows it).
 CARD_KEYS = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "epochs", "max_steps",
              "micro_batch_size", "gradient_accumulation_steps", "nodes", "gpus_per_node",
-             "max_length", "packing", "deepspeed", "seed", "lora", "grpo", "dpo")  # fmt: skip
+             "max_length", "packing", "deepspeed", "seed", "lora")  # fmt: skip
 # Held-out preference figures of a DPO run (metrics.json's `preference`), for the card.
 PREFERENCE_FIGURES = (("preference_accuracy", "preference accuracy"),
                       ("reward_margin", "reward margin"),
@@ -116,8 +118,9 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         eval_results=eval_results(metrics, spec.get("eval_dataset", "eval")) or None,
     )
     hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
-    if "dpo" in hyper:  # the reference's log-probs file is a local path
-        hyper["dpo"] = {k: v for k, v in hyper["dpo"].items() if k != "reference_logps"}
+    method = method_of(spec)
+    if method.block in spec:
+        hyper[method.block] = method.card_block(spec[method.block])
     rows = "\n".join(f"| {r.dataset_name} | {r.metric_name} | {r.metric_value:.4g} |"
                      for r in (data.eval_results or []))  # fmt: skip
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from snaketune.vocabulary import trains_lora
+from snaketune.methods import trains_lora
 
 RECORD = "quantization.json"
 BLOCKSIZE = 64  # transformers' Params4bit default: one absmax per 64 weights

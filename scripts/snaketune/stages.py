@@ -25,14 +25,9 @@ from typing import Any
 from snaketune.errors import ConfigError
 from snaketune.heldout import spec_of as held_out_spec
 from snaketune.io import digest
+from snaketune.methods import adapter_kind, balances_tokens, final_model_dir, method_of
 from snaketune.tokenization import TOKENIZE_VERSION
-from snaketune.vocabulary import (
-    SINGLE_DATASET_KEYS,
-    adapter_kind,
-    balances_tokens,
-    components,
-    final_model_dir,
-)
+from snaketune.vocabulary import SINGLE_DATASET_KEYS, components
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
 DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
@@ -119,7 +114,7 @@ def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
     itself (rule evaluate_start): when the run it starts from (or a member of that sweep)
     has another eval set or other eval settings, or none. Otherwise that run's evaluation is
     this run's base."""
-    from snaketune.config import init_parents
+    from snaketune.sweep import init_parents
 
     r = config["runs"][run]
     if "init_from" not in r or "eval_dataset" not in r:
@@ -191,9 +186,9 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
     named: Snakemake compares a rule's params as values without their names, so nodes 2 /
     accumulation 1 and nodes 1 / accumulation 2 would otherwise look the same."""
     r = config["runs"][run]
-    micro = r["micro_batch_size"]  # GRPO plans prompts, each makes num_generations rows
-    if r["method"] == "grpo":
-        micro //= r["grpo"]["num_generations"]
+    # examples per micro batch: a method may make several rows of one (GRPO: a prompt's
+    # num_generations completions)
+    micro = r["micro_batch_size"] // method_of(r).rows_per_example(r)
     inputs = {"tokenized": tokenized(config, run), "model": f"resources/models/{r['model']}"}
     if "eval_dataset" in r:
         inputs["eval"] = tokenized(config, run, eval_set=True)
@@ -241,7 +236,8 @@ def train_spec(run: dict[str, Any], reference: str | None = None,
     if "eval_steps" not in run:  # a default that means nothing here: no params change
         spec.pop("eval_at_start", None)
     if reference is not None:
-        spec["dpo"] = {**spec["dpo"], "reference_logps": reference}
+        block = method_of(run).block
+        spec[block] = {**spec[block], "reference_logps": reference}
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
     return as_json(spec)
@@ -267,7 +263,7 @@ def reference_key(config: dict[str, Any], run: str) -> str | None:
     4-bit base's quantization.
     Runs and sweep members that share these share one reference_logps job. None for others."""
     r = config["runs"][run]
-    if r["method"] != "dpo" or r["dpo"]["reference"] != "precomputed":
+    if not method_of(r).reference_stage(r):
         return None
     start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
     what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
@@ -349,8 +345,8 @@ def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> 
 
 
 def eval_args(settings: dict[str, Any], beta: float | None = None) -> str:
-    """evaluate.py options for a run's eval settings (``beta``: a DPO run's, for the
-    implicit rewards of held-out pairs)."""
+    """evaluate.py options for a run's eval settings (``beta``: the one its method scores
+    held-out pairs' implicit rewards with, e.g. a DPO run's)."""
     import shlex
 
     args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
@@ -359,81 +355,3 @@ def eval_args(settings: dict[str, Any], beta: float | None = None) -> str:
     if settings.get("lm_eval"):
         args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"
     return args
-
-
-# ----------------------------------------------------------------------------- targets
-
-
-def run_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
-    """What `all` asks of each run: its evaluation when it has an eval set, else its model;
-    and of each sweep its best member."""
-    return [
-        f"results/{run}/eval/metrics.json" if "eval_dataset" in r else final_model(config, run)
-        for run, r in config["runs"].items()
-    ] + [f"results/{sweep}/best.json" for sweep in sweeps]
-
-
-def sweep_inputs(config: dict[str, Any], members: list[str]) -> dict[str, str]:
-    """A sweep's members' training metrics, and their evaluations where they have one."""
-    inputs = {}
-    for member in members:
-        inputs[f"{member}_train"] = f"results/{member}/train/metrics.jsonl"
-        if "eval_dataset" in config["runs"][member]:
-            inputs[f"{member}_eval"] = f"results/{member}/eval/metrics.json"
-    return inputs
-
-
-def report_inputs(config: dict[str, Any]) -> dict[str, str]:
-    """Every run's training metrics and provenance, and its evaluation when it has one."""
-    inputs = {}
-    for run, r in config["runs"].items():
-        inputs[f"{run}_metrics"] = f"results/{run}/train/metrics.jsonl"
-        inputs[f"{run}_provenance"] = f"results/{run}/train/provenance.json"
-        if "eval_dataset" in r:
-            inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
-            inputs[f"{run}_samples"] = f"results/{run}/eval/samples.jsonl"
-            inputs[f"{run}_lineage"] = f"results/{run}/eval/provenance.json"
-        else:
-            inputs[f"{run}_lineage"] = final_model(config, run)
-    return inputs
-
-
-def publish_config(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> dict:
-    """`publish` settings of a run, or of a sweep (kept in its members' sweep_of)."""
-    if name in sweeps:
-        return config["runs"][sweeps[name][0]]["sweep_of"].get("publish") or {}
-    return config["runs"][name].get("publish") or {}
-
-
-def publish_settings(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> str:
-    """The publish settings of a run or sweep, as JSON (ValueError: it has no repo_id)."""
-    settings = publish_config(config, sweeps, name)
-    if not settings.get("repo_id"):
-        raise ValueError(f"results/{name}/publish: run {name} has no publish.repo_id")
-    return as_json(settings)
-
-
-def publish_inputs(config: dict[str, Any], name: str, published: str, sweep: bool) -> dict:
-    """The model of the run ``published`` (for a sweep ``name``: its best member), the
-    sweep's choice, and the evaluation (its figures go into the model card) if it has one."""
-    inputs = {"model": final_model(config, published)}
-    if sweep:
-        inputs["best"] = f"results/{name}/best.json"
-    if "eval_dataset" in config["runs"][published]:
-        inputs["metrics"] = f"results/{published}/eval/metrics.json"
-    return inputs
-
-
-def publish_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
-    """What `publish` asks for: the receipt of every run and sweep with publish.repo_id."""
-    return [
-        f"results/{name}/publish.json"
-        for name in [*config["runs"], *sweeps]
-        if publish_config(config, sweeps, name).get("repo_id")
-    ]
-
-
-def publish_spec(config: dict[str, Any], run: str) -> str:
-    """The run's config entry and the datasets it trained on (for the model card)."""
-    r = config["runs"][run]
-    return as_json({**r, "dataset_sources": [c["name"] for c in components(config, r["dataset"])]})

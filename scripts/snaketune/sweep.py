@@ -29,6 +29,10 @@ is exact_match when the eval references hold ``####`` answers (GSM8K-style) and 
 held-out loss when they do not (chat data, where every member would score 0). Members tied
 on the metric are named in best.json (``tied``) and the tie is broken by the held-out loss
 (else the training loss), then by name.
+
+A run may start from another run's model, or from a sweep's best member (``init_from``):
+``resolve_init`` follows such chains to their base model, ``init_parents`` names the runs a
+run may start from.
 """
 
 from __future__ import annotations
@@ -219,6 +223,58 @@ def sweeps_of(runs: Mapping[str, Any]) -> dict[str, list[str]]:
         if "sweep_of" in run:
             out.setdefault(run["sweep_of"]["run"], []).append(name)
     return out
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
+    """The runs a run with ``init_from`` may start from: the run it names, or every member
+    of the sweep it names (the best one is chosen once the sweep is evaluated)."""
+    parent = config["runs"][name]["init_from"]
+    return sweeps_of(config["runs"]).get(parent) or [parent]
+
+
+def resolve_init(config: dict[str, Any]) -> None:
+    """Fill `model` of each run with `init_from` from the run (or sweep) it starts from,
+    following chains; refuse an unknown run, a chain that loops, and a sweep whose members
+    would hand on different base models or model kinds."""
+    runs, sweeps = config["runs"], sweeps_of(config["runs"])
+    for name, run in runs.items():
+        where = f"runs.{name}"
+        if "init_from" not in run:
+            _require("model" in run, f"{where}: missing required key 'model'")
+            continue
+        _require("model" not in run,
+                 f"{where}: give one of `model` and `init_from`, not both (init_from's model "
+                 "is the base)")  # fmt: skip
+        chain, current = [name], run
+        while "init_from" in current:
+            parent = current["init_from"]
+            _require(
+                parent in runs or parent in sweeps,
+                f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
+                f"{', '.join(sorted([*runs, *sweeps]))})",
+            )
+            _require(
+                parent not in chain,
+                f"{where}.init_from: the runs start from each other in a loop "
+                f"({' -> '.join([*chain, parent])}); one of them must start from a `model`",
+            )
+            chain.append(parent)
+            members = [runs[m] for m in sweeps.get(parent, [parent])]
+            for key, what in (("model", "base model"), ("method", "method")):
+                values = {str(m.get(key)) for m in members if "init_from" not in m}
+                _require(
+                    len(values) <= 1,
+                    f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
+                    f"({', '.join(sorted(values))}); start from one member, or sweep a key "
+                    "that keeps it",
+                )
+            current = members[0]
+        run["model"] = current.get("model")  # the chain's first run's (none: refused there)
 
 
 def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,

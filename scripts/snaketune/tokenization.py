@@ -78,6 +78,50 @@ def render_batch(
     return texts, spans
 
 
+def labelled_tokens(encodings: list, spans: list[list[tuple[int, int]]], texts: list[str],
+                    row_start: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Per token of the batch's rows laid end to end: inside an assistant span (trained)."""
+    # +1 where an assistant span starts, -1 where it ends: a running sum > 0 is inside one.
+    delta = np.zeros(int(row_start[-1]) + 1, np.int32)
+    for i, (enc, sp, text) in enumerate(zip(encodings, spans, texts, strict=True)):
+        n = len(enc.ids)
+        for s, t in sp:
+            a = first_token_at(enc, s, n, len(text))
+            b = first_token_at(enc, t, n, len(text))
+            if b > a:
+                delta[row_start[i] + a] += 1
+                delta[row_start[i] + b] -= 1
+    return np.cumsum(delta[:-1]) > 0
+
+
+def keep_rows(items: Items, lengths: np.ndarray, row_start: np.ndarray, labelled: np.ndarray,
+              max_length: int, overlong: str, stats: Stats):  # fmt: skip
+    """The length policy and rows with no response: (rows kept, tokens kept, each token's
+    row), counted in ``stats``."""
+    n = len(items)
+    row_of = np.repeat(np.arange(n), lengths)
+    position = np.arange(int(row_start[-1])) - row_start[:-1][row_of]
+    overlong_rows = lengths > max_length
+    if overlong_rows.any() and overlong == "error":  # counted as dropped; tokenize() refuses
+        worst = int(np.argmax(np.where(overlong_rows, lengths, 0)))  # the first longest
+        if lengths[worst] > stats.longest_overlong[0]:
+            stats.longest_overlong = (int(lengths[worst]), items[worst][0])
+    if overlong in ("drop", "error"):
+        keep_row = ~overlong_rows
+    else:
+        keep_row = np.ones(n, bool)
+        stats.truncated += int(overlong_rows.sum())
+    keep_tok = keep_row[row_of] & (position < max_length)
+    n_labels = np.bincount(row_of[labelled & keep_tok], minlength=n)
+    no_response = keep_row & (n_labels == 0)
+    keep_row &= ~no_response
+    keep_tok &= keep_row[row_of]
+    stats.conversations += n
+    stats.dropped_overlong += int(overlong_rows.sum()) if overlong != "truncate" else 0
+    stats.dropped_no_response += int(no_response.sum())
+    return keep_row, keep_tok, row_of
+
+
 def label_batch(
     items: Items,
     texts: list[str],
@@ -97,52 +141,22 @@ def label_batch(
     lengths = np.fromiter(map(len, ids), np.int64, count=n)
     row_start = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=row_start[1:])
-    total = int(row_start[-1])
-    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=total)
+    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(row_start[-1]))
+    labelled = labelled_tokens(encodings, spans, texts, row_start)
+    keep_row, keep_tok, row_of = keep_rows(items, lengths, row_start, labelled, max_length,
+                                           overlong, stats)  # fmt: skip
 
-    # +1 where an assistant span starts, -1 where it ends: a running sum > 0 is inside one.
-    delta = np.zeros(total + 1, np.int32)
-    for i, (enc, sp, text) in enumerate(zip(encodings, spans, texts, strict=True)):
-        for s, t in sp:
-            a = first_token_at(enc, s, len(ids[i]), len(text))
-            b = first_token_at(enc, t, len(ids[i]), len(text))
-            if b > a:
-                delta[row_start[i] + a] += 1
-                delta[row_start[i] + b] -= 1
-    labelled = np.cumsum(delta[:-1]) > 0
-
-    row_of = np.repeat(np.arange(n), lengths)
-    position = np.arange(total) - row_start[:-1][row_of]
-    overlong_rows = lengths > max_length
-    if overlong_rows.any() and overlong == "error":  # counted as dropped; tokenize() refuses
-        worst = int(np.argmax(np.where(overlong_rows, lengths, 0)))  # the first longest
-        if lengths[worst] > stats.longest_overlong[0]:
-            stats.longest_overlong = (int(lengths[worst]), items[worst][0])
-    if overlong in ("drop", "error"):
-        keep_row = ~overlong_rows
-    else:
-        keep_row = np.ones(n, bool)
-        stats.truncated += int(overlong_rows.sum())
-    keep_tok = keep_row[row_of] & (position < max_length)
     n_labels = np.bincount(row_of[labelled & keep_tok], minlength=n)
-    no_response = keep_row & (n_labels == 0)
-    keep_row &= ~no_response
-    keep_tok &= keep_row[row_of]
-
     if stats.end_of_turn_id is not None:  # kept rows whose labels never close a turn
         ends = np.bincount(row_of[labelled & keep_tok & (flat == stats.end_of_turn_id)],
                            minlength=n)  # fmt: skip
         stats.rows_without_end_of_turn += int((keep_row & (ends == 0)).sum())
-    stats.conversations += n
-    stats.dropped_overlong += int(overlong_rows.sum()) if overlong != "truncate" else 0
-    stats.dropped_no_response += int(no_response.sum())
     kept_lengths = np.minimum(lengths, max_length)[keep_row]
     if kept_lengths.size:
         stats.rows += int(kept_lengths.size)
         stats.tokens += int(kept_lengths.sum())
         stats.label_tokens += int(n_labels[keep_row].sum())
         stats.max_tokens = max(stats.max_tokens, int(kept_lengths.max()))
-
     out_ids = flat[keep_tok]
     if out_ids.size:
         stats.max_token_id = max(stats.max_token_id, int(out_ids.max()))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,11 +64,13 @@ from snaketune.job import (
     HEALTH_EXIT_CODE,
     NETWORK_EXIT_CODE,
     STOPPED_EXIT_CODE,
+    Handoff,
     WorkerEnv,
     write_segment,
 )
 from snaketune.methods import method_of
-from snaketune.methods.common import Context, Method
+from snaketune.methods.common import Method
+from snaketune.methods.training import Context
 from snaketune.model import (
     DTYPES,
     UniversalLoadFix,
@@ -200,6 +201,33 @@ def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
     return scored, heldout_pass.Schedule(run["eval_steps"], metric, early, env.rank)
 
 
+def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
+    """The attention kernel the run trains with (snaketune.packing); the model's config is
+    read only for packing (never for GRPO: validation turns it off)."""
+    attention = resolve_attention(run["attn_implementation"])
+    model_config = {}
+    if run["packing"]:
+        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
+    return training_kernel(attention, run["packing"], model_config)
+
+
+def made_ready(trainer, ctx: Context) -> None:
+    """What every method's trainer gets: our step lines instead of the printer's, gathers
+    of unequal counts, the held-out pass, a 4-bit base's trainable parts in the run's
+    precision."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    # a step's examples are split by tokens: ranks may hold unequal counts (collective)
+    trainer.accelerator.gather = ragged_gather(trainer.accelerator.gather)
+    if ctx.heldout is not None:
+        heldout_pass.install(trainer, ctx.heldout)
+    if ctx.quantized is not None:
+        trainable_in(trainer.model, DTYPES[ctx.precision])
+        if ctx.env.rank == 0:
+            log.info("%s", qlora.describe(ctx.quantized))
+
+
 def run_worker(
     run: dict[str, Any],
     shards: Path,
@@ -211,18 +239,14 @@ def run_worker(
 ) -> int:
     """Train one run; returns 0 when finished, or the exit code of a stop (snaketune.job)."""
     from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
 
     stop = StopRequest()
     stop.install()
     env, manifest, resume, network = join(run, shards, out, min_busbw)
+    handoff = Handoff.from_environ()  # what the launcher handed this start of the workers
     ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
 
-    attention = resolve_attention(run["attn_implementation"])
-    model_config = {}  # read only for packing (never for GRPO: validation turns it off)
-    if run["packing"]:
-        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
-    kernel = training_kernel(attention, run["packing"], model_config)  # see snaketune.packing
+    kernel = kernel_of(run, model_dir, out)
     precision = resolve_precision(run["precision"])
 
     method = method_of(run)
@@ -234,34 +258,26 @@ def run_worker(
     scored, schedule = held_out(run, env, tokenizer)
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
                   resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,
-                  start_step)  # fmt: skip
+                  start_step, handoff.load_universal)  # fmt: skip
 
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
     disk = None
     if env.local_rank == 0:
-        disk = DiskGuard(ckpt_dir, float(os.environ.get("SNAKETUNE_CHECKPOINT_BYTES", 0)))
+        disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes))
     callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
                             run["save_total_limit"], start_step, watchdog,
-                            flops_model(run, model, env.world_size), Deadline.from_environ(),
+                            flops_model(run, model, env.world_size), Deadline.handed(handoff),
                             run["checkpoints"]["optimizer"], disk, network,
                             method.step_fields, kept_best(run))  # fmt: skip
-    fixes = [UniversalLoadFix()] if os.environ.get("SNAKETUNE_LOAD_UNIVERSAL") == "1" else []
+    fixes = [UniversalLoadFix()] if handoff.load_universal else []
     # where this rank is, for the launcher's stall watch (snaketune.heartbeat)
     beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
 
     if scored is not None:
         fixes.append(heldout_pass.callback(schedule, scored))
     trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
-    trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
-    # a step's examples are split by tokens: ranks may hold unequal counts (collective)
-    trainer.accelerator.gather = ragged_gather(trainer.accelerator.gather)
-    if scored is not None:
-        heldout_pass.install(trainer, scored)
-    if quantized is not None:
-        trainable_in(trainer.model, DTYPES[precision])
-        if env.rank == 0:
-            log.info("%s", qlora.describe(quantized))
+    made_ready(trainer, ctx)
     if env.rank == 0:
         log_start(method, ctx, manifest, kernel, data, resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)

@@ -4,9 +4,10 @@ import json
 from functools import partial
 from pathlib import Path
 
-from snaketune import stages
+from snaketune import stages, targets
 from snaketune.attempts import one_start_per_job
 from snaketune.config import resolve_deepspeed
+from snaketune.methods import method_of
 from snaketune.sweep import sweeps_of
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
@@ -233,8 +234,8 @@ def run_base_metrics(wildcards):
 
 
 def run_eval_settings(wildcards):
-    beta = run_of(wildcards).get("dpo", {}).get("beta")
-    return stages.eval_args(run_of(wildcards)["eval"], beta)
+    run = run_of(wildcards)
+    return stages.eval_args(run["eval"], method_of(run).eval_beta(run))
 
 
 def base_eval_model(wildcards):
@@ -249,7 +250,7 @@ def base_eval_settings(wildcards):
 
 
 def sweep_inputs(wildcards):
-    return stages.sweep_inputs(config, SWEEPS[wildcards.sweep])
+    return targets.sweep_inputs(config, SWEEPS[wildcards.sweep])
 
 
 def sweep_members(wildcards):
@@ -260,11 +261,11 @@ def sweep_members(wildcards):
 
 
 def run_targets(wildcards):
-    return stages.run_targets(config, SWEEPS)
+    return targets.run_targets(config, SWEEPS)
 
 
 def report_inputs(wildcards):
-    return stages.report_inputs(config)
+    return targets.report_inputs(config)
 
 
 # ----------------------------------------------------------------------------- publish
@@ -277,7 +278,9 @@ def published_run(wildcards):
 
 def publish_inputs(wildcards):
     sweep = wildcards.run in SWEEPS
-    return stages.publish_inputs(config, wildcards.run, published_run(wildcards), sweep)
+    return targets.publish_inputs(
+        config, wildcards.run, published_run(wildcards), sweep
+    )
 
 
 def publish_metrics_arg(wildcards, input):
@@ -285,12 +288,12 @@ def publish_metrics_arg(wildcards, input):
 
 
 def publish_spec(wildcards):
-    return stages.publish_spec(config, published_run(wildcards))
+    return targets.publish_spec(config, published_run(wildcards))
 
 
 def publish_settings(wildcards):
-    return stages.publish_settings(config, SWEEPS, wildcards.run)
+    return targets.publish_settings(config, SWEEPS, wildcards.run)
 
 
 def publish_targets(wildcards):
-    return stages.publish_targets(config, SWEEPS)
+    return targets.publish_targets(config, SWEEPS)

@@ -1,28 +1,68 @@
 """Training methods as plug-ins: the registry, the one place that names them all.
 
 Adding a method is one module (see snaketune.methods.sft for the smallest: its data, its
-trainer, its step fields, a ``METHOD``) and one line below; docs/architecture.md shows a
-skeleton. The worker, the step callback and the launcher name no method.
+trainer, its step fields, a ``METHOD``; snaketune.methods.dpo for one with its own config
+block, data kind and stage) and one line below; docs/architecture.md has the checklist.
+Nothing outside this package names a method: config validation, the plans, the stages,
+the report and publish ask the run's ``Method`` (``method_of``), and the facts derived from
+it live here (``trains_lora``, ``adapter_kind``, ``balances_tokens``).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from snaketune.methods.common import Method
 
-# The config's `method` -> the module that trains it (LoRA and full fine-tuning are both
-# supervised fine-tuning; whether an adapter is trained is the run's `lora`).
+# The config's `method` -> the module and the Method in it. LoRA and full fine-tuning are
+# both supervised fine-tuning, with an adapter or every weight.
 REGISTRY = {
-    "lora": "snaketune.methods.sft",
-    "full": "snaketune.methods.sft",
-    "grpo": "snaketune.methods.grpo",
-    "dpo": "snaketune.methods.dpo",
+    "lora": ("snaketune.methods.sft", "LORA"),
+    "full": ("snaketune.methods.sft", "FULL"),
+    "grpo": ("snaketune.methods.grpo", "METHOD"),
+    "dpo": ("snaketune.methods.dpo", "METHOD"),
 }
 
 
-def method_of(run: dict[str, Any]) -> Method:
-    """The training method of a run (imported on first use: each brings its trainer)."""
-    import importlib
+def method_named(name: str) -> Method:
+    module, attribute = REGISTRY[name]
+    return getattr(importlib.import_module(module), attribute)
 
-    return importlib.import_module(REGISTRY[run["method"]]).METHOD
+
+def method_of(run: Mapping[str, Any]) -> Method:
+    """The training method of a run."""
+    return method_named(run["method"])
+
+
+def methods() -> dict[str, Method]:
+    """Every method, by its config name."""
+    return {name: method_named(name) for name in REGISTRY}
+
+
+def trains_lora(run: Mapping[str, Any]) -> bool:
+    """Whether a run trains a LoRA adapter: its method always does, or may and the run has a
+    `lora` block."""
+    adapter = method_of(run).adapter
+    return adapter == "lora" or (adapter == "optional" and "lora" in run)
+
+
+def adapter_kind(run: Mapping[str, Any]) -> str:
+    """`lora` or `full`: what a run's checkpoint holds, whatever its method."""
+    return "lora" if trains_lora(run) else "full"
+
+
+def balances_tokens(run: Mapping[str, Any]) -> bool:
+    """Whether a run's shard plan balances each step's tokens across ranks: packed runs,
+    and runs on pairs (padded, but of unequal lengths)."""
+    return bool(run["packing"]) or method_of(run).trains_on == "pairs"
+
+
+# The directory under results/<run>/ of the model a run ends with, by what it trains.
+FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
+
+
+def final_model_dir(run: Mapping[str, Any]) -> str:
+    """results/<run>/<this>: the model a run ends with (merged for LoRA, converted for full)."""
+    return FINAL_MODEL[adapter_kind(run)]

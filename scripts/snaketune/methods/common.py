@@ -1,32 +1,50 @@
 """What every training method shares, and the interface a method fills in.
 
-A method (snaketune.methods.sft, .grpo) is a ``Method``: its data for this rank (from the
-rank's planned rows), its trainer (a transformers Trainer subclass reading the planned
-batches through ``batches.planned_loader``, built on ``training_args`` and
-``peft_config``), the extra fields of its per-step record, and how many rows of a step one
-planned example becomes. The worker (snaketune.worker) does the rest the same way for all.
+A method (snaketune.methods.sft, .grpo, .dpo) is a ``Method``: the whole of what it is, in
+one module. Config validation, the shard, memory and disk plans, the stages, the report and
+publish ask it; none of them names a method. Its module stays light to import (Snakemake
+reads it when it parses the workflow): torch, transformers and TRL are imported inside the
+functions that train.
+
+What the config side asks (the "story"): its own config block, the data kind it trains on,
+whether it trains an adapter, its cross-key checks, what its plans count, the stages it
+needs. What the worker asks: its data for this rank (from the rank's planned rows), its
+trainer (a transformers Trainer subclass reading the planned batches through
+``batches.planned_loader``, built on snaketune.methods.training), the extra
+fields of its per-step record, and how many rows of a step one planned example becomes.
+The worker (snaketune.worker) does the rest the same way for all.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from snaketune.batches import Data, PlanBatches
 
-from snaketune.batches import Data, PlanBatches
-from snaketune.heldout_pass import trainer_arguments
-from snaketune.job import WorkerEnv
-from snaketune.model import load_deepspeed
-from snaketune.vocabulary import trains_lora
+# What a method trains on: supervised rows (a prompt and its response), prompts (it
+# generates its own responses: a prompt_response or alpaca set gives each prompt its
+# reference answer) or pairs of responses to one prompt (a preference set).
+DATA_KINDS = ("rows", "prompts", "pairs")
+# Whether a method trains a LoRA adapter: always, never (every weight), or when the run has
+# a `lora` block.
+ADAPTERS = ("lora", "full", "optional")
+
+
+def no_check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    return None
+
+
+def nothing(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
+    return {}
 
 
 @dataclass(frozen=True)
 class Method:
-    """A training method, as the worker uses it."""
+    """A training method: what the config side and the worker ask of it."""
 
     name: str
     # (run, rows, batches, tokenizer, kernel, ids_log) -> Data: this rank's data
@@ -42,79 +60,25 @@ class Method:
     # the held-out figure that decides the best checkpoint and early stopping by default
     # (export.metric: auto; snaketune.heldout): loss, or exact_match of greedy generations
     heldout_metric: str = "loss"
-
-
-@dataclass
-class Context:
-    """Everything a method's trainer is built from."""
-
-    run: dict[str, Any]
-    env: WorkerEnv
-    model_dir: Path
-    deepspeed: Path
-    ckpt_dir: Path
-    out: Path
-    precision: str
-    liger: bool
-    tokenizer: Any
-    quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.qlora)
-    heldout: Any = None  # the held-out set scored while training (snaketune.heldout.HeldOut)
-    start_step: int = 0  # the step this job resumes from (0: a new run)
-
-
-def training_args(ctx: Context, config_class, **method_args):
-    """The settings every method shares (batch, schedule, precision, DeepSpeed, saving,
-    logging), as ``config_class`` (a transformers TrainingArguments subclass)."""
-    run = ctx.run
-    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(ctx.out / "tensorboard"))
-    report_to = ["tensorboard"]
-    if run["wandb"]["enabled"]:
-        os.environ.setdefault("WANDB_MODE", run["wandb"]["mode"])
-        os.environ.setdefault("WANDB_PROJECT", run["wandb"]["project"])
-        report_to.append("wandb")
-    return config_class(
-        output_dir=str(ctx.ckpt_dir),
-        per_device_train_batch_size=run["micro_batch_size"],
-        gradient_accumulation_steps=run["gradient_accumulation_steps"],
-        num_train_epochs=run.get("epochs", 1),
-        max_steps=run.get("max_steps", -1),
-        learning_rate=run["learning_rate"],
-        lr_scheduler_type=run["lr_scheduler"],
-        warmup_steps=run["warmup_ratio"],
-        weight_decay=run["weight_decay"],
-        max_grad_norm=run["max_grad_norm"],
-        seed=run["seed"],
-        data_seed=run["seed"],
-        bf16=ctx.precision == "bf16",
-        fp16=ctx.precision == "fp16",
-        use_cpu=not torch.cuda.is_available(),
-        use_liger_kernel=ctx.liger,
-        gradient_checkpointing=run["gradient_checkpointing"],
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        save_strategy="steps",
-        save_steps=run["save_steps"],
-        save_total_limit=None,  # pruned by StepCallback, complete checkpoints only
-        logging_steps=run["logging_steps"],
-        report_to=report_to,
-        deepspeed=load_deepspeed(ctx.deepspeed),
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        average_tokens_across_devices=True,  # loss = mean over the global batch's label tokens
-        ddp_timeout=int(run["timeout_minutes"] * 60),
-        log_level="warning",
-        log_level_replica="warning",
-        **trainer_arguments(ctx.heldout, run, ctx.start_step),
-        **method_args,
-    )
-
-
-def peft_config(run: dict[str, Any]):
-    if not trains_lora(run):
-        return None
-    from peft import LoraConfig
-
-    lora = run["lora"]
-    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=lora["target_modules"], task_type="CAUSAL_LM",
-                      modules_to_save=lora["modules_to_save"] or None)  # fmt: skip
+    # --- the config side
+    trains_on: str = "rows"  # one of DATA_KINDS
+    adapter: str = "optional"  # one of ADAPTERS
+    # its own config block (runs.<run>.<block>: defaults from the schema), None for none
+    block: str | None = None
+    # whether it may start from another run's model (init_from)
+    starts_from_runs: bool = False
+    # whether its rows may be packed (packing: false is forced where not)
+    packs: bool = True
+    # (where, run, config): its cross-key checks (a ConfigError of one line each); `where`
+    # is the run's place in the config (runs.<run>)
+    check: Callable[[str, Mapping[str, Any], Mapping[str, Any]], None] = no_check
+    # (run, on_gpu) -> what the memory plan counts besides the update and the micro batch:
+    # snaketune.memplan.Setup's fields (sequences per example, completion length, a
+    # reference model, vLLM's share)
+    memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
+    # the run needs the reference log-probs stage (rule reference_logps)
+    reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False
+    # the beta its evaluation scores held-out pairs with (None: its own block has none)
+    eval_beta: Callable[[Mapping[str, Any]], float | None] = lambda run: None
+    # its block as a model card shows it (local paths left out)
+    card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)

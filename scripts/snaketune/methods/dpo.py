@@ -25,16 +25,18 @@ so each figure is the mean over every pair of the micro batch round.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from snaketune.batches import Data, PlanBatches, planned_loader
+from snaketune.errors import ConfigError
 from snaketune.io import IdsLog
-from snaketune.logps import pair_batch, read_reference
-from snaketune.methods.common import Context, Method, peft_config, training_args
+from snaketune.methods.common import Method
+from snaketune.methods.training import Context, peft_config, training_args
 from snaketune.rows import pad_id
+
+if TYPE_CHECKING:
+    from snaketune.batches import Data, PlanBatches
 
 
 class PairCollator:
@@ -50,6 +52,10 @@ class PairCollator:
         self._ids_log = IdsLog(ids_log)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        from snaketune.logps import pair_batch
+
         ids = [e["example_id"] for e in examples]
         self._ids_log.write(ids)
         batch = pair_batch(examples, self.pad_token_id)
@@ -68,6 +74,9 @@ class PairCollator:
 def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's planned pairs, with the precomputed reference log-probs of each."""
+    from snaketune.batches import Data
+    from snaketune.logps import read_reference
+
     reference = None
     if run["dpo"]["reference"] == "precomputed":
         reference = read_reference(run["dpo"]["reference_logps"])
@@ -87,6 +96,8 @@ def trainer_class():
     weighting each micro batch's loss by its pairs over ``micro_batch_size``."""
     from torch.utils.data import DataLoader
     from trl import DPOTrainer
+
+    from snaketune.batches import planned_loader
 
     class PlannedDPOTrainer(DPOTrainer):
         def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
@@ -161,6 +172,19 @@ def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
             "DPOTrainer has no padding-free path)")  # fmt: skip
 
 
+def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """Its loss weights match its losses; EXO needs label smoothing."""
+    dpo = run["dpo"]
+    weights = dpo.get("loss_weights")
+    if weights is not None and len(weights) != len(losses(dpo)):
+        raise ConfigError(f"{where}.dpo.loss_weights: {len(weights)} weights for "
+                          f"{len(losses(dpo))} loss types; give one weight per loss in "
+                          "loss_type")  # fmt: skip
+    if "exo_pair" in losses(dpo) and not dpo["label_smoothing"] > 0:
+        raise ConfigError(f"{where}.dpo.label_smoothing: loss exo_pair needs label_smoothing "
+                          "> 0 (the EXO paper uses 1e-3)")  # fmt: skip
+
+
 METHOD = Method(
     name="dpo",
     data=data,
@@ -168,4 +192,20 @@ METHOD = Method(
     step_fields=step_fields,
     rows_per_example=lambda run: 1,
     describe=describe,
+    trains_on="pairs",
+    adapter="optional",
+    block="dpo",
+    starts_from_runs=True,
+    packs=False,  # TRL's DPO batches are padded (see above)
+    check=check,
+    # a micro batch of n pairs is 2n sequences; a live reference of a full fine-tune is a
+    # second model (LoRA's is the base with the adapter off)
+    memory=lambda run, on_gpu: {
+        "sequences_per_example": 2,
+        "reference": run["dpo"]["reference"] == "live",
+    },  # fmt: skip
+    reference_stage=lambda run: run["dpo"]["reference"] == "precomputed",
+    eval_beta=lambda run: run["dpo"]["beta"],
+    # the reference's log-probs file is a local path
+    card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
 )

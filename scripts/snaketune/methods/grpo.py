@@ -22,17 +22,22 @@ Rewards (``REWARDS``, weights from ``grpo.rewards``):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from snaketune.answers import final_answer, math_verify_match, parse_answer
-from snaketune.batches import Data, planned_loader
+from snaketune.errors import ConfigError
 from snaketune.io import IdsLog
-from snaketune.methods.common import Context, Method, peft_config, training_args
+from snaketune.methods.common import Method
+from snaketune.methods.training import Context, peft_config, training_args
 from snaketune.rows import prompt_and_answer
+
+if TYPE_CHECKING:
+    from snaketune.batches import Data
+
+# Dataset formats that give each prompt a reference answer for the rewards.
+ANSWERED_FORMATS = ("prompt_response", "alpaca")
 
 _FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
 
@@ -111,6 +116,8 @@ class RolloutCounter:
 def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's planned prompts with their reference answers, counted per rollout."""
+    from snaketune.batches import Data
+
     return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
 
 
@@ -118,6 +125,7 @@ def group_batches(batches, generations: int):
     """A sampler over GRPO rows from a PlanBatches: per step, the step's prompts (all its
     micro batches), each repeated ``generations`` times in a row, given ``accumulation``
     times (TRL generates on the first and trains each pass on a slice of it)."""
+    import numpy as np
     from torch.utils.data import Sampler
 
     class GroupBatches(Sampler[list[int]]):
@@ -150,6 +158,8 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     """TRL's GRPOTrainer on the planned prompts, with the shared settings of training_args."""
     from torch.utils.data import DataLoader
     from trl import GRPOConfig, GRPOTrainer
+
+    from snaketune.batches import planned_loader
 
     grpo = ctx.run["grpo"]
     funcs, weights = reward_functions(grpo["rewards"])
@@ -217,6 +227,42 @@ def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
             f"{manifest['global_batch'] * g} completions; {rewards}")  # fmt: skip
 
 
+def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """Whole groups per device; prompts with reference answers; vLLM installed if asked."""
+    from snaketune.packing import installed
+    from snaketune.vocabulary import components
+
+    grpo = run["grpo"]
+    if run["micro_batch_size"] % grpo["num_generations"]:
+        raise ConfigError(
+            f"{where}.grpo.num_generations: {grpo['num_generations']} does not divide "
+            f"micro_batch_size {run['micro_batch_size']} (each device generates whole "
+            "groups); make micro_batch_size a multiple of it"
+        )
+    for part in (c["name"] for c in components(config, run["dataset"])):
+        fmt = config["datasets"][part]["format"]
+        if fmt not in ANSWERED_FORMATS:
+            raise ConfigError(
+                f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for the "
+                "GRPO rewards; use a prompt_response dataset (columns.response: the answer) "
+                "or alpaca"
+            )
+    if grpo["use_vllm"] is True and not installed("vllm"):
+        raise ConfigError(
+            f"{where}.grpo.use_vllm: true asked for but vLLM is not installed; pip install -e "
+            "'.[vllm]' (CUDA GPU nodes), or set use_vllm: auto"
+        )
+
+
+def memory(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
+    """The rollouts: completions as long as max_completion_length, a reference model when
+    the KL term is on (beta > 0), vLLM's share of the GPU where it generates."""
+    grpo = run["grpo"]
+    vllm = on_gpu and grpo["use_vllm"] in (True, "auto")
+    return {"completion_length": grpo["max_completion_length"], "reference": grpo["beta"] > 0,
+            "vllm_share": grpo["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
+
+
 METHOD = Method(
     name="grpo",
     data=data,
@@ -225,4 +271,11 @@ METHOD = Method(
     rows_per_example=lambda run: run["grpo"]["num_generations"],
     describe=describe,
     heldout_metric="exact_match",
+    trains_on="prompts",
+    adapter="optional",
+    block="grpo",
+    starts_from_runs=True,
+    packs=False,  # GRPO plans prompts; its rollouts are padded batches
+    check=check,
+    memory=memory,
 )

@@ -4,26 +4,31 @@ planned micro batches, packed or padded (snaketune.packing), LoRA through peft.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader
+from snaketune.methods.common import Method
+from snaketune.methods.training import Context, peft_config, training_args
 
-from snaketune.batches import Data, PlanBatches, planned_loader
-from snaketune.methods.common import Context, Method, peft_config, training_args
-from snaketune.packing import Collator, layout_for
-from snaketune.rows import pad_id
+if TYPE_CHECKING:
+    from snaketune.batches import Data, PlanBatches
 
 
 def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's rows as planned, collated in the run's layout (packed or padded)."""
+    from snaketune.batches import Data
+    from snaketune.packing import Collator, layout_for
+    from snaketune.rows import pad_id
+
     layout = layout_for(run["packing"], kernel)
     return Data(table, batches, Collator(layout, pad_id(tokenizer), run["max_length"], ids_log))
 
 
 def trainer(ctx: Context, model, data: Data, callbacks: list):
     """Supervised fine-tuning: trl's SFTTrainer on the planned micro batches."""
+    from torch.utils.data import DataLoader
     from transformers import Trainer
     from trl import SFTConfig, SFTTrainer
 
@@ -40,6 +45,8 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
         def get_train_dataloader(self) -> DataLoader:
+            from snaketune.batches import planned_loader
+
             return planned_loader(data.table, data.batches, data.collator)
 
     return PlannedSFTTrainer(model=model, args=args, train_dataset=data.table,
@@ -47,11 +54,15 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                              peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
 
 
-METHOD = Method(
+# Method lora: an adapter on rows; method full: every weight.
+LORA = Method(
     name="sft",
     data=data,
     trainer=trainer,
     step_fields=lambda logs: {},
     rows_per_example=lambda run: 1,
     describe=lambda run, manifest: "",
+    trains_on="rows",
+    adapter="lora",
 )
+FULL = replace(LORA, adapter="full")

@@ -1,0 +1,98 @@
+"""What every method's trainer is built from: the ``Context`` the worker gives it, the
+settings every method shares (``training_args``) and the LoRA adapter (``peft_config``).
+Worker side: torch, transformers and peft are imported where they are used, so a method
+module that imports this one stays light for the config side."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from snaketune.job import WorkerEnv
+
+
+@dataclass
+class Context:
+    """Everything a method's trainer is built from."""
+
+    run: dict[str, Any]
+    env: WorkerEnv
+    model_dir: Path
+    deepspeed: Path
+    ckpt_dir: Path
+    out: Path
+    precision: str
+    liger: bool
+    tokenizer: Any
+    quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.qlora)
+    heldout: Any = None  # the held-out set scored while training (snaketune.heldout.HeldOut)
+    start_step: int = 0  # the step this job resumes from (0: a new run)
+    load_universal: bool = False  # it resumes from a universal checkpoint (snaketune.job)
+
+
+def training_args(ctx: Context, config_class, **method_args):
+    """The settings every method shares (batch, schedule, precision, DeepSpeed, saving,
+    logging), as ``config_class`` (a transformers TrainingArguments subclass)."""
+    import torch
+
+    from snaketune.heldout_pass import trainer_arguments
+    from snaketune.model import load_deepspeed
+
+    run = ctx.run
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(ctx.out / "tensorboard"))
+    report_to = ["tensorboard"]
+    if run["wandb"]["enabled"]:
+        os.environ.setdefault("WANDB_MODE", run["wandb"]["mode"])
+        os.environ.setdefault("WANDB_PROJECT", run["wandb"]["project"])
+        report_to.append("wandb")
+    return config_class(
+        output_dir=str(ctx.ckpt_dir),
+        per_device_train_batch_size=run["micro_batch_size"],
+        gradient_accumulation_steps=run["gradient_accumulation_steps"],
+        num_train_epochs=run.get("epochs", 1),
+        max_steps=run.get("max_steps", -1),
+        learning_rate=run["learning_rate"],
+        lr_scheduler_type=run["lr_scheduler"],
+        warmup_steps=run["warmup_ratio"],
+        weight_decay=run["weight_decay"],
+        max_grad_norm=run["max_grad_norm"],
+        seed=run["seed"],
+        data_seed=run["seed"],
+        bf16=ctx.precision == "bf16",
+        fp16=ctx.precision == "fp16",
+        use_cpu=not torch.cuda.is_available(),
+        use_liger_kernel=ctx.liger,
+        gradient_checkpointing=run["gradient_checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        save_strategy="steps",
+        save_steps=run["save_steps"],
+        save_total_limit=None,  # pruned by StepCallback, complete checkpoints only
+        logging_steps=run["logging_steps"],
+        report_to=report_to,
+        deepspeed=load_deepspeed(ctx.deepspeed, ctx.load_universal),
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        average_tokens_across_devices=True,  # loss = mean over the global batch's label tokens
+        ddp_timeout=int(run["timeout_minutes"] * 60),
+        log_level="warning",
+        log_level_replica="warning",
+        **trainer_arguments(ctx.heldout, run, ctx.start_step),
+        **method_args,
+    )
+
+
+def peft_config(run: dict[str, Any]):
+    from snaketune.methods import trains_lora
+
+    if not trains_lora(run):
+        return None
+    from peft import LoraConfig
+
+    lora = run["lora"]
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=lora["target_modules"], task_type="CAUSAL_LM",
+                      modules_to_save=lora["modules_to_save"] or None)  # fmt: skip

@@ -1,0 +1,77 @@
+"""A method owns its whole story (snaketune.methods): outside the methods package nothing
+names a method. Config validation, the plans, the stages, the report and publish ask the
+run's Method; these tests read the code to keep it so, and check the registry's methods
+answer what the config side asks."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from conftest import ROOT
+
+from snaketune.methods import REGISTRY, method_named, methods
+from snaketune.methods.common import ADAPTERS, DATA_KINDS
+
+LIBRARY = ROOT / "scripts"
+WORKFLOW = [ROOT / "Snakefile", *sorted((ROOT / "workflow").rglob("*.smk"))]
+
+
+def outside_methods() -> list:
+    return [
+        p for p in sorted(LIBRARY.rglob("*.py")) if "methods" not in p.relative_to(LIBRARY).parts
+    ]
+
+
+def method_tests(tree: ast.AST) -> list[int]:
+    """Lines comparing a run's method (``x["method"]``, ``x.get("method")``, ``x.method``)
+    with anything."""
+
+    def is_method(node: ast.AST) -> bool:
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            return node.slice.value == "method"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            args = node.args
+            return (
+                node.func.attr == "get" and bool(args) and getattr(args[0], "value", 0) == "method"
+            )
+        return isinstance(node, ast.Attribute) and node.attr == "method"
+
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Compare) and any(is_method(x) for x in (n.left, *n.comparators))]  # fmt: skip
+
+
+def test_no_method_is_named_outside_the_methods_package():
+    """No comparison with a run's method, and no method's own name or config block as a
+    literal (``"dpo"``, ``run["grpo"]``), in the library, its scripts or the workflow."""
+    own = {name for name, m in methods().items() if m.adapter == "optional"}  # not lora/full:
+    own |= {m.block for m in methods().values() if m.block}  # those are also adapter kinds
+    found = []
+    for path in outside_methods():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [
+            f"{path.relative_to(ROOT)}:{line}: compares a method" for line in method_tests(tree)
+        ]
+        found += [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in own]  # fmt: skip
+    named = re.compile(r"""["'](""" + "|".join(sorted(own)) + r""")["']|\["method"\]""")
+    for path in WORKFLOW:
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if named.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert found == [], "\n".join(found)
+
+
+def test_the_check_finds_a_method_named_in_code():
+    """The scan above catches the forms it looks for."""
+    code = 'if run["method"] == "dpo": pass\nif spec.get("method") in X: pass\nif s.method: pass'
+    assert method_tests(ast.parse(code)) == [1, 2]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_each_method_answers_the_config_side(name):
+    m = method_named(name)
+    assert m.trains_on in DATA_KINDS and m.adapter in ADAPTERS
+    assert m.block is None or m.block == name  # a method's block is named after it
+    assert not (m.reference_stage is None or m.memory is None or m.check is None)
