@@ -1,10 +1,10 @@
 """What every training method shares, and the interface a method fills in.
 
-A method (snaketune.methods.sft, .grpo, .dpo) is a ``Method``: the whole of what it is, in
-one module. Config validation, the shard, memory and disk plans, the stages, the report and
-publish ask it; none of them names a method. Its module stays light to import (Snakemake
-reads it when it parses the workflow): torch, transformers and TRL are imported inside the
-functions that train.
+A method (snaketune.methods.sft, .grpo, .dpo) is a ``Method``: what it is, in one module,
+but for its config keys' schema (workflow/schemas/config.schema.yaml). Config validation,
+the shard, memory and disk plans, the stages and publish ask it; none names a method. Its
+module stays light to import (Snakemake reads it when it parses the workflow): torch,
+transformers and TRL are imported inside the functions that train.
 
 What the config side asks (the "story"): its own config block, the data kind it trains on,
 whether it trains an adapter, its cross-key checks, what its plans count, the stages it
