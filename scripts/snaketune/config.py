@@ -298,18 +298,24 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
         found.check(_check_dataset, name, spec, config["datasets"])
     found.raise_all()
     resolve_init(config)  # a run's model from the run (or sweep) it starts from
+    left_out = False  # a method block a run leaves out: filled with its defaults, at once
     for run in config["runs"].values():
         method = method_of(run)
         if not method.packs:
             run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts
         if method.block and method.block not in run:
             run[method.block] = {}
-            check_schema(config, schema)  # fills the method block's defaults
+            left_out = True
+    if left_out:
+        check_schema(config, schema)  # fills the method blocks' defaults
+    left_out = False  # a `lora` block left out where the method always trains one
     for name, run in config["runs"].items():
         found.check(_check_run, name, run, config, root)
         if method_of(run).adapter == "lora" and "lora" not in run:
             run["lora"] = {}
-            check_schema(config, schema)  # fills the LoRA defaults
+            left_out = True
+    if left_out:
+        check_schema(config, schema)  # fills the LoRA defaults
     found.raise_all()
     return config
 
