@@ -228,9 +228,29 @@ def _walk(schema: dict, path: str = "") -> list[str]:
 
 
 def test_every_schema_key_is_described():
-    schema = load_yaml(ROOT / "workflow" / "schemas" / "config.schema.yaml")
+    """The schema as config validation reads it: the file with each method's block put in."""
+    from snaketune.methods import compose_schema, methods
+
+    schema = compose_schema(load_yaml(ROOT / "workflow" / "schemas" / "config.schema.yaml"))
     assert _walk(schema) == []
     assert schema["additionalProperties"] is False
+    run = schema["properties"]["runs"]["additionalProperties"]["properties"]
+    assert run["method"]["enum"] == list(methods())
+    for name, method in methods().items():
+        assert f"`{name}`: {method.summary}" in run["method"]["description"]
+        if method.block:  # its own block, closed, every key with its default or optional
+            assert run[method.block]["additionalProperties"] is False, name
+
+
+def test_no_method_block_is_written_in_the_schema_file():
+    """A method's block lives in its module only (one place to change it)."""
+    from snaketune.methods import methods
+
+    raw = load_yaml(ROOT / "workflow" / "schemas" / "config.schema.yaml")
+    run = raw["properties"]["runs"]["additionalProperties"]["properties"]
+    blocks = {m.block for m in methods().values() if m.block}
+    assert blocks and not blocks & set(run), blocks & set(run)
+    assert "enum" not in run["method"]
 
 
 def test_tokenize_key_shared_by_runs_that_differ_in_training_keys_only(demo):

@@ -16,7 +16,7 @@ from typing import Any
 
 from snaketune.errors import ConfigError, ConfigProblems
 from snaketune.heldout import check_run as check_heldout
-from snaketune.methods import method_of, methods
+from snaketune.methods import compose_schema, method_of, methods
 from snaketune.packing import check_kernels_installed
 from snaketune.schema import (
     WORKFLOW_ROOT,
@@ -287,7 +287,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     from snaketune.sweep import expand_sweeps, resolve_init
 
     root = Path(root)
-    schema = load_schema(root)
+    schema = compose_schema(load_schema(root))  # each method's keys put in
     expand_sweeps(config, schema)  # a run with `sweep` becomes its members
     check_schema(config, schema)
     check_sweep_publish(config, schema)

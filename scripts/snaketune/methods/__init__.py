@@ -59,6 +59,28 @@ def balances_tokens(run: Mapping[str, Any]) -> bool:
     return bool(run["packing"]) or method_of(run).trains_on == "pairs"
 
 
+def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The config schema with what each method owns put into the run schema (in place):
+    `method`'s names and what each does, each method's own block, and which methods take
+    `init_from`."""
+    import yaml
+
+    run = schema["properties"]["runs"]["additionalProperties"]["properties"]
+    every = methods()
+    run["method"] = {
+        "description": run["method"]["description"] + " "
+        + "; ".join(f"`{name}`: {m.summary}" for name, m in every.items()) + ".",
+        "enum": list(every),
+    }  # fmt: skip
+    for m in every.values():
+        if m.block is not None:
+            run[m.block] = yaml.safe_load(m.schema)
+    starters = ", ".join(name for name, m in every.items() if m.starts_from_runs)
+    run["init_from"] = {**run["init_from"],
+                        "description": f"{run['init_from']['description']} Methods: {starters}."}  # fmt: skip
+    return schema
+
+
 # The directory under results/<run>/ of the model a run ends with, by what it trains.
 FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
 

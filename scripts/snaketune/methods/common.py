@@ -1,7 +1,8 @@
 """What every training method shares, and the interface a method fills in.
 
 A method (snaketune.methods.sft, .grpo, .dpo) is a ``Method``: what it is, in one module,
-but for its config keys' schema (workflow/schemas/config.schema.yaml). Config validation,
+its config block's schema included (``schema``: snaketune.methods.compose_schema puts it
+into workflow/schemas/config.schema.yaml's run schema when the schema is read). Config validation,
 the shard, memory and disk plans, the stages and publish ask it; none names a method. Its
 module stays light to import (Snakemake reads it when it parses the workflow): torch,
 transformers and TRL are imported inside the functions that train.
@@ -61,6 +62,11 @@ class Method:
     # (export.metric: auto; snaketune.heldout): loss, or exact_match of greedy generations
     heldout_metric: str = "loss"
     # --- the config side
+    # what it does, a sentence fragment for the schema's `method` description
+    summary: str = ""
+    # its config block's JSON Schema (YAML text: `description`, `type: object`,
+    # `properties` with their defaults), None when it has no block
+    schema: str | None = None
     trains_on: str = "rows"  # one of DATA_KINDS
     adapter: str = "optional"  # one of ADAPTERS
     # its own config block (runs.<run>.<block>: defaults from the schema), None for none

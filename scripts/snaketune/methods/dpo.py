@@ -185,6 +185,62 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
                           "> 0 (the EXO paper uses 1e-3)")  # fmt: skip
 
 
+# runs.<run>.dpo: its keys and defaults (snaketune.methods.compose_schema puts it into the
+# run schema).
+SCHEMA = """\
+description: >-
+  Preference tuning settings; TRL's DPOConfig keys of the same names
+  (docs/dpo.md maps a TRL or Axolotl DPO config onto them).
+type: object
+additionalProperties: false
+properties:
+  beta:
+    description: >-
+      Strength of the tie to the reference (TRL's beta): higher keeps the tuned model
+      closer to the model it starts from.
+    type: number
+    exclusiveMinimum: 0
+    default: 0.1
+  loss_type:
+    description: >-
+      One of TRL 1.16's DPO losses, or a list of them combined with `loss_weights`:
+      sigmoid (DPO), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
+      aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm.
+    oneOf:
+      - &loss
+        description: A DPO loss of TRL 1.16's DPOTrainer.
+        enum: [sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot,
+               aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm]
+      - type: array
+        items: *loss
+        minItems: 1
+    default: sigmoid
+  loss_weights:
+    description: >-
+      Weight of each loss in `loss_type` (a list of the same length); all 1 when left out.
+    type: array
+    items: {type: number}
+    minItems: 1
+  label_smoothing:
+    description: >-
+      Probability that a pair's labels are flipped (conservative DPO, robust); IPO's
+      regularisation when loss_type is ipo. 0: none.
+    type: number
+    minimum: 0
+    maximum: 0.5
+    default: 0.0
+  reference:
+    description: >-
+      precomputed: the reference model's log-probs of every training pair are a stage
+      of their own (rule reference_logps), computed once per (reference model,
+      tokenized data) and shared by every run and sweep member that needs them; no
+      training job holds a reference. live: computed in each training step, from the
+      base with the adapter off (LoRA, no extra memory) or a frozen copy of the model
+      (full fine-tuning: the memory plan counts it).
+    enum: [precomputed, live]
+    default: precomputed
+"""
+
 METHOD = Method(
     name="dpo",
     data=data,
@@ -195,6 +251,11 @@ METHOD = Method(
     trains_on="pairs",
     adapter="optional",
     block="dpo",
+    summary=(
+        "preference tuning (TRL's DPOTrainer and its loss family) on a `preference` dataset, "
+        "LoRA when the run has a `lora` block, else every weight (docs/dpo.md)"
+    ),
+    schema=SCHEMA,
     starts_from_runs=True,
     packs=False,  # TRL's DPO batches are padded (see above)
     check=check,

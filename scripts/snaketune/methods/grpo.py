@@ -263,6 +263,98 @@ def memory(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
             "vllm_share": grpo["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
 
 
+# runs.<run>.grpo: its keys and defaults (snaketune.methods.compose_schema puts it into the
+# run schema).
+SCHEMA = """\
+description: >-
+  GRPO settings. Defaults suit GSM8K on a 1B instruct model; docs/grpo.md
+  maps a PPO guide's settings onto them.
+type: object
+additionalProperties: false
+properties:
+  num_generations:
+    description: >-
+      Completions sampled per prompt (the group whose rewards are normalised
+      against each other). Must divide micro_batch_size: each device generates
+      whole groups, micro_batch_size / num_generations prompts per pass.
+    type: integer
+    minimum: 2
+    default: 8
+  max_completion_length:
+    description: Longest completion, in tokens (GSM8K's worked answers fit in 256).
+    type: integer
+    minimum: 1
+    default: 256
+  temperature:
+    description: Sampling temperature of the rollouts.
+    type: number
+    exclusiveMinimum: 0
+    default: 1.0
+  top_p:
+    description: Nucleus sampling of the rollouts (1.0 keeps every token).
+    type: number
+    exclusiveMinimum: 0
+    maximum: 1
+    default: 1.0
+  beta:
+    description: >-
+      KL coefficient against the starting model. TRL defaults to 0 (no reference
+      model, no KL); ours is 0.04 (the GRPO paper's): it keeps the policy near the
+      SFT model it starts from and logs the KL, a drift signal worth watching for a
+      week-long run. With LoRA the reference is the base without the adapter (no
+      extra memory); full fine-tuning holds a second copy of the model. 0 turns it
+      off.
+    type: number
+    minimum: 0
+    default: 0.04
+  epsilon:
+    description: PPO-style clipping range of the probability ratio.
+    type: number
+    exclusiveMinimum: 0
+    default: 0.2
+  num_iterations:
+    description: Optimisation passes over each generated batch (μ in the GRPO paper).
+    type: integer
+    minimum: 1
+    default: 1
+  loss_type:
+    description: >-
+      TRL's loss aggregation (`dapo`: mean over the batch's completion tokens, TRL's
+      default and no length bias; `grpo`, `dr_grpo`, `bnpo`).
+    enum: [dapo, grpo, dr_grpo, bnpo]
+    default: dapo
+  rewards:
+    description: >-
+      Reward functions and their weights. `correctness`: 1 when the completion's final
+      answer (its `####` line, else its last number) equals the reference answer's,
+      checked with math-verify; `format`: 1 when the completion ends with a
+      "#### <number>" line.
+    type: object
+    additionalProperties: false
+    minProperties: 1
+    default: {correctness: 1.0, format: 0.2}
+    properties:
+      correctness:
+        description: Weight of the correctness reward.
+        type: number
+      format:
+        description: Weight of the format reward.
+        type: number
+  use_vllm:
+    description: >-
+      Generate rollouts with vLLM in TRL's colocate mode (GPU only; pip install -e
+      '.[vllm]'). auto: where vLLM is installed and a GPU is there; false:
+      transformers' generate (CPU, tests); true: vLLM or a config error.
+    enum: [auto, true, false]
+    default: false
+  vllm_gpu_memory_utilization:
+    description: Share of each GPU's memory vLLM may take for its weights and KV cache (use_vllm).
+    type: number
+    exclusiveMinimum: 0
+    maximum: 1
+    default: 0.3
+"""
+
 METHOD = Method(
     name="grpo",
     data=data,
@@ -274,6 +366,12 @@ METHOD = Method(
     trains_on="prompts",
     adapter="optional",
     block="grpo",
+    summary=(
+        "reinforcement learning with verifiable rewards (TRL's GRPOTrainer) on the dataset's "
+        "prompts, scored against its reference answers; LoRA when the run has a `lora` block, "
+        "else every weight (docs/grpo.md)"
+    ),
+    schema=SCHEMA,
     starts_from_runs=True,
     packs=False,  # GRPO plans prompts; its rollouts are padded batches
     check=check,

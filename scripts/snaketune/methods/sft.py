@@ -64,5 +64,6 @@ LORA = Method(
     describe=lambda run, manifest: "",
     trains_on="rows",
     adapter="lora",
+    summary="supervised fine-tuning of a peft adapter",
 )
-FULL = replace(LORA, adapter="full")
+FULL = replace(LORA, adapter="full", summary="supervised fine-tuning of every weight")
