@@ -76,8 +76,8 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
         if m.block is not None:
             run[m.block] = yaml.safe_load(m.schema)
     starters = ", ".join(name for name, m in every.items() if m.starts_from_runs)
-    run["init_from"] = {**run["init_from"],
-                        "description": f"{run['init_from']['description']} Methods: {starters}."}  # fmt: skip
+    described = f"{run['init_from']['description']} Methods: {starters}."
+    run["init_from"] = {**run["init_from"], "description": described}
     return schema
 
 
