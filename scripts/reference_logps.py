@@ -86,13 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1  # that process is already gone
         parts.mkdir(parents=True, exist_ok=True)
         precision = resolve_precision(args.precision)
-        lora = {
+        quantization = None if args.quantize == "none" else {
             "quantize": args.quantize,
             "quant_type": args.quant_type,
             "double_quant": args.double_quant == "true",
             "compute_dtype": args.compute_dtype,
-        }
-        quantize = qlora.settings({"method": "lora", "lora": lora}, precision)
+        }  # fmt: skip
+        quantize = qlora.settings(quantization, precision)
         done = compute_parts(args.tokenized, args.model, parts, args.worker, args.workers,
                              args.batch_pairs, precision,
                              resolve_attention(args.attn_implementation), quantize)  # fmt: skip

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from snaketune.cli import run
 from snaketune.io import atomic_paths, read_jsonl
-from snaketune.methods import final_model_dir
 from snaketune.plots import sweep_svg, training_svg
 from snaketune.provenance import lineage
 from snaketune.report import summary_html, sweep_section
+from snaketune.runspec import RunSpec
 from snaketune.summary import summary_row, write_summary
 
 
@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()
                 samples[name] = [json.loads(x) for x in lines if x]
-            model = args.results / name / final_model_dir(spec)
+            model = args.results / name / RunSpec.of(spec).final_model
             final = ev.parent if "eval_dataset" in spec else model
             href = os.path.relpath(final / "provenance.json", args.html.parent)
             lineages[name] = (href, str(final), "\n".join(lineage(final)))

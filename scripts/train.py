@@ -74,9 +74,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--stop-margin",
         type=float,
-        default=120.0,
+        default=None,
         metavar="SECONDS",
-        help="stop this long before the time limit, besides a step and a save (default 120)",
+        help="stop this long before the time limit, besides a step and a save (default: "
+        "the config schema's stop_margin_seconds)",
     )
     parser.add_argument(
         "--lock-wait",
@@ -120,7 +121,10 @@ def worker(args: argparse.Namespace) -> int:
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from snaketune.job import Job
     from snaketune.launch import launch_job
+    from snaketune.schema import top_default
 
+    if args.stop_margin is None:
+        args.stop_margin = top_default("stop_margin_seconds")
     worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
     job = Job(json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out,
               args.launcher, worker_argv, args.lock_wait, args.time_limit,

@@ -17,6 +17,7 @@ from conftest import ENV, ROOT, SHAPES, snakemake
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from snaketune.config import validate_config
 from snaketune.errors import UserError
 from snaketune.memplan import Setup, Shape, changes, estimate, format_plan, model_states, plan_run
 
@@ -233,14 +234,13 @@ def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
 
 
 def _grpo_run(**grpo) -> dict:
-    """The newcomer example's GRPO run (Llama-3.1-8B, LoRA, 2 x 4 GPUs), with ``grpo``."""
+    """The newcomer example's GRPO run (Llama-3.1-8B, LoRA, 2 x 4 GPUs), with ``grpo``,
+    validated."""
     config = yaml.safe_load(
         (ROOT / "config/examples/llama3.1-8b-chat-lora-sweep-grpo-2x4.yaml").read_text()
     )
-    run = config["runs"]["math_grpo"]
-    run["grpo"].update(grpo)
-    run["grpo"].setdefault("use_vllm", False)
-    run["grpo"].setdefault("vllm_gpu_memory_utilization", 0.3)
+    run = validate_config(config, ROOT)["runs"]["math_grpo"]  # defaults filled
+    run["grpo"].update(grpo)  # after: validation refuses use_vllm true without vLLM here
     return run
 
 
@@ -348,11 +348,12 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
     # the same figure from a run's config (what `snaketune plan` and the checks read):
     # lora.double_quant reaches the plan (measured 1.0000 of the held bytes either way)
+    from snaketune.fixtures import demo_run_spec
     from snaketune.memplan import setup_of
 
-    run = {"method": "lora", "precision": "fp32", "nodes": 1, "gpus_per_node": 1,
-           "micro_batch_size": 1, "max_length": 64, "lora": {
-               "r": 8, "quantize": "4bit", "double_quant": double_quant}}  # fmt: skip
+    run = demo_run_spec(ROOT, method="lora", precision="fp32", nodes=1, gpus_per_node=1,
+                        micro_batch_size=1, max_length=64,
+                        lora={"r": 8, "quantize": "4bit", "double_quant": double_quant})  # fmt: skip
     from_run = setup_of(run, {"zero_optimization": {"stage": 2}}, on_gpu=False)
     assert model_states(shape, from_run)["weights"] == pytest.approx(held, rel=0.01)
     unquantized = model_states(shape, replace(s, quantized=False))["weights"]

@@ -18,6 +18,7 @@ from conftest import ROOT, kill_and_resume, read_jsonl, run_spec, snakemake, tra
 from snaketune import qlora
 from snaketune.config import load_yaml, validate_config
 from snaketune.errors import ConfigError, UserError
+from snaketune.runspec import RunSpec
 
 OVERLAY = ROOT / "config" / "qlora_demo.yaml"
 SETTINGS = {"bits": 4, "quant_type": "nf4", "double_quant": True, "blocksize": 64,
@@ -33,12 +34,13 @@ def demo_config(**lora) -> dict:
 def test_settings_follow_the_run():
     config = validate_config(demo_config(quantize="4bit"), ROOT)
     run = config["runs"]["demo"]
-    assert qlora.settings(run, "fp32") == SETTINGS
+    assert qlora.settings(RunSpec.of(run).quantization, "fp32") == SETTINGS
     # a 16-bit compute dtype falls back to fp32 without a GPU, as the precision does
     run["lora"]["compute_dtype"] = "bf16"
-    assert qlora.settings(run, "fp32")["compute_dtype"] == "fp32"
+    assert qlora.settings(RunSpec.of(run).quantization, "fp32")["compute_dtype"] == "fp32"
     run["lora"]["quantize"] = "none"
-    assert qlora.settings(run, "fp32") is None
+    assert RunSpec.of(run).quantization is None
+    assert qlora.settings(None, "fp32") is None
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

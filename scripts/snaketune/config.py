@@ -18,6 +18,7 @@ from snaketune.errors import ConfigError, ConfigProblems
 from snaketune.heldout import check_run as check_heldout
 from snaketune.methods import compose_schema, method_of, methods
 from snaketune.packing import check_kernels_installed
+from snaketune.runspec import RunSpec
 from snaketune.schema import (
     WORKFLOW_ROOT,
     check_schema,
@@ -245,7 +246,7 @@ def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
     from snaketune.qlora import missing_bitsandbytes
 
     where = f"runs.{name}.lora.quantize"
-    if (run.get("lora") or {}).get("quantize", "none") == "none":
+    if not RunSpec.of(run).quantized:
         return
     _require(
         method_of(run).adapter != "full",

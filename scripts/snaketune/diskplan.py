@@ -142,8 +142,8 @@ def plan_disk(
     already holds there, which it replaces), and whether it fits."""
     zero = deepspeed.get("zero_optimization", {})
     gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
-    keep = run.get("save_total_limit", 2)
-    optimizer = (run.get("checkpoints") or {}).get("optimizer", "last")
+    keep = run["save_total_limit"]
+    optimizer = run["checkpoints"]["optimizer"]
     need = run_need(shape, s, keep, optimizer, gathered, small_files(model_dir, s.gpus))
     held = folder_bytes(run_dir / "train") + sum(
         folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")

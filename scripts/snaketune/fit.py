@@ -22,6 +22,7 @@ from snaketune.memplan import (
     plan_run,
     setup_of,
 )
+from snaketune.runspec import RunSpec
 
 
 def shape_and_deepspeed(
@@ -34,7 +35,7 @@ def shape_and_deepspeed(
 
     cfg = json.loads(config_json.read_text())
     method = already_quantized(cfg)
-    if method and (run.get("lora") or {}).get("quantize", "none") != "none":
+    if method and RunSpec.of(run).quantized:
         raise UserError(
             f"model {run['model']} ({config_json}) is already quantized ({method}): "
             "bitsandbytes cannot quantize it again for lora.quantize: 4bit; use the model's "

@@ -62,13 +62,12 @@ def check_run(where: str, run: Mapping[str, Any]) -> str | None:
 
 def spec_of(run: Mapping[str, Any], eval_tokenized: str) -> dict[str, Any]:
     """What the training job needs to evaluate (its run spec's ``heldout``)."""
-    ev, export = run.get("eval") or {}, run.get("export") or {}
+    ev, export = run["eval"], run["export"]
     # the metric as written: `auto` is the method's own (snaketune.methods, heldout_metric)
-    return {"path": eval_tokenized, "metric": export.get("metric", "auto"),
-            "checkpoint": export.get("checkpoint", "last"),
-            "limit": ev.get("during_training_limit"), "batch_size": ev.get("batch_size", 8),
-            "answers": bool(ev.get("during_training_answers", False)),
-            "max_new_tokens": ev.get("max_new_tokens", 256)}  # fmt: skip
+    return {"path": eval_tokenized, "metric": export["metric"],
+            "checkpoint": export["checkpoint"], "limit": ev.get("during_training_limit"),
+            "batch_size": ev["batch_size"], "answers": bool(ev["during_training_answers"]),
+            "max_new_tokens": ev["max_new_tokens"]}  # fmt: skip
 
 
 def greater_is_better(metric: str) -> bool:

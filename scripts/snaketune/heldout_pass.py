@@ -161,7 +161,7 @@ def trainer_arguments(heldout: HeldOut | None, run: Mapping[str, Any], start_ste
         return {}
     return {"metric_for_best_model": f"eval_{heldout.metric}",
             "greater_is_better": greater_is_better(heldout.metric),
-            "eval_on_start": bool(run.get("eval_at_start", True)) and start_step == 0,
+            "eval_on_start": bool(run["eval_at_start"]) and start_step == 0,
             "per_device_eval_batch_size": heldout.batch_size}  # fmt: skip
 
 

@@ -135,7 +135,9 @@ class Job:
     worker_argv: list[str]  # the worker's command line (scripts/train.py --worker ...)
     lock_wait_s: float = 180.0  # how long a second training of the run waits for the first
     time_limit_min: float | None = None  # the job's runtime (used where SLURM gives no end)
-    stop_margin_s: float = 120.0  # stop this long (plus a step and a save) before the end
+    # stop this long (plus a step and a save) before the end: scripts/train.py gives the
+    # config's stop_margin_seconds
+    stop_margin_s: float = 0.0
 
     @property
     def ckpt(self) -> Path:

@@ -28,10 +28,10 @@ from snaketune.errors import UserError, error_lines
 from snaketune.heartbeat import StallWatch, stall_verdict
 from snaketune.io import digest, publish, sha256_file, write_json
 from snaketune.job import SEGMENT, Handoff, Job, read_segment
-from snaketune.methods import balances_tokens
 from snaketune.network import RESULT as NETWORK
 from snaketune.network import read_result
 from snaketune.runlock import RunLock
+from snaketune.runspec import RunSpec
 from snaketune.segments import (
     allocation_end,
     read_segments,
@@ -62,10 +62,11 @@ def check_job(job: Job) -> tuple[int, int]:
             f"{job.shards} was made for {nodes} x {gpus}, the run asks for "
             f"{spec['nodes']} x {spec['gpus_per_node']}; rerun shard_dataset"
         )
-    if manifest.get("packing") != balances_tokens(spec):
+    balanced = RunSpec.of(spec).balances_tokens
+    if manifest.get("packing") != balanced:
         raise UserError(
             f"{job.shards} was planned with packing {manifest.get('packing')}, the run asks "
-            f"for {balances_tokens(spec)}; rerun shard_dataset"
+            f"for {balanced}; rerun shard_dataset"
         )
     if spec["wandb"]["enabled"] and importlib.util.find_spec("wandb") is None:
         raise UserError(
@@ -80,7 +81,7 @@ def check_quantizable(job: Job) -> None:
     """A 4-bit base needs bitsandbytes on this node and a model not quantized already."""
     from snaketune.qlora import already_quantized, missing_bitsandbytes
 
-    if (job.spec.get("lora") or {}).get("quantize", "none") == "none":
+    if not RunSpec.of(job.spec).quantized:
         return
     where = f"runs.{job.out.parent.name}.lora.quantize"
     missing = missing_bitsandbytes()
@@ -329,7 +330,7 @@ def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0,
     the queue: 0, an exit code, or "requeue". Off SLURM, a stop ahead of the time limit is
     followed at once by the next segment, with a fresh limit."""
 
-    limit = job.spec.get("max_continuations", 50)
+    limit = job.spec["max_continuations"]
     while True:
         began = time.time()
         deadline = allocation_end(job, began)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from snaketune.errors import UserError
-from snaketune.methods import adapter_kind, method_of
+from snaketune.runspec import RunSpec
 
 GIB = 1024**3
 # Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
@@ -334,18 +334,18 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
     def offloaded(key: str) -> bool:
         return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
 
-    precision = run.get("precision", "auto")
+    spec = RunSpec.of(run)
+    precision = run["precision"]
     if precision == "auto":
         precision = "bf16" if on_gpu else "fp32"
-    attention = run.get("attn_implementation", "auto")
-    liger = run.get("liger_kernel", "auto")
+    attention = run["attn_implementation"]
     # what the run's method adds: sequences per planned example (DPO: a pair is 2), its
     # rollouts (GRPO), a reference model (held by a full fine-tune only: LoRA's is the base
     # with the adapter off)
-    extra = {"sequences_per_example": 1, **method_of(run).memory(run, on_gpu)}
-    full = adapter_kind(run) == "full"
+    extra = {"sequences_per_example": 1, **spec.method.memory(run, on_gpu)}
+    lora = spec.lora or {}
     return Setup(
-        adapter=adapter_kind(run),  # a method plans as its LoRA or full update, plus extra
+        adapter=spec.adapter,  # a method plans as its LoRA or full update, plus extra
         stage=int(zero.get("stage", 0)),
         offload_optimizer=offloaded("offload_optimizer"),
         offload_params=offloaded("offload_param"),
@@ -353,18 +353,18 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         gpus_per_node=run["gpus_per_node"],
         micro_batch_size=run["micro_batch_size"] * extra["sequences_per_example"],
         max_length=run["max_length"],
-        gradient_checkpointing=bool(run.get("gradient_checkpointing", False)),
+        gradient_checkpointing=bool(run["gradient_checkpointing"]),
         attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
-        liger=on_gpu and liger is True,
+        liger=on_gpu and run["liger_kernel"] is True,
         bytes_per_weight=4 if precision == "fp32" else 2,
-        lora_r=(run.get("lora") or {}).get("r", 0),
-        lora_targets=(run.get("lora") or {}).get("target_modules", "all-linear"),
-        lora_saved=tuple((run.get("lora") or {}).get("modules_to_save", ())),
+        lora_r=lora.get("r", 0),
+        lora_targets=lora.get("target_modules", "all-linear"),
+        lora_saved=tuple(lora.get("modules_to_save", ())),
         completion_length=extra.get("completion_length", 0),
-        reference=full and extra.get("reference", False),
+        reference=not spec.trains_lora and extra.get("reference", False),
         vllm_share=extra.get("vllm_share", 0.0),
-        quantized=not full and (run.get("lora") or {}).get("quantize", "none") == "4bit",
-        double_quant=bool((run.get("lora") or {}).get("double_quant", True)),
+        quantized=spec.quantized,
+        double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
     )
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from snaketune.methods import trains_lora
 from snaketune.progress import FlopsModel
+from snaketune.runspec import RunSpec
 from snaketune.throughput import matmul_params, peak_tflops
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | Non
             torch.cuda.get_device_name(),
         )
     return FlopsModel(matmul_params(model), cfg.num_hidden_layers, cfg.hidden_size,
-                      trains_lora(run), world_size, peak)  # fmt: skip
+                      RunSpec.of(run).trains_lora, world_size, peak)  # fmt: skip
 
 
 def load_deepspeed(path: Path, load_universal: bool = False) -> dict[str, Any]:

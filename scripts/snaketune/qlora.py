@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from snaketune.methods import trains_lora
 
 RECORD = "quantization.json"
 BLOCKSIZE = 64  # transformers' Params4bit default: one absmax per 64 weights
@@ -28,19 +27,19 @@ INSTALL = 'pip install -e ".[qlora]"'
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def settings(run: dict[str, Any], precision: str) -> dict[str, Any] | None:
-    """The run's quantization (None: an unquantized base): bits, 4-bit type, double
-    quantization, the dtype the base is loaded in (the run's precision) and the compute
-    dtype (``lora.compute_dtype``, `auto`: the precision; a 16-bit one falls back to fp32
-    without a GPU, as the precision does)."""
-    lora = run.get("lora") or {}
-    if lora.get("quantize", "none") == "none" or not trains_lora(run):
+def settings(quantization: Mapping[str, Any] | None, precision: str) -> dict[str, Any] | None:
+    """How to load a 4-bit base (None: an unquantized base), from a run's ``quantization``
+    (snaketune.runspec.RunSpec): bits, 4-bit type, double quantization, the dtype the base
+    is loaded in (the run's precision) and the compute dtype (``lora.compute_dtype``,
+    `auto`: the precision; a 16-bit one falls back to fp32 without a GPU, as the precision
+    does)."""
+    if quantization is None:
         return None
-    compute = lora.get("compute_dtype", "auto")
+    compute = quantization["compute_dtype"]
     if compute == "auto" or (compute != "fp32" and not torch.cuda.is_available()):
         compute = precision
-    return {"bits": 4, "quant_type": lora.get("quant_type", "nf4"),
-            "double_quant": bool(lora.get("double_quant", True)), "blocksize": BLOCKSIZE,
+    return {"bits": 4, "quant_type": quantization["quant_type"],
+            "double_quant": bool(quantization["double_quant"]), "blocksize": BLOCKSIZE,
             "load_dtype": precision, "compute_dtype": compute}  # fmt: skip
 
 

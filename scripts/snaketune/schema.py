@@ -167,6 +167,12 @@ def load_schema(root: str | Path) -> Any:
     return load_yaml(path)
 
 
+def top_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
+    """The schema's default of a top-level key (for a command run outside the workflow,
+    e.g. scripts/train.py by hand: the code never restates a default)."""
+    return load_schema(root)["properties"][key]["default"]
+
+
 def check_config_files(paths: list[str | Path]) -> None:
     """Re-read the config files Snakemake loaded, to catch what its loader lets through
     (a key given twice)."""

@@ -25,7 +25,8 @@ from typing import Any
 from snaketune.errors import ConfigError
 from snaketune.heldout import spec_of as held_out_spec
 from snaketune.io import digest
-from snaketune.methods import adapter_kind, balances_tokens, final_model_dir, method_of
+from snaketune.methods import method_of
+from snaketune.runspec import RunSpec
 from snaketune.tokenization import TOKENIZE_VERSION
 from snaketune.vocabulary import SINGLE_DATASET_KEYS, components
 
@@ -200,7 +201,7 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
             f" --gradient-accumulation-steps {r['gradient_accumulation_steps']}"
             f" --seed {r['seed']}"
         ),  # fmt: skip
-        "packing": "--packing" if balances_tokens(r) else "--no-packing",
+        "packing": "--packing" if RunSpec.of(r).balances_tokens else "--no-packing",
         "attention": r["attn_implementation"],
     }
 
@@ -263,16 +264,15 @@ def reference_key(config: dict[str, Any], run: str) -> str | None:
     4-bit base's quantization.
     Runs and sweep members that share these share one reference_logps job. None for others."""
     r = config["runs"][run]
-    if not method_of(r).reference_stage(r):
+    spec = RunSpec.of(r)
+    if not spec.reference_stage:
         return None
     start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
     what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
             "precision": r["precision"],
             "attn_implementation": r["attn_implementation"]}  # fmt: skip
-    lora = r.get("lora") or {}
-    if lora.get("quantize", "none") != "none":  # a 4-bit base scores differently
-        what["quantize"] = {k: lora[k] for k in ("quantize", "quant_type", "double_quant",
-                                                  "compute_dtype")}  # fmt: skip
+    if spec.quantized:  # a 4-bit base scores differently
+        what["quantize"] = dict(spec.quantization)
     return f"{next(iter(start.values()))}__{digest(what)[:12]}"
 
 
@@ -312,7 +312,7 @@ def train_mpi(run: dict[str, Any]) -> str | int:
 
 def export_kind(run: dict[str, Any]) -> str:
     """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
-    return "lora_adapters" if adapter_kind(run) == "lora" else "hf"
+    return "lora_adapters" if RunSpec.of(run).trains_lora else "hf"
 
 
 def check_export(config: dict[str, Any], run: str, export: str) -> dict:
@@ -326,7 +326,7 @@ def check_export(config: dict[str, Any], run: str, export: str) -> dict:
 
 def final_model(config: dict[str, Any], run: str) -> str:
     """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
-    return f"results/{run}/{final_model_dir(config['runs'][run])}"
+    return f"results/{run}/{RunSpec.of(config['runs'][run]).final_model}"
 
 
 # ----------------------------------------------------------------------------- evaluate

@@ -82,6 +82,7 @@ from snaketune.model import (
 from snaketune.outputs import probe_inputs, save_outputs
 from snaketune.packing import check_packing, resolve_attention, resolve_liger, training_kernel
 from snaketune.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
+from snaketune.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +250,11 @@ def run_worker(
     kernel = kernel_of(run, model_dir, out)
     precision = resolve_precision(run["precision"])
 
-    method = method_of(run)
+    spec = RunSpec.of(run)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    data = rank_data(method, run, manifest, shards, env, tokenizer, kernel, start_step, ids_log)
-    quantize = qlora.settings(run, precision)
+    data = rank_data(spec.method, run, manifest, shards, env, tokenizer, kernel, start_step,
+                     ids_log)  # fmt: skip
+    quantize = qlora.settings(spec.quantization, precision)
     model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
     quantized = qlora.record(model, quantize) if quantize else None
     scored, schedule = held_out(run, env, tokenizer)
@@ -269,17 +271,17 @@ def run_worker(
                             run["save_total_limit"], start_step, watchdog,
                             flops_model(run, model, env.world_size), Deadline.handed(handoff),
                             run["checkpoints"]["optimizer"], disk, network,
-                            method.step_fields, kept_best(run))  # fmt: skip
+                            spec.method.step_fields, kept_best(run))  # fmt: skip
     fixes = [UniversalLoadFix()] if handoff.load_universal else []
     # where this rank is, for the launcher's stall watch (snaketune.heartbeat)
     beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
 
     if scored is not None:
         fixes.append(heldout_pass.callback(schedule, scored))
-    trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
+    trainer = spec.method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     made_ready(trainer, ctx)
     if env.rank == 0:
-        log_start(method, ctx, manifest, kernel, data, resume)
+        log_start(spec.method, ctx, manifest, kernel, data, resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if watchdog is not None:
         watchdog.stop()

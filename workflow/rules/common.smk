@@ -8,6 +8,7 @@ from snaketune import stages, targets
 from snaketune.attempts import one_start_per_job
 from snaketune.config import resolve_deepspeed
 from snaketune.methods import method_of
+from snaketune.runspec import RunSpec
 from snaketune.sweep import sweeps_of
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
@@ -201,12 +202,13 @@ def reference_settings(wildcards):
     settings = (
         f"--precision {r['precision']} --attn-implementation {r['attn_implementation']}"
     )
-    lora = r.get("lora") or {}
-    if lora.get("quantize", "none") != "none":  # the policy's 4-bit base, adapter off
+    quantization = RunSpec.of(r).quantization
+    if quantization is not None:  # the policy's 4-bit base, adapter off
         settings += (
-            f" --quantize {lora['quantize']} --quant-type {lora['quant_type']}"
-            f" --double-quant {str(lora['double_quant']).lower()}"
-            f" --compute-dtype {lora['compute_dtype']}"
+            f" --quantize {quantization['quantize']}"
+            f" --quant-type {quantization['quant_type']}"
+            f" --double-quant {str(quantization['double_quant']).lower()}"
+            f" --compute-dtype {quantization['compute_dtype']}"
         )
     return settings
 
@@ -219,7 +221,7 @@ def convert_inputs(wildcards):
 
 
 def run_adapter_kind(wildcards):
-    return stages.adapter_kind(run_of(wildcards))
+    return RunSpec.of(run_of(wildcards)).adapter
 
 
 def run_final_model(wildcards):

@@ -4,8 +4,8 @@ Adding a method is one module (see snaketune.methods.sft for the smallest: its d
 trainer, its step fields, a ``METHOD``; snaketune.methods.dpo for one with its own config
 block, data kind and stage) and one line below; docs/architecture.md has the checklist.
 Nothing outside this package names a method: config validation, the plans, the stages,
-the report and publish ask the run's ``Method`` (``method_of``), and the facts derived from
-it live here (``trains_lora``, ``adapter_kind``, ``balances_tokens``).
+the report and publish ask the run's ``Method`` (``method_of``); the facts derived from a
+run and its method are snaketune.runspec.RunSpec's.
 """
 
 from __future__ import annotations
@@ -41,24 +41,6 @@ def methods() -> dict[str, Method]:
     return {name: method_named(name) for name in REGISTRY}
 
 
-def trains_lora(run: Mapping[str, Any]) -> bool:
-    """Whether a run trains a LoRA adapter: its method always does, or may and the run has a
-    `lora` block."""
-    adapter = method_of(run).adapter
-    return adapter == "lora" or (adapter == "optional" and "lora" in run)
-
-
-def adapter_kind(run: Mapping[str, Any]) -> str:
-    """`lora` or `full`: what a run's checkpoint holds, whatever its method."""
-    return "lora" if trains_lora(run) else "full"
-
-
-def balances_tokens(run: Mapping[str, Any]) -> bool:
-    """Whether a run's shard plan balances each step's tokens across ranks: packed runs,
-    and runs on pairs (padded, but of unequal lengths)."""
-    return bool(run["packing"]) or method_of(run).trains_on == "pairs"
-
-
 def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """The config schema with what each method owns put into the run schema (in place):
     `method`'s names and what each does, each method's own block, and which methods take
@@ -79,12 +61,3 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     described = f"{run['init_from']['description']} Methods: {starters}."
     run["init_from"] = {**run["init_from"], "description": described}
     return schema
-
-
-# The directory under results/<run>/ of the model a run ends with, by what it trains.
-FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
-
-
-def final_model_dir(run: Mapping[str, Any]) -> str:
-    """results/<run>/<this>: the model a run ends with (merged for LoRA, converted for full)."""
-    return FINAL_MODEL[adapter_kind(run)]

@@ -88,3 +88,9 @@ class Method:
     eval_beta: Callable[[Mapping[str, Any]], float | None] = lambda run: None
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
+
+    def adapter_of(self, run: Mapping[str, Any]) -> str:
+        """`lora` or `full`: what a run of this method trains (its checkpoint holds): an
+        adapter when the method always does, or may and the run has a `lora` block."""
+        lora = self.adapter == "lora" or (self.adapter == "optional" and "lora" in run)
+        return "lora" if lora else "full"

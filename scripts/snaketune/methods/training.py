@@ -86,9 +86,9 @@ def training_args(ctx: Context, config_class, **method_args):
 
 
 def peft_config(run: dict[str, Any]):
-    from snaketune.methods import trains_lora
+    from snaketune.methods import method_of
 
-    if not trains_lora(run):
+    if method_of(run).adapter_of(run) != "lora":
         return None
     from peft import LoraConfig
 
