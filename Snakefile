@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from snakemake.utils import min_version
+from snaketune.attempts import one_start_per_job
 from snaketune.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.errors import UserError, labelled
 from snaketune.summary import report_line
@@ -40,6 +41,10 @@ for note in PARSED.notes:
     print(f"note: {note}", file=sys.stderr)
 TOKENIZE = PARSED.tokenize
 BASE_EVALS = PARSED.base_evals
+# In the Snakemake inside a cluster job (remote mode), the train jobs it starts refuse a
+# second start of their run inside that job: only the submitting Snakemake retries
+# (TRAIN_RETRIES, common.smk; snaketune.attempts).
+one_start_per_job(workflow.remote_exec)
 
 
 include: "workflow/rules/common.smk"

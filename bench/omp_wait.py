@@ -80,7 +80,7 @@ def main() -> int:
         print(
             f"{'runs at once':>12} {'OMP_WAIT_POLICY':>16} {'wall s':>8} {'max rel loss diff':>18}"
         )
-        for copies in (1, args.side_by_side):
+        for copies in sorted({1, args.side_by_side}):  # --side-by-side 1: the first case only
             for policy in ("ACTIVE", "PASSIVE"):
                 wall, losses = case(tmp, spec, made, policy, copies)
                 first = first or losses[0]

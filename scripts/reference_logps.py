@@ -5,11 +5,15 @@
         --precision auto --attn-implementation auto \
         --out results/reference_logps/REF/logps.parquet
 
-Data parallel over nodes x gpus_per_node workers, one per device (each holds the model):
-inside a SLURM job of several nodes, one srun task per node starts that node's workers;
-elsewhere every worker runs on this machine. Each worker writes its chunks of pairs to
-``parts/`` beside the output as it finishes them, so a rerun after a kill computes only
-what is missing; the output is written once every chunk is there (snaketune.logps).
+Data parallel over nodes x gpus_per_node workers, one per device (each holds the model),
+started by the train job's launcher (snaketune.agents): torchrun agents on this machine,
+or one srun task per node inside a SLURM job after the preflight; the stall watch reads
+the workers' heartbeats (results/reference_logps/REF/heartbeat/), a worker that fails takes
+the others down, and each start of the stage keeps its own log
+(results/reference_logps/REF/logs/attempt-<n>.log, snaketune.attempts). Each worker writes
+its chunks of pairs to ``parts/`` beside the output as it finishes them, so a rerun after a
+kill computes only what is missing; the output is written once every chunk is there
+(snaketune.logps).
 """
 
 from __future__ import annotations
@@ -17,16 +21,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune import qlora
 from snaketune.cli import run
-from snaketune.logps import compute_parts, merge, threads_per_worker
+from snaketune.logps import CHUNK_PAIRS, compute_parts, merge, threads_per_worker
 from snaketune.model import resolve_precision
 from snaketune.packing import resolve_attention
 from snaketune.provenance import NAME, output_hashes, record, write_provenance
@@ -34,17 +36,88 @@ from snaketune.provenance import NAME, output_hashes, record, write_provenance
 log = logging.getLogger("reference_logps")
 
 
-def start_workers(args: argparse.Namespace, node: int, local: int, argv: list[str]) -> int:
-    """Start ``local`` workers of node ``node`` and wait for them; the first failure's code."""
-    first = node * args.gpus_per_node
-    workers = args.nodes * args.gpus_per_node
-    env = {"OMP_WAIT_POLICY": "PASSIVE",  # workers sharing cores sleep while they wait
-           **os.environ, "OMP_NUM_THREADS": str(threads_per_worker(local))}  # fmt: skip
-    internal = ["--workers", str(workers), "--parent", str(os.getpid())]
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(w), *internal],
-                              env=env) for w in range(first, first + local)]  # fmt: skip
-    codes = [p.wait() for p in procs]
-    return next((c for c in codes if c != 0), 0)
+def worker(args: argparse.Namespace, parts: Path) -> int:
+    """One device's share: worker RANK of WORLD_SIZE (torchrun's), its heartbeat written."""
+    from snaketune.heartbeat import DONE, FOLDER, Heartbeat
+    from snaketune.runlock import die_with_parent
+
+    die_with_parent()  # never outlive the agent that started it
+    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    beat = Heartbeat(parts.parent / FOLDER, rank, int(os.environ.get("GROUP_RANK", 0))).start()
+    parts.mkdir(parents=True, exist_ok=True)
+    precision = resolve_precision(args.precision)
+    quantization = None if args.quantize == "none" else {
+        "quantize": args.quantize,
+        "quant_type": args.quant_type,
+        "double_quant": args.double_quant == "true",
+        "compute_dtype": args.compute_dtype,
+    }  # fmt: skip
+    done = compute_parts(args.tokenized, args.model, parts, rank, workers, args.batch_pairs,
+                         precision, resolve_attention(args.attn_implementation),
+                         qlora.settings(quantization, precision),
+                         on_batch=lambda chunk: beat.move("forward", chunk),
+                         chunk_pairs=args.chunk_pairs)  # fmt: skip
+    beat.move(DONE)
+    beat.write()
+    beat.stop()
+    log.info("worker %d: %d chunks computed", rank, done)
+    return 0
+
+
+def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
+    """Every worker through the shared launcher, as one attempt of the stage; then the
+    output once every chunk is there."""
+    from snaketune.agents import Workers, choose_launcher, start, worker_environment
+    from snaketune.attempts import Attempt
+    from snaketune.errors import UserError, error_lines
+
+    folder = out.parent
+    attempt = Attempt(folder, stage="reference_logps", name=folder.name)
+    timeout = args.timeout_minutes
+    if timeout is None:  # run by hand: the run's default
+        from snaketune.schema import run_default
+
+        timeout = run_default("timeout_minutes")
+    workers = Workers([str(Path(__file__).resolve()), *shared, "--worker"], args.nodes,
+                      args.gpus_per_node, f"reference-{folder.name}", "reference_logps", folder,
+                      folder, timeout * 60)  # fmt: skip
+    env = worker_environment()
+    try:
+        here = choose_launcher(workers.launcher, args.nodes, workers.rule) == "local"
+        # the cores of this machine (every emulated node) or of each node, shared out
+        local = args.nodes * args.gpus_per_node if here else args.gpus_per_node
+        env["OMP_NUM_THREADS"] = str(threads_per_worker(local))
+        code, signalled = start(workers, env)
+    except UserError as exc:
+        from snaketune.cli import print_error
+
+        print_error(exc)
+        attempt.finish(2, "; ".join(error_lines(exc)))
+        return 2
+    if code != 0:
+        from snaketune.heartbeat import stall_verdict
+
+        stalled = stall_verdict(folder)
+        reason = f"stalled: {stalled}" if stalled else (
+            f"stopped by {signalled}" if signalled else None)  # fmt: skip
+        log.error("a worker failed (exit %d); the chunks written are kept, a rerun computes "
+                  "the rest", code)  # fmt: skip
+        attempt.finish(code, reason)
+        return code
+    table = merge(args.tokenized, out.parent / "parts", out, args.chunk_pairs)
+    settings = {
+        "precision": args.precision,
+        "attn_implementation": args.attn_implementation,
+        "quantize": args.quantize,
+    }
+    inputs = {"tokenized": args.tokenized, "model": args.model}
+    prov = record("reference_logps", str(out), settings, inputs,
+                  output_hashes(out.parent, [out.name]))  # fmt: skip
+    write_provenance(out.parent / NAME, prov)
+    shutil.rmtree(out.parent / "parts", ignore_errors=True)
+    log.info("reference log-probs of %d pairs -> %s", table.num_rows, out)
+    attempt.finish(0, f"{table.num_rows} pairs scored")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,67 +138,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the run's lora.double_quant")  # fmt: skip
     parser.add_argument("--compute-dtype", default="auto", help="the run's lora.compute_dtype")
     parser.add_argument("--out", required=True, help="the log-probs parquet to write")
-    parser.add_argument("--node", type=int, help="(internal) start this node's workers")
-    parser.add_argument("--worker", type=int, help="(internal) compute as this worker")
-    parser.add_argument("--workers", type=int, help="(internal) of this many workers")
-    parser.add_argument("--parent", type=int, help="(internal) the process that started it")
+    parser.add_argument("--timeout-minutes", type=float, default=None,
+                        help="a worker making no progress this long is named and the stage "
+                        "ended (the run's timeout_minutes; default: the schema's)")  # fmt: skip
+    parser.add_argument("--chunk-pairs", type=int, default=CHUNK_PAIRS,
+                        help="pairs per part file: what a rerun after a kill may compute "
+                        f"again (default {CHUNK_PAIRS})")  # fmt: skip
+    parser.add_argument("--worker", action="store_true", help="(internal) one worker")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    parts = out.parent / "parts"
+    if args.worker:
+        return worker(args, out.parent / "parts")
     shared = ["--tokenized", args.tokenized, "--model", args.model, "--nodes", str(args.nodes),
               "--gpus-per-node", str(args.gpus_per_node), "--batch-pairs", str(args.batch_pairs),
               "--precision", args.precision, "--attn-implementation", args.attn_implementation,
               "--quantize", args.quantize, "--quant-type", args.quant_type,
               "--double-quant", args.double_quant, "--compute-dtype", args.compute_dtype,
-              "--out", args.out]  # fmt: skip
-    if args.worker is not None:  # one device's share
-        from snaketune.runlock import die_with_parent
-
-        die_with_parent()  # never outlive the process that started it
-        if os.getppid() != args.parent:
-            return 1  # that process is already gone
-        parts.mkdir(parents=True, exist_ok=True)
-        precision = resolve_precision(args.precision)
-        quantization = None if args.quantize == "none" else {
-            "quantize": args.quantize,
-            "quant_type": args.quant_type,
-            "double_quant": args.double_quant == "true",
-            "compute_dtype": args.compute_dtype,
-        }  # fmt: skip
-        quantize = qlora.settings(quantization, precision)
-        done = compute_parts(args.tokenized, args.model, parts, args.worker, args.workers,
-                             args.batch_pairs, precision,
-                             resolve_attention(args.attn_implementation), quantize)  # fmt: skip
-        log.info("worker %d: %d chunks computed", args.worker, done)
-        return 0
-    if args.node is not None:  # one node's workers (an srun task)
-        return start_workers(args, args.node, args.gpus_per_node, shared)
-    parts.mkdir(parents=True, exist_ok=True)
-    if args.nodes > 1 and os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
-        inner = " ".join(shlex.quote(a) for a in [sys.executable, __file__, *shared])
-        code = subprocess.call([
-            "srun", f"--nodes={args.nodes}", f"--ntasks={args.nodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", "bash", "-c", f'exec {inner} --node "$SLURM_NODEID"',
-        ])  # fmt: skip
-    else:  # every (emulated) node's workers here
-        code = start_workers(args, 0, args.nodes * args.gpus_per_node, shared)
-    if code != 0:
-        log.error("a worker failed (exit %d); the chunks written are kept, a rerun computes "
-                  "the rest", code)  # fmt: skip
-        return code
-    table = merge(args.tokenized, parts, out)
-    settings = {
-        "precision": args.precision,
-        "attn_implementation": args.attn_implementation,
-        "quantize": args.quantize,
-    }
-    inputs = {"tokenized": args.tokenized, "model": args.model}
-    prov = record("reference_logps", str(out), settings, inputs,
-                  output_hashes(out.parent, [out.name]))  # fmt: skip
-    write_provenance(out.parent / NAME, prov)
-    shutil.rmtree(parts, ignore_errors=True)
-    log.info("reference log-probs of %d pairs -> %s", table.num_rows, out)
-    return 0
+              "--out", args.out, "--chunk-pairs", str(args.chunk_pairs)]  # fmt: skip
+    (out.parent / "parts").mkdir(parents=True, exist_ok=True)
+    return launch(args, shared, out)
 
 
 if __name__ == "__main__":

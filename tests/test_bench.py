@@ -25,9 +25,9 @@ SHORT = {
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--repeat", "1"],
     "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
-    "heldout_cost.py": ["--pairs", "1", "--max-steps", "10", "--every", "5"],
+    "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
     "launch_startup.py": ["--repeats", "1"],
-    "omp_wait.py": ["--steps", "3", "--side-by-side", "2"],
+    "omp_wait.py": ["--steps", "3", "--side-by-side", "1"],  # both policies, one run each
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
     "tokenize.py": ["--rows", "2000"],

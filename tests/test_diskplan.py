@@ -21,7 +21,8 @@ from snaketune.checkpoints import (
     prune,
 )
 from snaketune.diskplan import checkpoint_size, folder_bytes, run_need, small_files
-from snaketune.memplan import Shape, setup_of
+from snaketune.fit import setup_of
+from snaketune.memplan import Shape
 
 MIB = 2**20
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -290,7 +291,6 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
     """compute_parts + merge (two workers, chunks of 4 pairs) give every pair's summed
     log-probs as full logits do, in the tokenized order; a rerun computes only a chunk
     that is missing."""
-    from unittest import mock
 
     from transformers import AutoModelForCausalLM
 
@@ -300,12 +300,12 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
     tokenized = tmp_path / "pairs.tok.parquet"
     parts, out = tmp_path / "ref" / "parts", tmp_path / "ref" / "logps.parquet"
     parts.mkdir(parents=True)
-    with mock.patch.object(logps, "CHUNK_PAIRS", 4):
-        assert [logps.compute_parts(tokenized, tiny_model, parts, w, 2, 3, "fp32", "sdpa")
-                for w in (0, 1)] == [2, 1]  # fmt: skip
-        (parts / "part-000001.parquet").unlink()
-        assert logps.compute_parts(tokenized, tiny_model, parts, 1, 2, 3, "fp32", "sdpa") == 1
-        table = logps.merge(tokenized, parts, out).to_pylist()
+    assert [logps.compute_parts(tokenized, tiny_model, parts, w, 2, 3, "fp32", "sdpa",
+                                chunk_pairs=4) for w in (0, 1)] == [2, 1]  # fmt: skip
+    (parts / "part-000001.parquet").unlink()
+    assert logps.compute_parts(tokenized, tiny_model, parts, 1, 2, 3, "fp32", "sdpa",
+                               chunk_pairs=4) == 1  # fmt: skip
+    table = logps.merge(tokenized, parts, out, chunk_pairs=4).to_pylist()
     rows = pq.read_table(tokenized).to_pylist()
     assert [t["example_id"] for t in table] == [r["example_id"] for r in rows]
     # plain transformers on each tokenized side alone: the sum of its labelled tokens'
@@ -404,6 +404,53 @@ def gsm8k_pairs(tmp_path_factory, tiny_model, fixtures_dir):
                     "4", "--precision", "fp32", "--out", str(work / "ref/logps.parquet")],
                    check=True, env=ENV, capture_output=True)  # fmt: skip
     return work
+
+
+@pytest.mark.slow
+def test_a_killed_reference_worker_takes_the_stage_down_and_a_rerun_computes_the_rest(
+    gsm8k_pairs, tiny_model, tmp_path
+):
+    """The reference stage starts its workers through the train job's launcher
+    (snaketune.agents): one of its 2 workers SIGKILLed before it publishes its third part
+    takes the other down (no orphan process, no output, the parts written kept, the attempt
+    recorded with its exit); the rerun computes only the missing parts, and its log-probs
+    are the uninterrupted stage's, bit for bit."""
+    import sys
+
+    import psutil
+
+    tokenized = gsm8k_pairs / "pairs.tok.parquet"
+    out = tmp_path / "ref/logps.parquet"
+    cmd = [sys.executable, str(ROOT / "scripts/reference_logps.py"), "--tokenized",
+           str(tokenized), "--model", str(tiny_model), "--nodes", "2", "--batch-pairs", "4",
+           "--precision", "fp32", "--chunk-pairs", "16", "--out", str(out)]  # fmt: skip
+    chunks = pq.ParquetFile(tokenized).metadata.num_rows // 16
+    assert chunks == 16  # worker 0 computes the even parts, worker 1 the odd ones
+    killed = subprocess.run(cmd, env={**ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH": "part-000005"},
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    log = killed.stdout + killed.stderr
+    assert killed.returncode != 0, log[-3000:]
+    assert "stopping the others" in log, log[-3000:]  # the launcher's supervision acted
+    assert not out.exists()
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(
+        p.info["cmdline"] or [])]  # fmt: skip
+    assert not left, [p.info["cmdline"] for p in left]  # no orphan agent or worker
+    kept = sorted(int(p.stem.split("-")[1]) for p in (out.parent / "parts").glob("part-*"))
+    assert 1 in kept and 3 in kept and 5 not in kept, kept  # worker 1 died at its third
+    assert len(kept) < chunks
+    attempts = read_jsonl(out.parent / "logs/attempts.jsonl")
+    assert [a["exit"] for a in attempts if "exit" in a] == [killed.returncode]
+    assert (out.parent / "logs/attempt-1.log").is_file()
+
+    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    log = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, log[-3000:]
+    # rank 0 logs its count (the other ranks log warnings only): its parts not kept, alone
+    computed = [int(n) for n in re.findall(r"worker 0: (\d+) chunks computed", log)]
+    assert computed == [8 - sum(k % 2 == 0 for k in kept)], (kept, log[-3000:])
+    attempts = read_jsonl(out.parent / "logs/attempts.jsonl")
+    assert [a["exit"] for a in attempts if "exit" in a] == [killed.returncode, 0]
+    assert pq.read_table(out).equals(pq.read_table(gsm8k_pairs / "ref/logps.parquet"))
 
 
 STEPS = 8
@@ -738,7 +785,7 @@ def test_reference_key_is_shared_by_what_it_depends_on_only():
 
 
 def test_memory_plan_counts_pairs_and_a_live_full_reference():
-    from snaketune.memplan import setup_of
+    from snaketune.fit import setup_of
 
     ds = {"zero_optimization": {"stage": 2}}
     run = validate_config(dpo_config(), ROOT)["runs"]["p"]

@@ -245,7 +245,7 @@ def _grpo_run(**grpo) -> dict:
 
 
 def test_grpo_plan_counts_completions_reference_and_vllm():
-    from snaketune.memplan import setup_of
+    from snaketune.fit import setup_of
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
     zero2 = {"zero_optimization": {"stage": 2}}
@@ -348,8 +348,8 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
     # the same figure from a run's config (what `snaketune plan` and the checks read):
     # lora.double_quant reaches the plan (measured 1.0000 of the held bytes either way)
+    from snaketune.fit import setup_of
     from snaketune.fixtures import demo_run_spec
-    from snaketune.memplan import setup_of
 
     run = demo_run_spec(ROOT, method="lora", precision="fp32", nodes=1, gpus_per_node=1,
                         micro_batch_size=1, max_length=64,

@@ -41,6 +41,33 @@ def test_the_rank_that_stopped_moving_while_the_others_moved_on_is_named(tmp_pat
                     "for 60 s in step 6 (backward); 3 ranks wait for it")  # fmt: skip
 
 
+def test_a_worker_done_with_its_share_is_never_named_but_a_stuck_one_still_is(tmp_path):
+    """The reference stage's workers end one by one (snaketune.heartbeat.DONE): one that is
+    done, silent since, is neither frozen nor stuck while the others work on; of those
+    others, one that stops moving is still named."""
+    from snaketune.heartbeat import DONE
+
+    beats = _beats(tmp_path, 3)
+    watch = StallWatch(tmp_path, limit_s=10)
+    watch.read(0.0)
+    beats[0].move(DONE, 2)  # worker 0's chunks are all written: it exits
+    beats[0].write()
+    watch.read(1.0)
+    for t in range(2, 40):  # workers 1 and 2 go on, rewriting their files
+        for b in beats[1:]:
+            b.move("forward", t)
+            b.write()
+        watch.read(float(t))
+    assert watch.judge(40.0) is None
+    for t in range(40, 60):  # worker 2 stops moving (its thread still writes)
+        beats[1].move("forward", t)
+        for b in beats[1:]:
+            b.write()
+        watch.read(float(t))
+    line = watch.judge(60.0)
+    assert line is not None and line.startswith("rank 2 "), line
+
+
 def test_ranks_that_are_all_quiet_together_are_not_a_stall(tmp_path):
     """Every rank in the same long phase (a big save, a slow start): no rank is named."""
     beats = _beats(tmp_path, 2)

@@ -1,7 +1,14 @@
-"""The torchrun agents of a train job and their supervision.
+"""The one launcher of every multi-process stage: torchrun agents and their supervision.
+
+The train job (snaketune.launch) and the reference log-probs stage
+(scripts/reference_logps.py) start their workers here (``start``, a ``Workers``), the same
+way: the launcher chosen, a preflight on SLURM, the stall watch over the workers'
+heartbeats (snaketune.heartbeat), a dead rank taking the others down, signals passed on,
+one exit code.
 
 Two ways to start ``nodes`` x ``gpus_per_node`` workers, both with torchrun's c10d
-rendezvous (node ranks are assigned in arrival order; workers read GROUP_RANK):
+rendezvous (node ranks are assigned in arrival order; workers read GROUP_RANK, RANK and
+WORLD_SIZE):
 
 - local: ``nodes`` torchrun agents on this machine, rendezvous on 127.0.0.1 (emulated
   nodes; gloo on CPU). This process supervises them (``supervise``): the first agent that
@@ -25,11 +32,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from snaketune.errors import UserError
 from snaketune.heartbeat import StallWatch
-from snaketune.job import Job
 from snaketune.runlock import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -210,17 +217,31 @@ def _watch(agents: _Agents, grace: float, stalled: Callable[[], bool]) -> int | 
         time.sleep(0.2)
 
 
-def choose_launcher(job: Job, nodes: int) -> str:
+@dataclass(frozen=True)
+class Workers:
+    """``nodes`` x ``gpus_per_node`` processes of one command, for ``start``."""
+
+    argv: list[str]  # the worker's command line (a script and its arguments)
+    nodes: int
+    gpus_per_node: int
+    run_id: str  # the rendezvous id
+    rule: str  # the Snakemake rule that runs the stage (named in its messages)
+    out: Path  # the stage's output folder: the preflight's results go under it
+    watched: Path  # the folder whose heartbeat/ the stall watch reads (verdict in health/)
+    timeout_s: float  # a rank that makes no progress this long is named, the job ended
+    launcher: str = "auto"  # auto, local or slurm
+
+
+def choose_launcher(launcher: str, nodes: int, rule: str = "train") -> str:
     """local or slurm: slurm inside a SLURM job with srun, unless already one srun task."""
     in_step = bool(os.environ.get("SLURM_STEP_ID"))  # already one task of an srun step
-    launcher = job.launcher
     if launcher == "auto":
         in_job = os.environ.get("SLURM_JOB_ID") and shutil.which("srun")
         launcher = "slurm" if in_job and not (in_step and nodes == 1) else "local"
     if launcher == "slurm" and in_step:
         raise UserError(
-            f"train with nodes: {nodes} runs inside a single-task SLURM step, which cannot "
-            "start tasks on other nodes; the train rule must keep its `mpi` resource "
+            f"{rule} with nodes: {nodes} runs inside a single-task SLURM step, which cannot "
+            f"start tasks on other nodes; the {rule} rule must keep its `mpi` resource "
             "(check that the profile's set-resources do not remove it)"
         )
     return launcher
@@ -238,13 +259,13 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
-def flight_recorder_dir(job: Job) -> Path:
+def flight_recorder_dir(run: str) -> Path:
     """Where NCCL's flight recorder dumps each rank's last collectives on a timeout: the
     run's log folder, logs/train/<run>/flight_recorder/rank_<r>."""
-    return Path("logs/train").resolve() / job.out.parent.name / "flight_recorder"
+    return Path("logs/train").resolve() / run / "flight_recorder"
 
 
-def flight_recorder(job: Job) -> dict[str, str]:
+def flight_recorder(run: str) -> dict[str, str]:
     """PyTorch's flight recorder on GPU (NCCL): the last 2000 collectives of every rank kept,
     dumped when a collective times out. Off on CPU: torch 2.13's gloo records nothing on a
     timeout to dump (docs/reliability.md); the heartbeats name the rank there."""
@@ -252,7 +273,7 @@ def flight_recorder(job: Job) -> dict[str, str]:
 
     if not torch.cuda.is_available():
         return {}
-    folder = flight_recorder_dir(job)
+    folder = flight_recorder_dir(run)
     folder.mkdir(parents=True, exist_ok=True)
     return {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
@@ -261,19 +282,19 @@ def flight_recorder(job: Job) -> dict[str, str]:
     }
 
 
-def run_preflight(job: Job, nodes: int, gpus: int, env: dict[str, str]) -> None:
+def run_preflight(out: Path, nodes: int, gpus: int, env: dict[str, str]) -> None:
     """On every node before any compute: devices, shared run directory, rendezvous host and
     port. One line and exit 2 on a problem."""
     from snaketune.preflight import gather
 
-    shutil.rmtree(job.out / "preflight", ignore_errors=True)
-    step = subprocess.run(preflight_command(nodes, gpus, str(job.out.resolve())), env=env)
+    shutil.rmtree(out / "preflight", ignore_errors=True)
+    step = subprocess.run(preflight_command(nodes, gpus, str(out.resolve())), env=env)
     if step.returncode != 0:  # its tasks always exit 0: srun itself failed
         raise UserError(
             f"preflight: the srun step failed (exit {step.returncode}) before every node "
             "reported; see srun's message above in this log"
         )
-    summary = gather(job.out, nodes)
+    summary = gather(out, nodes)
     log.info(
         "preflight passed: %s",
         "; ".join(
@@ -284,10 +305,23 @@ def run_preflight(job: Job, nodes: int, gpus: int, env: dict[str, str]) -> None:
     )
 
 
+def start(workers: Workers, env: dict[str, str]) -> tuple[int, str | None]:
+    """Run the workers to the end: (exit code, the signal passed on to them, if any)."""
+    w = workers
+    launcher = choose_launcher(w.launcher, w.nodes, w.rule)
+    log.info("launching %d node(s) x %d process(es) with the %s launcher", w.nodes,
+             w.gpus_per_node, launcher)  # fmt: skip
+    watch = StallWatch(w.watched, w.timeout_s).start()
+    try:
+        return run_workers(w, launcher, env, watch)
+    finally:
+        watch.stop()
+
+
 def run_workers(
-    job: Job, nodes: int, gpus: int, launcher: str, run_id: str, env: dict[str, str],
-    watch: StallWatch,
-) -> tuple[int, str | None]:  # fmt: skip
+    workers: Workers, launcher: str, env: dict[str, str], watch: StallWatch
+) -> tuple[int, str | None]:
+    nodes, gpus = workers.nodes, workers.gpus_per_node
     if launcher == "local":
         # Every emulated node's workers share this machine's cores: one thread pool each
         # of all cores would oversubscribe them (torchrun sets 1 only for 2+ per node).
@@ -298,10 +332,10 @@ def run_workers(
         # from the ranks it waits for (at a collective): they sleep instead. The same sums
         # in the same order: no figure changes (docs/benchmarks.md, "Ranks sharing cores").
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        commands = local_commands(nodes, gpus, job.worker_argv, run_id, free_port())
+        commands = local_commands(nodes, gpus, workers.argv, workers.run_id, free_port())
         return supervise(commands, env, stalled=lambda: watch.verdict is not None)
-    run_preflight(job, nodes, gpus, env)
-    command = slurm_command(nodes, gpus, job.worker_argv, run_id)
+    run_preflight(workers.out, nodes, gpus, env)
+    command = slurm_command(nodes, gpus, workers.argv, workers.run_id)
     # SLURM signals the step's tasks itself (scancel, time limit, preemption, --signal) and
     # srun forwards what it gets: here the signal is only noted, and srun waited for.
     got: list[str] = []

@@ -181,11 +181,16 @@ class _LastWarning(logging.Handler):
 
 
 class Attempt:
-    """This start of a run's train job: its number and log, the copy of everything the job
-    prints into that log, and its start and end records."""
+    """This start of a run's train job (or of another stage through the launcher: the
+    reference log-probs): its number and log, the copy of everything the job prints into
+    that log, and its start and end records."""
 
-    def __init__(self, out: Path, announce_fd: int | None = None, copy_output: bool = True):
-        self.out = out
+    def __init__(self, out: Path, announce_fd: int | None = None, copy_output: bool = True,
+                 stage: str = "train", name: str | None = None):  # fmt: skip
+        # ``out``: the stage's output folder (results/<run>/train: the run is its parent);
+        # ``stage`` and ``name``: the rule and what it works on, as the log names them
+        self.out, self.stage = out, stage
+        self.name = name or f"run {out.parent.name}"
         self.number = claim(out)
         self.path = attempt_log(out, self.number)
         self.began = time.time()
@@ -229,8 +234,8 @@ class Attempt:
         Snakemake's terminal): where this attempt's log is."""
         if fd is None:
             return
-        run = self.out.parent.name
-        line = f"snaketune: train {run}: attempt {self.number}, its log: {self.path}\n"
+        what = self.name.removeprefix("run ")
+        line = f"snaketune: {self.stage} {what}: attempt {self.number}, its log: {self.path}\n"
         with contextlib.suppress(OSError):
             os.write(fd, line.encode())
             os.close(fd)
@@ -285,8 +290,8 @@ class Attempt:
         return None
 
     def _header(self) -> None:
-        log.info("train attempt %d of run %s; its full log: %s", self.number,
-                 self.out.parent.name, self.path)  # fmt: skip
+        log.info("%s attempt %d of %s; its full log: %s", self.stage, self.number, self.name,
+                 self.path)  # fmt: skip
         if self.earlier:
             names = ", ".join(f"attempt-{a['attempt']}.log" for a in self.earlier[-LISTED:])
             log.info("earlier attempts' logs (in %s): %s", logs_dir(self.out), names)
@@ -306,7 +311,7 @@ class Attempt:
         attempts = read_attempts(self.out)
         lines = [describe(a) for a in attempts[-LISTED:]]
         skipped = len(attempts) - len(lines)
-        print(f"attempts of run {self.out.parent.name} (logs in {logs_dir(self.out)}"
+        print(f"attempts of {self.name} (logs in {logs_dir(self.out)}"
               + (f"; {skipped} older in {RECORDS}" if skipped else "") + "):",
               *(f"  {line}" for line in lines), sep="\n", file=sys.stderr, flush=True)  # fmt: skip
 

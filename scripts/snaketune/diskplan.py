@@ -188,8 +188,7 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
                  on_gpu: bool = True) -> dict[str, Any] | None:  # fmt: skip
     """The disk plan of run ``name`` of a validated config (precision auto: bf16 on GPU,
     fp32 on CPU); None when the model's config.json cannot be read yet."""
-    from snaketune.fit import find_config_json, shape_and_deepspeed
-    from snaketune.memplan import setup_of
+    from snaketune.fit import find_config_json, setup_of, shape_and_deepspeed
 
     run = config["runs"][name]
     path = find_config_json(config, run, root)
@@ -279,7 +278,7 @@ def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_d
     config.json the estimate cannot read."""
     import json
 
-    from snaketune.memplan import setup_of
+    from snaketune.fit import setup_of
 
     config = model_dir / "config.json"
     try:

@@ -12,17 +12,64 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.errors import UserError
-from snaketune.memplan import (
-    CONTEXT_GIB,
-    GIB,
-    Shape,
-    estimate,
-    format_plan,
-    gpu_memory,
-    plan_run,
-    setup_of,
-)
+from snaketune.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate, format_plan, plan_run
 from snaketune.runspec import RunSpec
+
+
+def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
+    """The estimate's settings from a validated run and its DeepSpeed JSON."""
+    zero = deepspeed.get("zero_optimization", {})
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+    spec = RunSpec.of(run)
+    precision = run["precision"]
+    if precision == "auto":
+        precision = "bf16" if on_gpu else "fp32"
+    attention = run["attn_implementation"]
+    # what the run's method adds: sequences per planned example (DPO: a pair is 2), its
+    # rollouts (GRPO), a reference model (held by a full fine-tune only: LoRA's is the base
+    # with the adapter off)
+    extra = {"sequences_per_example": 1, **spec.method.memory(run, on_gpu)}
+    lora = spec.lora or {}
+    return Setup(
+        adapter=spec.adapter,  # a method plans as its LoRA or full update, plus extra
+        stage=int(zero.get("stage", 0)),
+        offload_optimizer=offloaded("offload_optimizer"),
+        offload_params=offloaded("offload_param"),
+        nodes=run["nodes"],
+        gpus_per_node=run["gpus_per_node"],
+        micro_batch_size=run["micro_batch_size"] * extra["sequences_per_example"],
+        max_length=run["max_length"],
+        gradient_checkpointing=bool(run["gradient_checkpointing"]),
+        attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
+        liger=on_gpu and run["liger_kernel"] is True,
+        bytes_per_weight=4 if precision == "fp32" else 2,
+        lora_r=lora.get("r", 0),
+        lora_targets=lora.get("target_modules", "all-linear"),
+        lora_saved=tuple(lora.get("modules_to_save", ())),
+        completion_length=extra.get("completion_length", 0),
+        reference=not spec.trains_lora and extra.get("reference", False),
+        vllm_share=extra.get("vllm_share", 0.0),
+        quantized=spec.quantized,
+        double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
+    )
+
+
+def gpu_memory(name_or_gib: str | float | None) -> float | None:
+    """GiB of one GPU from a table name (``h100-80gb``) or a number; None: not set."""
+    if name_or_gib is None:
+        return None
+    if isinstance(name_or_gib, int | float):
+        return float(name_or_gib)
+    try:
+        return GPUS[str(name_or_gib).lower()]
+    except KeyError:
+        raise UserError(
+            f"gpu: {name_or_gib!r} is not a known GPU ({', '.join(GPUS)}); give one of them "
+            "or its memory in GiB (e.g. gpu: 94)"
+        ) from None
 
 
 def shape_and_deepspeed(

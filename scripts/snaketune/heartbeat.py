@@ -88,7 +88,19 @@ class Heartbeat:
 
 # The order of a step's phases (progress.HeartbeatCallback, the model's hooks), to tell which of
 # two ranks seen moving at the same poll stands further on.
-PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs")
+PHASES = (
+    "start",
+    "data",
+    "forward",
+    "backward",
+    "optimizer",
+    "save",
+    "step end",
+    "outputs",
+    "done",
+)
+# A worker whose share is done (the reference stage's workers end one by one): never named.
+DONE = "done"
 
 
 @dataclass(frozen=True)
@@ -151,12 +163,15 @@ class StallWatch:
         # rank done training stops writing on purpose)
         writing = {r for r, s in self.seen.items() if now - s.beat < self.limit_s}
         frozen = [r for r, s in self.seen.items()
-                  if r not in writing and s.record["phase"] != "outputs"]  # fmt: skip
+                  if r not in writing and s.record["phase"] not in ("outputs", DONE)]  # fmt: skip
         if frozen and writing:
             rank = min(frozen, key=lambda r: self.seen[r].beat)
             return self._line(rank, now, len(self.seen) - len(frozen))
         # A rank stuck inside a step: others moved after it or stand further on
-        rank, behind = min(self.seen.items(), key=lambda kv: (kv[1].moved, kv[1].position))
+        working = {r: s for r, s in self.seen.items() if s.record["phase"] != DONE}
+        if not working:
+            return None
+        rank, behind = min(working.items(), key=lambda kv: (kv[1].moved, kv[1].position))
         if now - behind.moved < self.limit_s:
             return None
         ahead = [

@@ -16,16 +16,11 @@ import socket
 import time
 from pathlib import Path
 
-from snaketune.agents import (
-    choose_launcher,
-    flight_recorder,
-    flight_recorder_dir,
-    run_workers,
-    worker_environment,
-)
+from snaketune.agents import Workers, flight_recorder, flight_recorder_dir, worker_environment
+from snaketune.agents import start as start_agents
 from snaketune.checkpoints import checkpoint_step, newest_complete
 from snaketune.errors import UserError, error_lines
-from snaketune.heartbeat import StallWatch, stall_verdict
+from snaketune.heartbeat import stall_verdict
 from snaketune.io import digest, publish, sha256_file, write_json
 from snaketune.job import SEGMENT, Handoff, Job, read_segment
 from snaketune.network import RESULT as NETWORK
@@ -165,22 +160,18 @@ def start_workers(job: Job, nodes: int, gpus: int, deadline: float | None = None
                   checkpoint_bytes: int = 0) -> tuple[int, str | None]:  # fmt: skip
     """Run the workers to the end; (exit code, signal passed on to them, if any). With a
     ``deadline`` (epoch seconds) they stop ahead of it at a step end and save."""
-    run_id = f"snaketune-{job.out.parent.name}"
-    launcher = choose_launcher(job, nodes)
     saves = [s["save_s"] for s in read_segments(job) if s.get("save_s")]
     handoff = Handoff(deadline=deadline, stop_margin_s=job.stop_margin_s,
                       save_s=saves[-1] if saves and deadline is not None else None,
                       load_universal=needs_universal(job, nodes * gpus),
                       checkpoint_bytes=checkpoint_bytes)  # fmt: skip
     env = handoff.environ(worker_environment())
-    env.update(flight_recorder(job))
+    env.update(flight_recorder(job.out.parent.name))
     (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
-    log.info("launching %d node(s) x %d process(es) with the %s launcher", nodes, gpus, launcher)
-    watch = StallWatch(job.ckpt, job.spec["timeout_minutes"] * 60).start()
-    try:
-        return run_workers(job, nodes, gpus, launcher, run_id, env, watch)
-    finally:
-        watch.stop()
+    run = job.out.parent.name
+    workers = Workers(job.worker_argv, nodes, gpus, f"snaketune-{run}", "train", job.out,
+                      job.ckpt, job.spec["timeout_minutes"] * 60, job.launcher)  # fmt: skip
+    return start_agents(workers, env)
 
 
 DISK_FIXES = ("free space on it (lower save_total_limit, set checkpoints.optimizer: last, or "
@@ -238,7 +229,7 @@ def explain_failure(job: Job) -> None:
         raise UserError(network["problem"])
     stalled = stall_verdict(job.ckpt)
     if stalled:
-        dumps = sorted(flight_recorder_dir(job).glob("rank_*"))
+        dumps = sorted(flight_recorder_dir(job.out.parent.name).glob("rank_*"))
         raise UserError(
             f"stalled: {stalled}; every process of the job was stopped; a retry resumes from "
             f"{saved.name if saved else 'the start'} (if it stalls again, take that host out, "

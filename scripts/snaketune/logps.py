@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,10 @@ def load_scorer(model_dir: str | Path, precision: str, attention: str, device,
     return model
 
 
-def chunks(tokenized: str | Path) -> int:
+def chunks(tokenized: str | Path, chunk_pairs: int = CHUNK_PAIRS) -> int:
     """How many part files the pairs of ``tokenized`` make."""
     rows = pq.ParquetFile(tokenized).metadata.num_rows
-    return (rows + CHUNK_PAIRS - 1) // CHUNK_PAIRS
+    return (rows + chunk_pairs - 1) // chunk_pairs
 
 
 def part_path(parts: Path, chunk: int) -> Path:
@@ -99,15 +100,20 @@ def part_path(parts: Path, chunk: int) -> Path:
 
 def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, worker: int,
                   workers: int, batch_pairs: int, precision: str, attention: str,
-                  quantize: dict | None = None) -> int:  # fmt: skip
+                  quantize: dict | None = None,
+                  on_batch: Callable[[int], None] | None = None,
+                  chunk_pairs: int = CHUNK_PAIRS) -> int:  # fmt: skip
     """Worker ``worker`` of ``workers``: compute its chunks that have no part file yet;
-    returns how many it computed."""
+    returns how many it computed. ``on_batch(chunk)`` is called before each forward pass
+    (the worker's heartbeat)."""
     import torch
 
     from snaketune.rows import pad_id
 
     todo = [
-        c for c in range(worker, chunks(tokenized), workers) if not part_path(parts, c).exists()
+        c
+        for c in range(worker, chunks(tokenized, chunk_pairs), workers)
+        if not part_path(parts, c).exists()
     ]
     if not todo:
         return 0
@@ -119,9 +125,11 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     model = load_scorer(model_dir, precision, attention, device, quantize)
     table = pq.read_table(tokenized, columns=PAIR_COLUMNS)
     for c in todo:
-        rows = table.slice(c * CHUNK_PAIRS, CHUNK_PAIRS).to_pylist()
+        rows = table.slice(c * chunk_pairs, chunk_pairs).to_pylist()
         chosen, rejected = [], []
         for at in range(0, len(rows), batch_pairs):
+            if on_batch is not None:
+                on_batch(c)
             batch = pair_batch(rows[at : at + batch_pairs], pad)
             logps = sequence_logps(model, {k: v.to(device) for k, v in batch.items()})
             chosen.append(logps[0].cpu().numpy())
@@ -136,9 +144,10 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     return len(todo)
 
 
-def merge(tokenized: str | Path, parts: Path, out: Path) -> pa.Table:
+def merge(tokenized: str | Path, parts: Path, out: Path,
+          chunk_pairs: int = CHUNK_PAIRS) -> pa.Table:  # fmt: skip
     """The part files as one parquet in the tokenized file's order (every pair once)."""
-    n = chunks(tokenized)
+    n = chunks(tokenized, chunk_pairs)
     missing = [c for c in range(n) if not part_path(parts, c).exists()]
     if missing:
         raise RuntimeError(f"reference log-probs: {len(missing)} of {n} chunks missing "

@@ -173,6 +173,12 @@ def top_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
     return load_schema(root)["properties"][key]["default"]
 
 
+def run_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
+    """The schema's default of a run's key (for a command run by hand)."""
+    run = load_schema(root)["properties"]["runs"]["additionalProperties"]
+    return run["properties"][key]["default"]
+
+
 def check_config_files(paths: list[str | Path]) -> None:
     """Re-read the config files Snakemake loaded, to catch what its loader lets through
     (a key given twice)."""

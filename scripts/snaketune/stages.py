@@ -307,6 +307,35 @@ def train_mpi(run: dict[str, Any]) -> str | int:
     return "srun" if run["nodes"] > 1 else 0
 
 
+def train_flags(config: dict[str, Any], job_side: bool) -> str:
+    """The train job's optional flags: the all-reduce floor, and on the job side of a
+    cluster job one start per job (snaketune.attempts)."""
+    floor = config["preflight"].get("min_busbw_gbps")
+    flags = [f"--min-busbw {floor}"] if floor else []
+    return " ".join(flags + (["--one-start-per-job"] if job_side else []))
+
+
+def reference_settings(run: dict[str, Any]) -> str:
+    """What a run's reference log-probs depend on besides the inputs (also in the
+    output's key), as the stage's flags."""
+    settings = f"--precision {run['precision']} --attn-implementation {run['attn_implementation']}"
+    quantization = RunSpec.of(run).quantization
+    if quantization is not None:  # the policy's 4-bit base, adapter off
+        settings += (
+            f" --quantize {quantization['quantize']}"
+            f" --quant-type {quantization['quant_type']}"
+            f" --double-quant {str(quantization['double_quant']).lower()}"
+            f" --compute-dtype {quantization['compute_dtype']}"
+        )
+    return settings
+
+
+def flag_of(inputs: Any, key: str) -> str:
+    """``--<key> <path>`` for an optional input a rule may have (its script's flag), or ""."""
+    # a rule's input is a list of paths with names: `in` alone would look among the paths
+    return f"--{key} {inputs[key]}" if key in inputs.keys() else ""  # noqa: SIM118
+
+
 # ----------------------------------------------------------------------------- export
 
 

@@ -5,7 +5,6 @@ from functools import partial
 from pathlib import Path
 
 from snaketune import stages, targets
-from snaketune.attempts import one_start_per_job
 from snaketune.config import resolve_deepspeed
 from snaketune.methods import method_of
 from snaketune.runspec import RunSpec
@@ -24,10 +23,9 @@ REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
 # one an MPI-style job starts in turn) applies a rule's `retries` too: a failed train
 # attempt would start again inside the same SLURM job, beside the submitting Snakemake's
 # own retry as a new job. Only the submitting side retries; the job side starts the train
-# rule once (snaketune.attempts refuses a second start there).
+# rule once (snaketune.attempts refuses a second start there; the Snakefile tells it so).
 JOB_SIDE = workflow.remote_exec
 TRAIN_RETRIES = 0 if JOB_SIDE else 2
-one_start_per_job(JOB_SIDE)
 
 
 def run_of(wildcards):
@@ -85,7 +83,7 @@ def shard_packing_arg(wildcards):
 
 
 def shard_eval_arg(wildcards, input):
-    return f"--eval {input.eval}" if "eval" in input.keys() else ""
+    return stages.flag_of(input, "eval")
 
 
 # ----------------------------------------------------------------------------- train
@@ -136,9 +134,8 @@ def train_extras(wildcards):
     return stages.train_extras(config, wildcards.run)
 
 
-def min_busbw_arg(wildcards):
-    floor = config["preflight"].get("min_busbw_gbps")
-    return f"--min-busbw {floor}" if floor else ""
+def train_flags(wildcards):
+    return stages.train_flags(config, JOB_SIDE)
 
 
 def train_threads(wildcards):
@@ -196,21 +193,13 @@ def reference_batch(wildcards):
     return reference_run(wildcards)["micro_batch_size"]
 
 
+def reference_timeout(wildcards):
+    return reference_run(wildcards)["timeout_minutes"]
+
+
 def reference_settings(wildcards):
     """What the log-probs depend on besides the inputs (also in the output's key)."""
-    r = reference_run(wildcards)
-    settings = (
-        f"--precision {r['precision']} --attn-implementation {r['attn_implementation']}"
-    )
-    quantization = RunSpec.of(r).quantization
-    if quantization is not None:  # the policy's 4-bit base, adapter off
-        settings += (
-            f" --quantize {quantization['quantize']}"
-            f" --quant-type {quantization['quant_type']}"
-            f" --double-quant {str(quantization['double_quant']).lower()}"
-            f" --compute-dtype {quantization['compute_dtype']}"
-        )
-    return settings
+    return stages.reference_settings(reference_run(wildcards))
 
 
 # ----------------------------------------------------------------------------- export
@@ -286,7 +275,7 @@ def publish_inputs(wildcards):
 
 
 def publish_metrics_arg(wildcards, input):
-    return f"--metrics {input.metrics}" if "metrics" in input.keys() else ""
+    return stages.flag_of(input, "metrics")
 
 
 def publish_spec(wildcards):

@@ -29,10 +29,12 @@ rule reference_logps:
         tasks_per_gpu=0,
         workers_per_node=reference_gpus,
         batch_pairs=reference_batch,
+        timeout_minutes=reference_timeout,
     params:
         settings=reference_settings,
     shell:
         "python {input.script} --tokenized {input.tokenized} --model {input.model}"
         " --nodes {resources.nodes} --gpus-per-node {resources.workers_per_node}"
-        " --batch-pairs {resources.batch_pairs} {params.settings} --out {output.logps}"
+        " --batch-pairs {resources.batch_pairs} --timeout-minutes {resources.timeout_minutes}"
+        " {params.settings} --out {output.logps}"
         " > {log} 2>&1"

@@ -40,7 +40,7 @@ rule train:
         spec=run_spec,
         out="results/{run}/train",
         margin=config["stop_margin_seconds"],
-        busbw=min_busbw_arg,
+        flags=train_flags,
     # Every attempt (a retry, a requeue, the next invocation) also keeps its whole log in
     # results/{run}/train/logs/attempt-<n>.log; fd 3 (the job's own stderr) gets one line
     # naming it.
@@ -49,5 +49,5 @@ rule train:
     shell:
         "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
         " --model {input.model} --deepspeed {input.deepspeed} --out {params.out}"
-        " --time-limit {resources.runtime} --stop-margin {params.margin} {params.busbw}"
+        " --time-limit {resources.runtime} --stop-margin {params.margin} {params.flags}"
         " --announce-fd 3 3>&2 > {log} 2>&1"
