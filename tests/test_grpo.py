@@ -137,10 +137,11 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     the rewards and losses of the uninterrupted pipeline run: the rollouts after a resume
     are the same samples."""
     w = grpo_chain
-    spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
+    run = chain_config()["runs"]["rl_demo"]
+    spec = {k: v for k, v in run.items()
             if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
     # the held-out passes as the pipeline ran them (eval_steps), on the chain's eval set
-    spec["heldout"] = spec_of(spec, str(w / stages.tokenized(chain_config(), "rl_demo", True)))
+    spec["heldout"] = spec_of(run, str(w / stages.tokenized(chain_config(), "rl_demo", True)))
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
     start, resumed = kill_and_resume(w / "results/rl_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")

@@ -307,12 +307,10 @@ def train_mpi(run: dict[str, Any]) -> str | int:
     return "srun" if run["nodes"] > 1 else 0
 
 
-def train_flags(config: dict[str, Any], job_side: bool) -> str:
-    """The train job's optional flags: the all-reduce floor, and on the job side of a
-    cluster job one start per job (snaketune.attempts)."""
+def train_flags(config: dict[str, Any]) -> str:
+    """The train job's optional flags: the all-reduce floor (preflight.min_busbw_gbps)."""
     floor = config["preflight"].get("min_busbw_gbps")
-    flags = [f"--min-busbw {floor}"] if floor else []
-    return " ".join(flags + (["--one-start-per-job"] if job_side else []))
+    return f"--min-busbw {floor}" if floor else ""
 
 
 def reference_settings(run: dict[str, Any]) -> str:

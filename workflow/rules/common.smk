@@ -135,7 +135,7 @@ def train_extras(wildcards):
 
 
 def train_flags(wildcards):
-    return stages.train_flags(config, JOB_SIDE)
+    return stages.train_flags(config)
 
 
 def train_threads(wildcards):
