@@ -88,23 +88,26 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
         local = args.nodes * args.gpus_per_node if here else args.gpus_per_node
         env["OMP_NUM_THREADS"] = str(threads_per_worker(local))
         code, signalled = start(workers, env)
+        if code != 0:
+            from snaketune.heartbeat import stall_verdict
+
+            stalled = stall_verdict(folder)
+            reason = f"stalled: {stalled}" if stalled else (
+                f"stopped by {signalled}" if signalled else None)  # fmt: skip
+            log.error("a worker failed (exit %d); the chunks written are kept, a rerun "
+                      "computes the rest", code)  # fmt: skip
+            attempt.finish(code, reason)
+            return code
+        table = merge(args.tokenized, folder / "parts", out, args.chunk_pairs)
     except UserError as exc:
         from snaketune.cli import print_error
 
         print_error(exc)
         attempt.finish(2, "; ".join(error_lines(exc)))
         return 2
-    if code != 0:
-        from snaketune.heartbeat import stall_verdict
-
-        stalled = stall_verdict(folder)
-        reason = f"stalled: {stalled}" if stalled else (
-            f"stopped by {signalled}" if signalled else None)  # fmt: skip
-        log.error("a worker failed (exit %d); the chunks written are kept, a rerun computes "
-                  "the rest", code)  # fmt: skip
-        attempt.finish(code, reason)
-        return code
-    table = merge(args.tokenized, out.parent / "parts", out, args.chunk_pairs)
+    except BaseException as exc:  # recorded as this attempt's end, then raised
+        attempt.finish(1, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+        raise
     settings = {
         "precision": args.precision,
         "attn_implementation": args.attn_implementation,
@@ -112,9 +115,9 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
     }
     inputs = {"tokenized": args.tokenized, "model": args.model}
     prov = record("reference_logps", str(out), settings, inputs,
-                  output_hashes(out.parent, [out.name]))  # fmt: skip
-    write_provenance(out.parent / NAME, prov)
-    shutil.rmtree(out.parent / "parts", ignore_errors=True)
+                  output_hashes(folder, [out.name]))  # fmt: skip
+    write_provenance(folder / NAME, prov)
+    shutil.rmtree(folder / "parts", ignore_errors=True)
     log.info("reference log-probs of %d pairs -> %s", table.num_rows, out)
     attempt.finish(0, f"{table.num_rows} pairs scored")
     return 0
