@@ -88,19 +88,10 @@ class Heartbeat:
 
 # The order of a step's phases (progress.HeartbeatCallback, the model's hooks), to tell which of
 # two ranks seen moving at the same poll stands further on.
-PHASES = (
-    "start",
-    "data",
-    "forward",
-    "backward",
-    "optimizer",
-    "save",
-    "step end",
-    "outputs",
-    "done",
-)
 # A worker whose share is done (the reference stage's workers end one by one): never named.
 DONE = "done"
+PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs",
+          DONE)  # fmt: skip
 
 
 @dataclass(frozen=True)

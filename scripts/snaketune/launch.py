@@ -165,10 +165,10 @@ def start_workers(job: Job, nodes: int, gpus: int, deadline: float | None = None
                       save_s=saves[-1] if saves and deadline is not None else None,
                       load_universal=needs_universal(job, nodes * gpus),
                       checkpoint_bytes=checkpoint_bytes)  # fmt: skip
-    env = handoff.environ(worker_environment())
-    env.update(flight_recorder(job.out.parent.name))
-    (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
     run = job.out.parent.name
+    env = handoff.environ(worker_environment())
+    env.update(flight_recorder(run))
+    (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
     workers = Workers(job.worker_argv, nodes, gpus, f"snaketune-{run}", "train", job.out,
                       job.ckpt, job.spec["timeout_minutes"] * 60, job.launcher)  # fmt: skip
     return start_agents(workers, env)

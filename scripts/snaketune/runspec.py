@@ -26,9 +26,8 @@ QUANTIZATION_KEYS = ("quantize", "quant_type", "double_quant", "compute_dtype")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """The facts derived from one validated run (``settings``, schema defaults filled)."""
+    """The facts derived from one validated run (schema defaults filled)."""
 
-    settings: Mapping[str, Any]
     method: Method
     adapter: str  # "lora" or "full": what the run's checkpoint holds
     # its LoRA block (None: every weight trains; validation refuses one on such a run)
@@ -46,7 +45,6 @@ class RunSpec:
         lora = run.get("lora")
         quantized = lora is not None and lora["quantize"] != "none"
         return cls(
-            settings=run,
             method=method,
             adapter=adapter,
             lora=lora,
