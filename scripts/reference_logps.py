@@ -100,7 +100,7 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
             return code
         table = merge(args.tokenized, folder / "parts", out, args.chunk_pairs)
     except UserError as exc:
-        from snaketune.cli import print_error
+        from snaketune.errors import print_error
 
         print_error(exc)
         attempt.finish(2, "; ".join(error_lines(exc)))

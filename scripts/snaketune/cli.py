@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from snaketune.errors import UserError, error_lines
+from snaketune.errors import UserError, print_error
 
 # (This module is also the entry scripts' shared plumbing: setup_logging and run.)
 
@@ -54,14 +54,6 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
     except UserError as exc:
         print_error(exc)
         return 2
-
-
-def print_error(exc: UserError) -> None:
-    """``exc`` as its lines on stderr, each "error: ...", secret values masked."""
-    from snaketune.redact import redact, secret_values
-
-    for line in error_lines(exc):
-        print(f"error: {redact(line, secret_values())}", file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,6 +6,8 @@ every other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import sys
+
 
 class UserError(Exception):
     """Bad input (config, data, paths): the message is shown as is, on one line."""
@@ -39,3 +41,11 @@ def labelled(error: UserError) -> list[tuple[str, str]]:
     if isinstance(error, ConfigProblems):
         return [("config error", x) for x in error.lines] + [("error", x) for x in error.other]
     return [("config error" if isinstance(error, ConfigError) else "error", str(error))]
+
+
+def print_error(exc: UserError) -> None:
+    """``exc`` as its lines on stderr, each "error: ...", secret values masked."""
+    from snaketune.redact import redact, secret_values
+
+    for line in error_lines(exc):
+        print(f"error: {redact(line, secret_values())}", file=sys.stderr, flush=True)

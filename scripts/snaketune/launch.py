@@ -357,7 +357,7 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     them finished. On SLURM, a stop ahead of the limit requeues the job (lock released
     first)."""
     from snaketune.attempts import Attempt, done
-    from snaketune.cli import print_error
+    from snaketune.errors import print_error
     from snaketune.job import STOPPED_EXIT_CODE
 
     attempt = Attempt(job.out, announce_fd)

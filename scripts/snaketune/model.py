@@ -13,9 +13,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from snaketune.progress import FlopsModel
-from snaketune.runspec import RunSpec
-from snaketune.throughput import matmul_params, peak_tflops
+from snaketune.throughput import FlopsModel, matmul_params, peak_tflops
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +83,8 @@ def trainable_in(model, dtype: torch.dtype) -> None:
                 copy.load_state_dict(module.original_module.state_dict())
 
 
-def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | None:
-    """What MFU needs (on GPU only)."""
+def flops_model(run: dict[str, Any], model, world_size: int, lora: bool) -> FlopsModel | None:
+    """What MFU needs (on GPU only); ``lora``: the run trains an adapter."""
     if not torch.cuda.is_available():
         return None
     cfg = model.config
@@ -97,7 +95,7 @@ def flops_model(run: dict[str, Any], model, world_size: int) -> FlopsModel | Non
             torch.cuda.get_device_name(),
         )
     return FlopsModel(matmul_params(model), cfg.num_hidden_layers, cfg.hidden_size,
-                      RunSpec.of(run).trains_lora, world_size, peak)  # fmt: skip
+                      lora, world_size, peak)  # fmt: skip
 
 
 def load_deepspeed(path: Path, load_universal: bool = False) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import resource
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from snaketune.diskplan import DiskGuard
 from snaketune.health import LEVEL, STATUS, Watchdog
 from snaketune.heartbeat import Heartbeat
 from snaketune.job import Handoff
-from snaketune.throughput import mfu, step_flops
+from snaketune.throughput import FlopsModel, mfu, step_flops
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +110,6 @@ def peak_memory_mib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-@dataclass(frozen=True)
-class FlopsModel:
-    """What the MFU of a step needs (see snaketune.throughput); None on CPU."""
-
-    n_params: int
-    layers: int
-    hidden: int
-    lora: bool
-    gpus: int
-    peak_tflops: float | None
 
 
 def _duration(seconds: float) -> str:

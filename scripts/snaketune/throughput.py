@@ -23,6 +23,21 @@ overrides them (another GPU, or fp16/fp32 peaks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """What the MFU of a step needs; None on CPU."""
+
+    n_params: int
+    layers: int
+    hidden: int
+    lora: bool
+    gpus: int
+    peak_tflops: float | None
+
+
 PEAK_BF16_TFLOPS = {  # per GPU, dense
     "H200": 989.0,
     "H100 SXM": 989.0,

@@ -269,7 +269,8 @@ def run_worker(
         disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes))
     callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
                             run["save_total_limit"], start_step, watchdog,
-                            flops_model(run, model, env.world_size), Deadline.handed(handoff),
+                            flops_model(run, model, env.world_size, spec.trains_lora),
+                            Deadline.handed(handoff),
                             run["checkpoints"]["optimizer"], disk, network,
                             spec.method.step_fields, kept_best(run))  # fmt: skip
     fixes = [UniversalLoadFix()] if handoff.load_universal else []
