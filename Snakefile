@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from snakemake.utils import min_version
-from snaketune.attempts import one_start_per_job
-from snaketune.checks import at_parse, check_workflow, in_dry_runs
-from snaketune.errors import UserError, labelled
-from snaketune.summary import report_line
+from snaketune.core.errors import UserError, labelled
+from snaketune.plan.checks import at_parse, check_workflow, in_dry_runs
+from snaketune.plan.summary import report_line
+from snaketune.train.attempts import one_start_per_job
 
 min_version("9.0")
 
@@ -43,7 +43,7 @@ TOKENIZE = PARSED.tokenize
 BASE_EVALS = PARSED.base_evals
 # In the Snakemake inside a cluster job (remote mode), the train jobs it starts refuse a
 # second start of their run inside that job: only the submitting Snakemake retries
-# (TRAIN_RETRIES, common.smk; snaketune.attempts).
+# (TRAIN_RETRIES, common.smk; snaketune.train.attempts).
 one_start_per_job(workflow.remote_exec)
 
 
@@ -62,7 +62,7 @@ include: "workflow/rules/sweep.smk"
 
 # Before anything runs or is queued, and in a dry run too: memory and disk plans of the
 # runs about to train, lm-eval's task names; on SLURM, every job's resources against its
-# partition (snaketune.checks.before_queueing).
+# partition (snaketune.plan.checks.before_queueing).
 onstart:
     check_workflow(config, workflow, dry_run=False)
 

@@ -4,7 +4,7 @@
     python bench/allreduce.py --ranks 4 --mib 4 64
 
 Starts ``--ranks`` processes in one gloo group on 127.0.0.1 (on a GPU machine, one NCCL
-rank per GPU) and runs snaketune.network.allreduce_busbw for each size: 2 warm-up rounds,
+rank per GPU) and runs snaketune.train.network.allreduce_busbw for each size: 2 warm-up rounds,
 5 timed, the slowest rank's mean. busbw = bytes / time x 2 (n - 1) / n (nccl-tests'
 figure). The train job uses 4 MiB on CPU and 256 MiB on GPU.
 """
@@ -27,7 +27,7 @@ def worker(rank: int, ranks: int, port: int, sizes: list[int], results) -> None:
     import torch
     import torch.distributed as dist
 
-    from snaketune.network import allreduce_busbw
+    from snaketune.train.network import allreduce_busbw
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
     if cuda:
@@ -48,7 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from snaketune.agents import free_port
+    from snaketune.train.agents import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.Manager() as manager:

@@ -65,9 +65,9 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def make_checkpoint(tmp: Path, layers: int) -> tuple[Path, int]:
-    from snaketune.config import load_yaml, validate_config
-    from snaketune.fixtures import FixtureSizes, make_sharded_fixture
-    from snaketune.shard import Layout
+    from snaketune.app.fixtures import FixtureSizes, make_sharded_fixture
+    from snaketune.data.shard import Layout
+    from snaketune.plan.config import load_yaml, validate_config
 
     sizes = FixtureSizes(
         train_rows=64,
@@ -168,8 +168,8 @@ def main() -> int:
                  "--out", str(tmp / "ours"), "--max-shard-size", args.shard_size, "--dtype", "float32"]),
             "convert: ours, consolidation only": (tmp / "ours-only",
                 [py, "-c", "import sys, torch; from pathlib import Path; "
-                 "from snaketune.convert import write_shards, parse_size; "
-                 "from snaketune.zero_checkpoint import ZeroCheckpoint; "
+                 "from snaketune.export.convert import write_shards, parse_size; "
+                 "from snaketune.export.zero_checkpoint import ZeroCheckpoint; "
                  "o = Path(sys.argv[2]); o.mkdir(); c = ZeroCheckpoint(sys.argv[1]); "
                  "write_shards(c.plan(), c.tensors(), o, parse_size(sys.argv[3]), torch.float32)",
                  str(ckpt), str(tmp / "ours-only"), args.shard_size]),

@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(work: Path) -> dict[str, Path]:
     """Fixtures, the pairs tokenized and sharded for 2 x 1 (the DPO demo's layout)."""
-    from snaketune.conversations import Source
-    from snaketune.fixtures import make_fixtures
-    from snaketune.shard import Layout, shard
-    from snaketune.sources import download_dataset
-    from snaketune.tokenization import tokenize
+    from snaketune.app.fixtures import make_fixtures
+    from snaketune.data.conversations import Source
+    from snaketune.data.shard import Layout, shard
+    from snaketune.data.sources import download_dataset
+    from snaketune.data.tokenization import tokenize
 
     paths = make_fixtures(work / "fixtures")
     spec = {"source": "local", "path": str(paths["arith"] / "pairs-train.jsonl"),
@@ -58,7 +58,7 @@ def prepare(work: Path) -> dict[str, Path]:
 
 
 def run_spec(method: str, steps: int, reference: str, logps: Path) -> dict:
-    from snaketune.config import load_yaml, validate_config
+    from snaketune.plan.config import load_yaml, validate_config
 
     config = load_yaml(ROOT / "config" / "config.yaml")
     overlay = load_yaml(ROOT / "config" / "dpo_demo.yaml")

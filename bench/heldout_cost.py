@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def demo_run(eval_steps: int | None, eval_set: Path, answers: bool, steps: int | None) -> dict:
     """config/config.yaml's demo run, validated, with held-out passes or not (``steps``: that
     many optimizer steps instead of the demo's)."""
-    from snaketune.config import load_yaml, validate_config
-    from snaketune.heldout import spec_of
+    from snaketune.core.heldout import spec_of
+    from snaketune.plan.config import load_yaml, validate_config
 
     config = load_yaml(ROOT / "config" / "config.yaml")
     if steps:

@@ -63,8 +63,8 @@ def first_worker(root: Path, spec: dict, shards: Path, model: Path, work: Path) 
 
 
 def import_seconds(root: Path) -> float:
-    """The launcher's import time of snaketune.launch (the cumulative figure)."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import snaketune.launch"],
+    """The launcher's import time of snaketune.train.launch (the cumulative figure)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import snaketune.train.launch"],
                           cwd=root / "scripts", capture_output=True, text=True, check=True)  # fmt: skip
     last = [x for x in proc.stderr.splitlines() if re.search(r"\| snaketune\.launch$", x)][-1]
     return int(last.split("|")[1]) / 1e6
@@ -76,8 +76,8 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose train.py runs")
     parser.add_argument("--repeats", type=int, default=5, help="job starts measured")
     args = parser.parse_args()
-    from snaketune.fixtures import FixtureSizes, demo_run_spec, make_sharded_fixture
-    from snaketune.shard import Layout
+    from snaketune.app.fixtures import FixtureSizes, demo_run_spec, make_sharded_fixture
+    from snaketune.data.shard import Layout
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -93,7 +93,7 @@ def main() -> int:
     print(f"checkout: {args.root.resolve()}")
     print(f"shell start -> first worker start: median {statistics.median(times):.2f} s "
           f"({', '.join(f'{t:.2f}' for t in times)})")  # fmt: skip
-    print(f"launcher imports (snaketune.launch): {import_seconds(args.root.resolve()):.2f} s")
+    print(f"launcher imports (snaketune.train.launch): {import_seconds(args.root.resolve()):.2f} s")
     return 0
 
 

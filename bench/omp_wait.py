@@ -64,8 +64,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--side-by-side", type=int, default=3, help="runs at once (2nd case)")
     args = parser.parse_args()
-    from snaketune.fixtures import FixtureSizes, demo_run_spec, make_sharded_fixture
-    from snaketune.shard import Layout
+    from snaketune.app.fixtures import FixtureSizes, demo_run_spec, make_sharded_fixture
+    from snaketune.data.shard import Layout
 
     spec = demo_run_spec(ROOT, max_steps=args.steps, save_steps=10**6)
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,12 +4,12 @@ holds, on CPU.
     python bench/qlora_memory.py                 # a table: plan and measured, per part
     python bench/qlora_memory.py --json          # the same as JSON
 
-Two models, each loaded as the train stage loads it (snaketune.model.build_model: 4-bit
+Two models, each loaded as the train stage loads it (snaketune.evaluation.model.build_model: 4-bit
 NF4 linear layers with double quantization, peft's k-bit preparation), wrapped with a LoRA
 adapter on every linear layer and trained a few AdamW steps on random tokens at full
 length (fp32, sdpa, one process):
 
-- ``demo``: the demo's model (snaketune.fixtures, 180k weights) with the demo's settings
+- ``demo``: the demo's model (snaketune.app.fixtures, 180k weights) with the demo's settings
   (config/qlora_demo.yaml: LoRA r8, modules_to_save lm_head and embed_tokens, micro batch
   32 x 256 tokens);
 - ``29m``: a random Llama of 29.4M weights (hidden 512, 8 layers, vocabulary 4096), LoRA
@@ -27,7 +27,7 @@ Two measurements of the same training:
   baseline before loading (the same code run once on a tiny model first, so libraries and
   kernels are in place). It adds what glibc's allocator keeps after tensors are freed.
 
-Plan: snaketune.memplan's weights, gradients, optimizer states and activations for the same
+Plan: snaketune.plan.memplan's weights, gradients, optimizer states and activations for the same
 settings (no margin). tests/test_memplan.py checks the demo's rows: the plan within 15% of
 the tensors' peak.
 """
@@ -143,7 +143,7 @@ def model_dir(case: Case, tmp: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if not case.sizes:  # the demo's model, as scripts/make_fixtures.py builds it
-        from snaketune.fixtures import make_fixtures
+        from snaketune.app.fixtures import make_fixtures
 
         make_fixtures(tmp)
         return tmp / "tiny-llama"
@@ -157,7 +157,7 @@ def train(path: Path, case: Case, quantized: bool, steps: int, measure: bool) ->
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from snaketune.model import build_model, trainable_in
+    from snaketune.evaluation.model import build_model, trainable_in
 
     trim()
     baseline = resident()
@@ -198,7 +198,7 @@ def train(path: Path, case: Case, quantized: bool, steps: int, measure: bool) ->
 
 
 def plan(path: Path, case: Case, quantized: bool) -> dict[str, float]:
-    from snaketune.memplan import Setup, Shape, activations, model_states
+    from snaketune.plan.memplan import Setup, Shape, activations, model_states
 
     shape = Shape.from_config(json.loads((path / "config.json").read_text()))
     setup = Setup(adapter="lora", stage=0, offload_optimizer=False, offload_params=False,

@@ -5,7 +5,7 @@ and peak memory at two dataset sizes 10x apart.
     python bench/tokenize.py --rows 50000         # quicker
 
 Prints tokens/s of
-  ours         snaketune.tokenization.tokenize (read parquet, chat template, encode, mask,
+  ours         snaketune.data.tokenization.tokenize (read parquet, chat template, encode, mask,
                length policy, write parquet)
   (a) raw      tokenizer(texts) in batches of 1024 on the already-templated texts, and the
                Rust backend's encode_batch on the same texts (no template, no masks, no I/O)
@@ -44,7 +44,7 @@ def make_data(out: Path, rows: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from snaketune.fixtures import _problem
+    from snaketune.app.fixtures import _problem
 
     rng = random.Random(rows)
     path = out / f"data-{rows}.parquet"
@@ -60,9 +60,9 @@ def make_data(out: Path, rows: int) -> Path:
 
 def run_ours(data: Path, model: Path, out: Path) -> dict:
     """tokenize() in this process; returns tokens, seconds, peak RSS (MiB)."""
-    from snaketune.chat import load_tokenizer
-    from snaketune.conversations import Source
-    from snaketune.tokenization import tokenize
+    from snaketune.data.chat import load_tokenizer
+    from snaketune.data.conversations import Source
+    from snaketune.data.tokenization import tokenize
 
     load_tokenizer(model)  # imports done before the clock starts, as for the baselines
     start = time.perf_counter()
@@ -81,7 +81,7 @@ def in_subprocess(data: Path, model: Path, out: Path) -> dict:
 def run_raw(data: Path, model: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from snaketune.chat import ChatRenderer, load_tokenizer
+    from snaketune.data.chat import ChatRenderer, load_tokenizer
 
     tok = load_tokenizer(model)
     renderer = ChatRenderer(tok)
@@ -105,7 +105,7 @@ def run_raw(data: Path, model: Path) -> dict:
 def run_map(data: Path, model: Path, cache: Path) -> dict:
     import datasets
 
-    from snaketune.chat import load_tokenizer
+    from snaketune.data.chat import load_tokenizer
 
     datasets.disable_progress_bars()
     tok = load_tokenizer(model)
@@ -143,7 +143,7 @@ def main() -> int:
         print(json.dumps(run_ours(data, model, out)))
         return 0
 
-    from snaketune.fixtures import make_fixtures
+    from snaketune.app.fixtures import make_fixtures
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

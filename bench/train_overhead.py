@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(tmp: Path, micro: int, steps: int) -> tuple[Path, Path]:
     """Fixtures, tokenized data and a 1-node shard with at least ``steps`` batches."""
-    from snaketune.fixtures import FixtureSizes, make_sharded_fixture
-    from snaketune.shard import Layout
+    from snaketune.app.fixtures import FixtureSizes, make_sharded_fixture
+    from snaketune.data.shard import Layout
 
     sizes = FixtureSizes(train_rows=max(512, micro * steps), test_rows=8)
     made = make_sharded_fixture(tmp, sizes, Layout(1, 1, micro, 1), packing=False)
@@ -56,7 +56,7 @@ def training_env() -> dict[str, str]:
 
 
 def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
-    from snaketune.fixtures import demo_run_spec, run_train_stage
+    from snaketune.app.fixtures import demo_run_spec, run_train_stage
 
     spec = demo_run_spec(ROOT, method="full", nodes=1, gpus_per_node=1, micro_batch_size=micro,
                          gradient_accumulation_steps=1, max_steps=steps, learning_rate=lr,
@@ -83,8 +83,8 @@ def plain_loop(model_dir: Path, shards: Path, micro: int, steps: int, lr: float)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from snaketune.batches import PlanBatches, read_rank_rows
-    from snaketune.packing import Collator
+    from snaketune.data.batches import PlanBatches, read_rank_rows
+    from snaketune.data.packing import Collator
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count())

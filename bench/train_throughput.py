@@ -16,7 +16,7 @@ tokens/s counts real (non-pad) tokens of the steps after --warmup, from metrics.
 CPU mode (1 node x 1 process, full fine-tuning, fp32, attn_implementation: sdpa):
   padded   packing: false (one row per example, padded to the longest)
   packed   packing: true  (what sdpa trains packed batches with on CPU: one row, sdpa one
-           example at a time, snaketune.packing.segment_attention)
+           example at a time, snaketune.data.kernels.segment_attention)
 and, on the same model, forward+backward of the same micro batches in each layout under
 sdpa and eager: padded, rows of at most max_length (block-diagonal mask), one row holding
 all (block-diagonal mask), and one row under sdpa_segments (what decides which packed
@@ -73,7 +73,7 @@ def write_tokenized(path: Path, lengths: np.ndarray, vocab: int, seed: int = 0) 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from snaketune.tokenization import OUTPUT_SCHEMA
+    from snaketune.data.tokenization import OUTPUT_SCHEMA
 
     rng = np.random.default_rng(seed)
     ids, labels = [], []
@@ -101,7 +101,7 @@ def make_model(out: Path, gpu: bool, layers: int) -> tuple[Path, int]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from snaketune.fixtures import build_tokenizer, make_gsm8k_like
+    from snaketune.app.fixtures import build_tokenizer, make_gsm8k_like
 
     tokenizer = build_tokenizer(
         ["bench corpus"] + [r["answer"] for r in make_gsm8k_like(64, 0)["train"]], 1024
@@ -146,8 +146,8 @@ def steady(records: list[dict], warmup: int) -> dict[str, float]:
 def train_side(tmp: Path, name: str, tokenized: Path, model: Path, micro: int, steps: int,
                packing: bool, **run) -> list[dict]:  # fmt: skip
     """Shard (packed or not) and run the train stage; return metrics records."""
-    from snaketune.fixtures import demo_run_spec, run_train_stage
-    from snaketune.shard import Layout, shard
+    from snaketune.app.fixtures import demo_run_spec, run_train_stage
+    from snaketune.data.shard import Layout, shard
 
     shards = tmp / f"shards-{name}"
     manifest = shard(tokenized, shards, Layout(1, 1, micro, 1), seed=0, packing=packing)
@@ -165,7 +165,8 @@ def layout_timings(model_dir: Path, tokenized: Path, micro: int, rows: int, batc
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from snaketune.packing import SEGMENTS, Collator, register_segment_attention
+    from snaketune.data.kernels import SEGMENTS, register_segment_attention
+    from snaketune.data.packing import Collator
 
     register_segment_attention()
     table = pq.read_table(tokenized, columns=["example_id", "input_ids", "labels"]).to_pylist()
@@ -235,7 +236,7 @@ def qlora(args: argparse.Namespace) -> None:
 
 
 def cpu(args: argparse.Namespace) -> None:
-    from snaketune.packing import SEGMENTS
+    from snaketune.data.kernels import SEGMENTS
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -273,7 +274,7 @@ def cpu(args: argparse.Namespace) -> None:
 def gpu(args: argparse.Namespace) -> None:
     import torch
 
-    from snaketune.packing import installed
+    from snaketune.data.kernels import installed
 
     assert torch.cuda.is_available(), "--gpu needs a CUDA GPU"
     n = args.micro_batch_size * args.steps

@@ -14,8 +14,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from snaketune.cli import run
-from snaketune.sources import download_dataset
+from snaketune.app.cli import run
+from snaketune.data.sources import download_dataset
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,14 +19,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
+from snaketune.app.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from snaketune.evaluate import base_pair_logps, evaluate
-    from snaketune.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.evaluation.evaluate import base_pair_logps, evaluate
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

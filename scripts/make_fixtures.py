@@ -12,8 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from snaketune.cli import run
-from snaketune.fixtures import make_fixtures
+from snaketune.app.cli import run
+from snaketune.app.fixtures import make_fixtures
 
 
 def main(argv: Sequence[str] | None = None) -> int:

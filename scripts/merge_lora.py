@@ -17,13 +17,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
+from snaketune.app.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.adapters import merge_lora
-    from snaketune.convert import export_dtype
-    from snaketune.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.export.adapters import merge_lora
+    from snaketune.export.convert import export_dtype
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

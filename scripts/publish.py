@@ -18,12 +18,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
+from snaketune.app.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.io import atomic_paths, write_json
-    from snaketune.publish import build_folder, upload
+    from snaketune.core.io import atomic_paths, write_json
+    from snaketune.export.hub import build_folder, upload
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

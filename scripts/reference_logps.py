@@ -6,14 +6,14 @@
         --out results/reference_logps/REF/logps.parquet
 
 Data parallel over nodes x gpus_per_node workers, one per device (each holds the model),
-started by the train job's launcher (snaketune.agents): torchrun agents on this machine,
+started by the train job's launcher (snaketune.train.agents): torchrun agents on this machine,
 or one srun task per node inside a SLURM job after the preflight; the stall watch reads
 the workers' heartbeats (results/reference_logps/REF/heartbeat/), a worker that fails takes
 the others down, and each start of the stage keeps its own log
-(results/reference_logps/REF/logs/attempt-<n>.log, snaketune.attempts). Each worker writes
+(results/reference_logps/REF/logs/attempt-<n>.log, snaketune.train.attempts). Each worker writes
 its chunks of pairs to ``parts/`` beside the output as it finishes them, so a rerun after a
 kill computes only what is missing; the output is written once every chunk is there
-(snaketune.logps).
+(snaketune.evaluation.logps).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune import qlora
-from snaketune.cli import run
-from snaketune.logps import CHUNK_PAIRS, compute_parts, merge, threads_per_worker
-from snaketune.model import resolve_precision
-from snaketune.packing import resolve_attention
-from snaketune.provenance import NAME, output_hashes, record, write_provenance
+from snaketune.app.cli import run
+from snaketune.core import qlora
+from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+from snaketune.data.kernels import resolve_attention
+from snaketune.evaluation.logps import CHUNK_PAIRS, compute_parts, merge, threads_per_worker
+from snaketune.evaluation.model import resolve_precision
 
 log = logging.getLogger("reference_logps")
 
 
 def worker(args: argparse.Namespace, parts: Path) -> int:
     """One device's share: worker RANK of WORLD_SIZE (torchrun's), its heartbeat written."""
-    from snaketune.heartbeat import DONE, FOLDER, Heartbeat
-    from snaketune.runlock import die_with_parent
+    from snaketune.core.heartbeat import DONE, FOLDER, Heartbeat
+    from snaketune.core.runlock import die_with_parent
 
     die_with_parent()  # never outlive the agent that started it
     rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -67,15 +67,15 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
 def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
     """Every worker through the shared launcher, as one attempt of the stage; then the
     output once every chunk is there."""
-    from snaketune.agents import Workers, choose_launcher, start, worker_environment
-    from snaketune.attempts import Attempt
-    from snaketune.errors import UserError, error_lines
+    from snaketune.core.errors import UserError, error_lines
+    from snaketune.train.agents import Workers, choose_launcher, start, worker_environment
+    from snaketune.train.attempts import Attempt
 
     folder = out.parent
     attempt = Attempt(folder, stage="reference_logps", name=folder.name)
     timeout = args.timeout_minutes
     if timeout is None:  # run by hand: the run's default
-        from snaketune.schema import run_default
+        from snaketune.plan.schema import run_default
 
         timeout = run_default("timeout_minutes")
     workers = Workers([str(Path(__file__).resolve()), *shared, "--worker"], args.nodes,
@@ -89,7 +89,7 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
         env["OMP_NUM_THREADS"] = str(threads_per_worker(local))
         code, signalled = start(workers, env)
         if code != 0:
-            from snaketune.heartbeat import stall_verdict
+            from snaketune.core.heartbeat import stall_verdict
 
             stalled = stall_verdict(folder)
             reason = f"stalled: {stalled}" if stalled else (
@@ -100,7 +100,7 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
             return code
         table = merge(args.tokenized, folder / "parts", out, args.chunk_pairs)
     except UserError as exc:
-        from snaketune.errors import print_error
+        from snaketune.core.errors import print_error
 
         print_error(exc)
         attempt.finish(2, "; ".join(error_lines(exc)))

@@ -21,20 +21,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
-from snaketune.io import atomic_paths, read_jsonl
-from snaketune.plots import sweep_svg, training_svg
-from snaketune.provenance import lineage
-from snaketune.report import summary_html, sweep_section
-from snaketune.runspec import RunSpec
-from snaketune.summary import summary_row, write_summary
+from snaketune.app.cli import run
+from snaketune.app.plots import sweep_svg, training_svg
+from snaketune.app.report import summary_html, sweep_section
+from snaketune.core.io import atomic_paths, read_jsonl
+from snaketune.core.provenance import lineage
+from snaketune.plan.runspec import RunSpec
+from snaketune.plan.summary import summary_row, write_summary
 
 
 def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, list[dict]],
                    evals: dict[str, dict]) -> list[str]:  # fmt: skip
-    """The report's section of each sweep (snaketune.sweep): its members compared, the best
+    """The report's section of each sweep (snaketune.plan.sweep): its members compared, the best
     one chosen as results/<sweep>/best.json chooses it."""
-    from snaketune.sweep import best_member, sweeps_of
+    from snaketune.plan.sweep import best_member, sweeps_of
 
     sections = []
     for sweep, members in sweeps_of(runs).items():

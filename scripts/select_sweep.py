@@ -1,4 +1,4 @@
-"""Pick a sweep's best member: results/<sweep>/best.json (snaketune.sweep).
+"""Pick a sweep's best member: results/<sweep>/best.json (snaketune.plan.sweep).
 
     python scripts/select_sweep.py --sweep demo --members '{"demo-learning_rate_0p003": {...}}' \\
         --out results/demo/best.json
@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
-from snaketune.io import atomic_paths, read_jsonl
-from snaketune.sweep import best_member
+from snaketune.app.cli import run
+from snaketune.core.io import atomic_paths, read_jsonl
+from snaketune.plan.sweep import best_member
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,12 +19,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
-from snaketune.errors import DataError
-from snaketune.io import atomic_path, write_json
-from snaketune.packing import check_packing, expected_attention
-from snaketune.provenance import NAME, output_hashes, record, write_provenance
-from snaketune.shard import Layout, check_overlap, shard
+from snaketune.app.cli import run
+from snaketune.core.errors import DataError
+from snaketune.core.io import atomic_path, write_json
+from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+from snaketune.data.kernels import check_packing, expected_attention
+from snaketune.data.shard import Layout, check_overlap, shard
 
 
 def main(argv: Sequence[str] | None = None) -> int:

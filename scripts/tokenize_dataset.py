@@ -7,7 +7,7 @@
 Writes data.parquet, stats.json and provenance.json beside them, all three renamed into
 place once complete.
 
---spec is the tokenize spec the workflow computes (snaketune.stages.tokenize_spec); --data
+--spec is the tokenize spec the workflow computes (snaketune.plan.stages.tokenize_spec); --data
 gives one parquet per source of the spec, in its order. Streams in batches.
 """
 
@@ -20,12 +20,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
-from snaketune.conversations import Source
-from snaketune.errors import DataError
-from snaketune.io import atomic_paths, sha256_file
-from snaketune.provenance import NAME, record, write_provenance
-from snaketune.tokenization import tokenize
+from snaketune.app.cli import run
+from snaketune.core.errors import DataError
+from snaketune.core.io import atomic_paths, sha256_file
+from snaketune.core.provenance import NAME, record, write_provenance
+from snaketune.data.conversations import Source
+from snaketune.data.tokenization import tokenize
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,7 @@
         --model resources/models/tiny --deepspeed config/deepspeed/zero2.json \
         --out results/demo/train
 
-This launches the workers (see snaketune/launch.py and snaketune/agents.py): on a SLURM
+This launches the workers (see snaketune/train/launch.py and snaketune/train/agents.py): on a SLURM
 allocation one srun task per node, elsewhere N torchrun agents on this machine. Each
 worker is this script again, run by torchrun with --worker; by hand on a node:
 
@@ -12,7 +12,7 @@ worker is this script again, run by torchrun with --worker; by hand on a node:
         scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
 
 Each start is an attempt with its own log, kept by every retry and requeue:
-<out>/logs/attempt-<n>.log (snaketune/attempts.py); the output's last lines list every
+<out>/logs/attempt-<n>.log (snaketune/train/attempts.py); the output's last lines list every
 attempt's outcome.
 
 A rerun resumes from the newest complete checkpoint in <out>/checkpoints/ when the run's
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from snaketune.cli import run
+from snaketune.app.cli import run
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -108,7 +108,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from snaketune.worker import run_worker
+    from snaketune.train.worker import run_worker
 
     ids_log = None
     if args.log_example_ids:
@@ -119,9 +119,9 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from snaketune.job import Job
-    from snaketune.launch import launch_job
-    from snaketune.schema import top_default
+    from snaketune.core.job import Job
+    from snaketune.plan.schema import top_default
+    from snaketune.train.launch import launch_job
 
     if args.stop_margin is None:
         args.stop_margin = top_default("stop_margin_seconds")

@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # OpenMP threads that spin while they wait take the cores from the ranks they wait for.
 # Sleeping instead changes no figure (the same threads sum in the same order) and cut three
 # demo-sized runs side by side from 60 s to 44 s (docs/benchmarks.md). The local launcher
-# does the same for the jobs it starts (snaketune.agents); this covers every process the
+# does the same for the jobs it starts (snaketune.train.agents); this covers every process the
 # tests start (SLURM jobs, evaluation, direct launches).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory) -> Path:
     """resources/fixtures as make_fixtures writes it (tiny-llama/, gsm8k-demo/)."""
-    from snaketune.fixtures import make_fixtures
+    from snaketune.app.fixtures import make_fixtures
 
     out = tmp_path_factory.mktemp("fixtures")
     make_fixtures(out)
@@ -42,7 +42,7 @@ def tiny_model(fixtures_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model):
-    from snaketune.chat import load_tokenizer
+    from snaketune.data.chat import load_tokenizer
 
     return load_tokenizer(tiny_model)
 
@@ -171,7 +171,7 @@ STAND_IN_SLURM = {
 
 def stand_in_slurm(bin_dir: Path) -> Path:
     """`sinfo` and `scontrol` answering for the partitions of the shipped SLURM profiles,
-    as their real counterparts print them (what snaketune.slurmfit reads), for dry runs."""
+    as their real counterparts print them (what snaketune.plan.slurmfit reads), for dry runs."""
     bin_dir.mkdir()
     nodes = "\n".join(
         f'    {name}) for i in $(seq 1 {n}); do echo "{name}$i|{cpus}|{mem}|gpu:{gpus}"; done ;;'
@@ -262,7 +262,7 @@ def run_demo(workdir: Path) -> Path:
 
 def run_spec(**overrides) -> dict:
     """The demo run's config entry (validated, defaults filled) with ``overrides``."""
-    from snaketune.config import load_yaml, validate_config
+    from snaketune.plan.config import load_yaml, validate_config
 
     config = load_yaml(ROOT / "config" / "config.yaml")
     run = config["runs"]["demo"]

@@ -2,7 +2,7 @@
 declared outputs, and a rerun completes.
 
 The worst moment is when all of a stage's data is written but nothing is renamed into
-place yet: ``SNAKETUNE_KILL_BEFORE_PUBLISH`` (snaketune.io.fault_point) makes the stage's
+place yet: ``SNAKETUNE_KILL_BEFORE_PUBLISH`` (snaketune.core.io.fault_point) makes the stage's
 process SIGKILL itself there. Snakemake runs with --keep-incomplete, so it deletes nothing
 after the failure: what is left on disk is what the stage left.
 """

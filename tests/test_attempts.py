@@ -1,4 +1,4 @@
-"""Every attempt's log kept (snaketune.attempts), a second start inside one SLURM job
+"""Every attempt's log kept (snaketune.train.attempts), a second start inside one SLURM job
 refused, a done training that a late signal failed still published, and SLURM signal
 leads longer than half a job refused before queueing. The end-to-end checks are in
 test_train.py (a killed launcher and a killed rank, retried by Snakemake) and
@@ -26,7 +26,7 @@ def torchrun_failure(*failures: tuple[int, int, int]) -> str:
 
 
 def test_the_killed_rank_is_read_from_torchruns_report():
-    from snaketune.attempts import root_cause
+    from snaketune.train.attempts import root_cause
 
     text = "step 12/192 ...\n" + torchrun_failure((1, 4242, -9)) + "\nmore"
     assert root_cause(text).startswith("rank 1 on ")
@@ -39,7 +39,7 @@ def test_the_killed_rank_is_read_from_torchruns_report():
 
 
 def test_attempt_numbers_are_claimed_once_each(tmp_path):
-    from snaketune.attempts import claim
+    from snaketune.train.attempts import claim
 
     out = tmp_path / "results/x/train"
     assert [claim(out) for _ in range(3)] == [1, 2, 3]
@@ -60,13 +60,13 @@ def test_an_attempt_records_its_end_and_lists_every_outcome(tmp_path, capsys):
     code = f"""
 import logging, os, sys
 from pathlib import Path
-from snaketune.cli import setup_logging
-from snaketune.attempts import Attempt
+from snaketune.app.cli import setup_logging
+from snaketune.train.attempts import Attempt
 setup_logging()
 attempt = Attempt(Path({str(out)!r}))
 print("from the launcher")
 os.system("echo from a child process >&2")
-logging.getLogger("snaketune.launch").error("training exited with code 1; rerun")
+logging.getLogger("snaketune.train.launch").error("training exited with code 1; rerun")
 attempt.finish(1, "training exited with code 1; rerun " + os.environ["HF_TOKEN"])
 """
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
@@ -89,8 +89,8 @@ attempt.finish(1, "training exited with code 1; rerun " + os.environ["HF_TOKEN"]
 
 
 def test_a_second_start_inside_one_slurm_job_is_refused(tmp_path, monkeypatch):
-    from snaketune.attempts import ONE_START_PER_JOB, Attempt, _append
-    from snaketune.errors import UserError
+    from snaketune.core.errors import UserError
+    from snaketune.train.attempts import ONE_START_PER_JOB, Attempt, _append
 
     out = tmp_path / "results/x/train"
     monkeypatch.setenv("SLURM_JOB_ID", "77")
@@ -115,8 +115,8 @@ def test_a_second_start_inside_one_slurm_job_is_refused(tmp_path, monkeypatch):
 def test_a_done_training_a_late_signal_failed_is_published(tmp_path, caplog):
     """Rank 0 records "done" only after every rank wrote its outputs: a non-zero exit after
     that (SLURM's --signal reaching torchrun as it shut down) is not a failure."""
-    from snaketune.job import Job
-    from snaketune.launch import outcome
+    from snaketune.core.job import Job
+    from snaketune.train.launch import outcome
 
     job = Job({}, tmp_path, tmp_path, tmp_path, tmp_path / "results/x/train", "local", [])
     with caplog.at_level(logging.WARNING):
@@ -132,7 +132,7 @@ def test_a_done_training_a_late_signal_failed_is_published(tmp_path, caplog):
      ("--exclusive", 1, False)],
 )  # fmt: skip
 def test_a_signal_lead_over_half_the_runtime_is_refused(extra, runtime, refused):
-    from snaketune.slurmfit import check_signal_leads
+    from snaketune.plan.slurmfit import check_signal_leads
 
     found = check_signal_leads([("train", {"slurm_extra": extra, "runtime": runtime})])
     assert bool(found) == refused, found

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from conftest import ROOT, snakemake, write_jsonl
 
-from snaketune.io import sha256_tree
+from snaketune.core.io import sha256_tree
 
 DEMO_CONFIG = yaml.safe_load((ROOT / "config/config.yaml").read_text())
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from snaketune.config import load_yaml, validate_config
-from snaketune.errors import ConfigError
-from snaketune.stages import run_tokenize_spec, tokenize_key
+from snaketune.core.errors import ConfigError
+from snaketune.plan.config import load_yaml, validate_config
+from snaketune.plan.stages import run_tokenize_spec, tokenize_key
 
 SHIPPED = [ROOT / "config" / "config.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
 
@@ -274,7 +274,7 @@ def test_tokenize_key_shared_by_runs_that_differ_in_training_keys_only(demo):
 
 
 def test_snaketune_validate_command(capsys):
-    from snaketune.cli import main
+    from snaketune.app.cli import main
 
     assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(ROOT)]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -306,7 +306,7 @@ EXPECTED_PROBLEMS = [
 
 
 def test_validate_lists_every_problem_from_any_directory(tmp_path, monkeypatch, capsys):
-    from snaketune.cli import main
+    from snaketune.app.cli import main
 
     path = _bad_config(tmp_path)
     elsewhere = tmp_path / "elsewhere"
@@ -333,7 +333,7 @@ def test_the_workflow_and_validate_say_the_same(tmp_path):
 
 
 def test_validate_without_the_schema_names_root(tmp_path, capsys):
-    from snaketune.cli import main
+    from snaketune.app.cli import main
 
     assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -345,7 +345,7 @@ def test_a_fixture_path_needs_no_file_and_the_rule_makes_exactly_those():
     library's list is the rule's outputs."""
     import re
 
-    from snaketune.checks import FIXTURE_OUTPUTS
+    from snaketune.plan.checks import FIXTURE_OUTPUTS
 
     rule = (ROOT / "workflow/rules/fixtures.smk").read_text()
     outputs = rule.split("output:")[1].split("log:")[0]
@@ -358,10 +358,10 @@ def test_the_command_help_speaks_to_users():
     import subprocess
     import sys
 
-    from snaketune.memplan import GPUS
+    from snaketune.plan.memplan import GPUS
 
     def helptext(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "snaketune.cli", *args, "--help"],
+        proc = subprocess.run([sys.executable, "-m", "snaketune.app.cli", *args, "--help"],
                               capture_output=True, text=True, check=True)  # fmt: skip
         return " ".join(proc.stdout.split())
 

@@ -1,4 +1,4 @@
-"""The disk before the save (snaketune.diskplan): the estimate against real checkpoints,
+"""The disk before the save (snaketune.plan.diskplan): the estimate against real checkpoints,
 older checkpoints reduced to weights, a run that cannot fit refused before it starts, and a
 disk that fills mid-run stopping the run with its last checkpoint intact."""
 
@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, launch_train, read_jsonl, run_spec, snakemake, tmpfs, workers_after
 
-from snaketune.checkpoints import (
+from snaketune.core.checkpoints import (
     COMPLETE,
     is_reduced,
     mark_complete,
     newest_complete,
     prune,
 )
-from snaketune.diskplan import checkpoint_size, folder_bytes, run_need, small_files
-from snaketune.fit import setup_of
-from snaketune.memplan import Shape
+from snaketune.plan.diskplan import checkpoint_size, folder_bytes, run_need, small_files
+from snaketune.plan.fit import setup_of
+from snaketune.plan.memplan import Shape
 
 MIB = 2**20
 
@@ -74,7 +74,7 @@ def test_all_keeps_every_checkpoint_whole_and_one_without_saved_weights_stays_wh
 
 def test_optimizer_last_needs_a_fraction_of_all_for_a_full_fine_tune():
     """An 8B Llama, full fine-tuning in bf16 on 2 x 8 GPUs, 3 checkpoints kept."""
-    from snaketune.memplan import Setup
+    from snaketune.plan.memplan import Setup
 
     shape = Shape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                   head_dim=128, vocab=128256, tied=False, qkv_bias=False)  # fmt: skip
@@ -194,9 +194,9 @@ def test_a_disk_that_fills_mid_run_stops_before_the_save_and_the_rerun_resumes(d
 def test_a_save_cut_short_by_a_full_disk_is_removed_and_named(tmp_path):
     """The workers died while writing checkpoint-8 on a full disk (ENOSPC): the launcher
     removes the half-written checkpoint and names the disk, the last complete one intact."""
-    from snaketune.errors import UserError
-    from snaketune.job import Job
-    from snaketune.launch import outcome
+    from snaketune.core.errors import UserError
+    from snaketune.core.job import Job
+    from snaketune.train.launch import outcome
 
     with tmpfs(tmp_path / "results", 1):
         out = tmp_path / "results/x/train"
@@ -216,8 +216,8 @@ def test_a_save_cut_short_by_a_full_disk_is_removed_and_named(tmp_path):
 def test_runs_on_one_filesystem_are_added_up(fixtures_dir, tmp_path, capsys):
     """Four sweep members that each fit on a filesystem but not together: each is fine
     alone, the filesystem's line names all four and refuses."""
-    from snaketune.config import load_yaml, validate_config
-    from snaketune.diskplan import check_disk_runs, disk_plan_of, shared_filesystems
+    from snaketune.plan.config import load_yaml, validate_config
+    from snaketune.plan.diskplan import check_disk_runs, disk_plan_of, shared_filesystems
 
     config = load_yaml(ROOT / "config/config.yaml")
     config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")

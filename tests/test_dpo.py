@@ -23,9 +23,9 @@ from conftest import ENV, ROOT, kill_and_resume, launch_train, leaked_secrets, r
 from oracles import dpo_sigmoid_loss, planned_steps, summed_logp
 from test_tokenize import oracle, run_tokenize
 
-from snaketune.config import load_yaml, validate_config
-from snaketune.errors import ConfigError
-from snaketune.rows import IGNORE_INDEX
+from snaketune.core.errors import ConfigError
+from snaketune.core.rows import IGNORE_INDEX
+from snaketune.plan.config import load_yaml, validate_config
 
 OVERLAY = ROOT / "config" / "dpo_demo.yaml"
 PAIRS = [
@@ -34,7 +34,7 @@ PAIRS = [
 ]
 SPEC = {"format": "preference",
         "columns": {"prompt": "question", "chosen": "good", "rejected": "bad"}}  # fmt: skip
-# the fixture's pairs from GSM8K-style worked answers (snaketune.fixtures.make_gsm8k_pairs)
+# the fixture's pairs from GSM8K-style worked answers (snaketune.app.fixtures.make_gsm8k_pairs)
 GSM8K_PAIRS = {"format": "preference", "columns": {"prompt": "question"}}
 
 
@@ -121,7 +121,7 @@ def test_identical_empty_and_overlong_pairs_are_dropped_and_counted(tmp_path, ti
 def test_pair_batch_labels_written_out_by_hand():
     """Two pairs of unequal lengths: chosen sides first, then rejected, right-padded; the
     scored tokens are each side's labelled ones, its last response token included."""
-    from snaketune.logps import pair_batch
+    from snaketune.evaluation.logps import pair_batch
 
     x = IGNORE_INDEX
     pairs = [{"input_ids": [5, 6, 7, 8], "labels": [x, x, 7, 8],
@@ -139,14 +139,14 @@ def test_pair_batch_labels_written_out_by_hand():
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_dpo_loss_of_hand_computed_pairs_equals_trls(tmp_path, tiny_model, loss_type):
-    """TRL's DPOTrainer on our pair batches (snaketune.logps.pair_batch, the reference
+    """TRL's DPOTrainer on our pair batches (snaketune.evaluation.logps.pair_batch, the reference
     log-probs given as precomputed) against the loss written out by hand from full-logit
     log-probs: equal to 1e-6."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from snaketune.logps import pair_batch
+    from snaketune.evaluation.logps import pair_batch
 
     rows, _ = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -204,7 +204,7 @@ def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
-    from snaketune.logps import pair_batch
+    from snaketune.evaluation.logps import pair_batch
     from snaketune.methods.dpo import trainer_class
 
     path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
@@ -248,7 +248,7 @@ def _ragged_worker(rank: int, port: int, out: str) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather
 
-    from snaketune.collective import ragged_gather
+    from snaketune.core.collective import ragged_gather
 
     PartialState(cpu=True)
     ragged = ragged_gather(gather)
@@ -294,7 +294,7 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
 
     from transformers import AutoModelForCausalLM
 
-    from snaketune import logps
+    from snaketune.evaluation import logps
 
     _, _ = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
     tokenized = tmp_path / "pairs.tok.parquet"
@@ -372,7 +372,7 @@ def test_bad_dpo_configs_get_one_line(change, line):
 
 
 def test_a_preference_set_needs_a_rejected_column(tmp_path, tiny_model):
-    from snaketune.errors import DataError
+    from snaketune.core.errors import DataError
 
     rows = [{"question": p["question"], "good": p["good"]} for p in PAIRS]
     with pytest.raises(DataError, match="column 'bad' not found"):
@@ -411,7 +411,7 @@ def test_a_killed_reference_worker_takes_the_stage_down_and_a_rerun_computes_the
     gsm8k_pairs, tiny_model, tmp_path
 ):
     """The reference stage starts its workers through the train job's launcher
-    (snaketune.agents): one of its 2 workers SIGKILLed before it publishes its third part
+    (snaketune.train.agents): one of its 2 workers SIGKILLed before it publishes its third part
     takes the other down (no orphan process, no output, the parts written kept, the attempt
     recorded with its exit); the rerun computes only the missing parts, and its log-probs
     are the uninterrupted stage's, bit for bit."""
@@ -635,8 +635,8 @@ def test_a_dpo_run_scores_its_held_out_pairs_while_training(dpo_chain, tmp_path)
     """dpo_demo with eval_steps 2 for 2 steps: held-out rows before the first step and at
     the last, through the DPO trainer; the first is the starting model's loss on the chosen
     sides of the held-out pairs, as the evaluate stage scored it (the run's base)."""
-    from snaketune import stages
-    from snaketune.heldout import spec_of
+    from snaketune.core.heldout import spec_of
+    from snaketune.plan import stages
 
     w = dpo_chain
     config = chain_config()
@@ -768,7 +768,7 @@ def test_publish_dry_run_of_the_dpo_model(dpo_chain):
 
 
 def test_reference_key_is_shared_by_what_it_depends_on_only():
-    from snaketune.stages import reference_jobs, reference_key
+    from snaketune.plan.stages import reference_jobs, reference_key
 
     config = dpo_config()
     config["runs"]["q"] = {**copy.deepcopy(config["runs"]["p"]), "dpo": {"beta": 0.5},
@@ -785,7 +785,7 @@ def test_reference_key_is_shared_by_what_it_depends_on_only():
 
 
 def test_memory_plan_counts_pairs_and_a_live_full_reference():
-    from snaketune.fit import setup_of
+    from snaketune.plan.fit import setup_of
 
     ds = {"zero_optimization": {"stage": 2}}
     run = validate_config(dpo_config(), ROOT)["runs"]["p"]

@@ -14,10 +14,15 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, read_jsonl, snakemake
 
-from snaketune.answers import final_answer, math_verify_match, normalise_number, parse_answer
-from snaketune.errors import DataError
-from snaketune.evaluate import check_overlap, evaluate
-from snaketune.tokenization import OUTPUT_SCHEMA
+from snaketune.core.errors import DataError
+from snaketune.data.tokenization import OUTPUT_SCHEMA
+from snaketune.evaluation.answers import (
+    final_answer,
+    math_verify_match,
+    normalise_number,
+    parse_answer,
+)
+from snaketune.evaluation.evaluate import check_overlap, evaluate
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,9 @@ from conftest import run_spec, train
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from snaketune.adapters import (
+from snaketune.app.fixtures import FixtureSizes, make_fixtures
+from snaketune.core.errors import DataError
+from snaketune.export.adapters import (
     adapter_key,
     adapter_target,
     check_adapter,
@@ -22,9 +24,7 @@ from snaketune.adapters import (
     lora_delta,
     merge_lora,
 )
-from snaketune.convert import convert_full
-from snaketune.errors import DataError
-from snaketune.fixtures import FixtureSizes, make_fixtures
+from snaketune.export.convert import convert_full
 
 pytestmark = pytest.mark.slow
 

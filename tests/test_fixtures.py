@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from snaketune.fixtures import make_fixtures
-from snaketune.io import sha256_tree
+from snaketune.app.fixtures import make_fixtures
+from snaketune.core.io import sha256_tree
 
 
 def test_fixtures_are_byte_for_byte_reproducible(fixtures_dir, tmp_path):

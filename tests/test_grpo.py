@@ -23,12 +23,12 @@ from conftest import (
     read_jsonl,
 )
 
-from snaketune import stages
-from snaketune.batches import PlanBatches
-from snaketune.config import load_yaml, validate_config
-from snaketune.heldout import spec_of, split_rows
+from snaketune.app.plots import training_svg
+from snaketune.core.heldout import spec_of, split_rows
+from snaketune.data.batches import PlanBatches
 from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
-from snaketune.plots import training_svg
+from snaketune.plan import stages
+from snaketune.plan.config import load_yaml, validate_config
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
 
@@ -184,8 +184,8 @@ def test_publish_dry_run_writes_the_folder_with_a_model_card(grpo_chain):
 
 def test_publish_without_a_license_says_how_to_set_one(tmp_path):
     """The tiny base model's card names no license: without publish.license, one line."""
-    from snaketune.errors import UserError
-    from snaketune.publish import build_folder
+    from snaketune.core.errors import UserError
+    from snaketune.export.hub import build_folder
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model/provenance.json").write_text("{}")
@@ -210,8 +210,8 @@ def test_upload_creates_a_private_repo_and_needs_a_token(tmp_path, monkeypatch):
     told, the folder is uploaded as it is; without a token, one line and no call."""
     import huggingface_hub
 
-    from snaketune import publish
-    from snaketune.errors import UserError
+    from snaketune.core.errors import UserError
+    from snaketune.export import hub as publish
 
     calls = []
 
@@ -244,7 +244,7 @@ def test_grpo_on_a_4bit_base(grpo_chain, tmp_path):
     and its KL reference is that same 4-bit base with the adapter off, so the first step's KL
     is 0 (the adapter starts as the identity); the adapter and its quantization record are
     written."""
-    from snaketune import qlora
+    from snaketune.core import qlora
 
     w = grpo_chain
     spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
@@ -270,7 +270,7 @@ def test_grpo_plans_as_many_prompts_on_every_rank_whatever_their_lengths():
     lengths gives unequal counts; the ragged gather serves those)."""
     import numpy as np
 
-    from snaketune.shard import Layout, plan
+    from snaketune.data.shard import Layout, plan
 
     config = chain_config()
     job = stages.shard_job(config, "rl_demo")

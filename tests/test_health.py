@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from conftest import ENV, ROOT, run_spec
 
-from snaketune.health import (
+from snaketune.train.health import (
     FATAL,
     OK,
     WARNING,
@@ -70,7 +70,7 @@ def test_assess_one_sample(changes, level, problem):
 def test_ecc_errors_from_before_the_job_warn_only_new_ones_are_fatal(caplog):
     dog = Watchdog(FakeReader(sample(ecc_uncorrectable=2), sample(ecc_uncorrectable=2),
                               sample(ecc_uncorrectable=3)), 0, 1.0, Limits())  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="snaketune.health"):
+    with caplog.at_level(logging.INFO, logger="snaketune.train.health"):
         assert dog.check()["status"] == "ok"
         assert "2 uncorrectable ECC errors from before this job" in caplog.text
         assert dog.check()["status"] == "ok" and dog.fatal is None
@@ -92,7 +92,7 @@ def test_health_lines_and_records(tmp_path, caplog):
     records = tmp_path / "health" / "rank.jsonl"
     dog = Watchdog(FakeReader(sample(), sample(temperature_c=84)), 0, 1.0, Limits(), records,
                    context={"run": "demo", "rank": 0})  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="snaketune.health"):
+    with caplog.at_level(logging.INFO, logger="snaketune.train.health"):
         dog.check()
         dog.check()
     host = socket.gethostname()
@@ -161,7 +161,7 @@ def test_thread_samples_every_interval_and_survives_a_failed_read(caplog):
             return sample()
 
     reader = Flaky()
-    with caplog.at_level(logging.WARNING, logger="snaketune.health"):
+    with caplog.at_level(logging.WARNING, logger="snaketune.train.health"):
         dog = Watchdog(reader, 0, 0.05, Limits()).start()
         time.sleep(0.5)
         dog.stop()

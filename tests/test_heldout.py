@@ -1,5 +1,5 @@
 """Held-out evaluation while training (eval_steps), the best checkpoint exported
-(export.checkpoint: best) and early stopping (snaketune.heldout, snaketune.heldout_pass).
+(export.checkpoint: best) and early stopping (snaketune.core.heldout, snaketune.evaluation.heldout_pass).
 
 The slow tests share one training (the ``heldout_run`` fixture): the demo's run again from
 the demo's tuned model on its shards, 40 steps on 2 ranks with the learning rate warming up
@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import ROOT, launch_train, read_jsonl, run_spec, train
 
-from snaketune.checkpoints import best_checkpoint, mark_complete, prune
-from snaketune.config import load_yaml, validate_config
-from snaketune.errors import ConfigError
-from snaketune.heldout import spec_of
-from snaketune.heldout_pass import Schedule
+from snaketune.core.checkpoints import best_checkpoint, mark_complete, prune
+from snaketune.core.errors import ConfigError
+from snaketune.core.heldout import spec_of
+from snaketune.evaluation.heldout_pass import Schedule
+from snaketune.plan.config import load_yaml, validate_config
 
 
 def demo_config(**run) -> dict:
@@ -74,7 +74,7 @@ def test_eval_steps_without_an_eval_set_gets_one_line():
 def test_a_run_without_eval_steps_trains_with_the_same_spec():
     """eval_at_start's default must not change the train rule's params of existing runs
     (Snakemake would retrain them)."""
-    from snaketune import stages
+    from snaketune.plan import stages
 
     config = validate_config(demo_config(), ROOT)
     spec = json.loads(stages.train_spec(config["runs"]["demo"]))
@@ -118,7 +118,7 @@ def test_the_checkpoint_a_run_keeps_as_best(tmp_path, metric, kept):
     """What the worker tells pruning to keep (worker.kept_best) for a run exporting its best
     checkpoint: the lowest held-out loss, the highest exact match (picked by hand below);
     `auto` is the SFT method's own figure, the loss."""
-    from snaketune.worker import kept_best
+    from snaketune.train.worker import kept_best
 
     figures = {10: (2.0, 0.10), 20: (1.5, 0.20), 30: (1.7, 0.45), 40: (1.9, 0.30)}
     for step, (loss, exact) in figures.items():
@@ -173,8 +173,8 @@ def peft_model(demo, adapter):
 def test_heldout_rows_every_n_steps_and_the_best_checkpoint_exported(demo, heldout_run):
     from safetensors.torch import load_file
 
-    from snaketune.evaluate import generate, heldout_loss, load_examples, score
-    from snaketune.rows import pad_id
+    from snaketune.core.rows import pad_id
+    from snaketune.evaluation.evaluate import generate, heldout_loss, load_examples, score
 
     work, out, spec = heldout_run
     rows = read_jsonl(out / "metrics.jsonl")
@@ -280,7 +280,7 @@ def test_early_stopping_ends_as_a_finished_run(demo, tmp_path):
 
 
 def test_a_sweep_selects_on_the_best_heldout_figure_seen_while_training():
-    from snaketune.sweep import best_member
+    from snaketune.plan.sweep import best_member
 
     select = {"metric": "heldout_loss_best", "mode": "min"}
     specs = {m: {"sweep_of": {"values": {"learning_rate": lr}, "select": select}}

@@ -17,9 +17,17 @@ from conftest import ENV, ROOT, SHAPES, snakemake
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from snaketune.config import validate_config
-from snaketune.errors import UserError
-from snaketune.memplan import Setup, Shape, changes, estimate, format_plan, model_states, plan_run
+from snaketune.core.errors import UserError
+from snaketune.plan.config import validate_config
+from snaketune.plan.memplan import (
+    Setup,
+    Shape,
+    changes,
+    estimate,
+    format_plan,
+    model_states,
+    plan_run,
+)
 
 # Parameter counts the Hub states for them.
 PARAMS = {
@@ -142,7 +150,7 @@ def _example_root(tmp_path: Path, example: str, edit=None) -> Path:
 
 def _plan(config: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "snaketune.cli", "plan", str(config), "--root", str(config.parent),
+        [sys.executable, "-m", "snaketune.app.cli", "plan", str(config), "--root", str(config.parent),
          *args], capture_output=True, text=True, env=ENV, cwd=config.parent, timeout=60,
     )  # fmt: skip
 
@@ -210,8 +218,8 @@ def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):
 
 
 def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
-    from snaketune.config import load_yaml, validate_config
-    from snaketune.fit import check_runs
+    from snaketune.plan.config import load_yaml, validate_config
+    from snaketune.plan.fit import check_runs
 
     config = load_yaml(ROOT / "config/config.yaml")
     config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
@@ -245,7 +253,7 @@ def _grpo_run(**grpo) -> dict:
 
 
 def test_grpo_plan_counts_completions_reference_and_vllm():
-    from snaketune.fit import setup_of
+    from snaketune.plan.fit import setup_of
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
     zero2 = {"zero_optimization": {"stage": 2}}
@@ -283,7 +291,7 @@ def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch)
     import huggingface_hub
     from huggingface_hub import constants
 
-    from snaketune import fit
+    from snaketune.data import sources
 
     calls = []
 
@@ -292,19 +300,19 @@ def test_hub_lookup_offline_or_unreachable_asks_once_and_fails_fast(monkeypatch)
         raise OSError("not in the cache" if local_files_only else "network")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    fit.hub_config_json.cache_clear()
+    sources.hub_config_json.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert fit.hub_config_json("org/m", None) == (
+    assert sources.hub_config_json("org/m", None) == (
         None, "this machine is offline (HF_HUB_OFFLINE is set)")  # fmt: skip
     assert calls == [True]  # the cache only
-    fit.hub_config_json.cache_clear()
+    sources.hub_config_json.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(fit, "hub_reachable", lambda endpoint: False)
-    path, why = fit.hub_config_json("org/m", None)
+    monkeypatch.setattr(sources, "hub_reachable", lambda endpoint: False)
+    path, why = sources.hub_config_json("org/m", None)
     assert path is None and "cannot be reached" in why and calls == [True, True]
     # once per model and process: a second run of the same model asks nothing
-    assert fit.hub_config_json("org/m", None)[0] is None and calls == [True, True]
-    fit.hub_config_json.cache_clear()
+    assert sources.hub_config_json("org/m", None)[0] is None and calls == [True, True]
+    sources.hub_config_json.cache_clear()
 
 
 # ----------------------------------------------------------------------------- 4-bit base
@@ -329,7 +337,7 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     (4-bit packed and fp32) plus each layer's quantization constants, within 1%."""
     import torch
 
-    from snaketune.model import build_model
+    from snaketune.evaluation.model import build_model
 
     path = _llama(tmp_path)
     q = {"bits": 4, "quant_type": "nf4", "double_quant": double_quant, "blocksize": 64,
@@ -348,8 +356,8 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     assert model_states(shape, s)["weights"] == pytest.approx(held, rel=0.01)
     # the same figure from a run's config (what `snaketune plan` and the checks read):
     # lora.double_quant reaches the plan (measured 1.0000 of the held bytes either way)
-    from snaketune.fit import setup_of
-    from snaketune.fixtures import demo_run_spec
+    from snaketune.app.fixtures import demo_run_spec
+    from snaketune.plan.fit import setup_of
 
     run = demo_run_spec(ROOT, method="lora", precision="fp32", nodes=1, gpus_per_node=1,
                         micro_batch_size=1, max_length=64,

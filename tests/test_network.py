@@ -1,4 +1,4 @@
-"""Know the network before the week (snaketune.network): the all-reduce figure of every
+"""Know the network before the week (snaketune.train.network): the all-reduce figure of every
 multi-node job in its metrics, provenance and the report; a floor that fails the job."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import launch_train, read_jsonl, run_spec
 
-from snaketune.network import too_slow
+from snaketune.train.network import too_slow
 
 
 def test_a_fabric_under_the_floor_is_one_line_naming_the_likely_cause():

@@ -37,7 +37,7 @@ def varied_eval(tmp_path_factory, tiny_model):
 def test_evaluate_stage_loss_is_the_token_mean_of_the_label_nll(tiny_model, varied_eval):
     from transformers import AutoModelForCausalLM
 
-    from snaketune.evaluate import heldout_loss
+    from snaketune.evaluation.evaluate import heldout_loss
 
     rows, _ = varied_eval
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -57,7 +57,7 @@ def test_heldout_pass_loss_is_the_token_mean_of_the_label_nll(tiny_model, tokeni
 
     from transformers import AutoModelForCausalLM
 
-    from snaketune import heldout_pass
+    from snaketune.evaluation import heldout_pass
 
     rows, path = varied_eval
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -69,7 +69,7 @@ def test_heldout_pass_loss_is_the_token_mean_of_the_label_nll(tiny_model, tokeni
         sums.append(values)
         return [sum(v[i] for v in sums) for i in range(len(values))]
 
-    with mock.patch("snaketune.collective.gather_combined", gather):
+    with mock.patch("snaketune.core.collective.gather_combined", gather):
         for rank in range(world):
             got = heldout_pass.HeldOut(spec, 42, rank, world, tokenizer).run(model)
     want, tokens = mean_nll(model, rows)

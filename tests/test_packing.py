@@ -16,15 +16,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from snaketune.errors import ConfigError, UserError
-from snaketune.packing import (
+from snaketune.core.errors import ConfigError, UserError
+from snaketune.data.kernels import (
     SEGMENTS,
-    Collator,
     check_kernels_installed,
     check_packing,
-    fill_rows,
     layout_for,
-    packed_rows,
     packing_problem,
     register_segment_attention,
     resolve_attention,
@@ -32,6 +29,7 @@ from snaketune.packing import (
     segments_problem,
     training_kernel,
 )
+from snaketune.data.packing import Collator, fill_rows, packed_rows
 
 VOCAB = 96
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -224,7 +222,7 @@ def test_kernels_on_this_machine():
     """auto picks flash-attention 2 where it is installed and the GPU takes it, else sdpa;
     Liger where it is installed and there is a GPU; naming what this machine lacks fails.
     The expectation follows the machine (CPU here, a GPU node elsewhere)."""
-    from snaketune.packing import flash_attention_usable, installed
+    from snaketune.data.kernels import flash_attention_usable, installed
 
     gpu = torch.cuda.is_available()
     flash = flash_attention_usable()

@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import ROOT, kill_and_resume, read_jsonl, run_spec, snakemake, train
 
-from snaketune import qlora
-from snaketune.config import load_yaml, validate_config
-from snaketune.errors import ConfigError, UserError
-from snaketune.runspec import RunSpec
+from snaketune.core import qlora
+from snaketune.core.errors import ConfigError, UserError
+from snaketune.plan.config import load_yaml, validate_config
+from snaketune.plan.runspec import RunSpec
 
 OVERLAY = ROOT / "config" / "qlora_demo.yaml"
 SETTINGS = {"bits": 4, "quant_type": "nf4", "double_quant": True, "blocksize": 64,
@@ -51,7 +51,7 @@ def test_the_exported_base_is_what_the_4bit_layers_compute_with(tiny_model, quan
     import bitsandbytes.functional as bf
     from safetensors.torch import load_file
 
-    from snaketune.model import build_model
+    from snaketune.evaluation.model import build_model
 
     q = {**SETTINGS, "quant_type": quant_type}
     model = build_model(tiny_model, "fp32", "sdpa", q)
@@ -111,7 +111,7 @@ def test_without_bitsandbytes_the_line_gives_the_install_command(monkeypatch):
 def test_an_already_quantized_model_is_refused_before_queueing(tmp_path, tiny_model):
     """A model whose config.json says it is quantized (an FP8 release, say): one line from
     the plan, as the workflow's check before queueing makes it."""
-    from snaketune.fit import shape_and_deepspeed
+    from snaketune.plan.fit import shape_and_deepspeed
 
     cfg = json.loads((tiny_model / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}

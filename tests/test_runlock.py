@@ -15,10 +15,10 @@ import psutil
 import pytest
 from conftest import ENV, ROOT
 
-from snaketune import runlock
-from snaketune.errors import UserError
-from snaketune.io import host_name
-from snaketune.runlock import RunLock
+from snaketune.core import runlock
+from snaketune.core.errors import UserError
+from snaketune.core.io import host_name
+from snaketune.core.runlock import RunLock
 
 
 def _write_holder(path: Path, **fields) -> None:
@@ -117,7 +117,7 @@ def test_child_dies_with_its_parent_even_by_sigkill(tmp_path):
     pidfile = tmp_path / "child.pid"
     parent_code = (
         "import subprocess, sys, time\n"
-        "from snaketune.runlock import die_with_parent\n"
+        "from snaketune.core.runlock import die_with_parent\n"
         "c = subprocess.Popen(['sleep', '60'], start_new_session=True, preexec_fn=die_with_parent)\n"
         f"open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
         "time.sleep(60)\n"

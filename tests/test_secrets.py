@@ -13,7 +13,7 @@ import logging
 
 from conftest import FAKE_SECRETS, leaked_secrets
 
-from snaketune.cli import setup_logging
+from snaketune.app.cli import setup_logging
 
 
 def test_the_fakes_reached_the_jobs(demo):

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snaketune.errors import DataError
-from snaketune.io import sha256_file
-from snaketune.shard import Layout, plan, shard, token_balance
-from snaketune.tokenization import OUTPUT_SCHEMA
+from snaketune.core.errors import DataError
+from snaketune.core.io import sha256_file
+from snaketune.data.shard import Layout, plan, shard, token_balance
+from snaketune.data.tokenization import OUTPUT_SCHEMA
 
 layouts = st.builds(
     Layout,

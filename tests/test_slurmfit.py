@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from snaketune import slurmfit
-from snaketune.slurmfit import Node, Partition, PendingWatch, asks, hopeless, minutes, problems
+from snaketune.plan import slurmfit
+from snaketune.plan.slurmfit import Node, Partition, PendingWatch, asks, hopeless, minutes, problems
 
 TUPI = Partition("tupi", [Node("n1", 2, 8000, 0), Node("n2", 2, 8000, 0)], None, 24 * 60)
 GPU = Partition("gpu", [Node(f"g{i}", 32, 256000, 4) for i in range(2)], 2, None)

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
 
-from snaketune.errors import DataError
-from snaketune.io import sha256_file
-from snaketune.sources import download_dataset, download_model
+from snaketune.core.errors import DataError
+from snaketune.core.io import sha256_file
+from snaketune.data.sources import download_dataset, download_model
 
 ROWS = [{"question": f"q{i}", "answer": f"a{i}", "n": i} for i in range(5)]
 

@@ -1,4 +1,4 @@
-"""A rank that stalls is named (snaketune.heartbeat): the watch's verdict, and a worker
+"""A rank that stalls is named (snaketune.core.heartbeat): the watch's verdict, and a worker
 stopped with SIGSTOP mid-training on 2 emulated nodes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import psutil
 import pytest
 from conftest import launch_train, read_jsonl, run_spec, workers_after
 
-from snaketune.checkpoints import COMPLETE
-from snaketune.heartbeat import Heartbeat, StallWatch
-from snaketune.io import host_name
+from snaketune.core.checkpoints import COMPLETE
+from snaketune.core.heartbeat import Heartbeat, StallWatch
+from snaketune.core.io import host_name
 
 
 def _beats(tmp_path, n: int) -> list[Heartbeat]:
@@ -42,10 +42,10 @@ def test_the_rank_that_stopped_moving_while_the_others_moved_on_is_named(tmp_pat
 
 
 def test_a_worker_done_with_its_share_is_never_named_but_a_stuck_one_still_is(tmp_path):
-    """The reference stage's workers end one by one (snaketune.heartbeat.DONE): one that is
+    """The reference stage's workers end one by one (snaketune.core.heartbeat.DONE): one that is
     done, silent since, is neither frozen nor stuck while the others work on; of those
     others, one that stops moving is still named."""
-    from snaketune.heartbeat import DONE
+    from snaketune.core.heartbeat import DONE
 
     beats = _beats(tmp_path, 3)
     watch = StallWatch(tmp_path, limit_s=10)

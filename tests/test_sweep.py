@@ -1,4 +1,4 @@
-"""Sweeps (snaketune.sweep): a run's `sweep` expanded into members, validated before any
+"""Sweeps (snaketune.plan.sweep): a run's `sweep` expanded into members, validated before any
 job, the best member selected; through the workflow, shared stages run once."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import yaml
 from conftest import ROOT, STOP_SWEEP, read_jsonl, snakemake
 
-from snaketune.config import load_yaml, validate_config
-from snaketune.errors import ConfigError
-from snaketune.sweep import member_name, select
+from snaketune.core.errors import ConfigError
+from snaketune.plan.config import load_yaml, validate_config
+from snaketune.plan.sweep import member_name, select
 
 GRID = {"learning_rate": [0.003, 0.006], "lora.r": [4, 8]}
 MEMBERS = ["demo-learning_rate_0p003-r_4", "demo-learning_rate_0p003-r_8",
@@ -96,7 +96,7 @@ def test_the_best_member_by_any_figure_and_either_direction():
 
 
 def test_validate_lists_the_members_and_the_dry_run_shares_the_data_stages(tmp_path, capsys):
-    from snaketune.cli import main
+    from snaketune.app.cli import main
 
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(demo_with(copy.deepcopy(GRID))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from snaketune.throughput import matmul_params, mfu, peak_tflops, step_flops
+from snaketune.core.throughput import matmul_params, mfu, peak_tflops, step_flops
 
 
 @pytest.mark.parametrize(

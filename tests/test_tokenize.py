@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
 
-from snaketune.conversations import Source
-from snaketune.errors import DataError
-from snaketune.rows import IGNORE_INDEX
-from snaketune.sources import download_dataset
-from snaketune.tokenization import tokenize
+from snaketune.core.errors import DataError
+from snaketune.core.rows import IGNORE_INDEX
+from snaketune.data.conversations import Source
+from snaketune.data.sources import download_dataset
+from snaketune.data.tokenization import tokenize
 
 
 def oracle(tokenizer, turns: list[tuple[str, str]], template: str | None = None):

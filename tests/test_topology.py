@@ -1,6 +1,6 @@
 """A run continues on another topology (node count, devices per node, micro batch split)
 exactly: weights, optimizer moments and step, scheduler and data position carried over
-through DeepSpeed universal checkpoints (snaketune.topology)."""
+through DeepSpeed universal checkpoints (snaketune.plan.topology)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import ENV, ROOT, read_jsonl, run_spec, train
 
-from snaketune.errors import ConfigError
-from snaketune.model import untie_optimizer_steps
-from snaketune.shard import Layout, plan, plan_digest
-from snaketune.topology import adapt_accumulation, changed_keys, stamp
+from snaketune.core.errors import ConfigError
+from snaketune.data.shard import Layout, plan, plan_digest
+from snaketune.evaluation.model import untie_optimizer_steps
+from snaketune.plan.topology import adapt_accumulation, changed_keys, stamp
 
 CONFIG = str(ROOT / "config" / "config.yaml")
 
@@ -111,7 +111,7 @@ def test_shared_optimizer_step_counters_are_untied():
 def moments(checkpoint: Path, tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Each parameter's fp32 weights and Adam moments in a checkpoint (a copy is turned
     into a universal checkpoint, which holds them whole whatever the rank count)."""
-    from snaketune.topology import make_universal
+    from snaketune.plan.topology import make_universal
 
     copy = tmp / checkpoint.name
     shutil.copytree(checkpoint, copy)
@@ -273,7 +273,7 @@ def test_full_zero2_continues_on_one_node_exactly(demo, tmp_path):
 
 
 def _job(tmp_path: Path, **spec) -> object:
-    from snaketune.job import Job
+    from snaketune.core.job import Job
 
     shards = tmp_path / "shards"
     shards.mkdir(exist_ok=True)
@@ -288,8 +288,8 @@ def _job(tmp_path: Path, **spec) -> object:
 
 
 def test_checkpoints_are_continued_on_a_new_topology_and_set_aside_on_new_math(tmp_path, caplog):
-    from snaketune.checkpoints import mark_complete
-    from snaketune.launch import prepare_checkpoints
+    from snaketune.core.checkpoints import mark_complete
+    from snaketune.train.launch import prepare_checkpoints
 
     first = _job(tmp_path)
     prepare_checkpoints(first)

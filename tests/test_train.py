@@ -19,7 +19,7 @@ import pytest
 from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, workers_after
 from safetensors.torch import load_file
 
-from snaketune.checkpoints import COMPLETE, checkpoints
+from snaketune.core.checkpoints import COMPLETE, checkpoints
 
 pytestmark = pytest.mark.slow
 CONFIG = str(ROOT / "config" / "config.yaml")
@@ -252,8 +252,8 @@ def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
     its bounded time, then refuses with one line naming host and PID, before any compute;
     the run's directory gets only the refused attempt's log and record (its reason that
     line)."""
-    from snaketune.io import host_name
-    from snaketune.runlock import start_time
+    from snaketune.core.io import host_name
+    from snaketune.core.runlock import start_time
 
     holder = subprocess.Popen(["sleep", "60"])
     lock = tmp_path / "results/x/train/train.lock"

@@ -12,10 +12,10 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
-from snaketune.agents import RENDEZVOUS, local_commands, slurm_command, supervise
-from snaketune.batches import PlanBatches
-from snaketune.checkpoints import COMPLETE, newest_complete, prune, truncate_metrics
-from snaketune.model import resolve_precision
+from snaketune.core.checkpoints import COMPLETE, newest_complete, prune, truncate_metrics
+from snaketune.data.batches import PlanBatches
+from snaketune.evaluation.model import resolve_precision
+from snaketune.train.agents import RENDEZVOUS, local_commands, slurm_command, supervise
 
 
 def test_plan_batches_run_each_planned_micro_batch_once_per_epoch():
@@ -137,7 +137,7 @@ def test_supervise_stops_the_others_when_one_agent_fails():
 def test_write_shards_streams_a_plan_into_loadable_shards(tmp_path):
     """The streaming writer: shards bounded by max_bytes, floats cast, other dtypes kept,
     headers that safetensors and transformers' index format accept."""
-    from snaketune.convert import write_shards
+    from snaketune.export.convert import write_shards
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -182,9 +182,9 @@ def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monk
     (a run directory on a node-local disk), then a device count that does not match."""
     import threading
 
-    from snaketune.agents import free_port
-    from snaketune.errors import UserError
-    from snaketune.preflight import check_port, gather, node_check
+    from snaketune.core.errors import UserError
+    from snaketune.train.agents import free_port
+    from snaketune.train.preflight import check_port, gather, node_check
 
     port = free_port()
     peer = threading.Thread(target=check_port, args=("127.0.0.1", port, 1, 2, 20.0))
@@ -204,7 +204,7 @@ def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monk
 
 
 def test_deadline_is_due_when_a_step_a_save_and_the_margin_no_longer_fit():
-    from snaketune.progress import Deadline
+    from snaketune.train.progress import Deadline
 
     assert not Deadline(None, 60).due()  # no limit known
     d = Deadline(end=1000.0, margin_s=100.0, save_guess_s=40.0)
@@ -220,7 +220,7 @@ def _callback_step(signal_name, deadline):
 
     from transformers import TrainerControl
 
-    from snaketune.progress import StepCallback, StopRequest
+    from snaketune.train.progress import StepCallback, StopRequest
 
     collator = SimpleNamespace(tokens=0, padded=0, samples=0, squares=0)
     stop = StopRequest()
@@ -231,7 +231,7 @@ def _callback_step(signal_name, deadline):
 
 
 def test_usr1_or_the_deadline_stop_to_continue_sigterm_to_stop():
-    from snaketune.progress import Deadline
+    from snaketune.train.progress import Deadline
 
     for signal_name, deadline, reason in [
         ("SIGUSR1", None, "time"),  # SLURM's warning ahead of the limit
@@ -250,9 +250,9 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
     import subprocess as sp
     from datetime import datetime
 
-    from snaketune import segments
-    from snaketune.job import Job
-    from snaketune.segments import allocation_end
+    from snaketune.core.job import Job
+    from snaketune.train import segments
+    from snaketune.train.segments import allocation_end
 
     job = Job({}, tmp_path, tmp_path, tmp_path, tmp_path, "auto", [], time_limit_min=10)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -270,7 +270,7 @@ def test_the_launcher_imports_no_ml_library():
     """Every train job, retry and requeue starts the launcher before any worker: importing
     transformers there (it once came in through the heartbeat's callback) cost ~4 s a job.
     The launcher's modules import none of the ML stack; the workers do."""
-    code = ("import sys, snaketune.launch, snaketune.attempts, snaketune.agents; "
+    code = ("import sys, snaketune.train.launch, snaketune.train.attempts, snaketune.train.agents; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', "
             "'deepspeed', 'trl', 'peft', 'accelerate', 'datasets', 'numpy', 'pandas', "
             "'pyarrow'}))")  # fmt: skip
@@ -280,10 +280,10 @@ def test_the_launcher_imports_no_ml_library():
 
 
 def test_the_launchers_handoff_reaches_the_worker_whole_and_alone():
-    """What the launcher hands one start of the workers (snaketune.job.Handoff) is read back
+    """What the launcher hands one start of the workers (snaketune.core.job.Handoff) is read back
     as it was given; an earlier start's variables do not survive into the next one."""
-    from snaketune.job import HANDOFF_ENV, Handoff
-    from snaketune.progress import Deadline
+    from snaketune.core.job import HANDOFF_ENV, Handoff
+    from snaketune.train.progress import Deadline
 
     given = Handoff(deadline=1_000_000.0, stop_margin_s=90.0, save_s=12.5, load_universal=True,
                     checkpoint_bytes=123456)  # fmt: skip

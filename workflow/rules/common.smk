@@ -1,14 +1,14 @@
 # Input functions of the rules, grouped by stage (no rules here). What they return is
-# computed in the library (snaketune.stages): these only look it up for a job's wildcards.
+# computed in the library (snaketune.plan.stages): these only look it up for a job's wildcards.
 import json
 from functools import partial
 from pathlib import Path
 
-from snaketune import stages, targets
-from snaketune.config import resolve_deepspeed
 from snaketune.methods import method_of
-from snaketune.runspec import RunSpec
-from snaketune.sweep import sweeps_of
+from snaketune.plan import stages, targets
+from snaketune.plan.config import resolve_deepspeed
+from snaketune.plan.runspec import RunSpec
+from snaketune.plan.sweep import sweeps_of
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
 SCRIPTS = Path(workflow.basedir) / "scripts"
@@ -23,7 +23,7 @@ REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
 # one an MPI-style job starts in turn) applies a rule's `retries` too: a failed train
 # attempt would start again inside the same SLURM job, beside the submitting Snakemake's
 # own retry as a new job. Only the submitting side retries; the job side starts the train
-# rule once (snaketune.attempts refuses a second start there; the Snakefile tells it so).
+# rule once (snaketune.train.attempts refuses a second start there; the Snakefile tells it so).
 JOB_SIDE = workflow.remote_exec
 TRAIN_RETRIES = 0 if JOB_SIDE else 2
 

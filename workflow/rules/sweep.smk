@@ -1,4 +1,4 @@
-# The best member of each sweep (runs.<name>.sweep; snaketune/sweep.py): results/<name>/best.json.
+# The best member of each sweep (runs.<name>.sweep; snaketune/plan/sweep.py): results/<name>/best.json.
 # A checkpoint: a run that starts from the sweep (init_from) and the sweep's publish read
 # the choice once it is made.
 

@@ -5,7 +5,7 @@ trainer, its step fields, a ``METHOD``; snaketune.methods.dpo for one with its o
 block, data kind and stage) and one line below; docs/architecture.md has the checklist.
 Nothing outside this package names a method: config validation, the plans, the stages,
 the report and publish ask the run's ``Method`` (``method_of``); the facts derived from a
-run and its method are snaketune.runspec.RunSpec's.
+run and its method are snaketune.plan.runspec.RunSpec's.
 """
 
 from __future__ import annotations

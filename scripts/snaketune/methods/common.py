@@ -13,7 +13,7 @@ needs. What the worker asks: its data for this rank (from the rank's planned row
 trainer (a transformers Trainer subclass reading the planned batches through
 ``batches.planned_loader``, built on snaketune.methods.training), the extra
 fields of its per-step record, and how many rows of a step one planned example becomes.
-The worker (snaketune.worker) does the rest the same way for all.
+The worker (snaketune.train.worker) does the rest the same way for all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from snaketune.batches import Data, PlanBatches
+    from snaketune.data.batches import Data, PlanBatches
 
 # What a method trains on: supervised rows (a prompt and its response), prompts (it
 # generates its own responses: a prompt_response or alpaca set gives each prompt its
@@ -59,7 +59,7 @@ class Method:
     # a start-up log line of what the method does this run ("" for none)
     describe: Callable[[dict[str, Any], dict[str, Any]], str]
     # the held-out figure that decides the best checkpoint and early stopping by default
-    # (export.metric: auto; snaketune.heldout): loss, or exact_match of greedy generations
+    # (export.metric: auto; snaketune.core.heldout): loss, or exact_match of greedy generations
     heldout_metric: str = "loss"
     # --- the config side
     # what it does, a sentence fragment for the schema's `method` description
@@ -79,7 +79,7 @@ class Method:
     # is the run's place in the config (runs.<run>)
     check: Callable[[str, Mapping[str, Any], Mapping[str, Any]], None] = no_check
     # (run, on_gpu) -> what the memory plan counts besides the update and the micro batch:
-    # snaketune.memplan.Setup's fields (sequences per example, completion length, a
+    # snaketune.plan.memplan.Setup's fields (sequences per example, completion length, a
     # reference model, vLLM's share)
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
     # the run needs the reference log-probs stage (rule reference_logps)

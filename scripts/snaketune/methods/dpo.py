@@ -1,8 +1,8 @@
 """Preference tuning (config method ``dpo``): TRL's DPOTrainer and its loss family on the
-planned pairs of a ``preference`` dataset (snaketune.pairs), LoRA or every weight.
+planned pairs of a ``preference`` dataset (snaketune.data.pairs), LoRA or every weight.
 
 A pair is one planned example: both its sides are in the same micro batch (chosen sides
-first, then rejected: snaketune.logps.pair_batch), padded on the right. TRL 1.16's
+first, then rejected: snaketune.evaluation.logps.pair_batch), padded on the right. TRL 1.16's
 DPOTrainer has no padding-free path (its ``padding_free`` is disabled after a refactor and
 falls back to padding), so DPO batches are padded everywhere; the shard plan still
 balances each step's pairs across ranks by their tokens.
@@ -10,7 +10,7 @@ balances each step's pairs across ranks by their tokens.
 The reference:
 
 - ``reference: precomputed`` (default): the reference log-probs of every training pair
-  come from rule reference_logps (snaketune.logps), joined by example id in the collator;
+  come from rule reference_logps (snaketune.evaluation.logps), joined by example id in the collator;
   no training job holds a reference model;
 - ``reference: live``: TRL's own, each step: the base with the adapter off (LoRA) or a
   frozen copy of the starting model (full fine-tuning).
@@ -19,7 +19,7 @@ The loss of a step is the mean over every pair of the global batch: TRL averages
 batch's pairs, and a token-balanced plan gives micro batches of unequal pair counts, so
 each micro batch's loss is weighted by its pairs over ``micro_batch_size`` (1 when they are
 equal, as TRL does). TRL's step figures gather per-pair tensors across ranks; with unequal
-counts those gathers go through snaketune.collective.ragged_gather (the worker installs it),
+counts those gathers go through snaketune.core.collective.ragged_gather (the worker installs it),
 so each figure is the mean over every pair of the micro batch round.
 """
 
@@ -29,14 +29,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snaketune.errors import ConfigError
-from snaketune.io import IdsLog
+from snaketune.core.errors import ConfigError
+from snaketune.core.io import IdsLog
+from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, peft_config, training_args
-from snaketune.rows import pad_id
 
 if TYPE_CHECKING:
-    from snaketune.batches import Data, PlanBatches
+    from snaketune.data.batches import Data, PlanBatches
 
 
 class PairCollator:
@@ -54,7 +54,7 @@ class PairCollator:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from snaketune.logps import pair_batch
+        from snaketune.evaluation.logps import pair_batch
 
         ids = [e["example_id"] for e in examples]
         self._ids_log.write(ids)
@@ -74,8 +74,8 @@ class PairCollator:
 def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's planned pairs, with the precomputed reference log-probs of each."""
-    from snaketune.batches import Data
-    from snaketune.logps import read_reference
+    from snaketune.data.batches import Data
+    from snaketune.evaluation.logps import read_reference
 
     reference = None
     if run["dpo"]["reference"] == "precomputed":
@@ -97,7 +97,7 @@ def trainer_class():
     from torch.utils.data import DataLoader
     from trl import DPOTrainer
 
-    from snaketune.batches import planned_loader
+    from snaketune.data.batches import planned_loader
 
     class PlannedDPOTrainer(DPOTrainer):
         def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
@@ -105,7 +105,7 @@ def trainer_class():
             super().__init__(*args, **kwargs)
 
         def _prepare_dataset(self, dataset, *args, **kwargs):
-            return dataset  # tokenized by tokenize_dataset (snaketune.pairs)
+            return dataset  # tokenized by tokenize_dataset (snaketune.data.pairs)
 
         def _precompute_ref_logps(self, dataset, name, batch_size):
             return dataset  # computed by rule reference_logps, read by the collator

@@ -26,15 +26,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snaketune.answers import final_answer, math_verify_match, parse_answer
-from snaketune.errors import ConfigError
-from snaketune.io import IdsLog
+from snaketune.core.errors import ConfigError
+from snaketune.core.io import IdsLog
+from snaketune.core.rows import prompt_and_answer
+from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, peft_config, training_args
-from snaketune.rows import prompt_and_answer
 
 if TYPE_CHECKING:
-    from snaketune.batches import Data
+    from snaketune.data.batches import Data
 
 # Dataset formats that give each prompt a reference answer for the rewards.
 ANSWERED_FORMATS = ("prompt_response", "alpaca")
@@ -116,7 +116,7 @@ class RolloutCounter:
 def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's planned prompts with their reference answers, counted per rollout."""
-    from snaketune.batches import Data
+    from snaketune.data.batches import Data
 
     return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
 
@@ -148,7 +148,7 @@ def use_vllm(setting: bool | str) -> bool:
     if setting == "auto":
         import torch
 
-        from snaketune.packing import installed
+        from snaketune.data.kernels import installed
 
         return torch.cuda.is_available() and installed("vllm")
     return bool(setting)
@@ -159,7 +159,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     from torch.utils.data import DataLoader
     from trl import GRPOConfig, GRPOTrainer
 
-    from snaketune.batches import planned_loader
+    from snaketune.data.batches import planned_loader
 
     grpo = ctx.run["grpo"]
     funcs, weights = reward_functions(grpo["rewards"])
@@ -229,8 +229,8 @@ def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
 
 def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
     """Whole groups per device; prompts with reference answers; vLLM installed if asked."""
-    from snaketune.packing import installed
-    from snaketune.vocabulary import components
+    from snaketune.data.formats import components
+    from snaketune.data.kernels import installed
 
     grpo = run["grpo"]
     if run["micro_batch_size"] % grpo["num_generations"]:

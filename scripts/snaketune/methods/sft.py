@@ -1,5 +1,5 @@
 """Supervised fine-tuning (config methods ``lora`` and ``full``): trl's SFTTrainer on the
-planned micro batches, packed or padded (snaketune.packing), LoRA through peft.
+planned micro batches, packed or padded (snaketune.data.packing), LoRA through peft.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from snaketune.methods.common import Method
 from snaketune.methods.training import Context, peft_config, training_args
 
 if TYPE_CHECKING:
-    from snaketune.batches import Data, PlanBatches
+    from snaketune.data.batches import Data, PlanBatches
 
 
 def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's rows as planned, collated in the run's layout (packed or padded)."""
-    from snaketune.batches import Data
-    from snaketune.packing import Collator, layout_for
-    from snaketune.rows import pad_id
+    from snaketune.core.rows import pad_id
+    from snaketune.data.batches import Data
+    from snaketune.data.kernels import layout_for
+    from snaketune.data.packing import Collator
 
     layout = layout_for(run["packing"], kernel)
     return Data(table, batches, Collator(layout, pad_id(tokenizer), run["max_length"], ids_log))
@@ -45,7 +46,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
         def get_train_dataloader(self) -> DataLoader:
-            from snaketune.batches import planned_loader
+            from snaketune.data.batches import planned_loader
 
             return planned_loader(data.table, data.batches, data.collator)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from snaketune.job import WorkerEnv
+    from snaketune.core.job import WorkerEnv
 
 
 @dataclass
@@ -27,10 +27,10 @@ class Context:
     precision: str
     liger: bool
     tokenizer: Any
-    quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.qlora)
-    heldout: Any = None  # the held-out set scored while training (snaketune.heldout.HeldOut)
+    quantized: dict[str, Any] | None = None  # the 4-bit base's record (snaketune.core.qlora)
+    heldout: Any = None  # the held-out set scored while training (snaketune.core.heldout.HeldOut)
     start_step: int = 0  # the step this job resumes from (0: a new run)
-    load_universal: bool = False  # it resumes from a universal checkpoint (snaketune.job)
+    load_universal: bool = False  # it resumes from a universal checkpoint (snaketune.core.job)
 
 
 def training_args(ctx: Context, config_class, **method_args):
@@ -38,8 +38,8 @@ def training_args(ctx: Context, config_class, **method_args):
     logging), as ``config_class`` (a transformers TrainingArguments subclass)."""
     import torch
 
-    from snaketune.heldout_pass import trainer_arguments
-    from snaketune.model import load_deepspeed
+    from snaketune.evaluation.heldout_pass import trainer_arguments
+    from snaketune.evaluation.model import load_deepspeed
 
     run = ctx.run
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(ctx.out / "tensorboard"))

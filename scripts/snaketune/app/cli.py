@@ -1,0 +1,170 @@
+"""Check, plan and trace snaketune fine-tuning runs without running them.
+
+  snaketune validate my.yaml            check a config as the workflow does (every problem
+                                        at once); print its runs, sweeps and tokenized copies
+  snaketune plan my.yaml --gpu h100-80gb
+                                        per-GPU memory and disk of each run; exit 1 if one
+                                        does not fit, with the cheapest change that does
+  snaketune lineage results/demo/merged_model [--verify]
+                                        the chain of artefacts behind a result
+  snaketune fixtures resources/fixtures build the offline demo model and datasets
+
+Relative paths in the config start from the directory you run it in (where the workflow's
+results/ and resources/ are). The workflow itself runs with snakemake --profile profiles/...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from snaketune.core.errors import UserError, print_error
+
+# (This module is also the entry scripts' shared plumbing: setup_logging and run.)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Timestamped log lines; non-zero ranks (torchrun's RANK) log warnings only. Values of
+    secret environment variables are masked (snaketune.core.redact)."""
+    from snaketune.core.redact import RedactingFilter
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=level if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    redacting = RedactingFilter()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(redacting)
+
+
+def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Call an entry script's ``main``; a UserError becomes one line on stderr and exit 2."""
+    setup_logging()
+    try:
+        return main(argv)
+    except UserError as exc:
+        print_error(exc)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    from snaketune.plan.memplan import GPUS
+    from snaketune.plan.schema import WORKFLOW_ROOT
+
+    parser = argparse.ArgumentParser(
+        prog="snaketune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    root_help = f"workflow directory (holds workflow/schemas/ and config/deepspeed/; default {WORKFLOW_ROOT})"  # noqa: E501
+    val = sub.add_parser(
+        "validate", help="check a config as the workflow does; print its runs and tokenized copies"
+    )
+    val.add_argument("config", help="path to the YAML config")
+    val.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
+    fix = sub.add_parser("fixtures", help="build the offline demo fixtures")
+    fix.add_argument("out", help="output directory, e.g. resources/fixtures")
+    lin = sub.add_parser("lineage", help="print the chain of artefacts behind an artefact")
+    lin.add_argument("artefact", help="an artefact directory, e.g. results/demo/merged_model")
+    lin.add_argument(
+        "--verify", action="store_true", help="also recompute each artefact's file hashes"
+    )
+    pla = sub.add_parser(
+        "plan",
+        help="per-GPU memory and disk estimates of each run, and whether they fit (exit 1 if not)",
+    )
+    pla.add_argument("config", help="path to the YAML config")
+    pla.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
+    which = pla.add_mutually_exclusive_group()
+    table = ", ".join(f"{name} ({gib:g} GiB usable)" for name, gib in GPUS.items())
+    which.add_argument("--gpu", help=f"GPU type, one of: {table}; default: each run's `gpu`")
+    which.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB")
+    pla.add_argument("--json", action="store_true", help="one JSON list, a dict per run")
+    return parser
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from snaketune.plan.checks import at_parse
+    from snaketune.plan.schema import load_yaml
+    from snaketune.plan.stages import reference_runs
+    from snaketune.plan.sweep import sweeps_of
+
+    config = load_yaml(args.config)
+    parsed = at_parse(config, Path(args.root), [args.config])
+    for note in parsed.notes:
+        print(f"note: {note}", file=sys.stderr)
+    plan = {
+        "runs": sorted(config["runs"]),
+        "sweeps": sweeps_of(config["runs"]),
+        "tokenized": sorted(parsed.tokenize),
+        # DPO runs' precomputed reference log-probs, each computed once: key -> its runs
+        "reference_logps": reference_runs(config),
+    }
+    print(json.dumps(plan, indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from snaketune.plan.config import load_config
+    from snaketune.plan.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
+    from snaketune.plan.fit import plan_config
+    from snaketune.plan.memplan import format_plan
+
+    config = load_config(args.config, args.root)
+    workdir, root = Path("."), Path(args.root)
+    plans = plan_config(config, workdir, root, args.gpu_memory or args.gpu, args.config)
+    for plan in plans:  # the model's config.json is there: plan_config read it
+        plan["disk"] = disk_plan_of(config, plan["run"], workdir, root)
+    shared = shared_filesystems({p["run"]: p["disk"] for p in plans})
+    for plan in plans:  # the runs it shares its filesystem with, added up
+        plan["disk"]["shared"] = next((g for g in shared if plan["run"] in g["runs"]), None)
+    if args.json:
+        print(json.dumps(plans, indent=2))
+    else:
+        for plan in plans:
+            print(format_plan(plan["run"], plan))
+            print(format_disk(plan["run"], plan["disk"]))
+        for group in shared:
+            print(format_shared(group))
+    bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]]
+    return 1 if bad or any(not g["fits"] for g in shared) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    def _main(_: Sequence[str] | None) -> int:
+        if args.command == "validate":
+            return _validate(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "lineage":
+            from snaketune.core.provenance import lineage
+
+            problems: list[str] = []
+            for line in lineage(args.artefact, check=args.verify, problems=problems):
+                print(line)
+            if problems:
+                print(f"error: {len(problems)} file(s) differ from their provenance: "
+                      f"{'; '.join(problems)}", file=sys.stderr)  # fmt: skip
+                return 1
+            return 0
+        from snaketune.app.fixtures import make_fixtures
+
+        for name, path in make_fixtures(args.out).items():
+            print(f"{name}: {path}")
+        return 0
+
+    return run(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The report of all runs: one self-contained HTML page (results/summary.html) with the
+summary table (snaketune.plan.summary), per run its training plots (snaketune.app.plots), a
+base-versus-tuned view of every metric, samples marked right or wrong, and each sweep's
+members compared."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from snaketune.app.plots import figure, svg_of
+from snaketune.plan.summary import lm_eval_figures
+
+
+def pretty(value: Any, percent: bool = False) -> str:
+    """A number as a person reads it: 0.7656 -> 76.6% (``percent``), 6.31459 -> 6.31,
+    552.575 -> 553, 26290.8 -> 26,291, 0.000123 -> 1.23e-04."""
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if percent:
+        return f"{100 * value:.1f}%"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 1:
+        return f"{value:.3g}" if size < 10 else f"{value:.1f}"
+    if size >= 1e-3:
+        return f"{value:.3f}"
+    return f"{value:.2e}"
+
+
+class Comparison(NamedTuple):
+    """One metric of an evaluation, base against tuned."""
+
+    label: str
+    base: Any
+    tuned: Any
+    gain: Any
+    percent: bool  # shown as a share (76.6%)
+    higher_is_better: bool
+    stderr: float | None = None
+
+
+def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
+    """Every metric of an evaluation: exact match, math_verify, loss, perplexity, each
+    lm-eval figure (with its stderr)."""
+    base, gain = ev.get("base") or {}, ev.get("gain") or {}
+    rows = [
+        Comparison("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
+                   gain.get("exact_match"), True, True),
+        Comparison("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
+                   gain.get("math_verify"), True, True),
+        Comparison("stop rate (ends on a stop id)", base.get("stop_rate"), ev.get("stop_rate"),
+                   None if None in (base.get("stop_rate"), ev.get("stop_rate"))
+                   else ev["stop_rate"] - base["stop_rate"], True, True),
+        Comparison("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
+                   None if "loss" not in gain else -gain["loss"], False, False),
+        Comparison("perplexity", base.get("perplexity"), ev.get("perplexity"),
+                   None if base.get("perplexity") is None
+                   else ev["perplexity"] - base["perplexity"], False, False),
+    ]  # fmt: skip
+    pref, base_pref = ev.get("preference") or {}, base.get("preference") or {}
+    if "preference_accuracy" in pref:  # held-out pairs of a DPO run
+        rows += [
+            Comparison("preference accuracy (implicit reward ranks chosen first)",
+                       base_pref.get("preference_accuracy"), pref["preference_accuracy"],
+                       gain.get("preference_accuracy"), True, True),
+            Comparison("reward margin (chosen - rejected)", base_pref.get("reward_margin"),
+                       pref["reward_margin"], gain.get("preference_reward_margin"), False, True),
+            Comparison("chosen more likely than rejected", base_pref.get("likelihood_accuracy"),
+                       pref["likelihood_accuracy"], gain.get("preference_likelihood_accuracy"),
+                       True, True),
+        ]  # fmt: skip
+    for label, f in lm_eval_figures(ev):
+        rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
+                               False, True, f.get("stderr")))  # fmt: skip
+    return rows
+
+
+def comparison_svg(ev: dict[str, Any], title: str) -> str | None:
+    """Base and tuned side by side, one pair of bars per accuracy-like metric (0-1)."""
+    pairs = [
+        (r.label, r.base, r.tuned)
+        for r in comparison_rows(ev)
+        if r.base is not None and 0 <= r.base <= 1 and 0 <= r.tuned <= 1
+    ]
+    if not pairs:
+        return None
+    import textwrap
+
+    fig, axes = figure(min(11.5, 2.0 + 2.0 * len(pairs)), 3.0, 1)
+    ax = axes[0][0]
+    xs = range(len(pairs))
+    for offset, which, name, color in (
+        (-0.2, 1, "base", "tab:gray"),
+        (0.2, 2, "tuned", "tab:blue"),
+    ):
+        values = [p[which] for p in pairs]
+        bars = ax.bar([x + offset for x in xs], values, 0.4, label=name, color=color)
+        ax.bar_label(bars, labels=[f"{100 * v:.0f}%" for v in values], fontsize=8)
+    ax.set_xticks(list(xs), [textwrap.fill(lab, 22) for lab, _, _ in pairs], fontsize=8)
+    ax.set(ylim=(0, 1.1), ylabel="accuracy (share of examples)", title=title)
+    ax.legend(fontsize=8)
+    return svg_of(fig)
+
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;"
+    "color:#222}h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em}"
+    "table{border-collapse:collapse;margin:.5em 0 1em;max-width:100%}"
+    "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top;text-align:left}"
+    "td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}"
+    "th{background:#f4f4f4}svg{max-width:100%;height:auto}"
+    "table.samples{table-layout:fixed;width:100%}"
+    "pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}"
+    "tr.right td.mark{color:#167a2c;font-weight:bold}tr.wrong td.mark{color:#b3261e;"
+    "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
+    "tr.best td{background:#eef7ee}tr.best td.mark{color:#167a2c;font-weight:bold}"
+    "div.wide{max-width:100%;overflow-x:auto}td.name{overflow-wrap:anywhere;min-width:6em}"
+)
+SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method", False),
+           ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
+           ("final_loss", "final train loss", False), ("eval_loss", "held-out loss", False),
+           ("base_exact_match", "exact match, base", True), ("exact_match", "exact match", True),
+           ("math_verify", "math_verify", True), ("stop_rate", "stop rate", True),
+           ("tokens_per_s", "tokens/s", False),
+           ("padding", "padding", True), ("mfu", "MFU", True),
+           ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+
+
+def _gain(value: Any, percent: bool, higher_better: bool) -> str:
+    from html import escape
+
+    if value is None:
+        return "<td class='num'>–</td>"
+    good = (value > 0) == higher_better if value else None
+    cls = "" if good is None else (" gain-pos" if good else " gain-neg")
+    sign = "+" if value > 0 else ""
+    text = f"{sign}{100 * value:.1f} pt" if percent else f"{sign}{pretty(value)}"
+    return f"<td class='num{cls}'>{escape(text)}</td>"
+
+
+def comparison_table(ev: dict[str, Any]) -> str:
+    from html import escape
+
+    trs = []
+    for r in comparison_rows(ev):
+        shown = pretty(r.tuned, r.percent)
+        shown += f" ± {pretty(r.stderr)}" if r.stderr is not None else ""
+        trs.append(
+            f"<tr><td>{escape(r.label)}</td><td class='num'>{escape(pretty(r.base, r.percent))}"
+            f"</td><td class='num'>{escape(shown)}</td>"
+            f"{_gain(r.gain, r.percent, r.higher_is_better)}</tr>"
+        )
+    return (
+        "<table class='comparison'><tr><th>metric</th><th>base model</th><th>tuned</th>"
+        f"<th>gain</th></tr>{''.join(trs)}</table>"
+    )
+
+
+def samples_table(samples: list[dict[str, Any]], n: int) -> str:
+    from html import escape
+
+    right = sum(bool(s.get("correct")) for s in samples)
+    trs = []
+    for s in samples[:n]:
+        ok = bool(s.get("correct"))
+        trs.append(
+            f"<tr class='{'right' if ok else 'wrong'}'>"
+            f"<td class='mark'>{'✓ right' if ok else '✗ wrong'}</td>"
+            f"<td><pre>{escape(str(s.get('prompt', '')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('reference_answer')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
+        )
+    return (
+        f"<p>First {min(n, len(samples))} of {len(samples)} held-out examples ({right} answered "
+        "right; the mark is exact match on the number after ####).</p>"
+        "<table class='samples'><col style='width:8%'><col style='width:42%'>"
+        "<col style='width:10%'><col style='width:40%'><tr><th></th><th>prompt</th>"
+        f"<th>reference</th><th>generation (tuned)</th></tr>{''.join(trs)}</table>"
+    )
+
+
+def sweep_section(sweep: str, best: dict[str, Any], rows: list[dict[str, str]], svg: str) -> str:
+    """A sweep's members side by side: their values, the selection figure, headline metrics,
+    throughput and GPU-hours; the best one marked; the overlaid losses below."""
+    from html import escape
+
+    keys = list(best["members"][0]["values"])
+    by_run = {r["run"]: r for r in rows}
+    metric = best["metric"]
+    cols = [("exact_match", "exact match", True), ("eval_loss", "held-out loss", False),
+            ("stop_rate", "stop rate", True), ("tokens_per_s", "tokens/s", False),
+            ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+    head = ("<tr><th></th><th>member</th>" + "".join(f"<th>{escape(k)}</th>" for k in keys)
+            + f"<th>{escape(metric)} ({best['mode']})</th>"
+            + "".join(f"<th>{escape(label)}</th>" for _, label, _ in cols) + "</tr>")  # fmt: skip
+    trs = []
+    for m in best["members"]:
+        row, mark = by_run.get(m["run"], {}), m["run"] == best["best"]
+        trs.append(
+            f"<tr class='{'best' if mark else ''}'><td class='mark'>{'★ best' if mark else ''}"
+            f"</td><td>{escape(m['run'])}</td>"
+            + "".join(f"<td class='num'>{escape(str(m['values'][k]))}</td>" for k in keys)
+            + f"<td class='num'>{escape(pretty(m[metric]))}</td>"
+            + "".join(f"<td class='num'>{escape(pretty(row.get(k), pct))}</td>"
+                      for k, _, pct in cols)
+            + "</tr>"
+        )  # fmt: skip
+    return (f'<section id="sweep-{escape(sweep)}"><h2>Sweep {escape(sweep)}</h2>'
+            f"<p>{len(best['members'])} members; best by {escape(metric)} ({best['mode']}): "
+            f"<b>{escape(best['best'])}</b> (results/{escape(sweep)}/best.json)</p>"
+            f"<div class='wide'><table class='sweep'>{head}{''.join(trs)}</table></div>{svg}"
+            "</section>")  # fmt: skip
+
+
+def attempts_table(attempts: list[dict[str, Any]]) -> str:
+    """Every start of the run's training (snaketune.train.attempts): when, where, how it ended and
+    where its whole log is; open when one of them failed."""
+    import time
+    from html import escape
+
+    failed = sum(a.get("exit") != 0 for a in attempts)
+    rows = "".join(
+        f"<tr><td class='num'>{a['attempt']}</td>"
+        f"<td>{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.get('began', 0)))}</td>"
+        f"<td>{escape(str(a.get('host', '')))}"
+        + (f" (SLURM job {escape(str(a['job']))})" if a.get("job") else "") + "</td>"
+        f"<td class='num'>{escape(str(a.get('exit', '-')))}</td>"
+        f"<td>{escape(str(a.get('reason', '')))}</td>"
+        f"<td><code>train/{escape(str(a.get('log', '')))}</code></td></tr>"
+        for a in attempts
+    )  # fmt: skip
+    return (f"<details{' open' if failed else ''}><summary>Training attempts: {len(attempts)}"
+            f"{f', {failed} ended early or failed' if failed else ''}</summary><table>"
+            "<tr><th>#</th><th>began</th><th>host</th><th>exit</th><th>reason</th>"
+            f"<th>log</th></tr>{rows}</table></details>")  # fmt: skip
+
+
+def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
+                 evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
+                 lineages: dict[str, tuple[str, str, str]] | None = None,
+                 n_samples: int = 8, sweeps: list[str] | None = None,
+                 attempts: dict[str, list[dict[str, Any]]] | None = None) -> str:  # fmt: skip
+    """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
+    run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
+    and its provenance link and lineage."""
+    from html import escape
+
+    head = "".join(f"<th>{escape(label)}</th>" for _, label, _ in SUMMARY)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td class='name'>{escape(row[key])}</td>" if key in ("run", "model", "method")
+            else f"<td class='num'>{escape(pretty(row.get(key), pct))}</td>"
+            for key, _, pct in SUMMARY
+        )
+        + "</tr>"
+        for row in rows
+    )  # fmt: skip
+    sections = []
+    for run, svg in plots.items():
+        parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>',
+                 "<h3>Training</h3>", svg]  # fmt: skip
+        ev = evals.get(run)
+        if ev is not None:
+            parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))
+            chart = comparison_svg(ev, f"{run}: base versus tuned")
+            parts.append(chart or "")
+        if lineages and run in lineages:
+            href, artefact, text = lineages[run]
+            parts.append(
+                f'<p class="lineage"><a href="{escape(href)}">provenance</a> '
+                f"(<code>snaketune lineage {escape(artefact)}</code>)</p>"
+                f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
+            )
+        if attempts and attempts.get(run):
+            parts.append(attempts_table(attempts[run]))
+        if samples.get(run):
+            parts.append("<h3>Samples</h3>" + samples_table(samples[run], n_samples))
+        sections.append("".join(parts) + "</section>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
+        f"<style>{STYLE}</style></head><body><h1>snaketune: all runs</h1>"
+        "<p>Every figure is also in results/summary.tsv (full precision).</p>"
+        f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
+        f"{''.join(sweeps or [])}"
+        f"{''.join(sections)}</body></html>\n"
+    )

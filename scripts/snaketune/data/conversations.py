@@ -1,0 +1,333 @@
+"""Rows to conversations: a dataset's rows (downloaded parquet, read in batches) in its
+format (prompt_response, alpaca, messages) as chat turns, after its filters and its
+mixture weight, with the counts of what happened to them (``Stats``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from snaketune.core.errors import DataError
+from snaketune.data.chat import Turn
+from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 1024  # rows read and rendered at a time
+# One batch of conversations: (example id, turns), or (example id, Pair) for preference data.
+Items = list[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference row: the prompt's turns, and the turns of each response after them."""
+
+    prompt: tuple[Turn, ...]
+    chosen: tuple[Turn, ...]
+    rejected: tuple[Turn, ...]
+
+
+@dataclass
+class Source:
+    """One dataset as tokenize reads it: its downloaded parquet and its config entry."""
+
+    name: str
+    path: Path
+    spec: dict[str, Any]
+    weight: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Stats:
+    """What happened to the rows; written as the stats JSON."""
+
+    rows_read: int = 0
+    rows_filtered_out: int = 0
+    rows_sampled_out: int = 0
+    rows_repeated: int = 0
+    conversations: int = 0
+    dropped_overlong: int = 0
+    truncated: int = 0
+    dropped_no_response: int = 0
+    # preference pairs: a side empty, both sides the same, prompt tokens that differ
+    dropped_empty_pair: int = 0
+    dropped_identical_pair: int = 0
+    dropped_prompt_mismatch: int = 0
+    rows: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+    max_tokens: int = 0
+    max_token_id: int = -1
+    longest_overlong: tuple[int, str] = (0, "")  # (tokens, example id), overlong: error
+    per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the token the chat template closes an assistant turn with (None: the template closes
+    # it with no special token), the examples whose labels lack it (cut by max_length), and
+    # whether the model's generation_config stops on it
+    end_of_turn: str | None = None
+    end_of_turn_id: int | None = None
+    rows_without_end_of_turn: int = 0
+    model_stops_at_end_of_turn: bool | None = None
+
+
+def _column(spec: dict[str, Any], fieldname: str) -> str | list[str]:
+    return spec.get("columns", {}).get(fieldname, FORMAT_FIELDS[spec["format"]][fieldname])
+
+
+def needed_columns(spec: dict[str, Any]) -> list[str]:
+    """Raw columns a dataset's format and filters read."""
+    cols: list[str] = []
+    for fieldname in FORMAT_FIELDS[spec["format"]]:
+        col = _column(spec, fieldname)
+        cols.extend(col if isinstance(col, list) else [col])
+    cols.extend(f["column"] for f in spec.get("filters", []))
+    return list(dict.fromkeys(cols))
+
+
+def _text(value: Any, name: str, row: int, col: str, optional: bool = False) -> str:
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        what = "null" if value is None else f"of type {type(value).__name__}, not text"
+        raise DataError(
+            f"datasets.{name} row {row}: column {col!r} is {what}; "
+            "clean the data or filter the row out"
+        )
+    return value
+
+
+def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> list[tuple[Turn, ...]]:
+    """The rows of ``batch`` (raw row numbers ``rows``) as conversations of (role, content)."""
+    spec, name = source.spec, source.name
+    fmt = spec["format"]
+    system = (("system", spec["system_prompt"]),) if "system_prompt" in spec else ()
+    cols = {f: _column(spec, f) for f in FORMAT_FIELDS[fmt]}
+    data = {
+        c: batch.column(c).to_pylist()
+        for col in cols.values()
+        for c in (col if isinstance(col, list) else [col])
+        if c in batch.schema.names
+    }
+    out = []
+    for i, row in enumerate(rows):
+        if fmt == "preference":
+            out.append(_pair(source, system, cols, data, i, row))
+            continue
+        if fmt == "messages":
+            msgs = data[cols["messages"]][i]
+            if not isinstance(msgs, list) or not msgs:
+                raise DataError(
+                    f"datasets.{name} row {row}: `messages` must be a non-empty list of turns; "
+                    "clean the data or filter the row out"
+                )
+            turns = []
+            for m in msgs:
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                    raise DataError(
+                        f"datasets.{name} row {row}: each turn needs role system, user or "
+                        "assistant "
+                        f"and text content (got {m!r:.80}); clean the data or filter the row out"
+                    )
+                turns.append((m["role"], _text(m.get("content"), name, row, "content")))
+            if not any(role == "assistant" for role, _ in turns):
+                raise DataError(
+                    f"datasets.{name} row {row}: no assistant turn to learn from; "
+                    "clean the data or filter the row out"
+                )
+            out.append(tuple(turns))
+            continue
+        if fmt == "prompt_response":
+            pcols = cols["prompt"] if isinstance(cols["prompt"], list) else [cols["prompt"]]
+            prompt = "\n\n".join(_text(data[c][i], name, row, c) for c in pcols)
+            response = _text(data[cols["response"]][i], name, row, cols["response"])
+        else:  # alpaca
+            prompt = _text(data[cols["instruction"]][i], name, row, cols["instruction"])
+            extra = (
+                _text(data[cols["input"]][i], name, row, cols["input"], optional=True)
+                if cols["input"] in data
+                else ""
+            )
+            if extra.strip():
+                prompt = f"{prompt}\n\n{extra}"
+            response = _text(data[cols["output"]][i], name, row, cols["output"])
+        out.append((*system, ("user", prompt), ("assistant", response)))
+    return out
+
+
+def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple[Turn, ...]:
+    """A preference field as turns: text (one turn of ``role``) or a list of messages."""
+    if isinstance(value, str):
+        return ((role, value),) if role else ()
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"datasets.{name} row {row}: column {col!r} must be text or a non-empty list of "
+            f"{{role, content}} messages (got {value!r:.60}); clean the data or filter the row out"
+        )
+    turns = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise DataError(
+                f"datasets.{name} row {row}: column {col!r}: each message needs role system, "
+                f"user or assistant and text content (got {m!r:.80}); clean the data or filter "
+                "the row out"
+            )
+        turns.append((m["role"], _text(m.get("content"), name, row, col)))
+    return tuple(turns)
+
+
+def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict,
+          i: int, row: int) -> Pair:  # fmt: skip
+    """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a
+    prompt message list with assistant turns; or whole conversations sharing their prompt."""
+    name = source.name
+    raw = {
+        f: data[cols[f]][i] if cols[f] in data else None for f in ("prompt", "chosen", "rejected")
+    }
+    chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
+    rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
+    if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
+        shared = 0
+        while (shared < min(len(chosen), len(rejected)) - 1
+               and chosen[shared] == rejected[shared]):  # fmt: skip
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        prompt = _turns(raw["prompt"], name, row, cols["prompt"], "user")
+        if isinstance(raw["prompt"], str):
+            prompt = (*system, *prompt)
+        # whole conversations repeat the prompt's turns: keep what follows them
+        if chosen[: len(prompt)] == prompt and len(chosen) > len(prompt):
+            chosen = chosen[len(prompt) :]
+        if rejected[: len(prompt)] == prompt and len(rejected) > len(prompt):
+            rejected = rejected[len(prompt) :]
+    if not prompt or any(role != "assistant" for role, _ in (*chosen, *rejected)):
+        raise DataError(
+            f"datasets.{name} row {row}: a preference row needs prompt turns and responses of "
+            "assistant turns only (chosen/rejected); clean the data or filter the row out"
+        )
+    return Pair(prompt, chosen, rejected)
+
+
+def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
+    """Template-independent hash of a conversation (roles and contents), or of a pair."""
+    if isinstance(turns, Pair):
+        turns = (*turns.prompt, *turns.chosen, ("\x1d", ""), *turns.rejected)
+    blob = "\x1e".join([f"{role}\x1f{content}" for role, content in turns])
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- filters, mixture
+
+
+def filter_mask(batch: pa.RecordBatch, filters: list[dict[str, Any]], name: str) -> pa.Array | None:
+    """Boolean mask of the rows that pass every filter (None when there are none)."""
+    mask = None
+    for flt in filters:
+        col, op, value = flt["column"], flt["op"], flt["value"]
+        arr = batch.column(col)
+        if op in ("in", "not_in"):
+            hit = pc.is_in(arr, value_set=pa.array(value))
+            cond = hit if op == "in" else pc.invert(hit)
+        else:
+            fn = {
+                "==": pc.equal,
+                "!=": pc.not_equal,
+                "<": pc.less,
+                "<=": pc.less_equal,
+                ">": pc.greater,
+                ">=": pc.greater_equal,
+            }[op]
+            try:
+                cond = fn(arr, pa.scalar(value))
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
+                raise DataError(
+                    f"datasets.{name}.filters: cannot compare column {col!r} ({arr.type}) "
+                    f"with {value!r}; use a value of the column's type"
+                ) from exc
+        cond = pc.fill_null(cond, False)
+        mask = cond if mask is None else pc.and_(mask, cond)
+    return mask
+
+
+def multiplicity(rows: int, weight: float, seed: int, name: str) -> np.ndarray:
+    """How many times each raw row enters a mixture: floor(weight), plus one for a seeded
+    subset of round(frac * rows) rows."""
+    whole = int(np.floor(weight))
+    frac = weight - whole
+    counts = np.full(rows, whole, dtype=np.int64)
+    extra = int(round(frac * rows))
+    if extra:
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        counts[rng.choice(rows, size=extra, replace=False)] += 1
+    return counts
+
+
+def _open_source(source: Source) -> pq.ParquetFile:
+    pf = pq.ParquetFile(source.path)
+    names = pf.schema_arrow.names
+    missing = [
+        c for c in needed_columns(source.spec) if c not in names and c not in _optional(source.spec)
+    ]
+    if missing:
+        raise DataError(
+            f"datasets.{source.name}: column {missing[0]!r} not found "
+            f"(columns: {', '.join(names)}); "
+            "set `columns:` to map the format's fields to this dataset's columns"
+        )
+    return pf
+
+
+def _optional(spec: dict[str, Any]) -> set[str]:
+    return {_column(spec, f) for f in OPTIONAL_FIELDS.get(spec["format"], ())}
+
+
+def iter_conversations(
+    sources: list[Source], stats: Stats
+) -> Iterator[list[tuple[str, tuple[Turn, ...]]]]:
+    """Batches of (example_id, conversation) over every source, after filters and weights."""
+    for source in sources:
+        pf = _open_source(source)
+        cols = [c for c in needed_columns(source.spec) if c in pf.schema_arrow.names]
+        counts = None
+        if source.weight != 1.0:
+            counts = multiplicity(pf.metadata.num_rows, source.weight, source.seed, source.name)
+        per = stats.per_source.setdefault(
+            source.name, {"read": 0, "kept_by_filters": 0, "emitted": 0}
+        )
+        first = 0
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
+            n = batch.num_rows
+            stats.rows_read += n
+            per["read"] += n
+            index = np.arange(first, first + n)
+            mask = filter_mask(batch, source.spec.get("filters", []), source.name)
+            if mask is not None:
+                keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
+                batch, index = batch.filter(mask), index[keep]
+                stats.rows_filtered_out += n - len(index)
+            per["kept_by_filters"] += len(index)
+            rows = index.tolist()
+            items: list[tuple[str, tuple[Turn, ...]]] = []
+            for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
+                reps = 1 if counts is None else int(counts[row])
+                if reps == 0:
+                    stats.rows_sampled_out += 1
+                stats.rows_repeated += max(reps - 1, 0)
+                for copy in range(reps):
+                    suffix = f":{copy}" if copy else ""
+                    items.append((f"{source.name}:{row}{suffix}", conv))
+            per["emitted"] += len(items)
+            first += n
+            if items:
+                yield items

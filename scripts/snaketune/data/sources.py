@@ -1,0 +1,272 @@
+"""Fetch models and datasets (hub or local) into resources/, recording where they came from.
+
+Hub sources resolve the configured revision to a commit first and download exactly that
+commit, so a rerun months later gets the same bytes. Local sources are linked (models)
+or converted to parquet in streaming batches (datasets). Each output directory carries a
+``provenance.json``: source, requested and resolved revision, sha256 of every file. A Hub
+model's config.json alone (``hub_config_json``) is what the plans read before a download.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from snaketune.core.errors import DataError
+from snaketune.core.io import atomic_path, atomic_paths, sha256_file, sha256_tree
+from snaketune.core.provenance import NAME, record, write_provenance
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+}
+BATCH_ROWS = 8192
+CHUNK_BYTES = 1 << 22
+HUB_MODEL_IGNORE = ["original/*", "*.pth", "*.msgpack", "*.h5", "*.ot"]
+
+
+def _provenance(
+    kind: str,
+    name: str,
+    spec: dict[str, Any],
+    artefact: Path,
+    outputs: dict[str, str],
+    **extra: Any,
+) -> dict[str, Any]:
+    return record(
+        f"download_{kind}", artefact, spec, {}, outputs, kind=kind, name=name, spec=spec, **extra
+    )
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Mirror ``src`` into ``dst`` with a symlink per file (no copy of large weights)."""
+    dst.mkdir(parents=True)
+    for item in sorted(src.iterdir()):
+        if item.name.startswith("."):
+            continue
+        if item.is_dir():
+            _link_tree(item, dst / item.name)
+        else:
+            (dst / item.name).symlink_to(item.resolve())
+
+
+def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
+    """Materialise model ``name`` in directory ``out`` with a provenance.json."""
+    out = Path(out)
+    with atomic_path(out) as tmp:
+        if spec["source"] == "local":
+            src = Path(spec["path"])
+            if not (src / "config.json").is_file():
+                raise DataError(
+                    f"models.{name}.path: {src} has no config.json; point it at a Hugging Face "
+                    "model directory (config.json, tokenizer files, weights)"
+                )
+            _link_tree(src, tmp)
+            extra = {"path": str(src.resolve())}
+        else:
+            from huggingface_hub import HfApi, snapshot_download
+
+            revision = spec.get("revision", "main")
+            commit = HfApi().model_info(spec["id"], revision=revision).sha
+            log.info("model %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
+            snapshot_download(
+                spec["id"], revision=commit, local_dir=tmp, ignore_patterns=HUB_MODEL_IGNORE
+            )
+            extra = {"id": spec["id"], "revision": revision, "commit": commit}
+        files = sha256_tree(tmp)
+        prov = _provenance("model", name, spec, out, files, source=spec["source"], files=files,
+                           **extra)  # fmt: skip
+        write_provenance(tmp / NAME, prov)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def file_format(path: Path, forced: str | None = None) -> str:
+    """The format of a local dataset file or directory, from ``forced`` or the extension."""
+    if forced:
+        return forced
+    probe = path
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise DataError(f"{path}: directory holds no data files")
+        probe = files[0]
+    suffixes = [s for s in probe.suffixes if s != ".gz"]  # data.jsonl.gz reads as jsonl
+    fmt = EXTENSIONS.get(suffixes[-1]) if suffixes else None
+    if fmt is None:
+        raise DataError(
+            f"{path}: cannot tell the format from the extension; use .parquet, .jsonl, .json or "
+            ".csv, or set file_format"
+        )
+    return fmt
+
+
+def _is_json_array(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def iter_local_batches(path: Path, fmt: str):
+    """Stream a local dataset as record batches (a JSON array file is read whole)."""
+    if fmt == "json" and path.is_file() and _is_json_array(path):
+        with open(path, encoding="utf-8") as fh:
+            rows = json.load(fh)
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise DataError(f"{path}: a .json dataset must be a list of objects or JSON lines")
+        table = pa.Table.from_pylist(rows)
+        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+        return
+    arrow_fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}[fmt]
+    dataset = pads.dataset(str(path), format=arrow_fmt)
+    yield from dataset.to_batches(batch_size=BATCH_ROWS)
+
+
+def check_utf8(path: Path) -> None:
+    """Fail on the first byte sequence that is not UTF-8, naming its line."""
+    import codecs
+
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        line, offset = 1, 0
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as exc:
+                    bad = block[exc.start]
+                    line += block[: exc.start].count(b"\n")
+                    raise DataError(
+                        f"{file} is not valid UTF-8 (byte 0x{bad:02x} at offset "
+                        f"{offset + exc.start}, line {line}); re-encode it as UTF-8, e.g. "
+                        "iconv -f latin1 -t utf-8"
+                    ) from None
+                line += block.count(b"\n")
+                offset += len(block)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise DataError(
+                    f"{file} is not valid UTF-8 (it ends inside a character); re-encode it as UTF-8"
+                ) from None
+
+
+def convert_local(path: Path, fmt: str, out: Path) -> int:
+    """Convert a local dataset to one parquet file in batches; return the row count."""
+    if fmt != "parquet":
+        check_utf8(path)
+    writer = None
+    rows = 0
+    try:
+        for batch in iter_local_batches(path, fmt):
+            batch.validate(full=True)  # the JSON reader lets invalid UTF-8 into strings
+            if writer is None:
+                writer = pq.ParquetWriter(out, batch.schema)
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = str(exc).splitlines()[0].split("?: ")[-1]  # arrow's last clause is the reason
+        raise DataError(
+            f"{path}: cannot read as {fmt} ({reason}); fix the file, or set file_format if "
+            "the extension misleads"
+        ) from exc
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
+
+
+def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write dataset ``name`` as ``out_dir/data.parquet`` plus ``out_dir/provenance.json``."""
+    out_dir = Path(out_dir)
+    data = out_dir / "data.parquet"
+    with atomic_paths(data, out_dir / NAME) as (tmp, tmp_prov):
+        if spec["source"] == "local":
+            src = Path(spec["path"])
+            if not src.exists():
+                raise DataError(f"datasets.{name}.path: {src} does not exist; fix the path")
+            try:
+                fmt = file_format(src, spec.get("file_format"))
+                rows = convert_local(src, fmt, tmp)
+            except DataError as exc:
+                raise DataError(f"datasets.{name}.path: {exc}") from None
+            extra = {"path": str(src.resolve()), "file_format": fmt, "files": sha256_tree(src)}
+        else:
+            import datasets
+            from huggingface_hub import HfApi
+
+            revision = spec.get("revision", "main")
+            split = spec.get("split", "train")
+            commit = HfApi().dataset_info(spec["id"], revision=revision).sha
+            log.info("dataset %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
+            ds = datasets.load_dataset(spec["id"], spec.get("subset"), split=split, revision=commit)
+            ds.to_parquet(str(tmp))
+            rows = ds.num_rows
+            extra = {
+                "id": spec["id"],
+                "subset": spec.get("subset"),
+                "split": split,
+                "revision": revision,
+                "commit": commit,
+            }
+        if rows == 0:
+            raise DataError(
+                f"datasets.{name}: the dataset has no rows; check the path, split or file"
+            )
+        outputs = {"data.parquet": sha256_file(tmp)}
+        prov = _provenance("dataset", name, spec, out_dir, outputs, source=spec["source"],
+                           rows=rows, output=outputs, **extra)  # fmt: skip
+        write_provenance(tmp_prov, prov)
+    log.info("dataset %s: %d rows -> %s", name, rows, data)
+    return data
+
+
+@functools.cache
+def hub_config_json(repo_id: str, revision: str | None) -> tuple[Path | None, str]:
+    """config.json of a Hub model from the local cache, else from the Hub when it answers:
+    (path, "") or (None, why). Offline (HF_HUB_OFFLINE) or unreachable: no download tried."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision,
+                                    local_files_only=True)), ""  # fmt: skip
+    except Exception:  # not in the cache
+        pass
+    if constants.HF_HUB_OFFLINE:
+        return None, "this machine is offline (HF_HUB_OFFLINE is set)"
+    if not hub_reachable(constants.ENDPOINT):
+        return None, f"the Hub ({constants.ENDPOINT}) cannot be reached from here"
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision)), ""
+    except Exception as exc:  # gated without a token, no such repo or revision
+        return None, f"the Hub refused it ({str(exc).splitlines()[0][:200]})"
+
+
+@functools.cache
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub's host opens within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False

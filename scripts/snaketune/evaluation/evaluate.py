@@ -1,0 +1,308 @@
+"""Evaluate a model on a held-out tokenized set: loss and perplexity over response tokens,
+GSM8K-style exact match of greedy generations (the number after ``####``, as a string),
+and ``math_verify`` accuracy: the generation's final answer (its ``####`` line, else its
+last ``\\boxed{}``, else its last number) checked against the reference's by math-verify,
+so ``$1,000``, ``1,000.00``, ``\\boxed{1000}`` and ``1000 dollars`` all match 1000.
+
+The eval set is checked against the training set first, by example id and by text hash:
+an eval example that was trained on fails the stage before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from snaketune.core.errors import DataError
+from snaketune.core.io import atomic_path
+from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
+from snaketune.data.shard import check_overlap
+from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
+from snaketune.evaluation.model import DTYPES, resolve_precision
+
+log = logging.getLogger(__name__)
+
+
+def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The eval rows (and, for preference pairs, their rejected sides)."""
+    names = pq.ParquetFile(path).schema_arrow.names
+    columns = ["example_id", "input_ids", "labels"]
+    columns += [c for c in ("rejected_input_ids", "rejected_labels") if c in names]
+    table = pq.read_table(path, columns=columns)
+    if limit is not None:
+        table = table.slice(0, limit)
+    rows = table.to_pylist()
+    if not rows:
+        raise DataError(f"{path}: the eval set is empty")
+    return rows
+
+
+def nll_sums(model, batch: list[dict], pad_id: int) -> tuple[float, int]:
+    """Summed negative log-likelihood of ``batch``'s response tokens, and their count (one
+    forward pass, right-padded)."""
+    n = max(len(r["input_ids"]) for r in batch)
+    ids = torch.full((len(batch), n), pad_id)
+    labels = torch.full((len(batch), n), IGNORE_INDEX)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for j, r in enumerate(batch):
+        ids[j, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
+        mask[j, : len(r["input_ids"])] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    shift_logits, shift_labels = logits.float().cpu()[:, :-1], labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return nll.item(), int((shift_labels != IGNORE_INDEX).sum())
+
+
+def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[str, float]:
+    """Mean negative log-likelihood per response token, and its perplexity."""
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        t, c = nll_sums(model, rows[i : i + batch_size], pad_id)
+        total, count = total + t, count + c
+    loss = total / max(count, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
+
+
+def stop_ids_of(model, tokenizer) -> list[int]:
+    """What plain ``generate`` stops on: the model's generation_config eos_token_id (the
+    tokenizer's eos when it has none)."""
+    ids = model.generation_config.eos_token_id
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def generate(
+    model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int
+) -> tuple[list[str], list[bool]]:
+    """Greedy continuations of each example's prompt (the tokens before its first label), in
+    batches with left padding and the KV cache, stopping where the model's generation_config
+    stops (as any application loading the model does); a progress line per batch. Returns
+    the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``)."""
+    prompts = [r["input_ids"][: prompt_length(r["labels"])] for r in rows]
+    pad = pad_id(tokenizer)
+    stops = stop_ids_of(model, tokenizer)
+    out: list[str] = []
+    stopped: list[bool] = []
+    began = time.monotonic()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        n = max(len(p) for p in batch)
+        ids = torch.full((len(batch), n), pad)
+        mask = torch.zeros((len(batch), n), dtype=torch.long)
+        for j, p in enumerate(batch):  # left padding, so every continuation starts at column n
+            ids[j, n - len(p) :] = torch.tensor(p)
+            mask[j, n - len(p) :] = 1
+        with torch.no_grad():
+            gen = model.generate(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=stops,
+            )
+        new = gen[:, n:].cpu()
+        out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        stopped += torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
+        rate = len(out) / max(time.monotonic() - began, 1e-9)
+        log.info(
+            "generated %d/%d examples, %.1f examples/s, ETA %s", len(out), len(prompts), rate,
+            timedelta(seconds=int((len(prompts) - len(out)) / rate)),
+        )  # fmt: skip
+    return out, stopped
+
+
+def score(rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """Each generation against its reference (snaketune.evaluation.answers): the samples, and the
+    figures over all of them."""
+    samples, correct, verified, answers = [], 0, 0, 0
+    for r, text, ended in zip(rows, generations, stopped, strict=True):
+        prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
+        reference = tokenizer.decode(answer, skip_special_tokens=True)
+        want, got = parse_answer(reference), parse_answer(text)
+        answers += want is not None
+        ok = want is not None and got == want
+        correct += ok
+        final = final_answer(text)
+        mv = math_verify_match(want, final)
+        verified += mv
+        samples.append({
+            "example_id": r["example_id"], "prompt": tokenizer.decode(prompt),
+            "reference": reference, "generation": text, "parsed_answer": got,
+            "reference_answer": want, "correct": ok, "final_answer": final,
+            "math_verify": mv, "stopped": ended,
+        })  # fmt: skip
+    figures = {
+        "exact_match": correct / len(rows),
+        "math_verify": verified / len(rows),
+        # generations that ended on a stop id of the model, not at max_new_tokens
+        "stop_rate": sum(stopped) / len(rows),
+        # references with a '#### <answer>' line: what exact match can score
+        "reference_answers": answers,
+    }
+    return samples, figures
+
+
+def pair_logps(model, rows: list[dict], batch_size: int, pad: int) -> list[tuple[float, float]]:
+    """Each held-out pair's summed log-probs of its chosen and its rejected response."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from snaketune.evaluation.logps import pair_batch, sequence_logps
+
+    add_fused_lm_head(model)  # the log-probs as DPO training computes them
+    out: list[tuple[float, float]] = []
+    for i in range(0, len(rows), batch_size):
+        batch = pair_batch(rows[i : i + batch_size], pad)
+        chosen, rejected = sequence_logps(model, {k: v.to(model.device) for k, v in batch.items()})
+        out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
+    return out
+
+
+def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
+               beta: float | None) -> dict[str, Any]:  # fmt: skip
+    """Figures of the held-out pairs: how often the model finds the chosen response more
+    likely than the rejected (likelihood_accuracy); and, against the model it started from
+    (``base``: example id -> its log-probs) with the run's ``beta``, the implicit reward
+    beta * (log p - log p_start) of each side: how often it ranks chosen above rejected
+    (preference_accuracy; 0 for the starting model itself, whose rewards are all 0) and the
+    mean margin between them."""
+    figures: dict[str, Any] = {
+        "pairs": len(samples),
+        "likelihood_accuracy": sum(s["chosen_logp"] > s["rejected_logp"] for s in samples)
+        / len(samples),
+    }
+    if base is None or beta is None:
+        return figures
+    margins, chosen, rejected = [], [], []
+    for s in samples:
+        c0, r0 = base[s["example_id"]]
+        chosen.append(beta * (s["chosen_logp"] - c0))
+        rejected.append(beta * (s["rejected_logp"] - r0))
+        margins.append(chosen[-1] - rejected[-1])
+    figures.update({
+        "beta": beta,
+        "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
+        "reward_margin": sum(margins) / len(margins),
+        "reward_chosen": sum(chosen) / len(chosen),
+        "reward_rejected": sum(rejected) / len(rejected),
+    })  # fmt: skip
+    return figures
+
+
+def base_pair_logps(samples: Path) -> dict[str, tuple[float, float]] | None:
+    """The pairs' log-probs a base evaluation recorded in its samples (None: none there)."""
+    if not samples.is_file():
+        return None
+    out = {}
+    for line in samples.read_text().splitlines():
+        s = json.loads(line)
+        if "chosen_logp" in s:
+            out[s["example_id"]] = (s["chosen_logp"], s["rejected_logp"])
+    return out or None
+
+
+def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
+    """Add the base model's figures and the gain over them, in place."""
+    keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
+    metrics["base"] = {k: base_metrics.get(k) for k in keys}
+    metrics["gain"] = {
+        "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
+        "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
+        "loss": base_metrics["loss"] - metrics["loss"],
+    }
+    mine, theirs = metrics.get("preference"), base_metrics.get("preference")
+    if mine and theirs:
+        # the starting model's implicit rewards against itself are all 0
+        start = {"likelihood_accuracy": theirs["likelihood_accuracy"],
+                 "preference_accuracy": 0.0, "reward_margin": 0.0}  # fmt: skip
+        metrics["base"]["preference"] = start
+        metrics["gain"].update({f"preference_{k}" if k != "preference_accuracy" else k:
+                                mine[k] - v for k, v in start.items() if k in mine})  # fmt: skip
+
+
+def load_model(model_dir: Path):
+    """The tokenizer and the model to evaluate: on a GPU node there, in bf16 (fp16 without
+    bf16 support); on CPU in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    dtype = DTYPES[resolve_precision("auto")]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    return tokenizer, model
+
+
+def evaluate(
+    model_dir: Path,
+    eval_tokenized: Path,
+    train_tokenized: Path | None,
+    out_dir: Path,
+    limit: int | None,
+    max_new_tokens: int,
+    batch_size: int,
+    base_metrics: dict[str, Any] | None = None,
+    finish: Callable[[Path, dict[str, Any]], None] | None = None,
+    lm_eval: dict[str, Any] | None = None,
+    base_pairs: dict[str, tuple[float, float]] | None = None,
+    beta: float | None = None,
+) -> dict[str, Any]:
+    """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
+
+    ``base_metrics`` (the base model's) adds the base figures and the gain over them;
+    ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
+    ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
+    An eval set of preference pairs adds each pair's log-probs to its sample and the
+    ``preference`` figures (against ``base_pairs``, the starting model's, with ``beta``).
+    """
+    if train_tokenized is not None:
+        check_overlap(train_tokenized, eval_tokenized)
+    rows = load_examples(eval_tokenized, limit)
+    tokenizer, model = load_model(model_dir)
+    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad_id(tokenizer))
+    generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
+    samples, figures = score(rows, generations, stopped, tokenizer)
+    metrics.update(figures)
+    metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
+                    "model": str(model_dir), "max_new_tokens": max_new_tokens})  # fmt: skip
+    if lm_eval:
+        from snaketune.evaluation.lmeval import run_tasks, with_base
+
+        base_lm = (base_metrics or {}).get("lm_eval")
+        metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
+    if "rejected_input_ids" in rows[0]:
+        logps = pair_logps(model, rows, batch_size, pad_id(tokenizer))
+        for sample, (chosen, rejected) in zip(samples, logps, strict=True):
+            sample.update({"chosen_logp": chosen, "rejected_logp": rejected})
+        metrics["preference"] = preference(samples, base_pairs, beta)
+    if base_metrics is not None:
+        against_base(metrics, base_metrics)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if finish is not None:
+            finish(tmp, metrics)
+    log.info("loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f "
+             "(stop ids %s) on %d examples", metrics["loss"], metrics["perplexity"],
+             metrics["exact_match"], metrics["math_verify"], metrics["stop_rate"],
+             metrics["stop_ids"], len(rows))  # fmt: skip
+    return metrics

@@ -1,0 +1,177 @@
+"""Summed log-probabilities of preference pairs: the batches DPO trains on, the model's
+log-probs of each side's response, and the reference stage that computes them once.
+
+A pair batch (``pair_batch``) holds the chosen sides, then the rejected sides, padded on
+the right, with ``completion_mask`` 1 on each side's response tokens (its labels): TRL's
+DPOTrainer reads that layout. ``sequence_logps`` scores such a batch with TRL's fused LM
+head (the same code DPOTrainer scores the policy and a live reference with), so a
+precomputed reference and a live one give the same numbers.
+
+The reference stage (rule reference_logps, ``scripts/reference_logps.py``) splits the
+tokenized pairs into chunks of ``CHUNK_PAIRS``; worker w of W computes chunks w, w+W, ...
+and writes each as ``parts/part-<chunk>.parquet`` (atomically), so a rerun after a kill
+computes only the chunks missing; ``merge`` writes the one parquet the runs read:
+
+    example_id          string
+    ref_chosen_logps    float32   summed over the chosen response's tokens
+    ref_rejected_logps  float32
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from snaketune.core.io import atomic_path
+from snaketune.core.rows import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+CHUNK_PAIRS = 256  # pairs per part file: what a rerun after a kill may compute again
+SCHEMA = pa.schema([("example_id", pa.string()), ("ref_chosen_logps", pa.float32()),
+                    ("ref_rejected_logps", pa.float32())])  # fmt: skip
+PAIR_COLUMNS = ["example_id", "input_ids", "labels", "rejected_input_ids", "rejected_labels"]
+
+
+def pair_batch(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Chosen sides then rejected sides, right-padded: input_ids, attention_mask and
+    completion_mask (1 on the response tokens), as TRL's DPOTrainer reads them."""
+    import torch
+
+    seqs = [(e["input_ids"], e["labels"]) for e in examples]
+    seqs += [(e["rejected_input_ids"], e["rejected_labels"]) for e in examples]
+    width = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    completion = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(seqs):
+        n = len(ids)
+        input_ids[i, :n] = torch.as_tensor(ids, dtype=torch.long)
+        attention[i, :n] = 1
+        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def sequence_logps(model, batch: dict[str, Any]):
+    """(chosen, rejected) summed log-probs of each side's response tokens, float32; the
+    model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``)."""
+    import torch
+
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    labels=labels, fused_lm_head=True, use_cache=False)  # fmt: skip
+    return [x.float() for x in out.log_probs.sum(dim=1).chunk(2, dim=0)]
+
+
+def load_scorer(model_dir: str | Path, precision: str, attention: str, device,
+                quantize: dict | None = None):  # fmt: skip
+    """The reference model, in eval mode on ``device``, with TRL's fused LM head; with
+    ``quantize`` its base in 4 bits, as the DPO run's policy starts (snaketune.core.qlora)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from snaketune.evaluation.model import build_model
+
+    if quantize is not None:
+        model = build_model(Path(model_dir), precision, attention, quantize, device=str(device))
+    else:
+        model = build_model(Path(model_dir), precision, attention).to(device)
+    model.eval()
+    add_fused_lm_head(model)
+    return model
+
+
+def chunks(tokenized: str | Path, chunk_pairs: int = CHUNK_PAIRS) -> int:
+    """How many part files the pairs of ``tokenized`` make."""
+    rows = pq.ParquetFile(tokenized).metadata.num_rows
+    return (rows + chunk_pairs - 1) // chunk_pairs
+
+
+def part_path(parts: Path, chunk: int) -> Path:
+    return parts / f"part-{chunk:06d}.parquet"
+
+
+def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, worker: int,
+                  workers: int, batch_pairs: int, precision: str, attention: str,
+                  quantize: dict | None = None,
+                  on_batch: Callable[[int], None] | None = None,
+                  chunk_pairs: int = CHUNK_PAIRS) -> int:  # fmt: skip
+    """Worker ``worker`` of ``workers``: compute its chunks that have no part file yet;
+    returns how many it computed. ``on_batch(chunk)`` is called before each forward pass
+    (the worker's heartbeat)."""
+    import torch
+
+    from snaketune.core.rows import pad_id
+
+    todo = [
+        c
+        for c in range(worker, chunks(tokenized, chunk_pairs), workers)
+        if not part_path(parts, c).exists()
+    ]
+    if not todo:
+        return 0
+    device = torch.device(f"cuda:{worker % torch.cuda.device_count()}" if torch.cuda.is_available()
+                          else "cpu")  # fmt: skip
+    from transformers import AutoTokenizer
+
+    pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    model = load_scorer(model_dir, precision, attention, device, quantize)
+    table = pq.read_table(tokenized, columns=PAIR_COLUMNS)
+    for c in todo:
+        rows = table.slice(c * chunk_pairs, chunk_pairs).to_pylist()
+        chosen, rejected = [], []
+        for at in range(0, len(rows), batch_pairs):
+            if on_batch is not None:
+                on_batch(c)
+            batch = pair_batch(rows[at : at + batch_pairs], pad)
+            logps = sequence_logps(model, {k: v.to(device) for k, v in batch.items()})
+            chosen.append(logps[0].cpu().numpy())
+            rejected.append(logps[1].cpu().numpy())
+        part = pa.Table.from_arrays([pa.array([r["example_id"] for r in rows], pa.string()),
+                                     pa.array(np.concatenate(chosen), pa.float32()),
+                                     pa.array(np.concatenate(rejected), pa.float32())],
+                                    schema=SCHEMA)  # fmt: skip
+        with atomic_path(part_path(parts, c)) as tmp:
+            pq.write_table(part, tmp)
+        log.info("worker %d/%d: chunk %d (%d pairs) done", worker, workers, c, len(rows))
+    return len(todo)
+
+
+def merge(tokenized: str | Path, parts: Path, out: Path,
+          chunk_pairs: int = CHUNK_PAIRS) -> pa.Table:  # fmt: skip
+    """The part files as one parquet in the tokenized file's order (every pair once)."""
+    n = chunks(tokenized, chunk_pairs)
+    missing = [c for c in range(n) if not part_path(parts, c).exists()]
+    if missing:
+        raise RuntimeError(f"reference log-probs: {len(missing)} of {n} chunks missing "
+                           f"(first: {missing[0]}); a worker failed, see its lines "
+                           "above")  # fmt: skip
+    table = pa.concat_tables([pq.read_table(part_path(parts, c)) for c in range(n)])
+    ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id")
+    if not table.column("example_id").equals(ids):
+        raise RuntimeError("reference log-probs: the part files do not match the tokenized "
+                           f"pairs; delete {parts} and rerun")  # fmt: skip
+    with atomic_path(out) as tmp:
+        pq.write_table(table, tmp)
+    return table
+
+
+def read_reference(path: str | Path) -> dict[str, tuple[float, float]]:
+    """example_id -> (reference chosen, reference rejected) summed log-probs."""
+    table = pq.read_table(path)
+    return dict(zip(table.column("example_id").to_pylist(),
+                    zip(table.column("ref_chosen_logps").to_pylist(),
+                        table.column("ref_rejected_logps").to_pylist(), strict=True),
+                    strict=True))  # fmt: skip
+
+
+def threads_per_worker(workers: int) -> int:
+    """CPU threads each local worker may use (the machine's cores shared out)."""
+    return max(1, (os.cpu_count() or 1) // workers)

@@ -1,0 +1,264 @@
+"""LoRA adapters out of a DeepSpeed checkpoint, verified, and merged into their base.
+
+``convert_lora`` writes the adapter (adapter_config.json + adapter_model.safetensors), each
+tensor checked non-empty and shaped to fit the base weight it wraps; ``merge_lora`` writes
+base + adapter as one model in the export dtype, one base tensor at a time. Both pass the
+gate of snaketune.export.convert (the training job's probe logits) before the output is renamed
+into place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from snaketune.core import qlora
+from snaketune.core.errors import DataError
+from snaketune.core.io import atomic_path
+from snaketune.export.convert import (
+    TOKENIZER_FILES,
+    Finish,
+    base_shapes,
+    conversion_report,
+    copy_files,
+    gate,
+    gate_written,
+    load_model_config,
+    parse_size,
+    probe_logits,
+    stop_at_end_of_turn,
+    write_shards,
+)
+from snaketune.export.zero_checkpoint import ZeroCheckpoint, safetensors_refs
+
+log = logging.getLogger(__name__)
+
+
+def adapter_key(name: str) -> str | None:
+    """DeepSpeed/peft training name -> peft's saved adapter key (None: not an adapter tensor):
+    ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight`` and, for an embedding,
+    ``...embed_tokens.lora_embedding_A.default`` -> ``...embed_tokens.lora_embedding_A``."""
+    if ".modules_to_save." in name:  # a module trained in full: saved under its own name
+        return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+    if ".lora_" not in name:
+        return None
+    return re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.[^.]+(\.|$)", r".\1\2", name)
+
+
+def adapter_target(key: str) -> str:
+    """The base weight an adapter tensor wraps (peft's saved key -> base model key)."""
+    key = re.sub(r"^base_model\.model\.", "", key)
+    return re.sub(r"\.(lora_[AB]\.weight|lora_embedding_[AB])$", ".weight", key)
+
+
+def is_lora(key: str) -> bool:
+    """An adapter's low-rank tensor (else a module trained in full, saved whole)."""
+    return ".lora_" in key
+
+
+def is_embedding(key: str) -> bool:
+    return ".lora_embedding_" in key
+
+
+def lora_delta(key_a: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """The change B @ A makes to the base weight, in the base weight's layout (an
+    embedding's adapter is stored transposed: A is (r, vocab), B is (dim, r))."""
+    delta = scale * (b.float() @ a.float())
+    return delta.T if is_embedding(key_a) else delta
+
+
+def check_adapter(
+    tensors: dict[str, torch.Tensor], base: dict[str, tuple[int, ...]], r: int
+) -> None:
+    """Every adapter tensor non-empty and shaped to fit the base weight it wraps."""
+    if not tensors:
+        raise DataError(
+            "the checkpoint holds no LoRA tensors (was the run trained with method lora?)"
+        )
+    for key, t in tensors.items():
+        if t.numel() == 0:
+            raise DataError(
+                f"adapter tensor {key} is empty (shape {tuple(t.shape)}); the adapter was "
+                "saved without gathering its ZeRO-3 partitions"
+            )
+        target = adapter_target(key)
+        if target not in base:
+            raise DataError(f"adapter tensor {key}: the base model has no weight {target}")
+        if not is_lora(key):  # a whole module: the base weight's own shape
+            if tuple(t.shape) != tuple(base[target]):
+                raise DataError(
+                    f"adapter tensor {key} has shape {tuple(t.shape)}, the base weight "
+                    f"{target} has {base[target]}"
+                )
+            continue
+        out_f, in_f = base[target][0], base[target][-1]
+        if is_embedding(key):  # base (vocab, dim): A is (r, vocab), B (dim, r)
+            out_f, in_f = in_f, out_f
+        want = (r, in_f) if re.search(r"\.lora_(embedding_)?A(\.|$)", key) else (out_f, r)
+        if tuple(t.shape) != want:
+            raise DataError(
+                f"adapter tensor {key} has shape {tuple(t.shape)}, the base weight "
+                f"{target} {base[target]} needs {want}"
+            )
+
+
+def convert_lora(
+    checkpoint: Path,
+    trained: Path,
+    base_model: Path,
+    out: Path,
+    dtype: torch.dtype,
+    probe: Path,
+    finish: Finish | None = None,
+) -> dict:
+    """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    ckpt = ZeroCheckpoint(checkpoint)
+    adapter_config = json.loads((trained / "adapter_config.json").read_text())
+    tensors = {}
+    for name, tensor in ckpt.tensors():
+        key = adapter_key(name)
+        if key is not None:
+            tensors[key] = tensor.to(dtype).contiguous()
+    check_adapter(tensors, base_shapes(base_model), adapter_config["r"])
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        copy_files(("adapter_config.json", qlora.RECORD, *TOKENIZER_FILES), trained, tmp)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True)
+        quantized = qlora.read_record(trained)
+        if quantized is not None:  # the base as the 4-bit run computed with it
+            qlora.dequantize_model(base, quantized)
+        model = PeftModel.from_pretrained(base, str(tmp))
+        data = load_file(str(probe))
+        diff = gate(probe_logits(model, data), data, dtype, str(out))
+        report = conversion_report("lora", ckpt, len(tensors), diff)
+        if finish is not None:
+            finish(tmp, report)
+    return report
+
+
+def lora_scale(adapter_config: dict) -> float:
+    """peft's scaling of B @ A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    r, alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter's tensors by the base tensor each changes: (A, B) pairs and the
+    modules trained in full (modules_to_save), with its scale."""
+
+    pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]]
+    whole: dict[str, torch.Tensor]
+    scale: float
+
+    @classmethod
+    def read(cls, adapter: Path, base_model: Path) -> Adapter:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        if config.get("fan_in_fan_out"):
+            raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
+        lora = load_file(str(adapter / "adapter_model.safetensors"))
+        check_adapter(lora, base_shapes(base_model), config["r"])
+        pairs = {}
+        for key, a in lora.items():
+            if ".lora_A." in key or key.endswith(".lora_embedding_A"):
+                b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
+                pairs[adapter_target(key)] = (key, a, b)
+        whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
+        return cls(pairs, whole, lora_scale(config))
+
+
+def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
+                   change: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The base's tensors (``refs``, read one at a time) with the adapter merged in: a
+    4-bit run's quantized tensors as that run computed with them, a tensor trained in full
+    replaced, a LoRA pair's update added. ``change`` counts the merged tensors and their
+    largest change."""
+    as_trained = qlora.quantized_tensors(quantized) if quantized else set()
+    # pread, not safe_open: a memory map would keep every page of the base resident
+    for name, ref in refs.items():
+        t = ref.read().view(ref.shape)
+        if name in as_trained:
+            t = qlora.as_trained(t, quantized)
+        if name in adapter.whole:  # trained in full (modules_to_save): the copy replaces it
+            new = adapter.whole[name].to(t.dtype)
+            change["max_abs"] = max(change["max_abs"], (new.float() - t.float()).abs().max().item())
+            change["merged"] += 1
+            t = new
+        elif name in adapter.pairs:
+            delta = lora_delta(*adapter.pairs[name], adapter.scale)
+            change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
+            change["merged"] += 1
+            t = t.float() + delta
+        yield name, t
+
+
+def merge_lora(
+    base_model: Path,
+    adapter: Path,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_size: str,
+    probe: Path,
+    finish: Finish | None = None,
+) -> dict:
+    """Base model + LoRA adapter -> one HF model directory, one base tensor at a time.
+
+    Gates: every adapter tensor non-empty; the merged weights differ from the base; the
+    merged model's logits on the probe inputs equal the base-with-adapter logits (the
+    training job's probe logits). The adapter of a 4-bit run (its quantization.json) is
+    merged into the base as that run computed with it: quantized and dequantized again
+    (snaketune.core.qlora), written in ``dtype``, never in 4 bits.
+    """
+    lora = Adapter.read(adapter, base_model)
+    change = {"max_abs": 0.0, "merged": 0}
+    # a 4-bit run trained the dequantized base: merged into that, it is the model trained
+    quantized = qlora.read_record(adapter)
+    refs = {
+        name: ref
+        for f in sorted(base_model.glob("*.safetensors"))
+        for name, ref in safetensors_refs(f).items()
+    }
+    merged = merged_tensors(refs, lora, quantized, change)
+    with ThreadPoolExecutor(1) as pool, atomic_path(out) as tmp:
+        base_config = pool.submit(load_model_config, base_model)
+        tmp.mkdir()
+        plan = [(name, ref.shape, ref.dtype) for name, ref in refs.items()]
+        write_shards(plan, merged, tmp, parse_size(max_shard_size), dtype)
+        if change["max_abs"] == 0.0:
+            raise DataError(
+                f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
+                "model would equal the base. Was the adapter trained?"
+            )
+        base_config = base_config.result()
+        base_config.dtype = str(dtype).removeprefix("torch.")
+        base_config.save_pretrained(tmp)
+        copy_files(("generation_config.json",), base_model, tmp)
+        copy_files(TOKENIZER_FILES, adapter, tmp)
+        stops = stop_at_end_of_turn(tmp)
+        # The reference is the training job's probe logits: base + this adapter, as
+        # convert_checkpoint's gate verified with peft, so no second model is loaded here.
+        diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)),
+                            f"{out} (vs base + adapter)")  # fmt: skip
+        report = {
+            "merged_tensors": change["merged"],
+            "max_weight_change": change["max_abs"],
+            "max_logit_diff": diff,
+            "generation_config": stops,
+        }
+        if finish is not None:
+            finish(tmp, report)
+    return report

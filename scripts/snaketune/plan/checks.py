@@ -1,0 +1,236 @@
+"""The checks a user needs before anything runs: one function each, two doors.
+
+``at_parse`` is what the Snakefile runs when it reads the config, and what
+``snaketune validate`` runs: the schema and the cross-key checks (every bad entry at once),
+local paths (every missing one at once), the working directory, a run moved to another
+node count, the tokenize and base-evaluation plans. ``before_queueing`` is what the
+workflow runs once it knows which jobs it will run, in a real run (``onstart``) and in a
+dry run alike: the memory and disk plans of the runs about to train, lm-eval's task
+names, and on SLURM every job's resources against its partition.
+
+    snaketune validate my.yaml          # at_parse, from any directory
+    snakemake --profile P -n            # at_parse, then before_queueing, nothing run
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.errors import ConfigProblems, UserError, error_lines
+
+# What rule make_fixtures makes (workflow/rules/fixtures.smk; tests/test_config.py checks
+# the two agree): local paths under it need not exist before the workflow runs.
+FIXTURE_OUTPUTS = (
+    "resources/fixtures/tiny-llama",
+    "resources/fixtures/gsm8k-demo/train.jsonl",
+    "resources/fixtures/gsm8k-demo/test.jsonl",
+    "resources/fixtures/arith-demo/train.jsonl",
+    "resources/fixtures/arith-demo/test.jsonl",
+    "resources/fixtures/arith-demo/pairs-train.jsonl",
+    "resources/fixtures/arith-demo/pairs-test.jsonl",
+)
+WORKDIR_ENTRIES = ("results", "resources", "logs", "benchmarks", ".snakemake")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What the workflow keeps of the parse-time checks."""
+
+    notes: list[str]  # lines to show (a run whose accumulation adapted)
+    tokenize: dict[str, dict[str, Any]]  # every tokenized copy, by key
+    base_evals: dict[str, dict[str, Any]]  # every base-model evaluation, by key
+
+
+def at_parse(
+    config: dict[str, Any],
+    basedir: Path,
+    config_files: Iterable[str | Path] = (),
+    workdir: Path = Path("."),
+) -> Parsed:
+    """Validate ``config`` in place (defaults filled, sweeps expanded) and check what the
+    workflow needs of this machine. Raises ConfigError (ConfigProblems: a line per
+    problem) with every problem found once the schema holds."""
+    from snaketune.core.io import check_writable
+    from snaketune.plan.config import check_local_sources, validate_config
+    from snaketune.plan.schema import check_config_files
+    from snaketune.plan.stages import base_evaluations, tokenize_jobs
+    from snaketune.plan.topology import adapt_accumulation
+
+    check_config_files(list(config_files))
+    lines: list[str] = []
+    try:
+        validate_config(config, basedir)
+    except UserError as exc:
+        if not isinstance(exc, ConfigProblems):  # the schema or a chain: nothing else holds
+            raise
+        lines += exc.lines
+    try:
+        check_local_sources(config, set(FIXTURE_OUTPUTS))
+    except UserError as exc:
+        lines += error_lines(exc)
+    other = []
+    try:
+        check_writable(str(workdir), WORKDIR_ENTRIES)
+    except UserError as exc:
+        other.append(str(exc))
+    if lines or other:
+        raise ConfigProblems(lines, other)
+    notes = adapt_accumulation(config, workdir / "results")
+    return Parsed(notes, tokenize_jobs(config), base_evaluations(config))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the checks read of one job of the workflow's plan."""
+
+    rule: str
+    wildcards: dict[str, str]
+    resources: dict[str, Any]
+    local: bool
+
+
+def unreadable_models(
+    config: dict[str, Any], runs: list[str], workdir: Path
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Split ``runs`` into those whose model's config.json can be read now and, by reason,
+    those whose cannot (a Hub model not downloaded yet on an offline machine)."""
+    from snaketune.plan.fit import locate_config_json
+
+    ready, waiting = [], {}
+    for name in runs:
+        run = config["runs"][name]
+        path, why = locate_config_json(config, run, workdir)
+        if path is None:
+            waiting.setdefault(f"model {run['model']}: {why}", []).append(name)
+        else:
+            ready.append(name)
+    return ready, waiting
+
+
+def before_queueing(
+    config: dict[str, Any],
+    jobs: list[Job],
+    workdir: Path,
+    basedir: Path,
+    local_exec: bool,
+) -> list[str]:
+    """A line per problem that would make a queued job fail or never start: runs about to
+    train that do not fit their GPUs' memory or their results filesystem (one by one and
+    together), lm-eval tasks lm-eval does not know, SLURM jobs their partition cannot take.
+    Notes (what fits, what could not be checked and why) go to stderr."""
+    from snaketune.evaluation.lmeval import check_tasks
+    from snaketune.plan.diskplan import check_disk_runs
+    from snaketune.plan.fit import check_runs, download_advice
+
+    training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
+    runs, waiting = unreadable_models(config, training, workdir)
+    for why, names in waiting.items():
+        hub = config["models"][config["runs"][names[0]]["model"]]["source"] == "hub"
+        print(f"plans: not checked yet: run(s) {', '.join(names)} ({why}); memory and disk "
+              "are checked when the workflow runs once the model is there"
+              + (f"; to check them now, {download_advice()}" if hub else ""),
+              file=sys.stderr)  # fmt: skip
+    found = check_runs(config, runs, workdir, basedir, local_exec)
+    found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
+    found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
+    if not local_exec:
+        found += check_partitions([job for job in jobs if not job.local])
+    return found
+
+
+def meant_for_slurm(jobs: list[Job]) -> bool:
+    """Whether the jobs are meant for SLURM, seen from a dry run (which runs every job
+    through Snakemake's dry-run executor, local to it): a job that names a SLURM partition
+    or account (the cluster profiles' default resources)."""
+    return any(
+        job.resources.get("slurm_partition") or job.resources.get("slurm_account") for job in jobs
+    )
+
+
+def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:
+    """The runs whose evaluation (or whose base model's) is among ``jobs``."""
+    from snaketune.plan.stages import base_evaluations
+
+    runs = {job.wildcards["run"] for job in jobs if job.rule in ("evaluate", "evaluate_start")}
+    base = [job.wildcards["key"] for job in jobs if job.rule == "evaluate_base"]
+    if base:
+        evals = base_evaluations(config)
+        runs |= {evals[key]["run"] for key in base}
+    return runs
+
+
+def check_partitions(jobs: list[Job]) -> list[str]:
+    """Every SLURM job against its partition (and its --signal lead against its runtime);
+    where this machine has no SLURM (``sinfo`` not found: a dry run away from the cluster),
+    one note and no partition checked."""
+    from snaketune.plan.slurmfit import check_jobs, check_signal_leads
+
+    if not jobs:
+        return []
+    asked = [(job.rule, job.resources) for job in jobs]
+    leads = check_signal_leads(asked)
+    if shutil.which("sinfo") is None:
+        print("slurm: partitions not checked: sinfo not found (not a SLURM login node); "
+              "they are checked when the workflow runs there", file=sys.stderr)  # fmt: skip
+        return leads
+    return leads + check_jobs(asked)
+
+
+def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None:
+    """The workflow's door to ``before_queueing``, given Snakemake's ``workflow`` object: the
+    jobs about to run (``workflow.dag.needrun_jobs()``), before any runs (onstart) or once
+    they are known in a dry run; one line per problem, then exit 1. On SLURM (a real run),
+    a watch then cancels a pending job whose reason can never clear (snaketune.plan.slurmfit)."""
+    import os
+
+    from snaketune.plan.slurmfit import PendingWatch
+
+    # a dry run runs every job locally; whether a rule is local on the cluster is its own
+    local_rules = {r.name for r in workflow.rules if r.norun} | set(workflow._localrules)
+    jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),
+                job.rule.name in local_rules) for job in workflow.dag.needrun_jobs()]  # fmt: skip
+    local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
+    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local)
+    if found:
+        refuse(found, dry_run)
+    if not local and not dry_run:
+        PendingWatch(os.getcwd()).start()
+
+
+def refuse(found: list[str], dry_run: bool) -> None:
+    """Print each problem and exit 1 (nothing run or queued)."""
+    for line in found:
+        print(f"error: {line}", file=sys.stderr)
+    what = "a dry run" if dry_run else "queueing"
+    print(f"error: {len(found)} problem(s) found before {what}; nothing was run",
+          file=sys.stderr)  # fmt: skip
+    sys.exit(1)
+
+
+class _OnceTheJobsAreKnown:
+    """A logging filter on Snakemake's logger that calls ``callback`` once, at the first
+    ``run_info`` record (the job counts, logged once the plan of jobs is complete and
+    before anything runs). It never hides a record."""
+
+    def __init__(self, callback: Any, dry_run: Any) -> None:
+        self.callback, self.dry_run, self.done = callback, dry_run, False
+
+    def filter(self, record: Any) -> bool:
+        if not self.done and str(getattr(record, "event", "")) == "run_info":
+            self.done = True
+            if self.dry_run():  # a real run checks in onstart, right after
+                self.callback()
+        return True
+
+
+def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.logging") -> None:
+    """Run ``callback`` in a dry run (``dry_run()`` true) once the jobs are known: Snakemake
+    runs no ``onstart`` handler in a dry run, but logs the job counts there at that point."""
+    import logging
+
+    logging.getLogger(logger_name).addFilter(_OnceTheJobsAreKnown(callback, dry_run))

@@ -1,0 +1,362 @@
+"""Validate a snaketune config: the JSON Schema first (snaketune.plan.schema, defaults filled),
+then the checks a schema cannot express (keys that depend on each other, runs that start
+from others, local paths, DeepSpeed files), every bad entry named at once.
+
+Errors name the key path and the fix, on one line, e.g.::
+
+    runs.demo.method: 'lorra' is not one of ['lora', 'full']
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.errors import ConfigError, ConfigProblems
+from snaketune.core.heldout import check_run as check_heldout
+from snaketune.data.formats import (
+    FORMAT_FIELDS,
+    PAIR_FORMATS,
+    SINGLE_DATASET_KEYS,
+    components,
+)
+from snaketune.data.kernels import check_kernels_installed
+from snaketune.methods import compose_schema, method_of, methods
+from snaketune.plan.runspec import RunSpec
+from snaketune.plan.schema import (
+    WORKFLOW_ROOT,
+    check_schema,
+    check_sweep_publish,
+    load_schema,
+    load_yaml,
+)
+
+PRESET_DIR = Path("config/deepspeed")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+class _Collect:
+    """Runs checks of independent entries, keeping each one's problem, so that one pass
+    names every bad entry (``raise_all`` at the end)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def check(self, func: Any, *args: Any) -> None:
+        try:
+            func(*args)
+        except ConfigProblems as exc:
+            self.lines += exc.lines
+        except ConfigError as exc:
+            self.lines.append(str(exc))
+
+    def raise_all(self) -> None:
+        if self.lines:
+            raise ConfigProblems(self.lines)
+
+
+def _check_source(kind: str, name: str, spec: Mapping[str, Any], hub_keys: set[str]) -> None:
+    where = f"{kind}.{name}"
+    src = spec["source"]
+    if src == "hub":
+        _require("id" in spec, f"{where}: source hub needs an `id` (e.g. org/name)")
+        _require(
+            "path" not in spec,
+            f"{where}.path: only for source local; remove it or set source: local",
+        )
+    elif src == "local":
+        _require("path" in spec, f"{where}: source local needs a `path`")
+        for key in sorted(hub_keys & set(spec)):
+            raise ConfigError(f"{where}.{key}: only for source hub; remove it or set source: hub")
+
+
+def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, Any]) -> None:
+    where = f"datasets.{name}"
+    if spec["source"] == "mixture":
+        _require("mixture" in spec, f"{where}: source mixture needs a `mixture` list of datasets")
+        for key in SINGLE_DATASET_KEYS:
+            _require(
+                key not in spec, f"{where}.{key}: not used by a mixture (its components set it)"
+            )
+        for i, comp in enumerate(spec["mixture"]):
+            other = comp["dataset"]
+            _require(
+                other in datasets,
+                f"{where}.mixture.{i}.dataset: unknown dataset {other!r} "
+                f"(defined: {', '.join(sorted(datasets))})",
+            )
+            _require(
+                datasets[other]["source"] != "mixture",
+                f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
+            )
+        kinds = {datasets[c["dataset"]].get("format") in PAIR_FORMATS for c in spec["mixture"]}
+        _require(len(kinds) == 1, f"{where}.mixture: mixes preference pairs with other formats; "
+                 "a mixture is all preference datasets (for a method that trains on pairs) or "
+                 "none")  # fmt: skip
+        return
+    _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
+    _require("seed" not in spec, f"{where}.seed: only for source mixture")
+    _check_source("datasets", name, spec, {"id", "subset", "split", "revision"})
+    _require(
+        "file_format" not in spec or spec["source"] == "local",
+        f"{where}.file_format: only for source local",
+    )
+    _require(
+        "format" in spec,
+        f"{where}: missing required key 'format' (one of {sorted(FORMAT_FIELDS)})",
+    )
+    fields = FORMAT_FIELDS[spec["format"]]
+    for key in spec.get("columns", {}):
+        _require(
+            key in fields,
+            f"{where}.columns.{key}: not a field of format {spec['format']!r} "
+            f"(fields: {', '.join(fields)})",
+        )
+    _require(
+        spec["format"] != "messages" or "system_prompt" not in spec,
+        f"{where}.system_prompt: not used by format messages (put a system turn in the data)",
+    )
+    for i, flt in enumerate(spec.get("filters", [])):
+        listy = isinstance(flt["value"], list)
+        _require(
+            listy == (flt["op"] in ("in", "not_in")),
+            f"{where}.filters.{i}.value: op {flt['op']!r} needs "
+            f"{'a list' if not listy else 'a single value'}",
+        )
+
+
+def resolve_deepspeed(value: str, root: Path) -> Path:
+    """Path of a DeepSpeed preset (config/deepspeed/ under the workflow ``root``) or of a
+    JSON file (relative to the working directory)."""
+    preset = root / PRESET_DIR / f"{value}.json"
+    return preset if preset.is_file() else Path(value)
+
+
+def _check_deepspeed(run: str, value: str, root: Path) -> None:
+    presets = sorted(p.stem for p in (root / PRESET_DIR).glob("*.json"))
+    path = resolve_deepspeed(value, root)
+    where = f"runs.{run}.deepspeed"
+    _require(
+        path.is_file(),
+        f"{where}: {value!r} is neither a preset ({', '.join(presets)}) nor an existing JSON file",
+    )
+    try:
+        ds = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: {path} is not valid JSON ({exc})") from exc
+    _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
+
+
+def _named(names: list[str]) -> str:
+    return f"method {names[0]}" if len(names) == 1 else f"methods {', '.join(names)}"
+
+
+def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """What the run's method allows (its own block and no other method's, a `lora` block
+    where it can train an adapter, init_from where it starts from runs, the data kind it
+    trains on), then the method's own checks."""
+    where, method, every = f"runs.{name}", method_of(run), methods()
+    for block in {m.block for m in every.values() if m.block and m.block != method.block}:
+        owners = [n for n, m in every.items() if m.block == block]
+        _require(block not in run, f"{where}.{block}: only for {_named(owners)}; remove it or "
+                 f"set method: {owners[0]}")  # fmt: skip
+    adapters = [n for n, m in every.items() if m.adapter == "lora"]
+    _require(method.adapter != "full" or "lora" not in run,
+             f"{where}.lora: only for method {adapters[0]} (or "
+             f"{', '.join(n for n, m in every.items() if m.adapter == 'optional')}); remove it "
+             f"or set method: {adapters[0]}")  # fmt: skip
+    starters = [n for n, m in every.items() if m.starts_from_runs]
+    _require("init_from" not in run or method.starts_from_runs,
+             f"{where}.init_from: only for {_named(starters)} (a run of method "
+             f"{run['method']} starts from `model`)")  # fmt: skip
+    on_pairs = [n for n, m in every.items() if m.trains_on == "pairs"]
+    for key in ("dataset", "eval_dataset"):
+        for part in (c["name"] for c in components(cfg, run[key])) if key in run else ():
+            fmt = cfg["datasets"][part]["format"]
+            pairs = fmt in PAIR_FORMATS
+            if method.trains_on == "pairs" and key == "dataset":
+                _require(pairs, f"{where}.dataset: {part!r} (format {fmt}) has no pairs to "
+                         f"tune on; method {run['method']} needs a dataset of format preference "
+                         "(prompt, chosen, rejected)")  # fmt: skip
+            elif method.trains_on != "pairs":
+                _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
+                         f"which only {_named(on_pairs)} train and evaluate on; set method: "
+                         f"{on_pairs[0]} or use a dataset of another format")  # fmt: skip
+    method.check(where, run, cfg)
+
+
+def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
+    where = f"runs.{name}"
+    for key, section in (
+        ("model", "models"),
+        ("dataset", "datasets"),
+        ("eval_dataset", "datasets"),
+    ):
+        if key in run:
+            _require(
+                run[key] in cfg[section],
+                f"{where}.{key}: unknown {section[:-1]} {run[key]!r} "
+                f"(defined: {', '.join(sorted(cfg[section]))})",
+            )
+    _require(
+        ("epochs" in run) != ("max_steps" in run),
+        f"{where}: give exactly one of `epochs` and `max_steps`",
+    )
+    _require(
+        run.get("eval_dataset") != run["dataset"],
+        f"{where}.eval_dataset: must differ from the training dataset {run['dataset']!r} "
+        "(evaluate on held-out data)",
+    )
+    _check_quantize(name, run, root)
+    problem = check_heldout(where, run)
+    _require(problem is None, problem or "")
+    _check_method(name, run, cfg)
+    lm_eval = run.get("eval", {}).get("lm_eval")
+    if lm_eval and "include_path" in lm_eval:
+        from snaketune.evaluation.lmeval import resolve_include_path
+
+        found = resolve_include_path(lm_eval["include_path"], root)
+        _require(
+            found is not None,
+            f"{where}.eval.lm_eval.include_path: {lm_eval['include_path']} is not a directory "
+            f"(looked in {Path.cwd()} and {root}); point it at your task YAMLs",
+        )
+        lm_eval["include_path"] = str(found)
+    targets = (run.get("lora") or {}).get("target_modules")
+    _require(
+        not (isinstance(targets, list) and "lm_head" in targets),
+        f"{where}.lora.target_modules: lm_head cannot take a LoRA adapter (TRL computes the "
+        "loss from its weight, so the adapter would never train); move it to "
+        "lora.modules_to_save to train it in full",
+    )
+    _check_deepspeed(name, run["deepspeed"], root)
+    check_kernels_installed(where, run)
+
+
+def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
+    """A 4-bit base (lora.quantize): a LoRA update, DeepSpeed without offload (tested: ZeRO
+    1-3; a 4-bit base needs no offload, and DeepSpeed would page its packed weights), and
+    bitsandbytes installed."""
+    from snaketune.core.qlora import missing_bitsandbytes
+
+    where = f"runs.{name}.lora.quantize"
+    if not RunSpec.of(run).quantized:
+        return
+    _require(
+        method_of(run).adapter != "full",
+        f"{where}: a 4-bit base is frozen, so only an adapter can train on it; a full "
+        "fine-tune needs the weights in full precision (set method: lora, or drop quantize)",
+    )
+    _check_deepspeed(name, run["deepspeed"], root)
+    ds = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text(encoding="utf-8"))
+    zero = ds.get("zero_optimization") or {}
+    offloaded = [k for k in ("offload_optimizer", "offload_param")
+                 if (zero.get(k) or {}).get("device", "none") != "none"]  # fmt: skip
+    _require(
+        not offloaded,
+        f"{where}: 4bit with DeepSpeed offload ({run['deepspeed']}: "
+        f"{', '.join(offloaded)}) is not supported; a 4-bit base needs none: use deepspeed: "
+        "zero2, or zero3 to shard the 4-bit base too",
+    )
+    missing = missing_bitsandbytes()
+    _require(missing is None, f"{where}: {missing}")
+
+
+def _check_model(name: str, spec: Mapping[str, Any]) -> None:
+    _check_source("models", name, spec, {"id", "revision"})
+    template = spec.get("chat_template")
+    _require(
+        template is None or Path(template).is_file(),
+        f"models.{name}.chat_template: file {template!r} not found "
+        "(relative paths start from the working directory)",
+    )
+
+
+def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) -> dict[str, Any]:
+    """Validate ``config`` in place (filling defaults) and return it.
+
+    ``root`` is the workflow directory (where config/deepspeed/ lives). Raises ConfigError
+    with a one-line message: the schema's first problem, or else every bad model, dataset
+    and run at once (ConfigProblems, a line each).
+    """
+    from snaketune.plan.sweep import expand_sweeps, resolve_init
+
+    root = Path(root)
+    schema = compose_schema(load_schema(root))  # each method's keys put in
+    expand_sweeps(config, schema)  # a run with `sweep` becomes its members
+    check_schema(config, schema)
+    check_sweep_publish(config, schema)
+    found = _Collect()
+    for name, spec in config["models"].items():
+        found.check(_check_model, name, spec)
+    for name, spec in config["datasets"].items():
+        found.check(_check_dataset, name, spec, config["datasets"])
+    found.raise_all()
+    resolve_init(config)  # a run's model from the run (or sweep) it starts from
+    left_out = False  # a method block a run leaves out: filled with its defaults, at once
+    for run in config["runs"].values():
+        method = method_of(run)
+        if not method.packs:
+            run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts
+        if method.block and method.block not in run:
+            run[method.block] = {}
+            left_out = True
+    if left_out:
+        check_schema(config, schema)  # fills the method blocks' defaults
+    left_out = False  # a `lora` block left out where the method always trains one
+    for name, run in config["runs"].items():
+        found.check(_check_run, name, run, config, root)
+        if method_of(run).adapter == "lora" and "lora" not in run:
+            run["lora"] = {}
+            left_out = True
+    if left_out:
+        check_schema(config, schema)  # fills the LoRA defaults
+    found.raise_all()
+    return config
+
+
+def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None:
+    """Local model and dataset paths exist (or a rule makes them: ``producible``, paths as
+    written in the workflow), and a local model directory holds a config.json. Every
+    problem at once (ConfigProblems).
+
+    Run where the jobs will run (the working directory); relative paths start there.
+    """
+    made = {str(Path(p)) for p in producible}
+    found = _Collect()
+    for kind in ("models", "datasets"):
+        for name, spec in config[kind].items():
+            if spec["source"] != "local" or str(Path(spec["path"])) in made:
+                continue
+            found.check(_check_local_path, kind, name, Path(spec["path"]))
+    found.raise_all()
+
+
+def _check_local_path(kind: str, name: str, path: Path) -> None:
+    where = f"{kind}.{name}.path"
+    _require(
+        path.exists(),
+        f"{where}: {path} does not exist (relative paths start from {Path.cwd()}); fix the path",
+    )
+    if kind == "models":
+        _require(
+            (path / "config.json").is_file(),
+            f"{where}: {path} has no config.json; point it at a Hugging Face model "
+            "directory (config.json, tokenizer files, weights)",
+        )
+    elif path.is_file():
+        _require(
+            path.stat().st_size > 0,
+            f"{where}: {path} is empty (0 bytes); give a file with at least one row",
+        )
+
+
+def load_config(path: str | Path, root: str | Path = WORKFLOW_ROOT) -> dict[str, Any]:
+    """Read and validate a config file."""
+    return validate_config(load_yaml(path), root)

@@ -1,0 +1,318 @@
+"""Will a run's checkpoints and exports fit on the disk it writes to?
+
+One checkpoint-<step> of the train stage holds, for P parameters of which T are trained
+(all for full fine-tuning; the adapters' for LoRA), w bytes per weight (2 in bf16/fp16,
+4 in fp32):
+
+- the model Trainer saves beside the DeepSpeed states: w·P (the adapter for LoRA: w·T);
+  under ZeRO-3 only with ``stage3_gather_16bit_weights_on_model_save``;
+- DeepSpeed's module states (``mp_rank_00_model_states.pt``): w·T below ZeRO-3 (frozen
+  weights excluded), next to nothing under ZeRO-3 (the weights live in the partitions);
+- the optimizer states of all ranks together (``zero_pp_rank_*_optim_states.pt``): Adam's
+  fp32 master weights and two moments, 12·T (also in fp32 training: ZeRO copies the
+  partition);
+- the tokenizer files, the RNG and scheduler states (measured in the model's folder, or
+  ``SMALL_FILES`` when it is not there yet).
+
+``checkpoints.optimizer: last`` (the default) reduces every kept checkpoint but the newest
+to its model weights once a newer one is complete (resuming needs only the newest): while
+a checkpoint is written, two whole ones and ``save_total_limit - 1`` reduced ones are on
+the disk; with ``all``, ``save_total_limit + 1`` whole ones. The run also writes its final
+DeepSpeed checkpoint (module and optimizer states), its model folder and its exports (the
+converted model; for LoRA the adapters and the merged model, w·P).
+
+tests/test_diskplan.py checks the estimate against real checkpoints (full ZeRO-3, LoRA
+ZeRO-2) within 25%.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.errors import UserError
+from snaketune.plan.memplan import GIB, Setup, Shape
+
+log = logging.getLogger(__name__)
+
+SMALL_FILES = 32 * 2**20  # tokenizer, RNG, scheduler, trainer state when not measured
+OPTIMIZER_BYTES = 12  # fp32 master weights and Adam's two moments, per trained parameter
+HEADROOM = 1.10  # a save goes ahead only with this much more free space than it needs
+TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab*", "merges.txt", "special_tokens_map.json",
+                   "chat_template*")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """Bytes of one checkpoint of a run, by part."""
+
+    model: float  # the weights Trainer saves (model or adapter)
+    module: float  # DeepSpeed's module states
+    optimizer: float  # all ranks' optimizer states
+    small: float  # tokenizer, RNG, scheduler, trainer state
+
+    @property
+    def whole(self) -> float:
+        return self.model + self.module + self.optimizer + self.small
+
+    @property
+    def reduced(self) -> float:
+        """What ``checkpoints.optimizer: last`` leaves of an older checkpoint."""
+        return self.model + self.small
+
+
+def trained_params(shape: Shape, s: Setup) -> int:
+    if s.adapter == "full":
+        return shape.params
+    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
+
+
+def checkpoint_size(shape: Shape, s: Setup, gathered: bool = True, small: float = SMALL_FILES
+                    ) -> CheckpointSize:  # fmt: skip
+    """One checkpoint's bytes; ``gathered``: ZeRO-3 saves the 16-bit model beside its
+    partitions (stage3_gather_16bit_weights_on_model_save)."""
+    w, t = s.bytes_per_weight, trained_params(shape, s)
+    saved = shape.params if s.adapter == "full" else t
+    model = w * saved if (s.stage < 3 or gathered or s.adapter != "full") else 0.0
+    module = w * t if s.stage < 3 else 0.0
+    return CheckpointSize(model, module, OPTIMIZER_BYTES * t, small)
+
+
+def run_need(shape: Shape, s: Setup, keep: int, optimizer: str, gathered: bool = True,
+             small: float = SMALL_FILES) -> dict[str, float]:  # fmt: skip
+    """Bytes a run needs on its results filesystem at most, by part."""
+    one = checkpoint_size(shape, s, gathered, small)
+    if optimizer == "last":
+        checkpoints = min(keep + 1, 2) * one.whole + max(keep - 1, 0) * one.reduced
+    else:
+        checkpoints = (keep + 1) * one.whole
+    exports = one.model + (s.bytes_per_weight * shape.params if s.adapter != "full" else 0.0)
+    parts = {
+        "checkpoint": one.whole,
+        "checkpoints": checkpoints,
+        "final": one.module + one.optimizer + one.model + one.small,  # final states + model
+        "exports": exports,
+    }
+    parts["total"] = parts["checkpoints"] + parts["final"] + parts["exports"]
+    return parts
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is not there)."""
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def small_files(model_dir: Path, ranks: int) -> float:
+    """Bytes of the tokenizer files a checkpoint copies from the model folder, plus the
+    trainer and scheduler states, and each rank's RNG state (and ZeRO-3 module states);
+    SMALL_FILES when the folder is not there."""
+    if not model_dir.is_dir():
+        return SMALL_FILES
+    found = {f for pattern in TOKENIZER_FILES for f in model_dir.glob(pattern) if f.is_file()}
+    return sum(f.stat().st_size for f in found) + 2**17 + 2**15 * ranks
+
+
+def existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (where its files will go)."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(existing(path)).free
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
+def plan_disk(
+    shape: Shape, s: Setup, run: dict[str, Any], deepspeed: dict[str, Any], run_dir: Path,
+    model_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """A run's disk plan: what it needs, what its filesystem has free (plus what the run
+    already holds there, which it replaces), and whether it fits."""
+    zero = deepspeed.get("zero_optimization", {})
+    gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+    keep = run["save_total_limit"]
+    optimizer = run["checkpoints"]["optimizer"]
+    need = run_need(shape, s, keep, optimizer, gathered, small_files(model_dir, s.gpus))
+    held = folder_bytes(run_dir / "train") + sum(
+        folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")
+    )
+    where = existing(run_dir)
+    free = shutil.disk_usage(where).free
+    return {
+        "need_bytes": {k: round(v) for k, v in need.items()},
+        "free_bytes": free,
+        "held_bytes": held,
+        "path": str(where),
+        "save_total_limit": keep,
+        "optimizer": optimizer,
+        "fits": need["total"] <= free + held,
+    }
+
+
+def format_disk(name: str, plan: dict[str, Any]) -> str:
+    """One line: need (and its parts), free space, and the fixes when it does not fit."""
+    n = plan["need_bytes"]
+    where = plan["path"]
+    have = plan["free_bytes"] + plan["held_bytes"]
+    held = f" (+{gib(plan['held_bytes'])} the run already holds)" if plan["held_bytes"] else ""
+    line = (f"{name}: needs {gib(n['total'])} on {where} ({plan['save_total_limit']} kept "
+            f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
+            f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
+            f"{gib(n['final'])}; exports {gib(n['exports'])}), "
+            f"{gib(plan['free_bytes'])} free{held}")  # fmt: skip
+    if plan["fits"]:
+        return f"{line}: fits"
+    fixes = []
+    if plan["save_total_limit"] > 1:
+        fixes.append(f"lower save_total_limit (now {plan['save_total_limit']})")
+    if plan["optimizer"] != "last":
+        fixes.append("set checkpoints.optimizer: last")
+    fixes.append("put results/ on a larger filesystem (e.g. a symlink to scratch)")
+    return (f"{line}: does NOT fit, {gib(n['total'] - have)} short; "
+            f"{', '.join(fixes)}")  # fmt: skip
+
+
+def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
+                 on_gpu: bool = True) -> dict[str, Any] | None:  # fmt: skip
+    """The disk plan of run ``name`` of a validated config (precision auto: bf16 on GPU,
+    fp32 on CPU); None when the model's config.json cannot be read yet."""
+    from snaketune.plan.fit import find_config_json, setup_of, shape_and_deepspeed
+
+    run = config["runs"][name]
+    path = find_config_json(config, run, root)
+    if path is None:
+        return None
+    shape, deepspeed = shape_and_deepspeed(path, run, basedir)
+    s = setup_of(run, deepspeed, on_gpu=on_gpu)
+    return plan_disk(shape, s, run, deepspeed, root / "results" / name, path.parent)
+
+
+def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs whose results go to one filesystem, added up: a dict per filesystem that two or
+    more of ``plans`` ({run: disk plan}) write to, with their need together against its
+    free space (plus what they already hold there)."""
+    groups: dict[int, list[str]] = {}
+    for name, plan in plans.items():
+        groups.setdefault(os.stat(plan["path"]).st_dev, []).append(name)
+    out = []
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        need = sum(plans[n]["need_bytes"]["total"] for n in names)
+        held = sum(plans[n]["held_bytes"] for n in names)
+        free = min(plans[n]["free_bytes"] for n in names)
+        out.append({
+            "runs": sorted(names),
+            "path": os.path.commonpath([plans[n]["path"] for n in names]),
+            "need_bytes": need, "free_bytes": free, "held_bytes": held,
+            "fits": need <= free + held,
+        })  # fmt: skip
+    return out
+
+
+def format_shared(group: dict[str, Any]) -> str:
+    """One line: the runs on one filesystem, their need together, and whether it fits."""
+    held = f" (+{gib(group['held_bytes'])} they already hold)" if group["held_bytes"] else ""
+    line = (f"{len(group['runs'])} runs write to the filesystem of {group['path']} "
+            f"({', '.join(group['runs'])}): {gib(group['need_bytes'])} together, "
+            f"{gib(group['free_bytes'])} free{held}")  # fmt: skip
+    if group["fits"]:
+        return f"{line}: fits"
+    short = group["need_bytes"] - group["free_bytes"] - group["held_bytes"]
+    return (f"{line}: does NOT fit, {gib(short)} short; train fewer of them at once (ask for "
+            "some runs' outputs, or fewer sweep values), lower save_total_limit, or put "
+            "results/ on a larger filesystem")  # fmt: skip
+
+
+def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir: Path,
+                    on_gpu: bool) -> list[str]:  # fmt: skip
+    """The workflow's check before anything is queued: a line per run whose checkpoints and
+    exports do not fit on its results filesystem, and a line per filesystem that the runs
+    writing to it do not fit on together (runs skipped, with a line, while the model's
+    config.json is not there yet; the train job checks again before it starts)."""
+    import sys
+
+    found, plans = [], {}
+    for name in runs:
+        run = config["runs"][name]
+        gpu = on_gpu or run.get("gpu", config.get("gpu")) is not None
+        try:
+            plan = disk_plan_of(config, name, root, basedir, gpu)
+        except UserError as exc:  # a model whose config.json the estimate cannot read
+            print(f"disk plan: {name}: not checked ({exc})", file=sys.stderr)
+            continue
+        if plan is None:
+            print(f"disk plan: {name}: checked by the train job (the model's config.json is "
+                  "not there yet)", file=sys.stderr)  # fmt: skip
+            continue
+        plans[name] = plan
+        line = format_disk(name, plan)
+        if plan["fits"]:
+            print(f"disk plan: {line}", file=sys.stderr)
+        else:
+            found.append(f"disk plan: {line}")
+    for group in shared_filesystems(plans):
+        if group["fits"]:
+            print(f"disk plan: {format_shared(group)}", file=sys.stderr)
+        else:
+            found.append(f"disk plan: {format_shared(group)}")
+    return found
+
+
+def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_dir: Path,
+                   on_gpu: bool) -> dict[str, Any] | None:  # fmt: skip
+    """The train job's check before it starts any worker: UserError (one line) when the
+    run does not fit; its plan when it does; None (with a log line) for a model whose
+    config.json the estimate cannot read."""
+    import json
+
+    from snaketune.plan.fit import setup_of
+
+    config = model_dir / "config.json"
+    try:
+        shape = Shape.from_config(json.loads(config.read_text()), str(config))
+    except (UserError, OSError, ValueError) as exc:
+        log.warning("disk plan: not checked (%s); each save is still checked", exc)
+        return None
+    ds = json.loads(deepspeed.read_text())
+    plan = plan_disk(shape, setup_of(spec, ds, on_gpu), spec, ds, run_dir, model_dir)
+    if not plan["fits"]:
+        raise UserError(f"disk: {format_disk(run_dir.name, plan)}")
+    return plan
+
+
+class DiskGuard:
+    """Before each save: is there room for one more checkpoint? Its size is the newest
+    complete checkpoint's (``first_guess`` before there is one)."""
+
+    def __init__(self, ckpt_dir: Path, first_guess: float):
+        self.ckpt_dir, self.first_guess = ckpt_dir, first_guess
+
+    def need(self) -> tuple[float, str]:
+        from snaketune.core.checkpoints import newest_complete
+
+        newest = newest_complete(self.ckpt_dir)
+        if newest is None:
+            return self.first_guess, "estimated"
+        return float(folder_bytes(newest)), f"the size of {newest.name}"
+
+    def short(self) -> str | None:
+        """None when the next checkpoint fits; else what is short, in words."""
+        need, how = self.need()
+        free = free_bytes(self.ckpt_dir)
+        if free >= HEADROOM * need:
+            return None
+        return (f"{self.ckpt_dir} has {gib(free)} free, the next checkpoint needs about "
+                f"{gib(need)} ({how})")  # fmt: skip

@@ -1,0 +1,235 @@
+"""Will a config's runs fit? The memory plan (snaketune.plan.memplan) applied to a config: where
+a run's model config.json is (downloaded, local, the Hub's cache or the Hub, asked once),
+every run's plan for ``snaketune plan``, and the check the workflow makes before queueing
+(against the run's GPU type, or this machine's memory for a run on the local profile).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.errors import UserError
+from snaketune.data.sources import hub_config_json
+from snaketune.plan.memplan import (
+    CONTEXT_GIB,
+    GIB,
+    GPUS,
+    Setup,
+    Shape,
+    estimate,
+    format_plan,
+    plan_run,
+)
+from snaketune.plan.runspec import RunSpec
+
+
+def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
+    """The estimate's settings from a validated run and its DeepSpeed JSON."""
+    zero = deepspeed.get("zero_optimization", {})
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") in ("cpu", "nvme")
+
+    spec = RunSpec.of(run)
+    precision = run["precision"]
+    if precision == "auto":
+        precision = "bf16" if on_gpu else "fp32"
+    attention = run["attn_implementation"]
+    # what the run's method adds: sequences per planned example (DPO: a pair is 2), its
+    # rollouts (GRPO), a reference model (held by a full fine-tune only: LoRA's is the base
+    # with the adapter off)
+    extra = {"sequences_per_example": 1, **spec.method.memory(run, on_gpu)}
+    lora = spec.lora or {}
+    return Setup(
+        adapter=spec.adapter,  # a method plans as its LoRA or full update, plus extra
+        stage=int(zero.get("stage", 0)),
+        offload_optimizer=offloaded("offload_optimizer"),
+        offload_params=offloaded("offload_param"),
+        nodes=run["nodes"],
+        gpus_per_node=run["gpus_per_node"],
+        micro_batch_size=run["micro_batch_size"] * extra["sequences_per_example"],
+        max_length=run["max_length"],
+        gradient_checkpointing=bool(run["gradient_checkpointing"]),
+        attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
+        liger=on_gpu and run["liger_kernel"] is True,
+        bytes_per_weight=4 if precision == "fp32" else 2,
+        lora_r=lora.get("r", 0),
+        lora_targets=lora.get("target_modules", "all-linear"),
+        lora_saved=tuple(lora.get("modules_to_save", ())),
+        completion_length=extra.get("completion_length", 0),
+        reference=not spec.trains_lora and extra.get("reference", False),
+        vllm_share=extra.get("vllm_share", 0.0),
+        quantized=spec.quantized,
+        double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
+    )
+
+
+def gpu_memory(name_or_gib: str | float | None) -> float | None:
+    """GiB of one GPU from a table name (``h100-80gb``) or a number; None: not set."""
+    if name_or_gib is None:
+        return None
+    if isinstance(name_or_gib, int | float):
+        return float(name_or_gib)
+    try:
+        return GPUS[str(name_or_gib).lower()]
+    except KeyError:
+        raise UserError(
+            f"gpu: {name_or_gib!r} is not a known GPU ({', '.join(GPUS)}); give one of them "
+            "or its memory in GiB (e.g. gpu: 94)"
+        ) from None
+
+
+def shape_and_deepspeed(
+    config_json: Path, run: dict[str, Any], basedir: Path
+) -> tuple[Shape, dict[str, Any]]:
+    """The model's shape from its config.json, and the run's DeepSpeed JSON as written. A
+    run with a 4-bit base on a model that is already quantized: one line (UserError)."""
+    from snaketune.core.qlora import already_quantized
+    from snaketune.plan.config import resolve_deepspeed
+
+    cfg = json.loads(config_json.read_text())
+    method = already_quantized(cfg)
+    if method and RunSpec.of(run).quantized:
+        raise UserError(
+            f"model {run['model']} ({config_json}) is already quantized ({method}): "
+            "bitsandbytes cannot quantize it again for lora.quantize: 4bit; use the model's "
+            "unquantized release, or drop lora.quantize"
+        )
+    shape = Shape.from_config(cfg, str(config_json))
+    return shape, json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
+
+
+def machine_memory_gib() -> float:
+    """Total memory of this machine, GiB."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Path:
+    """Where the run's model (its config.json) is: resources/models/<name> once downloaded,
+    else a local model's own path."""
+    downloaded = root / "resources" / "models" / run["model"]
+    spec = config["models"][run["model"]]
+    if not (downloaded / "config.json").is_file() and spec.get("source") == "local":
+        return Path(spec["path"])
+    return downloaded
+
+
+def download_advice(config_path: str | Path | None = None) -> str:
+    """How to get a Hub model's config.json before planning, with commands that work."""
+    cfg = f" --configfile {config_path}" if config_path else " --configfile <your config>"
+    return (f"download it first (snakemake --profile <profile>{cfg} --until download_model), "
+            "or plan from a folder holding its config.json alone (set the model to source: "
+            "local, path: that folder; config.json is all the plan reads)")  # fmt: skip
+
+
+def plan_config(
+    config: dict[str, Any],
+    workdir: Path,
+    basedir: Path,
+    gpu: str | float | None = None,
+    config_path: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """The plan of every run of a validated config; ``gpu`` overrides the runs' own. The
+    models are looked for under ``workdir`` (resources/models/), the DeepSpeed presets
+    under the workflow directory ``basedir``."""
+    plans = []
+    for name, run in sorted(config["runs"].items()):
+        path, why = locate_config_json(config, run, workdir)
+        if path is None:
+            raise UserError(
+                f"runs.{name}: cannot plan: the config.json of model {run['model']} is not "
+                f"in {model_dir_of(config, run, workdir)}: {why}; " + download_advice(config_path)
+            )
+        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
+        chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
+        plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
+    return plans
+
+
+def check_cpu_run(
+    shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any], machine_gib: float
+) -> dict[str, Any]:
+    """A run on this machine's CPU (every emulated node here): all its processes' memory
+    against the machine's."""
+    s = setup_of(run, deepspeed, on_gpu=False)
+    per_process = estimate(shape, s)["total"] - CONTEXT_GIB
+    out = plan_run(shape, s, None)
+    out["per_gpu_gib"]["total"] = round(per_process, 2)
+    out["machine_gib"] = round(machine_gib, 1)
+    out["processes"] = s.gpus
+    out["fits"] = per_process * s.gpus <= machine_gib
+    return out
+
+
+def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
+    """The run's model config.json where it can be read now (``locate_config_json``)."""
+    return locate_config_json(config, run, workdir)[0]
+
+
+def locate_config_json(
+    config: dict[str, Any], run: dict[str, Any], workdir: Path
+) -> tuple[Path | None, str]:
+    """The run's model config.json where it can be read now: the downloaded model, a local
+    model's path, or (a hub model not yet downloaded) config.json alone from the Hub's cache
+    or the Hub. (None, why) when it cannot be read yet; the Hub is asked at most once per
+    model and process, and not at all when it is unreachable."""
+    local = model_dir_of(config, run, workdir) / "config.json"
+    if local.is_file():
+        return local, ""
+    spec = config["models"][run["model"]]
+    if spec.get("source") != "hub":
+        return None, f"{local.parent} is not there yet (a job makes it)"
+    found, why = hub_config_json(spec["id"], spec.get("revision"))
+    if found is None:
+        return None, f"it is not downloaded yet and {why}"
+    return found, ""
+
+
+def check_runs(
+    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool
+) -> list[str]:
+    """The workflow's check before anything is queued: a line per run that cannot fit.
+
+    Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
+    machine (``local``) against this machine's memory, others not at all. A run whose
+    model's config.json cannot be read yet (a model a job will build or download) is
+    skipped, with a log line. ``skip_memory_check`` turns a refusal into a warning.
+    """
+    import sys
+
+    def say(line: str) -> None:
+        print(f"memory plan: {line}", file=sys.stderr)
+
+    found = []
+    for name in runs:
+        run = config["runs"][name]
+        path = find_config_json(config, run, workdir)
+        if path is None:
+            say(f"{name}: skipped for now (the model's config.json is not there yet)")
+            continue
+        shape, deepspeed = shape_and_deepspeed(path, run, basedir)
+        gpu = run.get("gpu", config.get("gpu"))
+        if gpu is not None:
+            plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
+            line = format_plan(name, plan)
+        elif local:
+            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
+            verdict = "fits" if plan["fits"] else "does NOT fit"
+            line = (f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
+                    f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "
+                    f"machine's {plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
+        else:
+            say(f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
+                "`config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
+            continue
+        if plan["fits"] is not False:
+            say(line)
+        elif run.get("skip_memory_check"):
+            say(f"{line} (skip_memory_check is set: going ahead)")
+        else:
+            found.append(f"{line} (or set skip_memory_check: true on the run)")
+    return found

@@ -1,0 +1,346 @@
+"""Will a run fit on its GPUs? A per-GPU memory estimate from the model's config.json alone.
+
+Per GPU, for N GPUs in all, P parameters, T of them trained (all of them for full
+fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
+
+- weights: w·P, ZeRO-3: w·P/N plus the largest layer gathered (4 bytes per parameter of
+  it, DeepSpeed's own figure); ZeRO-3 with parameter offload: only the gathered layer;
+- gradients: (w + 4)·T (16-bit and fp32 copies; fp32 training: 4·T), divided by N from
+  ZeRO-2 on; ZeRO-3: 4·T/N (the 16-bit gradients are reduce-scattered in buckets straight
+  into the fp32 partition); 0 with optimizer offload (reduced to CPU in buckets);
+- optimizer: Adam's two fp32 moments and the fp32 master weights, 12·T (fp32 training:
+  8·T), divided by N from ZeRO-1 on; 0 with optimizer offload (then in CPU memory);
+- activations: tokens of a micro batch (micro_batch_size x max_length, the worst case packed
+  or not) x per layer (8h + 4·kv + 4·I)·w bytes (the tensors a Llama-shaped decoder layer
+  keeps for backward), for every layer without gradient checkpointing, or the layer inputs
+  (h·w per token per layer) plus one layer recomputed with it; eager attention adds its
+  micro x heads x max_length^2 score and probability matrices per layer; the logits add
+  tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
+  gradient), none with Liger's fused linear cross-entropy;
+- GRPO: sequences are prompt and completion (max_length + max_completion_length tokens);
+  training keeps the activations of micro_batch_size completions of that length and the
+  logits of their completion tokens; generating them (without vLLM) holds a KV cache of
+  2 x layers x kv x w bytes per token, which is freed before the training pass (the larger
+  of the two counts); full fine-tuning with beta > 0 holds a frozen reference copy (w·P,
+  divided by N under ZeRO-3); with vLLM (use_vllm true or auto) its share of each GPU
+  (vllm_gpu_memory_utilization x the GPU's memory) holds its weights and KV cache;
+- DPO: a micro batch of n pairs is 2n sequences (chosen and rejected sides); full
+  fine-tuning with reference: live holds a frozen reference copy as GRPO's; a precomputed
+  reference (rule reference_logps) and a LoRA run's (the adapter off) hold none. The
+  logits are counted in full, though TRL scores DPO through a chunked LM head (an
+  overcount: the plan errs on the side of fitting);
+- a 4-bit base (lora.quantize, QLoRA): the decoder's linear weights take 0.5 bytes each
+  plus their quantization constants (an fp32 absmax per 64 weights, 1/16 byte; with double
+  quantization an 8-bit one, 1/64 byte, and an fp32 per 256 blocks), divided by N under
+  ZeRO-3; the other weights (embeddings, output layer, norms) stay at w bytes; the
+  activations add the largest 4-bit layer dequantized for its matmul (w bytes a weight);
+- margin: 1.5 GiB for the CUDA context and NCCL buffers, plus 10% of the rest for
+  fragmentation.
+
+The model-state figures (weights, gradients, optimizer) are DeepSpeed's own estimators'
+(``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``;
+tests/test_memplan.py checks them within 10%). CPU memory per node is what offload needs
+(DeepSpeed's 1.5 buffer factor included) or, without offload, what loading the model takes
+in every process of the node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from snaketune.core.errors import UserError
+
+GIB = 1024**3
+# Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
+GPUS: dict[str, float] = {
+    "a100-40gb": 39.4,
+    "a100-64gb": 63.4,  # Leonardo's A100 64 GB
+    "a100-80gb": 79.2,
+    "h100-80gb": 79.6,
+    "h200-141gb": 139.8,
+    "l40s-48gb": 44.4,
+}
+CONTEXT_GIB = 1.5
+FRAGMENTATION = 0.10
+BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs from a model's config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], where: str = "config.json") -> Shape:
+        cfg = cfg.get("text_config", cfg)
+        missing = [k for k in REQUIRED if k not in cfg]
+        if missing:
+            raise UserError(
+                f"{where}: cannot plan memory for model_type {cfg.get('model_type')!r} (no "
+                f"{', '.join(missing)}); set skip_memory_check: true on the run to go without"
+            )
+        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        return cls(
+            hidden=h,
+            intermediate=cfg.get("intermediate_size") or 4 * h,
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or h // heads,
+            vocab=cfg["vocab_size"],
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one decoder layer."""
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
+            "down_proj": (self.intermediate, h),
+        }  # fmt: skip
+
+    @property
+    def params(self) -> int:
+        per_layer = sum(i * o for i, o in self.linear_shapes().values()) + 2 * self.hidden
+        if self.qkv_bias:
+            per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * per_layer + self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear weights (what a 4-bit base quantizes)."""
+        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
+
+    @property
+    def largest_layer(self) -> int:
+        """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit)."""
+        return max(self.vocab * self.hidden, *(i * o for i, o in self.linear_shapes().values()))
+
+    def lora_params(self, r: int, targets: str | list[str], saved: Sequence[str] = ()) -> int:
+        """Trainable parameters: the adapters over ``targets`` and the modules of ``saved``
+        (modules_to_save, trained in full)."""
+        names = LINEARS if targets == "all-linear" else [t for t in targets if t in LINEARS]
+        shapes = self.linear_shapes()
+        count = self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+        if targets != "all-linear" and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)
+            count += r * (self.vocab + self.hidden)
+        return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run settings the estimate depends on."""
+
+    adapter: str  # what trains: full (every weight) or lora
+    stage: int  # ZeRO stage
+    offload_optimizer: bool
+    offload_params: bool
+    nodes: int
+    gpus_per_node: int
+    micro_batch_size: int
+    max_length: int
+    gradient_checkpointing: bool
+    attention: str  # eager, sdpa, flash_attention_2 (auto: sdpa or flash, no max_length^2)
+    liger: bool
+    bytes_per_weight: int  # 2 (bf16/fp16) or 4 (fp32)
+    lora_r: int = 0
+    lora_targets: Any = "all-linear"
+    lora_saved: tuple[str, ...] = ()
+    completion_length: int = 0  # GRPO: max_completion_length (0: not GRPO)
+    # a frozen copy of the model: GRPO full fine-tuning with beta > 0, DPO full fine-tuning
+    # with reference: live
+    reference: bool = False
+    vllm_share: float = 0.0  # GRPO with vLLM: its share of each GPU's memory
+    quantized: bool = False  # a 4-bit base (lora.quantize: 4bit)
+    double_quant: bool = True  # its quantization constants quantized too
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def sequence(self) -> int:
+        """Tokens of one sequence: max_length, or for GRPO prompt and completion."""
+        return self.max_length + self.completion_length
+
+
+def model_states(shape: Shape, s: Setup) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients and optimizer states."""
+    n, w, p = s.gpus, s.bytes_per_weight, shape.params
+    t = p if s.adapter == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
+    mixed = w == 2
+    base = w * p  # the frozen and trained weights as stored
+    if s.quantized:  # 4-bit decoder linears and their constants; the rest at w bytes
+        base = w * (p - shape.linear_params) + quant_bytes(s.double_quant) * shape.linear_params
+    if s.stage >= 3:
+        gathered = 4 * shape.largest_layer
+        weights = gathered if s.offload_params else gathered + base / n
+    else:
+        weights = base
+    # ZeRO-3 reduce-scatters the 16-bit gradients in buckets into the fp32 partition
+    grad_bytes = (w + 4) if mixed and s.stage < 3 else 4
+    grads = 0.0 if s.offload_optimizer else grad_bytes * t / (n if s.stage >= 2 else 1)
+    optim_bytes = 12 if mixed else 8
+    optim = 0.0 if s.offload_optimizer else optim_bytes * t / (n if s.stage >= 1 else 1)
+    return {"weights": weights, "gradients": grads, "optimizer": optim}
+
+
+def quant_bytes(double_quant: bool) -> float:
+    """Bytes per 4-bit weight with its constants (bitsandbytes' blocks of 64): the packed
+    half byte, an fp32 absmax per block, or with double quantization an 8-bit absmax per
+    block and an fp32 constant per 256 blocks."""
+    return 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+
+
+def activations(shape: Shape, s: Setup) -> float:
+    """Bytes per GPU of what forward keeps for backward (and the logits); for GRPO the
+    larger of that and the KV cache of generating the completions (without vLLM)."""
+    w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_heads * shape.head_dim
+    tokens = s.micro_batch_size * s.sequence
+    layer = tokens * (8 * h + 4 * kv + 4 * shape.intermediate) * w
+    if s.attention == "eager":
+        layer += 2 * s.micro_batch_size * shape.heads * s.sequence**2 * w
+    if s.gradient_checkpointing:
+        kept = shape.layers * tokens * h * w + layer
+    else:
+        kept = shape.layers * layer
+    if s.quantized:  # one 4-bit layer dequantized for its matmul at a time
+        kept += w * max(i * o for i, o in shape.linear_shapes().values())
+    scored = s.micro_batch_size * s.completion_length if s.completion_length else tokens
+    logits = 0 if s.liger else scored * shape.vocab * (w + 8)
+    if s.completion_length and not s.vllm_share:
+        kv_cache = 2 * shape.layers * kv * w * tokens
+        return max(kept + logits, kv_cache)
+    return kept + logits
+
+
+def reference_copy(shape: Shape, s: Setup) -> float:
+    """Bytes per GPU of a frozen reference model (full fine-tuning: GRPO with beta > 0, DPO
+    with a live reference)."""
+    if not s.reference:
+        return 0.0
+    return s.bytes_per_weight * shape.params / (s.gpus if s.stage >= 3 else 1)
+
+
+def cpu_per_node(shape: Shape, s: Setup) -> float:
+    """Bytes of CPU memory per node: offloaded states, or loading the model in each process."""
+    p, t = shape.params, shape.params if s.adapter == "full" else 0
+    if s.offload_optimizer or s.offload_params:
+        states = 16 * t if s.offload_optimizer else 0
+        states += 2 * p if s.offload_params else 0
+        return states / s.nodes * BUFFER
+    return p * s.bytes_per_weight * s.gpus_per_node
+
+
+def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, float]:
+    """GiB per GPU: each part, the margin and the total (vLLM's share needs ``gpu_gib``)."""
+    parts = {**model_states(shape, s), "activations": activations(shape, s)}
+    if s.reference:
+        parts["reference"] = reference_copy(shape, s)
+    body = sum(parts.values())
+    parts["margin"] = CONTEXT_GIB * GIB + FRAGMENTATION * body
+    if s.vllm_share and gpu_gib is not None:
+        parts["vllm"] = s.vllm_share * gpu_gib * GIB
+    gib = {k: v / GIB for k, v in parts.items()}
+    gib["total"] = sum(gib.values())
+    return {k: round(v, 2) for k, v in gib.items()}
+
+
+def not_counted(s: Setup, gpu_gib: float | None) -> list[str]:
+    """What the estimate leaves out for this run, in words (empty: nothing known)."""
+    out = []
+    if s.vllm_share and gpu_gib is None:
+        out.append(f"vLLM's share ({s.vllm_share:g} of each GPU's memory; no GPU type set)")
+    return out
+
+
+def changes(s: Setup) -> list[tuple[str, Setup]]:
+    """Changes that lower the per-GPU memory, cheapest first."""
+    out: list[tuple[str, Setup]] = []
+    m = s.micro_batch_size
+    while m > 1:
+        m //= 2
+        out.append((f"micro_batch_size: {m} (raise gradient_accumulation_steps to keep the "
+                    "global batch)", replace(s, micro_batch_size=m)))  # fmt: skip
+    if not s.gradient_checkpointing:
+        out.append(("gradient_checkpointing: true", replace(s, gradient_checkpointing=True)))
+    if s.stage < 3:
+        out.append(("deepspeed: zero3", replace(s, stage=3)))
+        out.append(("deepspeed: zero3 with gradient_checkpointing: true",
+                    replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
+    if s.adapter == "lora" and not s.quantized:
+        out.append(("lora.quantize: 4bit (QLoRA)", replace(s, quantized=True)))
+        out.append(("lora.quantize: 4bit with gradient_checkpointing: true",
+                    replace(s, quantized=True, gradient_checkpointing=True)))  # fmt: skip
+        both = replace(s, quantized=True, stage=3, gradient_checkpointing=True)
+        out.append(("lora.quantize: 4bit with deepspeed: zero3 and gradient_checkpointing: "
+                    "true", both))  # fmt: skip
+    if not (s.offload_optimizer and s.offload_params) and not s.quantized:
+        out.append(("deepspeed: zero3_offload (optimizer and weights in CPU memory)",
+                    replace(s, stage=3, offload_optimizer=True, offload_params=True,
+                            gradient_checkpointing=True)))  # fmt: skip
+    nodes = s.nodes
+    while nodes < 64:
+        nodes *= 2
+        out.append((f"nodes: {nodes}", replace(s, nodes=nodes)))
+    return out
+
+
+def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
+    """The plan of one run: per-GPU parts, CPU per node, fits, and the cheapest change."""
+    per_gpu = estimate(shape, s, gpu_gib)
+    out: dict[str, Any] = {
+        "params": shape.params,
+        "per_gpu_gib": per_gpu,
+        "gpu_gib": gpu_gib,
+        "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
+        "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
+        "suggestion": None,
+        "not_counted": not_counted(s, gpu_gib),
+        "quantized": s.quantized,
+    }
+    if out["fits"] is False:
+        for what, changed in changes(s):
+            total = estimate(shape, changed, gpu_gib)["total"]
+            if total <= gpu_gib:
+                out["suggestion"] = f"{what} (then {total:.1f} GiB per GPU)"
+                break
+        else:
+            out["suggestion"] = "no single change fits: use GPUs with more memory"
+    return out
+
+
+def format_plan(run: str, plan: dict[str, Any]) -> str:
+    """One line: the run, the per-GPU total and its parts, against what the GPU has; what
+    it leaves out, if anything."""
+    g = plan["per_gpu_gib"]
+    names = ("weights", "gradients", "optimizer", "activations", "reference", "vllm", "margin")
+    labels = {"reference": "reference copy", "vllm": "vLLM"}
+    if plan.get("quantized"):
+        labels["weights"] = "weights (4-bit base)"
+    parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
+    against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
+    verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
+    line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
+            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node")  # fmt: skip
+    if plan["suggestion"]:
+        line += f"; cheapest change that fits: {plan['suggestion']}"
+    if plan.get("not_counted"):
+        line += f"; not counted: {', '.join(plan['not_counted'])}"
+    return line

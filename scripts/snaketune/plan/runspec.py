@@ -1,0 +1,64 @@
+"""A run's settings, resolved once.
+
+snaketune.plan.config.validate_config fills every run's keys from the schema's defaults (its
+method's block and, for a run that trains an adapter, its LoRA block included): code reads
+a validated run's keys as they are and never restates a default. ``RunSpec.of`` derives,
+in this one place, the facts the stages, the plans, the launcher and the worker ask of a
+run: its method, what its checkpoint holds, whether its base is 4-bit and how, whether it
+needs the reference stage, how its shard plan balances ranks, where its final model is.
+It is cheap (no I/O, no heavy import), so every reader builds it from the run it holds
+(the rules from the config, the train job from its --run-spec JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from snaketune.methods import Method, method_of
+
+# The directory under results/<run>/ of the model a run ends with, by what it trains.
+FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
+# The LoRA keys that decide how a 4-bit base is quantized (and so what a model computes).
+QUANTIZATION_KEYS = ("quantize", "quant_type", "double_quant", "compute_dtype")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The facts derived from one validated run (schema defaults filled)."""
+
+    method: Method
+    adapter: str  # "lora" or "full": what the run's checkpoint holds
+    # its LoRA block (None: every weight trains; validation refuses one on such a run)
+    lora: Mapping[str, Any] | None
+    # a 4-bit base's settings (QUANTIZATION_KEYS of the LoRA block), None: not quantized
+    quantization: Mapping[str, Any] | None
+    reference_stage: bool  # it needs rule reference_logps
+    balances_tokens: bool  # its shard plan balances each step's tokens across ranks
+    final_model: str  # results/<run>/<this>: the model the run ends with
+
+    @classmethod
+    def of(cls, run: Mapping[str, Any]) -> RunSpec:
+        method = method_of(run)
+        adapter = method.adapter_of(run)
+        lora = run.get("lora")
+        quantized = lora is not None and lora["quantize"] != "none"
+        return cls(
+            method=method,
+            adapter=adapter,
+            lora=lora,
+            quantization={k: lora[k] for k in QUANTIZATION_KEYS} if quantized else None,
+            reference_stage=method.reference_stage(run),
+            balances_tokens=bool(run["packing"]) or method.trains_on == "pairs",
+            final_model=FINAL_MODEL[adapter],
+        )
+
+    @property
+    def quantized(self) -> bool:
+        """A 4-bit base (lora.quantize)."""
+        return self.quantization is not None
+
+    @property
+    def trains_lora(self) -> bool:
+        return self.adapter == "lora"

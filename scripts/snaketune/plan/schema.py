@@ -1,0 +1,201 @@
+"""The config's JSON Schema, read our way: YAML that refuses a key given twice, defaults
+filled in while validating, numbers and booleans given as strings (``--config``) read as
+such, and one line per error naming the key path, what is wrong and what is allowed.
+
+Snakemake's own ``validate()`` is not used for this: its message prints the whole
+failing schema; ours names the key path, the allowed values and the closest known key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from snaketune.core.errors import ConfigError
+
+SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
+SCALARS = ("integer", "number", "boolean")
+# The workflow directory this library belongs to (scripts/snaketune/ -> the repository):
+# where the schema and config/deepspeed/ are found when no other root is given.
+WORKFLOW_ROOT = Path(__file__).resolve().parents[3]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (plain YAML keeps the
+    last one silently, so a second `runs: {demo: ...}` would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(
+                    f"{self.name} line {key_node.start_mark.line + 1}: {key!r} is given twice "
+                    "in the same mapping; names must be unique (rename or merge one of them)"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML file; a syntax error or a duplicated key becomes a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(
+            f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})"
+        ) from exc
+
+
+def _coerce(value: str, kind: str) -> Any:
+    """A string as the schema's scalar type, or the string itself when it is not one.
+
+    Snakemake's ``--config runs={demo: {nodes: 4}}`` passes nested values as strings.
+    """
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            return float(value)
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    except ValueError:
+        pass
+    return value
+
+
+def _with_defaults(cls: type) -> type:
+    """A validator class that also fills `default` values into the instance and reads
+    numbers and booleans given as strings (from the command line)."""
+    validate_properties = cls.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if not isinstance(sub, dict):
+                    continue
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+                if isinstance(instance.get(name), str) and sub.get("type") in SCALARS:
+                    instance[name] = _coerce(instance[name], sub["type"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(cls, {"properties": set_defaults})
+
+
+Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def key_path(parts: Any) -> str:
+    return ".".join(str(p) for p in parts) or "(top level)"
+
+
+def _allowed_keys(schema: Mapping[str, Any]) -> list[str]:
+    return sorted(schema.get("properties", {}))
+
+
+def format_error(error: jsonschema.ValidationError) -> str:
+    """One line: key path, what is wrong, what is allowed."""
+    path = key_path(error.absolute_path)
+    if "propertyNames" in error.absolute_schema_path:
+        return (
+            f"{path}: name {error.instance!r} is not a safe identifier "
+            "(use letters, digits, '_' and '-', starting with a letter, at most 64 characters)"
+        )
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = _allowed_keys(error.schema)
+        extra = sorted(k for k in error.instance if k not in allowed)
+        key = extra[0] if extra else "?"
+        hint = difflib.get_close_matches(key, allowed, n=1)
+        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+        prefix = f"{path}.{key}" if error.absolute_path else key
+        return f"{prefix}: unknown key{did_you_mean} (allowed: {', '.join(allowed)})"
+    if error.validator == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"{path}: missing required key {missing!r}"
+    if error.validator == "oneOf":
+        return (
+            f"{path}: {error.instance!r} is not valid here ({error.schema.get('description', '')})"
+        )
+    return f"{path}: {error.message}"
+
+
+def first_error(errors: Iterator[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:
+    """The error to report: the shallowest; at equal depth an unknown key first (a typo
+    also explains the required key it leaves missing), then document order."""
+    errors = list(errors)
+    if not errors:
+        return None
+    return min(
+        errors,
+        key=lambda e: (
+            len(e.absolute_path),
+            e.validator != "additionalProperties",
+            [str(p) for p in e.absolute_path],
+        ),
+    )
+
+
+def check_schema(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
+    """Validate against the JSON Schema and fill defaults in place."""
+    if not isinstance(config, dict):
+        raise ConfigError("config: the top level must be a mapping with models, datasets and runs")
+    error = first_error(Validator(schema).iter_errors(config))
+    if error is not None:
+        raise ConfigError(format_error(error))
+
+
+def load_schema(root: str | Path) -> Any:
+    """The config's JSON Schema under the workflow directory ``root``."""
+    path = Path(root) / SCHEMA_PATH
+    if not path.is_file():
+        raise ConfigError(
+            f"{path}: file not found; give the workflow directory (the one holding "
+            f"workflow/schemas/), e.g. --root {WORKFLOW_ROOT}"
+        )
+    return load_yaml(path)
+
+
+def top_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
+    """The schema's default of a top-level key (for a command run outside the workflow,
+    e.g. scripts/train.py by hand: the code never restates a default)."""
+    return load_schema(root)["properties"][key]["default"]
+
+
+def run_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
+    """The schema's default of a run's key (for a command run by hand)."""
+    run = load_schema(root)["properties"]["runs"]["additionalProperties"]
+    return run["properties"][key]["default"]
+
+
+def check_config_files(paths: list[str | Path]) -> None:
+    """Re-read the config files Snakemake loaded, to catch what its loader lets through
+    (a key given twice)."""
+    for path in paths:
+        if Path(path).suffix in (".yaml", ".yml"):
+            load_yaml(path)
+
+
+def check_sweep_publish(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
+    """A sweep's `publish` (kept in its members' sweep_of: the best member is published)
+    against the run schema's `publish`, defaults filled."""
+    sub = schema["properties"]["runs"]["additionalProperties"]["properties"]["publish"]
+    for run in config["runs"].values():
+        settings = (run.get("sweep_of") or {}).get("publish")
+        if settings is None:
+            continue
+        error = first_error(Validator(sub).iter_errors(settings))
+        if error is not None:
+            where = key_path(["runs", run["sweep_of"]["run"], "publish", *error.absolute_path])
+            raise ConfigError(f"{where}: {error.message}")

@@ -1,0 +1,384 @@
+"""What each stage needs from a validated config: the keys, paths and arguments the rules'
+input functions return (workflow/rules/common.smk only looks them up here).
+
+Tokenized copies are keyed by what determines their tokens (below); shards by their
+tokenized input and layout (``shard_job``: a sweep's members with the same one share one
+shard job); a run's model is its base or the final model of the run (or sweep's best
+member) it starts from.
+
+A tokenized copy is keyed by everything that determines its tokens: the dataset entry
+(and each mixture component's), the model's tokenizer source, the chat template's
+content, max_length and the overlong policy. Runs that differ only in training keys
+share one copy; a change to any of those makes a new one, and the old one stays for
+runs that still use it. Changes to the bytes of a local file behind the same config are
+caught by Snakemake's rerun triggers (the download rule's input changes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.errors import ConfigError
+from snaketune.core.heldout import spec_of as held_out_spec
+from snaketune.core.io import digest
+from snaketune.data.formats import SINGLE_DATASET_KEYS, components
+from snaketune.data.tokenization import TOKENIZE_VERSION
+from snaketune.methods import method_of
+from snaketune.plan.runspec import RunSpec
+
+MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
+DATASET_TOKEN_KEYS = ("source", *SINGLE_DATASET_KEYS)
+
+
+def chat_template(
+    config: dict[str, Any], model: str, root: Path = Path(".")
+) -> dict[str, str] | None:
+    """Path and sha256 of a model's configured chat template file (None: the tokenizer's)."""
+    path = config["models"][model].get("chat_template")
+    if path is None:
+        return None
+    full = Path(path) if Path(path).is_absolute() else root / path
+    try:
+        text = full.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"models.{model}.chat_template: cannot read {path} ({exc.strerror})"
+        ) from exc
+    return {"path": path, "sha256": hashlib.sha256(text).hexdigest()}
+
+
+def tokenize_spec(
+    config: dict[str, Any],
+    dataset: str,
+    model: str,
+    max_length: int,
+    overlong: str,
+    root: Path = Path("."),
+) -> dict[str, Any]:
+    """Everything that determines the tokens of ``dataset`` under ``model``'s tokenizer."""
+    sources = []
+    for comp in components(config, dataset):
+        spec = config["datasets"][comp["name"]]
+        sources.append({**comp, "spec": {k: spec[k] for k in DATASET_TOKEN_KEYS if k in spec}})
+    model_spec = config["models"][model]
+    return {
+        "dataset": dataset,
+        "sources": sources,
+        "model": model,
+        "tokenizer": {k: model_spec[k] for k in MODEL_TOKEN_KEYS if k in model_spec},
+        "chat_template": chat_template(config, model, root),
+        "max_length": max_length,
+        "overlong": overlong,
+        "version": TOKENIZE_VERSION,
+    }
+
+
+def tokenize_key(spec: dict[str, Any]) -> str:
+    """Directory name under results/tokenized/ for a tokenize spec."""
+    return f"{spec['dataset']}__{spec['model']}__{digest(spec)[:12]}"
+
+
+def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
+    """The tokenize spec of a run's training dataset."""
+    r = config["runs"][run]
+    return tokenize_spec(config, r["dataset"], r["model"], r["max_length"], r["overlong"], root)
+
+
+def run_eval_tokenize_spec(
+    config: dict[str, Any], run: str, root: Path = Path(".")
+) -> dict[str, Any]:
+    """The tokenize spec of a run's eval dataset (same tokenizer and length policy)."""
+    r = config["runs"][run]
+    return tokenize_spec(
+        config, r["eval_dataset"], r["model"], r["max_length"], r["overlong"], root
+    )
+
+
+def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
+    """Every tokenized copy the runs need, by key (runs that share one get one entry)."""
+    jobs = {}
+    for run, r in config["runs"].items():
+        specs = [run_tokenize_spec(config, run, root)]
+        if "eval_dataset" in r:
+            specs.append(run_eval_tokenize_spec(config, run, root))
+        for spec in specs:
+            jobs[tokenize_key(spec)] = spec
+    return jobs
+
+
+def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
+    """Whether a run with ``init_from`` and an eval set scores the model it starts from
+    itself (rule evaluate_start): when the run it starts from (or a member of that sweep)
+    has another eval set or other eval settings, or none. Otherwise that run's evaluation is
+    this run's base."""
+    from snaketune.plan.sweep import init_parents
+
+    r = config["runs"][run]
+    if "init_from" not in r or "eval_dataset" not in r:
+        return False
+    return any(
+        config["runs"][p].get("eval_dataset") != r["eval_dataset"]
+        or config["runs"][p].get("eval") != r["eval"]
+        for p in init_parents(config, run)
+    )
+
+
+def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
+    """Eval settings of each (base model, eval set), by the eval set's tokenize key.
+
+    The base model is evaluated once per key; runs that share it must share the settings.
+    """
+    evals: dict[str, dict[str, Any]] = {}
+    for run, r in config["runs"].items():
+        if "eval_dataset" not in r or "init_from" in r:  # its base: the init run's evaluation
+            continue
+        key = tokenize_key(run_eval_tokenize_spec(config, run, root))
+        first = evals.setdefault(key, {"run": run, **r["eval"]})
+        if {k: v for k, v in first.items() if k != "run"} != r["eval"]:
+            raise ConfigError(
+                f"runs.{run}.eval: differs from runs.{first['run']}.eval, which evaluates the same "
+                "model on the same eval set; give both the same eval settings"
+            )
+    return evals
+
+
+# ----------------------------------------------------------------------------- common
+
+
+def as_json(value: Any) -> str:
+    """A config value as compact JSON for a script's --spec argument."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def local_source(spec: dict[str, Any]) -> dict[str, str]:
+    """A local model's or dataset's path as an input (so a rule can make it), none for the
+    Hub."""
+    return {"source": spec["path"]} if spec["source"] == "local" else {}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def tokenize_inputs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Downloaded sources, model directory and chat template of a tokenized copy."""
+    inputs: dict[str, Any] = {
+        "data": [f"resources/datasets/{s['name']}/data.parquet" for s in spec["sources"]],
+        "model": f"resources/models/{spec['model']}",
+    }
+    if spec["chat_template"]:
+        inputs["template"] = spec["chat_template"]["path"]
+    return inputs
+
+
+def tokenized(config: dict[str, Any], run: str, eval_set: bool = False) -> str:
+    """The tokenized copy a run trains on (or, ``eval_set``, evaluates on)."""
+    spec = (run_eval_tokenize_spec if eval_set else run_tokenize_spec)(config, run)
+    return f"results/tokenized/{tokenize_key(spec)}/data.parquet"
+
+
+def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
+    """Everything rule shard_dataset's output depends on, for ``run``: its inputs (the
+    tokenized copy, the base model's directory for its tokenizer and packing support, the
+    eval set so an overlap is refused before training) and its arguments. The layout is
+    named: Snakemake compares a rule's params as values without their names, so nodes 2 /
+    accumulation 1 and nodes 1 / accumulation 2 would otherwise look the same."""
+    r = config["runs"][run]
+    # examples per micro batch: a method may make several rows of one (GRPO: a prompt's
+    # num_generations completions)
+    micro = r["micro_batch_size"] // method_of(r).rows_per_example(r)
+    inputs = {"tokenized": tokenized(config, run), "model": f"resources/models/{r['model']}"}
+    if "eval_dataset" in r:
+        inputs["eval"] = tokenized(config, run, eval_set=True)
+    return {
+        "inputs": inputs,
+        "layout": (
+            f"--nodes {r['nodes']} --gpus-per-node {r['gpus_per_node']}"
+            f" --micro-batch-size {micro}"
+            f" --gradient-accumulation-steps {r['gradient_accumulation_steps']}"
+            f" --seed {r['seed']}"
+        ),  # fmt: skip
+        "packing": "--packing" if RunSpec.of(r).balances_tokens else "--no-packing",
+        "attention": r["attn_implementation"],
+    }
+
+
+def shards_of(config: dict[str, Any], sweeps: dict[str, list[str]], run: str) -> str:
+    """The shards a run trains on: its own, or, for a sweep's member, those of the first
+    member with the same shard job (a sweep over the learning rate or the LoRA rank shards
+    once)."""
+    r = config["runs"][run]
+    if "sweep_of" in r:
+        mine = shard_job(config, run)
+        for member in sweeps[r["sweep_of"]["run"]]:
+            if shard_job(config, member) == mine:
+                return f"results/{member}/shards"
+    return f"results/{run}/shards"
+
+
+# ----------------------------------------------------------------------------- train
+
+# Run keys later stages read; left out of the train rule's params so that changing them
+# does not retrain.
+NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
+                "sweep_of")  # fmt: skip
+
+
+def train_spec(run: dict[str, Any], reference: str | None = None,
+               heldout: str | None = None) -> str:  # fmt: skip
+    """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
+    precomputed reference gets the path of its log-probs (``reference``), a run with
+    eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
+    eval and export keys that matter to it)."""
+    spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
+    if "eval_steps" not in run:  # a default that means nothing here: no params change
+        spec.pop("eval_at_start", None)
+    if reference is not None:
+        block = method_of(run).block
+        spec[block] = {**spec[block], "reference_logps": reference}
+    if heldout is not None:
+        spec["heldout"] = held_out_spec(run, heldout)
+    return as_json(spec)
+
+
+def train_extras(config: dict[str, Any], run: str) -> dict[str, str]:
+    """What a run's training reads besides its shards and model, by name: ``reference``
+    (a DPO run's precomputed log-probs) and ``heldout`` (the eval set of a run with
+    eval_steps)."""
+    out = {}
+    reference = reference_path(config, run)
+    if reference:
+        out["reference"] = reference
+    if config["runs"][run].get("eval_steps"):
+        out["heldout"] = tokenized(config, run, eval_set=True)
+    return out
+
+
+def reference_key(config: dict[str, Any], run: str) -> str | None:
+    """The reference log-probs a DPO run with a precomputed reference reads, by what they
+    depend on: the model it starts from (a base model, or the final model of the run or
+    sweep it starts from), its tokenized pairs, the precision, the attention kernel and a
+    4-bit base's quantization.
+    Runs and sweep members that share these share one reference_logps job. None for others."""
+    r = config["runs"][run]
+    spec = RunSpec.of(r)
+    if not spec.reference_stage:
+        return None
+    start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
+    what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
+            "precision": r["precision"],
+            "attn_implementation": r["attn_implementation"]}  # fmt: skip
+    if spec.quantized:  # a 4-bit base scores differently
+        what["quantize"] = dict(spec.quantization)
+    return f"{next(iter(start.values()))}__{digest(what)[:12]}"
+
+
+def reference_path(config: dict[str, Any], run: str) -> str | None:
+    key = reference_key(config, run)
+    return f"results/reference_logps/{key}/logps.parquet" if key else None
+
+
+def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
+    """Every reference_logps job the runs need: key -> the runs that read it."""
+    jobs: dict[str, list[str]] = {}
+    for run in config["runs"]:
+        key = reference_key(config, run)
+        if key is not None:
+            jobs.setdefault(key, []).append(run)
+    return jobs
+
+
+def reference_jobs(config: dict[str, Any]) -> dict[str, str]:
+    """Every reference_logps job the runs need: key -> the first run that reads it."""
+    return {key: runs[0] for key, runs in reference_runs(config).items()}
+
+
+def train_mpi(run: dict[str, Any]) -> str | int:
+    """The SLURM executor plugins' `mpi` resource, on every train job: the rule's shell runs
+    in the batch script and starts its own srun step (one task per node). So SLURM's
+    `--signal=USR1@...` (sent to job steps) reaches only the training processes, which
+    handle it, never the job's own snakemake, which it would end. The job-step plugin
+    checks only that the key is there; the submitting plugin refuses an MPI job of one task
+    ("'tasks' must be greater than 1"), so a 1-node run sets it to 0, which it reads as
+    no MPI (plain --ntasks=1) while the job step still runs the shell unwrapped."""
+    return "srun" if run["nodes"] > 1 else 0
+
+
+def train_flags(config: dict[str, Any]) -> str:
+    """The train job's optional flags: the all-reduce floor (preflight.min_busbw_gbps)."""
+    floor = config["preflight"].get("min_busbw_gbps")
+    return f"--min-busbw {floor}" if floor else ""
+
+
+def reference_settings(run: dict[str, Any]) -> str:
+    """What a run's reference log-probs depend on besides the inputs (also in the
+    output's key), as the stage's flags."""
+    settings = f"--precision {run['precision']} --attn-implementation {run['attn_implementation']}"
+    quantization = RunSpec.of(run).quantization
+    if quantization is not None:  # the policy's 4-bit base, adapter off
+        settings += (
+            f" --quantize {quantization['quantize']}"
+            f" --quant-type {quantization['quant_type']}"
+            f" --double-quant {str(quantization['double_quant']).lower()}"
+            f" --compute-dtype {quantization['compute_dtype']}"
+        )
+    return settings
+
+
+def flag_of(inputs: Any, key: str) -> str:
+    """``--<key> <path>`` for an optional input a rule may have (its script's flag), or ""."""
+    # a rule's input is a list of paths with names: `in` alone would look among the paths
+    return f"--{key} {inputs[key]}" if key in inputs.keys() else ""  # noqa: SIM118
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_kind(run: dict[str, Any]) -> str:
+    """Where convert_checkpoint writes a run: hf/ (full) or lora_adapters/ (LoRA)."""
+    return "lora_adapters" if RunSpec.of(run).trains_lora else "hf"
+
+
+def check_export(config: dict[str, Any], run: str, export: str) -> dict:
+    """No extra inputs for convert_checkpoint; refuses the export directory of the other
+    method (ValueError: Snakemake names the target)."""
+    kind = export_kind(config["runs"][run])
+    if export != kind:
+        raise ValueError(f"results/{run}/{export}: run {run} makes results/{run}/{kind}")
+    return {}
+
+
+def final_model(config: dict[str, Any], run: str) -> str:
+    """The model a run ends with: the merged model (LoRA) or the converted one (full)."""
+    return f"results/{run}/{RunSpec.of(config['runs'][run]).final_model}"
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> str:
+    """What a run's evaluation is compared with: its base model's evaluation; or (init_from)
+    the evaluation of the run it started from (``start()``: its name, a sweep's best member
+    once chosen), or, where that run was scored on another eval set or otherwise, the
+    starting model's own evaluation (rule evaluate_start)."""
+    if "init_from" not in config["runs"][run]:
+        return f"results/base_eval/{tokenize_key(run_eval_tokenize_spec(config, run))}/metrics.json"
+    if evaluates_its_start(config, run):
+        return f"results/{run}/start_eval/metrics.json"
+    return f"results/{start()}/eval/metrics.json"
+
+
+def eval_args(settings: dict[str, Any], beta: float | None = None) -> str:
+    """evaluate.py options for a run's eval settings (``beta``: the one its method scores
+    held-out pairs' implicit rewards with, e.g. a DPO run's)."""
+    import shlex
+
+    args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
+    args += f" --dpo-beta {beta}" if beta is not None else ""
+    args += f" --limit {settings['limit']}" if "limit" in settings else ""
+    if settings.get("lm_eval"):
+        args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"
+    return args

@@ -1,0 +1,219 @@
+"""The summary of all runs, one row per run (results/summary.tsv): the model, the method,
+the topology, the training and throughput figures, each eval metric with its base and
+gain, lm-eval's figures, wall time and GPU-hours; and the one line the pipeline ends with.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from snaketune.core.heldout import split_rows
+
+COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
+           "reward_first_quarter", "reward_last_quarter",
+           "reward_accuracy_last_quarter", "reward_margin_last_quarter", "tokens_per_s",
+           "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
+           "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
+           "stop_rate", "base_stop_rate", "preference_accuracy", "gain_preference_accuracy",
+           "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
+           "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
+           "allreduce_busbw_gbps"]  # fmt: skip
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """Median real tokens/s (the first step, with its start-up, left out), mean padding
+    share, median MFU (GPU runs) of a run's metrics."""
+    from statistics import median
+
+    steady = metrics[1:] or metrics
+    out: dict[str, float] = {}
+    if steady and "tokens_per_s" in steady[0]:
+        out["tokens_per_s"] = round(median(m["tokens_per_s"] for m in steady), 1)
+    if steady and "padding" in steady[0]:
+        out["padding"] = round(sum(m["padding"] for m in steady) / len(steady), 4)
+    mfus = [m["mfu"] for m in steady if "mfu" in m]
+    if mfus:
+        out["mfu"] = round(median(mfus), 4)
+    return out
+
+
+def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """A GRPO run's mean total reward over its first and last quarter of steps (at least
+    one step each); nothing for a run without rewards."""
+    rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
+    if not rewards:
+        return {}
+    n = max(1, len(rewards) // 4)
+    return {"reward_first_quarter": round(sum(rewards[:n]) / n, 4),
+            "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
+
+
+def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """A DPO run's mean reward accuracy and margin over its last quarter of steps."""
+    rows = [m for m in metrics if m.get("reward_margin") is not None]
+    if not rows:
+        return {}
+    last = rows[-max(1, len(rows) // 4) :]
+    return {f"{key}_last_quarter": round(sum(m[key] for m in last) / len(last), 4)
+            for key in ("reward_accuracy", "reward_margin")}  # fmt: skip
+
+
+def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[str, Any]:
+    """Held-out passes while training (eval_steps): the last figures, and the step the model
+    was exported from with its figure (export.checkpoint: best)."""
+    if not held:
+        return {}
+    out = {f"heldout_{k}_last": held[-1][f"heldout_{k}"] for k in ("loss", "exact_match")
+           if f"heldout_{k}" in held[-1]}  # fmt: skip
+    if exported:
+        out["exported_step"] = exported["step"]
+        if "metric" in exported:
+            out[f"exported_heldout_{exported['metric']}"] = exported["value"]
+    return out
+
+
+def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
+                train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
+    from snaketune.core.io import read_jsonl
+
+    metrics, held = split_rows(read_jsonl(train_dir / "metrics.jsonl"))
+    provenance = json.loads((train_dir / "provenance.json").read_text())
+    row: dict[str, Any] = {
+        "run": run, "model": spec["model"], "method": spec["method"],
+        "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        **reward_quarters(metrics),
+        **preference_quarter(metrics),
+        **throughput(metrics),
+        **heldout_columns(held, provenance.get("exported")),
+    }  # fmt: skip
+    if eval_metrics is not None:
+        ev = json.loads(eval_metrics.read_text())
+        row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
+                   math_verify=ev.get("math_verify"), stop_rate=ev.get("stop_rate"))  # fmt: skip
+        row.update(lm_eval_columns(ev))
+        pref = ev.get("preference") or {}
+        row.update(preference_accuracy=pref.get("preference_accuracy"),
+                   reward_margin=pref.get("reward_margin"),
+                   likelihood_accuracy=pref.get("likelihood_accuracy"),
+                   gain_preference_accuracy=(ev.get("gain") or {}).get("preference_accuracy"),
+                   base_likelihood_accuracy=((ev.get("base") or {}).get("preference") or {})
+                   .get("likelihood_accuracy"))  # fmt: skip
+        if "base" in ev:
+            row.update(
+                base_exact_match=ev["base"]["exact_match"],
+                gain_exact_match=ev["gain"]["exact_match"],
+                base_math_verify=ev["base"].get("math_verify"),
+                gain_math_verify=ev["gain"].get("math_verify"),
+                base_stop_rate=ev["base"].get("stop_rate"),
+                gain_loss=ev["gain"]["loss"],
+            )
+    seconds = None
+    if train_benchmark is not None and train_benchmark.is_file():
+        with open(train_benchmark) as fh:
+            seconds = float(next(csv.DictReader(fh, delimiter="\t"))["s"])
+    segments = provenance.get("segments") or {}
+    if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
+        seconds = segments["wall_s"]  # first start to last end, queue waits between included
+        row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
+    network = provenance.get("network") or {}  # multi-node jobs: their all-reduce figure
+    row["allreduce_busbw_gbps"] = network.get("busbw_gbps")
+    if seconds is not None:
+        row["wall_time_s"] = round(seconds, 1)
+        if provenance.get("device") == "cuda":
+            row["gpu_hours"] = round(seconds * spec["nodes"] * spec["gpus_per_node"] / 3600, 3)
+    if "sweep_of" in spec:  # a sweep's member: its sweep and its values, a column each
+        row["sweep"] = spec["sweep_of"]["run"]
+        row.update({f"sweep:{k}": v for k, v in spec["sweep_of"]["values"].items()})
+    return {c: _fmt(row.get(c)) for c in COLUMNS + extra_columns([row])}
+
+
+def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
+    first), the held-out columns of runs evaluated while training, then the lm-eval
+    columns task by task."""
+    seen = [c for row in rows for c in row if c not in COLUMNS]
+    swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
+    held = list(dict.fromkeys(c for c in seen if c.startswith(("heldout_", "exported_"))))
+    lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
+    return swept + held + lm
+
+
+def _lm_eval_order(column: str) -> tuple[str, int]:
+    """lm_eval:T:M, then base_lm_eval:T:M, then gain_lm_eval:T:M, task by task."""
+    prefix, _, name = column.partition("lm_eval:")
+    return name, ("", "base_", "gain_").index(prefix)
+
+
+def write_summary(rows: list[dict[str, str]], path: Path) -> None:
+    """The fixed COLUMNS, then every run's lm-eval columns (empty where a run has none)."""
+    extra = extra_columns(rows)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(
+            fh, fieldnames=COLUMNS + extra, delimiter="\t", lineterminator="\n", restval=""
+        )
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def lm_eval_figures(ev: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label ``task metric``, figure) for every lm-eval metric of an eval's metrics.json;
+    ``metric`` is lm-eval's ``metric,filter`` key with the filter in brackets."""
+    out = []
+    for task, metrics in sorted((ev.get("lm_eval") or {}).items()):
+        for key, figure in sorted(metrics.items()):
+            metric, _, filt = key.partition(",")
+            label = f"{task} {metric}" + (f" [{filt}]" if filt and filt != "none" else "")
+            out.append((label, figure))
+    return out
+
+
+def lm_eval_columns(ev: dict[str, Any]) -> dict[str, Any]:
+    """summary.tsv columns of the lm-eval figures: ``lm_eval:<task>:<metric,filter>`` and its
+    ``base_`` and ``gain_`` twins."""
+    row: dict[str, Any] = {}
+    for task, metrics in (ev.get("lm_eval") or {}).items():
+        for key, figure in metrics.items():
+            name = f"lm_eval:{task}:{key}"
+            row[name] = figure["value"]
+            if "base" in figure:
+                row[f"base_{name}"], row[f"gain_{name}"] = figure["base"], figure["gain"]
+    return row
+
+
+def headline(summary_tsv: Path, html: Path) -> str:
+    """One line for the end of a pipeline: where the report is, and each run's result."""
+    with open(summary_tsv) as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    parts = [f"report: {html}"]
+    for r in rows:
+        figures = []
+        for key in ("exact_match", "math_verify"):
+            if r.get(key):
+                base = f" (base {r[f'base_{key}']})" if r.get(f"base_{key}") else ""
+                figures.append(f"{key} {r[key]}{base}")
+        if r.get("eval_loss"):
+            figures.append(f"eval loss {r['eval_loss']}")
+        elif r.get("final_loss"):
+            figures.append(f"final loss {r['final_loss']}")
+        parts.append(f"{r['run']}: {', '.join(figures)}")
+    return " | ".join(parts)
+
+
+def report_line(results: Path = Path("results")) -> None:
+    """After a successful pipeline: the report's path and each run's result, one line."""
+    import sys
+
+    html, tsv = results / "summary.html", results / "summary.tsv"
+    if html.is_file() and tsv.is_file():
+        print(headline(tsv, html.resolve()), file=sys.stderr)

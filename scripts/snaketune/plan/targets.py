@@ -1,0 +1,85 @@
+"""What the pipeline's last rules ask for: `all`'s targets, the inputs of the report and of
+each sweep's choice, and `publish`'s targets, inputs and settings (for a job's wildcards:
+workflow/rules/common.smk)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from snaketune.data.formats import components
+from snaketune.plan.stages import as_json, final_model
+
+
+def run_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
+    """What `all` asks of each run: its evaluation when it has an eval set, else its model;
+    and of each sweep its best member."""
+    return [
+        f"results/{run}/eval/metrics.json" if "eval_dataset" in r else final_model(config, run)
+        for run, r in config["runs"].items()
+    ] + [f"results/{sweep}/best.json" for sweep in sweeps]
+
+
+def sweep_inputs(config: dict[str, Any], members: list[str]) -> dict[str, str]:
+    """A sweep's members' training metrics, and their evaluations where they have one."""
+    inputs = {}
+    for member in members:
+        inputs[f"{member}_train"] = f"results/{member}/train/metrics.jsonl"
+        if "eval_dataset" in config["runs"][member]:
+            inputs[f"{member}_eval"] = f"results/{member}/eval/metrics.json"
+    return inputs
+
+
+def report_inputs(config: dict[str, Any]) -> dict[str, str]:
+    """Every run's training metrics and provenance, and its evaluation when it has one."""
+    inputs = {}
+    for run, r in config["runs"].items():
+        inputs[f"{run}_metrics"] = f"results/{run}/train/metrics.jsonl"
+        inputs[f"{run}_provenance"] = f"results/{run}/train/provenance.json"
+        if "eval_dataset" in r:
+            inputs[f"{run}_eval"] = f"results/{run}/eval/metrics.json"
+            inputs[f"{run}_samples"] = f"results/{run}/eval/samples.jsonl"
+            inputs[f"{run}_lineage"] = f"results/{run}/eval/provenance.json"
+        else:
+            inputs[f"{run}_lineage"] = final_model(config, run)
+    return inputs
+
+
+def publish_config(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> dict:
+    """`publish` settings of a run, or of a sweep (kept in its members' sweep_of)."""
+    if name in sweeps:
+        return config["runs"][sweeps[name][0]]["sweep_of"].get("publish") or {}
+    return config["runs"][name].get("publish") or {}
+
+
+def publish_settings(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> str:
+    """The publish settings of a run or sweep, as JSON (ValueError: it has no repo_id)."""
+    settings = publish_config(config, sweeps, name)
+    if not settings.get("repo_id"):
+        raise ValueError(f"results/{name}/publish: run {name} has no publish.repo_id")
+    return as_json(settings)
+
+
+def publish_inputs(config: dict[str, Any], name: str, published: str, sweep: bool) -> dict:
+    """The model of the run ``published`` (for a sweep ``name``: its best member), the
+    sweep's choice, and the evaluation (its figures go into the model card) if it has one."""
+    inputs = {"model": final_model(config, published)}
+    if sweep:
+        inputs["best"] = f"results/{name}/best.json"
+    if "eval_dataset" in config["runs"][published]:
+        inputs["metrics"] = f"results/{published}/eval/metrics.json"
+    return inputs
+
+
+def publish_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
+    """What `publish` asks for: the receipt of every run and sweep with publish.repo_id."""
+    return [
+        f"results/{name}/publish.json"
+        for name in [*config["runs"], *sweeps]
+        if publish_config(config, sweeps, name).get("repo_id")
+    ]
+
+
+def publish_spec(config: dict[str, Any], run: str) -> str:
+    """The run's config entry and the datasets it trained on (for the model card)."""
+    r = config["runs"][run]
+    return as_json({**r, "dataset_sources": [c["name"] for c in components(config, r["dataset"])]})

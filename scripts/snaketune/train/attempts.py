@@ -1,0 +1,327 @@
+"""Every attempt of a run's training keeps its own log.
+
+Snakemake empties a rule's log (``logs/train/<run>.log``) before each attempt, so a retry,
+a requeue or the next invocation would erase what explained the failure before it. Each
+start of the train job (an *attempt*) therefore also writes everything it prints (the
+launcher, srun, torchrun, every rank) to ``results/<run>/train/logs/attempt-<n>.log``,
+which nothing deletes, and records how it began and ended in ``logs/attempts.jsonl``
+(exit code and the one-line reason). The rule's log starts by naming this attempt's file
+and the earlier ones, and ends with every attempt's outcome; provenance.json and the
+report list them.
+
+The copy is made by ``tee`` (a process of its own, deaf to the signals that stop a job, so
+it keeps what the ranks print while they save): the job's stdout and stderr go into a pipe
+that it copies to the attempt's file and to the rule's log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from snaketune.core.errors import UserError
+from snaketune.core.io import host_name, read_jsonl
+from snaketune.core.redact import redact, secret_values
+from snaketune.core.runlock import process_alive, start_time
+from snaketune.train.segments import slurm_restarts
+
+log = logging.getLogger(__name__)
+
+LOGS = "logs"  # results/<run>/train/logs: attempt-<n>.log, attempts.jsonl
+RECORDS = "attempts.jsonl"
+# Set by the Snakefile in a Snakemake that runs a cluster job (remote mode): that job starts
+# the train rule once, its retries are the submitting Snakemake's (new jobs).
+ONE_START_PER_JOB = "SNAKETUNE_ONE_START_PER_JOB"
+LISTED = 20  # attempts the rule's log lists (the newest; attempts.jsonl has them all)
+# Signals a job's processes get when it is stopped, ended or requeued: the copy outlives them.
+DEAF_TO = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def one_start_per_job(job_side: bool) -> None:
+    """Called by the Snakefile: in a Snakemake that runs a cluster job (``job_side``), the
+    train jobs it starts refuse a second start of their run inside the same job."""
+    if job_side:
+        os.environ[ONE_START_PER_JOB] = "1"
+
+
+def logs_dir(out: Path) -> Path:
+    return out / LOGS
+
+
+def attempt_log(out: Path, number: int) -> Path:
+    return logs_dir(out) / f"attempt-{number}.log"
+
+
+def claim(out: Path) -> int:
+    """The next attempt number, its log file created (O_EXCL: two jobs starting at once get
+    two numbers)."""
+    folder = logs_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.stem.split("-")[1]) for p in folder.glob("attempt-*.log")
+             if p.stem.split("-")[1].isdigit()]  # fmt: skip
+    number = max(taken, default=0) + 1
+    while True:
+        try:
+            os.close(os.open(attempt_log(out, number), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return number
+        except FileExistsError:
+            number += 1
+
+
+def _append(out: Path, record: dict) -> None:
+    try:
+        with open(logs_dir(out) / RECORDS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:  # a full disk: the job's own outcome is what to report
+        log.warning("could not record attempt %s in %s: %s", record["attempt"], RECORDS, exc)
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log ('' when none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def read_attempts(out: Path) -> list[dict]:
+    """Every attempt of the run, oldest first: its start record merged with its end (exit,
+    reason). An attempt without an end is still running (its process is alive on this
+    host) or was killed before it could write one (its log's last line is the reason)."""
+    path = logs_dir(out) / RECORDS
+    merged: dict[int, dict] = {}
+    for record in read_jsonl(path) if path.is_file() else []:
+        merged.setdefault(record["attempt"], {}).update(record)
+    for number, attempt in merged.items():
+        if "exit" in attempt:
+            continue
+        here = attempt.get("host") == host_name()
+        if here and process_alive(attempt.get("pid", -1), attempt.get("pid_started")):
+            attempt["reason"] = "running"
+            continue
+        last = last_line(attempt_log(out, number))
+        attempt["reason"] = (
+            "ended without a record (the job was killed: SIGKILL, its node, or SLURM's "
+            "hard limit)" + (f"; its log's last line: {last}" if last else "")
+        )
+    return [merged[n] for n in sorted(merged)]
+
+
+ROOT_CAUSE = "Root Cause (first observed failure):"
+_FIELD = re.compile(r"^\s*(host|rank|exitcode|traceback)\s*: (.*)$")
+
+
+def root_cause(text: str) -> str | None:
+    """The failed rank torchrun's agents reported ('rank 1 on host-a: exitcode -9 (pid
+    123) SIGKILL'), preferring a failure that was not the stop the others were sent."""
+    causes = []
+    for block in text.split(ROOT_CAUSE)[1:]:
+        fields: dict[str, str] = {}
+        for line in block.splitlines()[1:12]:
+            found = _FIELD.match(line)
+            if found and found.group(1) not in fields:
+                fields[found.group(1)] = " ".join(found.group(2).split())
+        if "rank" in fields:
+            rank = fields["rank"].split(" (")[0]
+            cause = (
+                f"rank {rank} on {fields.get('host', '?')}: exitcode {fields.get('exitcode', '?')}"
+            )
+            trace = fields.get("traceback", "")
+            if trace and not trace.startswith("To enable traceback"):
+                cause += f": {trace}"
+            causes.append(cause)
+    stops = ("SIGTERM", "SIGINT")
+    first = [c for c in causes if not any(s in c for s in stops)] or causes
+    return first[0][:300] if first else None
+
+
+def describe(attempt: dict) -> str:
+    """One line: the attempt, its log, when and where, how it ended."""
+    where = attempt.get("host", "?")
+    if attempt.get("job"):
+        where += f", SLURM job {attempt['job']} run {attempt.get('restart', 0) + 1}"
+    began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(attempt.get("began", 0)))
+    ended = f"exit {attempt['exit']}" if "exit" in attempt else "no exit code"
+    return (f"attempt {attempt['attempt']} ({LOGS}/attempt-{attempt['attempt']}.log, "
+            f"{began}, {where}): {ended}: {attempt.get('reason') or '-'}")  # fmt: skip
+
+
+def _deaf() -> None:
+    """preexec_fn of the copying process: ignore the signals that stop a job (ignored
+    signals stay ignored across exec)."""
+    for name in DEAF_TO:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+class _LastWarning(logging.Handler):
+    """The newest warning or error the launcher logged: the reason of an attempt that
+    ended without a UserError."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.message: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.message = record.getMessage().splitlines()[0][:300]
+
+
+class Attempt:
+    """This start of a run's train job (or of another stage through the launcher: the
+    reference log-probs): its number and log, the copy of everything the job prints into
+    that log, and its start and end records."""
+
+    def __init__(self, out: Path, announce_fd: int | None = None, copy_output: bool = True,
+                 stage: str = "train", name: str | None = None):  # fmt: skip
+        # ``out``: the stage's output folder (results/<run>/train: the run is its parent);
+        # ``stage`` and ``name``: the rule and what it works on, as the log names them
+        self.out, self.stage = out, stage
+        self.name = name or f"run {out.parent.name}"
+        self.number = claim(out)
+        self.path = attempt_log(out, self.number)
+        self.began = time.time()
+        self.earlier = read_attempts(out)
+        self._tee: subprocess.Popen | None = None
+        self._saved: tuple[int, int] | None = None
+        self.restart = slurm_restarts()  # which run of its SLURM job this is (0 off SLURM)
+        self.last_warning = _LastWarning()
+        self._announce(announce_fd)
+        if copy_output:
+            self._copy_output()
+        logging.getLogger().addHandler(self.last_warning)
+        _append(out, {
+            "attempt": self.number, "log": str(self.path.relative_to(out)),
+            "began": round(self.began, 3), "host": host_name(), "pid": os.getpid(),
+            "pid_started": start_time(os.getpid()), "job": os.environ.get("SLURM_JOB_ID"),
+            "restart": self.restart,
+        })  # fmt: skip
+        self._header()
+
+    def refuse_second_start(self) -> None:
+        """On the job side of a cluster job (the Snakefile sets ONE_START_PER_JOB there), a
+        second start of the run in the same run of the same SLURM job: refused, one line.
+        Retries are the submitting Snakemake's, each a new job that resumes."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job or os.environ.get(ONE_START_PER_JOB) != "1":
+            return
+        same = [a for a in self.earlier if a.get("job") == job and a.get("restart") == self.restart]
+        if same:
+            first = same[0]
+            raise UserError(
+                f"{self.out}: attempt {first['attempt']} of this run already started in this "
+                f"run of SLURM job {job} ({first.get('reason') or 'no outcome'}); a second "
+                "start inside one job is refused: the workflow retries a failed train job as "
+                "a new SLURM job, which resumes from the newest checkpoint "
+                f"({LOGS}/attempt-{first['attempt']}.log has what happened)"
+            )
+
+    def _announce(self, fd: int | None) -> None:
+        """One line on the job's own output (on SLURM, the job's stdout file; locally,
+        Snakemake's terminal): where this attempt's log is."""
+        if fd is None:
+            return
+        what = self.name.removeprefix("run ")
+        line = f"snaketune: {self.stage} {what}: attempt {self.number}, its log: {self.path}\n"
+        with contextlib.suppress(OSError):
+            os.write(fd, line.encode())
+            os.close(fd)
+
+    def _copy_output(self) -> None:
+        """stdout and stderr (this process's and every child's) into a pipe that ``tee``
+        copies to the attempt's log and to where they went before."""
+        tee = shutil.which("tee")
+        if tee is None:
+            log.warning("no tee on this host: this attempt's output is only in the rule's log")
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read, write = os.pipe()
+        self._tee = subprocess.Popen(
+            [tee, "-a", str(self.path)], stdin=read, stdout=1, stderr=subprocess.DEVNULL,
+            preexec_fn=_deaf, start_new_session=True,
+        )  # fmt: skip
+        os.close(read)
+        self._saved = (os.dup(1), os.dup(2))
+        os.dup2(write, 1)
+        os.dup2(write, 2)
+        os.close(write)
+        with contextlib.suppress(AttributeError, ValueError):
+            sys.stdout.reconfigure(line_buffering=True)
+        atexit.register(self._close_copy)
+
+    def _close_copy(self, wait_s: float = 10.0) -> None:
+        """At exit: the pipe closed on this side, the copy waited for (it ends once every
+        process that printed into it has)."""
+        if self._tee is None or self._saved is None:
+            return
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._tee.wait(timeout=wait_s)
+        self._tee = None
+
+    def _root_cause(self) -> str | None:
+        """The failed rank named in this attempt's log (the copy may lag the job by a moment)."""
+        for _ in range(10):
+            try:
+                cause = root_cause(self.path.read_text(errors="replace"))
+            except OSError:
+                return None
+            if cause:
+                return cause
+            time.sleep(0.2)
+        return None
+
+    def _header(self) -> None:
+        log.info("%s attempt %d of %s; its full log: %s", self.stage, self.number, self.name,
+                 self.path)  # fmt: skip
+        if self.earlier:
+            names = ", ".join(f"attempt-{a['attempt']}.log" for a in self.earlier[-LISTED:])
+            log.info("earlier attempts' logs (in %s): %s", logs_dir(self.out), names)
+
+    def finish(self, code: int, reason: str | None = None) -> None:
+        """Record how this attempt ended and print every attempt's outcome (the rule log's
+        last lines)."""
+        if reason is None:
+            reason = self.last_warning.message or f"exit {code}"
+            cause = self._root_cause() if code != 0 else None
+            if cause:
+                reason += f" ({cause})"
+        logging.getLogger().removeHandler(self.last_warning)
+        reason = redact(reason, secret_values())  # as every log line is (snaketune.core.redact)
+        _append(self.out, {"attempt": self.number, "ended": round(time.time(), 3),
+                           "exit": code, "reason": reason})  # fmt: skip
+        attempts = read_attempts(self.out)
+        lines = [describe(a) for a in attempts[-LISTED:]]
+        skipped = len(attempts) - len(lines)
+        print(f"attempts of {self.name} (logs in {logs_dir(self.out)}"
+              + (f"; {skipped} older in {RECORDS}" if skipped else "") + "):",
+              *(f"  {line}" for line in lines), sep="\n", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def done(step: int | None) -> str:
+    """The reason of an attempt that finished the run."""
+    return f"done at step {step}"
+
+
+def summary(out: Path) -> list[dict]:
+    """The attempts as provenance.json and the report show them."""
+    keys = ("attempt", "log", "began", "ended", "host", "job", "restart", "exit", "reason")
+    return [{k: a[k] for k in keys if k in a} for a in read_attempts(out)]

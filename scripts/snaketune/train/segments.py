@@ -1,0 +1,114 @@
+"""A run's segments: one per train job (or per continuation within one), recorded in
+``checkpoints/segments.jsonl`` (when, where, from which step to which, why it ended, time
+spent training), the allocation's end a segment stops ahead of, and a SLURM job putting
+itself back in the queue to continue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from datetime import datetime
+
+from snaketune.core.io import read_jsonl
+from snaketune.core.job import Job
+
+log = logging.getLogger(__name__)
+
+SEGMENTS = "segments.jsonl"  # one line per job of the run: when, where, why it ended
+
+
+def allocation_end(job: Job, started: float) -> float | None:
+    """When this job's allocation ends (epoch seconds): SLURM's end time for a SLURM job,
+    else ``started`` plus the rule's runtime; None: no limit known."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id and shutil.which("squeue"):
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
+                                 text=True, timeout=60).stdout.strip()  # fmt: skip
+            if out in ("UNLIMITED", "NONE"):
+                return None  # the job has no time limit
+            return datetime.fromisoformat(out).timestamp()
+        except (subprocess.SubprocessError, ValueError):  # N/A, squeue down
+            log.warning("could not read the end time of SLURM job %s from squeue", job_id)
+    if job.time_limit_min:
+        return started + job.time_limit_min * 60
+    return None
+
+
+def read_segments(job: Job) -> list[dict]:
+    path = job.ckpt / SEGMENTS
+    if not path.exists():
+        return []
+    return read_jsonl(path)
+
+
+def slurm_restarts() -> int:
+    """How many times this SLURM job was requeued (scontrol's Restarts; SLURM_RESTART_COUNT
+    does not always reach the job's shell)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return 0
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                             text=True, timeout=60).stdout  # fmt: skip
+    except (subprocess.SubprocessError, OSError):
+        out = ""
+    found = re.search(r"\bRestarts=(\d+)", out)
+    return int(found.group(1)) if found else int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def record_segment(job: Job, began: float, from_step: int, ended: dict, attempt: int = 0) -> None:
+    line = {
+        "attempt": attempt,  # snaketune.train.attempts: the job start it ran in
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "restart": slurm_restarts(),
+        "host": socket.gethostname(),
+        "began": round(began, 3),
+        "ended": round(time.time(), 3),
+        "from_step": from_step,
+        "to_step": ended.get("step"),
+        "reason": ended.get("reason", "failed"),
+        "train_s": ended.get("train_s", 0.0),
+        "save_s": ended.get("save_s"),
+    }
+    try:
+        with open(job.ckpt / SEGMENTS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as exc:  # a full disk: the job's own outcome is what to report
+        log.warning("could not record this job in %s: %s", SEGMENTS, exc)
+
+
+def segments_summary(segments: list[dict]) -> dict:
+    """Jobs the run took, its wall time from the first start to the last end (queue waits
+    between jobs included) and the part of it spent outside training steps."""
+    if not segments:
+        return {"jobs": 0}
+    wall = segments[-1]["ended"] - segments[0]["began"]
+    train = sum(s.get("train_s") or 0.0 for s in segments)
+    return {
+        "jobs": len(segments),
+        "continuations": sum(s["reason"] == "time" for s in segments),
+        "wall_s": round(wall, 1),
+        "train_s": round(train, 1),
+        "outside_training_s": round(wall - train, 1),
+    }
+
+
+def requeue_self() -> bool:
+    """Put this SLURM job back in the queue (``scontrol requeue``): SLURM ends this run of
+    it and starts it again, same job id, which resumes from the checkpoint just saved."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, proc.stderr.strip())
+        return False
+    log.warning("SLURM job %s requeued: it continues from the checkpoint when it starts again",
+                job_id)  # fmt: skip
+    return True

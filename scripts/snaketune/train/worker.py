@@ -1,0 +1,375 @@
+"""The training worker: one process per device, started by torchrun (see snaketune.train.launch).
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
+
+``run_worker`` reads top to bottom, the same for every training method:
+
+1. join the job (``join``): the rendezvous, the network check on a multi-node job, the
+   checkpoint to resume from;
+2. choose the attention kernel and the precision;
+3. the method's data for this rank (node ``GROUP_RANK``'s shard, the rows of this
+   process's global ``RANK``; GROUP_RANK is the node rank torchrun's c10d rendezvous
+   assigned, in arrival order), in the planned order (snaketune.data.batches);
+4. the model;
+5. the callbacks: the step callback (metrics, stops, checkpoint marks), the GPU health
+   watchdog, the heartbeat, the disk guard;
+6. the method's trainer (snaketune.methods);
+7. train, resuming from the newest complete checkpoint;
+8. how it ended (``finish``): the outputs, or the exit code of a stop (snaketune.core.job).
+
+What every method shares:
+
+- checkpoints in ``<out>/checkpoints/checkpoint-<step>``, each marked complete only after
+  every rank wrote its part; a rerun resumes from the newest complete one, with the same
+  data order (the plan is fixed; later epochs permute its steps with (seed, epoch));
+  Trainer restores the optimizer, scheduler and RNG states and skips the batches seen;
+- the loss of a step is the mean over every label token of the global batch (Trainer's
+  ``num_items_in_batch``, counted across micro batches and ranks), so packed and padded
+  batches of the same examples give the same loss and gradients;
+- SIGTERM/SIGUSR1: every rank agrees (the per-step collective) to save at the end of the
+  current step, then the job exits with code 3 so a retry resumes from there;
+- only rank 0 logs at info level and writes metrics.jsonl, one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from snaketune.core import heldout, qlora
+from snaketune.core.checkpoints import (
+    best_checkpoint,
+    checkpoint_step,
+    heldout_of,
+    newest_complete,
+    prune,
+    truncate_metrics,
+)
+from snaketune.core.collective import any_rank, barrier, ragged_gather
+from snaketune.core.errors import UserError
+from snaketune.core.heartbeat import FOLDER as HEARTBEATS
+from snaketune.core.heartbeat import Heartbeat
+from snaketune.core.io import host_name, write_json
+from snaketune.core.job import (
+    DISK_EXIT_CODE,
+    HEALTH_EXIT_CODE,
+    NETWORK_EXIT_CODE,
+    STOPPED_EXIT_CODE,
+    Handoff,
+    WorkerEnv,
+    write_segment,
+)
+from snaketune.data.batches import Data, PlanBatches, read_rank_rows
+from snaketune.data.kernels import check_packing, resolve_attention, resolve_liger, training_kernel
+from snaketune.evaluation import heldout_pass
+from snaketune.evaluation.model import (
+    DTYPES,
+    UniversalLoadFix,
+    build_model,
+    flops_model,
+    resolve_precision,
+    trainable_in,
+)
+from snaketune.methods import method_of
+from snaketune.methods.common import Method
+from snaketune.methods.training import Context
+from snaketune.plan.diskplan import DiskGuard
+from snaketune.plan.runspec import RunSpec
+from snaketune.train.health import report_unhealthy, start_watchdog
+from snaketune.train.outputs import probe_inputs, save_outputs
+from snaketune.train.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
+
+log = logging.getLogger(__name__)
+
+
+def join(
+    run: dict[str, Any], shards: Path, out: Path, min_busbw: float | None = None
+) -> tuple[WorkerEnv, dict, Path | None, dict | None]:
+    """Join the job, check it matches the shards, time the network (multi-node jobs:
+    snaketune.train.network), and find the checkpoint to resume from."""
+    import deepspeed as ds
+
+    from snaketune.core.runlock import worker_dies_with_agent
+
+    worker_dies_with_agent()  # never outlive the job: see snaketune.core.runlock
+    env = WorkerEnv.from_environ()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    expected = manifest["nodes"] * manifest["gpus_per_node"]
+    if env.world_size != expected or env.local_world_size != manifest["gpus_per_node"]:
+        raise UserError(
+            f"launched {env.world_size} processes ({env.local_world_size} per node) but the shards "
+            f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']}; rerun shard_dataset"
+        )
+    ds.init_distributed(timeout=timedelta(minutes=run["timeout_minutes"]))
+    ckpt_dir = out / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    network = time_network(env, ckpt_dir, min_busbw)
+    resume = newest_complete(ckpt_dir)
+    if env.rank == 0:
+        # half-written checkpoints of a killed run
+        prune(ckpt_dir, run["save_total_limit"], run["checkpoints"]["optimizer"], kept_best(run))
+        # a new run keeps no line (a held-out pass at step 0 is made again)
+        truncate_metrics(ckpt_dir / "metrics.jsonl", checkpoint_step(resume) if resume else -1)
+    if env.local_rank == 0:
+        hosts = ckpt_dir / "hosts"
+        hosts.mkdir(exist_ok=True)
+        (hosts / f"node-{env.node_rank}").write_text(host_name())
+    barrier()
+    return env, manifest, resume, network
+
+
+def time_network(env: WorkerEnv, ckpt_dir: Path, min_busbw: float | None) -> dict | None:
+    """On a multi-node job: the all-reduce bus bandwidth (rank 0 records it); a fabric
+    slower than ``min_busbw`` ends the job (the launcher says why, once)."""
+    if env.world_size <= env.local_world_size:  # one node
+        return None
+    from snaketune.train.network import RESULT, allreduce_busbw, too_slow
+
+    network = allreduce_busbw()
+    problem = too_slow(network, min_busbw)
+    if env.rank == 0:
+        write_json(ckpt_dir / RESULT, {**network, "problem": problem})
+        log.info("network: all-reduce of %d MiB across %d ranks (%s): bus bandwidth %.2f "
+                 "GB/s", network["bytes"] // 2**20, network["ranks"], network["backend"],
+                 network["busbw_gbps"])  # fmt: skip
+    if problem:  # the launcher says it, once (snaketune.train.launch.outcome)
+        raise SystemExit(NETWORK_EXIT_CODE)
+    return network
+
+
+def rank_data(method: Method, run: dict[str, Any], manifest: dict[str, Any], shards: Path,
+              env: WorkerEnv, tokenizer, kernel: str, start_step: int,
+              ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's planned rows and batches, as the method trains on them."""
+    table = read_rank_rows(shards, env.node_rank, env.rank)
+    steps = manifest["steps_per_epoch"]
+    batches = PlanBatches(np.asarray(table["step"]), np.asarray(table["micro"]), steps,
+                          manifest["gradient_accumulation_steps"], run["seed"],
+                          start_epoch=start_step // steps)  # fmt: skip
+    return method.data(run, table, batches, tokenizer, kernel, ids_log)
+
+
+def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: str,
+              data: Data, resume: Path | None) -> None:  # fmt: skip
+    """Rank 0's start-up lines: what the method does, the global batch and the settings."""
+    run, env = ctx.run, ctx.env
+    line = method.describe(run, manifest)
+    if line:
+        log.info("%s", line)
+    log.info(
+        "global batch %d = micro %d x %d devices x %d nodes x accumulation %d; %d steps per "
+        "epoch; precision %s; %s; attention %s, %s batches%s; resuming from %s",
+        manifest["global_batch"] * method.rows_per_example(run),
+        run["micro_batch_size"], env.local_world_size,
+        env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
+        manifest["steps_per_epoch"], ctx.precision, run["method"], kernel,
+        data.collator.layout, ", Liger kernels" if ctx.liger else "",
+        resume.name if resume else "scratch",
+    )  # fmt: skip
+
+
+def heldout_metric(run: dict[str, Any]) -> str | None:
+    """The held-out figure a run is judged by (export.metric; `auto`: its method's own);
+    None for a run that scores nothing while training."""
+    spec = run.get("heldout")
+    if not spec:
+        return None
+    return spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
+
+
+def kept_best(run: dict[str, Any]) -> tuple[str, bool] | None:
+    """The held-out metric whose best checkpoint pruning keeps (export.checkpoint: best)."""
+    metric = heldout_metric(run)
+    if metric is None or run["heldout"]["checkpoint"] != "best":
+        return None
+    return metric, heldout.greater_is_better(metric)
+
+
+def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
+             ) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:  # fmt: skip
+    """This rank's share of the eval set scored while training, and when (eval_steps)."""
+    metric = heldout_metric(run)
+    if metric is None:
+        return None, None
+    scored = heldout_pass.HeldOut({**run["heldout"], "metric": metric}, run["seed"], env.rank,
+                                  env.world_size, tokenizer)  # fmt: skip
+    early = run.get("early_stopping")
+    return scored, heldout_pass.Schedule(run["eval_steps"], metric, early, env.rank)
+
+
+def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
+    """The attention kernel the run trains with (snaketune.data.packing); the model's config is
+    read only for packing (never for GRPO: validation turns it off)."""
+    attention = resolve_attention(run["attn_implementation"])
+    model_config = {}
+    if run["packing"]:
+        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
+    return training_kernel(attention, run["packing"], model_config)
+
+
+def made_ready(trainer, ctx: Context) -> None:
+    """What every method's trainer gets: our step lines instead of the printer's, gathers
+    of unequal counts, the held-out pass, a 4-bit base's trainable parts in the run's
+    precision."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # our callback logs one line per step
+    # a step's examples are split by tokens: ranks may hold unequal counts (collective)
+    trainer.accelerator.gather = ragged_gather(trainer.accelerator.gather)
+    if ctx.heldout is not None:
+        heldout_pass.install(trainer, ctx.heldout)
+    if ctx.quantized is not None:
+        trainable_in(trainer.model, DTYPES[ctx.precision])
+        if ctx.env.rank == 0:
+            log.info("%s", qlora.describe(ctx.quantized))
+
+
+def run_worker(
+    run: dict[str, Any],
+    shards: Path,
+    model_dir: Path,
+    deepspeed: Path,
+    out: Path,
+    ids_log: Path | None = None,
+    min_busbw: float | None = None,
+) -> int:
+    """Train one run; returns 0 when finished, or the exit code of a stop (snaketune.core.job)."""
+    from transformers import AutoTokenizer
+
+    stop = StopRequest()
+    stop.install()
+    env, manifest, resume, network = join(run, shards, out, min_busbw)
+    handoff = Handoff.from_environ()  # what the launcher handed this start of the workers
+    ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
+
+    kernel = kernel_of(run, model_dir, out)
+    precision = resolve_precision(run["precision"])
+
+    spec = RunSpec.of(run)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    data = rank_data(spec.method, run, manifest, shards, env, tokenizer, kernel, start_step,
+                     ids_log)  # fmt: skip
+    quantize = qlora.settings(spec.quantization, precision)
+    model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
+    quantized = qlora.record(model, quantize) if quantize else None
+    scored, schedule = held_out(run, env, tokenizer)
+    ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
+                  resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,
+                  start_step, handoff.load_universal)  # fmt: skip
+
+    watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
+    # one process per node checks the room for each save (the node's view of the folder)
+    disk = None
+    if env.local_rank == 0:
+        disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes))
+    callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
+                            run["save_total_limit"], start_step, watchdog,
+                            flops_model(run, model, env.world_size, spec.trains_lora),
+                            Deadline.handed(handoff),
+                            run["checkpoints"]["optimizer"], disk, network,
+                            spec.method.step_fields, kept_best(run))  # fmt: skip
+    fixes = [UniversalLoadFix()] if handoff.load_universal else []
+    # where this rank is, for the launcher's stall watch (snaketune.core.heartbeat)
+    beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
+
+    if scored is not None:
+        fixes.append(heldout_pass.callback(schedule, scored))
+    trainer = spec.method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
+    made_ready(trainer, ctx)
+    if env.rank == 0:
+        log_start(spec.method, ctx, manifest, kernel, data, resume)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if watchdog is not None:
+        watchdog.stop()
+    beat.stop()
+    return finish(trainer, callback, ctx, disk, watchdog, stop, shards, schedule)
+
+
+def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None, watchdog,
+           stop: StopRequest, shards: Path,
+           schedule: heldout_pass.Schedule | None = None) -> int:  # fmt: skip
+    """How the training ended: the segment record for the launcher, then the outputs (0) or
+    the exit code of the stop, with its log line."""
+    env, ckpt_dir = ctx.env, ctx.ckpt_dir
+    # a stop asked at the last step leaves nothing to continue: the run is done
+    finished = trainer.state.global_step >= trainer.state.max_steps
+    if finished and callback.stopped_at is None:  # room for the outputs (~one checkpoint)?
+        short = disk.short() if disk is not None else None
+        if any_rank(short is not None):
+            callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
+            callback.disk_short = short
+    kept = callback.stopped_for_health or callback.stop_reason == "disk"
+    stopped = callback.stopped_at is not None and (kept or not finished)
+    if env.rank == 0 and stopped:  # how this job's training ended, for the launcher
+        write_segment(ckpt_dir, callback.stop_reason or "done", trainer.state.global_step,
+                      callback.deadline.train_s, callback.deadline.save_s,
+                      callback.disk_short if callback.stop_reason == "disk" else None)  # fmt: skip
+    if callback.stop_reason == "disk":
+        if env.rank == 0:
+            saved = newest_complete(ckpt_dir)
+            log.error("disk full: %s; stopped at step %d without saving; %s is complete and "
+                      "resumable", callback.disk_short, callback.stopped_at,
+                      saved.name if saved else "no checkpoint")  # fmt: skip
+        return DISK_EXIT_CODE
+    if callback.stopped_for_health:
+        report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
+        return HEALTH_EXIT_CODE
+    if stopped:
+        if env.rank == 0 and callback.stop_reason == "time":
+            log.warning(
+                "stopped at step %d ahead of the time limit (%s); checkpoint saved, the next "
+                "job continues from there", callback.stopped_at, stop.signal or "deadline",
+            )  # fmt: skip
+        elif env.rank == 0:
+            log.warning(
+                "stopped by %s at step %d; checkpoint saved, a rerun resumes there",
+                stop.signal or "a signal on another rank",
+                callback.stopped_at,
+            )
+        return STOPPED_EXIT_CODE
+    if schedule is not None and schedule.stopped and env.rank == 0:
+        log.info("%s; the run is finished", schedule.stopped)
+    records = {qlora.RECORD: ctx.quantized} if ctx.quantized else {}
+    exported = export_best(trainer, ctx)
+    if exported is not None:
+        records[heldout.EXPORTED] = exported
+    save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
+                 ctx.precision, records)  # fmt: skip
+    barrier()  # every rank's part of the outputs written: "done" means all of them are there
+    if env.rank == 0:
+        write_segment(ckpt_dir, "done", trainer.state.global_step, callback.deadline.train_s,
+                      callback.deadline.save_s)  # fmt: skip
+    return 0
+
+
+def export_best(trainer, ctx: Context) -> dict[str, Any] | None:
+    """With export.checkpoint: best, the best evaluated checkpoint's weights loaded back into
+    the engine (so every output is written from them); what was exported and why."""
+    best_of = kept_best(ctx.run)
+    if best_of is None:
+        return None
+    metric, greater = best_of
+    best = best_checkpoint(ctx.ckpt_dir, metric, greater)
+    step = trainer.state.global_step
+    if best is None:
+        if ctx.env.rank == 0:
+            log.warning("export.checkpoint: best, but no checkpoint was evaluated; exporting "
+                        "the last step's weights (step %d)", step)  # fmt: skip
+        return {"checkpoint": "last", "step": step, "reason": "no evaluated checkpoint"}
+    value = heldout_of(best)[metric]
+    if checkpoint_step(best) != step:
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        deepspeed_load_checkpoint(trainer.model_wrapped, str(best), load_module_strict=False)
+    if ctx.env.rank == 0:
+        log.info("exporting %s: the best held-out %s, %.4f (the last step is %d)", best.name,
+                 metric, value, step)  # fmt: skip
+    return {"checkpoint": "best", "step": checkpoint_step(best), "metric": metric,
+            "value": value, "last_step": step,
+            "reason": f"best held-out {metric} ({'highest' if greater else 'lowest'})"}  # fmt: skip

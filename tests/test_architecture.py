@@ -1,0 +1,63 @@
+"""The library's layout (docs/architecture.md, "Wings"): snaketune is a few wings, each a
+sub-package of at most 15 modules, stacked so that a wing imports only the wings below it
+(every import counted, a function's own imports too), and no module outside a wing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "scripts/snaketune"
+# bottom to top
+WINGS = ("core", "data", "evaluation", "methods", "plan", "train", "export", "app")
+
+
+def imported(path: Path) -> set[str]:
+    """The snaketune modules ``path`` imports (absolute imports: the library uses no other)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            if node.module and node.module.split(".")[0] == "snaketune":
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "snaketune"}
+    return found
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else None
+
+
+def test_the_package_is_its_wings_and_each_holds_at_most_15_modules():
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert top == sorted(["__init__.py", *WINGS]), top
+    for wing in WINGS:
+        modules = [p for p in (PACKAGE / wing).glob("*.py") if p.name != "__init__.py"]
+        assert 1 <= len(modules) <= 15, (wing, len(modules))
+        assert (PACKAGE / wing / "__init__.py").read_text().startswith('"""'), wing
+        assert not [p for p in (PACKAGE / wing).iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_a_wing_imports_only_the_wings_below_it():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        wing = path.relative_to(PACKAGE).parts[0]
+        if wing not in WINGS:
+            continue
+        for module in imported(path):
+            other = wing_of(module)
+            if other is not None and WINGS.index(other) > WINGS.index(wing):
+                upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert upward == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """(the check above can fail: a core module importing the train wing, in a function)"""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from snaketune.train.launch import main\n")
+    assert {wing_of(m) for m in imported(probe)} == {"train"}
+    assert WINGS.index("train") > WINGS.index("core")
