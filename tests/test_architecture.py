@@ -1,6 +1,7 @@
-"""The library's layout (docs/architecture.md, "Wings"): snaketune is a few wings, each a
-sub-package of at most 15 modules, stacked so that a wing imports only the wings below it
-(every import counted, a function's own imports too), and no module outside a wing."""
+"""The library's layout (docs/architecture.md, "Wings" and "Sizes"): snaketune is a few
+wings, each a sub-package of at most 15 modules, stacked so that a wing imports only the
+wings below it (every import counted, a function's own imports too), no module outside a
+wing, none over 400 lines and no function over 60."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     probe.write_text("def f():\n    from snaketune.train.launch import main\n")
     assert {wing_of(m) for m in imported(probe)} == {"train"}
     assert WINGS.index("train") > WINGS.index("core")
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    over = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            over.append(f"{path.relative_to(PACKAGE)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    over.append(f"{path.relative_to(PACKAGE)}: {node.name} {length} lines")
+    assert over == []
