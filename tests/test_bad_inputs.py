@@ -220,6 +220,18 @@ def dataset(name: str, rows: list[dict] | bytes, suffix: str = ".jsonl", **spec)
     return make
 
 
+def pairs(name: str, rows: list[dict]):
+    """A local preference dataset written into the workdir, and a DPO run from the demo."""
+
+    def make(cfg: dict, workdir: Path) -> None:
+        dataset(name, rows, format="preference", columns={})(cfg, workdir)
+        cfg["runs"][name] = {"init_from": "demo", "method": "dpo", "dataset": name,
+                             "nodes": 1, "gpus_per_node": 1, "max_length": 64,
+                             "micro_batch_size": 2, "learning_rate": 1e-5, "max_steps": 2}  # fmt: skip
+
+    return make
+
+
 # the GSM8K-shaped fixture (worked answers), for the length cases
 GSM8K = {"dataset": "gsm8k_demo", "eval_dataset": "gsm8k_demo_test"}
 
@@ -279,23 +291,58 @@ def overlap(cfg: dict, workdir: Path) -> None:
 MESSAGES = [{"messages": [{"role": "user", "content": "hi"},
                           {"role": "assistant", "content": "hello"}]}] * 20  # fmt: skip
 
-JOBS = [
+# Data read where it is read: `snaketune validate` and the Snakefile read each dataset's
+# first rows (snaketune.data.peek); these fail there, before any job.
+FIRST_ROWS = [
     Case("unreadable-format", "data", dataset("bad_garbage", b"this is not json\n"),
-         "error: datasets.bad_garbage.path: bad-data/bad_garbage.jsonl: cannot read as jsonl",
-         "download_dataset"),
+         "error: datasets.bad_garbage.path: bad-data/bad_garbage.jsonl: cannot read as jsonl"),
     Case("unknown-extension", "data", dataset("bad_ext", b"a,b\n", suffix=".txt"),
          "error: datasets.bad_ext.path: bad-data/bad_ext.txt: cannot tell the format from the "
-         "extension", "download_dataset"),
+         "extension"),
     Case("invalid-utf8", "data",
          dataset("bad_utf8", b'{"question": "caf\xe9?", "answer": "#### 1"}\n'),
-         "error: datasets.bad_utf8.path: bad-data/bad_utf8.jsonl is not valid UTF-8 (byte 0xe9",
-         "download_dataset"),
+         "error: datasets.bad_utf8.path: bad-data/bad_utf8.jsonl is not valid UTF-8 (byte 0xe9 "
+         "at line 1)"),
     Case("no-rows", "data", dataset("bad_norows", b"[]\n", suffix=".json"),
-         "error: datasets.bad_norows: the dataset has no rows", "download_dataset"),
+         "error: datasets.bad_norows: the dataset has no rows"),
     Case("missing-column", "data",
          dataset("bad_column", QA_ROWS, columns={"prompt": "query", "response": "answer"}),
-         "error: datasets.bad_column: column 'query' not found (columns: question, answer)",
-         "tokenize_dataset"),
+         "error: datasets.bad_column: column 'query' not found (columns: question, answer)"),
+    Case("wrong-format", "data", dataset("bad_fmt", QA_ROWS, format="alpaca", columns={}),
+         "error: datasets.bad_fmt: columns 'instruction', 'output' not found (columns: "
+         "question, answer); set `columns:` to map the fields of format alpaca"),
+    Case("null-prompt", "data",
+         dataset("bad_null", [QA, {"question": None, "answer": "#### 1"}, *QA_ROWS]),
+         "error: datasets.bad_null row 1: column 'question' is null; clean the data or filter "
+         "the row out"),
+    Case("non-string-response", "data",
+         dataset("bad_number", [{"question": "q", "answer": 4}] * 20),
+         "error: datasets.bad_number row 0: column 'answer' is of type int, not text"),
+    Case("messages-not-a-list", "data",
+         dataset("bad_msgs", [{"messages": "hello"}] * 20, format="messages", columns={}),
+         "error: datasets.bad_msgs row 0: `messages` must be a non-empty list of turns"),
+    Case("messages-bad-role", "data",
+         dataset("bad_role", [{"messages": [{"role": "bot", "content": "x"}]}] + MESSAGES,
+                 format="messages", columns={}),
+         "error: datasets.bad_role row 0: each turn needs role system, user or assistant"),
+    Case("messages-no-assistant", "data",
+         dataset("bad_noasst", MESSAGES + [{"messages": [{"role": "user", "content": "x"}]}],
+                 format="messages", columns={}),
+         "error: datasets.bad_noasst row 20: no assistant turn to learn from"),
+    Case("pairs-of-plain-text-without-a-prompt", "data",
+         pairs("bad_pairs", [{"chosen": "4", "rejected": "5"}] * 20),
+         "error: datasets.bad_pairs: a preference dataset without a prompt column needs `chosen` "
+         "and `rejected` as whole conversations that share their prompt (lists of {role, "
+         "content} messages, or text in the 'Human: ... Assistant: ...' form); column 'chosen' "
+         "holds plain text"),
+]  # fmt: skip
+
+
+JOBS = [
+    Case("null-prompt-past-the-first-rows", "data",
+         dataset("bad_null_late", [*QA_ROWS, *QA_ROWS, {"question": None, "answer": "#### 1"}]),
+         "error: datasets.bad_null_late row 80: column 'question' is null; clean the data or "
+         "filter the row out", "tokenize_dataset"),
     Case("all-rows-filtered-out", "data",
          dataset("bad_filtered", QA_ROWS,
                  filters=[{"column": "question", "op": "==", "value": "nothing matches"}]),
@@ -308,28 +355,6 @@ JOBS = [
          "error: datasets.gsm8k_demo: 389 examples are longer than max_length 60 (overlong: "
          "error; the longest, gsm8k_demo:7, has 94 tokens); raise max_length to 94 or set "
          "overlong: drop", "tokenize_dataset"),
-    Case("null-prompt", "data",
-         dataset("bad_null", [QA, {"question": None, "answer": "#### 1"}, *QA_ROWS]),
-         "error: datasets.bad_null row 1: column 'question' is null; clean the data or filter "
-         "the row out", "tokenize_dataset"),
-    Case("non-string-response", "data",
-         dataset("bad_number", [{"question": "q", "answer": 4}] * 20),
-         "error: datasets.bad_number row 0: column 'answer' is of type int, not text",
-         "tokenize_dataset"),
-    Case("messages-not-a-list", "data",
-         dataset("bad_msgs", [{"messages": "hello"}] * 20, format="messages", columns={}),
-         "error: datasets.bad_msgs row 0: `messages` must be a non-empty list of turns",
-         "tokenize_dataset"),
-    Case("messages-bad-role", "data",
-         dataset("bad_role", [{"messages": [{"role": "bot", "content": "x"}]}] + MESSAGES,
-                 format="messages", columns={}),
-         "error: datasets.bad_role row 0: each turn needs role system, user or assistant",
-         "tokenize_dataset"),
-    Case("messages-no-assistant", "data",
-         dataset("bad_noasst", MESSAGES + [{"messages": [{"role": "user", "content": "x"}]}],
-                 format="messages", columns={}),
-         "error: datasets.bad_noasst row 20: no assistant turn to learn from",
-         "tokenize_dataset"),
     Case("fewer-rows-than-a-batch", "data", dataset("bad_few", QA_ROWS[:3]),
          "error: runs.bad_few: the dataset has 3 examples, fewer than one global batch of 64",
          "shard_dataset"),
@@ -363,7 +388,7 @@ ENVIRONMENT = [
 def test_catalogue_size():
     """The issue asks for at least 30 bad inputs, covering config, data, model, environment:
     counted from the lists the tests below run (each case is run by exactly one of them)."""
-    cases = PARSE + JOBS + ENVIRONMENT
+    cases = PARSE + FIRST_ROWS + JOBS + ENVIRONMENT
     assert len(cases) >= 30
     assert len({c.id for c in cases}) == len(cases)
     assert {c.kind for c in cases} == {"config", "data", "model", "environment"}
@@ -443,6 +468,31 @@ def test_parse_time_cases(workdir):
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for f in pool.map(check, PARSE) if f]
     assert not failures, "\n\n".join(failures)
+    assert job_logs(workdir) == logs, "a job ran"
+    assert changed_since(workdir, before) == []
+
+
+def test_first_rows_cases_all_at_once_through_validate_the_dry_run_and_a_run(workdir):
+    """Every data case read from its first rows, together in one config: `snaketune
+    validate`, a dry run and a real run each name every one of them, once, and nothing
+    runs (a problem does not hide the next)."""
+    from conftest import BIN, ENV
+
+    before, logs = produced(workdir), job_logs(workdir)
+    cfg = copy.deepcopy(DEMO_CONFIG)
+    for case in FIRST_ROWS:
+        case.make(cfg, workdir)
+    path = write_config(cfg, workdir / "bad-first-rows.yaml")
+    validate = subprocess.run([str(BIN / "snaketune"), "validate", str(path)], cwd=workdir,
+                              env=ENV, capture_output=True, text=True)  # fmt: skip
+    dry = snakemake("-n", "--configfile", str(path), "--directory", str(workdir), check=False)
+    run = snakemake("--configfile", str(path), "--directory", str(workdir), check=False)
+    for name, proc in (("validate", validate), ("dry run", dry), ("run", run)):
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, f"{name}: exit 0"
+        for case in FIRST_ROWS:
+            assert_one_clean_line(output, case.message)
+        assert len(error_lines(output)) == len(FIRST_ROWS), output
     assert job_logs(workdir) == logs, "a job ran"
     assert changed_since(workdir, before) == []
 

@@ -277,31 +277,48 @@ def test_snaketune_validate_command(capsys):
     from snaketune.app.cli import main
 
     assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(ROOT)]) == 0
-    plan = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr()
+    plan = json.loads(out.out)
     assert plan["runs"] == ["demo"] and len(plan["tokenized"]) == 2  # train and eval sets
+    # and one line saying what was checked and that it passed
+    (line,) = out.err.strip().splitlines()
+    assert line.startswith(f"validate: {ROOT / 'config/config.yaml'} passed: the schema and "
+                           "the cross-key checks of 1 run(s)") and "dry run" in line  # fmt: skip
     bad = ROOT / "config/examples/../config.yaml"
     assert main(["validate", str(bad).replace("config.yaml", "missing.yaml")]) == 2
     assert "missing.yaml: file not found" in capsys.readouterr().err
 
 
 def _bad_config(tmp_path: Path) -> Path:
-    """The demo with three independent problems: two missing local paths, a DeepSpeed
-    preset that does not exist."""
+    """The demo with six independent problems, of each kind the parse-time check finds: an
+    unknown key (the schema), a run starting from a run that is not there, a DeepSpeed
+    preset that does not exist (the cross-key checks), two missing local paths, a dataset
+    without the columns its format reads (its first rows)."""
     import yaml
 
     cfg = load_yaml(ROOT / "config/config.yaml")
     cfg["models"]["tiny"]["path"] = "nowhere/tiny-llama"
     cfg["datasets"]["arith_test"]["path"] = "nowhere/test.jsonl"
     cfg["runs"]["demo"]["deepspeed"] = "zero9"
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(8)))  # fmt: skip
+    cfg["datasets"]["mine"] = {"source": "local", "path": str(rows), "format": "prompt_response"}
+    cfg["runs"]["mine"] = {**cfg["runs"]["demo"], "dataset": "mine", "lerning_rate": 1e-4}
+    later = {k: v for k, v in cfg["runs"]["demo"].items() if k != "model"}
+    cfg["runs"]["later"] = {**later, "deepspeed": "zero2", "init_from": "nobody"}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 EXPECTED_PROBLEMS = [
+    "runs.mine.lerning_rate: unknown key; did you mean 'learning_rate'?",
+    "runs.later.init_from: unknown run or sweep 'nobody' (defined: demo, later, mine)",
     "runs.demo.deepspeed: 'zero9' is neither a preset",
     "models.tiny.path: nowhere/tiny-llama does not exist",
     "datasets.arith_test.path: nowhere/test.jsonl does not exist",
+    "datasets.mine: columns 'prompt', 'response' not found (columns: question, answer)",
 ]
 
 
@@ -314,7 +331,7 @@ def test_validate_lists_every_problem_from_any_directory(tmp_path, monkeypatch, 
     monkeypatch.chdir(elsewhere)  # outside the repository: no --root needed
     assert main(["validate", str(path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3, lines
+    assert len(lines) == len(EXPECTED_PROBLEMS), lines
     for line, expected in zip(lines, EXPECTED_PROBLEMS, strict=True):
         assert line.startswith(f"error: {expected}"), lines
 
@@ -326,10 +343,11 @@ def test_the_workflow_and_validate_say_the_same(tmp_path):
     path = _bad_config(tmp_path)
     proc = snakemake("-n", "--configfile", str(path), "--directory", str(tmp_path), check=False)
     assert proc.returncode != 0
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("config error: ")]
-    assert [ln.split(" (")[0].split(" is neither")[0] for ln in lines] == [
-        f"config error: {e}".split(" is neither")[0] for e in EXPECTED_PROBLEMS
-    ], proc.stderr
+    lines = [ln.split(": ", 1)[1] for ln in proc.stderr.splitlines()
+             if ln.startswith(("config error: ", "error: "))]  # fmt: skip
+    assert len(lines) == len(EXPECTED_PROBLEMS), proc.stderr
+    for line, expected in zip(lines, EXPECTED_PROBLEMS, strict=True):
+        assert line.startswith(expected), proc.stderr
 
 
 def test_validate_without_the_schema_names_root(tmp_path, capsys):

@@ -115,6 +115,29 @@ def test_identical_empty_and_overlong_pairs_are_dropped_and_counted(tmp_path, ti
     assert max(len(r["rejected_input_ids"]) for r in cut) == 64
 
 
+def test_pairs_in_the_hh_text_form_read_as_conversations(tmp_path, tiny_model, tokenizer):
+    """Anthropic HH's form (whole "Human: ... Assistant: ..." strings, no prompt column): the
+    turns both sides share become the prompt, as TRL's implicit prompt does; the same tokens
+    as the text form, and a multi-turn row labels its last response only."""
+    hh = [{"chosen": f"\n\nHuman: {p['question']}\n\nAssistant: {p['good']}",
+           "rejected": f"\n\nHuman: {p['question']}\n\nAssistant: {p['bad']}"} for p in PAIRS]  # fmt: skip
+    text, _ = run_tokenize(tmp_path, "text", SPEC, PAIRS, tiny_model)
+    got, _ = run_tokenize(tmp_path, "hh", {"format": "preference"}, hh, tiny_model)
+    keys = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
+    for x, y in zip(text, got, strict=True):
+        assert [x[k] for k in keys] == [y[k] for k in keys]
+    multi = [{"chosen": "Human: hi\n\nAssistant: hello\n\nHuman: 2+2?\n\nAssistant: #### 4",
+              "rejected": "Human: hi\n\nAssistant: hello\n\nHuman: 2+2?\n\nAssistant: #### 5"}]  # fmt: skip
+    (row,), _ = run_tokenize(tmp_path, "hh_multi", {"format": "preference"}, multi, tiny_model)
+    ids, labels = oracle(tokenizer, [("user", "hi"), ("assistant", "hello"), ("user", "2+2?"),
+                                     ("assistant", "#### 4")])  # fmt: skip
+    assert row["input_ids"] == ids
+    assert tokenizer.decode(labelled(row["input_ids"], row["labels"])) == "#### 4<|im_end|>\n"
+    assert tokenizer.decode(labelled(row["rejected_input_ids"], row["rejected_labels"])) == (
+        "#### 5<|im_end|>\n"
+    )
+
+
 # ----------------------------------------------------------------------------- loss
 
 

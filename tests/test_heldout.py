@@ -99,6 +99,37 @@ def test_early_stopping_counts_evaluations_without_improvement():
     assert Schedule(10, "exact_match", {"patience": 1}, 0).stalled(accuracy) == (1, 0.5, 10)
 
 
+def test_a_start_that_beats_every_checkpoint_is_said_in_the_card_and_the_report():
+    """export: best on a run whose held-out figure before training beats every checkpoint
+    (the GRPO run that met it: exact match 0.766 at step 0, 0.703 at best): the model
+    card and the report say so, with both figures; a run that improved gets no word."""
+    from snaketune.app.report import worse_than_start
+    from snaketune.core.heldout import start_figure
+    from snaketune.export.hub import exported_lines
+    from snaketune.plan.summary import _fmt, heldout_columns
+
+    held = [{"step": 0, "heldout_exact_match": 0.766, "heldout_loss": 0.5},
+            {"step": 10, "heldout_exact_match": 0.703, "heldout_loss": 0.6},
+            {"step": 20, "heldout_exact_match": 0.688, "heldout_loss": 0.7}]  # fmt: skip
+    assert start_figure(held, "exact_match") == 0.766 and start_figure(held[1:], "loss") is None
+    exported = {"checkpoint": "best", "step": 10, "metric": "exact_match", "value": 0.703,
+                "last_step": 20, "reason": "best held-out exact_match (highest)",
+                "start_value": 0.766, "worse_than_start": True}  # fmt: skip
+    card = "\n".join(exported_lines(exported))
+    assert "The weights of step 10 of 20" in card
+    assert ("**Worse than before training:** the held-out exact_match of the model before "
+            "training was 0.766; no evaluated checkpoint reached it.") in card  # fmt: skip
+    row = {"run": "rl", **{k: _fmt(v) for k, v in heldout_columns(held, exported).items()}}
+    assert worse_than_start(row).startswith(
+        "the held-out exact_match before training, 0.766, beats every evaluated checkpoint "
+        "(the best: 0.703, step 10); export.checkpoint: best exports step 10 all the same"
+    )
+    better = {**exported, "start_value": 0.5, "worse_than_start": False}
+    assert "Worse" not in "\n".join(exported_lines(better))
+    row = {"run": "rl", **{k: _fmt(v) for k, v in heldout_columns(held, better).items()}}
+    assert worse_than_start(row) is None
+
+
 def test_prune_keeps_the_best_checkpoint(tmp_path):
     for step, loss in ((10, 2.0), (20, 1.5), (30, 1.7), (40, 1.9)):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -192,6 +223,13 @@ def test_heldout_rows_every_n_steps_and_the_best_checkpoint_exported(demo, heldo
     best = min(by_step, key=lambda s: by_step[s]["loss"])
     assert exported["step"] == best and exported["metric"] == "loss", (exported, by_step)
     assert best < 40, f"the learning rate was meant to overshoot: {by_step}"  # a real choice
+    # the figure before training recorded beside it: the tuned demo model it starts from
+    # beats every checkpoint of this overshooting run, and the log says so with both figures
+    assert exported["start_value"] == held[0]["loss"] < by_step[best]["loss"]
+    assert exported["worse_than_start"] is True
+    log = (out / "logs/attempt-1.log").read_text()
+    assert (f"the held-out loss before training, {held[0]['loss']:.4g}, beats every evaluated "
+            f"checkpoint (the best: {by_step[best]['loss']:.4g}, step {best})") in log  # fmt: skip
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["exported"]["step"] == best
     # save_total_limit 1 kept the newest checkpoint and the best

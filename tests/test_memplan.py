@@ -18,16 +18,9 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from snaketune.core.errors import UserError
+from snaketune.plan.advice import changes, format_plan, plan_run
 from snaketune.plan.config import validate_config
-from snaketune.plan.memplan import (
-    Setup,
-    Shape,
-    changes,
-    estimate,
-    format_plan,
-    model_states,
-    plan_run,
-)
+from snaketune.plan.memplan import Setup, Shape, estimate, model_states
 
 # Parameter counts the Hub states for them.
 PARAMS = {
@@ -121,6 +114,69 @@ def test_32b_full_zero2_does_not_fit_and_the_suggestion_does():
     # the suggestion's own setting plans as fitting
     fixed = [c for what, c in changes(s) if plan["suggestion"].startswith(what)][0]
     assert plan_run(shape, fixed, 79.2)["fits"] is True
+
+
+def test_when_no_single_change_fits_the_cheapest_set_of_changes_is_named():
+    """An 8B LoRA at micro batch 8 x 4096 on 40 GiB GPUs (what a user met): no single change
+    fits, a smaller micro batch with gradient checkpointing does; the plan names that pair
+    and its figure, each recomputed here from the formulas."""
+    from snaketune.plan.advice import NOTHING_FITS
+
+    shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
+    s = setup(adapter="lora", lora_r=16, nodes=1, micro_batch_size=8, max_length=4096)
+    assert not [what for what, c in changes(s) if estimate(shape, c)["total"] <= 39.4]
+    plan = plan_run(shape, s, 39.4)
+    fixed = replace(s, micro_batch_size=2, gradient_checkpointing=True)
+    total = estimate(shape, fixed)["total"]
+    assert plan["suggestion"] == (
+        "no single change fits; together: micro_batch_size: 2 (raise "
+        "gradient_accumulation_steps to keep the global batch); gradient_checkpointing: true "
+        f"(then {total:.1f} GiB per GPU)")  # fmt: skip
+    assert total <= 39.4 < estimate(shape, replace(fixed, micro_batch_size=4))["total"]
+    # nothing fits a GPU too small for the weights alone, even 4-bit on 64 nodes
+    assert plan_run(shape, s, 1.0)["suggestion"] == NOTHING_FITS
+
+
+def test_cpu_memory_per_node_by_how_the_model_is_loaded():
+    """A 4-bit 70B on 8 ranks streams onto the GPUs a layer at a time (the largest, its
+    embedding: 128256 x 8192 at 2 bytes, per process), not a bf16 copy per process (1,051
+    GiB, more than the node has, as the plan said before); a LoRA base in bf16 is loaded
+    whole by each process."""
+    from snaketune.plan.advice import plan_run
+
+    llama70b = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+                "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                "vocab_size": 128256, "tie_word_embeddings": False}  # fmt: skip
+    shape = Shape.from_config(llama70b)
+    s = setup(adapter="lora", lora_r=16, nodes=1, gpus_per_node=8, micro_batch_size=1,
+              gradient_checkpointing=True, quantized=True)  # fmt: skip
+    plan = plan_run(shape, s, 79.2)
+    assert plan["cpu_gib_per_node"] == round(128256 * 8192 * 2 * 8 / 2**30, 2)  # 15.66
+    assert "4-bit base streams onto the GPUs" in plan["cpu_why"]
+    bf16 = plan_run(shape, replace(s, quantized=False), 79.2)
+    assert bf16["cpu_gib_per_node"] == round(shape.params * 2 * 8 / 2**30, 2) > 1000
+
+
+def test_the_train_jobs_memory_is_checked_against_the_cpu_figure(tmp_path):
+    """Before queueing, a run whose train job asks less memory per node (mem_mb) than its
+    CPU figure is refused, naming the run, both figures and the key."""
+    from snaketune.plan.config import load_config
+    from snaketune.plan.fit import check_runs
+
+    path = _example_root(tmp_path, "qwen-32b-zero3-offload-4x4.yaml")
+    config = load_config(path, tmp_path)
+    (run,) = config["runs"]
+    plan = json.loads(_plan(path, "--json").stdout)[0]
+    need = plan["cpu_gib_per_node"]
+    (line,) = check_runs(config, [run], tmp_path, tmp_path, False, {run: need * 1024 * 0.9})
+    assert line.startswith(f"runs.{run}: its train job asks {need * 1024 * 0.9:g} MB of memory "
+                           f"per node (mem_mb), but {need:.1f} GiB per node are needed "
+                           "(the states offloaded to CPU memory")  # fmt: skip
+    assert "raise set-resources train: mem_mb" in line
+    assert check_runs(config, [run], tmp_path, tmp_path, False, {run: need * 1024 * 1.01}) == []
+    # a run whose jobs run here is checked against this machine instead
+    assert not [ln for ln in check_runs(config, [run], tmp_path, tmp_path, True, {run: 1})
+                if "mem_mb" in ln]  # fmt: skip
 
 
 def test_unknown_architecture_is_one_line():

@@ -41,7 +41,7 @@ def test_gpus_nodes_and_time():
     train = {"nodes": 4, "tasks": 4, "cpus_per_task": 32, "mem_mb": 200000, "gres": "gpu:8",
              "runtime": 2880}  # fmt: skip
     (gpus,) = problems("train", train, GPU)
-    assert "asks 8 GPUs per node" in gpus and "gpus_per_node of the run" in gpus
+    assert "asks 8 GPUs per node" in gpus and "the run's gpus_per_node" in gpus
     (nodes,) = problems("train", {**train, "gres": "gpu:4"}, GPU)
     assert "asks 4 nodes, partition gpu has 2 that fit it" in nodes
     assert problems("train", {**train, "gres": "gpu:4", "nodes": 2, "tasks": 2}, GPU) == []
@@ -50,6 +50,23 @@ def test_gpus_nodes_and_time():
     assert problems("evaluate", {"gres": "gpu:1", "cpus_per_task": 2}, TUPI)[0].startswith(
         "rule evaluate: asks 1 GPUs per node"
     )
+
+
+def test_a_rules_jobs_name_their_runs(monkeypatch):
+    """Three runs, two of them asking more GPUs per node than the partition has: one line
+    naming both, with the key to change; a run that fits is not named."""
+    from snaketune.plan import slurmfit
+
+    monkeypatch.setattr(slurmfit, "read_partition", lambda name: GPU)
+    big = {"nodes": 1, "tasks": 1, "cpus_per_task": 8, "mem_mb": 1000, "gres": "gpu:16"}
+    fits = {**big, "gres": "gpu:4"}
+    jobs = [("train", big), ("train", fits), ("train", big), ("tokenize_dataset", fits)]
+    assert slurmfit.check_jobs(jobs, ["sft", "small", "dpo", None]) == [
+        "rule train (runs dpo, sft): asks 16 GPUs per node, the largest node of partition gpu "
+        "has 4; lower each run's gpus_per_node in the config"]  # fmt: skip
+    (line,) = slurmfit.check_jobs(jobs[:1], ["sft"])
+    assert line.startswith("rule train (run sft): asks 16 GPUs per node") and (
+        "lower runs.sft.gpus_per_node in the config") in line  # fmt: skip
 
 
 def test_hopeless_reasons():

@@ -277,7 +277,7 @@ def test_output_is_identical_across_runs(tmp_path, tiny_model):
         (
             {"format": "prompt_response"},
             QA,
-            "datasets.bad: column 'prompt' not found (columns: question, answer)",
+            "datasets.bad: columns 'prompt', 'response' not found (columns: question, answer)",
         ),
         (
             {"format": "prompt_response"},

@@ -274,7 +274,8 @@ def test_a_dry_run_checks_the_partition(tmp_path):
     )  # fmt: skip
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert any("rule train: asks 8 nodes, partition tupi has 4" in e for e in errors), errors
+    assert any("rule train (run big): asks 8 nodes, partition tupi has 4" in e
+               for e in errors), errors  # fmt: skip
 
 
 def test_a_given_config_replaces_the_demo_in_a_spawned_job_too(tmp_path):
@@ -292,3 +293,41 @@ def test_a_given_config_replaces_the_demo_in_a_spawned_job_too(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "give exactly one of `epochs` and `max_steps`" not in proc.stderr
     assert "This was a dry-run" in proc.stdout
+
+
+@pytest.mark.slow
+def test_until_on_a_chained_config_runs_or_names_the_targets_that_do(tmp_path):
+    """`--until RULE` on the SFT -> DPO chain, for every stage a run passes through: either
+    Snakemake's own dry run plans it to the end (no "BUG: Out of jobs ready"), or the rule is
+    refused before anything runs with one line naming targets, and a dry run of those plans
+    each run's RULE job (the later run's included)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    configs = ("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config/dpo_demo.yaml"))
+    # (the rules of a run's own stages; those before them hold no run)
+    rules = ("shard_dataset", "reference_logps", "train", "convert_checkpoint", "merge_lora",
+             "evaluate")  # fmt: skip
+
+    def dry(*args: str) -> subprocess.CompletedProcess:
+        return snakemake("-n", *configs, "--directory", str(tmp_path), *args, check=False)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(rules, pool.map(lambda r: dry("--until", r), rules), strict=True))
+    refused = {}
+    for rule, proc in procs.items():
+        output = proc.stdout + proc.stderr
+        assert "BUG: Out of jobs" not in output, (rule, output[-3000:])
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: --until")]
+        if proc.returncode != 0:
+            (line,) = lines
+            assert "dpo_demo from sft_demo" in line, line
+            refused[rule] = line.split("snakemake <your options> ")[1].split()
+        else:
+            assert not lines
+    assert set(refused) == {"train", "convert_checkpoint", "merge_lora"}, refused
+    for rule, targets in refused.items():
+        proc = dry(*targets)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        planned = re.findall(rf"rule {rule}:\n(?:.*\n)*?    wildcards: run=(\w+)", proc.stdout)
+        named = {target.split("/")[1] for target in targets}
+        assert "dpo_demo" in named and named <= set(planned), (rule, targets, planned)

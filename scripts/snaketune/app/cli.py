@@ -109,14 +109,20 @@ def _validate(args: argparse.Namespace) -> int:
         "reference_logps": reference_runs(config),
     }
     print(json.dumps(plan, indent=2))
+    read = parsed.datasets_read
+    print(f"validate: {args.config} passed: the schema and the cross-key checks of "
+          f"{len(config['runs'])} run(s), local paths, the working directory, the first rows "
+          f"of {len(read)} dataset(s){' (' + ', '.join(read) + ')' if read else ''}; memory, "
+          "disk and SLURM partitions are checked by a dry run (snakemake -n)",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from snaketune.plan.advice import format_plan
     from snaketune.plan.config import load_config
     from snaketune.plan.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
     from snaketune.plan.fit import plan_config
-    from snaketune.plan.memplan import format_plan
 
     config = load_config(args.config, args.root)
     workdir, root = Path("."), Path(args.root)

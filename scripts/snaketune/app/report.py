@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from snaketune.app.plots import figure, svg_of
+from snaketune.core import heldout
 from snaketune.plan.summary import lm_eval_figures
 
 
@@ -125,6 +126,7 @@ STYLE = (
     "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
     "tr.best td{background:#eef7ee}tr.best td.mark{color:#167a2c;font-weight:bold}"
     "div.wide{max-width:100%;overflow-x:auto}td.name{overflow-wrap:anywhere;min-width:6em}"
+    "p.warn{border-left:4px solid #b3261e;padding:.3em .6em;background:#fbeeee}"
 )
 SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method", False),
            ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
@@ -245,6 +247,18 @@ def attempts_table(attempts: list[dict[str, Any]]) -> str:
             f"<th>log</th></tr>{rows}</table></details>")  # fmt: skip
 
 
+def worse_than_start(row: dict[str, str]) -> str | None:
+    """The report's word on a run whose held-out figure before training beats every
+    evaluated checkpoint (its summary row's exported_* and start_heldout_* columns)."""
+    if row.get("exported_worse_than_start") != "True":
+        return None
+    (key,) = [k for k in row if k.startswith("start_heldout_")]
+    metric = key.removeprefix("start_heldout_")
+    return heldout.worse_than_start(metric, float(row[key]),
+                                    float(row[f"exported_heldout_{metric}"]),
+                                    int(row["exported_step"]))  # fmt: skip
+
+
 def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
                  evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
                  lineages: dict[str, tuple[str, str, str]] | None = None,
@@ -267,9 +281,13 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
         for row in rows
     )  # fmt: skip
     sections = []
+    by_run = {row["run"]: row for row in rows}
     for run, svg in plots.items():
         parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>',
                  "<h3>Training</h3>", svg]  # fmt: skip
+        warning = worse_than_start(by_run.get(run, {}))
+        if warning:
+            parts.append(f'<p class="warn">{escape(warning)}</p>')
         ev = evals.get(run)
         if ev is not None:
             parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))

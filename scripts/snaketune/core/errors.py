@@ -23,8 +23,8 @@ class DataError(UserError):
 
 class ConfigProblems(ConfigError):
     """Several problems found at once (every missing path, every bad entry): one line each;
-    ``other``: problems of the machine rather than the config (a working directory that
-    takes no file)."""
+    ``other``: problems outside the config (a working directory that takes no file, a
+    dataset's rows), shown as "error:" rather than "config error:"."""
 
     def __init__(self, lines: list[str], other: list[str] | None = None):
         self.lines, self.other = list(lines), list(other or [])

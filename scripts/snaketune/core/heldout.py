@@ -78,3 +78,23 @@ def split_rows(metrics: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
     """metrics.jsonl's training rows and held-out rows (``heldout_loss``, no ``loss``)."""
     held = [m for m in metrics if "heldout_loss" in m]
     return [m for m in metrics if "heldout_loss" not in m], held
+
+
+def start_figure(metrics: list[dict[str, Any]], metric: str) -> float | None:
+    """The held-out ``metric`` of the pass before the first step (eval_at_start), from
+    metrics.jsonl's rows; None without one."""
+    for row in metrics:
+        if row.get("step") == 0 and f"heldout_{metric}" in row:
+            return row[f"heldout_{metric}"]
+    return None
+
+
+def worse_than_start(metric: str, start: float, best: float, step: int) -> str:
+    """The line a run whose start beats every evaluated checkpoint gets (log, report)."""
+    return (
+        f"the held-out {metric} before training, {start:.4g}, beats every evaluated "
+        f"checkpoint (the best: {best:.4g}, step {step}); export.checkpoint: best exports "
+        f"step {step} all the same: this run made the model worse on the held-out set by "
+        "this figure (compare the base model's evaluation; a lower learning_rate or fewer "
+        "steps may keep what it knew)"
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,8 +194,12 @@ def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: 
     raw = {
         f: data[cols[f]][i] if cols[f] in data else None for f in ("prompt", "chosen", "rejected")
     }
-    chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
-    rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
+    if raw["prompt"] is None:  # whole conversations: text in the HH form, or messages
+        chosen = _whole(raw["chosen"], name, row, cols["chosen"])
+        rejected = _whole(raw["rejected"], name, row, cols["rejected"])
+    else:
+        chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
+        rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
     if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
         shared = 0
         while (shared < min(len(chosen), len(rejected)) - 1
@@ -216,6 +221,42 @@ def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: 
             "assistant turns only (chosen/rejected); clean the data or filter the row out"
         )
     return Pair(prompt, chosen, rejected)
+
+
+# A turn of a conversation written as text in Anthropic's HH-RLHF form:
+# "\n\nHuman: ...\n\nAssistant: ..." (a speaker's name at the start of the text or after a
+# blank line).
+HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ?")
+# How a preference dataset without a prompt column may hold its pairs (its message names it).
+WHOLE_FORMS = ("lists of {role, content} messages, or text in the 'Human: ... Assistant: ...' "
+               "form")  # fmt: skip
+
+
+def hh_turns(text: str) -> tuple[Turn, ...] | None:
+    """Text in the HH form as turns (Human: user, Assistant: assistant); None where the
+    text is not in that form (it does not start with a speaker, or names only one)."""
+    parts = HH_TURN.split(text)
+    if len(parts) < 5 or parts[0].strip():
+        return None
+    pairs = zip(parts[1::2], parts[2::2], strict=True)
+    return tuple(("user" if who == "Human" else "assistant", said.strip()) for who, said in pairs)
+
+
+def _whole(value: Any, name: str, row: int, col: str) -> tuple[Turn, ...]:
+    """A whole conversation of a preference dataset without a prompt column: messages, or
+    text in the HH form. Plain text is refused for the dataset: no prompt can be told from
+    it (the fix is a prompt column, or whole conversations)."""
+    if not isinstance(value, str):
+        return _turns(value, name, row, col, None)
+    turns = hh_turns(value)
+    if turns is None:
+        raise DataError(
+            f"datasets.{name}: a preference dataset without a prompt column needs `chosen` and "
+            f"`rejected` as whole conversations that share their prompt ({WHOLE_FORMS}); column "
+            f"{col!r} holds plain text (row {row}: {value!r:.60}); name the prompt column "
+            "(columns.prompt) or give whole conversations"
+        )
+    return turns
 
 
 def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
@@ -275,20 +316,30 @@ def multiplicity(rows: int, weight: float, seed: int, name: str) -> np.ndarray:
 
 def _open_source(source: Source) -> pq.ParquetFile:
     pf = pq.ParquetFile(source.path)
-    names = pf.schema_arrow.names
-    missing = [
-        c for c in needed_columns(source.spec) if c not in names and c not in _optional(source.spec)
-    ]
-    if missing:
-        raise DataError(
-            f"datasets.{source.name}: column {missing[0]!r} not found "
-            f"(columns: {', '.join(names)}); "
-            "set `columns:` to map the format's fields to this dataset's columns"
-        )
+    problem = missing_columns(source.name, source.spec, pf.schema_arrow.names)
+    if problem:
+        raise DataError(problem)
     return pf
 
 
-def _optional(spec: dict[str, Any]) -> set[str]:
+def missing_columns(name: str, spec: dict[str, Any], names: list[str]) -> str | None:
+    """The line naming every column dataset ``name`` reads that ``names`` lacks (with the
+    columns found and the fix); None when none is missing."""
+    optional = optional_columns(spec)
+    missing = [c for c in needed_columns(spec) if c not in names and c not in optional]
+    if not missing:
+        return None
+    fields = ", ".join(FORMAT_FIELDS[spec["format"]])
+    return (
+        f"datasets.{name}: column{'s' * (len(missing) > 1)} "
+        f"{', '.join(repr(c) for c in missing)} not found (columns: {', '.join(names)}); "
+        f"set `columns:` to map the fields of format {spec['format']} ({fields}) to this "
+        "dataset's columns, or fix `format`"
+    )
+
+
+def optional_columns(spec: dict[str, Any]) -> set[str]:
+    """The columns a dataset's format may lack (alpaca's input, preference's prompt)."""
     return {_column(spec, f) for f in OPTIONAL_FIELDS.get(spec["format"], ())}
 
 

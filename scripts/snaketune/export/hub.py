@@ -96,10 +96,15 @@ def exported_lines(exported: dict[str, Any] | None) -> list[str]:
     """The card's word on which training step the weights are (export.checkpoint: best)."""
     if not exported or exported.get("checkpoint") != "best":
         return []
-    return ["## Checkpoint", "",
-            f"The weights of step {exported['step']} of {exported['last_step']}: the "
-            f"{exported['reason']}, {exported['value']:.4g}, of the checkpoints evaluated "
-            "on the held-out set while training.", ""]  # fmt: skip
+    lines = ["## Checkpoint", "",
+             f"The weights of step {exported['step']} of {exported['last_step']}: the "
+             f"{exported['reason']}, {exported['value']:.4g}, of the checkpoints evaluated "
+             "on the held-out set while training.", ""]  # fmt: skip
+    if exported.get("worse_than_start"):
+        lines[-1:] = [f"**Worse than before training:** the held-out {exported['metric']} of "
+                      f"the model before training was {exported['start_value']:.4g}; no "
+                      "evaluated checkpoint reached it.", ""]  # fmt: skip
+    return lines
 
 
 def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: dict[str, Any],

@@ -2,8 +2,9 @@
 
 ``at_parse`` is what the Snakefile runs when it reads the config, and what
 ``snaketune validate`` runs: the schema and the cross-key checks (every bad entry at once),
-local paths (every missing one at once), the working directory, a run moved to another
-node count, the tokenize and base-evaluation plans. ``before_queueing`` is what the
+local paths (every missing one at once), the first rows of each dataset a run reads
+(snaketune.data.peek), the working directory, a run moved to another node count, the
+tokenize and base-evaluation plans. ``before_queueing`` is what the
 workflow runs once it knows which jobs it will run, in a real run (``onstart``) and in a
 dry run alike: the memory and disk plans of the runs about to train, lm-eval's task
 names, and on SLURM every job's resources against its partition.
@@ -44,6 +45,7 @@ class Parsed:
     notes: list[str]  # lines to show (a run whose accumulation adapted)
     tokenize: dict[str, dict[str, Any]]  # every tokenized copy, by key
     base_evals: dict[str, dict[str, Any]]  # every base-model evaluation, by key
+    datasets_read: list[str]  # the datasets whose first rows were read and checked
 
 
 def at_parse(
@@ -73,7 +75,7 @@ def at_parse(
         check_local_sources(config, set(FIXTURE_OUTPUTS))
     except UserError as exc:
         lines += error_lines(exc)
-    other = []
+    other, read = check_dataset_heads(config, workdir, lines)
     try:
         check_writable(str(workdir), WORKDIR_ENTRIES)
     except UserError as exc:
@@ -81,7 +83,46 @@ def at_parse(
     if lines or other:
         raise ConfigProblems(lines, other)
     notes = adapt_accumulation(config, workdir / "results")
-    return Parsed(notes, tokenize_jobs(config), base_evaluations(config))
+    return Parsed(notes, tokenize_jobs(config), base_evaluations(config), read)
+
+
+def check_dataset_heads(
+    config: dict[str, Any], workdir: Path, named: list[str]
+) -> tuple[list[str], list[str]]:
+    """A line per dataset a run reads whose first rows tokenize would refuse (a missing
+    column, rows not in its format: snaketune.data.peek), and the datasets read: a local
+    file, or a Hub dataset once downloaded. Not read: a dataset a line of ``named`` names
+    already, a file a rule makes (the demo's fixtures) or one not there yet, a Hub dataset
+    not downloaded yet."""
+    from snaketune.data.formats import components
+    from snaketune.data.peek import check_dataset
+
+    runs, datasets = config.get("runs"), config.get("datasets")
+    if not isinstance(runs, dict) or not isinstance(datasets, dict):
+        return [], []
+
+    def refused(name: str) -> bool:
+        return any(line.startswith((f"datasets.{name}:", f"datasets.{name}.")) for line in named)
+
+    used = []
+    for run in runs.values():
+        for key in ("dataset", "eval_dataset"):
+            if isinstance(run, dict) and run.get(key) in datasets and not refused(run[key]):
+                used += [c["name"] for c in components(config, run[key])]
+    found, read = [], []
+    for name in dict.fromkeys(used):
+        spec = datasets[name]
+        if refused(name) or not isinstance(spec, dict) or "source" not in spec:
+            continue
+        local = spec["source"] == "local"
+        path = Path(spec["path"]) if local else Path("resources/datasets", name, "data.parquet")
+        if local and str(path) in FIXTURE_OUTPUTS and not (workdir / path).exists():
+            continue
+        if (workdir / path).exists():
+            problem = check_dataset(name, spec, workdir / path, local)
+            found += [problem] if problem else []
+            read.append(name)
+    return found, read
 
 
 @dataclass(frozen=True)
@@ -135,7 +176,9 @@ def before_queueing(
               "are checked when the workflow runs once the model is there"
               + (f"; to check them now, {download_advice()}" if hub else ""),
               file=sys.stderr)  # fmt: skip
-    found = check_runs(config, runs, workdir, basedir, local_exec)
+    mem_mb = {job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs
+              if job.rule == "train"}  # fmt: skip
+    found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
     if not local_exec:
@@ -178,7 +221,7 @@ def check_partitions(jobs: list[Job]) -> list[str]:
         print("slurm: partitions not checked: sinfo not found (not a SLURM login node); "
               "they are checked when the workflow runs there", file=sys.stderr)  # fmt: skip
         return leads
-    return leads + check_jobs(asked)
+    return leads + check_jobs(asked, [job.wildcards.get("run") for job in jobs])
 
 
 def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None:
@@ -189,7 +232,14 @@ def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None
     import os
 
     from snaketune.plan.slurmfit import PendingWatch
+    from snaketune.plan.targets import until_problem
 
+    # `--until` a rule between training and the final model, on a config whose runs start
+    # from others: Snakemake would train the first runs and stop ("BUG: Out of jobs ready to
+    # be started"); refused before anything runs, naming the targets that do the same
+    problem = until_problem(config, set(workflow.dag_settings.until or ()))
+    if problem:
+        refuse([problem], dry_run)
     # a dry run runs every job locally; whether a rule is local on the cluster is its own
     local_rules = {r.name for r in workflow.rules if r.norun} | set(workflow._localrules)
     jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),

@@ -27,10 +27,10 @@ from snaketune.methods import compose_schema, method_of, methods
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
     WORKFLOW_ROOT,
-    check_schema,
     check_sweep_publish,
     load_schema,
     load_yaml,
+    schema_problems,
 )
 
 PRESET_DIR = Path("config/deepspeed")
@@ -92,7 +92,7 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
                 f"(defined: {', '.join(sorted(datasets))})",
             )
             _require(
-                datasets[other]["source"] != "mixture",
+                datasets[other].get("source") != "mixture",
                 f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
             )
         kinds = {datasets[c["dataset"]].get("format") in PAIR_FORMATS for c in spec["mixture"]}
@@ -282,43 +282,72 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     """Validate ``config`` in place (filling defaults) and return it.
 
     ``root`` is the workflow directory (where config/deepspeed/ lives). Raises ConfigError
-    with a one-line message: the schema's first problem, or else every bad model, dataset
-    and run at once (ConfigProblems, a line each).
+    naming every problem at once (ConfigProblems, a line each; one problem: its line): the
+    schema's, then the cross-key checks of every model, dataset and run the schema let
+    through (an entry the schema refused, or a run that uses one, is not checked further:
+    its own line names it).
     """
     from snaketune.plan.sweep import expand_sweeps, resolve_init
 
     root = Path(root)
     schema = compose_schema(load_schema(root))  # each method's keys put in
     expand_sweeps(config, schema)  # a run with `sweep` becomes its members
-    check_schema(config, schema)
-    check_sweep_publish(config, schema)
+    problems = schema_problems(config, schema)
     found = _Collect()
+    found.lines += [line for _, line in problems]
+    if not isinstance(config, dict) or not all(
+        isinstance(config.get(k), dict) for k in ("models", "datasets", "runs")
+    ):
+        found.raise_all()
+    bad = {path[:2] for path, _ in problems if len(path) >= 2}
+    found.check(check_sweep_publish, config, schema)
     for name, spec in config["models"].items():
-        found.check(_check_model, name, spec)
+        if ("models", name) not in bad:
+            found.check(_check_model, name, spec)
     for name, spec in config["datasets"].items():
-        found.check(_check_dataset, name, spec, config["datasets"])
-    found.raise_all()
-    resolve_init(config)  # a run's model from the run (or sweep) it starts from
-    left_out = False  # a method block a run leaves out: filled with its defaults, at once
-    for run in config["runs"].values():
+        if ("datasets", name) not in bad:
+            found.check(_check_dataset, name, spec, config["datasets"])
+    bad |= {("datasets", d) for d in _mixtures_of(config, bad)}
+    init_lines, unresolved = resolve_init(config, {n for kind, n in bad if kind == "runs"})
+    found.lines += init_lines
+    bad |= {("runs", n) for n in unresolved}
+    good = {n: r for n, r in config["runs"].items() if _usable(n, r, bad, config)}
+    for run in good.values():
         method = method_of(run)
         if not method.packs:
             run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts
         if method.block and method.block not in run:
-            run[method.block] = {}
-            left_out = True
-    if left_out:
-        check_schema(config, schema)  # fills the method blocks' defaults
-    left_out = False  # a `lora` block left out where the method always trains one
-    for name, run in config["runs"].items():
+            run[method.block] = {}  # a method block left out: its defaults
+    _fill_defaults(config, schema, found)
+    for name, run in good.items():
         found.check(_check_run, name, run, config, root)
         if method_of(run).adapter == "lora" and "lora" not in run:
-            run["lora"] = {}
-            left_out = True
-    if left_out:
-        check_schema(config, schema)  # fills the LoRA defaults
+            run["lora"] = {}  # where the method always trains an adapter: the LoRA defaults
+    _fill_defaults(config, schema, found)
     found.raise_all()
     return config
+
+
+def _fill_defaults(config: dict[str, Any], schema: Mapping[str, Any], found: _Collect) -> None:
+    """The schema again, filling the defaults of blocks just put in (a problem it names
+    again is not repeated)."""
+    found.lines += [line for _, line in schema_problems(config, schema) if line not in found.lines]
+
+
+def _mixtures_of(config: Mapping[str, Any], bad: set[tuple]) -> list[str]:
+    """The mixtures that take a component the schema refused."""
+    return [name for name, spec in config["datasets"].items()
+            if isinstance(spec, dict) and any(("datasets", c.get("dataset")) in bad
+                                              for c in spec.get("mixture") or ())]  # fmt: skip
+
+
+def _usable(name: str, run: Any, bad: set[tuple], config: Mapping[str, Any]) -> bool:
+    """A run the cross-key checks can read: the schema let it and what it uses through."""
+    if ("runs", name) in bad or not isinstance(run, dict):
+        return False
+    uses = [("models", run.get("model"))]
+    uses += [("datasets", run[k]) for k in ("dataset", "eval_dataset") if k in run]
+    return not any(u in bad for u in uses)
 
 
 def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None:
@@ -331,8 +360,14 @@ def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None
     made = {str(Path(p)) for p in producible}
     found = _Collect()
     for kind in ("models", "datasets"):
-        for name, spec in config[kind].items():
-            if spec["source"] != "local" or str(Path(spec["path"])) in made:
+        for name, spec in (config.get(kind) or {}).items():
+            if (
+                not isinstance(spec, dict)
+                or spec.get("source") != "local"
+                or not isinstance(spec.get("path"), str)
+            ):
+                continue  # (the schema's line names it)
+            if str(Path(spec["path"])) in made:
                 continue
             found.check(_check_local_path, kind, name, Path(spec["path"]))
     found.raise_all()

@@ -7,21 +7,14 @@ every run's plan for ``snaketune plan``, and the check the workflow makes before
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import UserError
 from snaketune.data.sources import hub_config_json
-from snaketune.plan.memplan import (
-    CONTEXT_GIB,
-    GIB,
-    GPUS,
-    Setup,
-    Shape,
-    estimate,
-    format_plan,
-    plan_run,
-)
+from snaketune.plan.advice import format_plan, plan_run
+from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate
 from snaketune.plan.runspec import RunSpec
 
 
@@ -190,14 +183,17 @@ def locate_config_json(
 
 
 def check_runs(
-    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool
-) -> list[str]:
+    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool,
+    mem_mb: dict[str, Any] | None = None,
+) -> list[str]:  # fmt: skip
     """The workflow's check before anything is queued: a line per run that cannot fit.
 
     Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
-    machine (``local``) against this machine's memory, others not at all. A run whose
-    model's config.json cannot be read yet (a model a job will build or download) is
-    skipped, with a log line. ``skip_memory_check`` turns a refusal into a warning.
+    machine (``local``) against this machine's memory, others not at all. A run whose jobs
+    are queued (not ``local``) has its CPU memory per node checked against its train job's
+    (``mem_mb``, by run). A run whose model's config.json cannot be read yet (a model a job
+    will build or download) is skipped, with a log line. ``skip_memory_check`` turns a
+    refusal into a warning.
     """
     import sys
 
@@ -213,6 +209,9 @@ def check_runs(
             continue
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         gpu = run.get("gpu", config.get("gpu"))
+        if not local and (mem_mb or {}).get(name):
+            found += job_memory(name, plan_run(shape, setup_of(run, deepspeed), None),
+                                float(mem_mb[name]))  # fmt: skip
         if gpu is not None:
             plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
             line = format_plan(name, plan)
@@ -233,3 +232,16 @@ def check_runs(
         else:
             found.append(f"{line} (or set skip_memory_check: true on the run)")
     return found
+
+
+def job_memory(name: str, plan: dict[str, Any], mem_mb: float) -> list[str]:
+    """A line when the run's CPU memory per node (loading the model in each process, or
+    offload) is more than its train job asks of each node (mem_mb): SLURM would end the job
+    once it is loaded."""
+    need = plan["cpu_gib_per_node"]
+    if need * 1024 <= mem_mb:
+        return []
+    return [f"runs.{name}: its train job asks {mem_mb:g} MB of memory per node (mem_mb), but "
+            f"{need:.1f} GiB per node are needed ({plan['cpu_why']}); raise set-resources "
+            f"train: mem_mb to at least {math.ceil(need * 1.1 * 1024)} in the profile (with "
+            "10% to spare), or lower gpus_per_node"]  # fmt: skip

@@ -41,13 +41,14 @@ The model-state figures (weights, gradients, optimizer) are DeepSpeed's own esti
 (``estimate_zero2_model_states_mem_needs``, ``estimate_zero3_model_states_mem_needs``;
 tests/test_memplan.py checks them within 10%). CPU memory per node is what offload needs
 (DeepSpeed's 1.5 buffer factor included) or, without offload, what loading the model takes
-in every process of the node.
+in every process of the node (``cpu_per_node``: a 4-bit base streams onto the GPUs); the
+check before queueing compares it with the train job's memory (mem_mb).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from snaketune.core.errors import UserError
@@ -239,13 +240,32 @@ def reference_copy(shape: Shape, s: Setup) -> float:
 
 
 def cpu_per_node(shape: Shape, s: Setup) -> float:
-    """Bytes of CPU memory per node: offloaded states, or loading the model in each process."""
+    """Bytes of CPU memory per node, by how the model reaches the GPUs: offloaded states
+    (DeepSpeed's buffer factor included); a 4-bit base, loaded by each process straight
+    onto its GPU (device_map), a tensor at a time: the largest layer per process; else
+    each process loads the whole model at w bytes before DeepSpeed moves it (the worker
+    builds the model before the trainer, so ZeRO-3 does not partition the load)."""
     p, t = shape.params, shape.params if s.adapter == "full" else 0
     if s.offload_optimizer or s.offload_params:
         states = 16 * t if s.offload_optimizer else 0
         states += 2 * p if s.offload_params else 0
         return states / s.nodes * BUFFER
+    if s.quantized:
+        return shape.largest_layer * s.bytes_per_weight * s.gpus_per_node
     return p * s.bytes_per_weight * s.gpus_per_node
+
+
+def cpu_why(s: Setup) -> str:
+    """What ``cpu_per_node`` counts for ``s``, in words."""
+    if s.offload_optimizer or s.offload_params:
+        return "the states offloaded to CPU memory, DeepSpeed's buffers included"
+    if s.quantized:
+        return (f"a 4-bit base streams onto the GPUs: the largest layer at a time in each of "
+                f"{s.gpus_per_node} process(es)")  # fmt: skip
+    return (
+        f"each of {s.gpus_per_node} process(es) loads the whole model, "
+        f"{s.bytes_per_weight} bytes a weight, before DeepSpeed moves it to its GPU"
+    )
 
 
 def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, float]:
@@ -260,87 +280,3 @@ def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, 
     gib = {k: v / GIB for k, v in parts.items()}
     gib["total"] = sum(gib.values())
     return {k: round(v, 2) for k, v in gib.items()}
-
-
-def not_counted(s: Setup, gpu_gib: float | None) -> list[str]:
-    """What the estimate leaves out for this run, in words (empty: nothing known)."""
-    out = []
-    if s.vllm_share and gpu_gib is None:
-        out.append(f"vLLM's share ({s.vllm_share:g} of each GPU's memory; no GPU type set)")
-    return out
-
-
-def changes(s: Setup) -> list[tuple[str, Setup]]:
-    """Changes that lower the per-GPU memory, cheapest first."""
-    out: list[tuple[str, Setup]] = []
-    m = s.micro_batch_size
-    while m > 1:
-        m //= 2
-        out.append((f"micro_batch_size: {m} (raise gradient_accumulation_steps to keep the "
-                    "global batch)", replace(s, micro_batch_size=m)))  # fmt: skip
-    if not s.gradient_checkpointing:
-        out.append(("gradient_checkpointing: true", replace(s, gradient_checkpointing=True)))
-    if s.stage < 3:
-        out.append(("deepspeed: zero3", replace(s, stage=3)))
-        out.append(("deepspeed: zero3 with gradient_checkpointing: true",
-                    replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
-    if s.adapter == "lora" and not s.quantized:
-        out.append(("lora.quantize: 4bit (QLoRA)", replace(s, quantized=True)))
-        out.append(("lora.quantize: 4bit with gradient_checkpointing: true",
-                    replace(s, quantized=True, gradient_checkpointing=True)))  # fmt: skip
-        both = replace(s, quantized=True, stage=3, gradient_checkpointing=True)
-        out.append(("lora.quantize: 4bit with deepspeed: zero3 and gradient_checkpointing: "
-                    "true", both))  # fmt: skip
-    if not (s.offload_optimizer and s.offload_params) and not s.quantized:
-        out.append(("deepspeed: zero3_offload (optimizer and weights in CPU memory)",
-                    replace(s, stage=3, offload_optimizer=True, offload_params=True,
-                            gradient_checkpointing=True)))  # fmt: skip
-    nodes = s.nodes
-    while nodes < 64:
-        nodes *= 2
-        out.append((f"nodes: {nodes}", replace(s, nodes=nodes)))
-    return out
-
-
-def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
-    """The plan of one run: per-GPU parts, CPU per node, fits, and the cheapest change."""
-    per_gpu = estimate(shape, s, gpu_gib)
-    out: dict[str, Any] = {
-        "params": shape.params,
-        "per_gpu_gib": per_gpu,
-        "gpu_gib": gpu_gib,
-        "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
-        "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
-        "suggestion": None,
-        "not_counted": not_counted(s, gpu_gib),
-        "quantized": s.quantized,
-    }
-    if out["fits"] is False:
-        for what, changed in changes(s):
-            total = estimate(shape, changed, gpu_gib)["total"]
-            if total <= gpu_gib:
-                out["suggestion"] = f"{what} (then {total:.1f} GiB per GPU)"
-                break
-        else:
-            out["suggestion"] = "no single change fits: use GPUs with more memory"
-    return out
-
-
-def format_plan(run: str, plan: dict[str, Any]) -> str:
-    """One line: the run, the per-GPU total and its parts, against what the GPU has; what
-    it leaves out, if anything."""
-    g = plan["per_gpu_gib"]
-    names = ("weights", "gradients", "optimizer", "activations", "reference", "vllm", "margin")
-    labels = {"reference": "reference copy", "vllm": "vLLM"}
-    if plan.get("quantized"):
-        labels["weights"] = "weights (4-bit base)"
-    parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
-    against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
-    verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
-    line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
-            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node")  # fmt: skip
-    if plan["suggestion"]:
-        line += f"; cheapest change that fits: {plan['suggestion']}"
-    if plan.get("not_counted"):
-        line += f"; not counted: {', '.join(plan['not_counted'])}"
-    return line

@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from snaketune.core.errors import ConfigError
+from snaketune.core.errors import ConfigError, ConfigProblems
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
 SCALARS = ("integer", "number", "boolean")
@@ -114,13 +114,7 @@ def format_error(error: jsonschema.ValidationError) -> str:
             "(use letters, digits, '_' and '-', starting with a letter, at most 64 characters)"
         )
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        allowed = _allowed_keys(error.schema)
-        extra = sorted(k for k in error.instance if k not in allowed)
-        key = extra[0] if extra else "?"
-        hint = difflib.get_close_matches(key, allowed, n=1)
-        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-        prefix = f"{path}.{key}" if error.absolute_path else key
-        return f"{prefix}: unknown key{did_you_mean} (allowed: {', '.join(allowed)})"
+        return unknown_keys(error)[0]
     if error.validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"{path}: missing required key {missing!r}"
@@ -131,29 +125,63 @@ def format_error(error: jsonschema.ValidationError) -> str:
     return f"{path}: {error.message}"
 
 
+def unknown_keys(error: jsonschema.ValidationError) -> list[str]:
+    """A line per unknown key of an additionalProperties error, each with the closest
+    allowed key."""
+    path = key_path(error.absolute_path)
+    allowed = _allowed_keys(error.schema)
+    lines = []
+    for key in sorted(k for k in error.instance if k not in allowed) or ["?"]:
+        hint = difflib.get_close_matches(key, allowed, n=1)
+        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+        prefix = f"{path}.{key}" if error.absolute_path else key
+        lines.append(f"{prefix}: unknown key{did_you_mean} (allowed: {', '.join(allowed)})")
+    return lines
+
+
+def _rank(error: jsonschema.ValidationError) -> tuple:
+    """Shallowest first; at equal depth an unknown key first (a typo also explains the
+    required key it leaves missing), then document order."""
+    return (len(error.absolute_path), error.validator != "additionalProperties",
+            [str(p) for p in error.absolute_path])  # fmt: skip
+
+
 def first_error(errors: Iterator[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:
-    """The error to report: the shallowest; at equal depth an unknown key first (a typo
-    also explains the required key it leaves missing), then document order."""
+    """The error to report of one value: the first by ``_rank``."""
     errors = list(errors)
-    if not errors:
-        return None
-    return min(
-        errors,
-        key=lambda e: (
-            len(e.absolute_path),
-            e.validator != "additionalProperties",
-            [str(p) for p in e.absolute_path],
-        ),
-    )
+    return min(errors, key=_rank) if errors else None
+
+
+def every_error(errors: Iterator[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
+    """One error per key path (the first by ``_rank``), in document order; a missing key is
+    left out where an unknown key at the same place explains it (a typo)."""
+    by_path: dict[tuple, list[jsonschema.ValidationError]] = {}
+    for error in errors:
+        by_path.setdefault(tuple(str(p) for p in error.absolute_path), []).append(error)
+    return sorted((min(group, key=_rank) for group in by_path.values()), key=_rank)
+
+
+def schema_problems(config: dict[str, Any], schema: Mapping[str, Any]) -> list[tuple[tuple, str]]:
+    """Validate against the JSON Schema, filling defaults in place where the values hold:
+    (key path, line) for every problem."""
+    if not isinstance(config, dict):
+        return [((), "config: the top level must be a mapping with models, datasets and runs")]
+    found = []
+    for error in every_error(Validator(schema).iter_errors(config)):
+        unknown = error.validator == "additionalProperties" and isinstance(error.instance, dict)
+        for line in unknown_keys(error) if unknown else [format_error(error)]:
+            found.append((tuple(error.absolute_path), line))
+    return found
 
 
 def check_schema(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
-    """Validate against the JSON Schema and fill defaults in place."""
-    if not isinstance(config, dict):
-        raise ConfigError("config: the top level must be a mapping with models, datasets and runs")
-    error = first_error(Validator(schema).iter_errors(config))
-    if error is not None:
-        raise ConfigError(format_error(error))
+    """Validate against the JSON Schema and fill defaults in place; every problem at once
+    (ConfigProblems, a line each)."""
+    found = schema_problems(config, schema)
+    if len(found) == 1:
+        raise ConfigError(found[0][1])
+    if found:
+        raise ConfigProblems([line for _, line in found])
 
 
 def load_schema(root: str | Path) -> Any:

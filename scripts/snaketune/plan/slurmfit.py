@@ -124,9 +124,22 @@ def asks(resources: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def problems(rule: str, resources: dict[str, Any], part: Partition) -> list[str]:
-    """One line per resource the job asks that no node or limit of the partition gives."""
+def _label(rule: str, runs: list[str]) -> tuple[str, str]:
+    """("rule R (run a)", "runs.a.") for the jobs of ``runs``; ("rule R", "") for none."""
+    if not runs:
+        return f"rule {rule}", ""
+    if len(runs) == 1:
+        return f"rule {rule} (run {runs[0]})", f"runs.{runs[0]}."
+    return f"rule {rule} (runs {', '.join(runs)})", "each run's "
+
+
+def problems(rule: str, resources: dict[str, Any], part: Partition,
+             runs: list[str] = ()) -> list[str]:  # fmt: skip
+    """One line per resource the job asks that no node or limit of the partition gives;
+    the jobs of ``runs`` (a rule per run) are named."""
     ask = asks(resources)
+    label, key_of = _label(rule, list(runs))
+    whose = key_of or "the run's "
     out = []
     big = {
         "cpus": max(n.cpus for n in part.nodes),
@@ -139,9 +152,9 @@ def problems(rule: str, resources: dict[str, Any], part: Partition) -> list[str]
         if ask[res] > big[res]:
             fix = f"set-resources {rule}: {key[res]} in the profile"
             if rule == "train" and res == "gpus":
-                fix = "gpus_per_node of the run in the config"
+                fix = f"{whose}gpus_per_node in the config"
             out.append(
-                f"rule {rule}: asks {ask[res]:g} {what[res]}, the largest node of partition "
+                f"{label}: asks {ask[res]:g} {what[res]}, the largest node of partition "
                 f"{part.name} has {big[res]:g}; lower {fix}"
             )
     fitting = [n for n in part.nodes if n.cpus >= ask["cpus"] and n.mem_mb >= ask["mem_mb"]
@@ -149,31 +162,34 @@ def problems(rule: str, resources: dict[str, Any], part: Partition) -> list[str]
     node_limit = min(len(part.nodes), part.max_nodes or len(part.nodes))
     if not out and ask["nodes"] > min(len(fitting), node_limit):
         out.append(
-            f"rule {rule}: asks {ask['nodes']} nodes, partition {part.name} has "
-            f"{min(len(fitting), node_limit)} that fit it; lower nodes of the run in the config"
+            f"{label}: asks {ask['nodes']} nodes, partition {part.name} has "
+            f"{min(len(fitting), node_limit)} that fit it; lower {whose}nodes "
+            "in the config"
         )
     if part.max_time_min is not None and ask["runtime"] > part.max_time_min:
         out.append(
-            f"rule {rule}: asks {ask['runtime']:g} minutes, partition {part.name} allows "
+            f"{label}: asks {ask['runtime']:g} minutes, partition {part.name} allows "
             f"{part.max_time_min:g}; lower set-resources {rule}: runtime in the profile (a "
             "longer training continues across jobs by itself)"
         )
     return out
 
 
-def check_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Problems of every (rule, resources) job against its partition; each rule once, and
-    a partition that cannot be read once (naming its rules)."""
+def check_jobs(jobs: list[tuple[str, dict[str, Any]]], runs: list[str | None] = ()) -> list[str]:
+    """Problems of every (rule, resources) job against its partition; the jobs of a rule
+    that ask the same once, naming their runs (``runs``: each job's, None for a job of no
+    run), and a partition that cannot be read once (naming its rules)."""
     found: list[str] = []
     partitions: dict[str | None, Partition] = {}
     unreadable: dict[str | None, tuple[str, list[str]]] = {}  # partition: (why, rules)
-    seen: set[tuple] = set()
-    for rule, resources in jobs:
+    groups: dict[tuple, tuple[str, dict[str, Any], list[str]]] = {}
+    for (rule, resources), run in zip(jobs, list(runs) or [None] * len(jobs), strict=True):
         part_name = resources.get("slurm_partition") or None
         sig = (rule, part_name, tuple(sorted(asks(resources).items())))
-        if sig in seen:
-            continue
-        seen.add(sig)
+        named = groups.setdefault(sig, (rule, resources, []))[2]
+        if run is not None and run not in named:
+            named.append(run)
+    for (rule, part_name, _), (_, resources, named) in groups.items():
         if part_name in unreadable:
             unreadable[part_name][1].append(rule)
             continue
@@ -183,7 +199,8 @@ def check_jobs(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             except (LookupError, subprocess.SubprocessError, OSError, ValueError) as exc:
                 unreadable[part_name] = (str(exc), [rule])
                 continue
-        found += [p for p in problems(rule, resources, partitions[part_name]) if p not in found]
+        found += [p for p in problems(rule, resources, partitions[part_name], sorted(named))
+                  if p not in found]  # fmt: skip
     for part_name, (why, rules) in unreadable.items():
         names = ", ".join(dict.fromkeys(rules))
         found.append(f"partition {part_name or '(default)'} (rules {names}): cannot read it: "

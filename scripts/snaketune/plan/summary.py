@@ -78,6 +78,9 @@ def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[s
         out["exported_step"] = exported["step"]
         if "metric" in exported:
             out[f"exported_heldout_{exported['metric']}"] = exported["value"]
+        if "start_value" in exported:
+            out[f"start_heldout_{exported['metric']}"] = exported["start_value"]
+            out["exported_worse_than_start"] = exported["worse_than_start"]
     return out
 
 
@@ -144,7 +147,8 @@ def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
     columns task by task."""
     seen = [c for row in rows for c in row if c not in COLUMNS]
     swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
-    held = list(dict.fromkeys(c for c in seen if c.startswith(("heldout_", "exported_"))))
+    prefixes = ("heldout_", "exported_", "start_heldout_")
+    held = list(dict.fromkeys(c for c in seen if c.startswith(prefixes)))
     lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
     return swept + held + lm
 

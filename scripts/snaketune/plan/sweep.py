@@ -237,44 +237,71 @@ def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
     return sweeps_of(config["runs"]).get(parent) or [parent]
 
 
-def resolve_init(config: dict[str, Any]) -> None:
+def resolve_init(
+    config: dict[str, Any], skip: set[str] = frozenset()
+) -> tuple[list[str], set[str]]:
     """Fill `model` of each run with `init_from` from the run (or sweep) it starts from,
-    following chains; refuse an unknown run, a chain that loops, and a sweep whose members
-    would hand on different base models or model kinds."""
+    following chains. Returns a line per run refused (an unknown run, a chain that loops, a
+    sweep whose members would hand on different base models or model kinds) and the runs
+    left without a model: those refused, those in ``skip`` (refused already) and those
+    that start from one of them."""
     runs, sweeps = config["runs"], sweeps_of(config["runs"])
+    lines, unresolved = [], set(skip)
     for name, run in runs.items():
-        where = f"runs.{name}"
-        if "init_from" not in run:
-            _require("model" in run, f"{where}: missing required key 'model'")
+        if name in skip:
             continue
-        _require("model" not in run,
-                 f"{where}: give one of `model` and `init_from`, not both (init_from's model "
-                 "is the base)")  # fmt: skip
-        chain, current = [name], run
-        while "init_from" in current:
-            parent = current["init_from"]
-            _require(
-                parent in runs or parent in sweeps,
-                f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
-                f"{', '.join(sorted([*runs, *sweeps]))})",
+        try:
+            chain = _chain(name, runs, sweeps)
+        except ConfigError as exc:  # its own link or one further up (named once)
+            lines += [str(exc)] if str(exc) not in lines else []
+            unresolved.add(name)
+            continue
+        if any(m in skip for parent in chain[1:] for m in sweeps.get(parent, [parent])):
+            unresolved.add(name)  # its line names the run it starts from
+            continue
+        first = chain[-1]
+        run["model"] = runs[sweeps.get(first, [first])[0]].get("model")
+    return lines, unresolved
+
+
+def _chain(name: str, runs: Mapping[str, Any], sweeps: Mapping[str, list[str]]) -> list[str]:
+    """``name`` and the runs (or sweeps) it starts from, in order, to the one with a model."""
+    where, run = f"runs.{name}", runs[name]
+    if "init_from" not in run:
+        _require("model" in run, f"{where}: missing required key 'model'")
+        return [name]
+    _require("model" not in run,
+             f"{where}: give one of `model` and `init_from`, not both (init_from's model "
+             "is the base)")  # fmt: skip
+    chain, current = [name], run
+    while "init_from" in current:
+        where, parent = f"runs.{chain[-1]}", current["init_from"]
+        _require(
+            parent in runs or parent in sweeps,
+            f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
+            f"{', '.join(sorted([*runs, *sweeps]))})",
+        )
+        if parent in chain:  # one line per loop, from its first run in the config
+            loop = chain[chain.index(parent) :]
+            order = list(runs)
+            first = min(loop, key=lambda n: order.index(n) if n in order else len(order))
+            loop = loop[loop.index(first) :] + loop[: loop.index(first)]
+            raise ConfigError(
+                f"runs.{first}.init_from: the runs start from each other in a loop "
+                f"({' -> '.join([*loop, first])}); one of them must start from a `model`"
             )
+        chain.append(parent)
+        members = [runs[m] for m in sweeps.get(parent, [parent])]
+        for key, what in (("model", "base model"), ("method", "method")):
+            values = {str(m.get(key)) for m in members if "init_from" not in m}
             _require(
-                parent not in chain,
-                f"{where}.init_from: the runs start from each other in a loop "
-                f"({' -> '.join([*chain, parent])}); one of them must start from a `model`",
+                len(values) <= 1,
+                f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
+                f"({', '.join(sorted(values))}); start from one member, or sweep a key "
+                "that keeps it",
             )
-            chain.append(parent)
-            members = [runs[m] for m in sweeps.get(parent, [parent])]
-            for key, what in (("model", "base model"), ("method", "method")):
-                values = {str(m.get(key)) for m in members if "init_from" not in m}
-                _require(
-                    len(values) <= 1,
-                    f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
-                    f"({', '.join(sorted(values))}); start from one member, or sweep a key "
-                    "that keeps it",
-                )
-            current = members[0]
-        run["model"] = current.get("model")  # the chain's first run's (none: refused there)
+        current = members[0]
+    return chain
 
 
 def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,

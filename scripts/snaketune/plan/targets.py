@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from snaketune.data.formats import components
-from snaketune.plan.stages import as_json, final_model
+from snaketune.plan.runspec import RunSpec
+from snaketune.plan.stages import as_json, export_kind, final_model
 
 
 def run_targets(config: dict[str, Any], sweeps: dict[str, list[str]]) -> list[str]:
@@ -83,3 +84,45 @@ def publish_spec(config: dict[str, Any], run: str) -> str:
     """The run's config entry and the datasets it trained on (for the model card)."""
     r = config["runs"][run]
     return as_json({**r, "dataset_sources": [c["name"] for c in components(config, r["dataset"])]})
+
+
+# The rules from a run's training to its final model. `--until` one of them stops a run short
+# of the model a run that starts from it (init_from) trains from, and Snakemake stops with
+# "BUG: Out of jobs ready to be started" after training the first runs (every rule is tried
+# on a chained config in tests/test_workflow.py).
+TO_FINAL_MODEL = ("train", "convert_checkpoint", "merge_lora")
+
+
+def until_targets(config: dict[str, Any], until: set[str]) -> list[str]:
+    """For `--until` on a config whose runs start from others: the targets that stop each
+    run at the same rules and build what the later runs need (the earlier runs' final
+    models); [] where `--until` works as it is."""
+    stops = [rule for rule in TO_FINAL_MODEL if rule in until]
+    if not stops or not any("init_from" in run for run in config["runs"].values()):
+        return []
+    out = []
+    for name, run in config["runs"].items():
+        for rule in stops:
+            if rule == "train":
+                out.append(f"results/{name}/train/metrics.jsonl")
+            elif rule == "convert_checkpoint":
+                out.append(f"results/{name}/{export_kind(run)}")
+            elif RunSpec.of(run).trains_lora:
+                out.append(f"results/{name}/merged_model")
+    return list(dict.fromkeys(out))
+
+
+def until_problem(config: dict[str, Any], until: set[str]) -> str | None:
+    """The line refusing `--until` on a chained config (``until_targets``), with the
+    command to give instead; None where `--until` works."""
+    targets = until_targets(config, until)
+    if not targets:
+        return None
+    chains = ", ".join(f"{name} from {run['init_from']}" for name, run in config["runs"].items()
+                       if "init_from" in run)  # fmt: skip
+    return (
+        f"--until {' '.join(sorted(until))}: runs here start from others ({chains}), and a "
+        "later run trains from the earlier one's final model, past that boundary "
+        "(Snakemake would train the first runs and stop); give the targets instead, "
+        f"without --until: snakemake <your options> {' '.join(targets)}"
+    )

@@ -55,7 +55,7 @@ from snaketune.core.collective import any_rank, barrier, ragged_gather
 from snaketune.core.errors import UserError
 from snaketune.core.heartbeat import FOLDER as HEARTBEATS
 from snaketune.core.heartbeat import Heartbeat
-from snaketune.core.io import host_name, write_json
+from snaketune.core.io import host_name, read_jsonl, write_json
 from snaketune.core.job import (
     DISK_EXIT_CODE,
     HEALTH_EXIT_CODE,
@@ -367,9 +367,16 @@ def export_best(trainer, ctx: Context) -> dict[str, Any] | None:
         from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
         deepspeed_load_checkpoint(trainer.model_wrapped, str(best), load_module_strict=False)
+    start = heldout.start_figure(read_jsonl(ctx.ckpt_dir / "metrics.jsonl"), metric)
+    worse = start is not None and (start > value if greater else start < value)
     if ctx.env.rank == 0:
         log.info("exporting %s: the best held-out %s, %.4f (the last step is %d)", best.name,
                  metric, value, step)  # fmt: skip
-    return {"checkpoint": "best", "step": checkpoint_step(best), "metric": metric,
-            "value": value, "last_step": step,
-            "reason": f"best held-out {metric} ({'highest' if greater else 'lowest'})"}  # fmt: skip
+        if worse:
+            log.warning(heldout.worse_than_start(metric, start, value, checkpoint_step(best)))
+    out = {"checkpoint": "best", "step": checkpoint_step(best), "metric": metric,
+           "value": value, "last_step": step,
+           "reason": f"best held-out {metric} ({'highest' if greater else 'lowest'})"}  # fmt: skip
+    if start is not None:
+        out.update(start_value=start, worse_than_start=worse)
+    return out
