@@ -66,8 +66,8 @@ def import_seconds(root: Path) -> float:
     """The launcher's import time of snaketune.train.launch (the cumulative figure)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import snaketune.train.launch"],
                           cwd=root / "scripts", capture_output=True, text=True, check=True)  # fmt: skip
-    last = [x for x in proc.stderr.splitlines() if re.search(r"\| snaketune\.launch$", x)][-1]
-    return int(last.split("|")[1]) / 1e6
+    lines = [x for x in proc.stderr.splitlines() if re.search(r"\| snaketune\.train\.launch$", x)]
+    return int(lines[-1].split("|")[1]) / 1e6
 
 
 def main() -> int:

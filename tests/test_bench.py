@@ -27,6 +27,7 @@ SHORT = {
     "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
     "launch_startup.py": ["--repeats", "1"],
+    "load_memory.py": ["--short"],
     "omp_wait.py": ["--steps", "3", "--side-by-side", "1"],  # both policies, one run each
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],

@@ -155,6 +155,27 @@ def test_cpu_memory_per_node_by_how_the_model_is_loaded():
     assert "4-bit base streams onto the GPUs" in plan["cpu_why"]
     bf16 = plan_run(shape, replace(s, quantized=False), 79.2)
     assert bf16["cpu_gib_per_node"] == round(shape.params * 2 * 8 / 2**30, 2) > 1000
+    assert "converts the whole model" in bf16["cpu_why"]
+    # saved in bf16 (config.json says so) and trained in bf16: the checkpoint stays mapped
+    saved = Shape.from_config({**llama70b, "torch_dtype": "bfloat16"})
+    mapped = plan_run(saved, replace(s, quantized=False), 79.2)
+    assert mapped["cpu_gib_per_node"] == plan["cpu_gib_per_node"]
+    assert "stays memory-mapped" in mapped["cpu_why"]
+
+
+@pytest.mark.slow
+def test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts():
+    """bench/load_memory.py's short form, measured (each process's own resident memory while
+    the train stage's loader runs): a bf16 checkpoint loaded in bf16 holds no copy (under a
+    tenth of the weights' bytes, 4% here: the plan counts a layer at a time), a conversion
+    to fp32 holds the whole model at 4 bytes a weight (the plan's P x w, within 10%)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/load_memory.py"), "--short",
+                           "--json"], capture_output=True, text=True, env=ENV, timeout=300,
+                          check=True)  # fmt: skip
+    mapped, converted = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mapped["precision"] == "bf16" and converted["precision"] == "fp32"
+    assert mapped["anon_bytes"] < 0.1 * mapped["params"] * 2, mapped  # a copy: all of it
+    assert converted["anon_bytes"] == pytest.approx(converted["params"] * 4, rel=0.1), converted
 
 
 def test_the_train_jobs_memory_is_checked_against_the_cpu_figure(tmp_path):

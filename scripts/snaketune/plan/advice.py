@@ -113,7 +113,7 @@ def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
         "per_gpu_gib": per_gpu,
         "gpu_gib": gpu_gib,
         "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
-        "cpu_why": cpu_why(s),
+        "cpu_why": cpu_why(shape, s),
         "fits": None if gpu_gib is None else per_gpu["total"] <= gpu_gib,
         "suggestion": None,
         "not_counted": not_counted(s, gpu_gib),

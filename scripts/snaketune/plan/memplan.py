@@ -66,6 +66,8 @@ GPUS: dict[str, float] = {
 CONTEXT_GIB = 1.5
 FRAGMENTATION = 0.10
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory
+# config.json's dtype (torch_dtype before transformers 5): the bytes of a saved weight
+SAVED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -83,6 +85,7 @@ class Shape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    saved_bytes: int | None = None  # bytes a weight of the checkpoint (its dtype); None: unsaid
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], where: str = "config.json") -> Shape:
@@ -104,6 +107,7 @@ class Shape:
             vocab=cfg["vocab_size"],
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            saved_bytes=SAVED_BYTES.get(str(cfg.get("dtype", cfg.get("torch_dtype")))),
         )
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -240,31 +244,38 @@ def reference_copy(shape: Shape, s: Setup) -> float:
 
 
 def cpu_per_node(shape: Shape, s: Setup) -> float:
-    """Bytes of CPU memory per node, by how the model reaches the GPUs: offloaded states
-    (DeepSpeed's buffer factor included); a 4-bit base, loaded by each process straight
-    onto its GPU (device_map), a tensor at a time: the largest layer per process; else
-    each process loads the whole model at w bytes before DeepSpeed moves it (the worker
-    builds the model before the trainer, so ZeRO-3 does not partition the load)."""
+    """Bytes of CPU memory per node a run's processes hold of their own (the checkpoint's
+    memory-mapped pages, shared by the node's processes and reclaimable, left out), by how
+    the model reaches the GPUs (bench/load_memory.py measured the CPU side): offloaded
+    states (DeepSpeed's buffer factor included); a checkpoint loaded in its own dtype, or a
+    4-bit base loaded straight onto the GPU (device_map), stays mapped until each tensor is
+    moved: the largest layer per process; else each process converts the whole model to w
+    bytes a weight before DeepSpeed moves it (the worker builds the model before the
+    trainer, so ZeRO-3 does not partition the load)."""
     p, t = shape.params, shape.params if s.adapter == "full" else 0
     if s.offload_optimizer or s.offload_params:
         states = 16 * t if s.offload_optimizer else 0
         states += 2 * p if s.offload_params else 0
         return states / s.nodes * BUFFER
-    if s.quantized:
+    if s.quantized or shape.saved_bytes == s.bytes_per_weight:
         return shape.largest_layer * s.bytes_per_weight * s.gpus_per_node
     return p * s.bytes_per_weight * s.gpus_per_node
 
 
-def cpu_why(s: Setup) -> str:
+def cpu_why(shape: Shape, s: Setup) -> str:
     """What ``cpu_per_node`` counts for ``s``, in words."""
     if s.offload_optimizer or s.offload_params:
         return "the states offloaded to CPU memory, DeepSpeed's buffers included"
     if s.quantized:
         return (f"a 4-bit base streams onto the GPUs: the largest layer at a time in each of "
                 f"{s.gpus_per_node} process(es)")  # fmt: skip
+    if shape.saved_bytes == s.bytes_per_weight:
+        return (f"the checkpoint, saved in the run's precision, stays memory-mapped (shared, "
+                f"reclaimable) until moved to the GPUs: the largest layer at a time in each of "
+                f"{s.gpus_per_node} process(es)")  # fmt: skip
     return (
-        f"each of {s.gpus_per_node} process(es) loads the whole model, "
-        f"{s.bytes_per_weight} bytes a weight, before DeepSpeed moves it to its GPU"
+        f"each of {s.gpus_per_node} process(es) converts the whole model to "
+        f"{s.bytes_per_weight} bytes a weight before DeepSpeed moves it to its GPU"
     )
 
 

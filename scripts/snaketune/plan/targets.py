@@ -124,5 +124,6 @@ def until_problem(config: dict[str, Any], until: set[str]) -> str | None:
         f"--until {' '.join(sorted(until))}: runs here start from others ({chains}), and a "
         "later run trains from the earlier one's final model, past that boundary "
         "(Snakemake would train the first runs and stop); give the targets instead, "
-        f"without --until: snakemake <your options> {' '.join(targets)}"
+        "without --until and before your options (after --configfile they would be read as "
+        f"config files): snakemake {' '.join(targets)} <your options>"
     )
