@@ -1,22 +1,27 @@
 """The CPU memory of loading a model as the train stage loads it, against the plan's figure
-per process (snaketune.plan.memplan.cpu_per_node: without offload or a 4-bit base, each
-process loads the whole model at w bytes a weight before DeepSpeed moves it to its GPU).
+per process (snaketune.plan.memplan.cpu_per_node).
 
-    python bench/load_memory.py               # a random Llama of ~110M weights
-    python bench/load_memory.py --short       # ~7M weights (the suite's short form)
+    python bench/load_memory.py               # a random Llama of ~125M weights
+    python bench/load_memory.py --short       # ~5M weights (the suite's short form)
 
 A random Llama is saved as safetensors in bf16, then loaded by
-snaketune.evaluation.model.build_model in bf16 (the checkpoint's own dtype) and in fp32
-(a conversion), each in a fresh process, sampling every millisecond:
+snaketune.evaluation.model.build_model, each way in a fresh process: in bf16 (the
+checkpoint's own dtype), in fp32 (a conversion), and as a 4-bit base (lora.quantize: 4bit,
+nf4) as a QLoRA run loads it, quantized onto the process's device with device_map. Sampled
+every millisecond, less the process's baseline after the same load of a tiny model
+(libraries and kernels in place):
 
-- anonymous resident memory (what a process holds of its own), less the process's
-  baseline after the same load of a tiny model (libraries and kernels in place);
-- file-backed resident memory: the checkpoint's memory map, pages the kernel shares
-  between the processes of a node that read the same file.
+- anon: the peak anonymous resident memory (what the process holds of its own);
+- held: what it keeps after the load, freed heap returned first; for the 4-bit load on this
+  CPU that is the device side (the 4-bit layers, the other weights in fp32 after peft's
+  k-bit preparation), and anon less held the loading path's own share, which on a GPU node
+  stays in CPU memory;
+- tensors: the loaded model's parameters and buffers, counted;
+- file: the checkpoint's memory map, pages the kernel shares between the processes of a
+  node that read the same file.
 
-The plan counts P x w per process. Not measured here: the 4-bit path (it loads onto the
-GPU with device_map, a layer at a time; on a CPU the "device" is this memory) and the GPU
-side of either (no GPU on this machine).
+The plan counts P x w per process for a conversion and the largest layer at w bytes for the
+other two paths. Not measured here: the GPU side (no GPU on this machine).
 """
 
 from __future__ import annotations
@@ -57,10 +62,28 @@ def resident() -> tuple[int, int]:
 
 def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
     """In this process: the tiny model's load (the baseline), then the model's, sampled."""
+    from snaketune.core.qlora import settings
     from snaketune.evaluation.model import build_model
 
-    build_model(Path(tiny_dir), precision, "sdpa")
-    base_anon, base_file = resident()
+    quantize = None
+    if precision == "4bit":  # a QLoRA run's base, loaded as its train job loads it
+        precision = "bf16"
+        quantize = settings({"quant_type": "nf4", "double_quant": True,
+                             "compute_dtype": "auto"}, precision)  # fmt: skip
+
+    def load(path: str):
+        return build_model(Path(path), precision, "sdpa", quantize=quantize, device="cpu")
+
+    import ctypes
+    import gc
+
+    def trimmed() -> tuple[int, int]:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages back to the system
+        return resident()
+
+    load(tiny_dir)
+    base_anon, base_file = trimmed()
     peak = [base_anon, base_file]
     running = True
 
@@ -72,21 +95,27 @@ def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    model = build_model(Path(model_dir), precision, "sdpa")
+    model = load(model_dir)
     running = False
     thread.join()
-    params = sum(p.numel() for p in model.parameters())
-    return {"precision": precision, "params": params, "anon_bytes": peak[0] - base_anon,
+    held = trimmed()[0] - base_anon
+    tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    del model
+    return {"precision": "4bit" if quantize else precision, "anon_bytes": max(peak[0] - base_anon, held),
+            "held_bytes": held, "tensor_bytes": tensors,
             "file_bytes": peak[1] - base_file}  # fmt: skip
 
 
-def save(sizes: dict, out: Path) -> None:
+def save(sizes: dict, out: Path) -> tuple[int, int]:
+    """A random Llama in bf16 at ``out``; its weights and its largest module's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False))
     model.to(torch.bfloat16).save_pretrained(out)
+    layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return sum(p.numel() for p in model.parameters()), layer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,24 +130,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         model, tiny = Path(tmp, "model"), Path(tmp, "tiny")
-        save(SIZES["short" if args.short else "full"], model)
+        params, largest = save(SIZES["short" if args.short else "full"], model)
         save({**SIZES["short"], "num_hidden_layers": 1, "hidden_size": 64,
               "intermediate_size": 128, "vocab_size": 256}, tiny)  # fmt: skip
         rows = []
-        for precision in ("bf16", "fp32"):
+        for precision in ("bf16", "fp32", "4bit"):
             out = subprocess.run([sys.executable, __file__, "--measure", str(model), str(tiny),
                                   precision], capture_output=True, text=True, check=True,
                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["plan_bytes"] = row["params"] * (2 if precision == "bf16" else 4)
+            row["params"] = params
+            w = 4 if precision == "fp32" else 2  # a 4-bit base loads in the run's bf16
+            streamed = precision != "fp32"  # the plan: a layer at a time, else P x w
+            row["plan_bytes"] = (largest if streamed else params) * w
             rows.append(row)
     if args.json:
         print(json.dumps(rows))  # one line, the last
         return 0
-    print(f"{'precision':<10}{'weights':>12}{'P x w MiB':>11}{'anon MiB':>10}{'file MiB':>10}")
+    print(f"{'loaded as':<10}{'weights':>12}{'plan MiB':>10}{'anon MiB':>10}{'held MiB':>10}"
+          f"{'tensors MiB':>12}{'file MiB':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['precision']:<10}{r['params']:>12,}{r['plan_bytes'] / 2**20:>11.1f}"
-              f"{r['anon_bytes'] / 2**20:>10.1f}{r['file_bytes'] / 2**20:>10.1f}")  # fmt: skip
+        print(f"{r['precision']:<10}{r['params']:>12,}{r['plan_bytes'] / 2**20:>10.1f}"
+              f"{r['anon_bytes'] / 2**20:>10.1f}{r['held_bytes'] / 2**20:>10.1f}"
+              f"{r['tensor_bytes'] / 2**20:>12.1f}{r['file_bytes'] / 2**20:>10.1f}")  # fmt: skip
+    print(
+        "plan: the plan's CPU figure per process (a layer at a time, or P x w); anon: the "
+        "peak the load held of its own; held: what it kept after the load (on a GPU node: "
+        "on the GPU for a 4-bit base, none for the others)"
+    )
     return 0
 
 

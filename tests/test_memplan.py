@@ -168,14 +168,18 @@ def test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts():
     """bench/load_memory.py's short form, measured (each process's own resident memory while
     the train stage's loader runs): a bf16 checkpoint loaded in bf16 holds no copy (under a
     tenth of the weights' bytes, 4% here: the plan counts a layer at a time), a conversion
-    to fp32 holds the whole model at 4 bytes a weight (the plan's P x w, within 10%)."""
+    to fp32 holds the whole model at 4 bytes a weight (the plan's P x w, within 10%); a 4-bit
+    base (QLoRA) loaded on this CPU keeps what its device would hold (its tensors' bytes,
+    within 15%). What a 4-bit load holds above that for a moment is reported, not judged
+    here: it is a layer's worth in most loads, a whole bf16 copy's in some (docs/benchmarks.md)."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench/load_memory.py"), "--short",
                            "--json"], capture_output=True, text=True, env=ENV, timeout=300,
                           check=True)  # fmt: skip
-    mapped, converted = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert mapped["precision"] == "bf16" and converted["precision"] == "fp32"
+    mapped, converted, quantized = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["precision"] for r in (mapped, converted, quantized)] == ["bf16", "fp32", "4bit"]
     assert mapped["anon_bytes"] < 0.1 * mapped["params"] * 2, mapped  # a copy: all of it
     assert converted["anon_bytes"] == pytest.approx(converted["params"] * 4, rel=0.1), converted
+    assert quantized["held_bytes"] == pytest.approx(quantized["tensor_bytes"], rel=0.15), quantized
 
 
 def test_the_train_jobs_memory_is_checked_against_the_cpu_figure(tmp_path):
