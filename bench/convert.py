@@ -168,7 +168,7 @@ def main() -> int:
                  "--out", str(tmp / "ours"), "--max-shard-size", args.shard_size, "--dtype", "float32"]),
             "convert: ours, consolidation only": (tmp / "ours-only",
                 [py, "-c", "import sys, torch; from pathlib import Path; "
-                 "from snaketune.export.convert import write_shards, parse_size; "
+                 "from snaketune.export.convert import write_shards; from snaketune.core.io import parse_size; "
                  "from snaketune.export.zero_checkpoint import ZeroCheckpoint; "
                  "o = Path(sys.argv[2]); o.mkdir(); c = ZeroCheckpoint(sys.argv[1]); "
                  "write_shards(c.plan(), c.tensors(), o, parse_size(sys.argv[3]), torch.float32)",

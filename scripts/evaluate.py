@@ -6,6 +6,9 @@
         --max-new-tokens 256 --batch-size 8
 
 With --lm-eval, also runs those lm-evaluation-harness tasks (metrics.json's lm_eval).
+With --nodes/--gpus-per-node over 1 process in all, the model is sharded over that many
+workers (DeepSpeed ZeRO-3, snaketune.evaluation.sharded), started by the train job's
+launcher (snaketune.train.agents) with heartbeats and the stall watch; rank 0 writes.
 Writes metrics.json, samples.jsonl (prompt, reference, generation, parsed answer,
 correct) and provenance.json. With --train, fails first if any eval example is a training
 example. With --base-metrics, adds the base model's figures and the gain over them.
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,11 +27,40 @@ from pathlib import Path
 from snaketune.app.cli import run
 
 
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """The workers of a sharded evaluation, through the shared launcher; their heartbeats
+    and the stall watch's verdict under ``<out>.workers/``, removed once the stage is done."""
+    from snaketune.evaluation.logps import threads_per_worker
+    from snaketune.plan.schema import run_default
+    from snaketune.train.agents import Workers, choose_launcher, start, worker_environment
+
+    watched = args.out.with_name(args.out.name + ".workers")
+    timeout = args.timeout_minutes or run_default("timeout_minutes")
+    workers = Workers([str(Path(__file__).resolve()), *argv, "--worker"], args.nodes,
+                      args.gpus_per_node, f"evaluate-{args.out.parent.name}-{args.out.name}",
+                      "evaluate", watched, watched, timeout * 60)  # fmt: skip
+    env = worker_environment()
+    here = choose_launcher(workers.launcher, args.nodes, workers.rule) == "local"
+    env["OMP_NUM_THREADS"] = str(threads_per_worker(
+        args.nodes * args.gpus_per_node if here else args.gpus_per_node))  # fmt: skip
+    code, signalled = start(workers, env)
+    if code != 0:
+        from snaketune.core.heartbeat import stall_verdict
+
+        why = stall_verdict(watched) or (f"stopped by {signalled}" if signalled else None)
+        print(f"error: a worker of the evaluation failed (exit {code})"
+              + (f": {why}" if why else ""), file=sys.stderr)  # fmt: skip
+        return code
+    shutil.rmtree(watched, ignore_errors=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
     from snaketune.evaluation.evaluate import base_pair_logps, evaluate
+    from snaketune.evaluation.sharded import Share
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,10 +83,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dpo-beta", type=float, default=None,
         help="a DPO run's beta: the implicit rewards of held-out pairs against the base's",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--adapter-base",
+        type=Path,
+        default=None,
+        help="--model is a LoRA adapter (export.merged: false): its base",
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the model is sharded over")
+    parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each node")
+    parser.add_argument("--timeout-minutes", type=float, default=None,
+                        help="a worker making no progress this long is named and the stage "
+                        "ended (default: the schema's timeout_minutes)")  # fmt: skip
+    parser.add_argument("--worker", action="store_true", help="(internal) one worker")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    sharded = args.nodes * args.gpus_per_node > 1
+    if sharded and not args.worker:
+        return launch(args, raw)
     hf_logging.disable_progress_bar()
     base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None
     inputs = {"model": args.model, "eval": args.eval}
+    inputs.update({"adapter_base": args.adapter_base} if args.adapter_base else {})
     inputs.update({"train": args.train} if args.train else {})
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
@@ -62,6 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stage = "evaluate" if args.train else "evaluate_base"
         write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
+    share, beat = Share.from_environ() if sharded else Share(), None
+    if sharded:
+        from snaketune.core.heartbeat import Heartbeat
+        from snaketune.core.runlock import die_with_parent
+
+        die_with_parent()  # never outlive the agent that started it
+        folder = args.out.with_name(args.out.name + ".workers") / "heartbeat"
+        beat = Heartbeat(folder, share.rank, int(os.environ.get("GROUP_RANK", 0))).start()
     metrics = evaluate(
         args.model,
         args.eval,
@@ -77,7 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.base_metrics
         else None,
         args.dpo_beta,
+        share,
+        None if beat is None else beat.watch,
+        args.adapter_base,
     )
+    if metrics is None:  # not rank 0
+        return 0
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
     return 0
 

@@ -75,6 +75,11 @@ SHAPES = {
         "vocab_size": 152064, "tie_word_embeddings": False,
     },
 }  # fmt: skip
+SHAPES["meta-llama/Llama-3.1-70B-Instruct"] = {
+    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16",
+}  # fmt: skip
 SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = SHAPES["meta-llama/Llama-3.2-1B"]
 
 

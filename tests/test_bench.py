@@ -25,6 +25,7 @@ SHORT = {
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--repeat", "1"],
     "dpo_reference.py": ["--steps", "4"],  # its step time is a median of steps 2..n
+    "eval_memory.py": ["--short"],
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
     "launch_startup.py": ["--repeats", "1"],
     "load_memory.py": ["--short"],

@@ -29,6 +29,7 @@ PARAMS = {
     "meta-llama/Llama-3.1-8B-Instruct": 8.03e9,
     "deepseek-ai/deepseek-coder-6.7b-instruct": 6.74e9,
     "Qwen/Qwen2.5-32B-Instruct": 32.8e9,
+    "meta-llama/Llama-3.1-70B-Instruct": 70.6e9,
 }
 
 
@@ -260,7 +261,7 @@ def test_32b_example_changed_to_zero2_plans_as_not_fitting(tmp_path):
     config = _example_root(tmp_path, "qwen-32b-zero3-offload-4x4.yaml", to_zero2)
     proc = _plan(config, "--gpu-memory", "80")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    (line,) = [ln for ln in proc.stdout.splitlines() if "per GPU" in ln]
+    (line,) = [ln for ln in proc.stdout.splitlines() if "against GPU" in ln]
     assert "does NOT fit" in line and "cheapest change that fits: deepspeed: zero3" in line
     assert "against GPU 80.0 GiB" in line
 
@@ -291,10 +292,15 @@ def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):
     proc = snakemake("--configfile", str(path), "--directory", str(tmp_path), check=False)
     assert proc.returncode != 0
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
-    assert len(errors) == 2 and "Traceback" not in proc.stdout + proc.stderr, errors
+    assert len(errors) == 4 and "Traceback" not in proc.stdout + proc.stderr, errors
     assert errors[0].startswith("error: demo: ") and "does NOT fit" in errors[0], errors
     assert "against GPU 0.5 GiB" in errors[0] and "skip_memory_check: true" in errors[0]
-    assert errors[1] == "error: 1 problem(s) found before queueing; nothing was run"
+    # nor do its evaluations (the tuned model's and the base's), each named
+    assert [e.split(" needs ")[0] for e in errors[1:3]] == [
+        "error: runs.demo: evaluate",
+        "error: runs.demo: evaluate_base",
+    ]
+    assert errors[3] == "error: 3 problem(s) found before queueing; nothing was run"
     assert not (tmp_path / "results").exists()  # no job ran
 
 
@@ -311,8 +317,13 @@ def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
     assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []
     # a GPU that is far too small: refused, unless skip_memory_check
     config["runs"]["demo"]["gpu"] = 0.5
-    (line,) = check_runs(config, ["demo"], tmp_path, ROOT, local=True)
+    line, *evaluations = check_runs(config, ["demo"], tmp_path, ROOT, local=True)
     assert line.startswith("demo: ") and "does NOT fit" in line
+    # nor do its evaluations (the tuned model's and the base's)
+    assert [e.split(" needs ")[0] for e in evaluations] == [
+        "runs.demo: evaluate",
+        "runs.demo: evaluate_base",
+    ]
     config["runs"]["demo"]["skip_memory_check"] = True
     assert check_runs(config, ["demo"], tmp_path, ROOT, local=True) == []
     # no GPU type on SLURM: not checked; a model not built yet: checked later
@@ -465,7 +476,7 @@ def test_a_lora_run_that_does_not_fit_is_told_about_qlora(tmp_path):
     assert not [what for what, _ in changes(replace(s, quantized=True)) if "offload" in what]
     config = _example_root(tmp_path, "qwen-32b-qlora-1x4.yaml")
     proc = _plan(config, "--gpu", "a100-40gb")
-    (line,) = [ln for ln in proc.stdout.splitlines() if "per GPU" in ln]
+    (line,) = [ln for ln in proc.stdout.splitlines() if "against GPU" in ln]
     assert "weights (4-bit base)" in line and ": fits;" in line, line
 
 

@@ -5,7 +5,7 @@ from functools import partial
 from pathlib import Path
 
 from snaketune.methods import method_of
-from snaketune.plan import stages, targets
+from snaketune.plan import stageplan, stages, targets
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
@@ -222,6 +222,46 @@ def run_final_model(wildcards):
 
 def run_base_metrics(wildcards):
     return stages.base_metrics(config, wildcards.run, partial(start_run, wildcards.run))
+
+
+def eval_run(wildcards):
+    """The run whose eval settings an evaluate job follows (evaluate_base: the first run
+    scored on that base model and eval set)."""
+    if "key" in wildcards.keys():
+        return BASE_EVALS[wildcards.key]["run"]
+    return wildcards.run
+
+
+def eval_resource(what, final=False):
+    """An evaluate job's resource of its layout (snaketune.plan.stageplan; inside the job,
+    what SLURM allocated, so the command always matches its allocation); ``final``: rule
+    evaluate (the run's own model), else its base or start model."""
+
+    def resource(wildcards):
+        nodes, gpus = stageplan.eval_job_layout(
+            config, eval_run(wildcards), JOB_SIDE, final
+        )
+        return {"nodes": nodes, "gpus": gpus, "threads": nodes * gpus, "gres": f"gpu:{gpus}",
+                "mpi": "srun" if nodes > 1 else 0}[what]  # fmt: skip
+
+    return resource
+
+
+def eval_timeout(wildcards):
+    return config["runs"][eval_run(wildcards)]["timeout_minutes"]
+
+
+def eval_adapter_inputs(wildcards):
+    """A run whose final model is its adapter (export.merged: false): the base it goes on."""
+    if RunSpec.of(run_of(wildcards)).adapter_only:
+        return {"adapter_base": run_model(wildcards)}
+    return {}
+
+
+def eval_adapter_arg(wildcards, input):
+    return (
+        f"--adapter-base {input.adapter_base}" if "adapter_base" in input.keys() else ""
+    )
 
 
 def run_eval_settings(wildcards):

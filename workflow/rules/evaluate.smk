@@ -16,15 +16,28 @@ rule evaluate_base:
         "benchmarks/evaluate_base/{key}.tsv"
     conda:
         "../../envs/snaketune.yaml"
+    threads: eval_resource("threads")
+    # eval.nodes x eval.gpus_per_node (auto: the fewest GPUs that hold the model; over one,
+    # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
+    # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
         mem_mb=16000,
         runtime=240,
+        nodes=eval_resource("nodes"),
+        tasks=eval_resource("nodes"),
+        mpi=eval_resource("mpi"),
+        gres=eval_resource("gres"),
+        tasks_per_gpu=0,
+        workers_per_node=eval_resource("gpus"),
+        timeout_minutes=eval_timeout,
     params:
         settings=base_eval_settings,
         out="results/base_eval/{key}",
     shell:
         "python {input.script} --model {input.model} --eval {input.eval} --out {params.out}"
-        " {params.settings} > {log} 2>&1"
+        " {params.settings} --nodes {resources.nodes}"
+        " --gpus-per-node {resources.workers_per_node}"
+        " --timeout-minutes {resources.timeout_minutes} > {log} 2>&1"
 
 
 # A run that starts from another (init_from) but is scored on its own eval set or settings:
@@ -45,19 +58,33 @@ rule evaluate_start:
         "benchmarks/evaluate_start/{run}.tsv"
     conda:
         "../../envs/snaketune.yaml"
+    threads: eval_resource("threads")
+    # eval.nodes x eval.gpus_per_node (auto: the fewest GPUs that hold the model; over one,
+    # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
+    # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
         mem_mb=16000,
         runtime=240,
+        nodes=eval_resource("nodes"),
+        tasks=eval_resource("nodes"),
+        mpi=eval_resource("mpi"),
+        gres=eval_resource("gres"),
+        tasks_per_gpu=0,
+        workers_per_node=eval_resource("gpus"),
+        timeout_minutes=eval_timeout,
     params:
         settings=run_eval_settings,
         out="results/{run}/start_eval",
     shell:
         "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
-        " --out {params.out} {params.settings} > {log} 2>&1"
+        " --out {params.out} {params.settings} --nodes {resources.nodes}"
+        " --gpus-per-node {resources.workers_per_node}"
+        " --timeout-minutes {resources.timeout_minutes} > {log} 2>&1"
 
 
 rule evaluate:
     input:
+        unpack(eval_adapter_inputs),
         script=f"{SCRIPTS}/evaluate.py",
         model=run_final_model,
         eval=run_eval_tokenized,
@@ -78,12 +105,26 @@ rule evaluate:
         "benchmarks/evaluate/{run}.tsv"
     conda:
         "../../envs/snaketune.yaml"
+    threads: eval_resource("threads", final=True)
+    # eval.nodes x eval.gpus_per_node (auto: the fewest GPUs that hold the model; over one,
+    # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
+    # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
         mem_mb=16000,
         runtime=240,
+        nodes=eval_resource("nodes", final=True),
+        tasks=eval_resource("nodes", final=True),
+        mpi=eval_resource("mpi", final=True),
+        gres=eval_resource("gres", final=True),
+        tasks_per_gpu=0,
+        workers_per_node=eval_resource("gpus", final=True),
+        timeout_minutes=eval_timeout,
     params:
         settings=run_eval_settings,
+        adapter=eval_adapter_arg,
         out="results/{run}/eval",
     shell:
         "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
-        " --base-metrics {input.base} --out {params.out} {params.settings} > {log} 2>&1"
+        " --base-metrics {input.base} --out {params.out} {params.settings} {params.adapter}"
+        " --nodes {resources.nodes} --gpus-per-node {resources.workers_per_node}"
+        " --timeout-minutes {resources.timeout_minutes} > {log} 2>&1"

@@ -123,6 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
     from snaketune.plan.config import load_config
     from snaketune.plan.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
     from snaketune.plan.fit import plan_config
+    from snaketune.plan.stageplan import format_stages
 
     config = load_config(args.config, args.root)
     workdir, root = Path("."), Path(args.root)
@@ -137,10 +138,13 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         for plan in plans:
             print(format_plan(plan["run"], plan))
+            for line in format_stages(plan["run"], plan["stages"]):
+                print(line)
             print(format_disk(plan["run"], plan["disk"]))
         for group in shared:
             print(format_shared(group))
-    bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]]
+    bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]
+           or any(s.get("fits") is False for s in p["stages"].values())]  # fmt: skip
     return 1 if bad or any(not g["fits"] for g in shared) else 0
 
 

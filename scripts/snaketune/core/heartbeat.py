@@ -76,11 +76,15 @@ class Heartbeat:
     def start(self, model=None) -> Heartbeat:
         """Start writing; with ``model``, forward hooks mark the forward and backward."""
         if model is not None:
-            model.register_forward_pre_hook(lambda *_: self.move("forward"))
-            model.register_forward_hook(lambda *_: self.move("backward"))
+            self.watch(model)
         self.write()
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
         return self
+
+    def watch(self, model) -> None:
+        """Forward hooks on ``model`` mark each forward pass and its end."""
+        model.register_forward_pre_hook(lambda *_: self.move("forward"))
+        model.register_forward_hook(lambda *_: self.move("backward"))
 
     def stop(self) -> None:
         self._stop.set()

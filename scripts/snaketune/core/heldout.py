@@ -64,10 +64,13 @@ def spec_of(run: Mapping[str, Any], eval_tokenized: str) -> dict[str, Any]:
     """What the training job needs to evaluate (its run spec's ``heldout``)."""
     ev, export = run["eval"], run["export"]
     # the metric as written: `auto` is the method's own (snaketune.methods, heldout_metric)
-    return {"path": eval_tokenized, "metric": export["metric"],
+    spec = {"path": eval_tokenized, "metric": export["metric"],
             "checkpoint": export["checkpoint"], "limit": ev.get("during_training_limit"),
             "batch_size": ev["batch_size"], "answers": bool(ev["during_training_answers"]),
             "max_new_tokens": ev["max_new_tokens"]}  # fmt: skip
+    if ev.get("gather_for_generation", "auto") != "auto":  # the default is left unsaid
+        spec["gather_for_generation"] = ev["gather_for_generation"]
+    return spec
 
 
 def greater_is_better(metric: str) -> bool:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -16,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from snaketune.core.errors import UserError
+from snaketune.core.errors import DataError, UserError
 
 CHUNK = 1 << 20
 # Fault injection for the tests and for drills: a process about to publish an output whose
@@ -188,3 +189,11 @@ class IdsLog:
         if self._out is not None:
             self._out.write("".join(f"{i}\n" for i in ids))
             self._out.flush()
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> bytes (decimal units, as transformers uses)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(B|KB|MB|GB|TB)\s*", text.upper())
+    if not m:
+        raise DataError(f"max_shard_size {text!r}: use a number and a unit, e.g. 2GB or 500MB")
+    return int(m.group(1)) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(m.group(2))

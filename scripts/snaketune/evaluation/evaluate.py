@@ -28,6 +28,7 @@ from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
 from snaketune.evaluation.model import DTYPES, resolve_precision
+from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded, whole_output_layer
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,20 @@ def nll_sums(model, batch: list[dict], pad_id: int) -> tuple[float, int]:
     return nll.item(), int((shift_labels != IGNORE_INDEX).sum())
 
 
-def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int) -> dict[str, float]:
-    """Mean negative log-likelihood per response token, and its perplexity."""
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        t, c = nll_sums(model, rows[i : i + batch_size], pad_id)
-        total, count = total + t, count + c
+def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int,
+                 share: Share = ONE) -> dict[str, float]:  # fmt: skip
+    """Mean negative log-likelihood per response token, and its perplexity (over every
+    rank's share: each rank runs as many forward passes)."""
+    from snaketune.core.collective import gather_combined
+
+    mine, total, count = share.mine(rows), 0.0, 0
+    for b in range(share.batches(len(rows), batch_size)):
+        batch = mine[b * batch_size : (b + 1) * batch_size]
+        t, c = nll_sums(model, batch or [DUMMY], pad_id)
+        if batch:
+            total, count = total + t, count + c
+    total, count = gather_combined([total, float(count)], ("sum", "sum"))
+    count = int(count)
     loss = total / max(count, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
 
@@ -90,12 +99,16 @@ def stop_ids_of(model, tokenizer) -> list[int]:
 
 
 def generate(
-    model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int
-) -> tuple[list[str], list[bool]]:
+    model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int,
+    calls: int | None = None,
+) -> tuple[list[str], list[bool]]:  # fmt: skip
     """Greedy continuations of each example's prompt (the tokens before its first label), in
     batches with left padding and the KV cache, stopping where the model's generation_config
     stops (as any application loading the model does); a progress line per batch. Returns
-    the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``)."""
+    the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``).
+
+    ``calls``: a sharded model's ranks generate together (``synced_gpus``), each making
+    this many generate calls (the ones past its own rows on a dummy prompt, kept nowhere)."""
     prompts = [r["input_ids"][: prompt_length(r["labels"])] for r in rows]
     pad = pad_id(tokenizer)
     stops = stop_ids_of(model, tokenizer)
@@ -103,23 +116,7 @@ def generate(
     stopped: list[bool] = []
     began = time.monotonic()
     for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        n = max(len(p) for p in batch)
-        ids = torch.full((len(batch), n), pad)
-        mask = torch.zeros((len(batch), n), dtype=torch.long)
-        for j, p in enumerate(batch):  # left padding, so every continuation starts at column n
-            ids[j, n - len(p) :] = torch.tensor(p)
-            mask[j, n - len(p) :] = 1
-        with torch.no_grad():
-            gen = model.generate(
-                input_ids=ids.to(model.device),
-                attention_mask=mask.to(model.device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=stops,
-            )
-        new = gen[:, n:].cpu()
+        new = greedy(model, prompts[i : i + batch_size], pad, stops, max_new_tokens, calls)
         out += tokenizer.batch_decode(new, skip_special_tokens=True)
         stopped += torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
         rate = len(out) / max(time.monotonic() - began, 1e-9)
@@ -127,7 +124,27 @@ def generate(
             "generated %d/%d examples, %.1f examples/s, ETA %s", len(out), len(prompts), rate,
             timedelta(seconds=int((len(prompts) - len(out)) / rate)),
         )  # fmt: skip
+    for _ in range(max((calls or 0) - math.ceil(len(prompts) / batch_size), 0)):
+        greedy(model, [[pad]], pad, stops, max_new_tokens, calls)  # in step with the others
     return out, stopped
+
+
+def greedy(model, batch: list[list[int]], pad: int, stops: list[int], max_new_tokens: int,
+           calls: int | None) -> torch.Tensor:  # fmt: skip
+    """The new tokens of one generate call on ``batch`` (left padded, so every continuation
+    starts at the same column); ``calls`` set: synchronised with the other ranks."""
+    n = max(len(p) for p in batch)
+    ids = torch.full((len(batch), n), pad)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for j, p in enumerate(batch):
+        ids[j, n - len(p) :] = torch.tensor(p)
+        mask[j, n - len(p) :] = 1
+    synced = {} if calls is None else {"synced_gpus": True}
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                             eos_token_id=stops, **synced)  # fmt: skip
+    return gen[:, n:].cpu()
 
 
 def score(rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
@@ -162,18 +179,24 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
     return samples, figures
 
 
-def pair_logps(model, rows: list[dict], batch_size: int, pad: int) -> list[tuple[float, float]]:
-    """Each held-out pair's summed log-probs of its chosen and its rejected response."""
+def pair_logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
+               ) -> list[tuple[float, float]]:  # fmt: skip
+    """Each of this rank's held-out pairs' summed log-probs of its chosen and its rejected
+    response (every rank runs as many batches: one short of pairs repeats a pair)."""
     from trl.trainer.utils import add_fused_lm_head
 
     from snaketune.evaluation.logps import pair_batch, sequence_logps
 
     add_fused_lm_head(model)  # the log-probs as DPO training computes them
-    out: list[tuple[float, float]] = []
-    for i in range(0, len(rows), batch_size):
-        batch = pair_batch(rows[i : i + batch_size], pad)
-        chosen, rejected = sequence_logps(model, {k: v.to(model.device) for k, v in batch.items()})
-        out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
+    mine, out = share.mine(rows), []
+    for b in range(share.batches(len(rows), batch_size)):
+        part = mine[b * batch_size : (b + 1) * batch_size]
+        batch = pair_batch(part or rows[:1], pad)
+        with whole_output_layer(model, share.world > 1):
+            chosen, rejected = sequence_logps(model, {k: v.to(model.device)
+                                                      for k, v in batch.items()})  # fmt: skip
+        if part:
+            out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     return out
 
 
@@ -239,16 +262,77 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
                                 mine[k] - v for k, v in start.items() if k in mine})  # fmt: skip
 
 
-def load_model(model_dir: Path):
+def scored(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int,
+           share: Share) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+    """The loss, the generations scored and (for pairs) each pair's log-probs, every rank on
+    its share; the figures and samples of all of them, in the eval set's order, on rank 0
+    (empty on the others)."""
+    pad = pad_id(tokenizer)
+    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad, share)
+    calls = share.batches(len(rows), batch_size) if share.world > 1 else None
+    texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens,
+                              calls)  # fmt: skip
+    mine: list[tuple] = list(zip(texts, stopped, strict=True))
+    if "rejected_input_ids" in rows[0]:
+        mine = [(*m, lp) for m, lp in zip(mine, pair_logps(model, rows, batch_size, pad, share),
+                                          strict=True)]  # fmt: skip
+    every = share.in_order(mine)
+    if every is None:
+        return {}, []
+    samples, figures = score(rows, [e[0] for e in every], [e[1] for e in every], tokenizer)
+    metrics.update(figures)
+    for sample, e in zip(samples, every, strict=True):
+        if len(e) == 3:
+            sample.update({"chosen_logp": e[2][0], "rejected_logp": e[2][1]})
+    return metrics, samples
+
+
+def load_model(model_dir: Path, share: Share = ONE, base: Path | None = None):
     """The tokenizer and the model to evaluate: on a GPU node there, in bf16 (fp16 without
-    bf16 support); on CPU in fp32."""
+    bf16 support); on CPU in fp32. ``base``: ``model_dir`` is a LoRA adapter (a run with
+    export.merged: false), loaded on that base as the run trained it. Over several
+    processes, sharded (the third value keeps transformers' view of the DeepSpeed config
+    alive; None for one process)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    from snaketune.core import qlora
+    from snaketune.core.errors import UserError
+
     dtype = DTYPES[resolve_precision("auto")]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    return tokenizer, model
+    quantized = base is not None and qlora.read_record(model_dir) is not None
+    if share.world > 1:
+        if quantized:
+            raise UserError(f"{model_dir}: the adapter of a 4-bit run is evaluated on its 4-bit "
+                            "base on one GPU (it holds the model that GPU would hold); set "
+                            "eval.nodes and eval.gpus_per_node to 1 for this run")  # fmt: skip
+        return load_sharded(model_dir, dtype, base)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if base is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        return tokenizer, model.to(device).eval(), None
+    return tokenizer, adapter_model(model_dir, base, dtype, device), None
+
+
+def adapter_model(adapter: Path, base: Path, dtype, device: str):
+    """A LoRA run's adapter on its base, in eval mode on ``device``: the base in ``dtype``,
+    or (a 4-bit run: the adapter's quantization record) in 4 bits as the run loaded it, so
+    each layer computes with the dequantized weight the run trained with."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from snaketune.core import qlora
+    from snaketune.evaluation.model import build_model
+
+    record = qlora.read_record(adapter)
+    if record is None:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True)
+        model.to(device)
+    else:
+        name = {v: k for k, v in DTYPES.items()}[dtype]
+        model = build_model(base, name, "sdpa", quantize=record, device=device)
+        model.config.use_cache = True  # build_model sets it off: training reads no KV cache
+    return PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
 def evaluate(
@@ -264,9 +348,15 @@ def evaluate(
     lm_eval: dict[str, Any] | None = None,
     base_pairs: dict[str, tuple[float, float]] | None = None,
     beta: float | None = None,
-) -> dict[str, Any]:
+    share: Share = ONE,
+    on_loaded: Callable[[Any], None] | None = None,
+    adapter_base: Path | None = None,
+) -> dict[str, Any] | None:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
-
+    With ``share`` of several processes every one calls this: the model is sharded over them
+    (snaketune.evaluation.sharded), rank 0 writes and returns the metrics, the others None;
+    ``on_loaded(model)`` runs once the model is loaded (a worker's heartbeat);
+    ``adapter_base``: ``model_dir`` is an adapter, evaluated on that base.
     ``base_metrics`` (the base model's) adds the base figures and the gain over them;
     ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
@@ -276,22 +366,21 @@ def evaluate(
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
-    tokenizer, model = load_model(model_dir)
-    metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad_id(tokenizer))
-    generations, stopped = generate(model, tokenizer, rows, batch_size, max_new_tokens)
-    samples, figures = score(rows, generations, stopped, tokenizer)
-    metrics.update(figures)
-    metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
-                    "model": str(model_dir), "max_new_tokens": max_new_tokens})  # fmt: skip
-    if lm_eval:
+    tokenizer, model, _keep = load_model(model_dir, share, adapter_base)
+    if on_loaded is not None:
+        on_loaded(model)
+    metrics, samples = scored(model, tokenizer, rows, batch_size, max_new_tokens, share)
+    if lm_eval:  # every rank runs the same requests (a sharded model's passes are collective)
         from snaketune.evaluation.lmeval import run_tasks, with_base
 
-        base_lm = (base_metrics or {}).get("lm_eval")
-        metrics["lm_eval"] = with_base(run_tasks(model, tokenizer, lm_eval), base_lm)
-    if "rejected_input_ids" in rows[0]:
-        logps = pair_logps(model, rows, batch_size, pad_id(tokenizer))
-        for sample, (chosen, rejected) in zip(samples, logps, strict=True):
-            sample.update({"chosen_logp": chosen, "rejected_logp": rejected})
+        tasks = run_tasks(model, tokenizer, lm_eval)
+        metrics["lm_eval"] = with_base(tasks, (base_metrics or {}).get("lm_eval"))
+    if share.rank != 0:  # rank 0 writes
+        return None
+    metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
+                    "model": str(model_dir), "max_new_tokens": max_new_tokens,
+                    "processes": share.world})  # fmt: skip
+    if "chosen_logp" in samples[0]:
         metrics["preference"] = preference(samples, base_pairs, beta)
     if base_metrics is not None:
         against_base(metrics, base_metrics)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,40 +36,45 @@ class HeldOut:
 
     def __init__(self, spec: Mapping[str, Any], seed: int, rank: int, world: int, tokenizer):
         from snaketune.core.rows import pad_id
+        from snaketune.evaluation.sharded import Share
 
-        rows = eval_rows(Path(spec["path"]), spec["limit"], seed)
-        self.examples, self.world = len(rows), world
-        self.mine = rows[rank::world]  # every example on exactly one rank
+        self.rows = eval_rows(Path(spec["path"]), spec["limit"], seed)
+        self.examples, self.world = len(self.rows), world
+        self.share = Share(rank, world)
+        self.mine = self.share.mine(self.rows)  # every example on exactly one rank
         self.metric = spec["metric"]
         self.kind = "answers" if spec["metric"] in ANSWERS or spec.get("answers") else "loss"
         self.batch_size, self.max_new_tokens = spec["batch_size"], spec["max_new_tokens"]
+        self.gather = spec.get("gather_for_generation", "auto")  # ZeRO-3: whole or sharded
         self.tokenizer, self.pad = tokenizer, pad_id(tokenizer)
         # every rank runs as many forward passes (ZeRO-3 gathers weights collectively)
-        self.batches = math.ceil(math.ceil(len(rows) / world) / self.batch_size)
+        self.batches = self.share.batches(self.examples, self.batch_size)
 
     def describe(self, seconds: float, step_seconds: float | None) -> str:
         cost = f", about {seconds / step_seconds:.1f} training steps" if step_seconds else ""
         return (f"held-out pass: {self.examples} examples ({self.kind}: {self.metric}) on "
                 f"{self.world} ranks took {seconds:.1f} s{cost}")  # fmt: skip
 
-    def run(self, model, generation_model=None) -> dict[str, float]:
-        """The pass's figures, summed over every rank (a collective: all ranks call it)."""
+    def run(self, model, generation_model=None, synced: bool = False) -> dict[str, float]:
+        """The pass's figures, summed over every rank (a collective: all ranks call it), with
+        the evaluate stage's own code. ``generation_model``: the whole model to generate
+        with (ZeRO-3 gathered); ``synced``: generate on the sharded ``model`` instead, every
+        rank as many calls, in step (transformers' synced_gpus)."""
         import torch
 
         from snaketune.core.collective import gather_combined
+        from snaketune.evaluation.evaluate import heldout_loss
 
         began = time.monotonic()
-        total, count = loss_sums(model, self.mine, self.batch_size, self.pad, self.batches)
-        total, count = gather_combined([total, float(count)], ("sum", "sum"))
-        loss = total / max(count, 1.0)
-        figures = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                   "response_tokens": int(count)}  # fmt: skip
+        figures: dict[str, float] = heldout_loss(model, self.rows, self.batch_size, self.pad,
+                                                 self.share)  # fmt: skip
         if self.kind == "answers":  # and greedy generations, checked as evaluate does
             from snaketune.evaluation.evaluate import generate, score
 
             with torch.no_grad():
                 texts, stopped = generate(generation_model or model, self.tokenizer, self.mine,
-                                          self.batch_size, self.max_new_tokens)  # fmt: skip
+                                          self.batch_size, self.max_new_tokens,
+                                          self.batches if synced else None)  # fmt: skip
             got = {"exact_match": 0.0, "math_verify": 0.0}
             if self.mine:
                 got = score(self.mine, texts, stopped, self.tokenizer)[1]
@@ -81,26 +85,6 @@ class HeldOut:
                             "math_verify": verified / self.examples})  # fmt: skip
         figures.update({"examples": self.examples, "seconds": time.monotonic() - began})
         return figures
-
-
-def loss_sums(model, rows: list[dict], batch_size: int, pad: int, batches: int
-              ) -> tuple[float, int]:  # fmt: skip
-    """Summed response-token NLL and token count of ``rows`` in exactly ``batches`` forward
-    passes (a rank with fewer rows repeats one and counts nothing of it)."""
-    from snaketune.evaluation.evaluate import nll_sums
-
-    total, count = 0.0, 0
-    for b in range(batches):
-        batch = rows[b * batch_size : (b + 1) * batch_size]
-        if batch:
-            t, c = nll_sums(model, batch, pad)
-            total, count = total + t, count + c
-        else:  # keep step with the other ranks
-            nll_sums(model, rows[:1] or [DUMMY], pad)
-    return total, count
-
-
-DUMMY = {"input_ids": [0, 0], "labels": [-100, 0]}
 
 
 @contextlib.contextmanager
@@ -132,16 +116,20 @@ def install(trainer, heldout: HeldOut) -> None:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         from trl.models import unwrap_model_for_generation
 
+        from snaketune.evaluation.sharded import gather_for_generation, is_sharded
+
         model = self.model
         training = model.training
         model.eval()
         try:
             with padded_attention(model):
-                if heldout.kind == "answers":  # the whole model on each rank (ZeRO-3: gathered)
+                if heldout.kind != "answers":
+                    figures = heldout.run(model)
+                elif is_sharded(model) and not gather_for_generation(heldout.gather, model):
+                    figures = heldout.run(model, synced=True)  # no GPU holds the whole model
+                else:  # the whole model on each rank (ZeRO-3: gathered)
                     with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as whole:
                         figures = heldout.run(model, whole)
-                else:
-                    figures = heldout.run(model)
         finally:
             model.train(training)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in figures.items()}

@@ -141,6 +141,8 @@ def run_tasks(model, tokenizer, settings: dict[str, Any]) -> dict[str, Any]:
         torch_random_seed=0,
         fewshot_random_seed=0,
     )
+    if output is None:  # a rank past the first of a sharded model: rank 0 has the figures
+        return {}
     figures = collect(output["results"])
     for task, metrics in figures.items():
         for key, f in metrics.items():

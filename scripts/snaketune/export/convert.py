@@ -14,7 +14,6 @@ import ctypes
 import json
 import logging
 import math
-import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from snaketune.core.errors import DataError
-from snaketune.core.io import atomic_path
+from snaketune.core.io import atomic_path, parse_size
 from snaketune.export.zero_checkpoint import ST_NAMES, ZeroCheckpoint, safetensors_refs
 
 log = logging.getLogger(__name__)
@@ -57,14 +56,6 @@ def export_dtype(choice: str, probe: Path) -> torch.dtype:
     with safe_open(str(probe), framework="pt") as st:
         precision = (st.metadata() or {}).get("precision", "fp32")
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> bytes (decimal units, as transformers uses)."""
-    m = re.fullmatch(r"\s*(\d+)\s*(B|KB|MB|GB|TB)\s*", text.upper())
-    if not m:
-        raise DataError(f"max_shard_size {text!r}: use a number and a unit, e.g. 2GB or 500MB")
-    return int(m.group(1)) * 1000 ** ["B", "KB", "MB", "GB", "TB"].index(m.group(2))
 
 
 PlanEntry = tuple[str, tuple[int, ...], torch.dtype]  # name, shape, dtype as read

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # What the Hub repo gets from the final model's directory (no training state, no provenance
 # with local paths and host names: its sha256 is in the card).
-MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json",
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json",
                "generation_config.json", "tokenizer*", "special_tokens_map.json",
                "chat_template.jinja", "vocab.json", "merges.txt", "*.model")  # fmt: skip
 # Run keys shown as hyperparameters in the card (and the run's method block, as its method
@@ -107,6 +107,28 @@ def exported_lines(exported: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def loading_lines(repo_id: str, base_id: str | None) -> list[str]:
+    """The card's section on loading an adapter (a run with export.merged: false)."""
+    base = base_id or "<the base model>"
+    return [
+        "## How to load",
+        "",
+        "This repository holds a LoRA adapter, not a whole model: load its base, then the "
+        "adapter on it (peft).",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{base}", dtype="auto")',
+        f'model = PeftModel.from_pretrained(base, "{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        "# model.merge_and_unload() folds the adapter into the base weights",
+        "```",
+        "",
+    ]
+
+
 def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: dict[str, Any],
               provenance_sha: str, license_: str, repo_id: str) -> str:  # fmt: skip
     """The model card: metadata (license, base model, datasets, model-index) and a body."""
@@ -122,6 +144,10 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         model_name=repo_id,
         eval_results=eval_results(metrics, spec.get("eval_dataset", "eval")) or None,
     )
+    adapter = sources.get("adapter", False)
+    if adapter:  # the adapter alone (export.merged: false): peft loads it on its base
+        data.library_name, data.tags = "peft", [*data.tags, "lora"]
+        data.base_model = base.get("id")
     hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
     method = method_of(spec)
     if method.block in spec:
@@ -143,6 +169,7 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         "## Training data", "", *[f"- {pinned(d)}" for d in datasets], "",
         "## Hyperparameters", "", "```json", json.dumps(hyper, indent=2, sort_keys=True), "```", "",
         *exported_lines(sources.get("exported")),
+        *(loading_lines(repo_id, base.get("id")) if adapter else []),
         "## Evaluation", "",
         "| dataset | metric | value |", "|---|---|---|", rows or "| - | - | - |", "",
         "## Provenance", "",
@@ -179,7 +206,12 @@ def build_folder(run: str, spec: dict[str, Any], model_dir: Path, metrics_path: 
                 copied.append(f.name)
     if not any(name.endswith(".safetensors") for name in copied):
         raise UserError(f"{model_dir}: no safetensors weights to publish")
-    sources = {"base": source_of(base), "datasets": datasets}
+    sources = {"base": source_of(base), "datasets": datasets,
+               "adapter": (out / "adapter_config.json").is_file()}  # fmt: skip
+    if sources["adapter"]:  # the base named as the Hub knows it, not a local path
+        adapter_config = json.loads((out / "adapter_config.json").read_text())
+        adapter_config["base_model_name_or_path"] = sources["base"].get("id")
+        (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     train = model_dir.parent / "train" / "provenance.json"  # which step was exported, and why
     if train.is_file():
         sources["exported"] = _read_json(train).get("exported")

@@ -176,6 +176,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     counter: RolloutCounter = data.collator
     prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
     sampler = group_batches(data.batches, grpo["num_generations"])
+    decided: list[bool] = []
 
     class PlannedGRPOTrainer(GRPOTrainer):
         def get_train_dataloader(self) -> DataLoader:
@@ -187,6 +188,13 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             return [list(prompt_ids[p]) for p in prompts], None, {}
 
         def _generate_and_score_completions(self, inputs):
+            if not decided:  # ZeRO-3: the whole model per GPU, or generate on the shards
+                from snaketune.evaluation.sharded import gather_for_generation, is_sharded
+
+                if is_sharded(self.model):
+                    self.args.ds3_gather_for_generation = gather_for_generation(
+                        ctx.run.get("gather_for_generation", "auto"), self.model)  # fmt: skip
+                decided.append(True)
             out = super()._generate_and_score_completions(inputs)
             if self.model.training:
                 counter.count(out["prompt_mask"], out["completion_mask"])

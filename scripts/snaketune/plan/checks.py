@@ -178,7 +178,9 @@ def before_queueing(
               file=sys.stderr)  # fmt: skip
     mem_mb = {job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs
               if job.rule == "train"}  # fmt: skip
-    found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb)
+    stage_mem = {(job.rule, job.wildcards["run"]): job.resources.get("mem_mb") for job in jobs
+                 if job.rule in ("convert_checkpoint", "merge_lora")}  # fmt: skip
+    found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb, stage_mem)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
     if not local_exec:

@@ -171,6 +171,9 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
              f"{where}.lora: only for method {adapters[0]} (or "
              f"{', '.join(n for n, m in every.items() if m.adapter == 'optional')}); remove it "
              f"or set method: {adapters[0]}")  # fmt: skip
+    _require(method.adapter_of(run) == "lora" or run["export"]["merged"],
+             f"{where}.export.merged: false keeps a LoRA run's adapter as its model; this run "
+             "trains every weight (its converted model is the model): remove the key")  # fmt: skip
     starters = [n for n, m in every.items() if m.starts_from_runs]
     _require("init_from" not in run or method.starts_from_runs,
              f"{where}.init_from: only for {_named(starters)} (a run of method "

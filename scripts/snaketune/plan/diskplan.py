@@ -90,7 +90,8 @@ def run_need(shape: Shape, s: Setup, keep: int, optimizer: str, gathered: bool =
         checkpoints = min(keep + 1, 2) * one.whole + max(keep - 1, 0) * one.reduced
     else:
         checkpoints = (keep + 1) * one.whole
-    exports = one.model + (s.bytes_per_weight * shape.params if s.adapter != "full" else 0.0)
+    merged = s.adapter != "full" and s.merged  # export.merged: false writes the adapter alone
+    exports = one.model + (s.bytes_per_weight * shape.params if merged else 0.0)
     parts = {
         "checkpoint": one.whole,
         "checkpoints": checkpoints,

@@ -16,6 +16,7 @@ from snaketune.data.sources import hub_config_json
 from snaketune.plan.advice import format_plan, plan_run
 from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate
 from snaketune.plan.runspec import RunSpec
+from snaketune.plan.stageplan import format_stages, stage_memory, stage_plans, stage_problems
 
 
 def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
@@ -56,6 +57,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         vllm_share=extra.get("vllm_share", 0.0),
         quantized=spec.quantized,
         double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
+        merged=not spec.adapter_only,
     )
 
 
@@ -138,8 +140,10 @@ def plan_config(
                 f"in {model_dir_of(config, run, workdir)}: {why}; " + download_advice(config_path)
             )
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        chosen = gpu if gpu is not None else run.get("gpu", config.get("gpu"))
-        plans.append({"run": name, **plan_run(shape, setup_of(run, deepspeed), gpu_memory(chosen))})
+        chosen = gpu_memory(gpu if gpu is not None else run.get("gpu", config.get("gpu")))
+        plan = {"run": name, **plan_run(shape, setup_of(run, deepspeed), chosen)}
+        plan["stages"] = stage_plans(config, name, shape, chosen)
+        plans.append(plan)
     return plans
 
 
@@ -184,14 +188,15 @@ def locate_config_json(
 
 def check_runs(
     config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool,
-    mem_mb: dict[str, Any] | None = None,
+    mem_mb: dict[str, Any] | None = None, stage_mem: dict[tuple[str, str], Any] | None = None,
 ) -> list[str]:  # fmt: skip
     """The workflow's check before anything is queued: a line per run that cannot fit.
 
     Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
     machine (``local``) against this machine's memory, others not at all. A run whose jobs
     are queued (not ``local``) has its CPU memory per node checked against its train job's
-    (``mem_mb``, by run). A run whose model's config.json cannot be read yet (a model a job
+    (``mem_mb``, by run), and its conversion and merge jobs' (``stage_mem``, by rule and
+    run) against their plans. A run whose model's config.json cannot be read yet (a model a job
     will build or download) is skipped, with a log line. ``skip_memory_check`` turns a
     refusal into a warning.
     """
@@ -212,6 +217,7 @@ def check_runs(
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup_of(run, deepspeed), None),
                                 float(mem_mb[name]))  # fmt: skip
+        later = stage_checks(config, name, shape, local, stage_mem or {}, say)
         if gpu is not None:
             plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
             line = format_plan(name, plan)
@@ -224,6 +230,7 @@ def check_runs(
         else:
             say(f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
                 "`config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
+            found += later
             continue
         if plan["fits"] is not False:
             say(line)
@@ -231,7 +238,24 @@ def check_runs(
             say(f"{line} (skip_memory_check is set: going ahead)")
         else:
             found.append(f"{line} (or set skip_memory_check: true on the run)")
+        found += later
     return found
+
+
+def stage_checks(config: dict[str, Any], name: str, shape: Shape, local: bool,
+                 stage_mem: dict[tuple[str, str], Any], say) -> list[str]:  # fmt: skip
+    """The plans of run ``name``'s other stages, said; a line per stage that cannot fit its
+    GPUs, or (queued jobs) whose job asks less memory than it needs."""
+    run = config["runs"][name]
+    gpu = gpu_memory(run.get("gpu", config.get("gpu")))
+    stages = stage_plans(config, name, shape, gpu)
+    for line in format_stages(name, stages):
+        say(line)
+    if run.get("skip_memory_check"):
+        return []
+    return stage_problems(name, stages, gpu) + (
+        [] if local else stage_memory(name, stages, stage_mem)
+    )
 
 
 def job_memory(name: str, plan: dict[str, Any], mem_mb: float) -> list[str]:

@@ -174,6 +174,7 @@ class Setup:
     vllm_share: float = 0.0  # GRPO with vLLM: its share of each GPU's memory
     quantized: bool = False  # a 4-bit base (lora.quantize: 4bit)
     double_quant: bool = True  # its quantization constants quantized too
+    merged: bool = True  # a LoRA run writes its merged model (export.merged)
 
     @property
     def gpus(self) -> int:

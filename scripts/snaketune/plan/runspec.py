@@ -20,8 +20,14 @@ from snaketune.methods import Method, method_of
 
 # The directory under results/<run>/ of the model a run ends with, by what it trains.
 FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
+ADAPTER_ONLY = "lora_adapters"  # a LoRA run with export.merged: false ends with its adapter
 # The LoRA keys that decide how a 4-bit base is quantized (and so what a model computes).
 QUANTIZATION_KEYS = ("quantize", "quant_type", "double_quant", "compute_dtype")
+
+
+def merged(run: Mapping[str, Any]) -> bool:
+    """export.merged (a train job's spec, which carries no export block: true)."""
+    return bool(run.get("export", {}).get("merged", True))
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,15 @@ class RunSpec:
             quantization={k: lora[k] for k in QUANTIZATION_KEYS} if quantized else None,
             reference_stage=method.reference_stage(run),
             balances_tokens=bool(run["packing"]) or method.trains_on == "pairs",
-            final_model=FINAL_MODEL[adapter],
+            final_model=ADAPTER_ONLY
+            if adapter == "lora" and not merged(run)
+            else FINAL_MODEL[adapter],
         )
+
+    @property
+    def adapter_only(self) -> bool:
+        """Its final model is its adapter (export.merged: false): loaded on its base."""
+        return self.final_model == ADAPTER_ONLY
 
     @property
     def quantized(self) -> bool:

@@ -241,6 +241,9 @@ def train_spec(run: dict[str, Any], reference: str | None = None,
         spec[block] = {**spec[block], "reference_logps": reference}
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
+    gather = run["eval"].get("gather_for_generation", "auto")
+    if gather != "auto":  # GRPO's completions under ZeRO-3 (the default left unsaid)
+        spec["gather_for_generation"] = gather
     return as_json(spec)
 
 

@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from snaketune.core.errors import ConfigError
+from snaketune.plan.runspec import merged
 
 MAX_NAME = 64
 EVAL_FIGURES = ("exact_match", "math_verify", "loss", "perplexity", "stop_rate")
@@ -300,6 +301,10 @@ def _chain(name: str, runs: Mapping[str, Any], sweeps: Mapping[str, list[str]]) 
                 f"({', '.join(sorted(values))}); start from one member, or sweep a key "
                 "that keeps it",
             )
+        kept = [m for m in sweeps.get(parent, [parent]) if not merged(runs[m])]
+        _require(not kept, f"{where}.init_from: {parent!r} keeps no merged model "
+                 "(export.merged: false): a run starts from a whole model; set export.merged: "
+                 f"true on {kept[0] if kept else parent!r}")  # fmt: skip
         current = members[0]
     return chain
 

@@ -107,8 +107,8 @@ def until_targets(config: dict[str, Any], until: set[str]) -> list[str]:
                 out.append(f"results/{name}/train/metrics.jsonl")
             elif rule == "convert_checkpoint":
                 out.append(f"results/{name}/{export_kind(run)}")
-            elif RunSpec.of(run).trains_lora:
-                out.append(f"results/{name}/merged_model")
+            elif RunSpec.of(run).trains_lora:  # its final model (the adapter: merged: false)
+                out.append(f"results/{name}/{RunSpec.of(run).final_model}")
     return list(dict.fromkeys(out))
 
 

@@ -1,0 +1,132 @@
+"""The memory plan of an evaluate stage against what evaluation really holds, on CPU.
+
+    python bench/eval_memory.py              # a random Llama of 29M weights
+    python bench/eval_memory.py --short      # 7M weights (the suite's short form)
+    python bench/eval_memory.py --json
+
+A random Llama (vocabulary 4096) is evaluated as the evaluate stage does it, in fp32 on one
+process: the held-out loss pass over a batch (snaketune.evaluation.evaluate.heldout_loss)
+and greedy generation of the batch with the KV cache (forced to its full max_new_tokens),
+under PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` (the CPU
+counterpart of ``torch.cuda.max_memory_allocated``: the largest sum of live tensors). The
+plan: snaketune.plan.stageplan.eval_bytes for the same settings at 4 bytes a weight, its
+margin (fragmentation, CUDA context) set aside, a logit at the 12 bytes the loss pass
+costs on a CPU (on a GPU the plan counts w + 4). Each phase is measured alone, so the table
+says which of the two the plan's "larger of loss pass and generation" picks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# bench/tokenize.py is named like the stdlib's tokenize module: take the folder off the path
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import argparse
+import json
+import tempfile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+SIZES = {
+    "full": {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
+             "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "short": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2},
+}  # fmt: skip
+BATCH, PROMPT, NEW = 8, 256, 64
+
+
+def peak(fn) -> int:
+    """The largest sum of live tensor storage while ``fn`` runs (MemTracker; its per-module
+    figures cleared at each module's next call: generation calls every module once per
+    token, which MemTracker's module accounting refuses; the overall peak is kept)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # the module's second call
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    tracker = Tracker()
+    with tracker:
+        fn()
+    (values,) = tracker.get_tracker_snapshot("peak").values()
+    return int({getattr(k, "value", k): v for k, v in values.items()}["Total"])
+
+
+def measure(sizes: dict) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snaketune.evaluation.evaluate import heldout_loss
+    from snaketune.plan.memplan import Shape
+    from snaketune.plan.stageplan import eval_bytes
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:  # saved and loaded, as the stage loads it
+        LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False)).save_pretrained(tmp)
+        model = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        shape = Shape.from_config(json.loads(Path(tmp, "config.json").read_text()))
+    ids = torch.randint(1, sizes["vocab_size"], (BATCH, PROMPT))
+    rows = [{"input_ids": r.tolist(), "labels": [-100] * (PROMPT // 2) + r[PROMPT // 2 :].tolist()}
+            for r in ids]  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def loss() -> None:
+        heldout_loss(model, rows, BATCH, 0)
+
+    def generate() -> None:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)  # fmt: skip
+
+    loss(), generate()  # warm: lazily built kernels and caches out of the figures
+    got = {"weights": weights, "loss_pass": peak(loss) - weights,
+           "generation": peak(generate) - weights}  # fmt: skip
+    # on this CPU a logit costs 12 bytes in the loss pass: the fp32 logits, the copy that
+    # flattening their shifted view makes, and log-softmax's output (on a GPU: w + 4)
+    plan = eval_bytes(shape, 1, BATCH, PROMPT, NEW, w=4, logit_bytes=12)
+    plan["generation"] = plan["kv_cache"] + plan["prefill"]
+    plan["planned"] = plan["weights"] + max(plan["loss_pass"], plan["generation"])
+    got["plan"] = plan
+    got["measured"] = weights + max(got["loss_pass"], got["generation"])
+    got["params"] = shape.params
+    return got
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="a 7M-weight model")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    got = measure(SIZES["short" if args.short else "full"])
+    if args.json:
+        print(json.dumps(got))
+        return 0
+    mib, p = 2**20, got["plan"]
+    print(
+        f"CPU, fp32, one process; {got['params'] / 1e6:.1f}M weights; batch {BATCH} x "
+        f"{PROMPT} tokens, {NEW} new tokens; MiB"
+    )
+    print("| part | planned | measured (MemTracker) |")
+    print("|---|---:|---:|")
+    print(f"| weights | {p['weights'] / mib:.1f} | {got['weights'] / mib:.1f} |")
+    print(f"| loss pass (the logits, 12 bytes each on CPU) | {p['loss_pass'] / mib:.1f} | "
+          f"{got['loss_pass'] / mib:.1f} |")  # fmt: skip
+    print(f"| generation (KV cache {p['kv_cache'] / mib:.1f} + prefill MLP "
+          f"{p['prefill'] / mib:.1f}) | {p['generation'] / mib:.1f} | "
+          f"{got['generation'] / mib:.1f} |")  # fmt: skip
+    print(f"| total (weights + the larger) | {p['planned'] / mib:.1f} | "
+          f"{got['measured'] / mib:.1f} |")  # fmt: skip
+    print(f"plan / measured: {p['planned'] / got['measured']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The memory plan of a run's stages besides training, and the layout it decides for the
+evaluate stages (evaluate_base, evaluate_start, evaluate).
+
+An evaluate job holds the model in the GPUs' precision (bf16: 2 bytes a weight) and the
+larger of a batch's loss pass (its logits) and a batch's generation (the KV cache, and the
+prompt's pass through an MLP while it fills): one comes after the other
+(bench/eval_memory.py measures both). Over N GPUs the
+weights are sharded (DeepSpeed ZeRO-3, snaketune.evaluation.sharded): 1/N of them on each,
+plus the largest layer gathered for its forward. ``eval.nodes`` and ``eval.gpus_per_node``
+are `auto` by default: one GPU where the model fits it, else the fewest GPUs of one node
+(up to the run's gpus_per_node) that hold it, then more of the run's nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snaketune.plan.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape, quant_bytes
+
+EVAL_BYTES = 2  # an evaluate job on GPUs runs in bf16 (fp16 where bf16 is missing)
+
+
+def eval_bytes(shape: Shape, processes: int, batch: int, prompt: int, new_tokens: int,
+               w: int = EVAL_BYTES, four_bit: bool | None = None,
+               logit_bytes: int | None = None) -> dict[str, float]:  # fmt: skip
+    """Bytes per GPU of an evaluation over ``processes`` GPUs, by what holds it (unrounded);
+    ``four_bit`` (its double quantization): a 4-bit run's adapter on its base as trained
+    (the decoder linears in 4 bits, the other weights in fp32 after peft's k-bit
+    preparation); ``logit_bytes``: bytes a logit costs in the loss pass (on a GPU w + 4:
+    the logits and their fp32 copy, moved to the CPU for the loss)."""
+    weights = shape.params * w / processes
+    if four_bit is not None:
+        rest = shape.params - shape.linear_params
+        weights = 4 * rest + quant_bytes(four_bit) * shape.linear_params
+    tokens = batch * prompt
+    return {
+        "weights": weights,
+        "gathered_layer": shape.largest_layer * w if processes > 1 else 0,
+        "loss_pass": tokens * shape.vocab * (logit_bytes or w + 4),
+        # the KV cache of prompt and completion, and the prompt's pass through one MLP
+        # (gate, up and their product) while the cache fills
+        "kv_cache": 2
+        * shape.layers
+        * shape.kv_heads
+        * shape.head_dim
+        * batch
+        * (prompt + new_tokens)
+        * w,
+        "prefill": 3 * tokens * shape.intermediate * w,
+    }
+
+
+def eval_gib(shape: Shape, processes: int, batch: int, prompt: int, new_tokens: int,
+             w: int = EVAL_BYTES, four_bit: bool | None = None) -> dict[str, float]:  # fmt: skip
+    """GiB per GPU of an evaluation (``eval_bytes``) and the total: the weights and the
+    larger of the loss pass and generation (one comes after the other), with the margin."""
+    parts = {k: v / GIB for k, v in eval_bytes(shape, processes, batch, prompt, new_tokens, w,
+                                               four_bit).items()}  # fmt: skip
+    used = (parts["weights"] + parts["gathered_layer"]
+            + max(parts["loss_pass"], parts["kv_cache"] + parts["prefill"]))  # fmt: skip
+    parts["total"] = used * (1 + FRAGMENTATION) + CONTEXT_GIB
+    return {k: round(v, 2) for k, v in parts.items()}
+
+
+@dataclass(frozen=True)
+class EvalLayout:
+    """Where a run's evaluate stages run, and why."""
+
+    nodes: int
+    gpus_per_node: int
+    per_gpu_gib: float | None  # the plan's figure on that layout (None: not planned)
+    why: str
+
+    @property
+    def processes(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
+                final: bool = False) -> EvalLayout:  # fmt: skip
+    """The evaluate stages' layout of a validated run: its ``eval.nodes`` and
+    ``eval.gpus_per_node`` where given, else (``auto``) the fewest GPUs that hold the
+    model, from the plan against ``gpu_gib``; one GPU when either is unknown. ``final``:
+    the layout of the run's own model (rule evaluate), which for a 4-bit run that keeps
+    its adapter (export.merged: false) is that adapter on the 4-bit base, on one GPU."""
+    from snaketune.plan.runspec import RunSpec
+
+    settings = run["eval"]
+    nodes, gpus = settings.get("nodes", "auto"), settings.get("gpus_per_node", "auto")
+    size = (settings["batch_size"], run["max_length"], settings["max_new_tokens"])
+    spec, four_bit = RunSpec.of(run) if final else None, None
+    if spec is not None and spec.adapter_only and spec.quantized:
+        four_bit = bool(spec.quantization["double_quant"])
+
+    def figure(n: int) -> float | None:
+        return None if shape is None else eval_gib(shape, n, *size, four_bit=four_bit)["total"]
+
+    if four_bit is not None:  # evaluate.py loads it so on one GPU, whatever eval asks
+        return EvalLayout(1, 1, figure(1), "the adapter on its 4-bit base as trained "
+                          "(export.merged: false) runs on one GPU")  # fmt: skip
+
+    if nodes != "auto" and gpus != "auto":
+        why = "as set (eval.nodes, eval.gpus_per_node)"
+        return EvalLayout(nodes, gpus, figure(nodes * gpus), why)
+    if shape is None or gpu_gib is None:
+        why = "no config.json to plan from yet" if shape is None else "no `gpu` to plan against"
+        return EvalLayout(1 if nodes == "auto" else nodes, 1 if gpus == "auto" else gpus,
+                          figure(1), f"auto: one GPU ({why})")  # fmt: skip
+    node_choices = [nodes] if nodes != "auto" else list(range(1, run["nodes"] + 1))
+    gpu_choices = [gpus] if gpus != "auto" else list(range(1, run["gpus_per_node"] + 1))
+    for n in node_choices:
+        for g in gpu_choices if n == node_choices[0] else gpu_choices[-1:]:
+            need = figure(n * g)
+            if need is not None and need <= gpu_gib:
+                return EvalLayout(n, g, need, f"auto: the fewest GPUs that hold the model "
+                                  f"({need:.1f} GiB per GPU of {gpu_gib:g})")  # fmt: skip
+    n, g = node_choices[-1], gpu_choices[-1]
+    return EvalLayout(n, g, figure(n * g), f"auto: no layout of the run's {run['nodes']} "
+                      f"node(s) x {run['gpus_per_node']} GPU(s) holds the model")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(path: str) -> Shape:
+    import json
+
+    return Shape.from_config(json.loads(Path(path).read_text()), path)
+
+
+def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),
+                    final: bool = False) -> EvalLayout:  # fmt: skip
+    """``eval_layout`` of run ``name`` of a validated config: its model's config.json where
+    it can be read now (snaketune.plan.fit.locate_config_json), its `gpu` (or the config's)."""
+    from snaketune.core.errors import UserError
+    from snaketune.plan.fit import gpu_memory, locate_config_json
+
+    run = config["runs"][name]
+    settings = run["eval"]
+    if settings.get("nodes", "auto") != "auto" and settings.get("gpus_per_node", "auto") != "auto":
+        return eval_layout(run, None, None, final)  # as set: nothing to read
+    path, _ = locate_config_json(config, run, workdir)
+    try:
+        shape = _shape(str(path)) if path is not None else None
+    except UserError:  # an architecture the plan cannot count: the train check says so
+        shape = None
+    return eval_layout(run, shape, gpu_memory(run.get("gpu", config.get("gpu"))), final)
+
+
+def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
+                    ) -> tuple[int, int]:  # fmt: skip
+    """(nodes, GPUs per node) of an evaluate job of ``run``: its plan's layout
+    (snaketune.plan.stageplan), or inside a SLURM job what the job was given (the layout
+    decided when it was queued: config.json may have been downloaded since)."""
+    import os
+
+    if job_side and os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_GPUS_ON_NODE"):
+        return int(os.environ.get("SLURM_JOB_NUM_NODES", 1)), int(os.environ["SLURM_GPUS_ON_NODE"])
+    layout = run_eval_layout(config, run, final=final)
+    return layout.nodes, layout.gpus_per_node
+
+
+def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float | None
+                ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The GPU stages of run ``name`` besides training, planned: each evaluate stage it
+    runs (its layout, GiB per GPU, whether that fits ``gpu_gib``)."""
+    run = config["runs"][name]
+    if "eval_dataset" not in run:
+        return export_plans(run, shape)
+    from snaketune.plan.stages import evaluates_its_start
+
+    stages = {"evaluate": True}
+    if "init_from" not in run:
+        stages["evaluate_base"] = False
+    elif evaluates_its_start(config, name):
+        stages["evaluate_start"] = False
+    out: dict[str, dict[str, Any]] = export_plans(run, shape)
+    for stage, final in stages.items():
+        layout = eval_layout(run, shape, gpu_gib, final)
+        fits = None if gpu_gib is None else layout.per_gpu_gib <= gpu_gib
+        out[stage] = {"nodes": layout.nodes, "gpus_per_node": layout.gpus_per_node,
+                      "per_gpu_gib": layout.per_gpu_gib, "fits": fits,
+                      "why": layout.why}  # fmt: skip
+    return out
+
+
+LIBRARIES_GIB = 0.35  # torch and transformers imported (bench/convert.py: ~330 MiB)
+
+
+def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]:
+    """CPU memory of convert_checkpoint and merge_lora (no GPU): both stream one tensor at a
+    time and gate the written model with a load budget of one shard (docs/benchmarks.md,
+    measured at 285M weights); a LoRA run's conversion gates the adapter on its base,
+    which stays memory-mapped where it is read in its own dtype, but a 4-bit run's base is
+    dequantized into memory as the run computed with it (P x 2 bytes)."""
+    from snaketune.core.io import parse_size
+    from snaketune.plan.runspec import RunSpec
+
+    spec = RunSpec.of(run)
+    shard = parse_size(run["export"]["max_shard_size"])
+    streamed = LIBRARIES_GIB + (4 * shape.largest_layer + 2 * shard) / GIB
+    out = {"convert_checkpoint": {"cpu_gib": round(streamed, 2), "why": "one tensor at a "
+                                  "time, the gate's load budget of a shard"}}  # fmt: skip
+    if spec.trains_lora and spec.quantized:
+        out["convert_checkpoint"] = {
+            "cpu_gib": round(LIBRARIES_GIB + 2 * shape.params / GIB + 2 * shard / GIB, 2),
+            "why": "the adapter's gate holds the 4-bit base dequantized (2 bytes a weight)",
+        }
+    if spec.trains_lora and not spec.adapter_only:
+        out["merge_lora"] = {
+            "cpu_gib": round(streamed, 2),
+            "why": "one base tensor at a time, the gate's load budget of a shard",
+        }
+    return out
+
+
+def format_stages(name: str, stages: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per planned stage."""
+    lines = [f"{name}: {stage}: about {p['cpu_gib']:.1f} GiB of CPU memory ({p['why']})"
+             for stage, p in stages.items() if "cpu_gib" in p]  # fmt: skip
+    for stage, p in stages.items():
+        if "cpu_gib" in p:
+            continue
+        verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[p["fits"]]
+        sharded = " (ZeRO-3 shards)" if p["nodes"] * p["gpus_per_node"] > 1 else ""
+        lines.append(f"{name}: {stage} on {p['nodes']} node(s) x {p['gpus_per_node']} GPU(s)"
+                     f"{sharded}: {p['per_gpu_gib']:.1f} GiB per GPU, {verdict}; "
+                     f"{p['why']}")  # fmt: skip
+    return lines
+
+
+def stage_problems(name: str, stages: dict[str, dict[str, Any]], gpu_gib: float) -> list[str]:
+    """A line per stage that cannot fit, with the changes that would."""
+    return [f"runs.{name}: {stage} needs {p['per_gpu_gib']:.1f} GiB per GPU on its largest "
+            f"layout ({p['nodes']} node(s) x {p['gpus_per_node']} GPU(s)), more than the "
+            f"GPU's {gpu_gib:g}; lower eval.batch_size (its KV cache and logits), or give the "
+            "run more GPUs per node or nodes (eval.nodes, eval.gpus_per_node)"
+            for stage, p in stages.items() if p.get("fits") is False]  # fmt: skip
+
+
+def stage_memory(name: str, stages: dict[str, dict[str, Any]],
+                 asked: dict[tuple[str, str], Any]) -> list[str]:  # fmt: skip
+    """A line per CPU stage whose job asks less memory (mem_mb, by rule and run) than its
+    plan: SLURM would end it once it is loaded."""
+    lines = []
+    for stage, p in stages.items():
+        mem = asked.get((stage, name))
+        if "cpu_gib" not in p or not mem or p["cpu_gib"] * 1024 <= float(mem):
+            continue
+        lines.append(f"runs.{name}: its {stage} job asks {float(mem):g} MB of memory "
+                     f"(mem_mb), but about {p['cpu_gib']:.1f} GiB are needed ({p['why']}); "
+                     f"raise set-resources {stage}: mem_mb to at least "
+                     f"{math.ceil(p['cpu_gib'] * 1.1 * 1024)} in the profile")  # fmt: skip
+    return lines
