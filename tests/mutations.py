@@ -60,6 +60,13 @@ MUTATIONS = (
          "tests/test_oracles.py::test_heldout_pass_loss_is_the_token_mean_of_the_label_nll"),
     ),
     Mutation(
+        "share-order", "a sharded evaluation joins the ranks' shares rank after rank, not in the eval set's order",
+        f"{LIB}/evaluation/sharded.py",
+        "        return [every[i % self.world][i // self.world] for i in range(total)]",
+        "        return [x for part in every for x in part]",
+        ("tests/test_big_models.py::test_every_rank_share_joins_back_in_the_eval_sets_order",),
+    ),
+    Mutation(
         "kept-best", "worker.kept_best inverts greater-is-better",
         f"{LIB}/train/worker.py",
         "    return metric, heldout.greater_is_better(metric)",
@@ -75,8 +82,8 @@ MUTATIONS = (
     ),
     Mutation(
         "double-quant", "the memory plan assumes double quantization always",
-        f"{LIB}/plan/memplan.py",
-        '        double_quant=bool((run.get("lora") or {}).get("double_quant", True)),',
+        f"{LIB}/plan/fit.py",
+        '        double_quant=bool(spec.quantized and spec.quantization["double_quant"]),',
         "        double_quant=True,",
         ("tests/test_memplan.py::test_4bit_weights_are_what_bitsandbytes_holds",),
     ),

@@ -72,9 +72,8 @@ def test_every_rank_share_joins_back_in_the_eval_sets_order():
     assert [len(s) for s in shares] == [4, 4, 3]
     assert sorted(x for s in shares for x in s) == rows
     assert {Share(r, 3).batches(len(rows), 2) for r in range(3)} == {2}
-    # in_order's arithmetic, as rank 0 applies it to the gathered shares
-    joined = [shares[i % 3][i // 3] for i in range(len(rows))]
-    assert joined == rows
+    assert Share(0, 3).join(shares) == rows  # what rank 0 makes of the gathered shares
+    assert Share().in_order(rows) == rows  # one process: nothing gathered
 
 
 def evaluate_command(demo: Path, out: Path, gpus: int) -> list[str]:

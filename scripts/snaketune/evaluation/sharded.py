@@ -54,8 +54,11 @@ class Share:
 
         every: list[list[Any]] = [[] for _ in range(self.world)]
         dist.all_gather_object(every, mine)
-        if self.rank != 0:
-            return None
+        return self.join(every) if self.rank == 0 else None
+
+    def join(self, every: list[list[Any]]) -> list[Any]:
+        """Every rank's share (rank order) back in the eval set's order: example i is share
+        i mod world's (i div world)-th."""
         total = sum(len(part) for part in every)
         return [every[i % self.world][i // self.world] for i in range(total)]
 
