@@ -327,3 +327,34 @@ def test_the_evaluate_stages_plan_is_what_evaluation_holds():
     assert (plan["loss_pass"] > plan["generation"]) == (got["loss_pass"] > got["generation"])
     for part in ("loss_pass", "generation"):
         assert plan[part] == pytest.approx(got[part], rel=0.15), (part, got)
+
+
+def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix():
+    """A full 70B DPO run with a precomputed reference on 80 GB GPUs: each reference_logps
+    worker would hold the whole bf16 model (131.4 GiB): refused, naming the stage and
+    `dpo.reference: live`; a 4-bit run's reference (its 4-bit base) fits."""
+    from snaketune.plan.config import validate_config
+    from snaketune.plan.stageplan import reference_plan, stage_problems
+
+    def dpo_run(**change) -> dict:
+        run = {"model": "m", "dataset": "pairs", "method": "dpo", "deepspeed": "zero3",
+               "nodes": 2, "gpus_per_node": 8, "max_length": 1024, "micro_batch_size": 2,
+               "max_steps": 10, "learning_rate": 1e-6, **change}  # fmt: skip
+        config = validate_config({"models": {"m": {"source": "hub", "id": "x"}},
+                                  "datasets": {"pairs": {"source": "hub", "id": "y",
+                                                         "format": "preference"}},
+                                  "runs": {"r": run}}, ROOT)  # fmt: skip
+        return config["runs"]["r"]
+
+    shape = Shape.from_config(LLAMA_70B)
+    full = reference_plan(dpo_run(), shape, 79.6)
+    assert full["reference_logps"]["fits"] is False
+    (line,) = stage_problems("r", full, 79.6)
+    assert (
+        line.startswith("runs.r: reference_logps needs ")
+        and "(each worker holds the whole reference model (131.4 GiB))" in line
+        and "set dpo.reference: live" in line
+    ), line
+    qlora = reference_plan(dpo_run(lora={"r": 16, "quantize": "4bit"}), shape, 79.6)
+    assert qlora["reference_logps"]["fits"] is True, qlora
+    assert reference_plan(dpo_run(dpo={"reference": "live"}), shape, 79.6) == {}

@@ -5,7 +5,7 @@ from functools import partial
 from pathlib import Path
 
 from snaketune.methods import method_of
-from snaketune.plan import stageplan, stages, targets
+from snaketune.plan import fit, stages, targets
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
@@ -238,9 +238,7 @@ def eval_resource(what, final=False):
     evaluate (the run's own model), else its base or start model."""
 
     def resource(wildcards):
-        nodes, gpus = stageplan.eval_job_layout(
-            config, eval_run(wildcards), JOB_SIDE, final
-        )
+        nodes, gpus = fit.eval_job_layout(config, eval_run(wildcards), JOB_SIDE, final)
         return {"nodes": nodes, "gpus": gpus, "threads": nodes * gpus, "gres": f"gpu:{gpus}",
                 "mpi": "srun" if nodes > 1 else 0}[what]  # fmt: skip
 

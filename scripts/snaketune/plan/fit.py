@@ -6,6 +6,7 @@ every run's plan for ``snaketune plan``, and the check the workflow makes before
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,14 @@ from snaketune.data.sources import hub_config_json
 from snaketune.plan.advice import format_plan, plan_run
 from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate
 from snaketune.plan.runspec import RunSpec
-from snaketune.plan.stageplan import format_stages, stage_memory, stage_plans, stage_problems
+from snaketune.plan.stageplan import (
+    EvalLayout,
+    eval_layout,
+    format_stages,
+    stage_memory,
+    stage_plans,
+    stage_problems,
+)
 
 
 def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
@@ -269,3 +277,42 @@ def job_memory(name: str, plan: dict[str, Any], mem_mb: float) -> list[str]:
             f"{need:.1f} GiB per node are needed ({plan['cpu_why']}); raise set-resources "
             f"train: mem_mb to at least {math.ceil(need * 1.1 * 1024)} in the profile (with "
             "10% to spare), or lower gpus_per_node"]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(path: str) -> Shape:
+    import json
+
+    return Shape.from_config(json.loads(Path(path).read_text()), path)
+
+
+def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),
+                    final: bool = False) -> EvalLayout:  # fmt: skip
+    """``eval_layout`` of run ``name`` of a validated config: its model's config.json where
+    it can be read now (snaketune.plan.fit.locate_config_json), its `gpu` (or the config's)."""
+    run = config["runs"][name]
+    settings = run["eval"]
+    if settings.get("nodes", "auto") != "auto" and settings.get("gpus_per_node", "auto") != "auto":
+        return eval_layout(run, None, None, final)  # as set: nothing to read
+    path, _ = locate_config_json(config, run, workdir)
+    try:
+        shape = _shape(str(path)) if path is not None else None
+    except UserError:  # an architecture the plan cannot count: the train check says so
+        shape = None
+    return eval_layout(run, shape, gpu_memory(run.get("gpu", config.get("gpu"))), final)
+
+
+def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
+                    ) -> tuple[int, int]:  # fmt: skip
+    """(nodes, GPUs per node) of an evaluate job of ``run``: its plan's layout
+    (snaketune.plan.stageplan), or inside a SLURM job what the job was given (the layout
+    decided when it was queued: config.json may have been downloaded since)."""
+    import os
+
+    if job_side and os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_GPUS_ON_NODE"):
+        return int(os.environ.get("SLURM_JOB_NUM_NODES", 1)), int(os.environ["SLURM_GPUS_ON_NODE"])
+    layout = run_eval_layout(config, run, final=final)
+    return layout.nodes, layout.gpus_per_node

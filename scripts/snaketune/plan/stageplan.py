@@ -13,10 +13,8 @@ are `auto` by default: one GPU where the model fits it, else the fewest GPUs of 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from snaketune.plan.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape, quant_bytes
@@ -123,52 +121,15 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
                       f"node(s) x {run['gpus_per_node']} GPU(s) holds the model")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
-def _shape(path: str) -> Shape:
-    import json
-
-    return Shape.from_config(json.loads(Path(path).read_text()), path)
-
-
-def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),
-                    final: bool = False) -> EvalLayout:  # fmt: skip
-    """``eval_layout`` of run ``name`` of a validated config: its model's config.json where
-    it can be read now (snaketune.plan.fit.locate_config_json), its `gpu` (or the config's)."""
-    from snaketune.core.errors import UserError
-    from snaketune.plan.fit import gpu_memory, locate_config_json
-
-    run = config["runs"][name]
-    settings = run["eval"]
-    if settings.get("nodes", "auto") != "auto" and settings.get("gpus_per_node", "auto") != "auto":
-        return eval_layout(run, None, None, final)  # as set: nothing to read
-    path, _ = locate_config_json(config, run, workdir)
-    try:
-        shape = _shape(str(path)) if path is not None else None
-    except UserError:  # an architecture the plan cannot count: the train check says so
-        shape = None
-    return eval_layout(run, shape, gpu_memory(run.get("gpu", config.get("gpu"))), final)
-
-
-def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
-                    ) -> tuple[int, int]:  # fmt: skip
-    """(nodes, GPUs per node) of an evaluate job of ``run``: its plan's layout
-    (snaketune.plan.stageplan), or inside a SLURM job what the job was given (the layout
-    decided when it was queued: config.json may have been downloaded since)."""
-    import os
-
-    if job_side and os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_GPUS_ON_NODE"):
-        return int(os.environ.get("SLURM_JOB_NUM_NODES", 1)), int(os.environ["SLURM_GPUS_ON_NODE"])
-    layout = run_eval_layout(config, run, final=final)
-    return layout.nodes, layout.gpus_per_node
-
-
 def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float | None
                 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The GPU stages of run ``name`` besides training, planned: each evaluate stage it
     runs (its layout, GiB per GPU, whether that fits ``gpu_gib``)."""
     run = config["runs"][name]
+    out: dict[str, dict[str, Any]] = {**export_plans(run, shape),
+                                      **reference_plan(run, shape, gpu_gib)}  # fmt: skip
     if "eval_dataset" not in run:
-        return export_plans(run, shape)
+        return out
     from snaketune.plan.stages import evaluates_its_start
 
     stages = {"evaluate": True}
@@ -176,14 +137,47 @@ def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float 
         stages["evaluate_base"] = False
     elif evaluates_its_start(config, name):
         stages["evaluate_start"] = False
-    out: dict[str, dict[str, Any]] = export_plans(run, shape)
     for stage, final in stages.items():
         layout = eval_layout(run, shape, gpu_gib, final)
         fits = None if gpu_gib is None else layout.per_gpu_gib <= gpu_gib
         out[stage] = {"nodes": layout.nodes, "gpus_per_node": layout.gpus_per_node,
-                      "per_gpu_gib": layout.per_gpu_gib, "fits": fits,
-                      "why": layout.why}  # fmt: skip
+                      "per_gpu_gib": layout.per_gpu_gib, "fits": fits, "why": layout.why,
+                      "sharded": layout.processes > 1, "fix": EVAL_FIX}  # fmt: skip
     return out
+
+
+EVAL_FIX = ("lower eval.batch_size (its logits and KV cache), or give the run more GPUs per "
+            "node or nodes (eval.nodes, eval.gpus_per_node)")  # fmt: skip
+
+
+def reference_plan(run: dict[str, Any], shape: Shape, gpu_gib: float | None
+                   ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The reference log-probs stage of a run that needs it (a DPO run's precomputed
+    reference): data parallel on the run's GPUs, each worker holding the whole reference
+    model (its 4-bit base for a 4-bit run) and one batch of pairs through one layer at a
+    time (no gradients; TRL's fused head: no whole logits)."""
+    from snaketune.plan.runspec import RunSpec
+
+    spec = RunSpec.of(run)
+    if not spec.reference_stage:
+        return {}
+    w = EVAL_BYTES
+    weights = shape.params * w
+    if spec.quantized:
+        rest = shape.params - shape.linear_params
+        weights = (
+            4 * rest + quant_bytes(bool(spec.quantization["double_quant"])) * shape.linear_params
+        )
+    tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
+    passing = tokens * (4 * shape.hidden + 3 * shape.intermediate) * w
+    total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+    return {"reference_logps": {
+        "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
+        "fits": None if gpu_gib is None else total <= gpu_gib, "sharded": False,
+        "why": f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)",
+        "fix": f"set {spec.method.block}.reference: live (the training job holds the "
+               "reference, sharded with the policy under ZeRO-3), or use GPUs with more memory",
+    }}  # fmt: skip
 
 
 LIBRARIES_GIB = 0.35  # torch and transformers imported (bench/convert.py: ~330 MiB)
@@ -224,7 +218,7 @@ def format_stages(name: str, stages: dict[str, dict[str, Any]]) -> list[str]:
         if "cpu_gib" in p:
             continue
         verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[p["fits"]]
-        sharded = " (ZeRO-3 shards)" if p["nodes"] * p["gpus_per_node"] > 1 else ""
+        sharded = " (ZeRO-3 shards)" if p["sharded"] else ""
         lines.append(f"{name}: {stage} on {p['nodes']} node(s) x {p['gpus_per_node']} GPU(s)"
                      f"{sharded}: {p['per_gpu_gib']:.1f} GiB per GPU, {verdict}; "
                      f"{p['why']}")  # fmt: skip
@@ -233,10 +227,9 @@ def format_stages(name: str, stages: dict[str, dict[str, Any]]) -> list[str]:
 
 def stage_problems(name: str, stages: dict[str, dict[str, Any]], gpu_gib: float) -> list[str]:
     """A line per stage that cannot fit, with the changes that would."""
-    return [f"runs.{name}: {stage} needs {p['per_gpu_gib']:.1f} GiB per GPU on its largest "
-            f"layout ({p['nodes']} node(s) x {p['gpus_per_node']} GPU(s)), more than the "
-            f"GPU's {gpu_gib:g}; lower eval.batch_size (its KV cache and logits), or give the "
-            "run more GPUs per node or nodes (eval.nodes, eval.gpus_per_node)"
+    return [f"runs.{name}: {stage} needs {p['per_gpu_gib']:.1f} GiB per GPU on "
+            f"{p['nodes']} node(s) x {p['gpus_per_node']} GPU(s) ({p['why']}), more than the "
+            f"GPU's {gpu_gib:g}; {p['fix']}"
             for stage, p in stages.items() if p.get("fits") is False]  # fmt: skip
 
 
