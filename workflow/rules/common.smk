@@ -232,13 +232,20 @@ def eval_run(wildcards):
     return wildcards.run
 
 
+# (run, final) -> (nodes, GPUs per node) of its evaluate jobs, decided once per process
+EVAL_LAYOUTS = {}
+
+
 def eval_resource(what, final=False):
     """An evaluate job's resource of its layout (snaketune.plan.stageplan; inside the job,
     what SLURM allocated, so the command always matches its allocation); ``final``: rule
     evaluate (the run's own model), else its base or start model."""
 
     def resource(wildcards):
-        nodes, gpus = fit.eval_job_layout(config, eval_run(wildcards), JOB_SIDE, final)
+        key = (eval_run(wildcards), final)  # one plan per job, not one per resource
+        if key not in EVAL_LAYOUTS:
+            EVAL_LAYOUTS[key] = fit.eval_job_layout(config, key[0], JOB_SIDE, final)
+        nodes, gpus = EVAL_LAYOUTS[key]
         return {"nodes": nodes, "gpus": gpus, "threads": nodes * gpus, "gres": f"gpu:{gpus}",
                 "mpi": "srun" if nodes > 1 else 0}[what]  # fmt: skip
 

@@ -22,6 +22,14 @@ from snaketune.plan.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape, quant
 EVAL_BYTES = 2  # an evaluate job on GPUs runs in bf16 (fp16 where bf16 is missing)
 
 
+def four_bit_base(shape: Shape, double_quant: bool) -> float:
+    """Bytes of a 4-bit base as a run loads it for inference: the decoder linears in 4 bits
+    with their constants, the other weights in fp32 after peft's k-bit preparation."""
+    return (
+        4 * (shape.params - shape.linear_params) + quant_bytes(double_quant) * shape.linear_params
+    )
+
+
 def eval_bytes(shape: Shape, processes: int, batch: int, prompt: int, new_tokens: int,
                w: int = EVAL_BYTES, four_bit: bool | None = None,
                logit_bytes: int | None = None) -> dict[str, float]:  # fmt: skip
@@ -32,8 +40,7 @@ def eval_bytes(shape: Shape, processes: int, batch: int, prompt: int, new_tokens
     the logits and their fp32 copy, moved to the CPU for the loss)."""
     weights = shape.params * w / processes
     if four_bit is not None:
-        rest = shape.params - shape.linear_params
-        weights = 4 * rest + quant_bytes(four_bit) * shape.linear_params
+        weights = four_bit_base(shape, four_bit)
     tokens = batch * prompt
     return {
         "weights": weights,
@@ -164,10 +171,7 @@ def reference_plan(run: dict[str, Any], shape: Shape, gpu_gib: float | None
     w = EVAL_BYTES
     weights = shape.params * w
     if spec.quantized:
-        rest = shape.params - shape.linear_params
-        weights = (
-            4 * rest + quant_bytes(bool(spec.quantization["double_quant"])) * shape.linear_params
-        )
+        weights = four_bit_base(shape, bool(spec.quantization["double_quant"]))
     tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
     passing = tokens * (4 * shape.hidden + 3 * shape.intermediate) * w
     total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
