@@ -358,3 +358,117 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
     qlora = reference_plan(dpo_run(lora={"r": 16, "quantize": "4bit"}), shape, 79.6)
     assert qlora["reference_logps"]["fits"] is True, qlora
     assert reference_plan(dpo_run(dpo={"reference": "live"}), shape, 79.6) == {}
+
+
+def full_run(**change) -> dict:
+    """A validated full fine-tune of a model "m" on a held-out set (change: its keys)."""
+    from snaketune.plan.config import validate_config
+
+    run = {"model": "m", "dataset": "d", "eval_dataset": "e", "method": "full",
+           "deepspeed": "zero3", "nodes": 4, "gpus_per_node": 8, "max_length": 2048,
+           "micro_batch_size": 1, "max_steps": 10, "learning_rate": 1e-5, **change}  # fmt: skip
+    data = {"source": "hub", "id": "y", "format": "prompt_response"}
+    config = validate_config({"models": {"m": {"source": "hub", "id": "x"}},
+                              "datasets": {"d": data, "e": {**data, "id": "z"}},
+                              "runs": {"r": run}}, ROOT)  # fmt: skip
+    return config
+
+
+def test_generation_while_training_is_planned_beside_the_training_states():
+    """A full 70B fine-tune on 4 nodes x 8 x 80 GB under ZeRO-3 that scores held-out answers
+    while training: the pass holds, beside what training keeps on each GPU between steps
+    (the weights' 1/32 in bf16 with the largest layer gathered in fp32, the fp32 gradient
+    and Adam partitions: written out here from the parameter count), the larger of its
+    batch's logits and its generation's KV cache with the prompt's MLP pass. On the shards
+    that fits; gathered whole onto each GPU it would not: `auto` plans on the shards and
+    says so; `true` is refused naming eval.gather_for_generation: false."""
+    from snaketune.plan.fit import setup_of
+    from snaketune.plan.stageplan import stage_problems, training_pass_plans
+
+    shape, gib = Shape.from_config(LLAMA_70B), 1024**3
+    p = shape.params
+    assert p == 70_553_706_496  # Llama-3.1-70B's published parameter count
+    states = 4 * 128256 * 8192 + (2 + 4 + 12) * p / 32
+    logits = 8 * 2048 * 128256 * (2 + 4)  # bf16 logits and their fp32 copy
+    generation = 2 * 80 * 8 * 128 * 8 * (2048 + 256) * 2 + 3 * 8 * 2048 * 28672 * 2
+    on_shards = (states + max(logits, generation)) * 1.1 / gib + 1.5
+    whole = (states + max(logits, 2 * p * 31 / 32 + generation)) * 1.1 / gib + 1.5
+    zero3 = {"zero_optimization": {"stage": 3}}
+
+    def plan(**ev):
+        config = full_run(eval_steps=5, eval={"during_training_answers": True, **ev})
+        run = config["runs"]["r"]
+        return training_pass_plans(run, shape, setup_of(run, zero3), 79.6)
+
+    auto = plan()["train/heldout_pass"]
+    assert auto["per_gpu_gib"] == pytest.approx(on_shards, abs=0.01) and auto["fits"], auto
+    assert f"gathered whole: {whole:.1f} GiB (does not fit)" in auto["why"], auto
+    shards = plan(gather_for_generation=False)["train/heldout_pass"]
+    assert shards["per_gpu_gib"] == auto["per_gpu_gib"] and shards["fits"], shards
+    gathered = plan(gather_for_generation=True)
+    assert gathered["train/heldout_pass"]["per_gpu_gib"] == pytest.approx(whole, abs=0.01)
+    (line,) = stage_problems("r", gathered, 79.6)
+    assert line.startswith("runs.r: train/heldout_pass needs ") and \
+        "set eval.gather_for_generation: false or auto" in line, line  # fmt: skip
+    # without answers the pass is its loss alone; without eval_steps there is no pass
+    config = full_run(eval_steps=5)
+    loss_only = training_pass_plans(config["runs"]["r"], shape,
+                                    setup_of(config["runs"]["r"], zero3), 79.6)  # fmt: skip
+    assert loss_only["train/heldout_pass"]["per_gpu_gib"] == pytest.approx(
+        (states + logits) * 1.1 / gib + 1.5, abs=0.01
+    )
+    config = full_run()
+    assert training_pass_plans(config["runs"]["r"], shape,
+                               setup_of(config["runs"]["r"], zero3), 79.6) == {}  # fmt: skip
+
+
+def test_grpo_generation_under_zero3_is_planned_on_the_shards():
+    """A full GRPO run of the 70B under ZeRO-3 without vLLM: its completions' KV cache
+    (micro_batch_size x (prompt + completion) tokens) beside training's states and the frozen
+    reference's shard; gathering the whole model would not fit, the shards do."""
+    from snaketune.plan.fit import setup_of
+    from snaketune.plan.stageplan import training_pass_plans
+
+    shape, gib = Shape.from_config(LLAMA_70B), 1024**3
+    p = shape.params
+    config = full_run(method="grpo", micro_batch_size=8, max_length=512,
+                      grpo={"num_generations": 8, "max_completion_length": 512, "beta": 0.04,
+                            "use_vllm": False})  # fmt: skip
+    run = config["runs"]["r"]
+    got = training_pass_plans(run, shape, setup_of(run, {"zero_optimization": {"stage": 3}}),
+                              79.6)["train/generation"]  # fmt: skip
+    states = 4 * 128256 * 8192 + (2 + 4 + 12) * p / 32 + 2 * p / 32  # and the reference
+    kv = 2 * 80 * 8 * 128 * 2 * 8 * (512 + 512)
+    assert got["per_gpu_gib"] == pytest.approx((states + kv) * 1.1 / gib + 1.5, abs=0.01), got
+    assert got["fits"] and "gathered whole" in got["why"] and "(does not fit)" in got["why"]
+
+
+def test_an_evaluate_job_asks_the_memory_its_loading_needs(tmp_path):
+    """An 8B base saved in fp32, evaluated in bf16 on one GPU: the job converts the whole
+    model in CPU memory (2 bytes a weight, 15.0 GiB, and the libraries): its rule asks that
+    with a tenth to spare by default, and a profile asking 12000 MB is refused before
+    queueing naming the stage and the key; the run's own model (exported in bf16, the
+    checkpoint mapped: a layer at a time) keeps the 16000 MB floor and passes at 12000."""
+    import math
+
+    from conftest import SHAPES
+
+    from snaketune.plan.fit import planned_mem_mb
+    from snaketune.plan.stageplan import stage_memory, stage_plans
+
+    cfg = {**SHAPES["meta-llama/Llama-3.1-8B-Instruct"], "dtype": "float32"}
+    (tmp_path / "resources/models/m").mkdir(parents=True)
+    (tmp_path / "resources/models/m/config.json").write_text(json.dumps(cfg))
+    config = full_run(nodes=1, gpu="h100-80gb")
+    shape = Shape.from_config(cfg)
+    need = 1024 * (0.35 + 2 * shape.params / 1024**3)
+    assert planned_mem_mb(config, "r", "evaluate_base", 16000, tmp_path) == math.ceil(
+        1.1 * round(need / 1024, 2) * 1024
+    )
+    assert planned_mem_mb(config, "r", "evaluate", 16000, tmp_path) == 16000
+    stages = stage_plans(config, "r", shape, 79.6)
+    (line,) = stage_memory("r", stages, {("evaluate_base", "r"): 12000, ("evaluate", "r"): 12000})
+    assert line.startswith("runs.r: its evaluate_base job asks 12000 MB of memory (mem_mb), "
+                           "but about 15.3 GiB are needed (1 process(es) loading: the whole "
+                           "model converted to 2 bytes a weight)"), line  # fmt: skip
+    assert "raise set-resources evaluate_base: mem_mb to at least" in line

@@ -252,6 +252,24 @@ def eval_resource(what, final=False):
     return resource
 
 
+# (rule, run) -> the memory its jobs ask by default, decided once per process
+PLANNED_MEM = {}
+
+
+def planned_mem_mb(stage):
+    """The memory (mem_mb, per node) a job of ``stage`` asks: its plan's figure, at least
+    16000 (snaketune.plan.fit.planned_mem_mb); a profile's set-resources replaces it, and the
+    check before queueing compares either with the plan."""
+
+    def mem_mb(wildcards):
+        key = (stage, eval_run(wildcards))
+        if key not in PLANNED_MEM:
+            PLANNED_MEM[key] = fit.planned_mem_mb(config, key[1], stage, 16000)
+        return PLANNED_MEM[key]
+
+    return mem_mb
+
+
 def eval_timeout(wildcards):
     return config["runs"][eval_run(wildcards)]["timeout_minutes"]
 

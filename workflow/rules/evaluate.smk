@@ -21,7 +21,7 @@ rule evaluate_base:
     # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
     # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
-        mem_mb=16000,
+        mem_mb=planned_mem_mb("evaluate_base"),
         runtime=240,
         nodes=eval_resource("nodes"),
         tasks=eval_resource("nodes"),
@@ -63,7 +63,7 @@ rule evaluate_start:
     # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
     # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
-        mem_mb=16000,
+        mem_mb=planned_mem_mb("evaluate_start"),
         runtime=240,
         nodes=eval_resource("nodes"),
         tasks=eval_resource("nodes"),
@@ -110,7 +110,7 @@ rule evaluate:
     # the weights sharded across them: snaketune.evaluation.sharded). Resources, not params:
     # they change how, not what, so a new layout does not rerun an evaluation.
     resources:
-        mem_mb=16000,
+        mem_mb=planned_mem_mb("evaluate"),
         runtime=240,
         nodes=eval_resource("nodes", final=True),
         tasks=eval_resource("nodes", final=True),

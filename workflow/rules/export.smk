@@ -18,7 +18,7 @@ rule convert_checkpoint:
     conda:
         "../../envs/snaketune.yaml"
     resources:
-        mem_mb=16000,
+        mem_mb=planned_mem_mb("convert_checkpoint"),
         runtime=240,
     params:
         method=run_adapter_kind,
@@ -45,7 +45,7 @@ rule merge_lora:
     conda:
         "../../envs/snaketune.yaml"
     resources:
-        mem_mb=16000,
+        mem_mb=planned_mem_mb("merge_lora"),
         runtime=240,
     params:
         max_shard_size=lookup(dpath="runs/{run}/export/max_shard_size", within=config),

@@ -167,6 +167,7 @@ def before_queueing(
     from snaketune.evaluation.lmeval import check_tasks
     from snaketune.plan.diskplan import check_disk_runs
     from snaketune.plan.fit import check_runs, download_advice
+    from snaketune.plan.stages import base_evaluations
 
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
     runs, waiting = unreadable_models(config, training, workdir)
@@ -178,8 +179,11 @@ def before_queueing(
               file=sys.stderr)  # fmt: skip
     mem_mb = {job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs
               if job.rule == "train"}  # fmt: skip
-    stage_mem = {(job.rule, job.wildcards["run"]): job.resources.get("mem_mb") for job in jobs
-                 if job.rule in ("convert_checkpoint", "merge_lora")}  # fmt: skip
+    bases = base_evaluations(config) if any(j.rule == "evaluate_base" for j in jobs) else {}
+    stage_mem = {
+        (job.rule, job.wildcards.get("run") or bases[job.wildcards["key"]]["run"]):
+        job.resources.get("mem_mb") for job in jobs if job.rule in PLANNED_JOBS
+    }  # fmt: skip
     found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb, stage_mem)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
@@ -195,6 +199,10 @@ def meant_for_slurm(jobs: list[Job]) -> bool:
     return any(
         job.resources.get("slurm_partition") or job.resources.get("slurm_account") for job in jobs
     )
+
+
+# Jobs whose memory (mem_mb) is checked against their stage's plan before queueing
+PLANNED_JOBS = ("convert_checkpoint", "merge_lora", "evaluate", "evaluate_start", "evaluate_base")
 
 
 def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:

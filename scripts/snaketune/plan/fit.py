@@ -19,6 +19,7 @@ from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimat
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stageplan import (
     EvalLayout,
+    cpu_mb,
     eval_layout,
     format_stages,
     stage_memory,
@@ -149,8 +150,9 @@ def plan_config(
             )
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         chosen = gpu_memory(gpu if gpu is not None else run.get("gpu", config.get("gpu")))
-        plan = {"run": name, **plan_run(shape, setup_of(run, deepspeed), chosen)}
-        plan["stages"] = stage_plans(config, name, shape, chosen)
+        setup = setup_of(run, deepspeed)
+        plan = {"run": name, **plan_run(shape, setup, chosen)}
+        plan["stages"] = stage_plans(config, name, shape, chosen, setup)
         plans.append(plan)
     return plans
 
@@ -221,13 +223,12 @@ def check_runs(
             say(f"{name}: skipped for now (the model's config.json is not there yet)")
             continue
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        gpu = run.get("gpu", config.get("gpu"))
+        gpu, setup = run.get("gpu", config.get("gpu")), setup_of(run, deepspeed)
         if not local and (mem_mb or {}).get(name):
-            found += job_memory(name, plan_run(shape, setup_of(run, deepspeed), None),
-                                float(mem_mb[name]))  # fmt: skip
-        later = stage_checks(config, name, shape, local, stage_mem or {}, say)
+            found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))
+        later = stage_checks(config, name, shape, setup, local, stage_mem or {}, say)
         if gpu is not None:
-            plan = plan_run(shape, setup_of(run, deepspeed), gpu_memory(gpu))
+            plan = plan_run(shape, setup, gpu_memory(gpu))
             line = format_plan(name, plan)
         elif local:
             plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
@@ -250,13 +251,13 @@ def check_runs(
     return found
 
 
-def stage_checks(config: dict[str, Any], name: str, shape: Shape, local: bool,
+def stage_checks(config: dict[str, Any], name: str, shape: Shape, setup: Setup, local: bool,
                  stage_mem: dict[tuple[str, str], Any], say) -> list[str]:  # fmt: skip
     """The plans of run ``name``'s other stages, said; a line per stage that cannot fit its
     GPUs, or (queued jobs) whose job asks less memory than it needs."""
     run = config["runs"][name]
     gpu = gpu_memory(run.get("gpu", config.get("gpu")))
-    stages = stage_plans(config, name, shape, gpu)
+    stages = stage_plans(config, name, shape, gpu, setup)
     for line in format_stages(name, stages):
         say(line)
     if run.get("skip_memory_check"):
@@ -316,3 +317,22 @@ def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: boo
         return int(os.environ.get("SLURM_JOB_NUM_NODES", 1)), int(os.environ["SLURM_GPUS_ON_NODE"])
     layout = run_eval_layout(config, run, final=final)
     return layout.nodes, layout.gpus_per_node
+
+
+def planned_mem_mb(config: dict[str, Any], name: str, stage: str, floor: int,
+                   workdir: Path = Path(".")) -> int:  # fmt: skip
+    """The memory (mem_mb, per node) a job of ``stage`` for run ``name`` asks by default: its
+    stage's plan (snaketune.plan.stageplan) with a tenth to spare, and at least ``floor``;
+    ``floor`` while the model's config.json cannot be read (a profile's set-resources
+    replaces it; the check before queueing compares either with the plan)."""
+    run = config["runs"][name]
+    path, _ = locate_config_json(config, run, workdir)
+    try:
+        shape = _shape(str(path)) if path is not None else None
+    except UserError:  # an architecture the plan cannot count: the train check says so
+        shape = None
+    if shape is None:
+        return floor
+    stages = stage_plans(config, name, shape, gpu_memory(run.get("gpu", config.get("gpu"))))
+    need = cpu_mb(stages.get(stage, {}))
+    return floor if need is None else max(floor, math.ceil(need * 1.1))

@@ -17,7 +17,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from snaketune.plan.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape, quant_bytes
+from snaketune.plan.memplan import (
+    CONTEXT_GIB,
+    FRAGMENTATION,
+    GIB,
+    SAVED_BYTES,
+    Setup,
+    Shape,
+    model_states,
+    quant_bytes,
+    reference_copy,
+)
 
 EVAL_BYTES = 2  # an evaluate job on GPUs runs in bf16 (fp16 where bf16 is missing)
 
@@ -92,14 +102,10 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
     model, from the plan against ``gpu_gib``; one GPU when either is unknown. ``final``:
     the layout of the run's own model (rule evaluate), which for a 4-bit run that keeps
     its adapter (export.merged: false) is that adapter on the 4-bit base, on one GPU."""
-    from snaketune.plan.runspec import RunSpec
-
     settings = run["eval"]
     nodes, gpus = settings.get("nodes", "auto"), settings.get("gpus_per_node", "auto")
     size = (settings["batch_size"], run["max_length"], settings["max_new_tokens"])
-    spec, four_bit = RunSpec.of(run) if final else None, None
-    if spec is not None and spec.adapter_only and spec.quantized:
-        four_bit = bool(spec.quantization["double_quant"])
+    four_bit = eval_four_bit(run) if final else None
 
     def figure(n: int) -> float | None:
         return None if shape is None else eval_gib(shape, n, *size, four_bit=four_bit)["total"]
@@ -128,13 +134,17 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
                       f"node(s) x {run['gpus_per_node']} GPU(s) holds the model")  # fmt: skip
 
 
-def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float | None
-                ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """The GPU stages of run ``name`` besides training, planned: each evaluate stage it
-    runs (its layout, GiB per GPU, whether that fits ``gpu_gib``)."""
+def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float | None,
+                setup: Setup | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The stages of run ``name`` besides training's steps, planned: generation inside the
+    training job (with its ``setup``), the reference stage, each evaluate stage it runs (its
+    layout, GiB per GPU, whether that fits ``gpu_gib``, its CPU memory per node) and the CPU
+    memory of conversion and merging."""
     run = config["runs"][name]
     out: dict[str, dict[str, Any]] = {**export_plans(run, shape),
                                       **reference_plan(run, shape, gpu_gib)}  # fmt: skip
+    if setup is not None:
+        out.update(training_pass_plans(run, shape, setup, gpu_gib))
     if "eval_dataset" not in run:
         return out
     from snaketune.plan.stages import evaluates_its_start
@@ -147,10 +157,52 @@ def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float 
     for stage, final in stages.items():
         layout = eval_layout(run, shape, gpu_gib, final)
         fits = None if gpu_gib is None else layout.per_gpu_gib <= gpu_gib
+        cpu, cpu_why = eval_cpu_gib(shape, layout, saved_bytes(run, shape, final), final and
+                                    eval_four_bit(run) is not None)  # fmt: skip
         out[stage] = {"nodes": layout.nodes, "gpus_per_node": layout.gpus_per_node,
                       "per_gpu_gib": layout.per_gpu_gib, "fits": fits, "why": layout.why,
-                      "sharded": layout.processes > 1, "fix": EVAL_FIX}  # fmt: skip
+                      "sharded": layout.processes > 1, "fix": EVAL_FIX,
+                      "cpu_gib_per_node": cpu, "cpu_why": cpu_why}  # fmt: skip
     return out
+
+
+def saved_bytes(run: dict[str, Any], shape: Shape, final: bool) -> int | None:
+    """Bytes a weight of the checkpoint an evaluate stage loads: the base's (its config.json's
+    dtype), or a run's own model as exported (export.dtype; auto: the run's precision)."""
+    if not final:
+        return shape.saved_bytes
+    dtype = run["export"]["dtype"]
+    if dtype == "auto":
+        return 4 if run["precision"] == "fp32" else 2
+    return SAVED_BYTES.get(dtype)
+
+
+def eval_four_bit(run: dict[str, Any]) -> bool | None:
+    """A 4-bit run that keeps its adapter: the double quantization of the base its final
+    model is evaluated on (None: any other run)."""
+    from snaketune.plan.runspec import RunSpec
+
+    spec = RunSpec.of(run)
+    if spec.adapter_only and spec.quantized:
+        return bool(spec.quantization["double_quant"])
+    return None
+
+
+def eval_cpu_gib(shape: Shape, layout: EvalLayout, saved: int | None, four_bit: bool
+                 ) -> tuple[float, str]:  # fmt: skip
+    """CPU memory per node of an evaluate job, and why (bench/load_memory.py measured the
+    loading paths): each of the node's processes imports the libraries and loads the model;
+    a checkpoint saved in the evaluation's precision, a 4-bit base, or any load sharded from
+    the start (ZeRO-3: tensor by tensor) holds the largest layer at a time (the file stays
+    memory-mapped: shared and reclaimable); else the process converts the whole model to 2
+    bytes a weight before moving it to its GPU."""
+    per_node = layout.gpus_per_node
+    if four_bit or saved == EVAL_BYTES or layout.processes > 1:
+        held, why = shape.largest_layer, "the largest layer at a time (the checkpoint mapped)"
+    else:
+        held, why = shape.params, "the whole model converted to 2 bytes a weight"
+    gib = per_node * (LIBRARIES_GIB + held * EVAL_BYTES / GIB)
+    return round(gib, 2), f"{per_node} process(es) loading: {why}"
 
 
 EVAL_FIX = ("lower eval.batch_size (its logits and KV cache), or give the run more GPUs per "
@@ -182,6 +234,82 @@ def reference_plan(run: dict[str, Any], shape: Shape, gpu_gib: float | None
         "fix": f"set {spec.method.block}.reference: live (the training job holds the "
                "reference, sharded with the policy under ZeRO-3), or use GPUs with more memory",
     }}  # fmt: skip
+
+
+def training_pass_plans(run: dict[str, Any], shape: Shape, s: Setup, gpu_gib: float | None
+                        ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Generation inside the training job, planned beside what training keeps on each GPU
+    between steps (weights, gradients and optimizer states, memplan.model_states; a frozen
+    reference): the held-out pass and GRPO's completions (``generation_passes``). Under
+    ZeRO-3 a generation either gathers the whole model onto each GPU
+    (eval.gather_for_generation: true, or `auto` when the GPUs have the room) or runs on the
+    shards (false: a layer gathered at a time, counted in the weights). The figure required
+    is the one the setting may take: gathered for true, the shards for false and auto (which
+    falls back to them); the gathered figure is said beside it."""
+    resident = sum(model_states(shape, s).values()) + reference_copy(shape, s)
+    zero3 = s.stage >= 3
+    whole = s.bytes_per_weight * shape.params
+    if s.quantized:
+        whole += (quant_bytes(s.double_quant) - s.bytes_per_weight) * shape.linear_params
+    rest = whole * (1 - 1 / s.gpus) if zero3 else 0.0  # what a gather adds to each GPU
+    setting = run["eval"].get("gather_for_generation", "auto")
+
+    def gib(extra: float) -> float:
+        return round((resident + extra) * (1 + FRAGMENTATION) / GIB + CONTEXT_GIB, 2)
+
+    out = {}
+    for stage, (loss, gen, what, fix) in generation_passes(run, shape, s).items():
+        shards = gib(max(loss, gen or 0.0))
+        gathered = gib(max(loss, rest + gen)) if zero3 and gen is not None else None
+        need = gathered if gathered is not None and setting is True else shards
+        why = f"beside training's states ({resident / GIB:.1f} GiB): {what}"
+        fix += (", or give the run more GPUs (ZeRO-3 divides training's states among them)"
+                if zero3 else ", or shard the run's states (deepspeed: zero3)")  # fmt: skip
+        if gathered is not None and setting is True:
+            why += "; the whole model gathered onto each GPU (eval.gather_for_generation: true)"
+            fix = ("set eval.gather_for_generation: false or auto (generate on the shards: "
+                   "slower, no GPU holds the whole model); or " + fix)  # fmt: skip
+        elif gathered is not None:
+            verdict = {None: "", True: " (fits)", False: " (does not fit)"}[
+                None if gpu_gib is None else gathered <= gpu_gib]  # fmt: skip
+            why += (f"; generating on the ZeRO-3 shards (eval.gather_for_generation: "
+                    f"{str(setting).lower()}; gathered whole: {gathered:.1f} GiB{verdict})"
+                    )  # fmt: skip
+        out[stage] = {"nodes": s.nodes, "gpus_per_node": s.gpus_per_node, "per_gpu_gib": need,
+                      "fits": None if gpu_gib is None else need <= gpu_gib, "sharded": zero3,
+                      "why": why, "fix": fix}  # fmt: skip
+    return out
+
+
+def generation_passes(run: dict[str, Any], shape: Shape, s: Setup
+                      ) -> dict[str, tuple[float, float | None, str, str]]:  # fmt: skip
+    """What each generating pass of a training job adds on a GPU, by stage: (its loss pass's
+    bytes, its generation's bytes or None, what they are, what would lower them): the
+    held-out pass (eval_steps: a batch's logits, then with answers its greedy generation's
+    KV cache and prefill) and GRPO's completions without vLLM (their KV cache)."""
+    from snaketune.core.heldout import ANSWERS
+    from snaketune.plan.runspec import RunSpec
+
+    w, out = s.bytes_per_weight, {}
+    if run.get("eval_steps") is not None and "eval_dataset" in run:
+        ev, metric = run["eval"], run["export"]["metric"]
+        if metric == "auto":
+            metric = RunSpec.of(run).method.heldout_metric
+        answers = metric in ANSWERS or bool(ev["during_training_answers"])
+        part = eval_bytes(shape, 1, ev["batch_size"], run["max_length"], ev["max_new_tokens"], w)
+        out["train/heldout_pass"] = (
+            part["loss_pass"], part["kv_cache"] + part["prefill"] if answers else None,
+            f"eval.batch_size {ev['batch_size']}: its logits"
+            + (f", then {ev['max_new_tokens']} new tokens' KV cache" if answers else ""),
+            "lower eval.batch_size" + (" or eval.max_new_tokens" if answers else ""),
+        )  # fmt: skip
+    if s.completion_length and not s.vllm_share:
+        tokens = s.micro_batch_size * s.sequence
+        kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * w * tokens
+        out["train/generation"] = (0.0, kv, f"{s.micro_batch_size} completions' KV cache",
+                                   "lower micro_batch_size or grpo.max_completion_length"
+                                   )  # fmt: skip
+    return out
 
 
 LIBRARIES_GIB = 0.35  # torch and transformers imported (bench/convert.py: ~330 MiB)
@@ -223,9 +351,11 @@ def format_stages(name: str, stages: dict[str, dict[str, Any]]) -> list[str]:
             continue
         verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[p["fits"]]
         sharded = " (ZeRO-3 shards)" if p["sharded"] else ""
+        cpu = (f"; about {p['cpu_gib_per_node']:.1f} GiB of CPU memory per node "
+               f"({p['cpu_why']})" if "cpu_gib_per_node" in p else "")  # fmt: skip
         lines.append(f"{name}: {stage} on {p['nodes']} node(s) x {p['gpus_per_node']} GPU(s)"
                      f"{sharded}: {p['per_gpu_gib']:.1f} GiB per GPU, {verdict}; "
-                     f"{p['why']}")  # fmt: skip
+                     f"{p['why']}{cpu}")  # fmt: skip
     return lines
 
 
@@ -239,15 +369,22 @@ def stage_problems(name: str, stages: dict[str, dict[str, Any]], gpu_gib: float)
 
 def stage_memory(name: str, stages: dict[str, dict[str, Any]],
                  asked: dict[tuple[str, str], Any]) -> list[str]:  # fmt: skip
-    """A line per CPU stage whose job asks less memory (mem_mb, by rule and run) than its
-    plan: SLURM would end it once it is loaded."""
+    """A line per stage whose job asks less memory (mem_mb, by rule and run; per node) than
+    its plan: SLURM would end it once it is loaded."""
     lines = []
     for stage, p in stages.items():
-        mem = asked.get((stage, name))
-        if "cpu_gib" not in p or not mem or p["cpu_gib"] * 1024 <= float(mem):
+        mem, need = asked.get((stage, name)), cpu_mb(p)
+        if need is None or not mem or need <= float(mem):
             continue
+        why = p.get("cpu_why", p["why"])
         lines.append(f"runs.{name}: its {stage} job asks {float(mem):g} MB of memory "
-                     f"(mem_mb), but about {p['cpu_gib']:.1f} GiB are needed ({p['why']}); "
+                     f"(mem_mb), but about {need / 1024:.1f} GiB are needed ({why}); "
                      f"raise set-resources {stage}: mem_mb to at least "
-                     f"{math.ceil(p['cpu_gib'] * 1.1 * 1024)} in the profile")  # fmt: skip
+                     f"{math.ceil(need * 1.1)} in the profile")  # fmt: skip
     return lines
+
+
+def cpu_mb(plan: dict[str, Any]) -> float | None:
+    """MB of CPU memory (per node) a planned stage needs; None: not planned."""
+    gib = plan.get("cpu_gib", plan.get("cpu_gib_per_node"))
+    return None if gib is None else gib * 1024
