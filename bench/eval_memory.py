@@ -100,11 +100,69 @@ def measure(sizes: dict) -> dict:
     return got
 
 
+# --gpu: a Llama-3.2-1B-shaped model (random weights) in bf16 on one CUDA GPU
+GPU_SIZES = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+             "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 64}  # fmt: skip
+GPU_BATCH, GPU_PROMPT, GPU_NEW = 8, 1024, 128
+
+
+def measure_gpu() -> dict:
+    """The same two phases on a CUDA GPU in bf16, as the evaluate stage runs there, each
+    phase's peak from torch.cuda.max_memory_allocated less the weights; the plan's GPU
+    figures (2 bytes a weight, 6 a logit)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from snaketune.evaluation.evaluate import heldout_loss
+    from snaketune.plan.memplan import Shape
+    from snaketune.plan.stageplan import eval_bytes
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**GPU_SIZES, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    shape = Shape.from_config(config.to_dict())
+    vocab, batch, prompt, new = GPU_SIZES["vocab_size"], GPU_BATCH, GPU_PROMPT, GPU_NEW
+    ids = torch.randint(1, vocab, (batch, prompt), device="cuda")
+    rows = [{"input_ids": r.tolist(), "labels": [-100] * (prompt // 2) + r[prompt // 2 :].tolist()}
+            for r in ids.cpu()]  # fmt: skip
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+
+    def phase(fn) -> int:
+        fn()  # warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - weights
+
+    def generate() -> None:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
+
+    got = {"weights": weights, "loss_pass": phase(lambda: heldout_loss(model, rows, batch, 0)),
+           "generation": phase(generate), "device": torch.cuda.get_device_name()}  # fmt: skip
+    plan = eval_bytes(shape, 1, batch, prompt, new, w=2)
+    plan["generation"] = plan["kv_cache"] + plan["prefill"]
+    plan["planned"] = plan["weights"] + max(plan["loss_pass"], plan["generation"])
+    got.update(plan=plan, measured=weights + max(got["loss_pass"], got["generation"]),
+               params=shape.params)  # fmt: skip
+    return got
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="a 7M-weight model")
+    parser.add_argument("--gpu", action="store_true",
+                        help="on a CUDA GPU in bf16: a Llama-3.2-1B shape")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.gpu:
+        got = measure_gpu()
+        print(json.dumps(got) if args.json else gpu_table(got))
+        return 0
     got = measure(SIZES["short" if args.short else "full"])
     if args.json:
         print(json.dumps(got))
@@ -126,6 +184,23 @@ def main() -> int:
           f"{got['measured'] / mib:.1f} |")  # fmt: skip
     print(f"plan / measured: {p['planned'] / got['measured']:.2f}")
     return 0
+
+
+def gpu_table(got: dict) -> str:
+    mib, p = 2**20, got["plan"]
+    rows = [f"{got['device']}, bf16, one process; {got['params'] / 1e6:.1f}M weights; batch "
+            f"{GPU_BATCH} x {GPU_PROMPT} tokens, {GPU_NEW} new tokens; MiB (measured: "
+            "torch.cuda.max_memory_allocated)", "| part | planned | measured |", "|---|---:|---:|",
+            f"| weights | {p['weights'] / mib:.1f} | {got['weights'] / mib:.1f} |",
+            f"| loss pass (6 bytes a logit) | {p['loss_pass'] / mib:.1f} | "
+            f"{got['loss_pass'] / mib:.1f} |",
+            f"| generation (KV cache {p['kv_cache'] / mib:.1f} + prefill MLP "
+            f"{p['prefill'] / mib:.1f}) | {p['generation'] / mib:.1f} | "
+            f"{got['generation'] / mib:.1f} |",
+            f"| total (weights + the larger) | {p['planned'] / mib:.1f} | "
+            f"{got['measured'] / mib:.1f} |",
+            f"plan / measured: {p['planned'] / got['measured']:.2f}"]  # fmt: skip
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

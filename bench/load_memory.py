@@ -3,6 +3,7 @@ per process (snaketune.plan.memplan.cpu_per_node).
 
     python bench/load_memory.py               # a random Llama of ~125M weights
     python bench/load_memory.py --short       # ~5M weights (the suite's short form)
+    python bench/load_memory.py --gpu         # onto a CUDA GPU: the CPU side of each path
 
 A random Llama is saved as safetensors in bf16, then loaded by
 snaketune.evaluation.model.build_model, each way in a fresh process: in bf16 (the
@@ -60,8 +61,13 @@ def resident() -> tuple[int, int]:
     return rss - shared, shared
 
 
-def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
-    """In this process: the tiny model's load (the baseline), then the model's, sampled."""
+def measure(model_dir: str, tiny_dir: str, precision: str, device: str = "cpu") -> dict:
+    """In this process: the tiny model's load (the baseline), then the model's, sampled.
+    ``device`` cuda: the 4-bit base is quantized onto the GPU (device_map), the others loaded
+    on the CPU and moved to the GPU (as the evaluate stage and DeepSpeed move them); what the
+    GPU then holds is counted (gpu_bytes)."""
+    import torch
+
     from snaketune.core.qlora import settings
     from snaketune.evaluation.model import build_model
 
@@ -72,7 +78,9 @@ def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
                              "compute_dtype": "auto"}, precision)  # fmt: skip
 
     def load(path: str):
-        return build_model(Path(path), precision, "sdpa", quantize=quantize, device="cpu")
+        model = build_model(Path(path), precision, "sdpa", quantize=quantize,
+                            device="cuda:0" if device == "cuda" else "cpu")  # fmt: skip
+        return model.to(device) if device == "cuda" and quantize is None else model
 
     import ctypes
     import gc
@@ -84,6 +92,7 @@ def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
 
     load(tiny_dir)
     base_anon, base_file = trimmed()
+    base_gpu = torch.cuda.memory_allocated() if device == "cuda" else 0
     peak = [base_anon, base_file]
     running = True
 
@@ -99,10 +108,11 @@ def measure(model_dir: str, tiny_dir: str, precision: str) -> dict:
     running = False
     thread.join()
     held = trimmed()[0] - base_anon
+    on_gpu = torch.cuda.memory_allocated() - base_gpu if device == "cuda" else None
     tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     del model
     return {"precision": "4bit" if quantize else precision, "anon_bytes": max(peak[0] - base_anon, held),
-            "held_bytes": held, "tensor_bytes": tensors,
+            "held_bytes": held, "tensor_bytes": tensors, "gpu_bytes": on_gpu,
             "file_bytes": peak[1] - base_file}  # fmt: skip
 
 
@@ -122,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="a ~7M-weight model")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--measure", nargs=3, metavar=("MODEL", "TINY", "PRECISION"),
+    parser.add_argument("--gpu", action="store_true",
+                        help="load onto a CUDA GPU (the CPU side measured, the GPU's counted)")  # fmt: skip
+    parser.add_argument("--measure", nargs=4, metavar=("MODEL", "TINY", "PRECISION", "DEVICE"),
                         help=argparse.SUPPRESS)  # the child process  # fmt: skip
     args = parser.parse_args(argv)
     if args.measure:
@@ -136,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for precision in ("bf16", "fp32", "4bit"):
             out = subprocess.run([sys.executable, __file__, "--measure", str(model), str(tiny),
-                                  precision], capture_output=True, text=True, check=True,
+                                  precision, "cuda" if args.gpu else "cpu"],
+                                 capture_output=True, text=True, check=True,
                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
             row = json.loads(out.stdout.strip().splitlines()[-1])
             row["params"] = params
@@ -148,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows))  # one line, the last
         return 0
     print(f"{'loaded as':<10}{'weights':>12}{'plan MiB':>10}{'anon MiB':>10}{'held MiB':>10}"
-          f"{'tensors MiB':>12}{'file MiB':>10}")  # fmt: skip
+          f"{'tensors MiB':>12}{'file MiB':>10}" + (f"{'GPU MiB':>10}" if args.gpu else ""))  # fmt: skip
     for r in rows:
         print(f"{r['precision']:<10}{r['params']:>12,}{r['plan_bytes'] / 2**20:>10.1f}"
               f"{r['anon_bytes'] / 2**20:>10.1f}{r['held_bytes'] / 2**20:>10.1f}"
-              f"{r['tensor_bytes'] / 2**20:>12.1f}{r['file_bytes'] / 2**20:>10.1f}")  # fmt: skip
+              f"{r['tensor_bytes'] / 2**20:>12.1f}{r['file_bytes'] / 2**20:>10.1f}"
+              + (f"{r['gpu_bytes'] / 2**20:>10.1f}" if r["gpu_bytes"] is not None else ""))  # fmt: skip
     print(
         "plan: the plan's CPU figure per process (a layer at a time, or P x w); anon: the "
         "peak the load held of its own; held: what it kept after the load (on a GPU node: "
