@@ -61,11 +61,20 @@ def peak_tflops(device_name: str, override: float | None = None) -> float | None
 
 
 def matmul_params(model) -> int:
-    """N: parameters used in a matmul per token (the input embedding is a lookup)."""
+    """N: parameters used in a matmul per token (the input embedding is a lookup; of a
+    mixture of experts' experts, stacked per expert in 3-D parameters, the share of the
+    num_experts_per_tok a token is routed to)."""
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
     total = sum(p.numel() for p in model.parameters())
+    routed = getattr(model.config, "num_experts_per_tok", None)
+    for module in model.modules() if routed else ():
+        own = list(module.parameters(recurse=False))
+        stacked = [p for p in own if p.dim() == 3]
+        if stacked:  # the experts module: each of its parameters has one slice per expert
+            experts = stacked[0].shape[0]
+            total -= sum(p.numel() for p in own) * (experts - routed) // experts
     return total if tied else total - embedding.numel()
 
 

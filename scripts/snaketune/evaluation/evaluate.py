@@ -332,7 +332,10 @@ def adapter_model(adapter: Path, base: Path, dtype, device: str):
         name = {v: k for k, v in DTYPES.items()}[dtype]
         model = build_model(base, name, "sdpa", quantize=record, device=device)
         model.config.use_cache = True  # build_model sets it off: training reads no KV cache
-    return PeftModel.from_pretrained(model, str(adapter)).eval()
+    from snaketune.core.lora_targets import exact_targets
+
+    with exact_targets():  # the targets as the run made them (a mixture of experts' too)
+        return PeftModel.from_pretrained(model, str(adapter)).eval()
 
 
 def evaluate(

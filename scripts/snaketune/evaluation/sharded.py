@@ -98,7 +98,10 @@ def load_sharded(model_dir: Path, dtype, base: Path | None = None):
     if base is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(model_dir))
+        from snaketune.core.lora_targets import exact_targets
+
+        with exact_targets():
+            model = PeftModel.from_pretrained(model, str(model_dir))
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return tokenizer, engine.module, keep

@@ -37,6 +37,14 @@ from snaketune.export.convert import (
     stop_at_end_of_turn,
     write_shards,
 )
+from snaketune.export.experts import (
+    ExpertPair,
+    expert_delta,
+    expert_pairs,
+    experts_count,
+    module_of,
+    pair_scale,
+)
 from snaketune.export.zero_checkpoint import ZeroCheckpoint, safetensors_refs
 
 log = logging.getLogger(__name__)
@@ -89,6 +97,8 @@ def check_adapter(
                 f"adapter tensor {key} is empty (shape {tuple(t.shape)}); the adapter was "
                 "saved without gathering its ZeRO-3 partitions"
             )
+        if is_lora(key) and module_of(key).endswith("experts"):
+            continue  # a mixture of experts' fused experts: snaketune.export.experts checks it
         target = adapter_target(key)
         if target not in base:
             raise DataError(f"adapter tensor {key}: the base model has no weight {target}")
@@ -124,6 +134,8 @@ def convert_lora(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from snaketune.core.lora_targets import exact_targets
+
     hf_logging.disable_progress_bar()
     ckpt = ZeroCheckpoint(checkpoint)
     adapter_config = json.loads((trained / "adapter_config.json").read_text())
@@ -141,7 +153,8 @@ def convert_lora(
         quantized = qlora.read_record(trained)
         if quantized is not None:  # the base as the 4-bit run computed with it
             qlora.dequantize_model(base, quantized)
-        model = PeftModel.from_pretrained(base, str(tmp))
+        with exact_targets():
+            model = PeftModel.from_pretrained(base, str(tmp))
         data = load_file(str(probe))
         diff = gate(probe_logits(model, data), data, dtype, str(out))
         report = conversion_report("lora", ckpt, len(tensors), diff)
@@ -164,6 +177,8 @@ class Adapter:
     pairs: dict[str, tuple[str, torch.Tensor, torch.Tensor]]
     whole: dict[str, torch.Tensor]
     scale: float
+    experts: dict[str, ExpertPair]  # a mixture of experts' fused experts, by base tensor
+    experts_count: int = 0
 
     @classmethod
     def read(cls, adapter: Path, base_model: Path) -> Adapter:
@@ -171,14 +186,19 @@ class Adapter:
         if config.get("fan_in_fan_out"):
             raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
         lora = load_file(str(adapter / "adapter_model.safetensors"))
-        check_adapter(lora, base_shapes(base_model), config["r"])
+        shapes = base_shapes(base_model)
+        check_adapter(lora, shapes, config["r"])
+        model_config = json.loads((base_model / "config.json").read_text())
+        model_config = model_config.get("text_config", model_config)
+        experts = expert_pairs(lora, model_config, lambda kind: pair_scale(config, kind), shapes)
         pairs = {}
         for key, a in lora.items():
-            if ".lora_A." in key or key.endswith(".lora_embedding_A"):
+            if (".lora_A." in key or key.endswith(".lora_embedding_A")) and \
+                    not module_of(key).endswith("experts"):  # fmt: skip
                 b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
                 pairs[adapter_target(key)] = (key, a, b)
         whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
-        return cls(pairs, whole, lora_scale(config))
+        return cls(pairs, whole, lora_scale(config), experts, experts_count(model_config))
 
 
 def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
@@ -188,6 +208,7 @@ def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
     replaced, a LoRA pair's update added. ``change`` counts the merged tensors and their
     largest change."""
     as_trained = qlora.quantized_tensors(quantized) if quantized else set()
+    cache: dict = {}  # the experts' changes of the module being written
     # pread, not safe_open: a memory map would keep every page of the base resident
     for name, ref in refs.items():
         t = ref.read().view(ref.shape)
@@ -198,8 +219,11 @@ def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
             change["max_abs"] = max(change["max_abs"], (new.float() - t.float()).abs().max().item())
             change["merged"] += 1
             t = new
-        elif name in adapter.pairs:
-            delta = lora_delta(*adapter.pairs[name], adapter.scale)
+        elif name in adapter.pairs or name in adapter.experts:
+            if name in adapter.pairs:
+                delta = lora_delta(*adapter.pairs[name], adapter.scale)
+            else:
+                delta = expert_delta(name, adapter.experts[name], adapter.experts_count, cache)
             change["max_abs"] = max(change["max_abs"], delta.abs().max().item())
             change["merged"] += 1
             t = t.float() + delta

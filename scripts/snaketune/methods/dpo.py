@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
+from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, peft_config, training_args
@@ -140,10 +141,11 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     )  # fmt: skip
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.
-    with mock.patch.object(dpo_trainer, "hash_module", lambda module: None):
+    with mock.patch.object(dpo_trainer, "hash_module", lambda module: None), exact_targets():
         return trainer_class()(
             model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
-            data_collator=data.collator, peft_config=peft_config(ctx.run), callbacks=callbacks,
+            data_collator=data.collator, peft_config=peft_config(ctx.run, model),
+            callbacks=callbacks,
             planned=data, micro_batch_size=ctx.run["micro_batch_size"],
         )  # fmt: skip
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
+from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
 from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
 from snaketune.methods.common import Method
@@ -201,9 +202,11 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                 counter.ids_log.write([x["example_id"] for x in inputs[:: self.num_generations]])
             return out
 
-    return PlannedGRPOTrainer(model=model, reward_funcs=funcs, args=args,
-                              train_dataset=data.table, processing_class=ctx.tokenizer,
-                              peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+    with exact_targets():
+        return PlannedGRPOTrainer(model=model, reward_funcs=funcs, args=args,
+                                  train_dataset=data.table, processing_class=ctx.tokenizer,
+                                  peft_config=peft_config(ctx.run, model),
+                                  callbacks=callbacks)  # fmt: skip
 
 
 # TRL's log keys -> metrics.jsonl keys (reward functions' keys are added by name).

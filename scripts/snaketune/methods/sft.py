@@ -8,7 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snaketune.core.lora_targets import exact_targets
 from snaketune.methods.common import Method
+from snaketune.methods.moe import STEP_FIELDS, Router
 from snaketune.methods.training import Context, peft_config, training_args
 
 if TYPE_CHECKING:
@@ -38,21 +40,32 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         packing=False, model_init_kwargs=None,
     )  # fmt: skip
 
+    router = Router.prepare(model, ctx.run)  # a mixture of experts: its balance
+
     class PlannedSFTTrainer(SFTTrainer):
         # The model's own loss (transformers' Trainer.compute_loss). SFTTrainer's adds token
         # accuracy and entropy metrics, gathered across all ranks with a host sync four times
         # per micro batch; on the CPU benchmark that alone cost a fifth of the throughput.
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            if router is None:
+                return Trainer.compute_loss(self, model, inputs, return_outputs,
+                                            num_items_in_batch)  # fmt: skip
+            loss, outputs = Trainer.compute_loss(self, model, inputs, True, num_items_in_batch)
+            if self.model.training:
+                loss = loss + router.term(outputs)
+                router.record(self, outputs, inputs)
+            return (loss, outputs) if return_outputs else loss
 
         def get_train_dataloader(self) -> DataLoader:
             from snaketune.data.batches import planned_loader
 
             return planned_loader(data.table, data.batches, data.collator)
 
-    return PlannedSFTTrainer(model=model, args=args, train_dataset=data.table,
-                             processing_class=ctx.tokenizer, data_collator=data.collator,
-                             peft_config=peft_config(ctx.run), callbacks=callbacks)  # fmt: skip
+    with exact_targets():
+        return PlannedSFTTrainer(model=model, args=args, train_dataset=data.table,
+                                 processing_class=ctx.tokenizer, data_collator=data.collator,
+                                 peft_config=peft_config(ctx.run, model),
+                                 callbacks=callbacks)  # fmt: skip
 
 
 # Method lora: an adapter on rows; method full: every weight.
@@ -60,7 +73,7 @@ LORA = Method(
     name="sft",
     data=data,
     trainer=trainer,
-    step_fields=lambda logs: {},
+    step_fields=lambda logs: {k: logs[k] for k in STEP_FIELDS if k in logs},
     rows_per_example=lambda run: 1,
     describe=lambda run, manifest: "",
     trains_on="rows",

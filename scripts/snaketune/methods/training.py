@@ -85,14 +85,19 @@ def training_args(ctx: Context, config_class, **method_args):
     )
 
 
-def peft_config(run: dict[str, Any]):
+def peft_config(run: dict[str, Any], model):
+    """The run's LoRA config for ``model`` (its targets resolved on a mixture of experts:
+    snaketune.core.lora_targets); None for a run that trains every weight. Build the trainer
+    that applies it under snaketune.core.lora_targets.exact_targets."""
     from snaketune.methods import method_of
 
     if method_of(run).adapter_of(run) != "lora":
         return None
     from peft import LoraConfig
 
+    from snaketune.core.lora_targets import resolve
+
     lora = run["lora"]
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      target_modules=lora["target_modules"], task_type="CAUSAL_LM",
-                      modules_to_save=lora["modules_to_save"] or None)  # fmt: skip
+                      task_type="CAUSAL_LM", modules_to_save=lora["modules_to_save"] or None,
+                      **resolve(model, lora))  # fmt: skip

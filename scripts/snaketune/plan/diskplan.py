@@ -68,7 +68,7 @@ class CheckpointSize:
 def trained_params(shape: Shape, s: Setup) -> int:
     if s.adapter == "full":
         return shape.params
-    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
+    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
 
 
 def checkpoint_size(shape: Shape, s: Setup, gathered: bool = True, small: float = SMALL_FILES

@@ -47,11 +47,12 @@ check before queueing compares it with the train job's memory (mem_mb).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from snaketune.core.errors import UserError
+# The model's shape (every parameter of a dense model or a mixture of experts) lives in
+# snaketune.core.modelshape; the plans import it from here too.
+from snaketune.core.modelshape import LINEARS, REQUIRED, SAVED_BYTES, Shape  # noqa: F401
 
 GIB = 1024**3
 # Usable memory of each GPU, GiB (what the driver reports, a little under the name's figure).
@@ -66,86 +67,6 @@ GPUS: dict[str, float] = {
 CONTEXT_GIB = 1.5
 FRAGMENTATION = 0.10
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory
-# config.json's dtype (torch_dtype before transformers 5): the bytes of a saved weight
-SAVED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs from a model's config.json."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    saved_bytes: int | None = None  # bytes a weight of the checkpoint (its dtype); None: unsaid
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any], where: str = "config.json") -> Shape:
-        cfg = cfg.get("text_config", cfg)
-        missing = [k for k in REQUIRED if k not in cfg]
-        if missing:
-            raise UserError(
-                f"{where}: cannot plan memory for model_type {cfg.get('model_type')!r} (no "
-                f"{', '.join(missing)}); set skip_memory_check: true on the run to go without"
-            )
-        h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        return cls(
-            hidden=h,
-            intermediate=cfg.get("intermediate_size") or 4 * h,
-            layers=cfg["num_hidden_layers"],
-            heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or h // heads,
-            vocab=cfg["vocab_size"],
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            saved_bytes=SAVED_BYTES.get(str(cfg.get("dtype", cfg.get("torch_dtype")))),
-        )
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear of one decoder layer."""
-        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
-            "down_proj": (self.intermediate, h),
-        }  # fmt: skip
-
-    @property
-    def params(self) -> int:
-        per_layer = sum(i * o for i, o in self.linear_shapes().values()) + 2 * self.hidden
-        if self.qkv_bias:
-            per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim
-        embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * per_layer + self.hidden
-
-    @property
-    def linear_params(self) -> int:
-        """Parameters of the decoder layers' linear weights (what a 4-bit base quantizes)."""
-        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
-
-    @property
-    def largest_layer(self) -> int:
-        """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit)."""
-        return max(self.vocab * self.hidden, *(i * o for i, o in self.linear_shapes().values()))
-
-    def lora_params(self, r: int, targets: str | list[str], saved: Sequence[str] = ()) -> int:
-        """Trainable parameters: the adapters over ``targets`` and the modules of ``saved``
-        (modules_to_save, trained in full)."""
-        names = LINEARS if targets == "all-linear" else [t for t in targets if t in LINEARS]
-        shapes = self.linear_shapes()
-        count = self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
-        if targets != "all-linear" and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)
-            count += r * (self.vocab + self.hidden)
-        return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
 
 
 @dataclass(frozen=True)
@@ -167,6 +88,7 @@ class Setup:
     lora_r: int = 0
     lora_targets: Any = "all-linear"
     lora_saved: tuple[str, ...] = ()
+    lora_router: bool = False  # a mixture of experts' routers adapted too (lora.adapt_router)
     completion_length: int = 0  # GRPO: max_completion_length (0: not GRPO)
     # a frozen copy of the model: GRPO full fine-tuning with beta > 0, DPO full fine-tuning
     # with reference: live
@@ -186,10 +108,15 @@ class Setup:
         return self.max_length + self.completion_length
 
 
+def trained_params(shape: Shape, s: Setup) -> int:
+    """T: a LoRA run's adapter parameters (and modules_to_save)."""
+    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
+
+
 def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     """Bytes per GPU of weights, gradients and optimizer states."""
     n, w, p = s.gpus, s.bytes_per_weight, shape.params
-    t = p if s.adapter == "full" else shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved)
+    t = p if s.adapter == "full" else trained_params(shape, s)
     mixed = w == 2
     base = w * p  # the frozen and trained weights as stored
     if s.quantized:  # 4-bit decoder linears and their constants; the rest at w bytes
@@ -217,9 +144,9 @@ def quant_bytes(double_quant: bool) -> float:
 def activations(shape: Shape, s: Setup) -> float:
     """Bytes per GPU of what forward keeps for backward (and the logits); for GRPO the
     larger of that and the KV cache of generating the completions (without vLLM)."""
-    w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_heads * shape.head_dim
+    w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_width // 2
     tokens = s.micro_batch_size * s.sequence
-    layer = tokens * (8 * h + 4 * kv + 4 * shape.intermediate) * w
+    layer = tokens * (8 * h + 4 * kv + 4 * shape.ffn_width) * w
     if s.attention == "eager":
         layer += 2 * s.micro_batch_size * shape.heads * s.sequence**2 * w
     if s.gradient_checkpointing:
@@ -231,7 +158,7 @@ def activations(shape: Shape, s: Setup) -> float:
     scored = s.micro_batch_size * s.completion_length if s.completion_length else tokens
     logits = 0 if s.liger else scored * shape.vocab * (w + 8)
     if s.completion_length and not s.vllm_share:
-        kv_cache = 2 * shape.layers * kv * w * tokens
+        kv_cache = shape.layers * shape.kv_width * w * tokens
         return max(kept + logits, kv_cache)
     return kept + logits
 

@@ -58,14 +58,8 @@ def eval_bytes(shape: Shape, processes: int, batch: int, prompt: int, new_tokens
         "loss_pass": tokens * shape.vocab * (logit_bytes or w + 4),
         # the KV cache of prompt and completion, and the prompt's pass through one MLP
         # (gate, up and their product) while the cache fills
-        "kv_cache": 2
-        * shape.layers
-        * shape.kv_heads
-        * shape.head_dim
-        * batch
-        * (prompt + new_tokens)
-        * w,
-        "prefill": 3 * tokens * shape.intermediate * w,
+        "kv_cache": shape.layers * shape.kv_width * batch * (prompt + new_tokens) * w,
+        "prefill": 3 * tokens * shape.ffn_width * w,
     }
 
 
@@ -225,7 +219,7 @@ def reference_plan(run: dict[str, Any], shape: Shape, gpu_gib: float | None
     if spec.quantized:
         weights = four_bit_base(shape, bool(spec.quantization["double_quant"]))
     tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
-    passing = tokens * (4 * shape.hidden + 3 * shape.intermediate) * w
+    passing = tokens * (4 * shape.hidden + 3 * shape.ffn_width) * w
     total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
     return {"reference_logps": {
         "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
@@ -305,7 +299,7 @@ def generation_passes(run: dict[str, Any], shape: Shape, s: Setup
         )  # fmt: skip
     if s.completion_length and not s.vllm_share:
         tokens = s.micro_batch_size * s.sequence
-        kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * w * tokens
+        kv = shape.layers * shape.kv_width * w * tokens
         out["train/generation"] = (0.0, kv, f"{s.micro_batch_size} completions' KV cache",
                                    "lower micro_batch_size or grpo.max_completion_length"
                                    )  # fmt: skip

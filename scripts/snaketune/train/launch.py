@@ -270,6 +270,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     import torch
 
     from snaketune.core.job import WORKER_OUTPUTS, staged
+    from snaketune.core.lora_targets import read_description
     from snaketune.core.provenance import output_hashes, record
     from snaketune.plan.diskplan import folder_bytes
     from snaketune.train import attempts
@@ -298,6 +299,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         final_checkpoint_bytes=folder_bytes(final),
         segments=segments_summary(segments),
         network=read_result(job.ckpt),
+        adapters=read_description(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
         exported=read_exported(staged(job.out, "model")),
         attempts=[

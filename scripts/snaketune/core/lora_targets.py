@@ -1,0 +1,139 @@
+"""Where a run's LoRA adapters go, on a dense model or a mixture of experts.
+
+On a dense model the run's ``lora.target_modules`` goes to peft as written. On a mixture of
+experts transformers 5 stores each layer's routed experts as fused 3-D parameters (no
+nn.Linear to target), and peft's own translation of ``all-linear`` and of the Llama names
+misses the experts of some families (Qwen2-MoE, gpt-oss) and, where it does translate
+(Mixtral, Qwen3-MoE, DeepSeek), moves the shared experts' and the dense layers'
+``gate_proj``/``up_proj``/``down_proj`` onto the routed experts instead. So the targets are
+resolved here, from the model itself (snaketune.core.modelshape counts the same adapters
+for the plan):
+
+- every nn.Linear whose name is targeted (``all-linear``: every one but the output layer):
+  attention, the dense layers' MLPs, the shared experts;
+- the routed experts' fused parameters through peft's parameter targeting (ParamWrapper: a
+  rank-r adapter per expert): ``gate_up_proj`` when gate_proj and up_proj are targeted (at
+  rank 2r and alpha 2·alpha, as one rank-r adapter on each would be, peft's own convention)
+  and ``down_proj`` when down_proj is;
+- the routers (each MoE layer's top-k router; Qwen2-MoE's shared-expert gate) only with
+  ``lora.adapt_router: true``: adapting the router moves which experts a token reaches.
+
+peft's translation is switched off while the adapters are made or loaded
+(``exact_targets``), so what it builds is what is listed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+ADAPTERS = "adapters.json"  # in the checkpoints folder: what carries adapters (``describe``)
+
+
+def is_router(name: str, module) -> bool:
+    """An MoE layer's routing module: its top-k router, Qwen2-MoE's shared-expert gate."""
+    return type(module).__name__.endswith("Router") or name.endswith("shared_expert_gate")
+
+
+def experts_modules(model) -> dict[str, list[str]]:
+    """Each module holding fused experts (3-D parameters), with their names."""
+    found: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if stacked:
+            found[name] = stacked
+    return found
+
+
+def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
+    """The LoraConfig targets of ``lora`` (a run's validated LoRA block) on ``model``."""
+    import torch
+
+    targets = lora["target_modules"]
+    experts = experts_modules(model)
+    if not experts:
+        return {"target_modules": targets}
+    every, router = targets == "all-linear", bool(lora.get("adapt_router", False))
+    names = set(targets) if not every else set()
+    output = model.get_output_embeddings()
+    modules, parameters = [], set()
+    for name, module in model.named_modules():
+        if is_router(name, module):
+            if router and isinstance(module, torch.nn.Linear):
+                modules.append(name)
+            elif router:
+                parameters.add(f"{suffix(name)}.weight")
+        elif (isinstance(module, torch.nn.Linear) and module is not output
+              and (every or name.rsplit(".", 1)[-1] in names)):  # fmt: skip
+            modules.append(name)
+    mlp = set(MLP) if every else names & set(MLP)
+    for name, stacked in experts.items():
+        for param in stacked:  # gate_up_proj (gate and up stacked), down_proj
+            kind = "down_proj" if "down" in param else "gate_up_proj"
+            wanted = {"down_proj"} if kind == "down_proj" else {"gate_proj", "up_proj"}
+            if wanted <= mlp:
+                parameters.add(f"{suffix(name)}.{param}")
+    r, alpha = lora["r"], lora["alpha"]
+    return {"target_modules": modules, "target_parameters": sorted(parameters),
+            "rank_pattern": {r".*\.gate_up_proj": 2 * r},
+            "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha}}  # fmt: skip
+
+
+def suffix(name: str) -> str:
+    """A module's name after its layer's index (model.layers.3.mlp.experts: mlp.experts)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[i + 1 :])
+    return name
+
+
+@contextlib.contextmanager
+def exact_targets() -> Iterator[None]:
+    """peft's translation of a mixture of experts' targets switched off (the module's
+    docstring says why); peft calls it by its module attribute, so it is replaced there."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    kept = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = kept
+
+
+def describe(model) -> dict[str, Any]:
+    """What carries adapters on a peft ``model``: the kinds of module (attention, mlp,
+    shared experts, experts, router) and the trainable parameters, for the log and the
+    provenance."""
+    kinds: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if "lora_" not in name or not param.requires_grad:
+            continue
+        owner = name.split(".lora_")[0].replace(".base_layer", "")
+        kinds[kind_of(owner)] = kinds.get(kind_of(owner), 0) + param.numel()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"adapter_params": kinds, "trainable_params": trainable}
+
+
+def read_description(ckpt_dir) -> dict[str, Any] | None:
+    """``describe``'s record the training job left in its checkpoints folder (None: no LoRA)."""
+    import json
+
+    path = ckpt_dir / ADAPTERS
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def kind_of(owner: str) -> str:
+    """The kind of module an adapter sits on, from its name."""
+    where = suffix(owner)
+    last = where.rsplit(".", 1)[-1]
+    if last in ("gate", "router", "shared_expert_gate"):
+        return "router"
+    if "shared_expert" in where:
+        return "shared_experts"
+    if last == "experts":
+        return "experts"
+    return "attention" if "attn" in where or "attention" in where else "mlp"

@@ -1,0 +1,326 @@
+"""Mixtures of experts: the plan counts every expert (snaketune.core.modelshape), checked
+against the same models built by transformers on the meta device (no memory, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snaketune.core.errors import UserError
+from snaketune.core.modelshape import Shape
+
+# The published config.json fields of each family's model (the ones the count reads).
+REAL = {
+    "Qwen/Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    "Qwen/Qwen1.5-MoE-A2.7B": {
+        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 60, "num_experts_per_tok": 4, "vocab_size": 151936,
+        "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    "mistralai/Mixtral-8x7B-v0.1": {
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    "deepseek-ai/DeepSeek-V2-Lite": {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "tie_word_embeddings": False,
+        "n_group": 1, "topk_group": 1,
+    },
+    "deepseek-ai/DeepSeek-V3": {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 129280, "tie_word_embeddings": False,
+        "n_group": 8, "topk_group": 4,
+    },
+    "openai/gpt-oss-20b": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+        "vocab_size": 201088, "tie_word_embeddings": False, "attention_bias": True,
+    },
+    "allenai/OLMoE-1B-7B-0924": {
+        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 64, "num_experts_per_tok": 8, "vocab_size": 50304,
+        "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+# Tiny ones of each family, with their quirks switched on: dense leading layers, shared
+# experts, latent attention with and without a query rank, biases, unequal widths.
+SMALL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}  # fmt: skip
+TINY = {
+    "qwen3_moe": {"intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+                  "num_experts_per_tok": 2, "head_dim": 16, "mlp_only_layers": [0]},
+    "qwen2_moe": {"intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+                  "shared_expert_intermediate_size": 48, "num_experts_per_tok": 2,
+                  "decoder_sparse_step": 2},
+    "mixtral": {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v2": {"intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                    "n_shared_experts": 2, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1},
+    "gpt_oss": {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "head_dim": 16, "layer_types": ["full_attention"] * 3},
+    "olmoe": {"intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+}  # fmt: skip
+
+
+def on_meta(fields: dict):
+    """The model transformers builds from ``fields``, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def counted(model) -> tuple[int, int]:
+    """Every parameter of ``model``, and those a token passes through: of each experts
+    module (its parameters stacked per expert, 3-D), only top-k of E experts' share."""
+    total = sum(p.numel() for p in model.parameters())
+    k = model.config.num_experts_per_tok
+    idle = 0
+    for module in model.modules():
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        if stacked:
+            experts = stacked[0].shape[0]
+            own = sum(p.numel() for p in module.parameters(recurse=False))
+            idle += own * (experts - k) // experts
+    return total, total - idle
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_a_tiny_model_of_each_family_is_counted_exactly(kind):
+    fields = {"model_type": kind, **SMALL, **TINY[kind]}
+    total, active = counted(on_meta(fields))
+    shape = Shape.from_config(fields)
+    assert (shape.params, shape.active_params) == (total, active)
+    assert shape.moe and shape.active_params < shape.params
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_each_familys_published_model_is_counted_within_a_percent(name):
+    total, active = counted(on_meta(REAL[name]))
+    shape = Shape.from_config(REAL[name])
+    assert shape.params == pytest.approx(total, rel=0.01), (shape.params, total)
+    assert shape.active_params == pytest.approx(active, rel=0.01), (shape.active_params, active)
+
+
+def test_qwen3_30b_a3b_is_planned_at_its_real_size():
+    """The issue's case: config.json alone used to give its 3.3B active parameters."""
+    shape = Shape.from_config(REAL["Qwen/Qwen3-30B-A3B"])
+    assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9
+    assert shape.params * 2 / 1024**3 == pytest.approx(56.9, abs=0.1)  # bf16 weights, GiB
+
+
+def test_a_mixture_of_experts_the_plan_cannot_count_is_refused():
+    cfg = {"model_type": "jetmoe", **SMALL, "intermediate_size": 32, "num_local_experts": 4,
+           "num_experts_per_tok": 2}  # fmt: skip
+    with pytest.raises(UserError, match=r"model_type 'jetmoe': a mixture of experts the plan "
+                       r"does not count .*set skip_memory_check: true"):  # fmt: skip
+        Shape.from_config(cfg)
+
+
+def test_the_mfu_counts_the_experts_a_token_is_routed_to():
+    """The FLOPs of a step count the active parameters (throughput.matmul_params, from the
+    modules) as the plan counts them (from config.json), the input embedding left out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.core.throughput import matmul_params
+
+    fields = {"model_type": "deepseek_v3", **SMALL, **TINY["deepseek_v3"]}
+    shape = Shape.from_config(fields)
+    config = AutoConfig.for_model("deepseek_v3", **SMALL, **TINY["deepseek_v3"])
+    model = AutoModelForCausalLM.from_config(config)
+    assert matmul_params(model) == shape.active_params - shape.vocab * shape.hidden
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+@pytest.mark.parametrize("router", [False, True])
+def test_adapters_reach_the_experts_and_the_router_only_when_asked(kind, router):
+    """all-linear on each family: adapters on attention, on the dense layers' and shared
+    experts' MLPs and on the fused experts (peft's parameter targeting), none on the router
+    unless lora.adapt_router; their parameters are what the plan counts; a forward and
+    backward pass reaches each expert's adapter."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.core.lora_targets import describe, exact_targets, resolve
+
+    fields = {**SMALL, **TINY[kind]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **fields))
+    lora = {"r": 4, "alpha": 8, "target_modules": "all-linear", "adapt_router": router}
+    with exact_targets():
+        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **resolve(model, lora)))
+    got = describe(peft)["adapter_params"]
+    shape = Shape.from_config({"model_type": kind, **fields})
+    assert sum(got.values()) == shape.lora_params(4, "all-linear", (), router), got
+    expected = {"attention", "experts"} | ({"router"} if router else set())
+    expected |= {"mlp"} if shape.moe_layers < shape.layers else set()
+    expected |= {"shared_experts"} if shape.shared_intermediate else set()
+    assert set(got) == expected, got
+    for name, param in peft.named_parameters():  # B starts at zero: give it a value
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 12))
+    peft(input_ids=ids, labels=ids).loss.backward()
+    stacked = [p for n, p in peft.named_parameters() if ".experts" in n and "lora_A" in n]
+    assert stacked and all(p.grad is not None and p.grad.abs().sum() > 0 for p in stacked)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(demo, tmp_path_factory):
+    """A tiny random Qwen3-MoE (4 experts, 2 per token, 2 layers) on the demo's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    src, out = demo / "resources/fixtures/tiny-llama", tmp_path_factory.mktemp("moe") / "tiny-moe"
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=447, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                            tie_word_embeddings=False, initializer_range=0.1)  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):  # fmt: skip
+        shutil.copy(src / name, out / name)
+    return out
+
+
+def router_aux(model, rows: list[dict], experts: int, top_k: int) -> float:
+    """Switch Transformer's load-balancing loss of one micro batch, written out: over every
+    token of its examples (each run alone, unpacked) and every MoE layer, experts x the sum
+    over the k choices and the experts of the share of tokens whose choice is that expert
+    times the expert's mean router probability."""
+    import torch
+
+    logits = []
+    with torch.no_grad():
+        for row in rows:
+            out = model(input_ids=torch.tensor([row["input_ids"]]), output_router_logits=True)
+            logits.append(torch.cat(out.router_logits, 0))
+    probs = torch.cat(logits, 0).softmax(-1)
+    chosen = torch.nn.functional.one_hot(probs.topk(top_k, -1).indices, experts).float()
+    return experts * (chosen.mean(0) * probs.mean(0)).sum().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "method"), [("zero3", "lora"), ("zero2", "lora"),
+                                                ("zero3", "full"), ("zero2", "full")])  # fmt: skip
+def test_a_mixture_of_experts_trains_on_two_nodes_with_its_router_in_balance(
+    demo, tiny_moe, tmp_path, preset, method
+):
+    """The tiny Qwen3-MoE on the demo's shards, 2 nodes, 6 steps, router_aux_loss_coef 0.01:
+    it learns under ZeRO-2 and ZeRO-3, LoRA and full; the first step's logged loss (the
+    weights as loaded: the warmup's first learning rate is 0) is the token mean of both
+    ranks' NLL plus 0.01 x the mean of the two micro batches' auxiliary losses, each
+    computed example by example with plain transformers, and its aux_loss that mean; every
+    step logs the expert load; a LoRA run's provenance says its adapters sit on attention
+    and the experts, not the router, with the plan's count of them."""
+    import json
+
+    from conftest import read_jsonl, run_spec, train
+    from oracles import mean_nll, planned_steps
+    from transformers import AutoModelForCausalLM
+
+    shards = demo / "results/demo/shards"
+    spec = run_spec(method=method, max_steps=6, save_steps=6, router_aux_loss_coef=0.01,
+                    **({"learning_rate": 1e-3} if method == "full" else {}))  # fmt: skip
+    if method == "lora":
+        spec["lora"]["modules_to_save"] = []
+    out = train(tmp_path, spec, shards, tiny_moe, preset)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]  # it learns
+    assert all(r["expert_load"] >= 1.0 for r in rows)
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
+    (first,) = planned_steps(shards, 1)
+    aux = sum(router_aux(base, rank, 4, 2) for rank in first) / len(first)
+    nll, _ = mean_nll(base, first[0] + first[1])
+    assert rows[0]["aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert rows[0]["loss"] == pytest.approx(nll + 0.01 * aux, rel=1e-5)
+    if method == "lora":
+        adapters = json.loads((out / "provenance.json").read_text())["adapters"]
+        assert set(adapters["adapter_params"]) == {"attention", "experts"}, adapters
+        shape = Shape.from_config(json.loads((tiny_moe / "config.json").read_text()))
+        assert sum(adapters["adapter_params"].values()) == shape.lora_params(8, "all-linear")
+
+
+@pytest.mark.slow
+def test_a_moe_lora_run_resumes_exactly_and_its_merged_model_is_the_adapter_model(
+    demo, tiny_moe, tmp_path
+):
+    """The tiny Qwen3-MoE's LoRA run (ZeRO-2, 2 nodes, checkpoints at steps 3 and 6): its
+    launcher killed past the resumed checkpoint, the rerun logs each step once with the same
+    losses; its adapter converted and merged into the per-expert tensors of the base
+    checkpoint (as transformers 5 saves a mixture of experts), the merged model, loaded by
+    plain transformers with the base's parameter count, gives the logits of the base with
+    the adapter loaded by plain peft (1e-5)."""
+    import subprocess
+    import sys
+
+    from conftest import ENV, ROOT, kill_and_resume, read_jsonl, run_spec, train
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    shards = demo / "results/demo/shards"
+    spec = run_spec(max_steps=6, save_steps=3, save_total_limit=2)
+    spec["lora"]["modules_to_save"] = []
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    out = train(tmp_path / "first", spec, shards, tiny_moe, "zero2")
+    start, resumed = kill_and_resume(out, tmp_path / "again", spec, shards, tiny_moe)
+    assert start == 3
+    first = {m["step"]: m["loss"] for m in read_jsonl(out / "metrics.jsonl")}
+    assert {m["step"]: m["loss"] for m in resumed} == first
+    for script, args in (
+        ("convert_checkpoint.py", ["--method", "lora", "--checkpoint", out / "final_checkpoint",
+                                   "--trained", out / "model", "--base", tiny_moe,
+                                   "--out", tmp_path / "adapter"]),
+        ("merge_lora.py", ["--base", tiny_moe, "--adapter", tmp_path / "adapter",
+                           "--out", tmp_path / "merged"]),
+    ):  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "scripts" / script), *map(str, args), "--probe",
+               str(out / "probe.safetensors"), "--max-shard-size", "5GB", "--dtype", "auto"]  # fmt: skip
+        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    assert sum(p.numel() for p in merged.parameters()) == sum(p.numel() for p in base.parameters())
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(3, 447, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = adapted(input_ids=ids).logits, merged.eval()(input_ids=ids).logits
+        unchanged = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)(
+            input_ids=ids).logits  # fmt: skip
+    assert (want - unchanged).abs().max() > 1e-3  # the adapter changes the model
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
