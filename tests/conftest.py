@@ -75,6 +75,13 @@ SHAPES = {
         "vocab_size": 152064, "tie_word_embeddings": False,
     },
 }  # fmt: skip
+SHAPES["Qwen/Qwen3-30B-A3B"] = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "vocab_size": 151936, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "dtype": "bfloat16",
+}  # fmt: skip
 SHAPES["meta-llama/Llama-3.1-70B-Instruct"] = {
     "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,

@@ -324,3 +324,34 @@ def test_a_moe_lora_run_resumes_exactly_and_its_merged_model_is_the_adapter_mode
             input_ids=ids).logits  # fmt: skip
     assert (want - unchanged).abs().max() > 1e-3  # the adapter changes the model
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_qwen3_30b_a3b_example_is_planned_at_its_real_size(tmp_path):
+    """config/examples/qwen3-30b-a3b-lora-1x8.yaml through `snaketune plan` with the model's
+    config.json where the download puts it: every expert counted (30.5B weights, 3.35B
+    active), ZeRO-3 training on the node's 8 H100s at 17.6 GiB per GPU with the adapters on
+    the 128 experts (1.0B trainable), each evaluation on one GPU, conversion and merge on
+    CPU. Its disk plan (about 100 GiB) is judged against this machine's free space: a
+    refusal there is the only one allowed."""
+    import json
+    import subprocess
+
+    from conftest import BIN, ENV, ROOT, SHAPES
+
+    model = tmp_path / "resources/models/qwen3_30b_a3b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(SHAPES["Qwen/Qwen3-30B-A3B"]))
+    example = ROOT / "config/examples/qwen3-30b-a3b-lora-1x8.yaml"
+    proc = subprocess.run([str(BIN / "snaketune"), "plan", str(example), "--json"], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    (plan,) = json.loads(proc.stdout)
+    assert proc.returncode == 0 or plan["disk"]["fits"] is False, proc.stderr[-2000:]
+    assert plan["params"] == 30_532_122_624 and plan["active_params"] == 3_353_032_704
+    assert plan["fits"] and plan["per_gpu_gib"]["total"] == pytest.approx(17.6, abs=0.05)
+    stages = plan["stages"]
+    for stage in ("evaluate", "evaluate_base"):
+        assert (stages[stage]["nodes"], stages[stage]["gpus_per_node"]) == (1, 1), stages[stage]
+        assert stages[stage]["fits"] and stages[stage]["per_gpu_gib"] > 56.9
+    assert {"convert_checkpoint", "merge_lora"} <= set(stages)
+    shape = Shape.from_config(SHAPES["Qwen/Qwen3-30B-A3B"])
+    assert shape.lora_params(16, "all-linear") == pytest.approx(0.995e9, rel=1e-3)

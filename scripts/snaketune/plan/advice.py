@@ -110,6 +110,8 @@ def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
     per_gpu = estimate(shape, s, gpu_gib)
     out: dict[str, Any] = {
         "params": shape.params,
+        "active_params": shape.active_params,  # a mixture of experts: those a token reaches
+        "experts": shape.experts,
         "per_gpu_gib": per_gpu,
         "gpu_gib": gpu_gib,
         "cpu_gib_per_node": round(cpu_per_node(shape, s) / GIB, 2),
@@ -147,8 +149,12 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
     against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
     verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
+    moe = ""
+    if plan.get("experts"):
+        moe = (f" [a mixture of {plan['experts']} experts: {plan['params'] / 1e9:.1f}B weights, "
+               f"{plan['active_params'] / 1e9:.1f}B active per token]")  # fmt: skip
     line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
-            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node")  # fmt: skip
+            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node{moe}")  # fmt: skip
     if plan["suggestion"]:
         line += f"; cheapest change that fits: {plan['suggestion']}"
     if plan.get("not_counted"):
