@@ -135,7 +135,10 @@ SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method"
            ("math_verify", "math_verify", True), ("stop_rate", "stop rate", True),
            ("tokens_per_s", "tokens/s", False),
            ("padding", "padding", True), ("mfu", "MFU", True),
+           ("expert_load_last_quarter", "expert load (busiest / even)", False),
+           ("aux_loss_last_quarter", "router aux loss", False),
            ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+ROUTER = ("expert_load_last_quarter", "aux_loss_last_quarter")
 
 
 def _gain(value: Any, percent: bool, higher_better: bool) -> str:
@@ -269,13 +272,15 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
     and its provenance link and lineage."""
     from html import escape
 
-    head = "".join(f"<th>{escape(label)}</th>" for _, label, _ in SUMMARY)
+    # a mixture of experts' router columns only where a run has them
+    columns = [c for c in SUMMARY if c[0] not in ROUTER or any(r.get(c[0]) for r in rows)]
+    head = "".join(f"<th>{escape(label)}</th>" for _, label, _ in columns)
     body = "".join(
         "<tr>"
         + "".join(
             f"<td class='name'>{escape(row[key])}</td>" if key in ("run", "model", "method")
             else f"<td class='num'>{escape(pretty(row.get(key), pct))}</td>"
-            for key, _, pct in SUMMARY
+            for key, _, pct in columns
         )
         + "</tr>"
         for row in rows

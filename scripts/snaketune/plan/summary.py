@@ -20,7 +20,7 @@ COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final
            "stop_rate", "base_stop_rate", "preference_accuracy", "gain_preference_accuracy",
            "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
-           "allreduce_busbw_gbps"]  # fmt: skip
+           "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -43,6 +43,18 @@ def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
     mfus = [m["mfu"] for m in steady if "mfu" in m]
     if mfus:
         out["mfu"] = round(median(mfus), 4)
+    return out
+
+
+def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """A mixture of experts' mean load-balancing loss and expert load (the busiest expert's
+    share over an even one) over its last quarter of steps; nothing for a dense run."""
+    out = {}
+    for key in ("aux_loss", "expert_load"):
+        values = [m[key] for m in metrics if m.get(key) is not None]
+        if values:
+            n = max(1, len(values) // 4)
+            out[f"{key}_last_quarter"] = round(sum(values[-n:]) / n, 4)
     return out
 
 
@@ -98,6 +110,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         **reward_quarters(metrics),
         **preference_quarter(metrics),
         **throughput(metrics),
+        **router_quarter(metrics),
         **heldout_columns(held, provenance.get("exported")),
     }  # fmt: skip
     if eval_metrics is not None:
