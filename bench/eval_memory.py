@@ -100,33 +100,43 @@ def measure(sizes: dict) -> dict:
     return got
 
 
-# --gpu: a Llama-3.2-1B-shaped model (random weights) in bf16 on one CUDA GPU
-GPU_SIZES = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-             "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "head_dim": 64}  # fmt: skip
+# --gpu: a Llama-3.2-1B-shaped model (random weights) in bf16 on one CUDA GPU; --gpu --moe:
+# a mixture of experts shaped as Qwen3-30B-A3B's layers (128 experts, 8 per token), 8 of them
+GPU_MODELS = {
+    "llama": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+              "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "moe": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 8,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "tie_word_embeddings": False},
+}  # fmt: skip
 GPU_BATCH, GPU_PROMPT, GPU_NEW = 8, 1024, 128
 
 
-def measure_gpu() -> dict:
+def measure_gpu(kind: str = "llama") -> dict:
     """The same two phases on a CUDA GPU in bf16, as the evaluate stage runs there, each
     phase's peak from torch.cuda.max_memory_allocated less the weights; the plan's GPU
     figures (2 bytes a weight, 6 a logit)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from snaketune.evaluation.evaluate import heldout_loss
     from snaketune.plan.memplan import Shape
     from snaketune.plan.stageplan import eval_bytes
 
     torch.manual_seed(0)
-    config = LlamaConfig(**GPU_SIZES, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    shape = Shape.from_config(config.to_dict())
-    vocab, batch, prompt, new = GPU_SIZES["vocab_size"], GPU_BATCH, GPU_PROMPT, GPU_NEW
+    fields = dict(GPU_MODELS[kind])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    shape = Shape.from_config(GPU_MODELS[kind])
+    vocab, batch, prompt, new = GPU_MODELS[kind]["vocab_size"], GPU_BATCH, GPU_PROMPT, GPU_NEW
     ids = torch.randint(1, vocab, (batch, prompt), device="cuda")
     rows = [{"input_ids": r.tolist(), "labels": [-100] * (prompt // 2) + r[prompt // 2 :].tolist()}
             for r in ids.cpu()]  # fmt: skip
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated()
 
     def phase(fn) -> int:
@@ -148,7 +158,7 @@ def measure_gpu() -> dict:
     plan["generation"] = plan["kv_cache"] + plan["prefill"]
     plan["planned"] = plan["weights"] + max(plan["loss_pass"], plan["generation"])
     got.update(plan=plan, measured=weights + max(got["loss_pass"], got["generation"]),
-               params=shape.params)  # fmt: skip
+               params=shape.params, active=shape.active_params, kind=kind)  # fmt: skip
     return got
 
 
@@ -157,10 +167,12 @@ def main() -> int:
     parser.add_argument("--short", action="store_true", help="a 7M-weight model")
     parser.add_argument("--gpu", action="store_true",
                         help="on a CUDA GPU in bf16: a Llama-3.2-1B shape")  # fmt: skip
+    parser.add_argument("--moe", action="store_true",
+                        help="with --gpu: a mixture of experts (Qwen3-30B-A3B's layers, 8 of them)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.gpu:
-        got = measure_gpu()
+        got = measure_gpu("moe" if args.moe else "llama")
         print(json.dumps(got) if args.json else gpu_table(got))
         return 0
     got = measure(SIZES["short" if args.short else "full"])
@@ -188,7 +200,8 @@ def main() -> int:
 
 def gpu_table(got: dict) -> str:
     mib, p = 2**20, got["plan"]
-    rows = [f"{got['device']}, bf16, one process; {got['params'] / 1e6:.1f}M weights; batch "
+    active = f" ({got['active'] / 1e6:.1f}M active)" if got["active"] < got["params"] else ""
+    rows = [f"{got['device']}, bf16, one process; {got['params'] / 1e6:.1f}M weights{active}; batch "
             f"{GPU_BATCH} x {GPU_PROMPT} tokens, {GPU_NEW} new tokens; MiB (measured: "
             "torch.cuda.max_memory_allocated)", "| part | planned | measured |", "|---|---:|---:|",
             f"| weights | {p['weights'] / mib:.1f} | {got['weights'] / mib:.1f} |",

@@ -30,6 +30,7 @@ PARAMS = {
     "deepseek-ai/deepseek-coder-6.7b-instruct": 6.74e9,
     "Qwen/Qwen2.5-32B-Instruct": 32.8e9,
     "meta-llama/Llama-3.1-70B-Instruct": 70.6e9,
+    "Qwen/Qwen3-30B-A3B": 30.5e9,  # every expert (3.3B active)
 }
 
 

@@ -360,3 +360,55 @@ def test_the_qwen3_30b_a3b_example_is_planned_at_its_real_size(tmp_path):
     assert {"convert_checkpoint", "merge_lora"} <= set(stages)
     shape = Shape.from_config(SHAPES["Qwen/Qwen3-30B-A3B"])
     assert shape.lora_params(16, "all-linear") == pytest.approx(0.995e9, rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
+    """On CUDA (transformers picks its experts kernel there): a Qwen3-MoE with LoRA on its
+    experts, in bf16, takes a step with the load-balancing loss (finite, every expert's
+    adapter reached); in fp32 each expert's change written into the fused experts
+    (snaketune.export.experts) gives the adapter model's logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.core.lora_targets import exact_targets, resolve
+    from snaketune.export.experts import ExpertPair
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=256,
+                                  intermediate_size=512, moe_intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=2, head_dim=32, num_experts=16,
+                                  num_experts_per_tok=4, output_router_logits=True)  # fmt: skip
+    # the experts alone (every layer routes): what the merge below writes is the whole adapter
+    lora = {"r": 4, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with exact_targets():
+            peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **resolve(model, lora)))
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.05)
+        ids = torch.randint(1, 512, (4, 64), device="cuda")
+        out = peft(input_ids=ids, labels=ids)
+        if dtype == torch.bfloat16:
+            (out.loss + 0.01 * out.aux_loss).backward()
+            grads = [p.grad for n, p in peft.named_parameters() if ".experts" in n and "lora_" in n]
+            assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+                                 for g in grads)  # fmt: skip
+            continue
+        with torch.no_grad():
+            want = peft(input_ids=ids).logits
+            for module in [m for n, m in peft.named_modules() if n.endswith("mlp.experts")]:
+                for wrapper in (module, module.base_layer):
+                    param = wrapper.get_param()
+                    kind = "gate_up" if param.shape[1] == 2 * 128 else "down"
+                    pair = ExpertPair("", kind, wrapper.lora_A["default"].weight,
+                                      wrapper.lora_B["default"].weight,
+                                      wrapper.scaling["default"])  # fmt: skip
+                    param += pair.delta(16)
+            merged = peft.get_base_model()
+            with peft.disable_adapter():
+                got = merged(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -206,6 +206,19 @@ class Shape:
         return max(routed, self.intermediate if self.moe_layers < self.layers else 0)
 
     @property
+    def mlp_pass(self) -> int:
+        """Elements per token an MLP's pass holds at once: a dense MLP's gate, up and their
+        product (3 x width); an MoE layer's, for each of the token's experts, its copy of
+        the hidden state in, gate and up, their product, its output and its weighted output
+        (3 x (hidden + the experts' width)), and the shared experts' three (measured on an
+        H100 in bf16: docs/benchmarks.md)."""
+        if not self.moe:
+            return 3 * self.intermediate
+        routed = self.experts_per_token * 3 * (self.hidden + self.expert_intermediate)
+        routed += 3 * self.shared_intermediate
+        return max(routed, 3 * self.intermediate if self.moe_layers < self.layers else 0)
+
+    @property
     def kv_width(self) -> int:
         """Elements a token keeps in one layer's KV cache (keys and values)."""
         if self.mla is not None:  # transformers caches the projected keys and values

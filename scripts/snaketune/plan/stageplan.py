@@ -59,7 +59,7 @@ def eval_bytes(shape: Shape, processes: int, batch: int, prompt: int, new_tokens
         # the KV cache of prompt and completion, and the prompt's pass through one MLP
         # (gate, up and their product) while the cache fills
         "kv_cache": shape.layers * shape.kv_width * batch * (prompt + new_tokens) * w,
-        "prefill": 3 * tokens * shape.ffn_width * w,
+        "prefill": tokens * shape.mlp_pass * w,
     }
 
 
@@ -219,7 +219,7 @@ def reference_plan(run: dict[str, Any], shape: Shape, gpu_gib: float | None
     if spec.quantized:
         weights = four_bit_base(shape, bool(spec.quantization["double_quant"]))
     tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
-    passing = tokens * (4 * shape.hidden + 3 * shape.ffn_width) * w
+    passing = tokens * (4 * shape.hidden + shape.mlp_pass) * w
     total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
     return {"reference_logps": {
         "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
