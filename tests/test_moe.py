@@ -412,3 +412,24 @@ def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
             with peft.disable_adapter():
                 got = merged(input_ids=ids).logits
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_moe_run_continues_on_one_node_from_its_two_node_checkpoint(demo, tiny_moe, tmp_path):
+    """Full fine-tuning of the tiny Qwen3-MoE under ZeRO-3 with its load-balancing loss:
+    2 nodes to step 3, then continued on 1 node (accumulation 2, the global batch kept)
+    through DeepSpeed's universal checkpoint (the fused experts re-partitioned): the same
+    losses and learning rates as the uninterrupted 2-node run."""
+    from conftest import read_jsonl, run_spec, train
+    from test_topology import TOLERANCE, _continue, _shard, assert_same_losses
+
+    spec = run_spec(method="full", max_steps=6, save_steps=3, learning_rate=1e-3,
+                    router_aux_loss_coef=0.01, checkpoints={"optimizer": "all"})  # fmt: skip
+    (tmp_path / "ref").mkdir()
+    reference = train(tmp_path / "ref", spec, _shard(demo, tmp_path / "s2", 2, 1, 32, 1),
+                      tiny_moe, "zero3")  # fmt: skip
+    spec = {**spec, "nodes": 1, "gradient_accumulation_steps": 2}
+    out = _continue(reference, 3, tmp_path / "w", spec,
+                    _shard(demo, tmp_path / "s1", 1, 1, 32, 2), tiny_moe, "zero3")  # fmt: skip
+    assert_same_losses(read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl"),
+                       after=3, rel=TOLERANCE)  # fmt: skip
