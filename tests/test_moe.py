@@ -433,3 +433,28 @@ def test_a_moe_run_continues_on_one_node_from_its_two_node_checkpoint(demo, tiny
                     _shard(demo, tmp_path / "s1", 1, 1, 32, 2), tiny_moe, "zero3")  # fmt: skip
     assert_same_losses(read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl"),
                        after=3, rel=TOLERANCE)  # fmt: skip
+
+
+def test_a_router_coefficient_on_a_dense_model_is_refused_before_queueing(tmp_path):
+    """router_aux_loss_coef set on a run whose model names no experts: one line before
+    anything is queued (TRL's DPO trainer would raise only once the job runs)."""
+    import json
+
+    from conftest import ROOT, SHAPES
+
+    from snaketune.plan.config import validate_config
+    from snaketune.plan.fit import check_runs
+
+    model = tmp_path / "resources/models/m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.1-8B-Instruct"]))
+    data = {"source": "hub", "id": "y", "format": "prompt_response"}
+    config = validate_config({"models": {"m": {"source": "hub", "id": "x"}}, "datasets": {"d": data},
+                              "runs": {"r": {"model": "m", "dataset": "d", "method": "lora",
+                                             "max_steps": 10, "router_aux_loss_coef": 0.01,
+                                             "nodes": 1, "gpus_per_node": 1, "max_length": 512,
+                                             "micro_batch_size": 1, "learning_rate": 1e-4}}},
+                             ROOT)  # fmt: skip
+    found = check_runs(config, ["r"], tmp_path, ROOT, local=True)
+    assert found[:1] == ["runs.r.router_aux_loss_coef: model m is not a mixture of experts (its "
+                     "config.json names no experts); drop the key"], found  # fmt: skip

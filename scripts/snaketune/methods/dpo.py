@@ -138,6 +138,10 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         ctx, DPOConfig, beta=dpo["beta"], loss_type=losses(dpo),
         loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
         precompute_ref_log_probs=precomputed, max_length=None, model_init_kwargs=None,
+        # a mixture of experts: TRL's DPO adds coefficient x the router's loss per micro
+        # batch (auto: the model's own coefficient; docs/moe.md)
+        router_aux_loss_coef=None if ctx.run["router_aux_loss_coef"] == "auto"
+        or not hasattr(model.config, "output_router_logits") else ctx.run["router_aux_loss_coef"],
     )  # fmt: skip
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.
@@ -158,6 +162,7 @@ LOG_KEYS = {
     "rewards/margins": "reward_margin",
     "logps/chosen": "logp_chosen",
     "logps/rejected": "logp_rejected",
+    "aux_loss": "aux_loss",  # a mixture of experts: TRL adds the router's loss itself
 }
 
 

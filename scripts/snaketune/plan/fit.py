@@ -224,6 +224,10 @@ def check_runs(
             say(f"{name}: skipped for now (the model's config.json is not there yet)")
             continue
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
+        if run.get("router_aux_loss_coef", "auto") != "auto" and not shape.moe:
+            found.append(f"runs.{name}.router_aux_loss_coef: model {run['model']} is not a "
+                         "mixture of experts (its config.json names no experts); drop the "
+                         "key")  # fmt: skip
         gpu, setup = run.get("gpu", config.get("gpu")), setup_of(run, deepspeed)
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))
