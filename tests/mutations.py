@@ -94,6 +94,28 @@ MUTATIONS = (
         "        if True:",
         ("tests/test_dpo.py::test_a_ragged_gather_joins_unequal_rank_counts",),
     ),
+    Mutation(
+        "active-experts", "the plan counts a mixture's active experts only (the issue's 3.3B for Qwen3-30B-A3B)",
+        f"{LIB}/core/modelshape.py",
+        "        moe = self.moe_layers * (self.experts * self.expert_params + self.router_params",
+        "        moe = self.moe_layers * (self.experts_per_token * self.expert_params + self.router_params",
+        ("tests/test_moe.py::test_a_tiny_model_of_each_family_is_counted_exactly",
+         "tests/test_moe.py::test_each_familys_published_model_is_counted_within_a_percent"),
+    ),
+    Mutation(
+        "router-adapted", "the routers get adapters without lora.adapt_router",
+        f"{LIB}/core/lora_targets.py",
+        '    every, router = targets == "all-linear", bool(lora.get("adapt_router", False))',
+        '    every, router = targets == "all-linear", True',
+        ("tests/test_moe.py::test_adapters_reach_the_experts_and_the_router_only_when_asked",),
+    ),
+    Mutation(
+        "expert-order", "the experts' merge reads B's stacked ranks expert-major, as A's",
+        f"{LIB}/export/experts.py",
+        "        b = self.b.float().reshape(self.b.shape[0], -1, experts)",
+        "        b = self.b.float().reshape(self.b.shape[0], experts, -1).transpose(1, 2)",
+        ("tests/test_moe.py::test_each_experts_change_merged_gives_the_adapter_models_logits",),
+    ),
 )  # fmt: skip
 
 

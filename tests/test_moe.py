@@ -362,11 +362,10 @@ def test_the_qwen3_30b_a3b_example_is_planned_at_its_real_size(tmp_path):
     assert shape.lora_params(16, "all-linear") == pytest.approx(0.995e9, rel=1e-3)
 
 
-@pytest.mark.gpu
-def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
-    """On CUDA (transformers picks its experts kernel there): a Qwen3-MoE with LoRA on its
-    experts, in bf16, takes a step with the load-balancing loss (finite, every expert's
-    adapter reached); in fp32 each expert's change written into the fused experts
+def experts_adapter_check(device: str, dtype) -> None:
+    """A Qwen3-MoE with LoRA on its experts (16 experts, 4 per token) on ``device``: in bf16
+    a step with the load-balancing loss reaches every expert's adapter with finite
+    gradients; in fp32 each expert's change written into the fused experts
     (snaketune.export.experts) gives the adapter model's logits."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -381,37 +380,47 @@ def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
                                   num_experts_per_tok=4, output_router_logits=True)  # fmt: skip
     # the experts alone (every layer routes): what the merge below writes is the whole adapter
     lora = {"r": 4, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
-    for dtype in (torch.bfloat16, torch.float32):
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        with exact_targets():
-            peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **resolve(model, lora)))
-        for name, param in peft.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.05)
-        ids = torch.randint(1, 512, (4, 64), device="cuda")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with exact_targets():
+        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **resolve(model, lora)))
+    for name, param in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    ids = torch.randint(1, 512, (4, 64), device=device)
+    if dtype == torch.bfloat16:
         out = peft(input_ids=ids, labels=ids)
-        if dtype == torch.bfloat16:
-            (out.loss + 0.01 * out.aux_loss).backward()
-            grads = [p.grad for n, p in peft.named_parameters() if ".experts" in n and "lora_" in n]
-            assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
-                                 for g in grads)  # fmt: skip
-            continue
-        with torch.no_grad():
-            want = peft(input_ids=ids).logits
-            for module in [m for n, m in peft.named_modules() if n.endswith("mlp.experts")]:
-                for wrapper in (module, module.base_layer):
-                    param = wrapper.get_param()
-                    kind = "gate_up" if param.shape[1] == 2 * 128 else "down"
-                    pair = ExpertPair("", kind, wrapper.lora_A["default"].weight,
-                                      wrapper.lora_B["default"].weight,
-                                      wrapper.scaling["default"])  # fmt: skip
-                    param += pair.delta(16)
-            merged = peft.get_base_model()
-            with peft.disable_adapter():
-                got = merged(input_ids=ids).logits
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        (out.loss + 0.01 * out.aux_loss).backward()
+        grads = [p.grad for n, p in peft.named_parameters() if ".experts" in n and "lora_" in n]
+        assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+                             for g in grads)  # fmt: skip
+        return
+    with torch.no_grad():
+        want = peft(input_ids=ids).logits
+        for module in [m for n, m in peft.named_modules() if n.endswith("mlp.experts")]:
+            for wrapper in (module, module.base_layer):
+                param = wrapper.get_param()
+                kind = "gate_up" if param.shape[1] == 2 * 128 else "down"
+                pair = ExpertPair("", kind, wrapper.lora_A["default"].weight,
+                                  wrapper.lora_B["default"].weight,
+                                  wrapper.scaling["default"])  # fmt: skip
+                param += pair.delta(16)
+        with peft.disable_adapter():
+            got = peft.get_base_model()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_each_experts_change_merged_gives_the_adapter_models_logits():
+    experts_adapter_check("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
+    """On CUDA (transformers picks its experts kernel there): the step in bf16, the merge in
+    fp32 (experts_adapter_check)."""
+    experts_adapter_check("cuda", torch.bfloat16)
+    experts_adapter_check("cuda", torch.float32)
 
 
 @pytest.mark.slow
