@@ -1,7 +1,7 @@
 # snaketune: the two commands of the README, and a few helpers.
 #
 #   make demo      set up .venv and run the whole offline demo on the local profile
-#   make test-all  set up .venv and run the whole test suite (what CI runs, about 35 minutes on 2 cores)
+#   make test-all  set up .venv and run the whole test suite (what CI runs, 40 to 50 minutes on 2 cores)
 #   make test      set up .venv and run the quick tier (every unit test and one shared demo
 #                  pipeline, under 10 minutes): the check for every change
 
