@@ -229,11 +229,11 @@ def made_ready(trainer, ctx: Context) -> None:
         if ctx.env.rank == 0:
             log.info("%s", qlora.describe(ctx.quantized))
     if ctx.env.rank == 0 and hasattr(trainer.model, "peft_config"):
+        from snaketune.core.io import write_json
         from snaketune.core.lora_targets import ADAPTERS, describe
 
         adapters = describe(trainer.model)  # the provenance reads it (snaketune.train.launch)
-        ctx.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.ckpt_dir / ADAPTERS).write_text(json.dumps(adapters))
+        write_json(ctx.ckpt_dir / ADAPTERS, adapters)
         log.info("adapters: %s", ", ".join(f"{k} {v:,}" for k, v in
                                           adapters["adapter_params"].items()))  # fmt: skip
 
