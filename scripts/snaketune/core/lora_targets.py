@@ -28,7 +28,8 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-MLP = ("gate_proj", "up_proj", "down_proj")
+from snaketune.core.modelshape import MLP
+
 ADAPTERS = "adapters.json"  # in the checkpoints folder: what carries adapters (``describe``)
 
 
@@ -107,6 +108,15 @@ def exact_targets() -> Iterator[None]:
             yield
     finally:
         conversion.convert_peft_config_for_transformers = kept
+
+
+def load_adapter(model, adapter):
+    """``model`` with the peft adapter saved at ``adapter``, its targets as the run made
+    them (``exact_targets``)."""
+    from peft import PeftModel
+
+    with exact_targets():
+        return PeftModel.from_pretrained(model, str(adapter))
 
 
 def describe(model) -> dict[str, Any]:

@@ -33,10 +33,16 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def experts_of(cfg: dict[str, Any]) -> int:
+    """Routed experts per MoE layer named by a config (its config.json or ``to_dict()``; 0:
+    a dense model)."""
+    return next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
+
+
 def moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """The experts of a mixture of experts' config.json (nothing for a dense model)."""
     kind = cfg.get("model_type")
-    experts = next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
+    experts = experts_of(cfg)
     if not experts:
         return {}
     if kind not in MOE_TYPES:

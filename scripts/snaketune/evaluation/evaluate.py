@@ -318,10 +318,10 @@ def adapter_model(adapter: Path, base: Path, dtype, device: str):
     """A LoRA run's adapter on its base, in eval mode on ``device``: the base in ``dtype``,
     or (a 4-bit run: the adapter's quantization record) in 4 bits as the run loaded it, so
     each layer computes with the dequantized weight the run trained with."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from snaketune.core import qlora
+    from snaketune.core.lora_targets import load_adapter
     from snaketune.evaluation.model import build_model
 
     record = qlora.read_record(adapter)
@@ -332,10 +332,7 @@ def adapter_model(adapter: Path, base: Path, dtype, device: str):
         name = {v: k for k, v in DTYPES.items()}[dtype]
         model = build_model(base, name, "sdpa", quantize=record, device=device)
         model.config.use_cache = True  # build_model sets it off: training reads no KV cache
-    from snaketune.core.lora_targets import exact_targets
-
-    with exact_targets():  # the targets as the run made them (a mixture of experts' too)
-        return PeftModel.from_pretrained(model, str(adapter)).eval()
+    return load_adapter(model, adapter).eval()  # the targets as the run made them
 
 
 def evaluate(

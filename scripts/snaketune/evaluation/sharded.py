@@ -96,12 +96,9 @@ def load_sharded(model_dir: Path, dtype, base: Path | None = None):
     model = AutoModelForCausalLM.from_pretrained(base or model_dir, dtype=dtype,
                                                  local_files_only=True)  # fmt: skip
     if base is not None:
-        from peft import PeftModel
+        from snaketune.core.lora_targets import load_adapter
 
-        from snaketune.core.lora_targets import exact_targets
-
-        with exact_targets():
-            model = PeftModel.from_pretrained(model, str(model_dir))
+        model = load_adapter(model, model_dir)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return tokenizer, engine.module, keep

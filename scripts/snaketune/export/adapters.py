@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from snaketune.core import qlora
 from snaketune.core.errors import DataError
 from snaketune.core.io import atomic_path
+from snaketune.core.modelshape import experts_of
 from snaketune.export.convert import (
     TOKENIZER_FILES,
     Finish,
@@ -41,7 +42,6 @@ from snaketune.export.experts import (
     ExpertPair,
     expert_delta,
     expert_pairs,
-    experts_count,
     module_of,
     pair_scale,
 )
@@ -130,11 +130,10 @@ def convert_lora(
     finish: Finish | None = None,
 ) -> dict:
     """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from snaketune.core.lora_targets import exact_targets
+    from snaketune.core.lora_targets import load_adapter
 
     hf_logging.disable_progress_bar()
     ckpt = ZeroCheckpoint(checkpoint)
@@ -153,8 +152,7 @@ def convert_lora(
         quantized = qlora.read_record(trained)
         if quantized is not None:  # the base as the 4-bit run computed with it
             qlora.dequantize_model(base, quantized)
-        with exact_targets():
-            model = PeftModel.from_pretrained(base, str(tmp))
+        model = load_adapter(base, tmp)
         data = load_file(str(probe))
         diff = gate(probe_logits(model, data), data, dtype, str(out))
         report = conversion_report("lora", ckpt, len(tensors), diff)
@@ -198,7 +196,7 @@ class Adapter:
                 b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
                 pairs[adapter_target(key)] = (key, a, b)
         whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
-        return cls(pairs, whole, lora_scale(config), experts, experts_count(model_config))
+        return cls(pairs, whole, lora_scale(config), experts, experts_of(model_config))
 
 
 def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from snaketune.core.errors import DataError
+from snaketune.core.modelshape import experts_of
 
 TRANSPOSED = ("gpt_oss",)  # its fused experts are stored experts x in x out
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass
@@ -55,7 +55,7 @@ def expert_pairs(lora: dict[str, torch.Tensor], config: dict, scale_of,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, ExpertPair]:  # fmt: skip
     """The adapter's pairs on fused experts, by the base tensor each changes (``shapes``:
     the base checkpoint's), each checked against it; ``scale_of(kind)``: a pair's scale."""
-    experts = experts_count(config)
+    experts = experts_of(config)
     if not experts:
         return {}
     h = config["hidden_size"]
@@ -118,7 +118,3 @@ def pair_scale(adapter_config: dict, kind: str) -> float:
         alpha = next((v for k, v in (adapter_config.get("alpha_pattern") or {}).items()
                       if k.endswith("gate_up_proj")), alpha)  # fmt: skip
     return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r
-
-
-def experts_count(config: dict) -> int:
-    return next((config[k] for k in EXPERT_KEYS if config.get(k)), 0)

@@ -43,8 +43,9 @@ class Router:
         for module in model.modules():  # the causal LM reads its coefficient at build time
             if hasattr(module, "router_aux_loss_coef"):
                 module.router_aux_loss_coef = 0.0
-        keys = ("num_experts", "num_local_experts", "n_routed_experts")
-        experts = next(getattr(config, k) for k in keys if getattr(config, k, 0))
+        from snaketune.core.modelshape import experts_of
+
+        experts = experts_of(config.to_dict())
         return cls(float(coef), int(experts), int(top_k), run["gradient_accumulation_steps"])
 
     def term(self, outputs):

@@ -303,12 +303,18 @@ def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path(".")
     settings = run["eval"]
     if settings.get("nodes", "auto") != "auto" and settings.get("gpus_per_node", "auto") != "auto":
         return eval_layout(run, None, None, final)  # as set: nothing to read
+    shape = readable_shape(config, run, workdir)
+    return eval_layout(run, shape, gpu_memory(run.get("gpu", config.get("gpu"))), final)
+
+
+def readable_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Shape | None:
+    """The run's model shape where its config.json can be read now; None while it cannot,
+    or for an architecture the plan cannot count (the train check says so)."""
     path, _ = locate_config_json(config, run, workdir)
     try:
-        shape = _shape(str(path)) if path is not None else None
-    except UserError:  # an architecture the plan cannot count: the train check says so
-        shape = None
-    return eval_layout(run, shape, gpu_memory(run.get("gpu", config.get("gpu"))), final)
+        return _shape(str(path)) if path is not None else None
+    except UserError:
+        return None
 
 
 def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
@@ -331,11 +337,7 @@ def planned_mem_mb(config: dict[str, Any], name: str, stage: str, floor: int,
     ``floor`` while the model's config.json cannot be read (a profile's set-resources
     replaces it; the check before queueing compares either with the plan)."""
     run = config["runs"][name]
-    path, _ = locate_config_json(config, run, workdir)
-    try:
-        shape = _shape(str(path)) if path is not None else None
-    except UserError:  # an architecture the plan cannot count: the train check says so
-        shape = None
+    shape = readable_shape(config, run, workdir)
     if shape is None:
         return floor
     stages = stage_plans(config, name, shape, gpu_memory(run.get("gpu", config.get("gpu"))))

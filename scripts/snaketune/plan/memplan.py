@@ -113,14 +113,21 @@ def trained_params(shape: Shape, s: Setup) -> int:
     return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
 
 
+def stored_weights(shape: Shape, s: Setup) -> float:
+    """Bytes of the frozen and trained weights as a run holds them, all of them: w bytes a
+    weight, or for a 4-bit base its decoder linears in 4 bits with their constants."""
+    w, p = s.bytes_per_weight, shape.params
+    if s.quantized:
+        return w * (p - shape.linear_params) + quant_bytes(s.double_quant) * shape.linear_params
+    return w * p
+
+
 def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     """Bytes per GPU of weights, gradients and optimizer states."""
     n, w, p = s.gpus, s.bytes_per_weight, shape.params
     t = p if s.adapter == "full" else trained_params(shape, s)
     mixed = w == 2
-    base = w * p  # the frozen and trained weights as stored
-    if s.quantized:  # 4-bit decoder linears and their constants; the rest at w bytes
-        base = w * (p - shape.linear_params) + quant_bytes(s.double_quant) * shape.linear_params
+    base = stored_weights(shape, s)
     if s.stage >= 3:
         gathered = 4 * shape.largest_layer
         weights = gathered if s.offload_params else gathered + base / n

@@ -27,6 +27,7 @@ from snaketune.plan.memplan import (
     model_states,
     quant_bytes,
     reference_copy,
+    stored_weights,
 )
 
 EVAL_BYTES = 2  # an evaluate job on GPUs runs in bf16 (fp16 where bf16 is missing)
@@ -242,10 +243,7 @@ def training_pass_plans(run: dict[str, Any], shape: Shape, s: Setup, gpu_gib: fl
     falls back to them); the gathered figure is said beside it."""
     resident = sum(model_states(shape, s).values()) + reference_copy(shape, s)
     zero3 = s.stage >= 3
-    whole = s.bytes_per_weight * shape.params
-    if s.quantized:
-        whole += (quant_bytes(s.double_quant) - s.bytes_per_weight) * shape.linear_params
-    rest = whole * (1 - 1 / s.gpus) if zero3 else 0.0  # what a gather adds to each GPU
+    rest = stored_weights(shape, s) * (1 - 1 / s.gpus) if zero3 else 0.0  # a gather's addition
     setting = run["eval"].get("gather_for_generation", "auto")
 
     def gib(extra: float) -> float:
