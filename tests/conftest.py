@@ -122,6 +122,29 @@ import sitecustomize  # noqa: E402,F401  (the same watch on this process)
 sys.path.remove(str(OFFLINE))
 
 
+def pytest_runtest_setup(item) -> None:
+    """Name the test in the environment of every process it starts (before its fixtures are
+    built, so a session fixture's pipeline counts for the first test that needs it): the
+    CPU accounting of tests/offline/sitecustomize.py and tests/durations.py."""
+    os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = item.nodeid
+    sitecustomize.counted_per_test = True
+    item.cpu_began = _cpu_seconds()
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """This process's own CPU seconds in the test (its setup and call), for the same
+    accounting."""
+    if hasattr(item, "cpu_began"):
+        sitecustomize.cpu_line(_cpu_seconds() - item.cpu_began, item.nodeid, "pytest")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked ``gpu`` run where a CUDA GPU is and are skipped elsewhere (CI here has
     none); the GPU-aware tests without the mark check the right thing on either machine."""

@@ -25,11 +25,13 @@ tier=${1:-all}
 shift || true
 shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
 export SNAKETUNE_SHARED_DIR=$shared
+# every process the tests start notes its CPU seconds here (tests/offline/sitecustomize.py)
+export SNAKETUNE_CPU_LOG=$shared/cpu.tsv
 
 if [ "$tier" = quick ]; then
   pytest -m "not slow" --junitxml="$shared/quick.xml" "$@"
   status=$?
-  python tests/durations.py "$shared/quick.xml"
+  python tests/durations.py "$shared/quick.xml" --cpu "$SNAKETUNE_CPU_LOG"
   rm -rf "$shared"
   exit $status
 fi
@@ -56,7 +58,7 @@ echo "========== ${SIDE[*]} (ran beside the rest) =========="
 cat "$shared/side.log"
 echo "========== ${SLURM[*]} (ran beside the rest) =========="
 cat "$shared/slurm.log"
-python tests/durations.py "$shared"/*.xml
+python tests/durations.py "$shared"/*.xml --cpu "$SNAKETUNE_CPU_LOG"
 rm -rf "$shared"
 echo "pytest exit codes: the rest: $main; ${SIDE[*]}: $side; ${SLURM[*]}: $slurm"
 for code in "$main" "$side" "$slurm"; do

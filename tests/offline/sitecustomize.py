@@ -6,6 +6,12 @@ demo pipeline and the tests before it left the log empty: nothing was fetched.
 Leaving the machine: a connection to a global (public) address, or a lookup of a name
 that is not this machine's or the local test cluster's. Loopback and private addresses
 (the rendezvous, gloo, the SLURM daemons) are local.
+
+With ``$SNAKETUNE_CPU_LOG`` set (tests/run.sh sets it), each process also appends, as it
+exits, the CPU seconds it used itself (user + system; its children write their own line),
+the test that started it (``$SNAKETUNE_TEST``, set by tests/conftest.py for each test) and
+its command: tests/durations.py sums them per test file and per kind of process. A process
+killed by a signal writes no line.
 """
 
 import ipaddress
@@ -76,3 +82,34 @@ if _LOG:
     socket.getaddrinfo = getaddrinfo
     socket.socket.connect = connect
     socket.socket.connect_ex = connect_ex
+
+
+_CPU_LOG = os.environ.get("SNAKETUNE_CPU_LOG")
+counted_per_test = False  # pytest's own process: tests/conftest.py writes a line per test
+
+
+def cpu_line(seconds: float, test: str, command: str) -> None:
+    if _CPU_LOG:
+        line = f"{os.getpid()}\t{seconds:.2f}\t{test}\t{command.replace(chr(9), ' ')[:300]}\n"
+        try:
+            fd = os.open(_CPU_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+if _CPU_LOG:
+    import atexit
+
+    def _at_exit() -> None:
+        import resource
+
+        if not counted_per_test:
+            used = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_line(used.ru_utime + used.ru_stime, os.environ.get("SNAKETUNE_TEST", ""),
+                     " ".join(sys.argv[:3]))  # fmt: skip
+
+    atexit.register(_at_exit)

@@ -17,14 +17,23 @@ import importlib.util
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 RECORD = "quantization.json"
 BLOCKSIZE = 64  # transformers' Params4bit default: one absmax per 64 weights
 INSTALL = 'pip install -e ".[qlora]"'
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a precision's name (bf16, fp16, fp32). torch is imported here, not
+    at the top: the workflow reads this module while it builds the DAG (a snakemake call, and
+    each SLURM job's), which must not pay torch's import."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def settings(quantization: Mapping[str, Any] | None, precision: str) -> dict[str, Any] | None:
@@ -35,6 +44,8 @@ def settings(quantization: Mapping[str, Any] | None, precision: str) -> dict[str
     does)."""
     if quantization is None:
         return None
+    import torch
+
     compute = quantization["compute_dtype"]
     if compute == "auto" or (compute != "fp32" and not torch.cuda.is_available()):
         compute = precision
@@ -48,7 +59,7 @@ def bnb_config(q: dict[str, Any]):
     compute dtype, so that ZeRO-3 shards them with the other weights."""
     from transformers import BitsAndBytesConfig
 
-    compute = DTYPE_NAMES[q["compute_dtype"]]
+    compute = dtype_of(q["compute_dtype"])
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q["quant_type"],
                               bnb_4bit_use_double_quant=q["double_quant"],
                               bnb_4bit_compute_dtype=compute,
@@ -60,6 +71,7 @@ def record(model, q: dict[str, Any]) -> dict[str, Any]:
     config): the settings, the quantized linear layers' names, the packed bytes, and the
     linear layers left unquantized (the output layer)."""
     import bitsandbytes as bnb
+    import torch
 
     quantized, packed, left = [], 0, []
     for name, module in model.named_modules():
@@ -117,7 +129,7 @@ def as_trained(tensor: torch.Tensor, rec: dict[str, Any]) -> torch.Tensor:
     (bitsandbytes, the run's settings) and dequantized to the compute dtype."""
     import bitsandbytes.functional as bf
 
-    load, compute = DTYPE_NAMES[rec["load_dtype"]], DTYPE_NAMES[rec["compute_dtype"]]
+    load, compute = dtype_of(rec["load_dtype"]), dtype_of(rec["compute_dtype"])
     packed, state = bf.quantize_4bit(
         tensor.to(load).contiguous(), blocksize=rec["blocksize"],
         compress_statistics=rec["double_quant"], quant_type=rec["quant_type"],
@@ -129,6 +141,8 @@ def as_trained(tensor: torch.Tensor, rec: dict[str, Any]) -> torch.Tensor:
 def dequantize_model(model, rec: dict[str, Any]) -> int:
     """Replace the quantized layers' weights of an unquantized ``model`` (loaded from the
     base) by their trained-as values; returns how many."""
+    import torch
+
     wanted = quantized_tensors(rec)
     done = 0
     with torch.no_grad():
