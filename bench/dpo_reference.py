@@ -35,12 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prepare(work: Path) -> dict[str, Path]:
-    """Fixtures, the pairs tokenized and sharded for 2 x 1 (the DPO demo's layout)."""
+def prepare(work: Path, pairs: int | None = None) -> dict[str, Path]:
+    """Fixtures, the pairs (the first ``pairs`` of them; all: None) tokenized and sharded for
+    2 x 1 (the DPO demo's layout)."""
     from snaketune.app.fixtures import make_fixtures
     from snaketune.data.conversations import Source
     from snaketune.data.shard import Layout, shard
@@ -48,7 +51,9 @@ def prepare(work: Path) -> dict[str, Path]:
     from snaketune.data.tokenization import tokenize
 
     paths = make_fixtures(work / "fixtures")
-    spec = {"source": "local", "path": str(paths["arith"] / "pairs-train.jsonl"),
+    rows = (paths["arith"] / "pairs-train.jsonl").read_text().splitlines(keepends=True)
+    (work / "pairs.jsonl").write_text("".join(rows[:pairs]))
+    spec = {"source": "local", "path": str(work / "pairs.jsonl"),
             "format": "preference", "columns": {"prompt": "question"}}  # fmt: skip
     data = download_dataset("pairs", spec, work / "dataset")
     tokenize([Source("pairs", data, spec)], paths["model"], work / "pairs.parquet", 256)
@@ -94,10 +99,13 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--steps", type=int, default=32, help="DPO steps per training run")
     parser.add_argument("--method", choices=("lora", "full"), default="lora", help="what trains")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="the demo's first this many pairs (default: all 2048)")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dpo-bench-") as tmp:
         work = Path(tmp)
-        data = prepare(work)
+        data = prepare(work, args.pairs)
+        count = pq.ParquetFile(data["tokenized"]).metadata.num_rows
         logps = work / "ref" / "logps.parquet"
         began = time.monotonic()
         subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_logps.py"),
@@ -106,7 +114,7 @@ def main() -> int:
                         "--precision", "fp32", "--out", str(logps)], check=True,
                        capture_output=True)  # fmt: skip
         stage = time.monotonic() - began
-        print(f"reference_logps: 2048 pairs, 2 workers: {stage:.1f} s")
+        print(f"reference_logps: {count} pairs, 2 workers: {stage:.1f} s")
         losses = {}
         for reference in ("precomputed", "live"):
             (work / reference).mkdir()
