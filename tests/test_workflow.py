@@ -77,17 +77,19 @@ def test_dry_run_demo(tmp_path):
     }
 
 
-def test_building_the_dag_imports_no_ml_library(demo):
+def test_building_the_dag_imports_no_ml_library(demo, tmp_path):
     """Every snakemake call, and each SLURM job's own, builds the DAG (the config's checks,
     the plans of a model that is there): importing torch there (it once came in through the
     4-bit module's dtype table) cost each of them ~1.2 s. A dry run of the finished demo
     with training forced (its memory and disk planned) imports no ML library."""
     import sys
 
+    work = tmp_path / "w"  # a copy: the other runs copy the shared demo meanwhile
+    subprocess.run(["cp", "-a", str(demo), str(work)], check=True)
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
          "--profile", str(ROOT / "profiles/local"), "--configfile", str(ROOT / "config/config.yaml"),
-         "--directory", str(demo), "-n", "--nolock", "--forcerun", "train"],
+         "--directory", str(work), "-n", "--forcerun", "train"],
         env=ENV, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
