@@ -128,21 +128,15 @@ def pytest_runtest_setup(item) -> None:
     CPU accounting of tests/offline/sitecustomize.py and tests/durations.py."""
     os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = item.nodeid
     sitecustomize.counted_per_test = True
-    item.cpu_began = _cpu_seconds()
+    item.cpu_began = sitecustomize.cpu_seconds()
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
     """This process's own CPU seconds in the test (its setup and call), for the same
     accounting."""
     if hasattr(item, "cpu_began"):
-        sitecustomize.cpu_line(_cpu_seconds() - item.cpu_began, item.nodeid, "pytest")
-
-
-def _cpu_seconds() -> float:
-    import resource
-
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime
+        sitecustomize.cpu_line(sitecustomize.cpu_seconds() - item.cpu_began, item.nodeid,
+                               "pytest")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items) -> None:

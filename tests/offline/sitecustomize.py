@@ -23,16 +23,20 @@ _LOG = os.environ.get("SNAKETUNE_NET_LOG")
 _LOCAL_NAMES = {"", "localhost", "tupi1", "tupi2", socket.gethostname()}
 
 
-def _record(what: str) -> None:
-    line = f"{os.getpid()} {what} ({' '.join(sys.argv[:3])[:200]})\n"
+def _append(path: str, line: str) -> None:
+    """One line appended in one write (processes running at once share the file)."""
     try:
-        fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
     except OSError:
         pass
+
+
+def _record(what: str) -> None:
+    _append(_LOG, f"{os.getpid()} {what} ({' '.join(sys.argv[:3])[:200]})\n")
 
 
 def _outside_address(host) -> bool:
@@ -54,12 +58,8 @@ def _outside_name(host) -> bool:
 
 
 if _LOG:
-    try:  # which processes ran under the watch (the test checks the demo's stages did)
-        _fd = os.open(_LOG + ".seen", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(_fd, f"{os.getpid()} {' '.join(sys.argv[:2])[:200]}\n".encode())
-        os.close(_fd)
-    except OSError:
-        pass
+    # which processes ran under the watch (the test checks the demo's stages did)
+    _append(_LOG + ".seen", f"{os.getpid()} {' '.join(sys.argv[:2])[:200]}\n")
     _getaddrinfo = socket.getaddrinfo
     _connect = socket.socket.connect
     _connect_ex = socket.socket.connect_ex
@@ -88,28 +88,25 @@ _CPU_LOG = os.environ.get("SNAKETUNE_CPU_LOG")
 counted_per_test = False  # pytest's own process: tests/conftest.py writes a line per test
 
 
+def cpu_seconds() -> float:
+    """This process's own CPU seconds so far (user + system)."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
 def cpu_line(seconds: float, test: str, command: str) -> None:
     if _CPU_LOG:
-        line = f"{os.getpid()}\t{seconds:.2f}\t{test}\t{command.replace(chr(9), ' ')[:300]}\n"
-        try:
-            fd = os.open(_CPU_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        _append(_CPU_LOG, f"{os.getpid()}\t{seconds:.2f}\t{test}\t"
+                          f"{command.replace(chr(9), ' ')[:300]}\n")  # fmt: skip
 
 
 if _CPU_LOG:
     import atexit
 
     def _at_exit() -> None:
-        import resource
-
         if not counted_per_test:
-            used = resource.getrusage(resource.RUSAGE_SELF)
-            cpu_line(used.ru_utime + used.ru_stime, os.environ.get("SNAKETUNE_TEST", ""),
-                     " ".join(sys.argv[:3]))  # fmt: skip
+            cpu_line(cpu_seconds(), os.environ.get("SNAKETUNE_TEST", ""), " ".join(sys.argv[:3]))
 
     atexit.register(_at_exit)
