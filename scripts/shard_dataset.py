@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--micro-batch-size", type=int, required=True, help="examples per device per pass"
     )
+    parser.add_argument("--sequence-parallel", type=int, default=1,
+                        help="GPUs sharing each sequence (they read the same rows)")  # fmt: skip
     parser.add_argument(
         "--gradient-accumulation-steps", type=int, default=1, help="passes per optimizer step"
     )
@@ -57,9 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="run name (for messages)")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
-    layout = Layout(
-        args.nodes, args.gpus_per_node, args.micro_batch_size, args.gradient_accumulation_steps
-    )
+    layout = Layout(args.nodes, args.gpus_per_node, args.micro_batch_size,
+                    args.gradient_accumulation_steps, args.sequence_parallel)  # fmt: skip
     if args.packing and args.model:
         check_packing(args.model, expected_attention(args.attn_implementation), f"runs.{args.run}")
     try:  # the data errors of this step name the run

@@ -32,6 +32,7 @@ SHORT = {
     "omp_wait.py": ["--steps", "3", "--side-by-side", "1"],  # both policies, one run each
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
+    "sequence_plan.py": [],  # the plan only: no training
     "tokenize.py": ["--rows", "2000"],
     "train_overhead.py": ["--steps", "12", "--warmup", "2", "--repeats", "1"],
     "train_throughput.py": ["--steps", "3", "--warmup", "1", "--layers", "2",

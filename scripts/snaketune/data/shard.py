@@ -2,14 +2,17 @@
 
 The plan is global first. With a global batch of
 
-    B = micro_batch_size x gpus_per_node x nodes x gradient_accumulation_steps
+    B = micro_batch_size x gpus_per_node x nodes x gradient_accumulation_steps / sequence_parallel
 
 an epoch has S = floor(N / B) steps. A seeded permutation of the N examples fixes which
 B examples form global step k (positions k*B .. k*B+B-1); the N mod B left over are
 listed in the manifest by example id. That depends on the data, the seed and B only.
 
-The topology then splits each global step across the R = nodes x gpus_per_node ranks, A
-micro batches of micro_batch_size examples per rank:
+The topology then splits each global step across the R = nodes x gpus_per_node /
+sequence_parallel data-parallel ranks, A micro batches of micro_batch_size examples per rank
+(with ``sequence_parallel: N``, the N GPUs of a sequence-parallel group, consecutive ranks of
+one node, read the same rows: data-parallel rank = global rank // N; each takes its slice of
+every sequence, snaketune.data.sequence):
 
 - ``packing: false``: in permutation order (today's random micro batches);
 - ``packing: true``: balanced by tokens, so that no rank waits for another: the examples of
@@ -18,8 +21,9 @@ micro batches of micro_batch_size examples per rank:
   are dealt the same way to its A micro batches.
 
 Every rank runs the same number of micro batches per step and every kept example is in
-exactly one (step, rank, micro batch). Node k's shard holds the rows of ranks k*G ..
-k*G+G-1, one row per example in the tokenized file's order, with three more columns:
+exactly one (step, rank, micro batch). Node k's shard holds the rows of data-parallel ranks
+k*D .. k*D+D-1 (D = gpus_per_node / sequence_parallel), one row per example in the
+tokenized file's order, with three more columns:
 ``step``, ``rank`` (global data-parallel rank) and ``micro``. The trainer only executes this
 plan (see snaketune.data.batches.PlanBatches); the manifest records the tokens per shard, the
 worst step's max/mean token ratio across ranks, and ``plan_sha256``: a digest of which
@@ -57,10 +61,17 @@ class Layout:
     gpus_per_node: int
     micro_batch_size: int
     gradient_accumulation_steps: int
+    sequence_parallel: int = 1
+
+    @property
+    def data_ranks_per_node(self) -> int:
+        """Data-parallel ranks of a node: its GPUs over the sequence-parallel size."""
+        return self.gpus_per_node // self.sequence_parallel
 
     @property
     def ranks(self) -> int:
-        return self.nodes * self.gpus_per_node
+        """Data-parallel ranks (each a sequence-parallel group of GPUs)."""
+        return self.nodes * self.data_ranks_per_node
 
     @property
     def per_rank_step(self) -> int:
@@ -70,7 +81,7 @@ class Layout:
     @property
     def per_node_step(self) -> int:
         """Examples one node consumes per optimizer step."""
-        return self.per_rank_step * self.gpus_per_node
+        return self.per_rank_step * self.data_ranks_per_node
 
     @property
     def global_batch(self) -> int:
@@ -87,8 +98,8 @@ class Plan:
     micro: np.ndarray
     steps: int
 
-    def node(self, gpus_per_node: int) -> np.ndarray:
-        return np.where(self.rank >= 0, self.rank // gpus_per_node, -1)
+    def node(self, ranks_per_node: int) -> np.ndarray:
+        return np.where(self.rank >= 0, self.rank // ranks_per_node, -1)
 
 
 def check_overlap(train: Path, evaluation: Path) -> None:
@@ -164,7 +175,8 @@ def plan(lengths: np.ndarray, layout: Layout, seed: int, balance: bool) -> Plan:
             f"the dataset has {n_rows} examples, fewer than one global batch of "
             f"{layout.global_batch} (micro_batch_size {layout.micro_batch_size} x gpus_per_node "
             f"{layout.gpus_per_node} x nodes {layout.nodes} x gradient_accumulation_steps "
-            f"{layout.gradient_accumulation_steps}); lower one of these or add data"
+            f"{layout.gradient_accumulation_steps}{sp_part(layout)}); lower one of these or add "
+            "data"
         )
     order = np.random.default_rng(seed).permutation(n_rows)
     step = np.full(n_rows, -1, dtype=np.int32)
@@ -184,6 +196,12 @@ def plan(lengths: np.ndarray, layout: Layout, seed: int, balance: bool) -> Plan:
             r, m = in_step // per_rank, (in_step % per_rank) // layout.micro_batch_size
         step[rows], rank[rows], micro[rows] = k, r, m
     return Plan(step, rank, micro, steps)
+
+
+def sp_part(layout: Layout) -> str:
+    """The global batch's divisor, where there is one."""
+    n = layout.sequence_parallel
+    return f" / sequence_parallel {n}" if n > 1 else ""
 
 
 def plan_digest(example_ids: list[str], p: Plan) -> str:
@@ -265,7 +283,7 @@ def shard(
     lengths = pq.read_table(tokenized, columns=["length"]).column("length").to_numpy()
     lengths = lengths.astype(np.int64)
     p = plan(lengths, layout, seed, balance=packing)
-    written = write_nodes(tokenized, out_dir, p, p.node(layout.gpus_per_node), layout.nodes)
+    written = write_nodes(tokenized, out_dir, p, p.node(layout.data_ranks_per_node), layout.nodes)
     paths, rows, tokens, leftover = written.paths, written.rows, written.tokens, written.leftover
     balance = token_balance(lengths, p, layout.ranks)
     manifest = {
@@ -276,6 +294,7 @@ def shard(
         "steps_per_epoch": p.steps,
         "nodes": layout.nodes,
         "gpus_per_node": layout.gpus_per_node,
+        "sequence_parallel": layout.sequence_parallel,
         "micro_batch_size": layout.micro_batch_size,
         "gradient_accumulation_steps": layout.gradient_accumulation_steps,
         "seed": seed,

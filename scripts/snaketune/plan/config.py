@@ -16,6 +16,7 @@ from typing import Any
 
 from snaketune.core.errors import ConfigError, ConfigProblems
 from snaketune.core.heldout import check_run as check_heldout
+from snaketune.data import sequence
 from snaketune.data.formats import (
     FORMAT_FIELDS,
     PAIR_FORMATS,
@@ -196,11 +197,8 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
     where = f"runs.{name}"
-    for key, section in (
-        ("model", "models"),
-        ("dataset", "datasets"),
-        ("eval_dataset", "datasets"),
-    ):
+    for key, section in (("model", "models"), ("dataset", "datasets"),
+                         ("eval_dataset", "datasets")):  # fmt: skip
         if key in run:
             _require(
                 run[key] in cfg[section],
@@ -217,8 +215,8 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _check_quantize(name, run, root)
-    problem = check_heldout(where, run)
-    _require(problem is None, problem or "")
+    for problem in (check_heldout(where, run), sequence.check_run(where, run)):
+        _require(problem is None, problem or "")
     _check_method(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:

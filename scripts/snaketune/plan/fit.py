@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import UserError
+from snaketune.data import sequence
 from snaketune.data.sources import hub_config_json
 from snaketune.plan.advice import format_plan, plan_run
 from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate
@@ -52,6 +53,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         offload_params=offloaded("offload_param"),
         nodes=run["nodes"],
         gpus_per_node=run["gpus_per_node"],
+        sequence_parallel=run.get("sequence_parallel", 1),
         micro_batch_size=run["micro_batch_size"] * extra["sequences_per_example"],
         max_length=run["max_length"],
         gradient_checkpointing=bool(run["gradient_checkpointing"]),
@@ -228,6 +230,8 @@ def check_runs(
             found.append(f"runs.{name}.router_aux_loss_coef: model {run['model']} is not a "
                          "mixture of experts (its config.json names no experts); drop the "
                          "key")  # fmt: skip
+        split = sequence.check_model(f"runs.{name}", run, shape.heads, shape.kv_heads)
+        found += [split] if split else []
         gpu, setup = run.get("gpu", config.get("gpu")), setup_of(run, deepspeed)
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))

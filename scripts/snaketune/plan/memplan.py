@@ -16,7 +16,9 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   (h·w per token per layer) plus one layer recomputed with it; eager attention adds its
   micro x heads x max_length^2 score and probability matrices per layer; the logits add
   tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
-  gradient), none with Liger's fused linear cross-entropy;
+  gradient), none with Liger's fused linear cross-entropy; with ``sequence_parallel: N``
+  each GPU holds 1/N of the tokens (and of their logits); weights, gradients and optimizer
+  states are not split by it;
 - GRPO: sequences are prompt and completion (max_length + max_completion_length tokens);
   training keeps the activations of micro_batch_size completions of that length and the
   logits of their completion tokens; generating them (without vLLM) holds a KV cache of
@@ -97,6 +99,7 @@ class Setup:
     quantized: bool = False  # a 4-bit base (lora.quantize: 4bit)
     double_quant: bool = True  # its quantization constants quantized too
     merged: bool = True  # a LoRA run writes its merged model (export.merged)
+    sequence_parallel: int = 1  # GPUs sharing each sequence: activations and logits split
 
     @property
     def gpus(self) -> int:
@@ -152,7 +155,7 @@ def activations(shape: Shape, s: Setup) -> float:
     """Bytes per GPU of what forward keeps for backward (and the logits); for GRPO the
     larger of that and the KV cache of generating the completions (without vLLM)."""
     w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_width // 2
-    tokens = s.micro_batch_size * s.sequence
+    tokens = s.micro_batch_size * s.sequence / s.sequence_parallel  # this GPU's slice
     layer = tokens * (8 * h + 4 * kv + 4 * shape.ffn_width) * w
     if s.attention == "eager":
         layer += 2 * s.micro_batch_size * shape.heads * s.sequence**2 * w

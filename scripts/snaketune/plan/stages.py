@@ -200,6 +200,8 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
             f" --micro-batch-size {micro}"
             f" --gradient-accumulation-steps {r['gradient_accumulation_steps']}"
             f" --seed {r['seed']}"
+            # only where set: a run without it keeps its params (no rerun of its shards)
+            + (f" --sequence-parallel {sp}" if (sp := r.get("sequence_parallel", 1)) > 1 else "")
         ),  # fmt: skip
         "packing": "--packing" if RunSpec.of(r).balances_tokens else "--no-packing",
         "attention": r["attn_implementation"],

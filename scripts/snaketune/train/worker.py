@@ -65,6 +65,7 @@ from snaketune.core.job import (
     WorkerEnv,
     write_segment,
 )
+from snaketune.data import sequence
 from snaketune.data.batches import Data, PlanBatches, read_rank_rows
 from snaketune.data.kernels import check_packing, resolve_attention, resolve_liger, training_kernel
 from snaketune.evaluation import heldout_pass
@@ -101,10 +102,12 @@ def join(
     env = WorkerEnv.from_environ()
     manifest = json.loads((shards / "manifest.json").read_text())
     expected = manifest["nodes"] * manifest["gpus_per_node"]
-    if env.world_size != expected or env.local_world_size != manifest["gpus_per_node"]:
+    if (env.world_size != expected or env.local_world_size != manifest["gpus_per_node"]
+            or manifest.get("sequence_parallel", 1) != sequence.size(run)):  # fmt: skip
         raise UserError(
             f"launched {env.world_size} processes ({env.local_world_size} per node) but the shards "
-            f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']}; rerun shard_dataset"
+            f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']} (sequence_parallel "
+            f"{manifest.get('sequence_parallel', 1)}); rerun shard_dataset"
         )
     ds.init_distributed(timeout=timedelta(minutes=run["timeout_minutes"]))
     ckpt_dir = out / "checkpoints"
@@ -147,7 +150,8 @@ def rank_data(method: Method, run: dict[str, Any], manifest: dict[str, Any], sha
               env: WorkerEnv, tokenizer, kernel: str, start_step: int,
               ids_log: Path | None) -> Data:  # fmt: skip
     """This rank's planned rows and batches, as the method trains on them."""
-    table = read_rank_rows(shards, env.node_rank, env.rank)
+    # a sequence-parallel group's GPUs read their data-parallel rank's rows
+    table = read_rank_rows(shards, env.node_rank, env.rank // sequence.size(run))
     steps = manifest["steps_per_epoch"]
     batches = PlanBatches(np.asarray(table["step"]), np.asarray(table["micro"]), steps,
                           manifest["gradient_accumulation_steps"], run["seed"],
@@ -163,10 +167,10 @@ def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: st
     if line:
         log.info("%s", line)
     log.info(
-        "global batch %d = micro %d x %d devices x %d nodes x accumulation %d; %d steps per "
+        "global batch %d = micro %d x %s x %d nodes x accumulation %d; %d steps per "
         "epoch; precision %s; %s; attention %s, %s batches%s; resuming from %s",
         manifest["global_batch"] * method.rows_per_example(run),
-        run["micro_batch_size"], env.local_world_size,
+        run["micro_batch_size"], sequence.devices(run, env.local_world_size),
         env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
         manifest["steps_per_epoch"], ctx.precision, run["method"], kernel,
         data.collator.layout, ", Liger kernels" if ctx.liger else "",
@@ -210,7 +214,8 @@ def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
     model_config = {}
     if run["packing"]:
         model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
-    return training_kernel(attention, run["packing"], model_config)
+    kernel = training_kernel(attention, run["packing"], model_config)
+    return sequence.kernel(kernel, run, model_config)
 
 
 def made_ready(trainer, ctx: Context) -> None:
@@ -266,6 +271,7 @@ def run_worker(
     quantize = qlora.settings(spec.quantization, precision)
     model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
     quantized = qlora.record(model, quantize) if quantize else None
+    data = sequence.apply(run, env.rank, model, data, kernel, tokenizer)  # sequence_parallel
     scored, schedule = held_out(run, env, tokenizer)
     ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
                   resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,

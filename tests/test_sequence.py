@@ -1,0 +1,156 @@
+"""Sequence parallelism (``sequence_parallel: N``, snaketune.data.sequence): the checks before
+anything runs, the split of a packed row, the plan's figures, and on CPU (gloo) a run whose
+sequences are split across 2 emulated GPUs against the same run on one GPU, and a probe of
+document isolation and of an all-padding slice against plain transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from snaketune.data.sequence import check_model, check_run, split
+
+HERE = Path(__file__).parent
+
+
+def sp_run(**keys) -> dict:
+    run = {"method": "lora", "packing": True, "gpus_per_node": 4, "model": "m",
+           "attn_implementation": "auto", "sequence_parallel": 2}  # fmt: skip
+    return {**run, **keys}
+
+
+@pytest.mark.parametrize(
+    "keys, needle",
+    [
+        ({"method": "dpo"}, "method dpo scores whole sequences"),
+        ({"method": "grpo"}, "method grpo scores whole sequences"),
+        ({"packing": False}, "needs packing: true"),
+        ({"gpus_per_node": 3, "sequence_parallel": 2}, "must divide gpus_per_node (3)"),
+        ({"gpus_per_node": 2, "sequence_parallel": 4}, "must divide gpus_per_node (2)"),
+        ({"attn_implementation": "eager"}, "cannot split eager attention"),
+    ],
+)
+def test_a_run_sequence_parallelism_cannot_split_is_one_line(keys, needle):
+    line = check_run("runs.r", sp_run(**keys))
+    assert line is not None and needle in line and line.startswith("runs.r.sequence_parallel")
+    assert "\n" not in line
+
+
+def test_runs_it_can_split_pass_and_heads_must_divide():
+    assert check_run("runs.r", sp_run()) is None
+    assert check_run("runs.r", sp_run(sequence_parallel=1, packing=False)) is None
+    assert check_model("runs.r", sp_run(sequence_parallel=8), 32, 8) is None
+    assert check_model("runs.r", sp_run(sequence_parallel=8), 32, 4) is None  # KV repeated
+    assert "32 attention heads / 8 KV heads" in check_model("runs.r", sp_run(sequence_parallel=3),
+                                                          32, 8)  # fmt: skip
+    assert check_model("runs.r", sp_run(sequence_parallel=4), 4, 2) is None
+    assert "6 attention heads" in check_model("runs.r", sp_run(sequence_parallel=4), 6, 6)
+
+
+def test_the_workflow_refuses_a_split_dpo_run_before_any_job(tmp_path):
+    from conftest import quick_config, snakemake
+
+    config = quick_config(tmp_path / "c.yaml", method="dpo", sequence_parallel=2)
+    proc = snakemake("--configfile", str(config), "--directory", str(tmp_path), "-n",
+                     check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "sequence_parallel: 2 splits supervised" in out, out[-2000:]
+
+
+def test_split_pads_to_a_multiple_shifts_over_the_row_and_keeps_one_slice():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])  # two examples: 3 and 4 tokens
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    labels = torch.tensor([[-100, 6, 7, -100, 9, 10, 11]])
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels,
+             "cu_seq_lens_q": torch.tensor([0, 3, 7]), "use_cache": False}  # fmt: skip
+    parts = [split(dict(batch), 4, r, pad_id=0) for r in range(4)]  # 7 -> 8 tokens, 2 each
+    assert [p["input_ids"].tolist() for p in parts] == [[[5, 6]], [[7, 8]], [[9, 10]], [[11, 0]]]
+    assert [p["position_ids"].tolist() for p in parts] == [[[0, 1]], [[2, 0]], [[1, 2]], [[3, 0]]]
+    # token t's target is token t + 1 across slice bounds; an example's first token and the
+    # padding are never targets
+    assert [p["shift_labels"].tolist() for p in parts] == [
+        [[6, 7]], [[-100, 9]], [[10, 11]], [[-100, -100]]]  # fmt: skip
+    assert all(torch.equal(p["labels"], p["shift_labels"]) for p in parts)
+    assert all("cu_seq_lens_q" not in p and p["use_cache"] is False for p in parts)
+
+
+def test_the_plan_splits_activations_and_logits_not_model_states():
+    from snaketune.plan.memplan import Setup, Shape, activations, model_states
+
+    shape = Shape.from_config({"hidden_size": 4096, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "num_hidden_layers": 32,
+                               "intermediate_size": 14336, "vocab_size": 128256,
+                               "model_type": "llama"})  # fmt: skip
+    one = Setup(adapter="lora", stage=3, offload_optimizer=False, offload_params=False, nodes=1,
+                gpus_per_node=8, micro_batch_size=1, max_length=32768, gradient_checkpointing=True,
+                attention="flash_attention_2", liger=False, bytes_per_weight=2, lora_r=16)  # fmt: skip
+    from dataclasses import replace
+
+    for n in (2, 4, 8):
+        split_n = replace(one, sequence_parallel=n)
+        assert activations(shape, split_n) == pytest.approx(activations(shape, one) / n)
+        assert model_states(shape, split_n) == model_states(shape, one)
+
+
+@pytest.mark.slow
+def test_document_isolation_and_an_all_padding_slice_against_plain_transformers(tiny_model):
+    """tests/sequence_probe.py on 2 gloo ranks: per-token NLL of a packed row split in two
+    equals the unsplit row's; changing the third document leaves the first two's NLL
+    unchanged; a row whose second half is padding gives rank 1 a loss of 0, finite."""
+    from conftest import ENV
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(HERE / "sequence_probe.py"), str(tiny_model)],
+        capture_output=True, text=True, timeout=300, env={**ENV, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "probe: ok" in proc.stdout, proc.stdout[-2000:]
+
+
+STEPS = 12
+
+
+@pytest.mark.slow
+def test_two_gpus_sharing_each_sequence_train_as_one(tmp_path, tiny_model, fixtures_dir):
+    """The packed LoRA run, fp32, 12 steps of micro batch 2 x accumulation 2 over the
+    fixture's answers (57 to 331 tokens), on 1 GPU and on 2 emulated GPUs with
+    sequence_parallel 2 (the same global batch of 4, the same plan): every step's loss
+    within 1e-4 relative (what bounds it: the float sums of 2 slices and an all-to-all in
+    another order, ~1e-6 measured), the same steps, the same examples."""
+    from conftest import ENV, ROOT, read_jsonl, run_spec, train
+    from test_tokenize import run_tokenize
+
+    spec = {"format": "prompt_response", "columns": {"prompt": "question", "response": "chosen"}}
+    run_tokenize(tmp_path, "chosen", spec, fixtures_dir / "gsm8k-demo/pairs-train.jsonl",
+                 tiny_model)  # fmt: skip
+    losses = {}
+    for n in (1, 2):
+        where = tmp_path / f"sp{n}"
+        extra = ["--sequence-parallel", "2"] if n == 2 else []
+        subprocess.run([sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized",
+                        str(tmp_path / "chosen.tok.parquet"), "--nodes", "1", "--gpus-per-node",
+                        str(n), "--micro-batch-size", "2", "--gradient-accumulation-steps", "2",
+                        "--seed", "2", "--packing", *extra, "--out", str(where / "shards")],
+                       check=True, env=ENV, capture_output=True)  # fmt: skip
+        run = run_spec(nodes=1, gpus_per_node=n, sequence_parallel=n, micro_batch_size=2,
+                       gradient_accumulation_steps=2, max_steps=STEPS, save_steps=STEPS,
+                       precision="fp32")  # fmt: skip
+        out = train(where, run, where / "shards", tiny_model, "zero2", threads=2)
+        losses[n] = [(m["step"], m["loss"]) for m in read_jsonl(out / "metrics.jsonl")]
+        log = (out / "logs/attempt-1.log").read_text()
+        if n == 2:
+            assert "1 groups of 2 devices (sequence_parallel 2)" in log, log[-3000:]
+            assert "attention sdpa_segments" in log
+    assert [s for s, _ in losses[1]] == [s for s, _ in losses[2]] == list(range(1, STEPS + 1))
+    for (step, one), (_, two) in zip(losses[1], losses[2], strict=True):
+        assert two == pytest.approx(one, rel=1e-4), (step, one, two)
+    worst = max(abs(b - a) / a for (_, a), (_, b) in zip(losses[1], losses[2], strict=True))
+    print(
+        f"{STEPS} steps, loss {losses[1][0][1]:.4f} -> {losses[1][-1][1]:.4f}; worst "
+        f"relative difference {worst:.1e}"
+    )
