@@ -238,6 +238,8 @@ def train_spec(run: dict[str, Any], reference: str | None = None,
     spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
     if "eval_steps" not in run:  # a default that means nothing here: no params change
         spec.pop("eval_at_start", None)
+    if spec.get("sequence_parallel") == 1:  # the default: runs made before it keep their params
+        del spec["sequence_parallel"]
     if reference is not None:
         block = method_of(run).block
         spec[block] = {**spec[block], "reference_logps": reference}
