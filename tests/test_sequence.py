@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from snaketune.data.sequence import check_model, check_run, split
+from snaketune.methods import method_of
 
 HERE = Path(__file__).parent
 
@@ -35,14 +36,17 @@ def sp_run(**keys) -> dict:
     ],
 )
 def test_a_run_sequence_parallelism_cannot_split_is_one_line(keys, needle):
-    line = check_run("runs.r", sp_run(**keys))
+    run = sp_run(**keys)
+    line = check_run("runs.r", run, method_of(run).splits_sequences)
     assert line is not None and needle in line and line.startswith("runs.r.sequence_parallel")
     assert "\n" not in line
 
 
 def test_runs_it_can_split_pass_and_heads_must_divide():
-    assert check_run("runs.r", sp_run()) is None
-    assert check_run("runs.r", sp_run(sequence_parallel=1, packing=False)) is None
+    assert check_run("runs.r", sp_run(), splits=True) is None
+    for method in ("lora", "full"):
+        assert method_of(sp_run(method=method)).splits_sequences
+    assert check_run("runs.r", sp_run(sequence_parallel=1, packing=False), splits=True) is None
     assert check_model("runs.r", sp_run(sequence_parallel=8), 32, 8) is None
     assert check_model("runs.r", sp_run(sequence_parallel=8), 32, 4) is None  # KV repeated
     assert "32 attention heads / 8 KV heads" in check_model("runs.r", sp_run(sequence_parallel=3),

@@ -164,17 +164,20 @@ def segments_problem(config: dict[str, Any]) -> str | None:
     return None
 
 
-def training_kernel(attention: str, packing: bool, config: dict[str, Any]) -> str:
+def training_kernel(
+    attention: str, packing: bool, config: dict[str, Any], split: bool = False
+) -> str:
     """The attention kernel a run trains with: ``attention`` (resolve_attention's choice),
-    except packed batches under sdpa without a GPU, which run one example at a time
-    (:data:`SEGMENTS`, registered here) when the model needs nothing more than causal
-    attention within an example."""
+    except packed batches under sdpa without a GPU, or with their sequences split across
+    GPUs (``split``: sequence_parallel, whose attention drops the ``rows`` layout's mask),
+    which run one example at a time (:data:`SEGMENTS`, registered here) when the model
+    needs nothing more than causal attention within an example."""
     import torch
 
     if (
         packing
         and attention == "sdpa"
-        and not torch.cuda.is_available()
+        and (split or not torch.cuda.is_available())
         and segments_problem(config) is None
     ):
         register_segment_attention()

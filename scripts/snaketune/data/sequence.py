@@ -33,13 +33,10 @@ What each piece does, and what we chose:
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 SPLIT_KEYS = ("input_ids", "position_ids", "shift_labels")
 # one packed row's sequence bounds, for the whole row: dropped, the kernel finds each
@@ -51,13 +48,14 @@ def size(run: dict[str, Any]) -> int:
     return int(run.get("sequence_parallel", 1))
 
 
-def check_run(where: str, run: dict[str, Any]) -> str | None:
-    """Config-time: what ``sequence_parallel`` needs of the run (one line, or None)."""
+def check_run(where: str, run: dict[str, Any], splits: bool) -> str | None:
+    """Config-time: what ``sequence_parallel`` needs of the run (one line, or None);
+    ``splits``: whether the run's method may split its sequences (Method.splits_sequences)."""
     n = size(run)
     if n == 1:
         return None
     key = f"{where}.sequence_parallel"
-    if run["method"] not in ("lora", "full"):
+    if not splits:
         return (f"{key}: {n} splits supervised fine-tuning's sequences (method lora or full); "
                 f"method {run['method']} scores whole sequences (pairs, rollouts) that the "
                 "split would cut: remove the key")  # fmt: skip
@@ -94,23 +92,19 @@ def check_model(where: str, run: dict[str, Any], heads: int, kv_heads: int) -> s
     return None
 
 
-def kernel(kernel: str, run: dict[str, Any], model_config: dict[str, Any]) -> str:
-    """The kernel a split run trains with: flash-attention 2 where it is the run's, else
-    ``sdpa_segments`` (its ``rows`` layout would need the mask DeepSpeed drops)."""
+def check_kernel(kernel: str, run: dict[str, Any], model_config: dict[str, Any]) -> None:
+    """A split run trains with flash-attention 2 or ``sdpa_segments``
+    (snaketune.data.kernels.training_kernel chooses it for a split run on GPU too): any
+    other kernel takes the ``rows`` layout, whose mask DeepSpeed drops."""
     from snaketune.core.errors import UserError
-    from snaketune.data.kernels import SEGMENTS, register_segment_attention, segments_problem
+    from snaketune.data.kernels import SEGMENTS, segments_problem
 
-    if size(run) == 1 or kernel in ("flash_attention_2", SEGMENTS):
-        return kernel
-    problem = segments_problem(model_config)
-    if problem is not None:
+    if size(run) > 1 and kernel not in ("flash_attention_2", SEGMENTS):
         raise UserError(
             f"sequence_parallel: {size(run)} needs attention per example, which "
-            f"this model's {problem} rules out without flash-attention 2; "
-            "install flash-attn on the GPU nodes or remove sequence_parallel"
+            f"this model's {segments_problem(model_config) or kernel} rules out without "
+            "flash-attention 2; install flash-attn on the GPU nodes or remove sequence_parallel"
         )
-    register_segment_attention()
-    return SEGMENTS
 
 
 def register(model, run: dict[str, Any], kernel: str) -> None:

@@ -75,6 +75,9 @@ class Method:
     starts_from_runs: bool = False
     # whether its rows may be packed (packing: false is forced where not)
     packs: bool = True
+    # whether its sequences may be split across GPUs (sequence_parallel): not where it
+    # scores whole sequences (pairs, rollouts)
+    splits_sequences: bool = False
     # (where, run, config): its cross-key checks (a ConfigError of one line each); `where`
     # is the run's place in the config (runs.<run>)
     check: Callable[[str, Mapping[str, Any], Mapping[str, Any]], None] = no_check

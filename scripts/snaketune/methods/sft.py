@@ -77,6 +77,7 @@ LORA = Method(
     rows_per_example=lambda run: 1,
     describe=lambda run, manifest: "",
     trains_on="rows",
+    splits_sequences=True,
     adapter="lora",
     summary="supervised fine-tuning of a peft adapter",
 )

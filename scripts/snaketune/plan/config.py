@@ -163,6 +163,8 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
     where it can train an adapter, init_from where it starts from runs, the data kind it
     trains on), then the method's own checks."""
     where, method, every = f"runs.{name}", method_of(run), methods()
+    split = sequence.check_run(where, run, method.splits_sequences)
+    _require(split is None, split or "")
     for block in {m.block for m in every.values() if m.block and m.block != method.block}:
         owners = [n for n, m in every.items() if m.block == block]
         _require(block not in run, f"{where}.{block}: only for {_named(owners)}; remove it or "
@@ -215,8 +217,8 @@ def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: 
         "(evaluate on held-out data)",
     )
     _check_quantize(name, run, root)
-    for problem in (check_heldout(where, run), sequence.check_run(where, run)):
-        _require(problem is None, problem or "")
+    problem = check_heldout(where, run)
+    _require(problem is None, problem or "")
     _check_method(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:

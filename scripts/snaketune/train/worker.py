@@ -214,8 +214,9 @@ def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
     model_config = {}
     if run["packing"]:
         model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
-    kernel = training_kernel(attention, run["packing"], model_config)
-    return sequence.kernel(kernel, run, model_config)
+    kernel = training_kernel(attention, run["packing"], model_config, sequence.size(run) > 1)
+    sequence.check_kernel(kernel, run, model_config)
+    return kernel
 
 
 def made_ready(trainer, ctx: Context) -> None:
