@@ -154,6 +154,23 @@ def test_the_docs_give_the_commands_a_user_needs():
     assert publish and all(c.split()[1] == "publish" for c in publish if "--configfile" in c)
 
 
+def test_every_documented_snaketune_command_parses():
+    """Quick guard for the slow test above: each documented snaketune command has its
+    placeholders filled and parses with the CLI's own argument parser (a command written
+    without its config, `snaketune plan` alone, fails here in seconds)."""
+    from snaketune.app.cli import _parser
+
+    parser = _parser()
+    bad = []
+    for where, command in COMMANDS:
+        if command.startswith("snaketune "):
+            try:
+                parser.parse_args(fill(command)[1:])
+            except SystemExit:
+                bad.append(f"{where}: {command}")
+    assert not bad, bad
+
+
 def test_a_target_after_configfile_fails_as_the_docs_used_to_say(tmp_path):
     """The old publish command (target after --configfile) fails: what this test file
     guards against. Run by the same helper, it must be caught."""
