@@ -349,7 +349,7 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
 
     ckpt = workdir / "results/x/train/checkpoints"
     shutil.copytree(pipeline_train / "checkpoints", ckpt)
-    steps = spec.get("max_steps") or len(read_jsonl(pipeline_train / "metrics.jsonl"))
+    steps = spec.get("max_steps") or read_jsonl(pipeline_train / "metrics.jsonl")[-1]["step"]
     every = spec["save_steps"]
     start = (steps - 1) // every * every  # the last periodic save before the final one
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))

@@ -5,6 +5,7 @@ document isolation and of an all-padding slice against plain transformers."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from snaketune.data.sequence import check_model, check_run, split
 from snaketune.methods import method_of
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent
 
 
 def sp_run(**keys) -> dict:
@@ -116,45 +118,129 @@ def test_document_isolation_and_an_all_padding_slice_against_plain_transformers(
     assert "probe: ok" in proc.stdout, proc.stdout[-2000:]
 
 
-STEPS = 12
+EXAMPLES, EPOCHS, SAVE = 24, 2, 4  # 6 steps of 4 examples an epoch: 12 steps, saves 4, 8, 12
+
+
+def _shard_and_train(tmp_path: Path, tiny_model: Path, n: int) -> tuple[dict, Path, Path]:
+    """The packed LoRA run on 1 node x n GPUs with sequence_parallel n (one data-parallel
+    rank either way), fp32, 2 threads: (its spec, its shards, its results/x/train)."""
+    from conftest import ENV, run_spec, train
+
+    from snaketune.core.heldout import spec_of
+
+    where = tmp_path / f"sp{n}"
+    extra = ["--sequence-parallel", str(n)] if n > 1 else []
+    subprocess.run([sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized",
+                    str(tmp_path / "chosen.tok.parquet"), "--nodes", "1", "--gpus-per-node",
+                    str(n), "--micro-batch-size", "2", "--gradient-accumulation-steps", "2",
+                    "--seed", "2", "--packing", *extra, "--out", str(where / "shards")],
+                   check=True, env=ENV, capture_output=True)  # fmt: skip
+    run = run_spec(nodes=1, gpus_per_node=n, sequence_parallel=n, micro_batch_size=2,
+                   gradient_accumulation_steps=2, epochs=EPOCHS, save_steps=SAVE,
+                   save_total_limit=2, checkpoints={"optimizer": "all"},
+                   precision="fp32", eval_steps=6)  # fmt: skip
+    run["heldout"] = spec_of(
+        run, str(tmp_path / "chosen.tok.parquet")
+    )  # unsplit, each rank a share
+    return run, where / "shards", train(where, run, where / "shards", tiny_model, "zero2",
+                                        threads=2)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_two_gpus_sharing_each_sequence_train_as_one(tmp_path, tiny_model, fixtures_dir):
-    """The packed LoRA run, fp32, 12 steps of micro batch 2 x accumulation 2 over the
+    """The packed LoRA run, fp32, micro batch 2 x accumulation 2 over 2 epochs of 24 of the
     fixture's answers (57 to 331 tokens), on 1 GPU and on 2 emulated GPUs with
-    sequence_parallel 2 (the same global batch of 4, the same plan): every step's loss
-    within 1e-4 relative (what bounds it: the float sums of 2 slices and an all-to-all in
-    another order, ~1e-6 measured), the same steps, the same examples."""
-    from conftest import ENV, ROOT, read_jsonl, run_spec, train
+    sequence_parallel 2 (the same global batch of 4, the same plan):
+    - every step's loss within 1e-4 relative (what bounds it: the float sums of 2 slices and
+      an all-to-all in another order, ~1e-7 measured), the same steps and epochs; the
+      held-out pass (every 6 steps, unsplit: the attention's split is off in eval mode)
+      gives the same held-out loss;
+    - the split run killed two steps after its checkpoint-8 and rerun resumes there, each
+      step once, its losses those of the uninterrupted split run (rel 1e-6);
+    - its checkpoint-8 continued on 1 GPU without the split (sequence_parallel 2 -> 1, the
+      rule: the split is topology, the global batch is kept) gives the unsplit losses."""
+    from conftest import kill_and_resume, read_jsonl, train
     from test_tokenize import run_tokenize
 
     spec = {"format": "prompt_response", "columns": {"prompt": "question", "response": "chosen"}}
-    run_tokenize(tmp_path, "chosen", spec, fixtures_dir / "gsm8k-demo/pairs-train.jsonl",
-                 tiny_model)  # fmt: skip
-    losses = {}
-    for n in (1, 2):
-        where = tmp_path / f"sp{n}"
-        extra = ["--sequence-parallel", "2"] if n == 2 else []
-        subprocess.run([sys.executable, str(ROOT / "scripts/shard_dataset.py"), "--tokenized",
-                        str(tmp_path / "chosen.tok.parquet"), "--nodes", "1", "--gpus-per-node",
-                        str(n), "--micro-batch-size", "2", "--gradient-accumulation-steps", "2",
-                        "--seed", "2", "--packing", *extra, "--out", str(where / "shards")],
-                       check=True, env=ENV, capture_output=True)  # fmt: skip
-        run = run_spec(nodes=1, gpus_per_node=n, sequence_parallel=n, micro_batch_size=2,
-                       gradient_accumulation_steps=2, max_steps=STEPS, save_steps=STEPS,
-                       precision="fp32")  # fmt: skip
-        out = train(where, run, where / "shards", tiny_model, "zero2", threads=2)
-        losses[n] = [(m["step"], m["loss"]) for m in read_jsonl(out / "metrics.jsonl")]
-        log = (out / "logs/attempt-1.log").read_text()
-        if n == 2:
-            assert "1 groups of 2 devices (sequence_parallel 2)" in log, log[-3000:]
-            assert "attention sdpa_segments" in log
-    assert [s for s, _ in losses[1]] == [s for s, _ in losses[2]] == list(range(1, STEPS + 1))
-    for (step, one), (_, two) in zip(losses[1], losses[2], strict=True):
-        assert two == pytest.approx(one, rel=1e-4), (step, one, two)
-    worst = max(abs(b - a) / a for (_, a), (_, b) in zip(losses[1], losses[2], strict=True))
-    print(
-        f"{STEPS} steps, loss {losses[1][0][1]:.4f} -> {losses[1][-1][1]:.4f}; worst "
-        f"relative difference {worst:.1e}"
-    )
+    rows = read_jsonl(fixtures_dir / "gsm8k-demo/pairs-train.jsonl")[:EXAMPLES]
+    run_tokenize(tmp_path, "chosen", spec, rows, tiny_model)
+    runs = {n: _shard_and_train(tmp_path, tiny_model, n) for n in (1, 2)}
+    rows = {n: read_jsonl(out / "metrics.jsonl") for n, (_, _, out) in runs.items()}
+    metrics = {n: [m for m in rows[n] if "loss" in m] for n in rows}  # the training steps
+    heldout = {n: [(m["step"], m["heldout_loss"]) for m in rows[n] if "heldout_loss" in m]
+               for n in rows}  # fmt: skip
+    assert [s for s, _ in heldout[2]] == [s for s, _ in heldout[1]] and len(heldout[1]) >= 2
+    for (_, one), (_, two) in zip(heldout[1], heldout[2], strict=True):
+        assert two == pytest.approx(one, rel=1e-4)
+    log = (runs[2][2] / "logs/attempt-1.log").read_text()
+    assert "1 groups of 2 devices (sequence_parallel 2)" in log, log[-3000:]
+    assert "attention sdpa_segments" in log
+    steps = EXAMPLES // 4 * EPOCHS
+    for key in ("step", "epoch"):
+        assert [m[key] for m in metrics[1]] == [m[key] for m in metrics[2]], key
+    assert [m["step"] for m in metrics[1]] == list(range(1, steps + 1))
+    assert metrics[1][-1]["epoch"] == pytest.approx(EPOCHS)
+
+    def same(got: list[dict], want: list[dict], after: int, rel: float) -> float:
+        pairs = [(g["loss"], w["loss"]) for g, w in zip(got, want, strict=True)
+                 if g["step"] > after]  # fmt: skip
+        assert len(pairs) == steps - after
+        for g, w in pairs:
+            assert g == pytest.approx(w, rel=rel), (got, want)
+        return max(abs(g - w) / w for g, w in pairs)
+
+    worst = same(metrics[2], metrics[1], 0, 1e-4)
+    run2, shards2, out2 = runs[2]
+    start, resumed = kill_and_resume(out2, tmp_path / "killed", run2, shards2, tiny_model)
+    assert start == 2 * SAVE
+    killed = same([m for m in resumed if "loss" in m], metrics[2], start, 1e-6)
+    run1, shards1, _ = runs[1]
+    moved = tmp_path / "moved/results/x/train/checkpoints"
+    moved.mkdir(parents=True)
+    shutil.copytree(out2 / f"checkpoints/checkpoint-{start}", moved / f"checkpoint-{start}")
+    for name in ("fingerprint", "metrics.jsonl"):
+        shutil.copy(out2 / "checkpoints" / name, moved / name)
+    out = train(tmp_path / "moved", run1, shards1, tiny_model, "zero2", threads=2)
+    log = (out / "logs/attempt-1.log").read_text()
+    assert f"continuing x at step {start} on 1 node x 1 GPU (was 1 node x 2 GPUs " in log
+    assert f"resuming from checkpoint-{start}" in log, log[-3000:]
+    assert "ZeRO states of 2 ranks turned into" in log  # the split run's 2 ranks, for 1
+    continued = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+    continued = same(continued, metrics[1], start, 1e-4)
+    print(f"{steps} steps, loss {metrics[1][0]['loss']:.4f} -> {metrics[1][-1]['loss']:.4f}; "
+          f"worst relative difference: split {worst:.1e}, killed and resumed {killed:.1e}, "
+          f"continued unsplit {continued:.1e}")  # fmt: skip
+
+
+SP_EXAMPLE = ROOT / "config/examples/llama3.1-8b-32k-lora-sp-1x8.yaml"
+
+
+def test_the_32k_example_dry_runs_on_one_8_gpu_node_with_split_shards(tmp_path):
+    """config/examples/llama3.1-8b-32k-lora-sp-1x8.yaml's dry run as its header gives it
+    (profiles/slurm, against a stand-in SLURM, the model's config.json where the download
+    puts it): the train job asks for one node of 8 GPUs, the shards are made for
+    sequence_parallel 4 (2 data-parallel ranks)."""
+    import json
+    import re
+    import shlex
+
+    from conftest import BIN, ENV, SHAPES, stand_in_slurm
+
+    model = tmp_path / "w/resources/models/llama31_8b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.1-8B-Instruct"]))
+    (command,) = [line.strip("# ") for line in SP_EXAMPLE.read_text().splitlines()
+                  if "snakemake --profile" in line]  # fmt: skip
+    args = shlex.split(command)[1:]
+    assert args == ["--profile", "profiles/slurm", "--configfile",
+                    str(SP_EXAMPLE.relative_to(ROOT)), "-n"]  # fmt: skip
+    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
+    proc = subprocess.run([str(BIN / "snakemake"), *args, "-p", "--directory", str(tmp_path / "w")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    jobs = dict(re.findall(r"\nrule (\w+):.*?\n    resources: ([^\n]+)", proc.stdout, re.S))
+    assert "nodes=1," in jobs["train"] and "gres=gpu:8" in jobs["train"], jobs["train"]
+    assert "--sequence-parallel 4" in out, out[-5000:]
+    assert "llama8b_32k: 20.3 GiB per GPU" in out, out[-3000:]  # the plan of the header

@@ -19,7 +19,7 @@ from conftest import ENV, ROOT, read_jsonl, run_spec, train
 from snaketune.core.errors import ConfigError
 from snaketune.data.shard import Layout, plan, plan_digest
 from snaketune.evaluation.model import untie_optimizer_steps
-from snaketune.plan.topology import adapt_accumulation, changed_keys, stamp
+from snaketune.plan.topology import adapt_accumulation, changed_keys, describe, stamp
 
 CONFIG = str(ROOT / "config" / "config.yaml")
 
@@ -70,6 +70,26 @@ def test_accumulation_adapts_to_keep_the_checkpoints_global_batch(tmp_path):
     assert adapt_accumulation(config, results) == []
     assert config["runs"]["demo"]["gradient_accumulation_steps"] == 1
     assert adapt_accumulation(_config(nodes=1), tmp_path / "elsewhere") == []  # no checkpoints
+
+
+def test_sequence_parallel_is_topology_and_the_kept_batch_counts_data_parallel_ranks(tmp_path):
+    """Checkpoints of 1 node x 4 GPUs with sequence_parallel 2 (2 data-parallel ranks x
+    micro 32 = global batch 64): the same run without the split, or on 2 nodes with it,
+    continues with the accumulation that keeps 64; the split is not part of the math."""
+    results = _stamped(tmp_path, nodes=1, gpus_per_node=4, sequence_parallel=2)
+    found = json.loads((results / "demo/train/checkpoints/fingerprint").read_text())
+    assert "sequence_parallel" not in found["math"]
+    assert describe(found["topology"]) == "1 node x 4 GPUs (sequence_parallel 2)"
+    # 2 GPUs without the split: the same 2 ranks, nothing to adapt
+    assert adapt_accumulation(_config(nodes=1, gpus_per_node=2, sequence_parallel=1), results) == []
+    with pytest.raises(ConfigError, match="use micro_batch_size 16 with gradient_accumulation"):
+        adapt_accumulation(_config(nodes=1, gpus_per_node=4, sequence_parallel=1), results)
+    config = _config(nodes=1, gpus_per_node=4, sequence_parallel=4)  # 1 rank: accumulation 2
+    (note,) = adapt_accumulation(config, results)
+    assert config["runs"]["demo"]["gradient_accumulation_steps"] == 2
+    assert "(was 1 node x 4 GPUs (sequence_parallel 2)): keeps the global batch 64" in note
+    config = _config(nodes=2, gpus_per_node=4, sequence_parallel=4)  # 2 ranks again
+    assert adapt_accumulation(config, results) == []
 
 
 def test_a_topology_that_cannot_keep_the_global_batch_is_refused_naming_what_does(tmp_path):

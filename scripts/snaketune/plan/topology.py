@@ -5,7 +5,10 @@ data, method, LoRA shape, learning rate and schedule, max_length, seed, ...), th
 batch and the plan of global batches (which examples form global step k: shard_dataset
 records it as ``plan_sha256``, a function of the data, the seed and the global batch only).
 The *topology* (``nodes``, ``gpus_per_node``, ``micro_batch_size``,
-``gradient_accumulation_steps``) only decides how each global batch is split across ranks.
+``gradient_accumulation_steps``, ``sequence_parallel``) only decides how each global batch
+is split across ranks: a run may continue with another ``sequence_parallel`` as with another
+node count (its loss is the mean over the global batch's label tokens either way), and the
+global batch it keeps counts data-parallel ranks (devices / sequence_parallel).
 
 The launcher stamps the checkpoints folder with both (``fingerprint``). A rerun whose math
 is the same continues from the newest complete checkpoint whatever its topology; when the
@@ -31,7 +34,8 @@ from snaketune.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TOPOLOGY = ("nodes", "gpus_per_node", "micro_batch_size", "gradient_accumulation_steps")
+TOPOLOGY = ("nodes", "gpus_per_node", "micro_batch_size", "gradient_accumulation_steps",
+            "sequence_parallel")  # fmt: skip
 # Run keys that say how a run is operated, not what it computes: changing them keeps (and
 # continues from) the checkpoints.
 OPERATIONAL = (
@@ -62,7 +66,8 @@ def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) ->
     # older manifests have no plan digest: their shards must then match byte for byte
     math["plan"] = manifest.get("plan_sha256") or manifest.get("shards")
     math["deepspeed_config"] = deepspeed_sha
-    topology = {k: spec[k] for k in TOPOLOGY}
+    # sequence_parallel is in a train spec only when above 1 (stamps of earlier runs stay)
+    topology = {k: spec[k] for k in TOPOLOGY if k in spec}
     return {"math": math, "topology": topology, "origin": topology}
 
 
@@ -86,7 +91,9 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 def describe(topology: dict[str, Any]) -> str:
     n, g = topology["nodes"], topology["gpus_per_node"]
-    return f"{n} node{'s' if n != 1 else ''} x {g} GPU{'s' if g != 1 else ''}"
+    split = topology.get("sequence_parallel", 1)
+    return (f"{n} node{'s' if n != 1 else ''} x {g} GPU{'s' if g != 1 else ''}"
+            + (f" (sequence_parallel {split})" if split > 1 else ""))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -166,10 +173,12 @@ def adapt_accumulation(config: dict[str, Any], results: Path = Path("results")) 
             run["gradient_accumulation_steps"],
         ):
             continue
-        # in what the micro batch counts (completions for GRPO), from the stamp's topology
+        # in what the micro batch counts (completions for GRPO), from the stamp's topology,
+        # over data-parallel ranks (the GPUs sharing a sequence read the same examples)
         batch = (origin["micro_batch_size"] * origin["gradient_accumulation_steps"]
-                 * origin["nodes"] * origin["gpus_per_node"])  # fmt: skip
-        ranks = run["nodes"] * run["gpus_per_node"]
+                 * origin["nodes"] * origin["gpus_per_node"]
+                 // origin.get("sequence_parallel", 1))  # fmt: skip
+        ranks = run["nodes"] * run["gpus_per_node"] // run.get("sequence_parallel", 1)
         per_pass = run["micro_batch_size"] * ranks
         if per_pass * run["gradient_accumulation_steps"] == batch:
             continue
