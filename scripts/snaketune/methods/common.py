@@ -89,6 +89,9 @@ class Method:
     reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False
     # the beta its evaluation scores held-out pairs with (None: its own block has none)
     eval_beta: Callable[[Mapping[str, Any]], float | None] = lambda run: None
+    # (run) -> sha256 of the user's code the run calls, by the key naming it (GRPO's reward
+    # functions): the train job's spec carries it (code_sha256), so changed code retrains
+    code: Callable[[Mapping[str, Any]], dict[str, str]] = lambda run: {}
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
 

@@ -12,17 +12,13 @@ accumulation), so each group of completions is scored and normalised where it wa
 generated; TRL gathers the rewards of every rank before the group statistics, which need
 only the groups to be contiguous, as they are here.
 
-Rewards (``REWARDS``, weights from ``grpo.rewards``):
-
-- ``correctness``: 1.0 when the completion's final answer (its ``####`` line, else its last
-  number) equals the reference's, as math-verify judges it;
-- ``format``: 1.0 when the completion ends with a ``#### <number>`` line.
+Rewards (weights from ``grpo.rewards``): the built-in ``correctness`` and ``format`` and the
+user's own functions (``"<file.py>:<function>"``), snaketune.methods.rewards.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +26,9 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
-from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
+from snaketune.methods import rewards
 from snaketune.methods.common import Method
+from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
 from snaketune.methods.training import Context, peft_config, training_args
 
 if TYPE_CHECKING:
@@ -39,43 +36,6 @@ if TYPE_CHECKING:
 
 # Dataset formats that give each prompt a reference answer for the rewards.
 ANSWERED_FORMATS = ("prompt_response", "alpaca")
-
-_FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
-
-
-def correctness(completions: list[str], answer: list[str], **_) -> list[float]:
-    """1.0 where the completion's final answer equals the reference answer (math-verify)."""
-    out = []
-    for completion, reference in zip(completions, answer, strict=True):
-        want = parse_answer(reference) or final_answer(reference)
-        out.append(1.0 if math_verify_match(want, final_answer(completion)) else 0.0)
-    return out
-
-
-def format_reward(completions: list[str], **_) -> list[float]:
-    """1.0 where the completion ends with a "#### <number>" line."""
-    return [1.0 if _FORMAT.search(c.strip()) else 0.0 for c in completions]
-
-
-REWARDS: dict[str, Callable[..., list[float]]] = {
-    "correctness": correctness,
-    "format": format_reward,
-}
-
-
-def reward_functions(weights: dict[str, float]) -> tuple[list[Callable], list[float]]:
-    """The run's reward functions (named as in the config, for TRL's logs) and weights."""
-    funcs, values = [], []
-    for name, weight in weights.items():
-        func = REWARDS[name]
-
-        def named(*args, _func=func, **kwargs):
-            return _func(*args, **kwargs)
-
-        named.__name__ = name
-        funcs.append(named)
-        values.append(float(weight))
-    return funcs, values
 
 
 def prompt_rows(table, tokenizer):
@@ -144,6 +104,22 @@ def group_batches(batches, generations: int):
     return GroupBatches()
 
 
+def reward_setup(run: dict[str, Any], table) -> tuple[list, list[float], dict[str, dict]]:
+    """The run's reward functions and weights, and for the user's functions the source
+    rows' other columns by example id (their keywords); refuses code changed since the
+    workflow planned the job (its digest is in the spec)."""
+    block = run["grpo"]["rewards"]
+    if "code_sha256" in run and run["code_sha256"] != rewards.digests(block):
+        raise rewards.RewardError(
+            "a reward function's file changed after the workflow planned this job; run "
+            "snakemake again (the run retrains with the new code)"
+        )
+    funcs, weights = rewards.functions(block)
+    users = rewards.user_keys(block)
+    columns = rewards.source_columns(list(table["example_id"])) if users else {}
+    return funcs, weights, columns
+
+
 def use_vllm(setting: bool | str) -> bool:
     """vLLM for the rollouts: asked for (true), or auto where it is installed on a GPU."""
     if setting == "auto":
@@ -163,7 +139,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     from snaketune.data.batches import planned_loader
 
     grpo = ctx.run["grpo"]
-    funcs, weights = reward_functions(grpo["rewards"])
+    funcs, weights, columns = reward_setup(ctx.run, data.table)
     args = training_args(
         ctx, GRPOConfig, num_generations=grpo["num_generations"],
         max_completion_length=grpo["max_completion_length"], temperature=grpo["temperature"],
@@ -196,7 +172,13 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                     self.args.ds3_gather_for_generation = gather_for_generation(
                         ctx.run.get("gather_for_generation", "auto"), self.model)  # fmt: skip
                 decided.append(True)
-            out = super()._generate_and_score_completions(inputs)
+            for x in inputs if columns else ():
+                x.update({k: v for k, v in columns[x["example_id"]].items() if k not in x})
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            except rewards.RewardError as exc:  # the launcher's one line (health/fatal.json)
+                rewards.report(ctx.ckpt_dir, exc, self.state.global_step)
+                raise
             if self.model.training:
                 counter.count(out["prompt_mask"], out["completion_mask"])
                 counter.ids_log.write([x["example_id"] for x in inputs[:: self.num_generations]])
@@ -223,10 +205,10 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
     """The GRPO figures of a step's logs, for metrics.jsonl: total reward, each reward's
     mean and std, KL, completion length."""
     out = {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
-    for key, value in logs.items():
-        parts = key.split("/")
-        if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("mean", "std"):
-            out[f"reward_{parts[1]}_{parts[2]}"] = value
+    for key, value in logs.items():  # rewards/<name>/mean: a user's name holds slashes
+        head, _, stat = key.rpartition("/")
+        if head.startswith("rewards/") and stat in ("mean", "std"):
+            out[f"reward_{head[len('rewards/') :]}_{stat}"] = value
     return out
 
 
@@ -258,6 +240,7 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
                 "GRPO rewards; use a prompt_response dataset (columns.response: the answer) "
                 "or alpaca"
             )
+    rewards.check(where, grpo["rewards"])
     if grpo["use_vllm"] is True and not installed("vllm"):
         raise ConfigError(
             f"{where}.grpo.use_vllm: true asked for but vLLM is not installed; pip install -e "
@@ -339,9 +322,15 @@ properties:
       Reward functions and their weights. `correctness`: 1 when the completion's final
       answer (its `####` line, else its last number) equals the reference answer's,
       checked with math-verify; `format`: 1 when the completion ends with a
-      "#### <number>" line.
+      "#### <number>" line; "<path/to/file.py>:<function>": a function of yours, called
+      as TRL calls reward functions (prompts, completions, the dataset's other columns
+      as keywords; one float or None per completion), its file found from the directory
+      snakemake runs in (docs/rewards.md).
     type: object
-    additionalProperties: false
+    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.methods.rewards)
+    additionalProperties:
+      description: Weight of a reward function of yours.
+      type: number
     minProperties: 1
     default: {correctness: 1.0, format: 0.2}
     properties:
@@ -387,4 +376,5 @@ METHOD = Method(
     packs=False,  # GRPO plans prompts; its rollouts are padded batches
     check=check,
     memory=memory,
+    code=lambda run: rewards.digests(run["grpo"]["rewards"]),
 )

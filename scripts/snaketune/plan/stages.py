@@ -240,6 +240,9 @@ def train_spec(run: dict[str, Any], reference: str | None = None,
         spec.pop("eval_at_start", None)
     if spec.get("sequence_parallel") == 1:  # the default: runs made before it keep their params
         del spec["sequence_parallel"]
+    code = method_of(run).code(run)
+    if code:  # the user's functions: a change retrains, provenance records them
+        spec["code_sha256"] = code
     if reference is not None:
         block = method_of(run).block
         spec[block] = {**spec[block], "reference_logps": reference}

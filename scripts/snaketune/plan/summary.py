@@ -65,8 +65,18 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
     if not rewards:
         return {}
     n = max(1, len(rewards) // 4)
-    return {"reward_first_quarter": round(sum(rewards[:n]) / n, 4),
-            "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
+    out = {"reward_first_quarter": round(sum(rewards[:n]) / n, 4),
+           "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
+    # each reward's own (reward_<key>_mean), named by its key: reward_last_quarter:<key>
+    names = dict.fromkeys(k[len("reward_"):-len("_mean")] for m in metrics for k in m
+                          if k.startswith("reward_") and k.endswith("_mean"))  # fmt: skip
+    for name in names:
+        values = [m[f"reward_{name}_mean"] for m in metrics
+                  if m.get(f"reward_{name}_mean") is not None]  # fmt: skip
+        k = max(1, len(values) // 4)
+        out[f"reward_first_quarter:{name}"] = round(sum(values[:k]) / k, 4)
+        out[f"reward_last_quarter:{name}"] = round(sum(values[-k:]) / k, 4)
+    return out
 
 
 def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -156,14 +166,15 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
 
 def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
-    first), the held-out columns of runs evaluated while training, then the lm-eval
-    columns task by task."""
+    first), each GRPO reward's quarters (``reward_first_quarter:<key>``), the held-out
+    columns of runs evaluated while training, then the lm-eval columns task by task."""
     seen = [c for row in rows for c in row if c not in COLUMNS]
     swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
+    rewards = list(dict.fromkeys(c for c in seen if c.startswith("reward_") and ":" in c))
     prefixes = ("heldout_", "exported_", "start_heldout_")
     held = list(dict.fromkeys(c for c in seen if c.startswith(prefixes)))
     lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
-    return swept + held + lm
+    return swept + rewards + held + lm
 
 
 def _lm_eval_order(column: str) -> tuple[str, int]:

@@ -240,7 +240,8 @@ def explain_failure(job: Job) -> None:
     if fatal.is_file():  # torchrun's own exit code is 1 whatever the workers'
         report = json.loads(fatal.read_text())
         raise UserError(
-            f"GPU health: {'; '.join(report['messages'])}; stopped at step {report['step']} "
+            report.get("line")  # a user's code (a reward function), else a GPU
+            or f"GPU health: {'; '.join(report['messages'])}; stopped at step {report['step']} "
             f"(checkpoint {saved.name if saved else 'none'}); take the node out (e.g. sbatch "
             "--exclude) and rerun to resume"
         )
