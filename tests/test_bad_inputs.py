@@ -123,8 +123,9 @@ PARSE = [
          "config error: runs.rl.init_from: the runs start from each other in a loop "
          "(rl -> rl2 -> rl); one of them must start from a `model`"),
     Case("grpo-unknown-reward", "config", grpo_run(grpo={"rewards": {"correctnes": 1.0}}),
-         "config error: runs.rl.grpo.rewards.correctnes: unknown key; did you mean "
-         "'correctness'? (allowed: correctness, format)"),
+         "config error: runs.rl.grpo.rewards: 'correctnes' is not a reward; did you mean "
+         "'correctness'? (built-ins: correctness, format; a function of yours: "
+         "'<path/to/file.py>:<function>')"),
     Case("grpo-dataset-without-answers", "config", grpo_on_messages,
          "config error: runs.rl.dataset: 'chat' (format messages) gives no reference answers "
          "for the GRPO rewards"),

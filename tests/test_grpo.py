@@ -41,6 +41,20 @@ def chain_config() -> dict:
     return validate_config(config, ROOT)
 
 
+def rl_spec(w, workdir, *drop: str) -> dict:
+    """rl_demo's train spec as the chain's pipeline gave it (its reward code's digest
+    included), for a training started in ``workdir``, which gets the chain's resources/
+    (the source dataset the user's reward function reads its columns from)."""
+    run = chain_config()["runs"]["rl_demo"]
+    spec = {k: v for k, v in run.items()
+            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
+                         *drop)}  # fmt: skip
+    spec["code_sha256"] = json.loads(stages.train_spec(run))["code_sha256"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "resources").symlink_to(w / "resources")
+    return spec
+
+
 # ----------------------------------------------------------------------------- units
 
 
@@ -153,8 +167,7 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     are the same samples."""
     w = grpo_chain
     run = chain_config()["runs"]["rl_demo"]
-    spec = {k: v for k, v in run.items()
-            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
+    spec = rl_spec(w, tmp_path)
     # the held-out passes as the pipeline ran them (eval_steps), on the chain's eval set
     spec["heldout"] = spec_of(run, str(w / stages.tokenized(chain_config(), "rl_demo", True)))
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
@@ -263,13 +276,11 @@ def test_a_reward_function_that_raises_fails_the_first_step_in_one_line(grpo_cha
         "def picky(prompts, completions, **kwargs):\n"
         "    return [1.0 / (len(c) % 3) for c in completions]\n"
     )
-    spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
-            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
-                         "eval_steps")}  # fmt: skip
+    spec = rl_spec(w, tmp_path, "eval_steps")
     spec.update(max_steps=2, save_steps=100)
     spec["grpo"] = {**spec["grpo"], "rewards": {"correctness": 1.0, "bad.py:picky": 1.0}}
+    del spec["code_sha256"]  # a function the pipeline never saw
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
-    (tmp_path / "resources").symlink_to(w / "resources")  # the source rows' columns
     proc = launch_train(tmp_path, spec, shards, model, "zero2")
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, log[-3000:]
@@ -316,8 +327,7 @@ def test_grpo_on_a_4bit_base(grpo_chain, tmp_path):
     from snaketune.core import qlora
 
     w = grpo_chain
-    spec = {k: v for k, v in chain_config()["runs"]["rl_demo"].items()
-            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish")}  # fmt: skip
+    spec = rl_spec(w, tmp_path)
     spec.update(max_steps=6, save_steps=100)
     spec["lora"] = {**spec["lora"], "quantize": "4bit"}
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"

@@ -53,7 +53,8 @@ GOOD = (
     "key, text, message",
     [
         ("rewards.py:short", None, "'rewards.py:short': rewards.py is not a file (looked in"),
-        ("length", None, "'length' is not a reward: use correctness, format, or a function of"),
+        ("length", None, "'length' is not a reward (built-ins: correctness, format; a function"),
+        ("formatt", None, "'formatt' is not a reward; did you mean 'format'? (built-ins:"),
         ("r.py:short", "import not_a_module\n",
          "'r.py:short': importing r.py failed (ModuleNotFoundError: No module named "
          "'not_a_module'); fix the file"),

@@ -25,6 +25,7 @@ and provenance records it.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -116,9 +117,12 @@ def check(where: str, rewards: Mapping[str, Any]) -> None:
         at = f"{where}.grpo.rewards: {key!r}"
         match = USER_KEY.match(key)
         if not match:
+            close = difflib.get_close_matches(key, BUILTIN, n=1)
             raise ConfigError(
-                f"{at} is not a reward: use correctness, format, or a function of yours as "
-                "'<path/to/file.py>:<function>'"
+                f"{at} is not a reward"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + " (built-ins: correctness, format; a function of yours: "
+                "'<path/to/file.py>:<function>')"
             )
         path = located(key)
         if path is None:

@@ -66,8 +66,9 @@ def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) ->
     # older manifests have no plan digest: their shards must then match byte for byte
     math["plan"] = manifest.get("plan_sha256") or manifest.get("shards")
     math["deepspeed_config"] = deepspeed_sha
-    # sequence_parallel is in a train spec only when above 1 (stamps of earlier runs stay)
-    topology = {k: spec[k] for k in TOPOLOGY if k in spec}
+    # sequence_parallel only when above 1, as in a train spec (stamps of earlier runs stay)
+    topology = {k: spec[k] for k in TOPOLOGY
+                if k in spec and (k != "sequence_parallel" or spec[k] > 1)}  # fmt: skip
     return {"math": math, "topology": topology, "origin": topology}
 
 
