@@ -60,7 +60,12 @@ def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
     svg = training_svg(metrics, "rl", None)
     assert 'id="reward"' in svg and 'id="loss"' not in svg
     assert "mean reward per completion" in svg and "correctness" in svg
-    assert reward_quarters(metrics) == {"reward_first_quarter": 0.15, "reward_last_quarter": 0.75}
+    # the total's quarters, and each reward's by its key (steps 1-2 and 7-8 of 8)
+    assert reward_quarters(metrics) == {
+        "reward_first_quarter": 0.15, "reward_last_quarter": 0.75,
+        "reward_first_quarter:correctness": 0.075, "reward_last_quarter:correctness": 0.375,
+        "reward_first_quarter:format": 1.0, "reward_last_quarter:format": 1.0,
+    }  # fmt: skip
     sft = [{k: v for k, v in m.items() if not k.startswith("reward")} for m in metrics]
     assert reward_quarters(sft) == {}
     assert 'id="loss"' in training_svg(sft, "sft", 0.5)
