@@ -231,6 +231,33 @@ esac
     return bin_dir
 
 
+def header_dry_run(example: Path, model: str, tmp_path: Path,
+                   *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, str]]:  # fmt: skip
+    """An example config's dry run as its header gives it (`snakemake --profile
+    profiles/slurm --configfile <it> -n`, asserted), against a stand-in SLURM, in
+    ``tmp_path/w`` with the config.json of its model ``model`` (the name in its `models`)
+    where the download puts it. Returns the process (asserted 0) and each rule's resources."""
+    import re
+    import shlex
+
+    import yaml
+
+    spec = yaml.safe_load(example.read_text())["models"][model]
+    where = tmp_path / "w/resources/models" / model
+    where.mkdir(parents=True)
+    (where / "config.json").write_text(json.dumps(SHAPES[spec["id"]]))
+    (command,) = [line.strip("# ") for line in example.read_text().splitlines()
+                  if "snakemake --profile" in line]  # fmt: skip
+    args = shlex.split(command)[1:]
+    assert args == ["--profile", "profiles/slurm", "--configfile",
+                    str(example.relative_to(ROOT)), "-n"]  # fmt: skip
+    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
+    proc = subprocess.run([str(BIN / "snakemake"), *args, *extra, "--directory", str(tmp_path / "w")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc, dict(re.findall(r"\nrule (\w+):.*?\n    resources: ([^\n]+)", proc.stdout, re.S))
+
+
 def quick_config(path: Path, **run: object) -> Path:
     """Write the demo config with a short run (2 optimizer steps, 8 eval examples, ``run``
     overrides) to ``path``: for tests of scheduling and failure handling, not learning."""

@@ -174,23 +174,9 @@ def test_the_70b_example_dry_run_gives_each_evaluate_job_the_gpus_it_needs(tmp_p
     config.json where the download puts it: the train job asks 8 GPUs of one node;
     evaluate_base (the bf16 base, 131 GiB) 3 GPUs of that node, its weights sharded;
     evaluate (the adapter on the 4-bit base, export.merged: false) one GPU; no merge_lora."""
-    import re
+    from conftest import header_dry_run
 
-    from conftest import BIN, SHAPES, stand_in_slurm
-
-    model = tmp_path / "w/resources/models/llama31_70b_instruct"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.1-70B-Instruct"]))
-    (command,) = [line.strip("# ") for line in EXAMPLE.read_text().splitlines()
-                  if "snakemake --profile" in line]  # fmt: skip
-    args = shlex.split(command)[1:]
-    assert args == ["--profile", "profiles/slurm", "--configfile",
-                    str(EXAMPLE.relative_to(ROOT)), "-n"]  # fmt: skip
-    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
-    proc = subprocess.run([str(BIN / "snakemake"), *args, "--directory", str(tmp_path / "w")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    jobs = dict(re.findall(r"\nrule (\w+):.*?\n    resources: ([^\n]+)", proc.stdout, re.S))
+    proc, jobs = header_dry_run(EXAMPLE, "llama31_70b_instruct", tmp_path)
     assert "merge_lora" not in jobs and "convert_checkpoint" in jobs, jobs
     assert "nodes=1," in jobs["train"] and "gres=gpu:8" in jobs["train"], jobs["train"]
     for rule, gpus in (("evaluate_base", 3), ("evaluate", 1)):

@@ -221,26 +221,10 @@ def test_the_32k_example_dry_runs_on_one_8_gpu_node_with_split_shards(tmp_path):
     (profiles/slurm, against a stand-in SLURM, the model's config.json where the download
     puts it): the train job asks for one node of 8 GPUs, the shards are made for
     sequence_parallel 4 (2 data-parallel ranks)."""
-    import json
-    import re
-    import shlex
+    from conftest import header_dry_run
 
-    from conftest import BIN, ENV, SHAPES, stand_in_slurm
-
-    model = tmp_path / "w/resources/models/llama31_8b"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.1-8B-Instruct"]))
-    (command,) = [line.strip("# ") for line in SP_EXAMPLE.read_text().splitlines()
-                  if "snakemake --profile" in line]  # fmt: skip
-    args = shlex.split(command)[1:]
-    assert args == ["--profile", "profiles/slurm", "--configfile",
-                    str(SP_EXAMPLE.relative_to(ROOT)), "-n"]  # fmt: skip
-    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
-    proc = subprocess.run([str(BIN / "snakemake"), *args, "-p", "--directory", str(tmp_path / "w")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc, jobs = header_dry_run(SP_EXAMPLE, "llama31_8b", tmp_path, "-p")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    jobs = dict(re.findall(r"\nrule (\w+):.*?\n    resources: ([^\n]+)", proc.stdout, re.S))
     assert "nodes=1," in jobs["train"] and "gres=gpu:8" in jobs["train"], jobs["train"]
     assert "--sequence-parallel 4" in out, out[-5000:]
     assert "llama8b_32k: 20.3 GiB per GPU" in out, out[-3000:]  # the plan of the header

@@ -105,9 +105,9 @@ def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
     """GRPO: the total (weighted) reward per completion and each reward's mean."""
     (line,) = ax.plot(steps, [m["reward"] for m in metrics], color="tab:blue", label="total")
     line.set_gid("reward")
-    names = sorted({k[len("reward_"):-len("_mean")] for m in metrics for k in m
-                    if k.startswith("reward_") and k.endswith("_mean")})  # fmt: skip
-    for name in names:
+    from snaketune.plan.summary import reward_names
+
+    for name in sorted(reward_names(metrics)):
         ax.plot(steps, [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],
                 linewidth=1, label=name)  # fmt: skip
     ax.set(xlabel="optimizer step", ylabel="mean reward per completion")

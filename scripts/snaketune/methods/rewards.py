@@ -262,14 +262,14 @@ def source_columns(example_ids: list[str], datasets_dir: Path = Path("resources/
     ``PASSED``, left out)."""
     import pyarrow.parquet as pq
 
+    sources = {e: (e.split(":")[0], int(e.split(":")[1])) for e in example_ids}
     wanted: dict[str, set[int]] = {}
-    for example in example_ids:
-        name, row = example.split(":")[:2]
-        wanted.setdefault(name, set()).add(int(row))
+    for name, row in sources.values():
+        wanted.setdefault(name, set()).add(row)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     for name, numbers in wanted.items():
         table = pq.read_table(datasets_dir / name / "data.parquet")
         order = sorted(numbers)
         for n, values in zip(order, table.take(order).to_pylist(), strict=True):
             rows[(name, n)] = {k: v for k, v in values.items() if k not in PASSED}
-    return {e: rows[(e.split(":")[0], int(e.split(":")[1]))] for e in example_ids}
+    return {e: rows[source] for e, source in sources.items()}

@@ -46,6 +46,19 @@ def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def quarters(values: list[float]) -> tuple[float, float]:
+    """The mean of the first and of the last quarter of ``values`` (at least one each),
+    rounded as summary.tsv shows them."""
+    n = max(1, len(values) // 4)
+    return round(sum(values[:n]) / n, 4), round(sum(values[-n:]) / n, 4)
+
+
+def reward_names(metrics: list[dict[str, Any]]) -> list[str]:
+    """The rewards a GRPO run logged on its own (``reward_<key>_mean``), first seen first."""
+    return list(dict.fromkeys(k[len("reward_") : -len("_mean")] for m in metrics for k in m
+                              if k.startswith("reward_") and k.endswith("_mean")))  # fmt: skip
+
+
 def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """A mixture of experts' mean load-balancing loss and expert load (the busiest expert's
     share over an even one) over its last quarter of steps; nothing for a dense run."""
@@ -53,29 +66,23 @@ def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
     for key in ("aux_loss", "expert_load"):
         values = [m[key] for m in metrics if m.get(key) is not None]
         if values:
-            n = max(1, len(values) // 4)
-            out[f"{key}_last_quarter"] = round(sum(values[-n:]) / n, 4)
+            out[f"{key}_last_quarter"] = quarters(values)[1]
     return out
 
 
 def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """A GRPO run's mean total reward over its first and last quarter of steps (at least
-    one step each); nothing for a run without rewards."""
+    one step each), and each reward's by its key (``reward_last_quarter:<key>``); nothing
+    for a run without rewards."""
     rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
     if not rewards:
         return {}
-    n = max(1, len(rewards) // 4)
-    out = {"reward_first_quarter": round(sum(rewards[:n]) / n, 4),
-           "reward_last_quarter": round(sum(rewards[-n:]) / n, 4)}  # fmt: skip
-    # each reward's own (reward_<key>_mean), named by its key: reward_last_quarter:<key>
-    names = dict.fromkeys(k[len("reward_"):-len("_mean")] for m in metrics for k in m
-                          if k.startswith("reward_") and k.endswith("_mean"))  # fmt: skip
-    for name in names:
-        values = [m[f"reward_{name}_mean"] for m in metrics
-                  if m.get(f"reward_{name}_mean") is not None]  # fmt: skip
-        k = max(1, len(values) // 4)
-        out[f"reward_first_quarter:{name}"] = round(sum(values[:k]) / k, 4)
-        out[f"reward_last_quarter:{name}"] = round(sum(values[-k:]) / k, 4)
+    out = dict(zip(("reward_first_quarter", "reward_last_quarter"), quarters(rewards),
+                   strict=True))  # fmt: skip
+    for name in reward_names(metrics):
+        key = f"reward_{name}_mean"
+        first, last = quarters([m[key] for m in metrics if m.get(key) is not None])
+        out[f"reward_first_quarter:{name}"], out[f"reward_last_quarter:{name}"] = first, last
     return out
 
 
@@ -84,8 +91,7 @@ def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
     rows = [m for m in metrics if m.get("reward_margin") is not None]
     if not rows:
         return {}
-    last = rows[-max(1, len(rows) // 4) :]
-    return {f"{key}_last_quarter": round(sum(m[key] for m in last) / len(last), 4)
+    return {f"{key}_last_quarter": quarters([m[key] for m in rows])[1]
             for key in ("reward_accuracy", "reward_margin")}  # fmt: skip
 
 
