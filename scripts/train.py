@@ -108,13 +108,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> int:
+    from snaketune.core.qlora import hide_bitsandbytes
+    from snaketune.plan.runspec import RunSpec
+
+    spec = json.loads(args.run_spec)
+    hide_bitsandbytes(RunSpec.of(spec).quantization)  # before peft is imported
     from snaketune.train.worker import run_worker
 
     ids_log = None
     if args.log_example_ids:
         args.log_example_ids.mkdir(parents=True, exist_ok=True)
         ids_log = args.log_example_ids / f"rank-{os.environ.get('RANK', '0')}.txt"
-    return run_worker(json.loads(args.run_spec), args.shards, args.model, args.deepspeed,
+    return run_worker(spec, args.shards, args.model, args.deepspeed,
                       args.out, ids_log, args.min_busbw)  # fmt: skip
 
 

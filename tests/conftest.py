@@ -349,14 +349,16 @@ def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: s
 
 
 def workers_after(proc: subprocess.Popen, done: Path, timeout: float = 300) -> list:
-    """Once file ``done`` exists (e.g. a checkpoint's COMPLETE mark), the worker processes
-    (psutil) of the training ``proc`` started; fails if it ends or ``timeout`` passes first."""
+    """Once file ``done`` exists (e.g. a checkpoint's COMPLETE mark; a glob pattern: once one
+    matches), the worker processes (psutil) of the training ``proc`` started; fails if it
+    ends or ``timeout`` passes first."""
+    import glob
     import time
 
     import psutil
 
     deadline = time.monotonic() + timeout
-    while not done.is_file():
+    while not glob.glob(str(done)):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.02)
     return [p for p in psutil.Process(proc.pid).children(recursive=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
 RECORD = "quantization.json"
 BLOCKSIZE = 64  # transformers' Params4bit default: one absmax per 64 weights
 INSTALL = 'pip install -e ".[qlora]"'
+
+
+def hide_bitsandbytes(quantization: Mapping[str, Any] | None) -> None:
+    """In a process that loads no 4-bit model, bitsandbytes counts as not installed. peft
+    imports it at its own import whenever it is installed (peft.helpers), and it imports
+    torch's compiler: about 2.5 CPU-seconds of every training worker's start, for nothing
+    when the run is not QLoRA. A name marked None in sys.modules is what importlib (and so
+    peft's and transformers' checks) reads as absent. Call before peft is imported."""
+    if quantization is None and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
 def dtype_of(name: str) -> torch.dtype:
