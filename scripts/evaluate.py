@@ -84,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a DPO run's beta: the implicit rewards of held-out pairs against the base's",
     )  # fmt: skip
     parser.add_argument(
+        "--reward-seed", type=int, default=None,
+        help="--model is a reward model (method reward; a causal model gets the score head "
+        "drawn from this seed, as its run's training did): score the held-out pairs",
+    )  # fmt: skip
+    parser.add_argument(
         "--adapter-base",
         type=Path,
         default=None,
@@ -108,11 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
+    config.update({"reward_seed": args.reward_seed} if args.reward_seed is not None else {})
 
     def finish(tmp: Path, _: dict) -> None:
         stage = "evaluate" if args.train else "evaluate_base"
         write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
+    if args.reward_seed is not None:
+        return reward(args, base, finish, sharded)
     share, beat = Share.from_environ() if sharded else Share(), None
     if sharded:
         from snaketune.core.heartbeat import Heartbeat
@@ -143,6 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if metrics is None:  # not rank 0
         return 0
     print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
+    return 0
+
+
+def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool) -> int:
+    """A reward model's evaluation: its held-out pairs' scores (one process)."""
+    from snaketune.core.errors import UserError
+    from snaketune.evaluation.reward_eval import evaluate_reward
+
+    if sharded:
+        raise UserError(f"{args.model}: a reward model is evaluated in one process; set "
+                        "eval.nodes and eval.gpus_per_node to 1 for this run")  # fmt: skip
+    metrics = evaluate_reward(args.model, args.eval, args.train, args.out, args.limit,
+                              args.batch_size, args.reward_seed, base, finish,
+                              args.adapter_base)  # fmt: skip
+    print(json.dumps(metrics["preference"]))
     return 0
 
 

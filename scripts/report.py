@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             curves_of[name] = metrics
             if "eval_dataset" in spec:
                 evals[name] = json.loads(ev.read_text())
-            held_out = evals[name]["loss"] if name in evals else None
+            held_out = evals[name].get("loss") if name in evals else None
             provenance = json.loads((train / "provenance.json").read_text())
             exported = provenance.get("exported")
             attempts[name] = provenance.get("attempts") or []

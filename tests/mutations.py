@@ -52,6 +52,21 @@ MUTATIONS = (
         ("tests/test_dpo.py::test_unequal_micro_batches_give_the_global_batch_mean",),
     ),
     Mutation(
+        "reward-weighting", "PlannedRewardTrainer.compute_loss without the per-pair weighting",
+        f"{LIB}/methods/reward_model.py",
+        "            return loss * pairs / self.micro_batch_size",
+        "            return loss",
+        ("tests/test_reward_model.py::test_margins_and_centring_of_unequal_micro_batches_give_the_global_batch_mean",),
+    ),
+    Mutation(
+        "score-at-pad", "a new score head reads no pad id: the score is taken at the last position, padding or not",
+        f"{LIB}/evaluation/heads.py",
+        "        text.pad_token_id = pad_id_of(model_dir)\n",
+        "        text.pad_token_id = None\n        return model\n",
+        ("tests/test_reward_model.py::test_the_score_is_read_at_the_last_real_token_of_a_padded_batch",
+         "tests/test_reward_model.py::test_a_new_score_head_is_drawn_from_the_seed_and_reads_the_pad_id"),
+    ),
+    Mutation(
         "eval-examples", "the held-out loss (the evaluate stage's and the pass while training) divides by examples, not tokens",
         f"{LIB}/evaluation/evaluate.py",
         "    loss = total / max(count, 1)",

@@ -71,3 +71,25 @@ def planned_steps(shards: Path, steps: int, nodes: int = 2) -> list[list[list[di
     ranks = 1 + max(r["rank"] for r in rows)
     return [[[r for r in rows if r["step"] == k and r["rank"] == q] for q in range(ranks)]
             for k in range(steps)]  # fmt: skip
+
+
+def sequence_score(model, input_ids: list[int]) -> float:
+    """A reward model's score of one sequence: its logit at the last token (one sequence,
+    no padding, so no pad handling enters)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([input_ids]))
+    return out.logits.reshape(-1)[-1].double().item()
+
+
+def reward_pair_loss(model, pairs: list[dict], centre: float | None = None,
+                     margins: dict[str, float] | None = None) -> float:  # fmt: skip
+    """A reward model's pairwise loss over ``pairs`` as the RewardTrainer's papers write it,
+    averaged over the pairs: -log sigmoid(r_c - r_r - margin), plus ``centre`` x (r_c +
+    r_r)^2 (centring), each side scored alone (``sequence_score``)."""
+    losses = []
+    for p in pairs:
+        c, r = sequence_score(model, p["input_ids"]), sequence_score(model, p["rejected_input_ids"])
+        m = (margins or {}).get(p["example_id"], 0.0)
+        loss = math.log1p(math.exp(-(c - r - m)))
+        losses.append(loss + (centre or 0.0) * (c + r) ** 2)
+    return math.fsum(losses) / len(losses)

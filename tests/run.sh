@@ -13,7 +13,7 @@
 #   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the
 #     cluster), with the training, continuation, stall, export and disk tests (the full
 #     ZeRO-3 fixture they share), the larger-than-one-GPU and mixture-of-experts tests (on
-#     the shared demo) filling the waits;
+#     the shared demo) and the reward model chain (on the demo) filling the waits;
 #   - SIDE: the GRPO and QLoRA chains (with the benchmarks that read the QLoRA chain) and
 #     sweeps;
 #   - the rest, the DPO chain, held-out passes and the atomic-output fault test among them.
@@ -41,7 +41,8 @@ if [ "$tier" != all ]; then
 fi
 
 SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
-       tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py)
+       tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py
+       tests/test_reward_model.py)
 SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_bench.py tests/test_sweep.py)
 pytest "${SLURM[@]}" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &
 slurm_pid=$!

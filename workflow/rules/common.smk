@@ -289,7 +289,9 @@ def eval_adapter_arg(wildcards, input):
 
 def run_eval_settings(wildcards):
     run = run_of(wildcards)
-    return stages.eval_args(run["eval"], method_of(run).eval_beta(run))
+    method = method_of(run)
+    seed = run["seed"] if method.head == "score" else None  # a reward model's new head
+    return stages.eval_args(run["eval"], method.eval_beta(run), seed)
 
 
 def base_eval_model(wildcards):

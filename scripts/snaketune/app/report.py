@@ -54,7 +54,7 @@ def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
     """Every metric of an evaluation: exact match, math_verify, loss, perplexity, each
     lm-eval figure (with its stderr)."""
     base, gain = ev.get("base") or {}, ev.get("gain") or {}
-    rows = [
+    rows = [] if ev.get("head") == "score" else [  # a reward model: its pairs' scores only
         Comparison("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
                    gain.get("exact_match"), True, True),
         Comparison("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
@@ -69,17 +69,19 @@ def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
                    else ev["perplexity"] - base["perplexity"], False, False),
     ]  # fmt: skip
     pref, base_pref = ev.get("preference") or {}, base.get("preference") or {}
-    if "preference_accuracy" in pref:  # held-out pairs of a DPO run
+    if "preference_accuracy" in pref:  # held-out pairs of a DPO run or a reward model
+        ranked = "score" if ev.get("head") == "score" else "implicit reward"
         rows += [
-            Comparison("preference accuracy (implicit reward ranks chosen first)",
+            Comparison(f"preference accuracy ({ranked} ranks chosen first)",
                        base_pref.get("preference_accuracy"), pref["preference_accuracy"],
                        gain.get("preference_accuracy"), True, True),
             Comparison("reward margin (chosen - rejected)", base_pref.get("reward_margin"),
                        pref["reward_margin"], gain.get("preference_reward_margin"), False, True),
-            Comparison("chosen more likely than rejected", base_pref.get("likelihood_accuracy"),
-                       pref["likelihood_accuracy"], gain.get("preference_likelihood_accuracy"),
-                       True, True),
         ]  # fmt: skip
+    if "likelihood_accuracy" in pref and "preference_accuracy" in pref:
+        rows.append(Comparison("chosen more likely than rejected",
+                               base_pref.get("likelihood_accuracy"), pref["likelihood_accuracy"],
+                               gain.get("preference_likelihood_accuracy"), True, True))  # fmt: skip
     for label, f in lm_eval_figures(ev):
         rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
                                False, True, f.get("stderr")))  # fmt: skip
@@ -171,9 +173,27 @@ def comparison_table(ev: dict[str, Any]) -> str:
     )
 
 
+def scores_table(samples: list[dict[str, Any]], n: int) -> str:
+    """A reward model's held-out pairs: each side's score, marked right where the chosen
+    side scores higher."""
+    right = sum(s["chosen_score"] > s["rejected_score"] for s in samples)
+    trs = "".join(
+        f"<tr class='{'right' if ok else 'wrong'}'><td class='mark'>"
+        f"{'✓ right' if ok else '✗ wrong'}</td><td>{s['example_id']}</td>"
+        f"<td>{s['chosen_score']:.4g}</td><td>{s['rejected_score']:.4g}</td></tr>"
+        for s in samples[:n] for ok in [s["chosen_score"] > s["rejected_score"]]
+    )  # fmt: skip
+    return (f"<p>First {min(n, len(samples))} of {len(samples)} held-out pairs ({right} ranked "
+            "right: the chosen response scored higher).</p><table class='samples'><tr><th>"
+            "</th><th>pair</th><th>chosen score</th><th>rejected score</th></tr>"
+            f"{trs}</table>")  # fmt: skip
+
+
 def samples_table(samples: list[dict[str, Any]], n: int) -> str:
     from html import escape
 
+    if samples and "chosen_score" in samples[0]:  # a reward model's pairs
+        return scores_table(samples, n)
     right = sum(bool(s.get("correct")) for s in samples)
     trs = []
     for s in samples[:n]:

@@ -34,13 +34,15 @@ def resolve_precision(preference: str) -> str:
 
 def build_model(model_dir: Path, precision: str, attention: str,
                 quantize: dict[str, Any] | None = None, checkpointing: bool = False,
-                device: str | None = None):  # fmt: skip
+                device: str | None = None, head: str = "lm",
+                seed: int | None = None):  # fmt: skip
     """The base model for training (no KV cache: training never reads one, and with one
     transformers would not see packed sequences). With ``quantize`` (snaketune.core.qlora's
     settings) its linear layers are loaded in 4 bits on this process's device and the model
     prepared by peft for k-bit training (the other weights in fp32), on ``device`` (default:
-    this rank's GPU, or the CPU)."""
-    from transformers import AutoModelForCausalLM
+    this rank's GPU, or the CPU). ``head``: ``score`` loads it as a reward model
+    (snaketune.evaluation.heads: a causal model gets a new head, drawn from ``seed``)."""
+    from snaketune.evaluation import heads
 
     dtype = DTYPES[precision]
     extra: dict[str, Any] = {}
@@ -51,9 +53,8 @@ def build_model(model_dir: Path, precision: str, attention: str,
             gpu = torch.cuda.is_available()
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
         extra = {"quantization_config": bnb_config(quantize), "device_map": {"": device}}
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention, local_files_only=True, **extra
-    )
+    model = heads.load(model_dir, head, seed, dtype=dtype, attn_implementation=attention,
+                       local_files_only=True, **extra)  # fmt: skip
     model.config.use_cache = False
     if quantize is not None:
         from peft import prepare_model_for_kbit_training

@@ -24,6 +24,7 @@ from snaketune.core import qlora
 from snaketune.core.errors import DataError
 from snaketune.core.io import atomic_path
 from snaketune.core.modelshape import experts_of
+from snaketune.evaluation import heads
 from snaketune.export.convert import (
     TOKENIZER_FILES,
     Finish,
@@ -129,8 +130,8 @@ def convert_lora(
     probe: Path,
     finish: Finish | None = None,
 ) -> dict:
-    """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors read)."""
-    from transformers import AutoModelForCausalLM
+    """A LoRA run's DeepSpeed checkpoint -> peft adapter directory (only adapter tensors
+    read). A reward model's adapter (peft's SEQ_CLS) carries its score head whole."""
     from transformers.utils import logging as hf_logging
 
     from snaketune.core.lora_targets import load_adapter
@@ -138,17 +139,18 @@ def convert_lora(
     hf_logging.disable_progress_bar()
     ckpt = ZeroCheckpoint(checkpoint)
     adapter_config = json.loads((trained / "adapter_config.json").read_text())
+    head = heads.adapter_head(adapter_config)
     tensors = {}
     for name, tensor in ckpt.tensors():
         key = adapter_key(name)
         if key is not None:
             tensors[key] = tensor.to(dtype).contiguous()
-    check_adapter(tensors, base_shapes(base_model), adapter_config["r"])
+    check_adapter(tensors, shapes_with_head(base_model, head), adapter_config["r"])
     with atomic_path(out) as tmp:
         tmp.mkdir()
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         copy_files(("adapter_config.json", qlora.RECORD, *TOKENIZER_FILES), trained, tmp)
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, local_files_only=True)
+        base = heads.load(base_model, head, dtype=dtype, local_files_only=True)
         quantized = qlora.read_record(trained)
         if quantized is not None:  # the base as the 4-bit run computed with it
             qlora.dequantize_model(base, quantized)
@@ -159,6 +161,12 @@ def convert_lora(
         if finish is not None:
             finish(tmp, report)
     return report
+
+
+def shapes_with_head(base_model: Path, head: str) -> dict[str, tuple[int, ...]]:
+    """The base's tensor shapes, and those a reward model's score head adds to them."""
+    config = json.loads((base_model / "config.json").read_text())
+    return {**base_shapes(base_model), **heads.added_shapes(head, config)}
 
 
 def lora_scale(adapter_config: dict) -> float:
@@ -177,6 +185,11 @@ class Adapter:
     scale: float
     experts: dict[str, ExpertPair]  # a mixture of experts' fused experts, by base tensor
     experts_count: int = 0
+    head: str = "lm"  # score: a reward model's (its score head among ``whole``)
+
+    def added(self, refs: dict) -> dict[str, torch.Tensor]:
+        """The tensors the merged model has and the base has not (a new score head)."""
+        return {name: t for name, t in self.whole.items() if name not in refs}
 
     @classmethod
     def read(cls, adapter: Path, base_model: Path) -> Adapter:
@@ -184,7 +197,7 @@ class Adapter:
         if config.get("fan_in_fan_out"):
             raise DataError(f"{adapter}: fan_in_fan_out adapters are not supported by merge_lora")
         lora = load_file(str(adapter / "adapter_model.safetensors"))
-        shapes = base_shapes(base_model)
+        shapes = shapes_with_head(base_model, heads.adapter_head(config))
         check_adapter(lora, shapes, config["r"])
         model_config = json.loads((base_model / "config.json").read_text())
         model_config = model_config.get("text_config", model_config)
@@ -196,7 +209,8 @@ class Adapter:
                 b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
                 pairs[adapter_target(key)] = (key, a, b)
         whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
-        return cls(pairs, whole, lora_scale(config), experts, experts_of(model_config))
+        return cls(pairs, whole, lora_scale(config), experts, experts_of(model_config),
+                   heads.adapter_head(config))  # fmt: skip
 
 
 def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
@@ -226,6 +240,24 @@ def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
             change["merged"] += 1
             t = t.float() + delta
         yield name, t
+    for name, t in adapter.added(refs).items():  # after the base's, as merge_lora plans them
+        change["merged"] += 1
+        yield name, t
+
+
+def write_config(config, dtype: torch.dtype, head: str, adapter: Path, base_model: Path,
+                 tmp: Path) -> str | None:  # fmt: skip
+    """The merged model's config (a reward model's: the sequence classifier the adapter
+    was trained as), tokenizer and generation config; what stop_at_end_of_turn did."""
+    config.dtype = str(dtype).removeprefix("torch.")
+    if head == "score":
+        heads.as_scorer(config, heads.pad_id_of(adapter))
+    config.save_pretrained(tmp)
+    copy_files(TOKENIZER_FILES, adapter, tmp)
+    if head == "score":  # a reward model generates nothing
+        return None
+    copy_files(("generation_config.json",), base_model, tmp)
+    return stop_at_end_of_turn(tmp)
 
 
 def merge_lora(
@@ -253,24 +285,21 @@ def merge_lora(
         name: ref
         for f in sorted(base_model.glob("*.safetensors"))
         for name, ref in safetensors_refs(f).items()
+        if lora.head == "lm" or not name.startswith("lm_head.")  # a reward model: no LM head
     }
     merged = merged_tensors(refs, lora, quantized, change)
     with ThreadPoolExecutor(1) as pool, atomic_path(out) as tmp:
         base_config = pool.submit(load_model_config, base_model)
         tmp.mkdir()
         plan = [(name, ref.shape, ref.dtype) for name, ref in refs.items()]
+        plan += [(name, tuple(t.shape), t.dtype) for name, t in lora.added(refs).items()]
         write_shards(plan, merged, tmp, parse_size(max_shard_size), dtype)
         if change["max_abs"] == 0.0:
             raise DataError(
                 f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
                 "model would equal the base. Was the adapter trained?"
             )
-        base_config = base_config.result()
-        base_config.dtype = str(dtype).removeprefix("torch.")
-        base_config.save_pretrained(tmp)
-        copy_files(("generation_config.json",), base_model, tmp)
-        copy_files(TOKENIZER_FILES, adapter, tmp)
-        stops = stop_at_end_of_turn(tmp)
+        stops = write_config(base_config.result(), dtype, lora.head, adapter, base_model, tmp)
         # The reference is the training job's probe logits: base + this adapter, as
         # convert_checkpoint's gate verified with peft, so no second model is loaded here.
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)),

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from snaketune.core.errors import DataError
 from snaketune.core.io import atomic_path, parse_size
+from snaketune.evaluation import heads
 from snaketune.export.zero_checkpoint import ST_NAMES, ZeroCheckpoint, safetensors_refs
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,9 @@ def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, 
     """Load the model just written within about ``budget`` bytes (accelerate keeps the
     layers that do not fit on disk and loads each only for its forward pass) and gate its
     probe logits; return the max difference."""
-    from transformers import AutoModelForCausalLM
-
     trim_heap()
     scratch = model_dir / ".offload"
-    model = AutoModelForCausalLM.from_pretrained(
+    model = heads.auto_class(heads.head_of(model_dir)).from_pretrained(
         model_dir, dtype=dtype, device_map="auto", max_memory={"cpu": budget},
         offload_folder=str(scratch), local_files_only=True,
     )  # fmt: skip
@@ -196,12 +195,12 @@ def load_model_config(model_dir: Path):
     modules takes seconds of Python, and file writes release the GIL, so the two overlap.
     """
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # noqa: B018 -- imports the modeling module
+    auto = heads.auto_class(heads.head_of(model_dir))
+    auto._model_mapping[type(config)]  # noqa: B018 -- imports the modeling module
     return config
 
 
@@ -249,7 +248,8 @@ def convert_full(
         config = config.result()
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
-        stops = stop_at_end_of_turn(tmp)
+        # a reward model (a score head) generates nothing
+        stops = stop_at_end_of_turn(tmp) if heads.head_of(tmp) == "lm" else None
         diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)), str(out))
         report = {
             **conversion_report("full", ckpt, len(weight_map), diff),

@@ -71,8 +71,10 @@ def eval_results(metrics: dict[str, Any], dataset: str):
     """The evaluation figures as huggingface_hub EvalResults (the card's model-index)."""
     from huggingface_hub import EvalResult
 
+    kind = "text-classification" if metrics.get("head") == "score" else "text-generation"
+
     def result(metric: str, value: float, name: str, task: str = dataset) -> EvalResult:
-        return EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+        return EvalResult(task_type=kind, dataset_type=task, dataset_name=task,
                           metric_type=metric, metric_value=float(value),
                           metric_name=name)  # fmt: skip
 
@@ -129,6 +131,28 @@ def loading_lines(repo_id: str, base_id: str | None) -> list[str]:
     ]
 
 
+def scoring_lines(repo_id: str) -> list[str]:
+    """The card's section on scoring with a reward model (method reward)."""
+    return [
+        "## How to score",
+        "",
+        "A reward model: one score per conversation, read at its last token (higher: "
+        "preferred). Render the prompt and response with the tokenizer's chat template, as "
+        "training did.",
+        "",
+        "```python",
+        "from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+        "",
+        f'model = AutoModelForSequenceClassification.from_pretrained("{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        'chat = [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]',
+        'ids = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)',
+        "score = model(**ids).logits[0, 0].item()",
+        "```",
+        "",
+    ]
+
+
 def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: dict[str, Any],
               provenance_sha: str, license_: str, repo_id: str) -> str:  # fmt: skip
     """The model card: metadata (license, base model, datasets, model-index) and a body."""
@@ -144,12 +168,14 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         model_name=repo_id,
         eval_results=eval_results(metrics, spec.get("eval_dataset", "eval")) or None,
     )
+    method = method_of(spec)
+    if method.head == "score":  # a reward model
+        data.pipeline_tag, data.tags = "text-classification", [*data.tags, "reward-model"]
     adapter = sources.get("adapter", False)
     if adapter:  # the adapter alone (export.merged: false): peft loads it on its base
         data.library_name, data.tags = "peft", [*data.tags, "lora"]
         data.base_model = base.get("id")
     hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
-    method = method_of(spec)
     if method.block in spec:
         hyper[method.block] = method.card_block(spec[method.block])
     rows = "\n".join(f"| {r.dataset_name} | {r.metric_name} | {r.metric_value:.4g} |"
@@ -170,6 +196,7 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         "## Hyperparameters", "", "```json", json.dumps(hyper, indent=2, sort_keys=True), "```", "",
         *exported_lines(sources.get("exported")),
         *(loading_lines(repo_id, base.get("id")) if adapter else []),
+        *(scoring_lines(repo_id) if method.head == "score" else []),
         "## Evaluation", "",
         "| dataset | metric | value |", "|---|---|---|", rows or "| - | - | - |", "",
         "## Provenance", "",

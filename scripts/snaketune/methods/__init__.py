@@ -23,6 +23,7 @@ REGISTRY = {
     "full": ("snaketune.methods.sft", "FULL"),
     "grpo": ("snaketune.methods.grpo", "METHOD"),
     "dpo": ("snaketune.methods.dpo", "METHOD"),
+    "reward": ("snaketune.methods.reward_model", "METHOD"),
 }
 
 

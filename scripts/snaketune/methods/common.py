@@ -92,6 +92,12 @@ class Method:
     # (run) -> sha256 of the user's code the run calls, by the key naming it (GRPO's reward
     # functions): the train job's spec carries it (code_sha256), so changed code retrains
     code: Callable[[Mapping[str, Any]], dict[str, str]] = lambda run: {}
+    # what the model it trains outputs (snaketune.evaluation.heads): `lm`, next-token logits, or
+    # `score`, one per sequence (a reward model: every stage loads it as one)
+    head: str = "lm"
+    # its own starting model is scored on its eval set (rule evaluate_start), not shared
+    # with other runs of that base (a reward model's start has its new head)
+    evaluates_start: bool = False
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
 

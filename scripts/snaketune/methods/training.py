@@ -98,6 +98,8 @@ def peft_config(run: dict[str, Any], model):
     from snaketune.core.lora_targets import resolve
 
     lora = run["lora"]
+    # a score head (a reward model): peft trains the new head whole (modules_to_save)
+    task = "SEQ_CLS" if method_of(run).head == "score" else "CAUSAL_LM"
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                      task_type="CAUSAL_LM", modules_to_save=lora["modules_to_save"] or None,
+                      task_type=task, modules_to_save=lora["modules_to_save"] or None,
                       **resolve(model, lora))  # fmt: skip

@@ -145,10 +145,10 @@ def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float 
     from snaketune.plan.stages import evaluates_its_start
 
     stages = {"evaluate": True}
-    if "init_from" not in run:
-        stages["evaluate_base"] = False
-    elif evaluates_its_start(config, name):
+    if evaluates_its_start(config, name):
         stages["evaluate_start"] = False
+    elif "init_from" not in run:
+        stages["evaluate_base"] = False
     for stage, final in stages.items():
         layout = eval_layout(run, shape, gpu_gib, final)
         fits = None if gpu_gib is None else layout.per_gpu_gib <= gpu_gib

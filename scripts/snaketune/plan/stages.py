@@ -111,13 +111,15 @@ def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, d
 
 
 def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
-    """Whether a run with ``init_from`` and an eval set scores the model it starts from
-    itself (rule evaluate_start): when the run it starts from (or a member of that sweep)
-    has another eval set or other eval settings, or none. Otherwise that run's evaluation is
-    this run's base."""
+    """Whether a run with an eval set scores the model it starts from itself (rule
+    evaluate_start): where its method says so (a reward model's new head); with
+    ``init_from``, when the run it starts from (or a member of that sweep) has another eval
+    set or other settings, or none. Otherwise that run's evaluation is this run's base."""
     from snaketune.plan.sweep import init_parents
 
     r = config["runs"][run]
+    if "eval_dataset" in r and method_of(r).evaluates_start:  # e.g. a reward model's new head
+        return True
     if "init_from" not in r or "eval_dataset" not in r:
         return False
     return any(
@@ -134,7 +136,8 @@ def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str
     """
     evals: dict[str, dict[str, Any]] = {}
     for run, r in config["runs"].items():
-        if "eval_dataset" not in r or "init_from" in r:  # its base: the init run's evaluation
+        # its base: the init run's evaluation, or its own start's (rule evaluate_start)
+        if "eval_dataset" not in r or "init_from" in r or method_of(r).evaluates_start:
             continue
         key = tokenize_key(run_eval_tokenize_spec(config, run, root))
         first = evals.setdefault(key, {"run": run, **r["eval"]})
@@ -373,21 +376,24 @@ def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> 
     """What a run's evaluation is compared with: its base model's evaluation; or (init_from)
     the evaluation of the run it started from (``start()``: its name, a sweep's best member
     once chosen), or, where that run was scored on another eval set or otherwise, the
-    starting model's own evaluation (rule evaluate_start)."""
-    if "init_from" not in config["runs"][run]:
-        return f"results/base_eval/{tokenize_key(run_eval_tokenize_spec(config, run))}/metrics.json"
+    starting model's own evaluation (rule evaluate_start; a reward model's, always)."""
     if evaluates_its_start(config, run):
         return f"results/{run}/start_eval/metrics.json"
+    if "init_from" not in config["runs"][run]:
+        return f"results/base_eval/{tokenize_key(run_eval_tokenize_spec(config, run))}/metrics.json"
     return f"results/{start()}/eval/metrics.json"
 
 
-def eval_args(settings: dict[str, Any], beta: float | None = None) -> str:
+def eval_args(settings: dict[str, Any], beta: float | None = None,
+              reward_seed: int | None = None) -> str:  # fmt: skip
     """evaluate.py options for a run's eval settings (``beta``: the one its method scores
-    held-out pairs' implicit rewards with, e.g. a DPO run's)."""
+    held-out pairs' implicit rewards with, a DPO run's; ``reward_seed``: a reward model's
+    run's seed, which a causal model's new score head is drawn from)."""
     import shlex
 
     args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
     args += f" --dpo-beta {beta}" if beta is not None else ""
+    args += f" --reward-seed {reward_seed}" if reward_seed is not None else ""
     args += f" --limit {settings['limit']}" if "limit" in settings else ""
     if settings.get("lm_eval"):
         args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"

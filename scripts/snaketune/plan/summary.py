@@ -87,7 +87,8 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """A DPO run's mean reward accuracy and margin over its last quarter of steps."""
+    """A DPO or reward model run's mean reward accuracy and margin over its last quarter
+    of steps."""
     rows = [m for m in metrics if m.get("reward_margin") is not None]
     if not rows:
         return {}
@@ -131,7 +132,9 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     }  # fmt: skip
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
-        row.update(eval_loss=ev["loss"], perplexity=ev["perplexity"], exact_match=ev["exact_match"],
+        # a reward model's evaluation has its pairs' figures only (preference)
+        row.update(eval_loss=ev.get("loss"), perplexity=ev.get("perplexity"),
+                   exact_match=ev.get("exact_match"),
                    math_verify=ev.get("math_verify"), stop_rate=ev.get("stop_rate"))  # fmt: skip
         row.update(lm_eval_columns(ev))
         pref = ev.get("preference") or {}
@@ -143,12 +146,12 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
                    .get("likelihood_accuracy"))  # fmt: skip
         if "base" in ev:
             row.update(
-                base_exact_match=ev["base"]["exact_match"],
-                gain_exact_match=ev["gain"]["exact_match"],
+                base_exact_match=ev["base"].get("exact_match"),
+                gain_exact_match=ev["gain"].get("exact_match"),
                 base_math_verify=ev["base"].get("math_verify"),
                 gain_math_verify=ev["gain"].get("math_verify"),
                 base_stop_rate=ev["base"].get("stop_rate"),
-                gain_loss=ev["gain"]["loss"],
+                gain_loss=ev["gain"].get("loss"),
             )
     seconds = None
     if train_benchmark is not None and train_benchmark.is_file():

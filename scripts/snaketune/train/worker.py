@@ -264,13 +264,13 @@ def run_worker(
 
     kernel = kernel_of(run, model_dir, out)
     precision = resolve_precision(run["precision"])
-
     spec = RunSpec.of(run)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = rank_data(spec.method, run, manifest, shards, env, tokenizer, kernel, start_step,
                      ids_log)  # fmt: skip
     quantize = qlora.settings(spec.quantization, precision)
-    model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"])
+    model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"],
+                        head=spec.method.head, seed=run["seed"])  # fmt: skip
     quantized = qlora.record(model, quantize) if quantize else None
     data = sequence.apply(run, env.rank, model, data, kernel, tokenizer)  # sequence_parallel
     scored, schedule = held_out(run, env, tokenizer)
