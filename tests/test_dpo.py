@@ -370,12 +370,14 @@ def dpo_config(**run) -> dict:
          "runs.p.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0"),
         ({"runs": {"demo": {"eval_dataset": "arith_pairs_test"}}},
          "runs.demo.eval_dataset: 'arith_pairs_test' is a preference dataset (pairs), which "
-         "only method dpo train and evaluate on; set method: dpo"),
+         "only methods dpo, reward train and evaluate on; set method: dpo or reward"),
         ({"runs": {"demo": {"init_from": "p", "model": None}}},
-         "runs.demo.init_from: only for methods grpo, dpo (a run of method lora starts from "
+         "runs.demo.init_from: only for methods grpo, dpo, reward (a run of method lora starts "
+         "from "
          "`model`)"),
         ({"runs": {"demo": {"method": "full"}}},
-         "runs.demo.lora: only for method lora (or grpo, dpo); remove it or set method: lora"),
+         "runs.demo.lora: only for method lora (or grpo, dpo, reward); remove it or set "
+         "method: lora"),
         ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
                                                                 {"dataset": "arith_pairs"}]}}},
          "datasets.mix.mixture: mixes preference pairs with other formats"),

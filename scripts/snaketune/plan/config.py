@@ -193,7 +193,7 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
             elif method.trains_on != "pairs":
                 _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
                          f"which only {_named(on_pairs)} train and evaluate on; set method: "
-                         f"{on_pairs[0]} or use a dataset of another format")  # fmt: skip
+                         f"{' or '.join(on_pairs)} or use a dataset of another format")  # fmt: skip
     method.check(where, run, cfg)
 
 
