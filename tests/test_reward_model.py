@@ -133,6 +133,19 @@ def test_a_reward_run_scores_its_own_start_and_shares_no_base_evaluation():
     assert "--reward-seed 5" in args
 
 
+def test_a_reward_models_evaluations_are_planned_on_one_gpu_whatever_eval_asks():
+    """evaluate.py scores a reward model in one process: the plan (the evaluate jobs'
+    resources) says so, not the eval block's 2 x 2."""
+    from snaketune.plan.stageplan import eval_layout
+
+    config = reward_config(eval={"max_new_tokens": 16, "batch_size": 64, "nodes": 2,
+                                 "gpus_per_node": 2})  # fmt: skip
+    run = validate_config(config, ROOT)["runs"]["p"]
+    for final in (False, True):
+        layout = eval_layout(run, None, None, final)
+        assert (layout.nodes, layout.gpus_per_node) == (1, 1), layout
+
+
 def test_the_card_of_a_reward_model_says_how_to_score(tmp_path):
     from snaketune.export.hub import card_text
 

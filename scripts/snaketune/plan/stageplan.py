@@ -108,6 +108,10 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
     if four_bit is not None:  # evaluate.py loads it so on one GPU, whatever eval asks
         return EvalLayout(1, 1, figure(1), "the adapter on its 4-bit base as trained "
                           "(export.merged: false) runs on one GPU")  # fmt: skip
+    from snaketune.methods import method_of
+
+    if method_of(run).head == "score":  # snaketune.evaluation.reward_eval: one process
+        return EvalLayout(1, 1, figure(1), "a reward model is scored on one GPU")
 
     if nodes != "auto" and gpus != "auto":
         why = "as set (eval.nodes, eval.gpus_per_node)"
