@@ -160,8 +160,8 @@ def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool) -
     from snaketune.evaluation.reward_eval import evaluate_reward
 
     if sharded:
-        raise UserError(f"{args.model}: a reward model is evaluated in one process; set "
-                        "eval.nodes and eval.gpus_per_node to 1 for this run")  # fmt: skip
+        raise UserError(f"{args.model}: a reward model is scored in one process; run with "
+                        "--nodes 1 --gpus-per-node 1 (as the workflow plans it)")  # fmt: skip
     metrics = evaluate_reward(args.model, args.eval, args.train, args.out, args.limit,
                               args.batch_size, args.reward_seed, base, finish,
                               args.adapter_base)  # fmt: skip

@@ -19,7 +19,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-HEADS = ("lm", "score")
 SCORE_ARCHITECTURE = "ForSequenceClassification"  # the suffix of a score head's class name
 
 
@@ -66,6 +65,7 @@ def load(model_dir: Path, head: str, seed: int | None = None, **kwargs: Any):
 
 
 def eos_ids(config) -> set[int]:
+    """The eos ids of a model's config (one id or a list)."""
     ids = getattr(config, "eos_token_id", None)
     return set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
 
