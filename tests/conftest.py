@@ -348,6 +348,23 @@ def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: s
     )
 
 
+def train_as_planned(workdir: Path, spec: dict, shards: Path, model: Path,
+                     plan: list[list[list[dict]]]) -> list[dict]:  # fmt: skip
+    """Train ``spec`` (ZeRO-2) on ``shards`` to its max_steps, each rank logging the example
+    ids it trains on; asserts it ends well, logs every step once and each rank trained the
+    rows ``plan`` (oracles.planned_steps) gave it, step by step. Returns its metrics."""
+    proc = launch_train(workdir, spec, shards, model, "zero2",
+                        "--log-example-ids", str(workdir / "ids"))  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    metrics = read_jsonl(workdir / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, spec["max_steps"] + 1))
+    for q in range(len(plan[0])):
+        trained = (workdir / "ids" / f"rank-{q}.txt").read_text().split()
+        assert trained == [r["example_id"] for step in plan for r in step[q]]
+    return metrics
+
+
 def workers_after(proc: subprocess.Popen, done: Path, timeout: float = 300) -> list:
     """Once file ``done`` exists (e.g. a checkpoint's COMPLETE mark; a glob pattern: once one
     matches), the worker processes (psutil) of the training ``proc`` started; fails if it

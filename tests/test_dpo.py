@@ -19,7 +19,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ENV, ROOT, kill_and_resume, launch_train, leaked_secrets, read_jsonl, snakemake
+from conftest import (
+    ENV,
+    ROOT,
+    kill_and_resume,
+    launch_train,
+    leaked_secrets,
+    read_jsonl,
+    snakemake,
+    train_as_planned,
+)
 from oracles import dpo_sigmoid_loss, planned_steps, summed_logp
 from test_tokenize import oracle, run_tokenize
 
@@ -506,16 +515,8 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
                    "reference": reference,
                    "reference_logps": str(gsm8k_pairs / "ref/logps.parquet")}  # fmt: skip
     spec.pop("eval", None)
-    proc = launch_train(tmp_path, spec, gsm8k_pairs / "shards", tiny_model, "zero2",
-                        "--log-example-ids", str(tmp_path / "ids"))  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    metrics = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    # each rank trained the pairs the plan gave it, step by step
-    for q in range(2):
-        trained = (tmp_path / "ids" / f"rank-{q}.txt").read_text().split()
-        assert trained == [r["example_id"] for step in plan for r in step[q]]
+    # each step logged once, each rank trained the pairs the plan gave it, step by step
+    metrics = train_as_planned(tmp_path, spec, gsm8k_pairs / "shards", tiny_model, plan)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ckpts = tmp_path / "results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):

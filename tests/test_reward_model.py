@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ENV, ROOT, kill_and_resume, launch_train, read_jsonl, snakemake
+from conftest import ENV, ROOT, kill_and_resume, read_jsonl, snakemake, train_as_planned
 from oracles import planned_steps, reward_pair_loss, sequence_score
 from test_tokenize import run_tokenize
 
@@ -262,15 +262,7 @@ def test_a_reward_model_on_two_nodes_with_unequal_pairs_per_rank_equals_the_orac
                 save_steps=1, save_total_limit=STEPS, learning_rate=1e-3, precision="fp32",
                 warmup_ratio=0.0)  # fmt: skip
     spec.pop("eval", None)
-    proc = launch_train(tmp_path, spec, gsm8k_reward_pairs / "shards", tiny_model, "zero2",
-                        "--log-example-ids", str(tmp_path / "ids"))  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    metrics = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    for q in range(2):
-        trained = (tmp_path / "ids" / f"rank-{q}.txt").read_text().split()
-        assert trained == [r["example_id"] for step in plan for r in step[q]]
+    metrics = train_as_planned(tmp_path, spec, gsm8k_reward_pairs / "shards", tiny_model, plan)
     pad = AutoTokenizer.from_pretrained(tiny_model).pad_token_id
     set_seed(spec["seed"])
     start = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1,

@@ -12,7 +12,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,18 @@ def write_json(path: str | Path, obj: Any) -> None:
     """Write JSON atomically (sorted keys, indented, trailing newline)."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", "utf-8")
+
+
+def write_outputs(out_dir: Path, metrics: dict[str, Any], samples: list[dict[str, Any]],
+                  finish: Callable[[Path, dict[str, Any]], None] | None) -> None:  # fmt: skip
+    """An evaluation's directory, written as one: ``metrics.json`` and ``samples.jsonl``,
+    ``finish(tmp, metrics)`` run on the complete directory before it is renamed into place."""
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if finish is not None:
+            finish(tmp, metrics)
 
 
 def versions() -> dict[str, str]:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from snaketune.core.errors import DataError
-from snaketune.core.io import atomic_path
+from snaketune.core.io import write_outputs
 from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
@@ -384,12 +384,7 @@ def evaluate(
         metrics["preference"] = preference(samples, base_pairs, beta)
     if base_metrics is not None:
         against_base(metrics, base_metrics)
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if finish is not None:
-            finish(tmp, metrics)
+    write_outputs(out_dir, metrics, samples, finish)
     log.info("loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f "
              "(stop ids %s) on %d examples", metrics["loss"], metrics["perplexity"],
              metrics["exact_match"], metrics["math_verify"], metrics["stop_rate"],

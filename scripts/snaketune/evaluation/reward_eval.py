@@ -12,7 +12,6 @@ DPO run's held-out pairs), with the start's under ``base`` and the gain over it.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from snaketune.core.io import atomic_path
+from snaketune.core.io import write_outputs
 from snaketune.core.rows import pad_id
 
 log = logging.getLogger(__name__)
@@ -114,12 +113,7 @@ def evaluate_reward(model_dir: Path, eval_tokenized: Path, train_tokenized: Path
         against_start(metrics, base_metrics)
     samples = [{"example_id": r["example_id"], "chosen_score": c, "rejected_score": s}
                for r, (c, s) in zip(rows, scores, strict=True)]  # fmt: skip
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        (tmp / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if finish is not None:
-            finish(tmp, metrics)
+    write_outputs(out_dir, metrics, samples, finish)
     p = metrics["preference"]
     log.info(
         "pairwise accuracy %.3f, mean margin %.3f, pairwise loss %.4f on %d pairs",

@@ -34,7 +34,7 @@ from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
-from snaketune.methods.training import Context, peft_config, training_args
+from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -93,34 +93,14 @@ def losses(dpo: dict[str, Any]) -> list[str]:
 
 
 def trainer_class():
-    """TRL's DPOTrainer reading the planned pairs (``planned``: this rank's Data) and
-    weighting each micro batch's loss by its pairs over ``micro_batch_size``."""
-    from torch.utils.data import DataLoader
+    """TRL's DPOTrainer reading the planned pairs, each micro batch's loss weighted by its
+    pairs (snaketune.methods.training.PlannedPairs), the reference's log-probs read by the
+    collator."""
     from trl import DPOTrainer
 
-    from snaketune.data.batches import planned_loader
-
-    class PlannedDPOTrainer(DPOTrainer):
-        def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
-            self.planned, self.micro_batch_size = planned, micro_batch_size
-            super().__init__(*args, **kwargs)
-
-        def _prepare_dataset(self, dataset, *args, **kwargs):
-            return dataset  # tokenized by tokenize_dataset (snaketune.data.pairs)
-
+    class PlannedDPOTrainer(PlannedPairs, DPOTrainer):
         def _precompute_ref_logps(self, dataset, name, batch_size):
             return dataset  # computed by rule reference_logps, read by the collator
-
-        def get_train_dataloader(self) -> DataLoader:
-            d = self.planned
-            return planned_loader(d.table, d.batches, d.collator)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if return_outputs:
-                return loss
-            pairs = inputs["input_ids"].shape[0] // 2
-            return loss * pairs / self.micro_batch_size  # see the module docstring
 
     return PlannedDPOTrainer
 

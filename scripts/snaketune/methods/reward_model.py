@@ -28,7 +28,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.dpo import PairCollator
-from snaketune.methods.training import Context, peft_config, training_args
+from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -88,31 +88,12 @@ def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: st
 
 
 def trainer_class():
-    """TRL's RewardTrainer reading the planned pairs (``planned``: this rank's Data) and
-    weighting each micro batch's loss by its pairs over ``micro_batch_size``."""
-    from torch.utils.data import DataLoader
+    """TRL's RewardTrainer reading the planned pairs, each micro batch's loss weighted by
+    its pairs (snaketune.methods.training.PlannedPairs)."""
     from trl import RewardTrainer
 
-    from snaketune.data.batches import planned_loader
-
-    class PlannedRewardTrainer(RewardTrainer):
-        def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
-            self.planned, self.micro_batch_size = planned, micro_batch_size
-            super().__init__(*args, **kwargs)
-
-        def _prepare_dataset(self, dataset, *args, **kwargs):
-            return dataset  # tokenized by tokenize_dataset (snaketune.data.pairs)
-
-        def get_train_dataloader(self) -> DataLoader:
-            d = self.planned
-            return planned_loader(d.table, d.batches, d.collator)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if return_outputs:
-                return loss
-            pairs = inputs["input_ids"].shape[0] // 2
-            return loss * pairs / self.micro_batch_size  # see the module docstring
+    class PlannedRewardTrainer(PlannedPairs, RewardTrainer):
+        pass
 
     return PlannedRewardTrainer
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from snaketune.core.job import WorkerEnv
+    from snaketune.data.batches import Data
 
 
 @dataclass
@@ -103,3 +104,32 @@ def peft_config(run: dict[str, Any], model):
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                       task_type=task, modules_to_save=lora["modules_to_save"] or None,
                       **resolve(model, lora))  # fmt: skip
+
+
+class PlannedPairs:
+    """What a trainer on planned pairs (DPO's, a reward model's) adds to its TRL trainer
+    (``class T(PlannedPairs, TRLTrainer)``): the pairs as tokenized and planned
+    (``planned``: this rank's Data, read in the plan's order), and each micro batch's loss
+    weighted by its pairs over ``micro_batch_size``. TRL averages a micro batch's pairs;
+    a token-balanced plan gives micro batches of unequal pair counts, so weighted, a step's
+    loss is the mean over every pair of the global batch (1 when the counts are equal)."""
+
+    def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
+        self.planned, self.micro_batch_size = planned, micro_batch_size
+        super().__init__(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset, *args, **kwargs):
+        return dataset  # tokenized by tokenize_dataset (snaketune.data.pairs)
+
+    def get_train_dataloader(self):
+        from snaketune.data.batches import planned_loader
+
+        d = self.planned
+        return planned_loader(d.table, d.batches, d.collator)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if return_outputs:
+            return loss
+        pairs = inputs["input_ids"].shape[0] // 2  # chosen sides, then rejected
+        return loss * pairs / self.micro_batch_size
