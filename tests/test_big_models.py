@@ -28,7 +28,7 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
 
 
 def a_run(nodes=1, gpus_per_node=8, ev: dict | None = None) -> dict:
-    return {"nodes": nodes, "gpus_per_node": gpus_per_node, "max_length": 2048,
+    return {"method": "lora", "nodes": nodes, "gpus_per_node": gpus_per_node, "max_length": 2048,
             "eval": {"batch_size": 8, "max_new_tokens": 256, "nodes": "auto",
                      "gpus_per_node": "auto", **(ev or {})}}  # fmt: skip
 
