@@ -35,6 +35,20 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "group-std", "a reward model's per-group z-score divides by the population std, not the sample std TRL uses",
+        f"{LIB}/methods/model_rewards.py",
+        "        var = sum((x - mean) ** 2 for x in chunk) / max(1, len(chunk) - 1)\n",
+        "        var = sum((x - mean) ** 2 for x in chunk) / len(chunk)\n",
+        ("tests/test_model_rewards.py::test_group_normalisation_is_a_z_score_within_each_prompt_s_completions",),
+    ),
+    Mutation(
+        "prompt-turns", "a reward model reads only the prompt's last turn (the dataset's system prompt dropped)",
+        f"{LIB}/methods/model_rewards.py",
+        "            turns[(name, row)] = tuple(conv[:last])\n",
+        "            turns[(name, row)] = tuple(conv[last - 1 : last])\n",
+        ("tests/test_model_rewards.py::test_the_prompt_s_turns_come_from_its_source_row",),
+    ),
+    Mutation(
         "last-token", "pair_batch leaves each side's last response token out of the scored tokens",
         f"{LIB}/evaluation/logps.py",
         "        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)\n",

@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -299,19 +300,32 @@ LORA_RUN = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all
             "max_steps": 16, "learning_rate": 3.0e-3, "save_steps": 8}  # fmt: skip
 
 
+# GRPO from the demo's model scored by the demo's reward model (and correctness), briefly,
+# on 2 emulated nodes; hot sampling, so a group's completions differ (the demo's model gives
+# one answer at temperature 1: no advantage, no update, an adapter the merge refuses)
+GRPO_RUN = {"init_from": "demo", "dataset": "arith", "method": "grpo",
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+            "grpo": {"num_generations": 4, "max_completion_length": 8, "temperature": 2.0,
+                     "rewards": {"model:rm_demo": 1.0, "correctness": 0.5}},
+            "deepspeed": "zero2", "nodes": 2, "gpus_per_node": 1, "max_length": 256,
+            "micro_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
+            "learning_rate": 1.0e-3, "save_steps": 100}  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def reward_chain(demo, tmp_path_factory):
     """A copy of the finished demo (the reward run's start), then `snakemake all publish`
     with the reward overlay (the reward run's checkpoints kept whole: a test resumes from
-    the older one)."""
+    the older one), a LoRA reward run and a GRPO run that scores with the reward model."""
     workdir = tmp_path_factory.mktemp("reward") / "w"
     subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
     overlay = load_yaml(OVERLAY)
     lora = {**copy.deepcopy(overlay["runs"]["rm_demo"]), **LORA_RUN}
     del lora["publish"]
-    (workdir / "lora.yaml").write_text(yaml.safe_dump({"runs": {"rm_lora": lora}}))
+    extra = {"runs": {"rm_lora": lora, "grpo_rm": GRPO_RUN}}
+    (workdir / "extra.yaml").write_text(yaml.safe_dump(extra))
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"),
-                     str(OVERLAY), str(workdir / "lora.yaml"), "--directory", str(workdir),
+                     str(OVERLAY), str(workdir / "extra.yaml"), "--directory", str(workdir),
                      "--config",
                      "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
                      "'rm_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
@@ -446,3 +460,55 @@ def test_a_lora_reward_model_merges_into_the_sequence_classifier_it_trained(rewa
     accuracy, _ = oracle_figures(model.eval(), pq.read_table(
         next((w / "results/tokenized").glob("arith_pairs_test__*/data.parquet"))).to_pylist())  # fmt: skip
     assert metrics["preference"]["preference_accuracy"] == accuracy
+
+
+@pytest.mark.slow
+def test_grpo_scores_its_completions_with_a_reward_run_s_model(reward_chain, monkeypatch):
+    """GRPO with "model:rm_demo" on 2 emulated nodes: every step logs the reward model's
+    mean score beside correctness's, and the step's reward is their weighted sum. The
+    reward model as the job loads and calls it (the train job's own spec) scores each
+    prompt and completion as plain transformers does (the prompt's turns from the source
+    row and the completion in the reward model's chat template, each sequence alone), and
+    ranks right sums above wrong ones."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from snaketune.methods import model_rewards
+
+    w = reward_chain
+    metrics = read_jsonl(w / "results/grpo_rm/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3], (w / "reward.out").read_text()[-3000:]
+    for m in metrics:
+        rm = m["reward_model:rm_demo_mean"]
+        assert math.isfinite(rm) and "reward_model:rm_demo_std" in m
+        assert m["reward"] == pytest.approx(0.5 * m["reward_correctness_mean"] + rm, abs=1e-5)
+    spec = json.loads((w / "results/grpo_rm/train/run_config.json").read_text())
+    assert spec["grpo"]["reward_models"]["models"]["rm_demo"]["path"] == "results/rm_demo/hf"
+    monkeypatch.chdir(w)
+    rows = pq.read_table("resources/datasets/arith/data.parquet").to_pylist()[:16]
+    ids = [f"arith:{i}" for i in range(len(rows))]
+    scorer = model_rewards.scorers(spec["grpo"], ids, torch.float32, 0)["model:rm_demo"]
+    right = [r["answer"] for r in rows]
+    wrong = [f"#### {int(r['answer'].split()[-1]) - 1}" for r in rows]  # as its pairs' are
+    got = scorer(prompts=[""] * 32, completions=right + wrong, example_id=ids + ids)
+    tokenizer = AutoTokenizer.from_pretrained(w / "results/rm_demo/hf")
+    model = AutoModelForSequenceClassification.from_pretrained(w / "results/rm_demo/hf",
+                                                               dtype=torch.float32).eval()  # fmt: skip
+    want = []
+    for row, completion in zip(rows + rows, right + wrong, strict=True):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]},
+                                              {"role": "assistant", "content": completion}],
+                                             tokenize=False)  # fmt: skip
+        one = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            want.append(model(input_ids=one).logits[0, 0].item())
+    assert got == pytest.approx(want, abs=1e-4)
+    assert sum(a > b for a, b in zip(got[:16], got[16:], strict=True)) >= 15, got
+    # reward_model_normalization: group, each prompt's pair (right, wrong) as a group of 2
+    scorer.normalization, scorer.group = "group", 2
+    pairs = [c for pair in zip(right, wrong, strict=True) for c in pair]
+    z = scorer(prompts=[""] * 32, completions=pairs, example_id=[e for e in ids for _ in "rw"])
+    raw = np.array([s for pair in zip(got[:16], got[16:], strict=True) for s in pair])
+    for k in range(0, 32, 2):
+        g = raw[k : k + 2]
+        assert z[k : k + 2] == pytest.approx(((g - g.mean()) / (g.std(ddof=1) + 1e-4)).tolist(),
+                                             abs=1e-4)  # fmt: skip

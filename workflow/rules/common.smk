@@ -5,7 +5,7 @@ from functools import partial
 from pathlib import Path
 
 from snaketune.methods import method_of
-from snaketune.plan import fit, stages, targets
+from snaketune.plan import fit, slurmfit, stages, targets
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
@@ -124,14 +124,21 @@ def run_deepspeed(wildcards):
 
 
 def run_spec(wildcards):
-    return stages.train_spec(run_of(wildcards), **train_extras(wildcards))
+    extras = train_extras(wildcards)
+    extras["reward_models"] = stages.reward_models(config, wildcards.run, reward_run)
+    return stages.train_spec(run_of(wildcards), **extras)
 
 
 def train_extras(wildcards):
     """What a run's training reads besides its shards and model: a DPO run's precomputed
     reference log-probs (rule reference_logps), the eval set it scores while training
-    (eval_steps)."""
-    return stages.train_extras(config, wildcards.run)
+    (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards)."""
+    return stages.train_extras(config, wildcards.run, reward_run)
+
+
+def reward_run(name):
+    """The run a "model:<name>" reward scores with: that run, or that sweep's best member."""
+    return best_member(name) if name in SWEEPS else name
 
 
 def train_flags(wildcards):
@@ -148,7 +155,7 @@ def train_nodes(wildcards):
 
 
 def train_mpi(wildcards):
-    return stages.train_mpi(run_of(wildcards))
+    return slurmfit.train_mpi(run_of(wildcards))
 
 
 def train_gres(wildcards):
@@ -178,7 +185,7 @@ def reference_threads(wildcards):
 
 
 def reference_mpi(wildcards):
-    return stages.train_mpi(reference_run(wildcards))
+    return slurmfit.train_mpi(reference_run(wildcards))
 
 
 def reference_gres(wildcards):

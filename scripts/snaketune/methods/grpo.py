@@ -12,8 +12,9 @@ accumulation), so each group of completions is scored and normalised where it wa
 generated; TRL gathers the rewards of every rank before the group statistics, which need
 only the groups to be contiguous, as they are here.
 
-Rewards (weights from ``grpo.rewards``): the built-in ``correctness`` and ``format`` and the
-user's own functions (``"<file.py>:<function>"``), snaketune.methods.rewards.
+Rewards (weights from ``grpo.rewards``): the built-in ``correctness`` and ``format``, the
+user's own functions (``"<file.py>:<function>"``), snaketune.methods.rewards, and reward
+models (``"model:<run>"``), snaketune.methods.model_rewards.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
-from snaketune.methods import rewards
+from snaketune.methods import model_rewards, rewards
 from snaketune.methods.common import Method
 from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
 from snaketune.methods.training import Context, peft_config, training_args
@@ -104,17 +105,23 @@ def group_batches(batches, generations: int):
     return GroupBatches()
 
 
-def reward_setup(run: dict[str, Any], table) -> tuple[list, list[float], dict[str, dict]]:
-    """The run's reward functions and weights, and for the user's functions the source
-    rows' other columns by example id (their keywords); refuses code changed since the
-    workflow planned the job (its digest is in the spec)."""
+def reward_setup(ctx: Context, table) -> tuple[list, list[float], dict[str, dict]]:
+    """The run's reward functions and weights (its reward models loaded on this rank's
+    device), and for the user's functions the source rows' other columns by example id
+    (their keywords); refuses code changed since the workflow planned the job (its digest
+    is in the spec)."""
+    from snaketune.core.qlora import dtype_of
+
+    run = ctx.run
     block = run["grpo"]["rewards"]
     if "code_sha256" in run and run["code_sha256"] != rewards.digests(block):
         raise rewards.RewardError(
             "a reward function's file changed after the workflow planned this job; run "
             "snakemake again (the run retrains with the new code)"
         )
-    funcs, weights = rewards.functions(block)
+    models = model_rewards.scorers(run["grpo"], list(table["example_id"]),
+                                   dtype_of(ctx.precision), ctx.env.local_rank)  # fmt: skip
+    funcs, weights = rewards.functions(block, models)
     users = rewards.user_keys(block)
     columns = rewards.source_columns(list(table["example_id"])) if users else {}
     return funcs, weights, columns
@@ -139,7 +146,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     from snaketune.data.batches import planned_loader
 
     grpo = ctx.run["grpo"]
-    funcs, weights, columns = reward_setup(ctx.run, data.table)
+    funcs, weights, columns = reward_setup(ctx, data.table)
     args = training_args(
         ctx, GRPOConfig, num_generations=grpo["num_generations"],
         max_completion_length=grpo["max_completion_length"], temperature=grpo["temperature"],
@@ -241,6 +248,7 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
                 "or alpaca"
             )
     rewards.check(where, grpo["rewards"])
+    model_rewards.check(where, grpo["rewards"], config)
     if grpo["use_vllm"] is True and not installed("vllm"):
         raise ConfigError(
             f"{where}.grpo.use_vllm: true asked for but vLLM is not installed; pip install -e "
@@ -325,11 +333,14 @@ properties:
       "#### <number>" line; "<path/to/file.py>:<function>": a function of yours, called
       as TRL calls reward functions (prompts, completions, the dataset's other columns
       as keywords; one float or None per completion), its file found from the directory
-      snakemake runs in (docs/rewards.md).
+      snakemake runs in; "model:<run>": the score of that run's reward model (a run of
+      method reward, or a sweep of them: its best member) on the prompt and completion
+      in its own chat template (docs/rewards.md).
     type: object
-    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.methods.rewards)
+    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.methods.rewards),
+    # "model:<run>" (snaketune.methods.model_rewards)
     additionalProperties:
-      description: Weight of a reward function of yours.
+      description: Weight of a reward function of yours or of a reward model.
       type: number
     minProperties: 1
     default: {correctness: 1.0, format: 0.2}
@@ -340,6 +351,14 @@ properties:
       format:
         description: Weight of the format reward.
         type: number
+  reward_model_normalization:
+    description: >-
+      How a reward model's score ("model:<run>" rewards) enters the weighted sum:
+      `raw`, the score as the model gives it; `group`, z-scored within each prompt's
+      completions ((score - mean) / (std + 1e-4)), so its scale does not outweigh the
+      other rewards.
+    enum: [raw, group]
+    default: raw
   use_vllm:
     description: >-
       Generate rollouts with vLLM in TRL's colocate mode (GPU only; pip install -e

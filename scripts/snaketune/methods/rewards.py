@@ -11,7 +11,8 @@ A reward is named by its key in ``grpo.rewards`` (its value the weight):
   functions: keyword arguments ``prompts``, ``completions`` (strings), ``completion_ids``,
   ``answer`` (the reference answer), the source dataset's other columns of each
   completion's row, ``trainer_state`` and TRL's logging hooks; it returns one float (or
-  None: no reward for that completion) per completion.
+  None: no reward for that completion) per completion;
+- ``"model:<run>"``: the score of that run's reward model (snaketune.methods.model_rewards).
 
 ``check`` runs where the config is read (``snaketune validate``, every dry run, before any
 job): the file exists and imports, the function exists and takes keyword arguments
@@ -38,6 +39,7 @@ from typing import Any
 
 from snaketune.core.errors import ConfigError
 from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
+from snaketune.methods.model_rewards import MODEL_KEY
 
 _FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
 USER_KEY = re.compile(r"^(?P<path>[^:]+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
@@ -73,7 +75,8 @@ BUILTIN: dict[str, Callable[..., list[float]]] = {
 
 
 def user_keys(rewards: Mapping[str, Any]) -> list[str]:
-    return [k for k in rewards if k not in BUILTIN]
+    """The keys that name a user's function (not a built-in, not a reward model)."""
+    return [k for k in rewards if k not in BUILTIN and not MODEL_KEY.match(k)]
 
 
 def located(key: str) -> Path | None:
@@ -111,9 +114,7 @@ def check(where: str, rewards: Mapping[str, Any]) -> None:
     """One line for the first reward key that cannot be used: not a built-in nor a
     ``file.py:function`` key, a file that is not there or does not import, a function that
     is not there or does not take keyword arguments."""
-    for key in rewards:
-        if key in BUILTIN:
-            continue
+    for key in user_keys(rewards):  # reward models: model_rewards.check (the config's runs)
         at = f"{where}.grpo.rewards: {key!r}"
         match = USER_KEY.match(key)
         if not match:
@@ -122,7 +123,7 @@ def check(where: str, rewards: Mapping[str, Any]) -> None:
                 f"{at} is not a reward"
                 + (f"; did you mean {close[0]!r}?" if close else "")
                 + " (built-ins: correctness, format; a function of yours: "
-                "'<path/to/file.py>:<function>')"
+                "'<path/to/file.py>:<function>'; a reward run's model: 'model:<run>')"
             )
         path = located(key)
         if path is None:
@@ -237,11 +238,15 @@ def _first_failing(func, prompts, completions, kwargs) -> int | None:
     return None
 
 
-def functions(weights: Mapping[str, float]) -> tuple[list[Callable], list[float]]:
-    """The run's reward functions (named by their keys, for TRL's logs) and weights."""
+def functions(weights: Mapping[str, float], models: Mapping[str, Callable] | None = None,
+              ) -> tuple[list[Callable], list[float]]:  # fmt: skip
+    """The run's reward functions (named by their keys, for TRL's logs) and weights;
+    ``models``: the reward models' scorers by key (model_rewards.scorers)."""
     funcs, values = [], []
     for name, weight in weights.items():
-        if name in BUILTIN:
+        if name in (models or {}):
+            named = models[name]
+        elif name in BUILTIN:
             func = BUILTIN[name]
 
             def named(*args, _func=func, **kwargs):

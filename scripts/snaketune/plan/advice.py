@@ -142,8 +142,9 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     """One line: the run, the per-GPU total and its parts, against what the GPU has; what
     it leaves out, if anything."""
     g = plan["per_gpu_gib"]
-    names = ("weights", "gradients", "optimizer", "activations", "reference", "vllm", "margin")
-    labels = {"reference": "reference copy", "vllm": "vLLM"}
+    names = ("weights", "gradients", "optimizer", "activations", "reference", "reward_models",
+             "vllm", "margin")  # fmt: skip
+    labels = {"reference": "reference copy", "reward_models": "reward models", "vllm": "vLLM"}
     if plan.get("quantized"):
         labels["weights"] = "weights (4-bit base)"
     parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)

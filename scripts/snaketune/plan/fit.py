@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -153,19 +154,18 @@ def plan_config(
             )
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         chosen = gpu_memory(gpu if gpu is not None else run.get("gpu", config.get("gpu")))
-        setup = setup_of(run, deepspeed)
+        setup = run_setup(config, run, deepspeed, workdir)
         plan = {"run": name, **plan_run(shape, setup, chosen)}
         plan["stages"] = stage_plans(config, name, shape, chosen, setup)
         plans.append(plan)
     return plans
 
 
-def check_cpu_run(
-    shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any], machine_gib: float
-) -> dict[str, Any]:
+def check_cpu_run(shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any],
+                  machine_gib: float, reward_params: int = 0) -> dict[str, Any]:  # fmt: skip
     """A run on this machine's CPU (every emulated node here): all its processes' memory
-    against the machine's."""
-    s = setup_of(run, deepspeed, on_gpu=False)
+    against the machine's (``reward_params``: its reward models', reward_model_params)."""
+    s = replace(setup_of(run, deepspeed, on_gpu=False), reward_model_params=reward_params)
     per_process = estimate(shape, s)["total"] - CONTEXT_GIB
     out = plan_run(shape, s, None)
     out["per_gpu_gib"]["total"] = round(per_process, 2)
@@ -173,6 +173,27 @@ def check_cpu_run(
     out["processes"] = s.gpus
     out["fits"] = per_process * s.gpus <= machine_gib
     return out
+
+
+def run_setup(config: dict[str, Any], run: dict[str, Any], deepspeed: dict[str, Any],
+              workdir: Path) -> Setup:  # fmt: skip
+    """A run's Setup (setup_of) with the reward models it scores with counted."""
+    return replace(setup_of(run, deepspeed),
+                   reward_model_params=reward_model_params(config, run, workdir))  # fmt: skip
+
+
+def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
+    """Weights of the reward models a GRPO run scores with ("model:<run>" rewards), from
+    each reward run's model config.json where it can be read now (an LM head counted where
+    the score head will be: a little over)."""
+    from snaketune.methods.model_rewards import reward_runs, settings_run
+
+    total = 0
+    for name in reward_runs(run):
+        path = find_config_json(config, config["runs"][settings_run(config["runs"], name)],
+                                workdir)  # fmt: skip
+        total += _shape(str(path)).params if path is not None else 0
+    return total
 
 
 def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
@@ -232,7 +253,7 @@ def check_runs(
                          "key")  # fmt: skip
         split = sequence.check_model(f"runs.{name}", run, shape.heads, shape.kv_heads)
         found += [split] if split else []
-        gpu, setup = run.get("gpu", config.get("gpu")), setup_of(run, deepspeed)
+        gpu, setup = run.get("gpu", config.get("gpu")), run_setup(config, run, deepspeed, workdir)
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))
         later = stage_checks(config, name, shape, setup, local, stage_mem or {}, say)
@@ -240,7 +261,8 @@ def check_runs(
             plan = plan_run(shape, setup, gpu_memory(gpu))
             line = format_plan(name, plan)
         elif local:
-            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib())
+            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib(),
+                                 setup.reward_model_params)  # fmt: skip
             verdict = "fits" if plan["fits"] else "does NOT fit"
             line = (f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
                     f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "

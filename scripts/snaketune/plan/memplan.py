@@ -100,6 +100,7 @@ class Setup:
     double_quant: bool = True  # its quantization constants quantized too
     merged: bool = True  # a LoRA run writes its merged model (export.merged)
     sequence_parallel: int = 1  # GPUs sharing each sequence: activations and logits split
+    reward_model_params: int = 0  # GRPO's "model:<run>" rewards: held whole on every GPU
 
     @property
     def gpus(self) -> int:
@@ -222,6 +223,8 @@ def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, 
     parts = {**model_states(shape, s), "activations": activations(shape, s)}
     if s.reference:
         parts["reference"] = reference_copy(shape, s)
+    if s.reward_model_params:  # whole on every GPU, in the run's precision
+        parts["reward_models"] = float(s.reward_model_params * s.bytes_per_weight)
     body = sum(parts.values())
     parts["margin"] = CONTEXT_GIB * GIB + FRAGMENTATION * body
     if s.vllm_share and gpu_gib is not None:

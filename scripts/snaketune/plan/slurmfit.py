@@ -299,3 +299,17 @@ def _node_exists(name: str) -> bool:
         return True
     except subprocess.CalledProcessError:
         return False
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+def train_mpi(run: dict[str, Any]) -> str | int:
+    """The SLURM executor plugins' `mpi` resource, on every train job: the rule's shell runs
+    in the batch script and starts its own srun step (one task per node). So SLURM's
+    `--signal=USR1@...` (sent to job steps) reaches only the training processes, which
+    handle it, never the job's own snakemake, which it would end. The job-step plugin
+    checks only that the key is there; the submitting plugin refuses an MPI job of one task
+    ("'tasks' must be greater than 1"), so a 1-node run sets it to 0, which it reads as
+    no MPI (plain --ntasks=1) while the job step still runs the shell unwrapped."""
+    return "srun" if run["nodes"] > 1 else 0

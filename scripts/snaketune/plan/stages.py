@@ -1,17 +1,15 @@
 """What each stage needs from a validated config: the keys, paths and arguments the rules'
 input functions return (workflow/rules/common.smk only looks them up here).
 
-Tokenized copies are keyed by what determines their tokens (below); shards by their
-tokenized input and layout (``shard_job``: a sweep's members with the same one share one
-shard job); a run's model is its base or the final model of the run (or sweep's best
-member) it starts from.
-
-A tokenized copy is keyed by everything that determines its tokens: the dataset entry
-(and each mixture component's), the model's tokenizer source, the chat template's
-content, max_length and the overlong policy. Runs that differ only in training keys
-share one copy; a change to any of those makes a new one, and the old one stays for
-runs that still use it. Changes to the bytes of a local file behind the same config are
-caught by Snakemake's rerun triggers (the download rule's input changes).
+Shards are keyed by their tokenized input and layout (``shard_job``: a sweep's members
+with the same one share one shard job); a run's model is its base or the final model of
+the run (or sweep's best member) it starts from. A tokenized copy is keyed by everything
+that determines its tokens: the dataset entry (and each mixture component's), the model's
+tokenizer source, the chat template's content, max_length and the overlong policy. Runs
+that differ only in training keys share one copy; a change to any of those makes a new
+one, and the old one stays for runs that still use it. Changes to the bytes of a local
+file behind the same config are caught by Snakemake's rerun triggers (the download rule's
+input changes).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
 from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
-from snaketune.methods import method_of
+from snaketune.methods import method_of, model_rewards
 from snaketune.plan.runspec import RunSpec
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
@@ -232,12 +230,13 @@ NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "p
                 "sweep_of")  # fmt: skip
 
 
-def train_spec(run: dict[str, Any], reference: str | None = None,
-               heldout: str | None = None) -> str:  # fmt: skip
+def train_spec(run: dict[str, Any], reference: str | None = None, heldout: str | None = None,
+               reward_models: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
     precomputed reference gets the path of its log-probs (``reference``), a run with
     eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
-    eval and export keys that matter to it)."""
+    eval and export keys that matter to it), a GRPO run what it scores with its reward
+    models (``reward_models``: below)."""
     spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
     if "eval_steps" not in run:  # a default that means nothing here: no params change
         spec.pop("eval_at_start", None)
@@ -246,28 +245,40 @@ def train_spec(run: dict[str, Any], reference: str | None = None,
     code = method_of(run).code(run)
     if code:  # the user's functions: a change retrains, provenance records them
         spec["code_sha256"] = code
+    block = method_of(run).block  # what a method's job reads beside its settings goes there
     if reference is not None:
-        block = method_of(run).block
         spec[block] = {**spec[block], "reference_logps": reference}
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
+    if block in spec:  # a GRPO run's reward models (reward_models below)
+        spec[block] = model_rewards.in_spec(spec[block], reward_models)
     gather = run["eval"].get("gather_for_generation", "auto")
     if gather != "auto":  # GRPO's completions under ZeRO-3 (the default left unsaid)
         spec["gather_for_generation"] = gather
     return as_json(spec)
 
 
-def train_extras(config: dict[str, Any], run: str) -> dict[str, str]:
+def train_extras(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str,
+                 ) -> dict[str, Any]:  # fmt: skip
     """What a run's training reads besides its shards and model, by name: ``reference``
-    (a DPO run's precomputed log-probs) and ``heldout`` (the eval set of a run with
-    eval_steps)."""
-    out = {}
+    (a DPO run's precomputed log-probs), ``heldout`` (the eval set of a run with
+    eval_steps), ``reward_models`` (a GRPO run's: reward_models' folders)."""
+    out: dict[str, Any] = {}
     reference = reference_path(config, run)
     if reference:
         out["reference"] = reference
     if config["runs"][run].get("eval_steps"):
         out["heldout"] = tokenized(config, run, eval_set=True)
+    if models := reward_models(config, run, resolve):
+        out["reward_models"] = [m["path"] for m in models["models"].values()]
     return out
+
+
+def reward_models(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str):
+    """What a GRPO run's job scores with each reward model it names (model_rewards.spec):
+    the final model of the run (``resolve``: a sweep's best member), its chat template."""
+    return model_rewards.spec(config, run, lambda name: final_model(config, resolve(name)),
+                              lambda model: chat_template(config, model))  # fmt: skip
 
 
 def reference_key(config: dict[str, Any], run: str) -> str | None:
@@ -307,17 +318,6 @@ def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
 def reference_jobs(config: dict[str, Any]) -> dict[str, str]:
     """Every reference_logps job the runs need: key -> the first run that reads it."""
     return {key: runs[0] for key, runs in reference_runs(config).items()}
-
-
-def train_mpi(run: dict[str, Any]) -> str | int:
-    """The SLURM executor plugins' `mpi` resource, on every train job: the rule's shell runs
-    in the batch script and starts its own srun step (one task per node). So SLURM's
-    `--signal=USR1@...` (sent to job steps) reaches only the training processes, which
-    handle it, never the job's own snakemake, which it would end. The job-step plugin
-    checks only that the key is there; the submitting plugin refuses an MPI job of one task
-    ("'tasks' must be greater than 1"), so a 1-node run sets it to 0, which it reads as
-    no MPI (plain --ntasks=1) while the job step still runs the shell unwrapped."""
-    return "srun" if run["nodes"] > 1 else 0
 
 
 def train_flags(config: dict[str, Any]) -> str:
