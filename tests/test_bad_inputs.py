@@ -125,7 +125,11 @@ PARSE = [
     Case("grpo-unknown-reward", "config", grpo_run(grpo={"rewards": {"correctnes": 1.0}}),
          "config error: runs.rl.grpo.rewards: 'correctnes' is not a reward; did you mean "
          "'correctness'? (built-ins: correctness, format; a function of yours: "
-         "'<path/to/file.py>:<function>')"),
+         "'<path/to/file.py>:<function>'; a reward run's model: 'model:<run>')"),
+    Case("grpo-reward-model-of-a-run-that-trains-none", "config",
+         grpo_run(grpo={"rewards": {"correctness": 1.0, "model:demo": 0.5}}),
+         "config error: runs.rl.grpo.rewards: 'model:demo': run 'demo' is method lora, not a "
+         "reward model; name a run of method reward (docs/rewards.md)"),
     Case("grpo-dataset-without-answers", "config", grpo_on_messages,
          "config error: runs.rl.dataset: 'chat' (format messages) gives no reference answers "
          "for the GRPO rewards"),
