@@ -47,7 +47,10 @@ def reward_runs(run: Mapping[str, Any]) -> list[str]:
 def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any]) -> None:
     """One line for the first ``model:<run>`` key that cannot be scored with: no such run
     (or sweep), a run that trains no reward model, the run itself."""
-    from snaketune.methods import method_of
+    from snaketune.methods import REGISTRY, method_named
+
+    def scores(run: Mapping[str, Any]) -> bool:  # a reward run (one the schema let through)
+        return run.get("method") in REGISTRY and method_named(run["method"]).head == "score"
 
     runs = config["runs"]
     me = where.removeprefix("runs.")
@@ -58,16 +61,16 @@ def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any]) -> 
             raise ConfigError(f"{at} names this run itself; name a reward run (method: reward)")
         member = settings_run(runs, name)
         if member not in runs:
-            reward_runs = [r for r, v in runs.items() if v["method"] == "reward"]
+            known = [r for r, v in runs.items() if scores(v)]
             raise ConfigError(
                 f"{at}: there is no run {name!r}; name a run of method reward ("
-                + (", ".join(reward_runs) if reward_runs else "none in this config")
+                + (", ".join(known) if known else "none in this config")
                 + ")"
             )
-        if method_of(runs[member]).head != "score":
+        if not scores(runs[member]):
             raise ConfigError(
-                f"{at}: run {name!r} is method {runs[member]['method']}, not a reward model; "
-                "name a run of method reward (docs/rewards.md)"
+                f"{at}: run {name!r} is method {runs[member].get('method')}, not a reward "
+                "model; name a run of method reward (docs/rewards.md)"
             )
 
 
