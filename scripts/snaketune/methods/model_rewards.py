@@ -22,15 +22,13 @@ other rewards.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import ConfigError
+from snaketune.methods.rewards import DATASETS, MODEL_KEY, source_of, source_rows
 
-MODEL_KEY = re.compile(r"^model:(?P<run>[^:/\s]+)$")
-DATASETS = Path("resources/datasets")  # where the download stage writes each dataset
 BATCH = 16  # completions per forward pass of a reward model
 
 
@@ -121,24 +119,16 @@ def prompt_turns(sources: Mapping[str, Any], example_ids: list[str],
     """Each example's prompt as turns (every turn before its last assistant turn: the
     system prompt, the user's), from its row of the downloaded dataset, by example id
     ("<dataset>:<row>[:<copy>]")."""
-    import pyarrow.parquet as pq
-
     from snaketune.data.conversations import Source, conversations
 
-    wanted: dict[str, set[int]] = {}
-    for e in example_ids:
-        name, row = e.split(":")[:2]
-        wanted.setdefault(name, set()).add(int(row))
     turns: dict[tuple[str, int], tuple] = {}
-    for name, rows in wanted.items():
-        path = datasets / name / "data.parquet"
-        order = sorted(rows)
-        batch = pq.read_table(path).take(order).to_batches()[0]
-        for row, conv in zip(order, conversations(Source(name, path, sources[name]), batch,
-                                                  order), strict=True):  # fmt: skip
+    for name, (order, table) in source_rows(example_ids, datasets).items():
+        source = Source(name, datasets / name / "data.parquet", sources[name])
+        for row, conv in zip(order, conversations(source, table.to_batches()[0], order),
+                             strict=True):  # fmt: skip
             last = max(i for i, (role, _) in enumerate(conv) if role == "assistant")
             turns[(name, row)] = tuple(conv[:last])
-    return {e: turns[(e.split(":")[0], int(e.split(":")[1]))] for e in example_ids}
+    return {e: turns[source_of(e)] for e in example_ids}
 
 
 class ModelReward:
@@ -214,13 +204,13 @@ def scorers(grpo: Mapping[str, Any], example_ids: list[str], dtype,
     (else the CPU)."""
     import torch
 
-    settings = grpo.get("reward_models")
-    keys = [k for k in grpo["rewards"] if MODEL_KEY.match(k)]
-    if not keys:
+    runs = {k: m["run"] for k in grpo["rewards"] if (m := MODEL_KEY.match(k))}
+    if not runs:
         return {}
+    settings = grpo["reward_models"]
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     prompts = prompt_turns(settings["sources"], example_ids)
-    return {k: ModelReward(k, settings["models"][MODEL_KEY.match(k)["run"]], prompts,
+    return {k: ModelReward(k, settings["models"][run], prompts,
                            grpo["reward_model_normalization"], grpo["num_generations"],
-                           dtype, device) for k in keys}  # fmt: skip
+                           dtype, device) for k, run in runs.items()}  # fmt: skip

@@ -39,10 +39,10 @@ from typing import Any
 
 from snaketune.core.errors import ConfigError
 from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
-from snaketune.methods.model_rewards import MODEL_KEY
 
 _FORMAT = re.compile(r"(?:^|\n)####[ \t]*-?[\d,]*\.?\d+[ \t]*$")
 USER_KEY = re.compile(r"^(?P<path>[^:]+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
+MODEL_KEY = re.compile(r"^model:(?P<run>[^:/\s]+)$")  # a reward run's model: model_rewards
 PROJECT = Path(__file__).resolve().parents[3]  # the workflow's directory (scripts/..)
 # keywords TRL and snaketune pass besides the dataset's columns (a column of these names is
 # not passed under it)
@@ -260,21 +260,38 @@ def functions(weights: Mapping[str, float], models: Mapping[str, Callable] | Non
     return funcs, values
 
 
-def source_columns(example_ids: list[str], datasets_dir: Path = Path("resources/datasets")):
-    """Each example's row of its source dataset (resources/datasets/<name>/data.parquet,
-    what the download stage wrote), by example id ("<dataset>:<row>[:<copy>]"): the
-    columns a user's reward function gets as keywords (those named like snaketune's own,
-    ``PASSED``, left out)."""
+DATASETS = Path("resources/datasets")  # what the download stage wrote: <name>/data.parquet
+
+
+def source_of(example_id: str) -> tuple[str, int]:
+    """The source dataset and row of an example id ("<dataset>:<row>[:<copy>]")."""
+    name, row = example_id.split(":")[:2]
+    return name, int(row)
+
+
+def source_rows(example_ids: list[str], datasets_dir: Path = DATASETS):
+    """The source rows ``example_ids`` name, read once per dataset: by dataset, its row
+    numbers (sorted) and the table of those rows in that order (one chunk)."""
     import pyarrow.parquet as pq
 
-    sources = {e: (e.split(":")[0], int(e.split(":")[1])) for e in example_ids}
     wanted: dict[str, set[int]] = {}
-    for name, row in sources.values():
+    for e in example_ids:
+        name, row = source_of(e)
         wanted.setdefault(name, set()).add(row)
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    out = {}
     for name, numbers in wanted.items():
-        table = pq.read_table(datasets_dir / name / "data.parquet")
         order = sorted(numbers)
-        for n, values in zip(order, table.take(order).to_pylist(), strict=True):
+        table = pq.read_table(datasets_dir / name / "data.parquet").take(order)
+        out[name] = (order, table.combine_chunks())
+    return out
+
+
+def source_columns(example_ids: list[str], datasets_dir: Path = DATASETS):
+    """Each example's row of its source dataset, by example id: the columns a user's
+    reward function gets as keywords (those named like snaketune's own, ``PASSED``, left
+    out)."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, (order, table) in source_rows(example_ids, datasets_dir).items():
+        for n, values in zip(order, table.to_pylist(), strict=True):
             rows[(name, n)] = {k: v for k, v in values.items() if k not in PASSED}
-    return {e: rows[source] for e, source in sources.items()}
+    return {e: rows[source_of(e)] for e in example_ids}
