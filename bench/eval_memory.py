@@ -176,9 +176,6 @@ def main() -> int:
         print(json.dumps(got) if args.json else gpu_table(got))
         return 0
     got = measure(SIZES["short" if args.short else "full"])
-    if args.json:
-        print(json.dumps(got))
-        return 0
     mib, p = 2**20, got["plan"]
     print(
         f"CPU, fp32, one process; {got['params'] / 1e6:.1f}M weights; batch {BATCH} x "
@@ -195,6 +192,8 @@ def main() -> int:
     print(f"| total (weights + the larger) | {p['planned'] / mib:.1f} | "
           f"{got['measured'] / mib:.1f} |")  # fmt: skip
     print(f"plan / measured: {p['planned'] / got['measured']:.2f}")
+    if args.json:  # the figures for a program, after the table: one line, the last
+        print(json.dumps(got))
     return 0
 
 

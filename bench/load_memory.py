@@ -157,9 +157,6 @@ def main(argv: list[str] | None = None) -> int:
             streamed = precision != "fp32"  # the plan: a layer at a time, else P x w
             row["plan_bytes"] = (largest if streamed else params) * w
             rows.append(row)
-    if args.json:
-        print(json.dumps(rows))  # one line, the last
-        return 0
     print(f"{'loaded as':<10}{'weights':>12}{'plan MiB':>10}{'anon MiB':>10}{'held MiB':>10}"
           f"{'tensors MiB':>12}{'file MiB':>10}" + (f"{'GPU MiB':>10}" if args.gpu else ""))  # fmt: skip
     for r in rows:
@@ -172,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak the load held of its own; held: what it kept after the load (on a GPU node: "
         "on the GPU for a 4-bit base, none for the others)"
     )
+    if args.json:  # the figures for a program, after the table: one line, the last
+        print(json.dumps(rows))
     return 0
 
 

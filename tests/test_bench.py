@@ -40,6 +40,16 @@ SHORT = {
 }  # fmt: skip
 
 
+# Benchmarks another slow test already runs, in the documented short form (its table printed,
+# then the figures as JSON it judges): not run twice. The test named must run the script.
+RUN_BY = {
+    "eval_memory.py": ("tests/test_big_models.py",
+                       "test_the_evaluate_stages_plan_is_what_evaluation_holds"),
+    "load_memory.py": ("tests/test_memplan.py",
+                       "test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts"),
+}  # fmt: skip
+
+
 def documented() -> list[str]:
     """Each distinct `python bench/...` command of the doc (code blocks and inline code)."""
     text = DOC.read_text(encoding="utf-8")
@@ -70,9 +80,12 @@ def shape(command: str) -> tuple[str, ...]:
 
 
 def runs() -> list[str]:
-    """One documented command per shape: the first with the most of ADDS's flags."""
+    """One documented command per shape: the first with the most of ADDS's flags; none of a
+    benchmark RUN_BY names (but its --gpu forms, which those tests do not run)."""
     chosen: dict[tuple[str, ...], str] = {}
     for command in documented():
+        if command.split()[0].removeprefix("bench/") in RUN_BY and "--gpu" not in command:
+            continue
         adds = len(ADDS & set(shlex.split(command)))
         best = chosen.get(shape(command))
         if best is None or adds > len(ADDS & set(shlex.split(best))):
@@ -86,7 +99,13 @@ def test_every_benchmark_is_known_here():
     scripts = {c.split()[0].removeprefix("bench/") for c in documented()}
     assert scripts == set(SHORT), scripts ^ set(SHORT)
     assert scripts >= {p.name for p in (ROOT / "bench").glob("*.py")}  # each bench documented
-    assert {shape(c) for c in documented()} == {shape(c) for c in runs()}  # each one runs
+    ran = {shape(c) for c in documented() if c.split()[0].removeprefix("bench/") not in RUN_BY
+           or "--gpu" in c}  # fmt: skip
+    assert ran == {shape(c) for c in runs()}  # each one runs, here or in the test RUN_BY names
+    for script, (path, test) in RUN_BY.items():
+        source = (ROOT / path).read_text(encoding="utf-8")
+        body = source.split(f"def {test}(")[1].split("\ndef ")[0]
+        assert f'"bench/{script}"' in body and "@pytest.mark.slow" in source, (script, path)
 
 
 @pytest.mark.parametrize(

@@ -234,8 +234,10 @@ def router_aux(model, rows: list[dict], experts: int, top_k: int) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "method"), [("zero3", "lora"), ("zero2", "lora"),
-                                                ("zero3", "full"), ("zero2", "full")])  # fmt: skip
+# Each preset and each method once, ZeRO-3 (which partitions the fused experts) with the
+# adapters on them; ZeRO-2 LoRA trains in the resume test below, ZeRO-3 full in the
+# continuation test (each against itself there, not against the oracle).
+@pytest.mark.parametrize(("preset", "method"), [("zero3", "lora"), ("zero2", "full")])
 def test_a_mixture_of_experts_trains_on_two_nodes_with_its_router_in_balance(
     demo, tiny_moe, tmp_path, preset, method
 ):

@@ -269,14 +269,20 @@ def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
 def test_the_launcher_imports_no_ml_library():
     """Every train job, retry and requeue starts the launcher before any worker: importing
     transformers there (it once came in through the heartbeat's callback) cost ~4 s a job.
-    The launcher's modules import none of the ML stack; the workers do."""
+    The launcher's modules import none of the ML stack; the workers do. What it asks of the
+    GPU (the disk plan, the flight recorder, provenance's device) it asks without torch
+    (2-3 CPU-seconds a job), and gets torch's answer."""
+    import torch
+
     code = ("import sys, snaketune.train.launch, snaketune.train.attempts, snaketune.train.agents; "
+            "import snaketune.plan.diskplan; from snaketune.train.preflight import cuda_available; "
+            "gpu = cuda_available(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', "
             "'deepspeed', 'trl', 'peft', 'accelerate', 'datasets', 'numpy', 'pandas', "
-            "'pyarrow'}))")  # fmt: skip
+            "'pyarrow'}), gpu)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "scripts", capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
-    assert out.strip() == "[]", out
+    assert out.strip() == f"[] {torch.cuda.is_available()}", out
 
 
 def test_the_launchers_handoff_reaches_the_worker_whole_and_alone():

@@ -269,9 +269,9 @@ def flight_recorder(run: str) -> dict[str, str]:
     """PyTorch's flight recorder on GPU (NCCL): the last 2000 collectives of every rank kept,
     dumped when a collective times out. Off on CPU: torch 2.13's gloo records nothing on a
     timeout to dump (docs/reliability.md); the heartbeats name the rank there."""
-    import torch
+    from snaketune.train.preflight import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return {}
     folder = flight_recorder_dir(run)
     folder.mkdir(parents=True, exist_ok=True)

@@ -95,12 +95,11 @@ def check_disk(job: Job) -> int:
     """Refuse a run whose checkpoints and outputs do not fit on its filesystem (one line,
     before any worker starts); the estimated size of one checkpoint, for the workers' check
     before each save (0: not planned)."""
-    import torch
-
     from snaketune.plan.diskplan import check_job_disk, format_disk
+    from snaketune.train.preflight import cuda_available
 
     plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
-                          torch.cuda.is_available())  # fmt: skip
+                          cuda_available())  # fmt: skip
     if plan is None:
         return 0
     log.info("disk plan: %s", format_disk(job.out.parent.name, plan))
@@ -268,13 +267,12 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     """run_config.json and provenance.json beside the workers' staged outputs, then all of
     them renamed into place at once. ``attempt``: this one (snaketune.train.attempts), recorded
     as done."""
-    import torch
-
     from snaketune.core.job import WORKER_OUTPUTS, staged
     from snaketune.core.lora_targets import read_description
     from snaketune.core.provenance import output_hashes, record
     from snaketune.plan.diskplan import folder_bytes
     from snaketune.train import attempts
+    from snaketune.train.preflight import cuda_available
 
     missing = [n for n in WORKER_OUTPUTS if not staged(job.out, n).exists()]
     if missing:
@@ -296,7 +294,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         {"shards": job.shards, "model": job.model, "deepspeed": job.deepspeed},
         outputs,
         hosts={h.name: h.read_text() for h in hosts},
-        device="cuda" if torch.cuda.is_available() else "cpu",
+        device="cuda" if cuda_available() else "cpu",
         final_checkpoint_bytes=folder_bytes(final),
         segments=segments_summary(segments),
         network=read_result(job.ckpt),

@@ -30,6 +30,30 @@ from snaketune.core.errors import UserError
 from snaketune.core.io import host_name
 
 
+def cuda_available() -> bool:
+    """Whether this node's torch sees a GPU, as ``torch.cuda.is_available()`` answers, for a
+    process that needs nothing else of torch (the train job's launcher: importing torch
+    costs it 2-3 CPU-seconds at every start). Torch's own answer once it is loaded; else a
+    GPU the driver lists (NVIDIA; /dev/kfd for ROCm), none hidden by CUDA_VISIBLE_DEVICES,
+    and an installed torch built for it (a +cpu wheel sees none)."""
+    import sys
+    from importlib import metadata
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.is_available()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return False
+    try:
+        build = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return False
+    if "+rocm" in build:
+        return Path("/dev/kfd").exists()
+    return "+cpu" not in build and any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
 def visible_devices(gpus_per_node: int) -> tuple[int, str]:
     """(count, what was counted) of the devices this task may use."""
     try:
