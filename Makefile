@@ -25,7 +25,7 @@ demo: setup
 test: setup
 	bash tests/run.sh quick
 
-# Everything, in two pytest runs side by side (tests/run.sh all). The SLURM tests start a
+# Everything, in four pytest runs side by side (tests/run.sh all). The SLURM tests start a
 # local cluster (tests/slurm/start.sh) from Debian's packages; without root they are skipped
 # (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
 test-all: setup

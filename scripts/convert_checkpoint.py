@@ -23,6 +23,7 @@ from snaketune.app.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.core.qlora import RECORD, hide_bitsandbytes, saved_quantized
     from snaketune.export.adapters import convert_lora
     from snaketune.export.convert import convert_full, export_dtype
 
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output dtype (auto: the training precision)",
     )
     args = parser.parse_args(argv)
+    # a run that quantized nothing converts without bitsandbytes (peft would import it)
+    hide_bitsandbytes({} if (args.trained / RECORD).exists() or saved_quantized(args.base)
+                      else None)  # fmt: skip
     dtype = export_dtype(args.dtype, args.probe)
     config = {"method": args.adapter, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe}

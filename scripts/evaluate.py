@@ -56,12 +56,6 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.evaluation.evaluate import base_pair_logps, evaluate
-    from snaketune.evaluation.sharded import Share
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -105,6 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharded = args.nodes * args.gpus_per_node > 1
     if sharded and not args.worker:
         return launch(args, raw)
+    from snaketune.core.qlora import hide_bitsandbytes, saved_quantized
+
+    # a model saved unquantized loads without bitsandbytes: not imported (peft would, ~2 s)
+    hide_bitsandbytes({} if args.adapter_base or saved_quantized(args.model) else None)
+    from transformers.utils import logging as hf_logging
+
+    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+    from snaketune.evaluation.evaluate import base_pair_logps, evaluate
+    from snaketune.evaluation.sharded import Share
+
     hf_logging.disable_progress_bar()
     base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None
     inputs = {"model": args.model, "eval": args.eval}

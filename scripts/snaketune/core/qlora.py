@@ -38,6 +38,16 @@ def hide_bitsandbytes(quantization: Mapping[str, Any] | None) -> None:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
+def saved_quantized(model: Path) -> bool:
+    """Whether loading the model folder may need bitsandbytes: its config.json names a
+    quantization (a model saved quantized), or there is no config.json to tell (an adapter
+    folder, whose base decides)."""
+    try:
+        return "quantization_config" in json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+
+
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of a precision's name (bf16, fp16, fp32). torch is imported here, not
     at the top: the workflow reads this module while it builds the DAG (a snakemake call, and
