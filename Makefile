@@ -9,7 +9,7 @@ VENV ?= .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: setup demo test test-all bench lint clean
+.PHONY: setup demo test test-all test-bench bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ test: setup
 test-all: setup
 	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
 	bash tests/run.sh all
+
+# The short forms of the benchmarks that train or convert models (not in CI's full tier:
+# docs/testing.md). Run it before recording a benchmark's figures or after changing bench/.
+test-bench: setup
+	bash tests/run.sh bench
 
 bench: setup
 	python bench/tokenize.py

@@ -3,6 +3,7 @@ users reach for today.
 
     python bench/convert.py                  # ~300M-parameter Llama, ZeRO-3 on 2 emulated nodes
     python bench/convert.py --layers 4       # quicker, smaller
+    python bench/convert.py --layers 2 --hidden 128 --repeat 1   # the suite's short form
 
 The benchmark makes its own checkpoint: a randomly initialised Llama-shaped model (hidden
 1024, 24 layers: ~300M parameters) trained for one step, full fine-tuning with ZeRO-3 on 2
@@ -64,7 +65,7 @@ def median_of(runs: list[dict]) -> dict:
     }
 
 
-def make_checkpoint(tmp: Path, layers: int) -> tuple[Path, int]:
+def make_checkpoint(tmp: Path, layers: int, hidden: int = 1024) -> tuple[Path, int]:
     from snaketune.app.fixtures import FixtureSizes, make_sharded_fixture
     from snaketune.data.shard import Layout
     from snaketune.plan.config import load_yaml, validate_config
@@ -72,11 +73,11 @@ def make_checkpoint(tmp: Path, layers: int) -> tuple[Path, int]:
     sizes = FixtureSizes(
         train_rows=64,
         test_rows=8,
-        hidden_size=1024,
-        intermediate_size=2816,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,  # 2816 at 1024
         layers=layers,
-        heads=16,
-        kv_heads=8,
+        heads=hidden // 64,
+        kv_heads=hidden // 128,
     )
     made = make_sharded_fixture(tmp, sizes, Layout(2, 1, 1, 1))
     config = load_yaml(ROOT / "config" / "config.yaml")
@@ -152,10 +153,11 @@ def main() -> int:
         "--shard-size", default="200MB", help="our converter's and merger's max shard size"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of each tool (median time)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (a multiple of 128)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
-        base, n_params = make_checkpoint(tmp, args.layers)
+        base, n_params = make_checkpoint(tmp, args.layers, args.hidden)
         train = tmp / "train"
         ckpt, probe = train / "final_checkpoint", train / "probe.safetensors"
         py = sys.executable
