@@ -23,7 +23,7 @@ from snaketune.app.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.core.qlora import RECORD, hide_bitsandbytes, saved_quantized
+    from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
     from snaketune.export.adapters import convert_lora
     from snaketune.export.convert import convert_full, export_dtype
 
@@ -64,8 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # a run that quantized nothing converts without bitsandbytes (peft would import it)
-    hide_bitsandbytes({} if (args.trained / RECORD).exists() or saved_quantized(args.base)
-                      else None)  # fmt: skip
+    hide_bitsandbytes(needs_bitsandbytes(args.base, args.trained))
     dtype = export_dtype(args.dtype, args.probe)
     config = {"method": args.adapter, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe}

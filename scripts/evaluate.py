@@ -99,10 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharded = args.nodes * args.gpus_per_node > 1
     if sharded and not args.worker:
         return launch(args, raw)
-    from snaketune.core.qlora import hide_bitsandbytes, saved_quantized
+    from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
 
     # a model saved unquantized loads without bitsandbytes: not imported (peft would, ~2 s)
-    hide_bitsandbytes({} if args.adapter_base or saved_quantized(args.model) else None)
+    hide_bitsandbytes(args.adapter_base is not None or needs_bitsandbytes(args.model))
     from transformers.utils import logging as hf_logging
 
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance

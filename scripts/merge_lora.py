@@ -22,7 +22,7 @@ from snaketune.app.cli import run
 
 def main(argv: Sequence[str] | None = None) -> int:
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.core.qlora import RECORD, hide_bitsandbytes, saved_quantized
+    from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
     from snaketune.export.adapters import merge_lora
     from snaketune.export.convert import export_dtype
 
@@ -47,8 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output dtype (auto: the training precision)",
     )
     args = parser.parse_args(argv)
-    hide_bitsandbytes({} if (args.adapter / RECORD).exists() or saved_quantized(args.base)
-                      else None)  # fmt: skip
+    hide_bitsandbytes(needs_bitsandbytes(args.base, args.adapter))
     config = {"max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"base": args.base, "adapter": args.adapter, "probe": args.probe}
 

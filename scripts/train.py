@@ -112,7 +112,7 @@ def worker(args: argparse.Namespace) -> int:
     from snaketune.plan.runspec import RunSpec
 
     spec = json.loads(args.run_spec)
-    hide_bitsandbytes(RunSpec.of(spec).quantization)  # before peft is imported
+    hide_bitsandbytes(RunSpec.of(spec).quantization is not None)  # before peft is imported
     from snaketune.train.worker import run_worker
 
     ids_log = None

@@ -58,6 +58,11 @@ RUN_BY = {
 }  # fmt: skip
 
 
+def script_of(command: str) -> str:
+    """The benchmark a documented command runs (its file name under bench/)."""
+    return command.split()[0].removeprefix("bench/")
+
+
 def documented() -> list[str]:
     """Each distinct `python bench/...` command of the doc (code blocks and inline code)."""
     text = DOC.read_text(encoding="utf-8")
@@ -92,7 +97,7 @@ def runs() -> list[str]:
     benchmark RUN_BY names (but its --gpu forms, which those tests do not run)."""
     chosen: dict[tuple[str, ...], str] = {}
     for command in documented():
-        if command.split()[0].removeprefix("bench/") in RUN_BY and "--gpu" not in command:
+        if script_of(command) in RUN_BY and "--gpu" not in command:
             continue
         adds = len(ADDS & set(shlex.split(command)))
         best = chosen.get(shape(command))
@@ -104,11 +109,11 @@ def runs() -> list[str]:
 def test_every_benchmark_is_known_here():
     """A benchmark added to the doc needs its short form above (and one removed, its entry
     dropped)."""
-    scripts = {c.split()[0].removeprefix("bench/") for c in documented()}
+    scripts = {script_of(c) for c in documented()}
     assert scripts == set(SHORT), scripts ^ set(SHORT)
     assert scripts >= HEAVY, HEAVY - scripts
     assert scripts >= {p.name for p in (ROOT / "bench").glob("*.py")}  # each bench documented
-    ran = {shape(c) for c in documented() if c.split()[0].removeprefix("bench/") not in RUN_BY
+    ran = {shape(c) for c in documented() if script_of(c) not in RUN_BY
            or "--gpu" in c}  # fmt: skip
     assert ran == {shape(c) for c in runs()}  # each one runs, here or in the test RUN_BY names
     for script, (path, test) in RUN_BY.items():
@@ -120,7 +125,7 @@ def test_every_benchmark_is_known_here():
 @pytest.mark.parametrize(
     "command",
     [pytest.param(c, marks=pytest.mark.gpu) if "--gpu" in c
-     else pytest.param(c, marks=pytest.mark.bench) if c.split()[0].removeprefix("bench/") in HEAVY
+     else pytest.param(c, marks=pytest.mark.bench) if script_of(c) in HEAVY
      else c for c in runs()],
 )  # fmt: skip
 def test_documented_benchmark_runs(command, request, tmp_path):

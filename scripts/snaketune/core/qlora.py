@@ -28,13 +28,14 @@ BLOCKSIZE = 64  # transformers' Params4bit default: one absmax per 64 weights
 INSTALL = 'pip install -e ".[qlora]"'
 
 
-def hide_bitsandbytes(quantization: Mapping[str, Any] | None) -> None:
-    """In a process that loads no 4-bit model, bitsandbytes counts as not installed. peft
-    imports it at its own import whenever it is installed (peft.helpers), and it imports
-    torch's compiler: about 2.5 CPU-seconds of every training worker's start, for nothing
-    when the run is not QLoRA. A name marked None in sys.modules is what importlib (and so
-    peft's and transformers' checks) reads as absent. Call before peft is imported."""
-    if quantization is None and "bitsandbytes" not in sys.modules:
+def hide_bitsandbytes(needed: bool) -> None:
+    """In a process that loads no 4-bit model (``needed`` false), bitsandbytes counts as not
+    installed. peft imports it at its own import whenever it is installed (peft.helpers),
+    and it imports torch's compiler: about 2.5 CPU-seconds of every training worker's start,
+    for nothing when the run is not QLoRA. A name marked None in sys.modules is what
+    importlib (and so peft's and transformers' checks) reads as absent. Call before peft is
+    imported."""
+    if not needed and "bitsandbytes" not in sys.modules:
         sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
 
 
@@ -46,6 +47,13 @@ def saved_quantized(model: Path) -> bool:
         return "quantization_config" in json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return True
+
+
+def needs_bitsandbytes(base: Path, trained: Path | None = None) -> bool:
+    """Whether an export or evaluation loads ``base`` quantized: the base saved quantized
+    (saved_quantized), or ``trained`` (a training job's model folder or its adapter) holds
+    the record of a 4-bit run."""
+    return (trained is not None and (trained / RECORD).exists()) or saved_quantized(base)
 
 
 def dtype_of(name: str) -> torch.dtype:
