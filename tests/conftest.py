@@ -384,11 +384,26 @@ def workers_after(proc: subprocess.Popen, done: Path, timeout: float = 300) -> l
             if "--worker" in p.cmdline()]  # fmt: skip
 
 
+def pipeline_spec(pipeline_train: Path, workdir: Path) -> dict:
+    """The spec a pipeline's train job ran with (its run_config.json: what a rerun of the
+    same run gets, every default as the pipeline resolved it), for a training started in
+    ``workdir``. Its paths (the held-out set, reference log-probs) are relative to the
+    pipeline's directory: ``workdir`` gets links to its resources/ and results/ folders."""
+    w = pipeline_train.parents[2]
+    (workdir / "results").mkdir(parents=True, exist_ok=True)
+    (workdir / "resources").symlink_to(w / "resources")
+    for folder in (w / "results").iterdir():
+        if folder.is_dir():
+            (workdir / "results" / folder.name).symlink_to(folder)
+    return json.loads((pipeline_train / "run_config.json").read_text())
+
+
 def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Path,
                     model: Path) -> tuple[int, list[dict]]:  # fmt: skip
     """A pipeline run's training again from its next-to-last checkpoint (its checkpoints
-    directory copied, the last checkpoint left out): the launcher is killed two steps later
-    (asserting no orphan worker), then rerun; asserts it resumes there and logs every step
+    directory copied, the last checkpoint left out): asserts it resumes there (``spec``
+    must be the run's own: pipeline_spec), kills the launcher two steps later (asserting no
+    orphan worker), then reruns it; asserts it resumes there again and logs every step
     once. Returns (that step, the resumed run's metrics) for the caller's figures."""
     import shutil
     import time
@@ -403,15 +418,18 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
     assert saved == [start, steps], saved
     shutil.rmtree(ckpt / f"checkpoint-{steps}")
-    live = ckpt / "metrics.jsonl"
+    live = ckpt / "metrics.jsonl"  # the pipeline's rows, cut back to `start` on resuming
     proc = launch_train(workdir, spec, shards, model, "zero2")
+    reached = False
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and proc.poll() is None:
             rows = read_jsonl(live) if live.exists() and live.read_text() else []
-            if rows and start + 2 <= rows[-1]["step"] < steps:
+            if rows and rows[-1]["step"] < start:  # started over: the checkpoint not taken
                 break
-            assert proc.poll() is None, proc.communicate()[0]
+            if rows and start + 2 <= rows[-1]["step"] < steps:
+                reached = True
+                break
             time.sleep(0.05)
         family = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
@@ -420,6 +438,8 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     finally:
         proc.kill()
         proc.communicate()
+    first = (workdir / "results/x/train/logs/attempt-1.log").read_text()  # as it was written
+    assert f"resuming from checkpoint-{start}" in first and reached, first[-3000:]
     out, _ = launch_train(workdir, spec, shards, model, "zero2").communicate(timeout=600)
     assert f"resuming from checkpoint-{start}" in out, out[-3000:]
     resumed = read_jsonl(workdir / "results/x/train/metrics.jsonl")

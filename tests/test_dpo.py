@@ -25,6 +25,7 @@ from conftest import (
     kill_and_resume,
     launch_train,
     leaked_secrets,
+    pipeline_spec,
     read_jsonl,
     snakemake,
     train_as_planned,
@@ -723,9 +724,7 @@ def test_killed_dpo_run_resumes_to_the_same_losses(dpo_chain, tmp_path):
     two steps later (no orphan), the rerun resumes there, and every step after it logs the
     losses and rewards of the uninterrupted run."""
     w = dpo_chain
-    spec = dpo_spec()
-    spec["dpo"] = {**spec["dpo"], "reference_logps": str(
-        next((w / "results/reference_logps").iterdir()) / "logps.parquet")}  # fmt: skip
+    spec = pipeline_spec(w / "results/dpo_demo/train", tmp_path)  # its precomputed reference
     shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
     start, resumed = kill_and_resume(w / "results/dpo_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/dpo_demo/train/metrics.jsonl")

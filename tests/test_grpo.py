@@ -21,11 +21,12 @@ from conftest import (
     kill_and_resume,
     launch_train,
     leaked_secrets,
+    pipeline_spec,
     read_jsonl,
 )
 
 from snaketune.app.plots import training_svg
-from snaketune.core.heldout import spec_of, split_rows
+from snaketune.core.heldout import split_rows
 from snaketune.data.batches import PlanBatches
 from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
 from snaketune.plan import stages
@@ -46,10 +47,7 @@ def rl_spec(w, workdir, *drop: str) -> dict:
     included), for a training started in ``workdir``, which gets the chain's resources/
     (the source dataset the user's reward function reads its columns from)."""
     run = chain_config()["runs"]["rl_demo"]
-    spec = {k: v for k, v in run.items()
-            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
-                         *drop)}  # fmt: skip
-    spec["code_sha256"] = json.loads(stages.train_spec(run))["code_sha256"]
+    spec = {k: v for k, v in json.loads(stages.train_spec(run)).items() if k not in drop}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "resources").symlink_to(w / "resources")
     return spec
@@ -166,10 +164,7 @@ def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_
     the rewards and losses of the uninterrupted pipeline run: the rollouts after a resume
     are the same samples."""
     w = grpo_chain
-    run = chain_config()["runs"]["rl_demo"]
-    spec = rl_spec(w, tmp_path)
-    # the held-out passes as the pipeline ran them (eval_steps), on the chain's eval set
-    spec["heldout"] = spec_of(run, str(w / stages.tokenized(chain_config(), "rl_demo", True)))
+    spec = pipeline_spec(w / "results/rl_demo/train", tmp_path)  # its held-out passes too
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
     start, resumed = kill_and_resume(w / "results/rl_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/rl_demo/train/metrics.jsonl")

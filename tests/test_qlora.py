@@ -7,13 +7,20 @@ demo, qlora_demo trains on 2 emulated nodes, converts, merges, evaluates and rep
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, kill_and_resume, read_jsonl, run_spec, snakemake, train
+from conftest import (
+    ROOT,
+    kill_and_resume,
+    pipeline_spec,
+    read_jsonl,
+    run_spec,
+    snakemake,
+    train,
+)
 
 from snaketune.core import qlora
 from snaketune.core.errors import ConfigError, UserError
@@ -145,14 +152,6 @@ def test_zero2_and_zero3_train_a_4bit_base_to_the_same_losses(demo, tmp_path):
 # ----------------------------------------------------------------------------- the chain
 
 
-def qlora_spec() -> dict:
-    config = load_yaml(ROOT / "config" / "config.yaml")
-    config["runs"].update(copy.deepcopy(load_yaml(OVERLAY)["runs"]))
-    run = validate_config(config, ROOT)["runs"]["qlora_demo"]
-    return {k: v for k, v in run.items() if k not in ("eval", "eval_dataset", "export", "gpu",
-                                                       "skip_memory_check")}  # fmt: skip
-
-
 @pytest.mark.slow
 def test_the_demo_on_a_4bit_base_learns_and_exports_a_plain_model(qlora_chain):
     from safetensors.torch import load_file
@@ -193,7 +192,7 @@ def test_the_demo_on_a_4bit_base_learns_and_exports_a_plain_model(qlora_chain):
 @pytest.mark.slow
 def test_killed_qlora_run_resumes_to_the_same_losses(qlora_chain, tmp_path):
     w = qlora_chain
-    spec = qlora_spec()
+    spec = pipeline_spec(w / "results/qlora_demo/train", tmp_path)
     start, resumed = kill_and_resume(w / "results/qlora_demo/train", tmp_path, spec,
                                      w / "results/qlora_demo/shards",
                                      w / "resources/models/tiny")  # fmt: skip

@@ -17,7 +17,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import ENV, ROOT, kill_and_resume, read_jsonl, snakemake, train_as_planned
+from conftest import (
+    ENV,
+    ROOT,
+    kill_and_resume,
+    pipeline_spec,
+    read_jsonl,
+    snakemake,
+    train_as_planned,
+)
 from oracles import planned_steps, reward_pair_loss, sequence_score
 from test_tokenize import run_tokenize
 
@@ -418,9 +426,7 @@ def test_a_killed_reward_model_run_resumes_to_the_same_losses(reward_chain, tmp_
     killed two steps later (no orphan), the rerun resumes there, and every step after it
     logs the losses, accuracies and margins of the uninterrupted run."""
     w = reward_chain
-    run = chain_config()["runs"]["rm_demo"]
-    spec = {k: v for k, v in run.items()
-            if k not in ("eval", "eval_dataset", "export", "gpu", "skip_memory_check")}  # fmt: skip
+    spec = pipeline_spec(w / "results/rm_demo/train", tmp_path)
     shards, model = w / "results/rm_demo/shards", w / "results/demo/merged_model"
     start, resumed = kill_and_resume(w / "results/rm_demo/train", tmp_path, spec, shards, model)
     reference = read_jsonl(w / "results/rm_demo/train/metrics.jsonl")
