@@ -410,6 +410,8 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
 
     import psutil
 
+    from snaketune.core.checkpoints import is_reduced
+
     ckpt = workdir / "results/x/train/checkpoints"
     shutil.copytree(pipeline_train / "checkpoints", ckpt)
     steps = spec.get("max_steps") or read_jsonl(pipeline_train / "metrics.jsonl")[-1]["step"]
@@ -417,6 +419,8 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     start = (steps - 1) // every * every  # the last periodic save before the final one
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
     assert saved == [start, steps], saved
+    # reduced to its weights (checkpoints.optimizer: last, the default) it cannot be resumed
+    assert not is_reduced(ckpt / f"checkpoint-{start}"), "run it with checkpoints.optimizer: all"
     shutil.rmtree(ckpt / f"checkpoint-{steps}")
     live = ckpt / "metrics.jsonl"  # the pipeline's rows, cut back to `start` on resuming
     proc = launch_train(workdir, spec, shards, model, "zero2")
