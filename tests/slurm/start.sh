@@ -27,7 +27,7 @@ for cmd in munged slurmctld slurmd slurmdbd sacctmgr mariadbd mariadb-install-db
   command -v "$cmd" >/dev/null || die "$cmd not found; run tests/slurm/install.sh first"
 done
 
-running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+. "$HERE/pids.sh"  # running PIDFILE NAME
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local limit=$1 what=$2; shift 2
   for _ in $(seq $((limit * 10))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
@@ -35,8 +35,9 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
 }
 
 # (accounting too: sacct needs slurmdbd and its MariaDB; what is down is started below)
-if running "$D/slurmctld.pid" && running "$D/slurmd-tupi1.pid" && running "$D/slurmd-tupi2.pid" \
-   && running "$D/mariadb.pid" && running "$D/slurmdbd.pid" \
+if running "$D/slurmctld.pid" slurmctld && running "$D/slurmd-tupi1.pid" slurmd \
+   && running "$D/slurmd-tupi2.pid" slurmd \
+   && running "$D/mariadb.pid" mariadbd && running "$D/slurmdbd.pid" slurmdbd \
    && sinfo -h -o %T -p tupi 2>/dev/null | grep -qv -e down -e drain; then
   echo "SLURM already running (sinfo: $(sinfo -h -o '%P %D %T' | tr '\n' ' '))"
   exit 0
@@ -140,7 +141,7 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
 chmod 400 /etc/munge/munge.key
 mkdir -p "$D/munge" && chown munge:munge "$D/munge"
-if ! running "$D/munge/munged.pid"; then
+if ! running "$D/munge/munged.pid" munged; then
   runuser -u munge -- munged --pid-file="$D/munge/munged.pid" 2>>"$D/log/munged.log"
   wait_for 10 munged test -s "$D/munge/munged.pid"
 fi
@@ -151,7 +152,7 @@ if [ ! -d "$D/mysql/mysql" ]; then
   mariadb-install-db --user=root --datadir="$D/mysql" --auth-root-authentication-method=socket \
     --skip-test-db >"$D/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed: $D/log"
 fi
-if ! running "$D/mariadb.pid"; then
+if ! running "$D/mariadb.pid" mariadbd; then
   mariadbd --user=root --datadir="$D/mysql" --socket="$D/mysql.sock" --port=$DB_PORT \
     --bind-address=127.0.0.1 --pid-file="$D/mariadb.pid" --log-error="$D/log/mariadb.log" \
     --innodb-buffer-pool-size=64M --skip-name-resolve >/dev/null 2>&1 &
@@ -164,7 +165,7 @@ GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
 SQL
 
 # --- slurmdbd, then the cluster and an account in it --------------------------------------
-if ! running "$D/slurmdbd.pid"; then
+if ! running "$D/slurmdbd.pid" slurmdbd; then
   slurmdbd
   wait_for 30 slurmdbd sacctmgr -n list cluster
 fi
@@ -173,12 +174,12 @@ sacctmgr -i -Q add account snaketune Description=tests Organization=snaketune >/
 sacctmgr -i -Q add user root Account=snaketune DefaultAccount=snaketune >/dev/null 2>&1 || true
 
 # --- slurmctld and the two slurmd ---------------------------------------------------------
-if ! running "$D/slurmctld.pid"; then
+if ! running "$D/slurmctld.pid" slurmctld; then
   slurmctld
   wait_for 30 slurmctld scontrol ping
 fi
 for node in tupi1 tupi2; do
-  running "$D/slurmd-$node.pid" || slurmd -N "$node"
+  running "$D/slurmd-$node.pid" slurmd || slurmd -N "$node"
 done
 up() { [ "$(sinfo -h -p tupi -t idle,mix,alloc -o %D)" = 2 ]; }
 for node in tupi1 tupi2; do scontrol update NodeName=$node State=RESUME >/dev/null 2>&1 || true; done

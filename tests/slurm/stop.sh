@@ -4,11 +4,14 @@
 # their slurmd. Its state (database, spool) stays for the next start.
 set -uo pipefail
 D=${SNAKETUNE_SLURM_DIR:-/var/lib/snaketune-slurm}
-for name in slurmd-tupi1 slurmd-tupi2 slurmctld slurmdbd mariadb munge/munged; do
+. "$(dirname "$0")/pids.sh"  # running PIDFILE NAME: only a process by the daemon's name is stopped
+for entry in slurmd-tupi1:slurmd slurmd-tupi2:slurmd slurmctld:slurmctld slurmdbd:slurmdbd \
+             mariadb:mariadbd munge/munged:munged; do
+  name=${entry%%:*} comm=${entry#*:}
   pidfile="$D/$name.pid"
   [ -s "$pidfile" ] || continue
   pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
+  if running "$pidfile" "$comm"; then
     kill "$pid"
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
