@@ -1,15 +1,19 @@
 # snaketune: the two commands of the README, and a few helpers.
 #
-#   make demo      set up .venv and run the whole offline demo on the local profile
-#   make test-all  set up .venv and run the whole test suite (what CI runs, 40 to 50 minutes on 2 cores)
-#   make test      set up .venv and run the quick tier (every unit test and one shared demo
-#                  pipeline, under 10 minutes): the check for every change
+#   make demo          set up .venv and run the whole offline demo on the local profile
+#   make test-ci       set up .venv and run the CI tier (what .ci/run runs: the quick tier and one
+#                      end-to-end test of every capability, chains short)
+#   make test          the quick tier (unit tests and one shared demo pipeline): every change
+#   make test-touched  the extended tests whose code your change touches (BASE=rev, default HEAD)
+#   make test-extended the extended tier (documented lengths, each chain's faults, benchmarks)
+#   make test-all      every tier: ci, extended, bench
+# Timings of each: docs/testing.md.
 
 VENV ?= .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: setup demo test test-all test-bench bench lint clean
+.PHONY: setup demo test test-ci test-extended test-touched test-all test-bench bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -25,16 +29,34 @@ demo: setup
 test: setup
 	bash tests/run.sh quick
 
-# Everything, in four pytest runs side by side (tests/run.sh all). The SLURM tests start a
-# local cluster (tests/slurm/start.sh) from Debian's packages; without root they are skipped
-# (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
+# The CI tier (tests/run.sh ci): -m "not extended and not bench", in four pytest runs side by
+# side. The SLURM tests start a local cluster (tests/slurm/start.sh) from Debian's packages;
+# without root they are skipped (CI sets SNAKETUNE_REQUIRE_SLURM=1: a skip fails there).
+test-ci: setup
+	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
+	bash tests/run.sh ci
+
+# The extended tier (-m extended), and the extended tests a change touches (tests/touched.py:
+# from the map of which library modules each test's processes load).
+test-extended: setup
+	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
+	bash tests/run.sh extended
+
+BASE ?= HEAD
+test-touched: setup
+	bash tests/run.sh touched --base $(BASE)
+
+# Every tier: ci, then extended, then bench.
 test-all: setup
 	bash tests/slurm/install.sh || echo "note: SLURM packages not installed; tests/test_slurm.py will skip" >&2
 	bash tests/run.sh all
 
-# The short forms of the benchmarks that train or convert models (not in CI's full tier:
-# docs/testing.md). Run it before recording a benchmark's figures or after changing bench/.
+# The short forms of the benchmarks that train or convert models (marker bench). Run it
+# before recording a benchmark's figures or after changing bench/.
 test-bench: setup
+	bash tests/run.sh bench
+
+bench: setup
 	bash tests/run.sh bench
 
 bench: setup

@@ -25,6 +25,43 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# The tier these tests run in (tests/run.sh sets it): "ci" trains the chains short (CI_RUNS);
+# any other value, or none (a plain pytest run), at their documented lengths, which the
+# learning thresholds of the extended tier need.
+TIER = os.environ.get("SNAKETUNE_TIER", "")
+# What each chain's runs train in the CI tier: enough steps for every stage and mechanism
+# (a held-out pass, a checkpoint, the export, the evaluation), not enough to learn.
+CI_RUNS = {
+    "sft_demo": {"max_steps": 16},
+    "rl_demo": {"max_steps": 8, "eval_steps": 4},
+    "dpo_demo": {"max_steps": 16},
+    "rm_demo": {"max_steps": 24},
+    "qlora_demo": {"epochs": 1},
+}
+
+
+def ci_tier() -> bool:
+    """True in the CI tier's pytest runs (tests/run.sh ci), where the chains are short."""
+    return TIER == "ci"
+
+
+def chain_runs(*runs: str, whole: tuple[str, ...] = (), **changes: dict) -> str:
+    """The ``--config`` value of a chain's snakemake calls: the demo's checkpoints and those
+    of the ``whole`` runs keep their optimizer states (as the fixtures ran them: a test
+    resumes from the older one), ``changes`` per run, and in the CI tier each of ``runs``
+    at its CI length (CI_RUNS). A later call on the same workdir must pass the same value,
+    or snakemake sees changed params and trains again."""
+    out: dict[str, dict] = {"demo": {"checkpoints": {"optimizer": "all"}}}  # as the demo ran
+    for name in (*runs, *whole, *changes):
+        entry = out.setdefault(name, {})
+        if name in whole:
+            entry["checkpoints"] = {"optimizer": "all"}
+        if ci_tier():
+            entry.update(CI_RUNS.get(name, {}))
+        entry.update(changes.get(name, {}))
+    return f"runs={out!r}"
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory) -> Path:
     """resources/fixtures as make_fixtures writes it (tiny-llama/, gsm8k-demo/)."""
@@ -131,6 +168,22 @@ def pytest_runtest_setup(item) -> None:
     item.cpu_began = sitecustomize.cpu_seconds()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A session or module fixture's processes count for the fixture ("fixture:NAME"), not
+    for whichever test first needed it: its CPU in tests/durations.py, its modules in
+    tests/touched.py's map for every test that uses it."""
+    if fixturedef.scope not in ("session", "module"):
+        yield
+        return
+    before = ENV.get("SNAKETUNE_TEST", "")
+    os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = f"fixture:{fixturedef.argname}"
+    try:
+        yield
+    finally:
+        os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = before
+
+
 def pytest_runtest_teardown(item, nextitem) -> None:
     """This process's own CPU seconds in the test (its setup and call), for the same
     accounting."""
@@ -144,6 +197,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     none); the GPU-aware tests without the mark check the right thing on either machine."""
     import torch
 
+    log = os.environ.get("SNAKETUNE_CPU_LOG")
+    if log:  # each test's fixtures (their closure), for tests/touched.py's map
+        with open(f"{log}.fixtures", "a", encoding="utf-8") as out:
+            out.writelines(f"{item.nodeid}\t{','.join(item.fixturenames)}\n" for item in items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -548,7 +605,7 @@ def sft_demo(demo, tmp_path_factory) -> Path:
         subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
         proc = snakemake(*SFT_TARGETS, "--configfile", str(ROOT / "config/config.yaml"),
                          str(ROOT / "config/grpo_demo.yaml"), "--directory", str(workdir),
-                         "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                         "--config", chain_runs("sft_demo"))  # fmt: skip
         (workdir / "sft.out").write_text(proc.stdout + proc.stderr)
 
     return shared_build("sft_demo", build, tmp_path_factory)
@@ -566,8 +623,7 @@ def grpo_chain(sft_demo, tmp_path_factory):
     start = time.monotonic()
     proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config" / "grpo_demo.yaml"),
                      "--directory", str(workdir), "publish", "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'rl_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     chain_runs("sft_demo", whole=("rl_demo",)))  # fmt: skip
     (workdir / "grpo.out").write_text(proc.stdout + proc.stderr)
     (workdir / "grpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
     return workdir
@@ -581,7 +637,6 @@ def qlora_chain(demo, tmp_path_factory):
     subprocess.run(["cp", "-a", str(demo), str(workdir)], check=True)
     proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config/qlora_demo.yaml"),
                      "--directory", str(workdir), "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'qlora_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     chain_runs(whole=("qlora_demo",)))  # fmt: skip
     (workdir / "qlora.out").write_text(proc.stdout + proc.stderr)
     return workdir

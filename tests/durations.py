@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("xml", nargs="+", help="JUnit XML files of pytest runs")
     parser.add_argument("--cpu", type=Path, help="the CPU log of the runs (SNAKETUNE_CPU_LOG)")
     parser.add_argument("--top", type=int, default=15, help="how many files (default 15)")
+    parser.add_argument("--tier", default="", help="the tier these runs were (its closing line)")
+    parser.add_argument("--wall", type=float, help="the tier's wall seconds (its closing line)")
     args = parser.parse_args(argv)
     seconds = per_file(args.xml)
     print(f"slowest {args.top} test files (seconds; all {len(seconds)} files: "
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU seconds per kind of process (processes, seconds, seconds each)")
         for name, (n, s) in sorted(kinds.items(), key=lambda x: -x[1][1])[: args.top]:
             print(f"{s:8.1f}  {int(n):5d}  {s / n:5.1f}  {name}")
+    if args.tier:
+        counted = sum(cpu(args.cpu)[0].values()) if args.cpu and args.cpu.is_file() else 0.0
+        wall = f"{args.wall // 60:.0f} min {args.wall % 60:.0f} s" if args.wall else "?"
+        print(f"tier {args.tier}: {wall} wall, {counted:.0f} CPU-s counted "
+              f"({len(seconds)} test files)")  # fmt: skip
     return 0
 
 

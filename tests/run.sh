@@ -1,85 +1,122 @@
 #!/usr/bin/env bash
-# The test suite, in two tiers:
+# The test suite by tier (docs/testing.md says what goes where, and why):
 #
-#   bash tests/run.sh quick    # `make test`: every unit and property test and the checks on
-#                              # one shared demo pipeline (-m "not slow"), one pytest run
-#   bash tests/run.sh all      # `make test-all`, what CI runs: everything but the
-#                              # benchmarks that train, in four pytest runs side by side
-#   bash tests/run.sh bench    # `make test-bench`: the short forms of the benchmarks that
-#                              # train or convert models (marker bench), one pytest run
+#   bash tests/run.sh quick      # `make test`: every unit and property test and the checks on
+#                                # one shared demo pipeline (-m "not slow"), one pytest run
+#   bash tests/run.sh ci         # `make test-ci`, what .ci/run runs: the quick tier and one
+#                                # end-to-end test of every capability, the chains short
+#                                # (-m "not extended and not bench"), four pytest runs side by side
+#   bash tests/run.sh extended   # `make test-extended`: the rest (-m extended): documented lengths
+#                                # and learning thresholds, each chain's own fault tests,
+#                                # benchmarks' short forms, four pytest runs side by side
+#   bash tests/run.sh bench      # `make test-bench`: the short forms of the benchmarks that
+#                                # train or convert models (marker bench), one pytest run
+#   bash tests/run.sh all        # `make test-all`: ci, then extended, then bench
+#   bash tests/run.sh touched [BASE]   # `make test-touched`: the extended tests whose code
+#                                # the change since BASE (default HEAD) touches (tests/touched.py)
 #
-# The full tier's four runs share the local demo (built once, by whichever gets to it
+# A side-by-side tier's four runs share the local demo (built once, by whichever gets to it
 # first: SNAKETUNE_SHARED_DIR, tests/conftest.py). A session fixture is built once per run,
 # so each chain that starts from the demo lives in one run only. The split balances what
-# each run costs in CPU seconds (measured from a fresh clone: docs/testing.md); four runs
-# on two cores, not three, so that one run's waits (the scheduler, a lock, a timeout) leave
-# no core idle while another has work:
-#   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler (its own demo on the
-#     cluster), with the training, continuation, stall, export and disk tests (the full
-#     ZeRO-3 fixture they share) and the larger-than-one-GPU and mixture-of-experts tests
-#     (on the shared demo) filling the waits;
+# each run costs in CPU seconds; four runs on two cores, not three, so that one run's waits
+# (the scheduler, a lock, a timeout) leave no core idle while another has work:
+#   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler, with the training,
+#     continuation, stall, export, disk, larger-than-one-GPU and mixture-of-experts tests;
 #   - SIDE: the GRPO, QLoRA and reward model chains and the atomic-output fault test;
 #   - CHAINS: sweeps, then the DPO chain;
 #   - the rest, the quick tier and the held-out passes among them.
-# The GRPO and DPO chains share their start (the sft_demo fixture): the GRPO chain, first
-# in its run, builds it; the DPO chain's run trains its sweeps meanwhile.
-# Extra arguments go to pytest (every run).
+# SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
+# (conftest.CI_RUNS). Extra arguments go to pytest (every run).
 set -uo pipefail
 tier=${1:-all}
 shift || true
-shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
-export SNAKETUNE_SHARED_DIR=$shared
-# every process the tests start notes its CPU seconds here (tests/offline/sitecustomize.py)
-export SNAKETUNE_CPU_LOG=$shared/cpu.tsv
+here=$(cd "$(dirname "$0")" && pwd)
 
-if [ "$tier" = quick ]; then
-  pytest -m "not slow" --junitxml="$shared/quick.xml" "$@"
-  status=$?
-  python tests/durations.py "$shared/quick.xml" --cpu "$SNAKETUNE_CPU_LOG"
-  rm -rf "$shared"
-  exit $status
+if [ "$tier" = all ]; then
+  start=$SECONDS
+  bash "$here/run.sh" ci "$@"
+  ci=$?
+  bash "$here/run.sh" extended "$@"
+  extended=$?
+  bash "$here/run.sh" bench "$@"
+  bench=$?
+  echo "make test-all: ci $ci, extended $extended, bench $bench (exit codes);" \
+    "$(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s in all"
+  for code in "$ci" "$extended" "$bench"; do
+    [ "$code" -eq 0 ] || exit "$code"
+  done
+  exit 0
 fi
-if [ "$tier" = bench ]; then
-  pytest tests/test_bench.py -m bench --junitxml="$shared/bench.xml" "$@"
-  status=$?
-  python tests/durations.py "$shared/bench.xml" --cpu "$SNAKETUNE_CPU_LOG"
-  rm -rf "$shared"
-  exit $status
+if [ "$tier" = touched ]; then
+  exec python "$here/touched.py" "$@"
 fi
-if [ "$tier" != all ]; then
-  echo "usage: tests/run.sh [quick|all|bench] [pytest arguments]" >&2
-  exit 2
+
+shared=$(mktemp -d "${TMPDIR:-/tmp}/snaketune-tests.XXXXXX")
+export SNAKETUNE_SHARED_DIR=$shared SNAKETUNE_TIER=$tier
+# every process the tests start notes its CPU seconds (and the library modules it loaded:
+# tests/touched.py) here (tests/offline/sitecustomize.py)
+export SNAKETUNE_CPU_LOG=$shared/cpu.tsv
+tier_start=$SECONDS
+
+account() {  # the tier's figures: slowest files, CPU per file and per kind of process
+  python "$here/durations.py" "$shared"/*.xml --cpu "$SNAKETUNE_CPU_LOG" \
+    --tier "$tier" --wall $((SECONDS - tier_start))
+  if [ -n "${SNAKETUNE_MODULE_LOG:-}" ]; then  # keep the module log (tests/touched.py --record)
+    cat "$SNAKETUNE_CPU_LOG" >> "$SNAKETUNE_MODULE_LOG"
+  fi
+  rm -rf "$shared"
+}
+
+case "$tier" in
+  quick) marks="not slow" ;;
+  bench) marks="bench" ;;
+  ci) marks="not extended and not bench" ;;
+  extended) marks="extended" ;;
+  *)
+    echo "usage: tests/run.sh [quick|ci|extended|bench|all|touched] [pytest arguments]" >&2
+    exit 2
+    ;;
+esac
+
+if [ "$tier" = quick ] || [ "$tier" = bench ]; then
+  files=()
+  [ "$tier" = bench ] && files=(tests/test_bench.py)
+  pytest "${files[@]}" -m "$marks" --junitxml="$shared/$tier.xml" "$@"
+  status=$?
+  account
+  exit $status
 fi
 
 SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
        tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py)
 SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py)
 CHAINS=(tests/test_sweep.py tests/test_dpo.py)
-pytest "${SLURM[@]}" -m "not bench" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &
+# pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure
+ran() { [ "$1" -eq 5 ] && echo 0 || echo "$1"; }
+pytest "${SLURM[@]}" -m "$marks" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &
 slurm_pid=$!
-pytest "${SIDE[@]}" -m "not bench" --junitxml="$shared/side.xml" "$@" > "$shared/side.log" 2>&1 &
+pytest "${SIDE[@]}" -m "$marks" --junitxml="$shared/side.xml" "$@" > "$shared/side.log" 2>&1 &
 side_pid=$!
-pytest "${CHAINS[@]}" -m "not bench" --junitxml="$shared/chains.xml" "$@" > "$shared/chains.log" 2>&1 &
+pytest "${CHAINS[@]}" -m "$marks" --junitxml="$shared/chains.xml" "$@" > "$shared/chains.log" 2>&1 &
 chains_pid=$!
 trap 'kill $slurm_pid $side_pid $chains_pid 2>/dev/null' INT TERM
 pytest "${SLURM[@]/#/--ignore=}" "${SIDE[@]/#/--ignore=}" "${CHAINS[@]/#/--ignore=}" \
-  -m "not bench" --junitxml="$shared/main.xml" "$@"
-main=$?
+  -m "$marks" --junitxml="$shared/main.xml" "$@"
+main=$(ran $?)
 wait "$side_pid"
-side=$?
+side=$(ran $?)
 wait "$chains_pid"
-chains=$?
+chains=$(ran $?)
 wait "$slurm_pid"
-slurm=$?
+slurm=$(ran $?)
 echo "========== ${SIDE[*]} (ran beside the rest) =========="
 cat "$shared/side.log"
 echo "========== ${CHAINS[*]} (ran beside the rest) =========="
 cat "$shared/chains.log"
 echo "========== ${SLURM[*]} (ran beside the rest) =========="
 cat "$shared/slurm.log"
-python tests/durations.py "$shared"/*.xml --cpu "$SNAKETUNE_CPU_LOG"
-rm -rf "$shared"
-echo "pytest exit codes: the rest: $main; ${SIDE[*]}: $side; ${CHAINS[*]}: $chains;" \
+account
+echo "pytest exit codes ($tier tier): the rest: $main; ${SIDE[*]}: $side; ${CHAINS[*]}: $chains;" \
   "${SLURM[*]}: $slurm"
 for code in "$main" "$side" "$chains" "$slurm"; do
   [ "$code" -eq 0 ] || exit "$code"

@@ -71,6 +71,7 @@ def quick(tmp_path_factory):
     return quick_config(tmp_path_factory.mktemp("atomic_config") / "quick.yaml", nodes=1)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sigkill_before_publish_leaves_no_output_and_a_rerun_completes(
     tmp_path, quick, monkeypatch

@@ -126,7 +126,7 @@ def test_every_benchmark_is_known_here():
     "command",
     [pytest.param(c, marks=pytest.mark.gpu) if "--gpu" in c
      else pytest.param(c, marks=pytest.mark.bench) if script_of(c) in HEAVY
-     else c for c in runs()],
+     else pytest.param(c, marks=pytest.mark.extended) for c in runs()],
 )  # fmt: skip
 def test_documented_benchmark_runs(command, request, tmp_path):
     for placeholder, fixture in (("<finished demo workdir>", "demo"), ("<workdir>", "qlora_chain")):

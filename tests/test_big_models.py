@@ -141,6 +141,7 @@ if rank == 0:
 """
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_heldout_pass_on_a_sharded_model_equals_the_unsharded_figure(demo, tmp_path):
     """The pass while training on a model ZeRO-3 shards over 2 ranks, generating on the
@@ -185,6 +186,7 @@ def test_the_70b_example_dry_run_gives_each_evaluate_job_the_gpus_it_needs(tmp_p
     assert "evaluate_base on 1 node(s) x 3 GPU(s) (ZeRO-3 shards)" in proc.stderr
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_adapter_only_run_end_to_end_on_the_demo(demo, tmp_path):
     """The demo with export.merged: false, from a copy of the finished demo (its training
@@ -296,6 +298,7 @@ def test_a_conversion_job_asking_less_memory_than_its_plan_is_refused():
     assert stage_memory("r", stages, {("convert_checkpoint", "r"): 256000}) == []
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_evaluate_stages_plan_is_what_evaluation_holds():
     """bench/eval_memory.py: a 29M-weight Llama evaluated as the stage does (a loss pass over

@@ -149,6 +149,7 @@ def test_snakemake_refuses_before_queueing_when_results_cannot_hold_the_run(demo
         assert not list((work / "results").iterdir())  # no job ran
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_disk_that_fills_mid_run_stops_before_the_save_and_the_rerun_resumes(demo, tmp_path):
     """LoRA on 2 emulated nodes, a checkpoint every 4 steps, on a 24 MiB tmpfs. Once

@@ -22,6 +22,7 @@ import yaml
 from conftest import (
     ENV,
     ROOT,
+    chain_runs,
     kill_and_resume,
     launch_train,
     leaked_secrets,
@@ -441,6 +442,7 @@ def gsm8k_pairs(tmp_path_factory, tiny_model, fixtures_dir):
     return work
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_killed_reference_worker_takes_the_stage_down_and_a_rerun_computes_the_rest(
     gsm8k_pairs, tiny_model, tmp_path
@@ -492,7 +494,9 @@ STEPS = 8
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["precomputed", "live"])
+@pytest.mark.parametrize(
+    "reference", ["precomputed", pytest.param("live", marks=pytest.mark.extended)]
+)
 def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
     gsm8k_pairs, tiny_model, tmp_path, reference
 ):
@@ -550,8 +554,7 @@ def dpo_chain(sft_demo, tmp_path_factory):
     start = time.monotonic()
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
                      str(workdir / "sweep.yaml"), "--directory", str(workdir), "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'dpo_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     chain_runs("sft_demo", whole=("dpo_demo",)))  # fmt: skip
     (workdir / "dpo.out").write_text(proc.stdout + proc.stderr)
     (workdir / "dpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
     return workdir
@@ -565,6 +568,7 @@ def dpo_spec(**overrides) -> dict:
     return spec
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_dpo_after_sft_learns_on_two_nodes(dpo_chain):
     w = dpo_chain
@@ -621,6 +625,7 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     assert pq.read_table(ref / "logps.parquet").num_rows == 2048
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo_chain, tmp_path):
     """One epoch (32 steps) of the demo's DPO run on its shards, the reference precomputed
@@ -684,6 +689,7 @@ def test_a_dpo_run_scores_its_held_out_pairs_while_training(dpo_chain, tmp_path)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
     """dpo_demo on a 4-bit base (lora.quantize): its reference is the same 4-bit base with
@@ -718,6 +724,7 @@ def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
     assert abs(rewards["unquantized"]["reward_chosen"]) > 1e-3, rewards["unquantized"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_dpo_run_resumes_to_the_same_losses(dpo_chain, tmp_path):
     """The pipeline's DPO run again from its next-to-last checkpoint: the launcher killed
@@ -733,6 +740,7 @@ def test_killed_dpo_run_resumes_to_the_same_losses(dpo_chain, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_dpo_continues_on_one_node_from_its_two_node_checkpoint(dpo_chain, tmp_path):
     """dpo_demo's training taken back to checkpoint-100 and rerun with nodes: 1 through the
@@ -748,8 +756,8 @@ def test_dpo_continues_on_one_node_from_its_two_node_checkpoint(dpo_chain, tmp_p
     shutil.rmtree(train_dir / "checkpoints/checkpoint-128")
     proc = snakemake("results/dpo_demo/train/metrics.jsonl", "--configfile",
                      str(ROOT / "config/config.yaml"), str(OVERLAY), "--directory", str(work),
-                     "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "
-                     "'dpo_demo': {'nodes': 1, 'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     "--config", chain_runs("sft_demo", whole=("dpo_demo",),
+                                            dpo_demo={"nodes": 1}))  # fmt: skip
     out = proc.stdout + proc.stderr
     assert "rule shard_dataset:" in out and "rule tokenize_dataset:" not in out, out[-3000:]
     assert "rule reference_logps:" not in out, out[-3000:]  # the layout is not in its key

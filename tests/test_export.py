@@ -85,6 +85,7 @@ def lora_zero3(demo, tmp_path_factory) -> Path:
                  demo / "resources/models/tiny", "zero3")  # fmt: skip
 
 
+@pytest.mark.extended
 def test_lora_zero3_adapter_is_whole_and_merges(lora_zero3, demo, tmp_path):
     base = demo / "resources/models/tiny"
     probe = lora_zero3 / "probe.safetensors"

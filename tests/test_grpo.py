@@ -18,6 +18,7 @@ from conftest import (
     ENV,
     FAKE_SECRETS,
     ROOT,
+    chain_runs,
     kill_and_resume,
     launch_train,
     leaked_secrets,
@@ -102,6 +103,7 @@ def quarter_means(values: list[float]) -> tuple[float, float]:
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
     w = grpo_chain
@@ -156,6 +158,7 @@ def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
     assert cfg["method"] == "grpo" and cfg["init_from"] == "sft_demo"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_grpo_run_resumes_to_the_same_rewards_and_losses(grpo_chain, tmp_path):
     """The pipeline's GRPO run again from its next-to-last checkpoint (its checkpoints
@@ -298,8 +301,7 @@ def test_an_edited_reward_function_retrains_the_grpo_run_alone(grpo_chain):
     w = grpo_chain
     args = ("publish", "-n", "--configfile", str(ROOT / "config/config.yaml"),
             str(OVERLAY), "--directory", str(w), "--config",
-            "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "
-            "'rl_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+            chain_runs("sft_demo", whole=("rl_demo",)))  # fmt: skip
     trains = re.compile(r"(?m)^rule train:\n(?:    .*\n)*?    wildcards: run=(\w+)")
     assert trains.findall(snakemake(*args).stdout) == []
     assert not (w / "config").exists()
@@ -313,6 +315,7 @@ def test_an_edited_reward_function_retrains_the_grpo_run_alone(grpo_chain):
     assert trains.findall(proc.stdout) == ["rl_demo"], proc.stdout[-3000:]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_grpo_on_a_4bit_base(grpo_chain, tmp_path):
     """rl_demo on a 4-bit base (lora.quantize): 4-bit in the worker (read from its modules),

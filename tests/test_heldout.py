@@ -254,6 +254,7 @@ def test_heldout_rows_every_n_steps_and_the_best_checkpoint_exported(demo, heldo
     assert torch.allclose(logits, probe["logits"], atol=1e-5 * max(1.0, logits.abs().max()))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_killed_run_keeps_each_heldout_row_once(demo, heldout_run, tmp_path):
     """The fixture's training killed after checkpoint-20 and rerun: it resumes there, and
@@ -294,6 +295,7 @@ def test_a_killed_run_keeps_each_heldout_row_once(demo, heldout_run, tmp_path):
             assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-6), a["step"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_early_stopping_ends_as_a_finished_run(demo, tmp_path):
     """patience 1 and a min_delta no change reaches: the run stops at its second evaluation
@@ -342,6 +344,7 @@ def test_a_sweep_selects_on_the_best_heldout_figure_seen_while_training():
     assert len(validate_config(config, ROOT)["runs"]) == 2
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_run_continued_on_one_node_keeps_its_heldout_history(demo, heldout_run, tmp_path):
     """The fixture's run taken back to checkpoint-10 (its best, which pruning kept) and

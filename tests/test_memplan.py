@@ -165,6 +165,7 @@ def test_cpu_memory_per_node_by_how_the_model_is_loaded():
     assert "stays memory-mapped" in mapped["cpu_why"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts():
     """bench/load_memory.py's short form, measured (each process's own resident memory while

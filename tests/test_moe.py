@@ -237,7 +237,10 @@ def router_aux(model, rows: list[dict], experts: int, top_k: int) -> float:
 # Each preset and each method once, ZeRO-3 (which partitions the fused experts) with the
 # adapters on them; ZeRO-2 LoRA trains in the resume test below, ZeRO-3 full in the
 # continuation test (each against itself there, not against the oracle).
-@pytest.mark.parametrize(("preset", "method"), [("zero3", "lora"), ("zero2", "full")])
+@pytest.mark.parametrize(
+    ("preset", "method"),
+    [("zero3", "lora"), pytest.param("zero2", "full", marks=pytest.mark.extended)],
+)
 def test_a_mixture_of_experts_trains_on_two_nodes_with_its_router_in_balance(
     demo, tiny_moe, tmp_path, preset, method
 ):
@@ -282,6 +285,7 @@ def test_a_mixture_of_experts_trains_on_two_nodes_with_its_router_in_balance(
         assert sum(adapters["adapter_params"].values()) == shape.lora_params(8, "all-linear")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_moe_lora_run_resumes_exactly_and_its_merged_model_is_the_adapter_model(
     demo, tiny_moe, tmp_path
@@ -426,6 +430,7 @@ def test_adapters_on_the_experts_train_and_merge_on_a_gpu():
     experts_adapter_check("cuda", torch.float32)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_moe_run_continues_on_one_node_from_its_two_node_checkpoint(demo, tiny_moe, tmp_path):
     """Full fine-tuning of the tiny Qwen3-MoE under ZeRO-3 with its load-balancing loss:

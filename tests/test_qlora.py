@@ -13,7 +13,10 @@ import subprocess
 import pytest
 import torch
 from conftest import (
+    CI_RUNS,
     ROOT,
+    chain_runs,
+    ci_tier,
     kill_and_resume,
     pipeline_spec,
     read_jsonl,
@@ -131,6 +134,7 @@ def test_an_already_quantized_model_is_refused_before_queueing(tmp_path, tiny_mo
     shape_and_deepspeed(tmp_path / "config.json", run, ROOT)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_zero2_and_zero3_train_a_4bit_base_to_the_same_losses(demo, tmp_path):
     """ZeRO-3 shards the 4-bit base (stored in the compute dtype) with the other weights:
@@ -153,10 +157,9 @@ def test_zero2_and_zero3_train_a_4bit_base_to_the_same_losses(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_on_a_4bit_base_learns_and_exports_a_plain_model(qlora_chain):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
+@pytest.mark.extended
+def test_the_demo_on_a_4bit_base_learns(qlora_chain):
+    """At its documented length (6 epochs, 192 steps) the 4-bit demo learns the task."""
     w = qlora_chain
     metrics = read_jsonl(w / "results/qlora_demo/train/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 193))
@@ -164,6 +167,22 @@ def test_the_demo_on_a_4bit_base_learns_and_exports_a_plain_model(qlora_chain):
     first = sum(m["loss"] for m in metrics[:quarter]) / quarter
     last = sum(m["loss"] for m in metrics[-quarter:]) / quarter
     assert last < first / 3, (first, last)
+    tuned = json.loads((w / "results/qlora_demo/eval/metrics.json").read_text())
+    assert tuned["exact_match"] > 0.5, tuned["exact_match"]
+
+
+@pytest.mark.slow
+def test_the_demo_on_a_4bit_base_exports_a_plain_model(qlora_chain):
+    """The 4-bit chain at the tier's length (CI: one epoch) trains every step, exports a plain
+    fp32 model with the trained model's logits, and is evaluated and reported."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    w = qlora_chain
+    metrics = read_jsonl(w / "results/qlora_demo/train/metrics.jsonl")
+    epochs = CI_RUNS["qlora_demo"]["epochs"] if ci_tier() else 6
+    assert [m["step"] for m in metrics] == list(range(1, 32 * epochs + 1))
+    assert all(m["loss"] == m["loss"] for m in metrics)  # no NaN
     # 4-bit in the worker: read from its modules, not from the config
     log = (w / "logs/train/qlora_demo.log").read_text()
     assert "4-bit base: 14 linear layers in nf4 (double quantization)" in log, log[-3000:]
@@ -184,11 +203,12 @@ def test_the_demo_on_a_4bit_base_learns_and_exports_a_plain_model(qlora_chain):
     assert report["max_logit_diff"] <= 1e-5 * scale
     # evaluated and reported beside the demo
     tuned = json.loads((w / "results/qlora_demo/eval/metrics.json").read_text())
-    assert tuned["exact_match"] > 0.5, tuned["exact_match"]
+    assert 0 <= tuned["exact_match"] <= 1 and tuned["loss"] > 0, tuned
     summary = (w / "results/summary.tsv").read_text()
     assert "qlora_demo" in summary and "\ndemo\t" in summary
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_killed_qlora_run_resumes_to_the_same_losses(qlora_chain, tmp_path):
     w = qlora_chain
@@ -201,6 +221,7 @@ def test_killed_qlora_run_resumes_to_the_same_losses(qlora_chain, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), a["step"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_qlora_run_continues_on_one_node_from_its_two_node_checkpoint(qlora_chain, tmp_path):
     """qlora_demo's training taken back to checkpoint-150 and rerun with nodes: 1 through
@@ -217,8 +238,8 @@ def test_a_qlora_run_continues_on_one_node_from_its_two_node_checkpoint(qlora_ch
     shutil.rmtree(train_dir / "checkpoints/checkpoint-192")
     proc = snakemake("results/qlora_demo/train/metrics.jsonl", "--configfile",
                      str(ROOT / "config/config.yaml"), str(OVERLAY), "--directory", str(work),
-                     "--config", "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "
-                     "'qlora_demo': {'nodes': 1, 'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     "--config", chain_runs(whole=("qlora_demo",),
+                                            qlora_demo={"nodes": 1}))  # fmt: skip
     log = (work / "logs/train/qlora_demo.log").read_text()
     assert "continuing qlora_demo at step 150 on 1 node x 1 GPU" in log, log[-3000:]
     assert "4-bit base: 14 linear layers" in log and "resuming from checkpoint-150" in log

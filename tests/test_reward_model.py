@@ -20,6 +20,7 @@ import yaml
 from conftest import (
     ENV,
     ROOT,
+    chain_runs,
     kill_and_resume,
     pipeline_spec,
     read_jsonl,
@@ -334,9 +335,7 @@ def reward_chain(demo, tmp_path_factory):
     (workdir / "extra.yaml").write_text(yaml.safe_dump(extra))
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"),
                      str(OVERLAY), str(workdir / "extra.yaml"), "--directory", str(workdir),
-                     "--config",
-                     "runs={'demo': {'checkpoints': {'optimizer': 'all'}}, "  # as the demo ran
-                     "'rm_demo': {'checkpoints': {'optimizer': 'all'}}}")  # fmt: skip
+                     "--config", chain_runs(whole=("rm_demo",)))  # fmt: skip
     (workdir / "reward.out").write_text(proc.stdout + proc.stderr)
     return workdir
 
@@ -349,6 +348,7 @@ def oracle_figures(model, rows: list[dict]) -> tuple[float, float]:
     return sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_demo_reward_model_ranks_held_out_pairs_it_started_at_chance_on(reward_chain):
     """The demo's reward model (every weight of the demo's model and a new score head, 2
@@ -420,6 +420,7 @@ def test_the_published_reward_model_loads_and_scores_as_evaluated(reward_chain):
     assert "## How to score" in card.text and str(w) not in card.text
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_killed_reward_model_run_resumes_to_the_same_losses(reward_chain, tmp_path):
     """The pipeline's reward run again from its next-to-last checkpoint: the launcher

@@ -276,6 +276,7 @@ def test_training_past_the_time_limit_continues_across_jobs(slurm_demo, demo):
     assert int(summary["jobs"]) == len(segments) and float(summary["outside_training_s"]) > 0
 
 
+@pytest.mark.extended
 def test_a_failed_train_job_is_retried_as_new_jobs_never_inside_one(slurm_demo, tmp_path):
     """The double start: Snakemake inside a SLURM job applies the rule's `retries` too, so
     a train attempt that failed inside its job started again there (seen with
@@ -304,6 +305,7 @@ def test_a_failed_train_job_is_retried_as_new_jobs_never_inside_one(slurm_demo, 
         assert "error: wandb.enabled is set but wandb is not installed" in log, log[-2000:]
 
 
+@pytest.mark.extended
 def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):
     workdir, _ = slurm_demo
     proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"), "--forcerun", "evaluate",
@@ -337,6 +339,7 @@ def test_resources_no_node_has_fail_before_anything_is_queued(cluster, tmp_path)
     assert not (tmp_path / "work/resources/fixtures").exists()  # not even a local job ran
 
 
+@pytest.mark.extended
 def test_rule_failing_inside_slurm_exits_nonzero_naming_its_log(cluster, tmp_path):
     """max_length 8 drops every example: tokenize_dataset fails inside its SLURM job."""
     config = (ROOT / "config/config.yaml").read_text()
@@ -353,6 +356,7 @@ def test_rule_failing_inside_slurm_exits_nonzero_naming_its_log(cluster, tmp_pat
     assert "tokenize_dataset" in submitted(proc.stdout)
 
 
+@pytest.mark.extended
 def test_cancelled_train_job_does_not_hang_the_run(slurm_demo):
     """scancel every attempt of the train job (it has 2 retries): Snakemake must see each
     cancellation (squeue status, not sacct's 'CANCELLED by 0') and exit non-zero."""
@@ -416,6 +420,7 @@ def test_results_too_small_for_a_run_fail_before_anything_is_queued(cluster, dem
         assert not list((work / "results").iterdir())
 
 
+@pytest.mark.extended
 def test_sweep_members_are_queued_together_and_a_changed_one_reruns_alone(slurm_demo):
     """A sweep of 2 one-node members on the 2-node cluster: both train jobs are queued
     together and run side by side, one per node, and complete; with one member's value

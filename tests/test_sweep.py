@@ -277,6 +277,7 @@ def test_a_tuned_qwen_like_model_stops_and_the_summary_says_so(stop_sweep, demo)
                                                                  abs=1e-12), row  # fmt: skip
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, tmp_path):
     """A second sweep beside the finished one, 2 members of 2 steps, one of them with LoRA
@@ -325,6 +326,7 @@ def test_a_failing_member_fails_alone_and_the_fixed_one_runs_alone(stop_sweep, t
     assert {m: (w / f"results/{m}/train/metrics.jsonl").stat().st_mtime for m in good} == done
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_grpo_from_a_sweeps_best_member_on_its_own_eval_set_and_the_sweep_published(
     stop_sweep, tmp_path

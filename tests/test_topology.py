@@ -175,6 +175,7 @@ def assert_same_losses(got: list[dict], want: list[dict], after: int, rel: float
     print(f"losses: largest relative difference {worst:.3g}")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_demo_continues_on_one_node_from_its_two_node_checkpoint(demo, tmp_path):
     """The finished 2-node demo (LoRA, ZeRO-2) with its training taken back to checkpoint-150,
@@ -273,6 +274,7 @@ def test_full_zero3_continues_on_one_node_exactly(full_zero3, demo, tmp_path):
                                      if r["step"] >= 20)  # fmt: skip
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_full_zero2_continues_on_one_node_exactly(demo, tmp_path):
     """Full fine-tuning, ZeRO-2: 2 nodes x 1 to step 4, then 1 node x 1 (accumulation 2)."""

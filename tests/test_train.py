@@ -211,6 +211,7 @@ def _attempts(folder: Path) -> list[dict]:
     return [merged[n] for n in sorted(merged)]
 
 
+@pytest.mark.extended
 def test_time_limit_stops_saves_and_continues_to_the_same_losses(demo, tmp_path):
     """A 2-minute time limit (the rule's runtime off SLURM): a segment stops at a step end
     ahead of it, saves, and the next segment continues; no step twice, the losses of the
@@ -346,6 +347,7 @@ def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
     ).stat().st_size > 500_000
 
 
+@pytest.mark.extended
 def test_packed_and_padded_runs_of_the_same_examples_train_the_same(demo, tmp_path):
     """One epoch of the demo trained packed and with packing: false (same global batches,
     split into padded micro batches at random) logs the same losses and gradient norms.

@@ -11,7 +11,8 @@ With ``$SNAKETUNE_CPU_LOG`` set (tests/run.sh sets it), each process also append
 exits, the CPU seconds it used itself (user + system; its children write their own line),
 the test that started it (``$SNAKETUNE_TEST``, set by tests/conftest.py for each test) and
 its command: tests/durations.py sums them per test file and per kind of process. A process
-killed by a signal writes no line.
+killed by a signal writes no line. Beside it, in ``$SNAKETUNE_CPU_LOG.modules``, the same
+process notes the test and the library modules it loaded (tests/touched.py).
 """
 
 import ipaddress
@@ -102,11 +103,26 @@ def cpu_line(seconds: float, test: str, command: str) -> None:
                           f"{command.replace(chr(9), ' ')[:300]}\n")  # fmt: skip
 
 
+def loaded_modules() -> str:
+    """The library modules this process has loaded, and the workflow script it runs (a
+    scripts/*.py or bench/*.py entry): what tests/touched.py maps a test to."""
+    names = sorted(m for m in sys.modules if m == "snaketune" or m.startswith("snaketune."))
+    entry = sys.argv[0] if sys.argv else ""
+    parent = os.path.basename(os.path.dirname(entry))
+    if entry.endswith(".py") and parent in ("scripts", "bench"):
+        names.append(f"{parent}/{os.path.basename(entry)}")
+    return ",".join(names)
+
+
 if _CPU_LOG:
     import atexit
 
     def _at_exit() -> None:
+        test = os.environ.get("SNAKETUNE_TEST", "")
         if not counted_per_test:
-            cpu_line(cpu_seconds(), os.environ.get("SNAKETUNE_TEST", ""), " ".join(sys.argv[:3]))
+            cpu_line(cpu_seconds(), test, " ".join(sys.argv[:3]))
+            modules = loaded_modules()
+            if modules:
+                _append(_CPU_LOG + ".modules", f"{test}\t{modules}\n")
 
     atexit.register(_at_exit)

@@ -251,8 +251,8 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     model_rewards.check(where, grpo["rewards"], config)
     if grpo["use_vllm"] is True and not installed("vllm"):
         raise ConfigError(
-            f"{where}.grpo.use_vllm: true asked for but vLLM is not installed; pip install -e "
-            "'.[vllm]' (CUDA GPU nodes), or set use_vllm: auto"
+            f"{where}.grpo.use_vllm: true asked for but vLLM is not installed (no release installs "
+            "beside the pinned stack: docs/grpo.md); set use_vllm: auto or false"
         )
 
 
@@ -361,9 +361,10 @@ properties:
     default: raw
   use_vllm:
     description: >-
-      Generate rollouts with vLLM in TRL's colocate mode (GPU only; pip install -e
-      '.[vllm]'). auto: where vLLM is installed and a GPU is there; false:
-      transformers' generate (CPU, tests); true: vLLM or a config error.
+      Generate rollouts with vLLM in TRL's colocate mode (GPU only, where a site
+      installed vLLM: no release installs beside the pinned stack, docs/grpo.md).
+      auto: where vLLM is installed and a GPU is there; false: transformers'
+      generate (CPU, tests); true: vLLM or a config error.
     enum: [auto, true, false]
     default: false
   vllm_gpu_memory_utilization:
