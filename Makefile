@@ -57,9 +57,6 @@ test-bench: setup
 	bash tests/run.sh bench
 
 bench: setup
-	bash tests/run.sh bench
-
-bench: setup
 	python bench/tokenize.py
 
 lint: setup

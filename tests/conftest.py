@@ -40,6 +40,11 @@ CI_RUNS = {
 }
 
 
+# The batch settings of the pair trainers' weighting tests (PlannedPairs): micro batches of
+# 2 pairs, 2 of them a step (the weighting is by a micro batch's pairs, not a step's).
+RUN_OF_TWO = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}
+
+
 def ci_tier() -> bool:
     """True in the CI tier's pytest runs (tests/run.sh ci), where the chains are short."""
     return TIER == "ci"
@@ -560,6 +565,9 @@ def base_variant(model: Path, out: Path) -> Path:
 
 
 STOP_SWEEP = {"learning_rate": [2.0e-3, 6.0e-3], "lora.r": [8]}
+# its members' steps: 96 learn to stop on the template's end of turn (the extended tier's
+# test of it); the CI tier's 16 train, export, evaluate and pick the best
+STOP_SWEEP_STEPS = {"documented": 96, "ci": 16}
 
 
 @pytest.fixture(scope="session")
@@ -567,7 +575,8 @@ def stop_sweep(demo, tmp_path_factory) -> Path:
     """A sweep through the local profile, on a base model that stops on another token than
     its chat template's end of turn (Qwen base models): the demo's LoRA run on 1 node, 96
     steps, as members of learning rate x LoRA rank (2e-3 or the demo's 6e-3; rank 8: a key
-    of one value still names the members), 16 eval examples each."""
+    of one value still names the members), 16 eval examples each; 96 steps, 16 in the CI
+    tier (STOP_SWEEP_STEPS)."""
     import shutil
 
     import yaml
@@ -579,8 +588,9 @@ def stop_sweep(demo, tmp_path_factory) -> Path:
     cfg["models"]["qwen_like"] = {"source": "local", "path": str(base)}
     run = cfg["runs"].pop("demo")
     del run["epochs"]
-    run.update(model="qwen_like", nodes=1, gradient_accumulation_steps=2, max_steps=96,
-               save_steps=96, eval={"limit": 16, "max_new_tokens": 24, "batch_size": 16},
+    steps = STOP_SWEEP_STEPS["ci" if ci_tier() else "documented"]
+    run.update(model="qwen_like", nodes=1, gradient_accumulation_steps=2, max_steps=steps,
+               save_steps=steps, eval={"limit": 16, "max_new_tokens": 24, "batch_size": 16},
                sweep=STOP_SWEEP)  # fmt: skip
     cfg["runs"] = {"stops": run}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))  # key order: names

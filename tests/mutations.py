@@ -30,7 +30,10 @@ class Mutation:
     path: str
     old: str
     new: str
-    tests: tuple[str, ...]
+    tests: tuple[str, ...]  # the tests that catch it; at least one in the CI tier
+    # extended tests that catch it as well (a mutation only those catch names them here, and
+    # its tests above may be empty: tests/test_mutations.py checks one or the other)
+    extended: tuple[str, ...] = ()
 
 
 MUTATIONS = (
@@ -139,6 +142,71 @@ MUTATIONS = (
         "        b = self.b.float().reshape(self.b.shape[0], experts, -1).transpose(1, 2)",
         ("tests/test_moe.py::test_each_experts_change_merged_gives_the_adapter_models_logits",),
     ),
+    Mutation(
+        "sp-slice", "a sequence-parallel GPU takes its data-parallel rank's slice, not its place in its group",
+        f"{LIB}/data/sequence.py",
+        "        return split(self._inner(examples), self._n, self._rank % self._n, self._pad)",
+        "        return split(self._inner(examples), self._n, self._rank // self._n, self._pad)",
+        ("tests/test_sequence.py::test_each_gpu_of_a_group_cuts_its_own_slice_and_only_the_first_counts",),
+    ),
+    Mutation(
+        "router-accumulation", "the MoE router term is not divided by gradient accumulation",
+        f"{LIB}/methods/moe.py",
+        "        return self.coef * outputs.aux_loss / self.accumulation",
+        "        return self.coef * outputs.aux_loss",
+        ("tests/test_moe.py::test_the_router_term_is_the_coefficient_times_the_mean_of_a_step_s_micro_batches",),
+    ),
+    Mutation(
+        "user-columns", "a user's reward function is no longer given the source row's columns",
+        f"{LIB}/methods/rewards.py",
+        '        x.update({k: v for k, v in columns[x["example_id"]].items() if k not in x})',
+        "        pass",
+        ("tests/test_rewards.py::test_the_source_rows_other_columns_reach_the_function",),
+    ),
+    Mutation(
+        "user-columns-unused", "GRPO's trainer never hands the step's inputs their source rows' columns",
+        f"{LIB}/methods/grpo.py",
+        "            rewards.add_columns(inputs, columns)",
+        "            pass",
+        # the CI tier's GRPO chain: config/rewards/arith.py reads the `question` column
+        ("tests/test_grpo.py::test_publish_dry_run_writes_the_folder_with_a_model_card",),
+    ),
+    Mutation(
+        "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
+        f"{LIB}/evaluation/evaluate.py",
+        "    mine, out = share.mine(rows), []",
+        "    mine, out = rows, []",
+        ("tests/test_dpo.py::test_each_rank_scores_only_its_share_of_the_held_out_pairs",),
+    ),
+    Mutation(
+        "cpu-plan-dtype", "the CPU-memory plan counts the checkpoint's dtype, not the run's precision",
+        f"{LIB}/plan/memplan.py",
+        "    return p * s.bytes_per_weight * s.gpus_per_node",
+        "    return p * (shape.saved_bytes or s.bytes_per_weight) * s.gpus_per_node",
+        ("tests/test_memplan.py::test_cpu_memory_per_node_is_counted_in_the_run_s_precision",),
+    ),
+    Mutation(
+        "gate-up-swap", "an expert merge swaps gate and up (the stacked change's halves)",
+        f"{LIB}/export/experts.py",
+        '    return {"gate_proj": delta[e, :half], "up_proj": delta[e, half:], "down_proj": delta[e]}[which]',
+        '    return {"gate_proj": delta[e, half:], "up_proj": delta[e, :half], "down_proj": delta[e]}[which]',
+        ("tests/test_moe.py::test_each_expert_s_gate_up_and_down_are_the_stacked_change_s_parts_at_peft_s_scale",),
+    ),
+    Mutation(
+        "rslora-scale", "an expert merge ignores rsLoRA's scale (alpha / r, not alpha / sqrt(r))",
+        f"{LIB}/export/experts.py",
+        '    return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r',
+        "    return alpha / r",
+        ("tests/test_moe.py::test_each_expert_s_gate_up_and_down_are_the_stacked_change_s_parts_at_peft_s_scale",),
+    ),
+    Mutation(
+        "micro-accumulation", "the pair trainers' (DPO's, reward models') micro batch multiplied by accumulation",
+        f"{LIB}/methods/training.py",
+        '        self.planned, self.micro_batch_size = planned, run["micro_batch_size"]',
+        '        self.planned, self.micro_batch_size = planned, run["micro_batch_size"] * run["gradient_accumulation_steps"]',
+        ("tests/test_dpo.py::test_unequal_micro_batches_give_the_global_batch_mean",
+         "tests/test_reward_model.py::test_margins_and_centring_of_unequal_micro_batches_give_the_global_batch_mean"),
+    ),
 )  # fmt: skip
 
 
@@ -168,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m.name}: the source to mutate is not found once in {m.path}; update tests/mutations.py"
             )
             return 2
-        tests = ["-m", "not slow", "tests"] if args.tier else list(m.tests)
+        tests = ["-m", "not slow", "tests"] if args.tier else [*m.tests, *m.extended]
         baseline, _, line = run_tests(tests) if not args.tier else (True, 0.0, "")
         if not baseline:
             print(f"{m.name}: the tests fail before the mutation ({line}); fix them first")

@@ -26,7 +26,8 @@
 #   - CHAINS: sweeps, then the DPO chain;
 #   - the rest, the quick tier and the held-out passes among them.
 # SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
-# (conftest.CI_RUNS). Extra arguments go to pytest (every run).
+# (conftest.CI_RUNS). SNAKETUNE_KEEP=DIR keeps the tier's logs there (tests/touched.py
+# --record DIR writes the map of what each test loads). Extra arguments go to pytest.
 set -uo pipefail
 tier=${1:-all}
 shift || true
@@ -61,8 +62,9 @@ tier_start=$SECONDS
 account() {  # the tier's figures: slowest files, CPU per file and per kind of process
   python "$here/durations.py" "$shared"/*.xml --cpu "$SNAKETUNE_CPU_LOG" \
     --tier "$tier" --wall $((SECONDS - tier_start))
-  if [ -n "${SNAKETUNE_MODULE_LOG:-}" ]; then  # keep the module log (tests/touched.py --record)
-    cat "$SNAKETUNE_CPU_LOG" >> "$SNAKETUNE_MODULE_LOG"
+  if [ -n "${SNAKETUNE_KEEP:-}" ]; then  # the logs tests/touched.py --record reads
+    mkdir -p "$SNAKETUNE_KEEP"
+    cp "$shared"/*.xml "$SNAKETUNE_CPU_LOG".* "$SNAKETUNE_KEEP"/ 2>/dev/null
   fi
   rm -rf "$shared"
 }

@@ -448,9 +448,38 @@ def assert_one_clean_line(output: str, message: str) -> None:
     assert lines[0].startswith(message) or not message.startswith(("error", "config")), lines
 
 
-def test_parse_time_cases(workdir):
-    """Each case in its own snakemake, two at a time (--nolock: a case that got as far as
-    taking the lock would still be caught, as a job ran or a line is missing)."""
+def parse_time_lines(config_file: Path, workdir: Path) -> str:
+    """What the Snakefile prints for ``config_file`` at parse time, in this process: the
+    same call (snaketune.plan.checks.at_parse on the file as snakemake loads it) and the
+    same "kind: line" per problem; a traceback for anything but a user's error."""
+    import traceback
+
+    from snaketune.core.errors import UserError, labelled
+    from snaketune.plan.checks import at_parse
+
+    config = yaml.safe_load(config_file.read_text())  # snakemake's loader: the last key wins
+    try:
+        at_parse(config, ROOT, [str(config_file)], workdir)
+    except UserError as error:
+        return "\n".join(f"{kind}: {line}" for kind, line in labelled(error))
+    except Exception:
+        return traceback.format_exc()
+    return ""
+
+
+# Cases checked before queueing, once the jobs are known (the Snakefile's onstart: lm-eval
+# reads the tasks the evaluate jobs ask for), not at parse time: through snakemake only.
+BEFORE_QUEUEING = {"lm-eval-unknown-task"}
+# The cases that run through snakemake itself (the Snakefile's own printing and exit, and no
+# job): one in eight of the parse-time cases, and those checked before queueing.
+THROUGH_SNAKEMAKE = PARSE[::8] + [c for c in PARSE if c.id in BEFORE_QUEUEING]
+
+
+def test_parse_time_cases(workdir, monkeypatch):
+    """Every parse-time case through the Snakefile's check in this process, each refused
+    with its one line; one in eight also through its own snakemake, two at a time
+    (--nolock: a case that got as far as taking the lock would still be caught, as a job
+    ran or a line is missing), which must exit non-zero with the line and run no job."""
     from concurrent.futures import ThreadPoolExecutor
 
     before, logs = produced(workdir), job_logs(workdir)
@@ -459,6 +488,16 @@ def test_parse_time_cases(workdir):
         cfg = copy.deepcopy(DEMO_CONFIG)
         case.make(cfg, workdir)
         paths[case.id] = write_config(cfg, workdir / f"bad-{case.id}.yaml")
+    monkeypatch.chdir(workdir)  # the Snakefile runs in the working directory (--directory)
+    failures = []
+    for case in [c for c in PARSE if c.id not in BEFORE_QUEUEING]:
+        out = parse_time_lines(paths[case.id], workdir)
+        try:
+            assert out, f"{case.id}: no error"
+            assert_one_clean_line(out, case.message)
+        except AssertionError as exc:
+            failures.append(f"{case.id}: {exc}")
+    assert not failures, "\n\n".join(failures)
 
     def check(case: Case) -> str | None:
         proc = snakemake("--configfile", str(paths[case.id]), "--directory", str(workdir),
@@ -471,7 +510,7 @@ def test_parse_time_cases(workdir):
         return None
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for f in pool.map(check, PARSE) if f]
+        failures = [f for f in pool.map(check, THROUGH_SNAKEMAKE) if f]
     assert not failures, "\n\n".join(failures)
     assert job_logs(workdir) == logs, "a job ran"
     assert changed_since(workdir, before) == []

@@ -22,7 +22,9 @@ import yaml
 from conftest import (
     ENV,
     ROOT,
+    RUN_OF_TWO,
     chain_runs,
+    ci_tier,
     kill_and_resume,
     launch_train,
     leaked_secrets,
@@ -258,7 +260,7 @@ def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, 
                      report_to=[], gradient_checkpointing=False)  # fmt: skip
     trainer = trainer_class()(model=model, args=args, processing_class=tok,
                               train_dataset=datasets.Dataset.from_list(pairs), planned=None,
-                              micro_batch_size=2)  # fmt: skip
+                              run=RUN_OF_TWO)  # fmt: skip
 
     def loss_of(micro):
         batch = pair_batch(micro, tok.pad_token_id)
@@ -350,6 +352,32 @@ def test_reference_stage_log_probs_equal_the_full_logits(tmp_path, tiny_model):
         want_r = summed_logp(model, row["rejected_input_ids"], row["rejected_labels"])
         assert t["ref_chosen_logps"] == pytest.approx(want_c, rel=1e-5)
         assert t["ref_rejected_logps"] == pytest.approx(want_r, rel=1e-5)
+
+
+def test_each_rank_scores_only_its_share_of_the_held_out_pairs(tmp_path, tiny_model, monkeypatch):
+    """The evaluate stage's pair scoring on 3 emulated ranks (no collective: the output layer
+    is whole here): each rank scores its own share (pair i on rank i mod 3: 4, 4 and 3 of
+    11 pairs) and rank 0's join of the shares is every pair once, in order, with plain
+    transformers' summed log-probs of each side."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from snaketune.evaluation import evaluate
+    from snaketune.evaluation.sharded import Share
+
+    run_tokenize(tmp_path, "pairs", SPEC, PAIRS[:11], tiny_model)
+    rows = pq.read_table(tmp_path / "pairs.tok.parquet").to_pylist()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    want = [(summed_logp(model, r["input_ids"], r["labels"]),
+             summed_logp(model, r["rejected_input_ids"], r["rejected_labels"])) for r in rows]  # fmt: skip
+    monkeypatch.setattr(evaluate, "whole_output_layer", lambda *a: contextlib.nullcontext())
+    shares = [evaluate.pair_logps(model, rows, 2, 0, Share(r, 3)) for r in range(3)]
+    assert [len(s) for s in shares] == [4, 4, 3]
+    got = Share(0, 3).join(shares)
+    assert len(got) == len(rows) == 11
+    for (c, r), (wc, wr) in zip(got, want, strict=True):
+        assert c == pytest.approx(wc, rel=1e-5) and r == pytest.approx(wr, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- config
@@ -550,10 +578,13 @@ def dpo_chain(sft_demo, tmp_path_factory):
     subprocess.run(["cp", "-a", str(sft_demo), str(workdir)], check=True)
     overlay = load_yaml(OVERLAY)
     sweep = {**copy.deepcopy(overlay["runs"]["dpo_demo"]), **SWEEP["runs"]["dpo_sweep"]}
+    # the sweep's members in the extended tier only (the reference shared with them is
+    # what its test there shows; the CI tier's sweeps are test_sweep.py's)
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
+    sweeps = [] if ci_tier() else [str(workdir / "sweep.yaml")]
     start = time.monotonic()
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
-                     str(workdir / "sweep.yaml"), "--directory", str(workdir), "--config",
+                     *sweeps, "--directory", str(workdir), "--config",
                      chain_runs("sft_demo", whole=("dpo_demo",)))  # fmt: skip
     (workdir / "dpo.out").write_text(proc.stdout + proc.stderr)
     (workdir / "dpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
@@ -605,6 +636,7 @@ def test_dpo_after_sft_learns_on_two_nodes(dpo_chain):
     assert "preference" in svg and "reward accuracy" in svg
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     """dpo_demo and both members of the beta sweep start from sft_demo and train on the same

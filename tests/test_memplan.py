@@ -505,3 +505,18 @@ def test_the_plan_for_the_demo_model_is_what_training_holds(quantized):
     held, planned = got["tensors"]["Total"], got["plan"]["planned"]
     assert planned == pytest.approx(held, rel=0.15), (planned, held, got["tensors"])
     assert got["losses"][-1] < got["losses"][0]  # it trained
+
+
+def test_cpu_memory_per_node_is_counted_in_the_run_s_precision():
+    """A bf16 checkpoint (Llama-3.1-70B's) trained in fp32: each of a node's 4 processes
+    converts the whole model to 4 bytes a weight before DeepSpeed moves it; trained in bf16
+    (the checkpoint's own dtype) it stays memory-mapped and each process holds its largest
+    layer at a time; a 4-bit base streams the same way."""
+    from snaketune.plan.memplan import cpu_per_node
+
+    shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-70B-Instruct"])
+    assert shape.saved_bytes == 2
+    s = setup(adapter="lora", lora_r=16, nodes=1, gpus_per_node=4, bytes_per_weight=4)
+    assert cpu_per_node(shape, s) == shape.params * 4 * 4
+    assert cpu_per_node(shape, replace(s, bytes_per_weight=2)) == shape.largest_layer * 2 * 4
+    assert cpu_per_node(shape, replace(s, quantized=True)) == shape.largest_layer * 4 * 4

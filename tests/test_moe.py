@@ -475,3 +475,59 @@ def test_a_router_coefficient_on_a_dense_model_is_refused_before_queueing(tmp_pa
     found = check_runs(config, ["r"], tmp_path, ROOT, local=True)
     assert found[:1] == ["runs.r.router_aux_loss_coef: model m is not a mixture of experts (its "
                      "config.json names no experts); drop the key"], found  # fmt: skip
+
+
+def test_the_router_term_is_the_coefficient_times_the_mean_of_a_step_s_micro_batches():
+    """Router.prepare takes the model's coefficient (auto) and switches the model's own
+    addition off; the term each micro batch adds sums over a step's accumulation to the
+    coefficient times the mean of its micro batches' auxiliary losses."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.methods.moe import Router
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32,
+                                  intermediate_size=64, moe_intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, num_experts=4,
+                                  num_experts_per_tok=2, router_aux_loss_coef=0.02)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    router = Router.prepare(model, {"router_aux_loss_coef": "auto",
+                                    "gradient_accumulation_steps": 4})  # fmt: skip
+    assert (router.coef, router.experts, router.top_k) == (0.02, 4, 2)
+    assert model.config.output_router_logits is True
+    assert all(m.router_aux_loss_coef == 0.0 for m in model.modules()
+               if hasattr(m, "router_aux_loss_coef"))  # fmt: skip
+    aux = (1.0, 2.0, 3.0, 6.0)  # a step's 4 micro batches
+    step = sum(router.term(SimpleNamespace(aux_loss=torch.tensor(a))) for a in aux)
+    assert step.item() == pytest.approx(0.02 * sum(aux) / len(aux))
+
+
+def test_each_expert_s_gate_up_and_down_are_the_stacked_change_s_parts_at_peft_s_scale():
+    """Expert e's change is B[:, :, e] @ A[e] times the scale, written out here per expert
+    from the stacked tensors (A: experts x rank rows; B: out x rank x experts columns); a
+    transformers 5 checkpoint's per-expert gate_proj takes its first half, up_proj its
+    second; the scale is alpha / r, or alpha / sqrt(r) with rsLoRA, from the rank and alpha
+    patterns where they name the stacked gate and up."""
+    from snaketune.export.experts import ExpertPair, expert_delta, pair_scale
+
+    experts, r, width, h = 3, 2, 4, 5
+    torch.manual_seed(0)
+    a, b = torch.randn(r * experts, h), torch.randn(2 * width, r * experts)
+    pair, cache = ExpertPair("m.experts", "gate_up", a, b, 0.5), {}
+    for e in range(experts):
+        a_e = torch.stack([a[e * r + k] for k in range(r)])  # (r, h)
+        b_e = torch.stack([b[:, k * experts + e] for k in range(r)], dim=1)  # (out, r)
+        want = b_e @ a_e * 0.5
+        got_gate = expert_delta(f"m.experts.{e}.gate_proj.weight", pair, experts, cache)
+        got_up = expert_delta(f"m.experts.{e}.up_proj.weight", pair, experts, cache)
+        torch.testing.assert_close(got_gate, want[:width])
+        torch.testing.assert_close(got_up, want[width:])
+    assert pair_scale({"r": 16, "lora_alpha": 32}, "down") == 2.0
+    assert pair_scale({"r": 16, "lora_alpha": 32, "use_rslora": True}, "down") == 8.0
+    patterned = {"r": 16, "lora_alpha": 32, "use_rslora": True,
+                 "rank_pattern": {"mlp.experts.gate_up_proj": 4},
+                 "alpha_pattern": {"mlp.experts.gate_up_proj": 8}}  # fmt: skip
+    assert pair_scale(patterned, "gate_up") == 4.0  # 8 / sqrt(4)
+    assert pair_scale(patterned, "down") == 8.0  # 32 / sqrt(16)

@@ -20,7 +20,9 @@ import yaml
 from conftest import (
     ENV,
     ROOT,
+    RUN_OF_TWO,
     chain_runs,
+    ci_tier,
     kill_and_resume,
     pipeline_spec,
     read_jsonl,
@@ -203,7 +205,7 @@ def test_margins_and_centring_of_unequal_micro_batches_give_the_global_batch_mea
                         center_rewards_coefficient=0.05, max_length=None)  # fmt: skip
     trainer = trainer_class()(model=model, args=args, processing_class=tok,
                               train_dataset=datasets.Dataset.from_list(pairs), planned=None,
-                              micro_batch_size=2)  # fmt: skip
+                              run=RUN_OF_TWO)  # fmt: skip
     collate = ScorePairCollator(tok.pad_token_id, margins, None)
 
     def loss_of(micro):
@@ -331,7 +333,8 @@ def reward_chain(demo, tmp_path_factory):
     overlay = load_yaml(OVERLAY)
     lora = {**copy.deepcopy(overlay["runs"]["rm_demo"]), **LORA_RUN}
     del lora["publish"]
-    extra = {"runs": {"rm_lora": lora, "grpo_rm": GRPO_RUN}}
+    # the LoRA reward run in the extended tier only (its merge test is there)
+    extra = {"runs": {"grpo_rm": GRPO_RUN} if ci_tier() else {"rm_lora": lora, "grpo_rm": GRPO_RUN}}
     (workdir / "extra.yaml").write_text(yaml.safe_dump(extra))
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"),
                      str(OVERLAY), str(workdir / "extra.yaml"), "--directory", str(workdir),
@@ -436,6 +439,7 @@ def test_a_killed_reward_model_run_resumes_to_the_same_losses(reward_chain, tmp_
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_lora_reward_model_merges_into_the_sequence_classifier_it_trained(reward_chain):
     """A LoRA reward run: its adapter (peft's SEQ_CLS) carries the score head whole; the
@@ -509,7 +513,8 @@ def test_grpo_scores_its_completions_with_a_reward_run_s_model(reward_chain, mon
         with torch.no_grad():
             want.append(model(input_ids=one).logits[0, 0].item())
     assert got == pytest.approx(want, abs=1e-4)
-    assert sum(a > b for a, b in zip(got[:16], got[16:], strict=True)) >= 15, got
+    if not ci_tier():  # trained its documented 192 steps (the CI tier's 24 do not rank yet)
+        assert sum(a > b for a, b in zip(got[:16], got[16:], strict=True)) >= 15, got
     # reward_model_normalization: group, each prompt's pair (right, wrong) as a group of 2
     scorer.normalization, scorer.group = "group", 2
     pairs = [c for pair in zip(right, wrong, strict=True) for c in pair]

@@ -142,6 +142,16 @@ def test_the_source_rows_other_columns_reach_the_function(tmp_path):
     assert got == {"code:2": {"prompt": "c", "tests": [], "lang": "go"},
                    "code:1": {"prompt": "b", "tests": ["t1a", "t1b"], "lang": "rs"},
                    "code:1:1": {"prompt": "b", "tests": ["t1a", "t1b"], "lang": "rs"}}  # fmt: skip
+    # a step's inputs as TRL holds them: each gets its row's columns, its own keys kept
+    inputs = [
+        {"example_id": "code:1:1", "prompt": "mine", "answer": "y"},
+        {"example_id": "code:2", "prompt": "c", "answer": "z"},
+    ]
+    rewards.add_columns(inputs, got)
+    assert inputs == [{"example_id": "code:1:1", "prompt": "mine", "answer": "y",
+                       "tests": ["t1a", "t1b"], "lang": "rs"},
+                      {"example_id": "code:2", "prompt": "c", "answer": "z", "tests": [],
+                       "lang": "go"}]  # fmt: skip
 
 
 def test_the_demo_s_function_agrees_with_correctness_on_the_demo_s_questions():

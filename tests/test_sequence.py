@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from snaketune.data.sequence import check_model, check_run, split
+from snaketune.data.sequence import Slices, check_model, check_run, split
 from snaketune.methods import method_of
 
 HERE = Path(__file__).parent
@@ -82,6 +82,28 @@ def test_split_pads_to_a_multiple_shifts_over_the_row_and_keeps_one_slice():
         [[6, 7]], [[-100, 9]], [[10, 11]], [[-100, -100]]]  # fmt: skip
     assert all(torch.equal(p["labels"], p["shift_labels"]) for p in parts)
     assert all("cu_seq_lens_q" not in p and p["use_cache"] is False for p in parts)
+
+
+def test_each_gpu_of_a_group_cuts_its_own_slice_and_only_the_first_counts():
+    """4 GPUs in 2 groups of 2 (global ranks 0-3): every GPU of a group reads the same packed
+    row; GPU r takes slice r mod 2 of it, so a group's slices put together are the whole
+    row, once; only each group's first GPU reports the counts the step sums over ranks."""
+
+    class Packed:  # the inner collator: one packed row of 6 tokens for every GPU
+        layout = "packed"
+        tokens, padded, samples, squares = 6, 0, 2, 18
+
+        def __call__(self, examples):
+            return {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]),
+                    "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+                    "labels": torch.tensor([[-100, 6, 7, -100, 9, 10]])}  # fmt: skip
+
+    gpus = [Slices(Packed(), 2, rank, pad_id=0) for rank in range(4)]
+    ids = [g([])["input_ids"].tolist()[0] for g in gpus]
+    assert ids == [[5, 6, 7], [8, 9, 10], [5, 6, 7], [8, 9, 10]]
+    assert [g.tokens for g in gpus] == [6, 0, 6, 0]
+    assert [g.samples for g in gpus] == [2, 0, 2, 0]
+    assert all(g.layout == "packed" for g in gpus)
 
 
 def test_the_plan_splits_activations_and_logits_not_model_states():

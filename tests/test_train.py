@@ -288,6 +288,7 @@ def test_second_training_of_a_run_refuses_naming_the_first(demo, tmp_path):
     assert ended["exit"] == 2 and ended["reason"] == errors[0].removeprefix("error: ")
 
 
+@pytest.mark.extended
 def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
     spec = run_spec(max_steps=32, save_steps=1000)
     proc = launch_train(

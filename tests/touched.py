@@ -42,6 +42,11 @@ CENTRAL = (
     "scripts/snaketune/train/worker.py", "scripts/snaketune/train/launch.py",
     "scripts/snaketune/train/agents.py", "scripts/snaketune/methods/__init__.py",
 )  # fmt: skip
+# A snakemake process loads every method's module to compose the config schema
+# (snaketune.methods.compose_schema) and runs only the methods of the config's runs at
+# parse time: its method modules count through the jobs that train with them, not for it.
+METHOD_MODULES = tuple(f"snaketune.methods.{m}" for m in (
+    "dpo", "grpo", "sft", "reward_model", "rewards", "model_rewards", "moe"))  # fmt: skip
 # What no test runs: a change here selects nothing.
 INERT = ("*.md", "docs/*", "LICENSE", ".gitignore", "tests/touched-map.json")
 
@@ -103,8 +108,11 @@ def record(folder: Path) -> dict:
     loaded: dict[str, set[str]] = defaultdict(set)
     for log in folder.glob("*.modules"):
         for line in log.read_text(encoding="utf-8").splitlines():
-            who, _, modules = line.partition("\t")
-            loaded[who].update(filter(None, modules.split(",")))
+            who, command, modules = (line.split("\t") + ["", ""])[:3]
+            names = set(filter(None, modules.split(",")))
+            if "snakemake" in command:  # the parse: every method's module, for its schema
+                names = {m for m in names if not m.startswith(METHOD_MODULES)}
+            loaded[who] |= names
     fixtures: dict[str, list[str]] = {}
     for log in folder.glob("*.fixtures"):
         for line in log.read_text(encoding="utf-8").splitlines():

@@ -123,6 +123,7 @@ if _CPU_LOG:
             cpu_line(cpu_seconds(), test, " ".join(sys.argv[:3]))
             modules = loaded_modules()
             if modules:
-                _append(_CPU_LOG + ".modules", f"{test}\t{modules}\n")
+                command = " ".join(sys.argv[:2]).replace("\t", " ")[:200]
+                _append(_CPU_LOG + ".modules", f"{test}\t{command}\t{modules}\n")
 
     atexit.register(_at_exit)

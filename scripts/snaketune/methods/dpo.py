@@ -130,7 +130,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
             data_collator=data.collator, peft_config=peft_config(ctx.run, model),
             callbacks=callbacks,
-            planned=data, micro_batch_size=ctx.run["micro_batch_size"],
+            planned=data, run=ctx.run,
         )  # fmt: skip
 
 

@@ -179,8 +179,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                     self.args.ds3_gather_for_generation = gather_for_generation(
                         ctx.run.get("gather_for_generation", "auto"), self.model)  # fmt: skip
                 decided.append(True)
-            for x in inputs if columns else ():
-                x.update({k: v for k, v in columns[x["example_id"]].items() if k not in x})
+            rewards.add_columns(inputs, columns)
             try:
                 out = super()._generate_and_score_completions(inputs)
             except rewards.RewardError as exc:  # the launcher's one line (health/fatal.json)

@@ -114,7 +114,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         return trainer_class()(
             model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
             data_collator=data.collator, peft_config=peft_config(ctx.run, model),
-            callbacks=callbacks, planned=data, micro_batch_size=ctx.run["micro_batch_size"],
+            callbacks=callbacks, planned=data, run=ctx.run,
         )  # fmt: skip
 
 

@@ -286,6 +286,14 @@ def source_rows(example_ids: list[str], datasets_dir: Path = DATASETS):
     return out
 
 
+def add_columns(inputs: list[dict[str, Any]], columns: dict[str, dict[str, Any]]) -> None:
+    """Each of a step's inputs gets its source row's other columns (``columns``, by example
+    id: source_columns), the keywords TRL passes to a user's reward function; a key the
+    input has already (the prompt, the answer) is kept."""
+    for x in inputs if columns else ():
+        x.update({k: v for k, v in columns[x["example_id"]].items() if k not in x})
+
+
 def source_columns(example_ids: list[str], datasets_dir: Path = DATASETS):
     """Each example's row of its source dataset, by example id: the columns a user's
     reward function gets as keywords (those named like snaketune's own, ``PASSED``, left

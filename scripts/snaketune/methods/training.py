@@ -110,12 +110,14 @@ class PlannedPairs:
     """What a trainer on planned pairs (DPO's, a reward model's) adds to its TRL trainer
     (``class T(PlannedPairs, TRLTrainer)``): the pairs as tokenized and planned
     (``planned``: this rank's Data, read in the plan's order), and each micro batch's loss
-    weighted by its pairs over ``micro_batch_size``. TRL averages a micro batch's pairs;
-    a token-balanced plan gives micro batches of unequal pair counts, so weighted, a step's
-    loss is the mean over every pair of the global batch (1 when the counts are equal)."""
+    weighted by its pairs over the run's ``micro_batch_size`` (``run``: the run's settings;
+    the pairs one micro batch plans, not a step's: gradient accumulation sums the micro
+    batches). TRL averages a micro batch's pairs; a token-balanced plan gives micro batches
+    of unequal pair counts, so weighted, a step's loss is the mean over every pair of the
+    global batch (1 when the counts are equal)."""
 
-    def __init__(self, *args, planned: Data | None, micro_batch_size: int, **kwargs):
-        self.planned, self.micro_batch_size = planned, micro_batch_size
+    def __init__(self, *args, planned: Data | None, run: dict[str, Any], **kwargs):
+        self.planned, self.micro_batch_size = planned, run["micro_batch_size"]
         super().__init__(*args, **kwargs)
 
     def _prepare_dataset(self, dataset, *args, **kwargs):
