@@ -541,6 +541,7 @@ def test_first_rows_cases_all_at_once_through_validate_the_dry_run_and_a_run(wor
     assert changed_since(workdir, before) == []
 
 
+@pytest.mark.slow  # ten jobs that fail: the CI tier's, not every change's
 def test_job_cases_fail_in_their_job_before_training(workdir):
     before = produced(workdir)
     cfg = copy.deepcopy(DEMO_CONFIG)

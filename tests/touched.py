@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         MAP.write_text(json.dumps(record(args.record), indent=1, sort_keys=True) + "\n")
         print(f"{MAP.relative_to(ROOT)}: {len(json.loads(MAP.read_text())['tests'])} tests")
         return 0
+    if not MAP.is_file():
+        print(f"touched: no {MAP.relative_to(ROOT)}: record it first (docs/testing.md)")
+        return 2
     the_map = json.loads(MAP.read_text(encoding="utf-8"))
     files = changed(args.base)
     tests, why = select(files, the_map)
