@@ -1,9 +1,10 @@
 """Per test file, the seconds its tests took (setup, call and teardown), from the JUnit XML
 files pytest wrote (tests/run.sh passes --junitxml): the slowest first. With ``--cpu LOG``
 (tests/run.sh writes it: tests/offline/sitecustomize.py), also the CPU seconds of every
-process each test file started, and of each kind of process: on this 2-core machine the
-full tier's time is its CPU work over the cores, and wall seconds of tests running side by
-side say little about that.
+process each test file started, and of each kind of process: on this 2-core machine a
+side-by-side tier's time is its CPU work over the cores, and wall seconds of tests running
+side by side say little about that. With ``--tier`` (and ``--wall``), a closing line with
+the tier's wall time and counted CPU seconds.
 
     python tests/durations.py RUN.xml [RUN.xml ...] [--cpu LOG] [--top 15]
 """

@@ -103,8 +103,18 @@ def known_modules() -> list[str]:
                                 for p in (ROOT / "scripts").rglob("*.py"))))  # fmt: skip
 
 
-def record(folder: Path) -> dict:
-    """The map from a tier's logs in ``folder`` (tests/run.sh with SNAKETUNE_KEEP)."""
+def extended_tests() -> list[str]:
+    """The extended tier's node ids, as pytest collects them."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m",
+                           "extended", "-p", "no:cacheprovider"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def record(folder: Path, tests: list[str] | None = None) -> dict:
+    """The map from a tier's logs in ``folder`` (tests/run.sh with SNAKETUNE_KEEP), for
+    ``tests`` (default: those its JUnit files name). A test with no JUnit time (its run did
+    not finish) has none: ``--within`` never counts it as fitting."""
     loaded: dict[str, set[str]] = defaultdict(set)
     for log in folder.glob("*.modules"):
         for line in log.read_text(encoding="utf-8").splitlines():
@@ -123,8 +133,9 @@ def record(folder: Path) -> dict:
         for case in ET.parse(xml).getroot().iter("testcase"):
             test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
             seconds[test] = float(case.get("time", 0))
-    tests = {}
-    for test, secs in sorted(seconds.items()):
+    out = {}
+    for test in sorted(seconds if tests is None else tests):
+        secs = seconds.get(test)
         file = test.split("::")[0]
         text = (ROOT / file).read_text(encoding="utf-8")
         static = set(re.findall(r"\b(snaketune(?:\.\w+)*)", text))
@@ -132,10 +143,11 @@ def record(folder: Path) -> dict:
         modules = set(loaded.get(test, ())) | closure(static)
         for name in fixtures.get(test, ()):
             modules |= loaded.get(f"fixture:{name}", set())
-        tests[test] = {"seconds": round(secs, 1), "modules": sorted(modules)}
+        out[test] = {"seconds": None if secs is None else round(secs, 1),
+                     "modules": sorted(modules)}  # fmt: skip
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return {"recorded_at": head, "modules_known": known_modules(), "tests": tests}
+    return {"recorded_at": head, "modules_known": known_modules(), "tests": out}
 
 
 def changed(base: str) -> list[str]:
@@ -188,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, help="write the map from a tier's logs there")
     args, pytest_args = parser.parse_known_args(argv)
     if args.record:
-        MAP.write_text(json.dumps(record(args.record), indent=1, sort_keys=True) + "\n")
+        the_map = record(args.record, extended_tests())
+        MAP.write_text(json.dumps(the_map, indent=1, sort_keys=True) + "\n")
         print(f"{MAP.relative_to(ROOT)}: {len(json.loads(MAP.read_text())['tests'])} tests")
         return 0
     if not MAP.is_file():
@@ -202,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.within is not None:
         fits, spent = [], 0.0
         for t in tests:
-            if spent + the_map["tests"][t]["seconds"] <= args.within:
+            secs = the_map["tests"][t]["seconds"]
+            if secs is not None and spent + secs <= args.within:
                 fits.append(t)
-                spent += the_map["tests"][t]["seconds"]
+                spent += secs
         if len(fits) < len(tests):
             print(f"touched: {len(tests) - len(fits)} of {len(tests)} left out: over the "
                   f"{args.within:.0f} s left (make test-touched runs them)")  # fmt: skip
