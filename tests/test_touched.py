@@ -45,6 +45,8 @@ def test_the_map_counts_a_test_s_processes_its_fixtures_and_its_file_s_imports(t
     the_map = touched.record(logs(tmp_path))
     dpo, grpo = the_map["tests"][DPO], the_map["tests"][GRPO]
     assert dpo["seconds"] == 61.5 and grpo["seconds"] == 30.0
+    # alone, a test pays its chain's build: the slowest user of each fixture, here itself
+    assert dpo["alone"] == 123.0 and grpo["alone"] == 60.0
     # its own processes and its fixture's (the snakemake parse without its method modules)
     assert {"snaketune.methods.dpo", "snaketune.core.checkpoints", "snaketune.train.worker",
             "scripts/train.py", "snaketune.plan.config"} <= set(dpo["modules"])  # fmt: skip

@@ -139,8 +139,8 @@ def record(folder: Path, tests: list[str] | None = None) -> dict:
     for source in (ROOT / "tests").glob("*.py"):
         builds |= set(re.findall(r'@pytest\.fixture\(scope="(?:session|module)"\)\ndef (\w+)',
                                  source.read_text(encoding="utf-8")))  # fmt: skip
-    paid = {f: max((seconds.get(t) or 0.0) for t, names in fixtures.items() if f in names)
-            for f in builds}  # fmt: skip
+    paid = {f: max(((seconds.get(t) or 0.0) for t, names in fixtures.items() if f in names),
+                   default=0.0) for f in builds}  # fmt: skip
     out = {}
     for test in sorted(seconds if tests is None else tests):
         secs = seconds.get(test)
