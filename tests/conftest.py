@@ -173,20 +173,28 @@ def pytest_runtest_setup(item) -> None:
     item.cpu_began = sitecustomize.cpu_seconds()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
+class FixtureNames:
     """A session or module fixture's processes count for the fixture ("fixture:NAME"), not
     for whichever test first needed it: its CPU in tests/durations.py, its modules in
-    tests/touched.py's map for every test that uses it."""
-    if fixturedef.scope not in ("session", "module"):
-        yield
-        return
-    before = ENV.get("SNAKETUNE_TEST", "")
-    os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = f"fixture:{fixturedef.argname}"
-    try:
-        yield
-    finally:
-        os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = before
+    tests/touched.py's map for every test that uses it. A plugin registered in
+    pytest_configure, not a hook of this file: a session fixture is set up through the
+    session's hooks, which a conftest below the rootdir does not take part in."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if fixturedef.scope not in ("session", "module"):
+            yield
+            return
+        before = ENV.get("SNAKETUNE_TEST", "")
+        os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = f"fixture:{fixturedef.argname}"
+        try:
+            yield
+        finally:
+            os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = before
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(FixtureNames(), "snaketune-fixture-names")
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
