@@ -73,11 +73,8 @@ def imports_of(module: str) -> set[str]:
         return set()
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module:
+        if isinstance(node, ast.ImportFrom) and node.module:  # the library imports absolutely
             base = node.module
-            if node.level:  # relative
-                base = ".".join(parts[: len(parts) - node.level + (path.name == "__init__.py")]
-                                + ([node.module] if node.module else []))  # fmt: skip
             if base.startswith("snaketune"):
                 found.add(base)
                 found.update(f"{base}.{a.name}" for a in node.names)
@@ -141,6 +138,7 @@ def record(folder: Path, tests: list[str] | None = None) -> dict:
                                  source.read_text(encoding="utf-8")))  # fmt: skip
     paid = {f: max(((seconds.get(t) or 0.0) for t, names in fixtures.items() if f in names),
                    default=0.0) for f in builds}  # fmt: skip
+    known = set(known_modules())
     out = {}
     for test in sorted(seconds if tests is None else tests):
         secs = seconds.get(test)
@@ -149,7 +147,7 @@ def record(folder: Path, tests: list[str] | None = None) -> dict:
         file = test.split("::")[0]
         text = (ROOT / file).read_text(encoding="utf-8")
         static = set(re.findall(r"\b(snaketune(?:\.\w+)*)", text))
-        static = {m for m in static if m in set(known_modules())}
+        static &= known
         modules = set(loaded.get(test, ())) | closure(static)
         for name in fixtures.get(test, ()):
             modules |= loaded.get(f"fixture:{name}", set())
