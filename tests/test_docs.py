@@ -116,6 +116,43 @@ def run_documented(command: str, places: dict[str, Path], scratch: Path) -> tupl
     return argv, proc
 
 
+def refused_for_disk(argv: list[str], proc) -> tuple[int, ...]:
+    """(1,) when a `snaketune plan` refused only because this machine's free disk is short
+    of a documented cluster run's outputs (a 32B merged model: the CI machine's free space
+    varies around it); each refusal line must be a disk line that names its figures."""
+    if argv[1:2] != ["plan"]:
+        return ()
+    refusals = [ln for ln in proc.stdout.splitlines() if "does NOT fit" in ln]
+    disk = re.compile(r"(: needs [\d.]+ GiB on | runs write to the filesystem of ).* free"
+                      r"( \(\+[\d.]+ GiB [a-z ]+\))?: does NOT fit, [\d.]+ GiB short")  # fmt: skip
+    return (1,) if refusals and all(disk.search(ln) for ln in refusals) else ()
+
+
+def test_a_plan_refused_only_for_this_machines_disk_is_told_apart():
+    """The CI failure of stop 65: the 32B QLoRA example's plan fitted its GPUs and was refused
+    only because the CI machine had 66.43 GiB free for 67.53; a refusal of GPU memory, or of
+    a disk line without its figures, still fails the documented-commands test."""
+    from types import SimpleNamespace as Proc
+
+    gpu_fits = ("qwen32b_qlora: 32.5 GiB per GPU (weights (4-bit base) 17.9, activations 9.8) "
+                "against GPU 39.4 GiB: fits; CPU 5.8 GiB per node")  # fmt: skip
+    disk_short = ("qwen32b_qlora: needs 67.53 GiB on /tmp/p/planned (2 kept checkpoints of 2.00 "
+                  "GiB, optimizer states in last: 4.25 GiB while saving; final checkpoint and "
+                  "model 2.00 GiB; exports 61.28 GiB), 66.43 GiB free: does NOT fit, 1.10 GiB "
+                  "short; lower save_total_limit (now 2), put results/ on a larger filesystem")  # fmt: skip
+    shared_short = ("2 runs write to the filesystem of /r (a, b): 9.00 GiB together, 1.00 GiB "
+                    "free (+2.00 GiB they already hold): does NOT fit, 6.00 GiB short; train "
+                    "fewer")  # fmt: skip
+    gpu_short = gpu_fits.replace(": fits;", ": does NOT fit; cheapest change that fits: x;")
+    plan = ["snaketune", "plan", "config/examples/qwen-32b-qlora-1x4.yaml"]
+    assert refused_for_disk(plan, Proc(stdout=f"{gpu_fits}\n{disk_short}\n")) == (1,)
+    assert refused_for_disk(plan, Proc(stdout=f"{gpu_fits}\n{shared_short}\n")) == (1,)
+    assert refused_for_disk(plan, Proc(stdout=f"{gpu_short}\n{disk_short}\n")) == ()
+    assert refused_for_disk(plan, Proc(stdout="qwen32b_qlora: disk: does NOT fit\n")) == ()
+    assert refused_for_disk(plan, Proc(stdout=gpu_fits)) == ()  # exit 1 with no refusal
+    assert refused_for_disk(["snaketune", "validate", "x.yaml"], Proc(stdout=disk_short)) == ()
+
+
 @pytest.mark.slow
 def test_every_documented_command_runs(places):
     assert len(COMMANDS) >= 25, COMMANDS  # the extraction found the docs' commands
@@ -129,7 +166,7 @@ def test_every_documented_command_runs(places):
         argv, proc = run_documented(command, places, scratch)
         out = proc.stdout + proc.stderr
         problems = []
-        if proc.returncode != 0 or "Traceback" in out:
+        if "Traceback" in out or proc.returncode not in (0, *refused_for_disk(argv, proc)):
             problems.append(f"exit {proc.returncode}")
         errors = [ln for ln in out.splitlines() if re.match(r"(config )?error: ", ln)]
         if errors:
