@@ -47,7 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--trained", type=Path, required=True, help="train/model: config, tokenizer, adapter config"
     )
     parser.add_argument(
-        "--base", type=Path, required=True, help="base model directory (LoRA shape checks)"
+        "--base",
+        type=Path,
+        required=True,
+        help="base model directory (LoRA shape checks; the inference settings an export keeps)",
     )
     parser.add_argument(
         "--probe", type=Path, required=True, help="probe.safetensors written by the train stage"
@@ -67,9 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hide_bitsandbytes(needs_bitsandbytes(args.base, args.trained))
     dtype = export_dtype(args.dtype, args.probe)
     config = {"method": args.adapter, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
-    inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe}
-    if args.adapter == "lora":
-        inputs["base"] = args.base
+    inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe,
+              "base": args.base}  # fmt: skip
 
     def finish(tmp: Path, report: dict) -> None:
         prov = record("convert_checkpoint", args.out, config, inputs, output_hashes(tmp),
@@ -77,9 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_provenance(tmp / NAME, prov)
 
     if args.adapter == "full":
-        report = convert_full(
-            args.checkpoint, args.trained, args.out, args.max_shard_size, dtype, args.probe, finish
-        )
+        report = convert_full(args.checkpoint, args.trained, args.base, args.out,
+                              args.max_shard_size, dtype, args.probe, finish)  # fmt: skip
     else:
         report = convert_lora(
             args.checkpoint, args.trained, args.base, args.out, dtype, args.probe, finish

@@ -402,6 +402,28 @@ def run_spec(**overrides) -> dict:
     return validate_config(config, ROOT)["runs"]["demo"]
 
 
+# The keys the schema requires of every run besides its model, dataset and method.
+REQUIRED = {"nodes": 2, "gpus_per_node": 1, "max_length": 128, "micro_batch_size": 4,
+            "learning_rate": 1e-3}  # fmt: skip
+
+
+def defaults_spec(method: str = "lora", **written) -> dict:
+    """A run as a user's first config writes it: only the required keys (a model, a dataset,
+    the method, ``REQUIRED``) and ``written``; every other key is the schema's default
+    (validated)."""
+    from snaketune.plan.config import validate_config
+
+    config = {
+        "models": {"m": {"source": "local", "path": "resources/models/m"}},
+        "datasets": {"d": {"source": "local", "path": "data/train.jsonl",
+                           "format": "prompt_response"}},
+        "runs": {"x": {"model": "m", "dataset": "d", "method": method, **REQUIRED, **written}},
+    }  # fmt: skip
+    if "max_steps" not in written:  # one of the two is required
+        config["runs"]["x"]["epochs"] = 1
+    return validate_config(config, ROOT)["runs"]["x"]
+
+
 def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: str, *extra: str,
                  threads: int | None = None):  # fmt: skip
     """scripts/train.py in ``workdir`` writing results/x/train, as a running process, with
@@ -549,6 +571,7 @@ def full_zero3(demo, tmp_path_factory) -> Path:
                     checkpoints={"optimizer": "all"})  # fmt: skip
     train(workdir, spec, workdir / "shards", demo / "resources/models/tiny", "zero3",
           "--log-example-ids", str(workdir / "ids"))  # fmt: skip
+    (workdir / "base").write_text(str(demo / "resources/models/tiny"))  # what it started from
     return workdir
 
 

@@ -207,6 +207,21 @@ MUTATIONS = (
         ("tests/test_dpo.py::test_unequal_micro_batches_give_the_global_batch_mean",
          "tests/test_reward_model.py::test_margins_and_centring_of_unequal_micro_batches_give_the_global_batch_mean"),
     ),
+    Mutation(
+        "expert-dropout", "a mixture of experts' LoRA config given the run's dropout (peft refuses it)",
+        f"{LIB}/methods/training.py",
+        '    dropout = 0.0 if targets.get("target_parameters") else lora["dropout"]',
+        '    dropout = lora["dropout"]',
+        ("tests/test_moe.py::test_the_schemas_default_dropout_builds_on_a_mixture_of_experts",),
+    ),
+    Mutation(
+        "router-logits-export", "an export keeps training's router logits and KV cache switches",
+        f"{LIB}/export/convert.py",
+        "        if hasattr(config, key) and getattr(config, key) != want:",
+        "        if False:",
+        ("tests/test_moe.py::test_an_export_has_the_bases_inference_settings_back",
+         "tests/test_export.py::test_full_zero3_converts_to_a_model_transformers_loads"),
+    ),
 )  # fmt: skip
 
 

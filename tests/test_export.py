@@ -29,6 +29,11 @@ from snaketune.export.convert import convert_full
 pytestmark = pytest.mark.slow
 
 
+def base_of(full_zero3: Path) -> Path:
+    """The base model the full_zero3 fixture trained from."""
+    return Path((full_zero3 / "base").read_text())
+
+
 def _logits(model, probe: Path) -> torch.Tensor:
     data = load_file(str(probe))
     model.eval()
@@ -39,9 +44,14 @@ def _logits(model, probe: Path) -> torch.Tensor:
 def test_full_zero3_converts_to_a_model_transformers_loads(full_zero3, tmp_path):
     train_dir = full_zero3 / "results/x/train"
     out = tmp_path / "hf"
-    report = convert_full(train_dir / "final_checkpoint", train_dir / "model", out, "100KB",
-                          torch.float32, train_dir / "probe.safetensors")  # fmt: skip
+    report = convert_full(train_dir / "final_checkpoint", train_dir / "model", base_of(full_zero3),
+                          out, "100KB", torch.float32, train_dir / "probe.safetensors")  # fmt: skip
     assert report["zero_stage"] == 3 and report["ranks"] == 4
+    # the trainer switched the KV cache off (TrainingArguments.use_cache); the export has the
+    # base's setting back, as plain transformers reads it
+    trained = json.loads((train_dir / "model/config.json").read_text())
+    assert trained["use_cache"] is False and report["restored"] == {"use_cache": True}
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
@@ -111,6 +121,7 @@ def test_tied_embeddings_convert_right(demo, tmp_path):
     convert_full(
         run / "final_checkpoint",
         run / "model",
+        fixtures["model"],
         out,
         "5GB",
         torch.float32,
@@ -135,6 +146,7 @@ def test_checkpoint_missing_a_rank_fails_and_leaves_nothing(full_zero3, tmp_path
         convert_full(
             broken,
             train_dir / "model",
+            base_of(full_zero3),
             tmp_path / "hf",
             "5GB",
             torch.float32,
@@ -152,8 +164,8 @@ def test_wrong_weights_fail_the_logit_gate(full_zero3, tmp_path):
     with pytest.raises(
         DataError, match=r"logits on the probe inputs differ from the reference by 0.001"
     ):
-        convert_full(train_dir / "final_checkpoint", train_dir / "model", tmp_path / "hf", "5GB",
-                     torch.float32, tmp_path / "probe.safetensors")  # fmt: skip
+        convert_full(train_dir / "final_checkpoint", train_dir / "model", base_of(full_zero3),
+                     tmp_path / "hf", "5GB", torch.float32, tmp_path / "probe.safetensors")  # fmt: skip
     assert not (tmp_path / "hf").exists()
 
 

@@ -194,6 +194,44 @@ def test_adapters_reach_the_experts_and_the_router_only_when_asked(kind, router)
     assert stacked and all(p.grad is not None and p.grad.abs().sum() > 0 for p in stacked)
 
 
+# (adapted linear layers, adapted expert parameters): 3 layers' q, k, v, o; qwen3_moe's dense
+# first layer's gate, up, down; each MoE layer's gate_up_proj and down_proj
+@pytest.mark.parametrize(("kind", "counts"), [("qwen3_moe", (3 * 4 + 3, 2 * 2)),
+                                              ("mixtral", (3 * 4, 3 * 2))])  # fmt: skip
+def test_the_schemas_default_dropout_builds_on_a_mixture_of_experts(kind, counts):
+    """A user's first MoE LoRA run (lora written as {r, alpha, target_modules: all-linear},
+    the schema's dropout 0.05) builds its adapters through the trainer's peft config (peft
+    refuses any dropout in a config that adapts fused expert parameters): the run's dropout
+    on every adapted linear layer, in training mode as written, none on the experts; a
+    dense model keeps peft's own dropout."""
+    from conftest import defaults_spec
+    from peft import get_peft_model
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.core.lora_targets import dropout_where_supported, exact_targets
+    from snaketune.methods.training import peft_config
+
+    run = defaults_spec(lora={"r": 8, "alpha": 16, "target_modules": "all-linear"})
+    assert run["lora"]["dropout"] == 0.05  # the schema's default, not written
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **SMALL, **TINY[kind]))
+    with exact_targets():
+        peft = get_peft_model(model, peft_config(run, model))
+    assert dropout_where_supported(peft, run["lora"]["dropout"]) == counts
+    layers = [m for m in peft.modules() if isinstance(m, LoraLayer)]
+    experts = [m for m in layers if isinstance(m, ParamWrapper)]
+    linear = [m for m in layers if not isinstance(m, ParamWrapper)]
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in experts)
+    assert all(m.lora_dropout["default"].p == 0.05 for m in linear)
+    peft.train()
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 12))
+    peft(input_ids=ids, labels=ids).loss.backward()  # trains with dropout on
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", **SMALL, intermediate_size=32))  # fmt: skip
+    assert peft_config(run, dense).lora_dropout == 0.05
+
+
 @pytest.fixture(scope="session")
 def tiny_moe(demo, tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, 2 per token, 2 layers) on the demo's tokenizer."""
@@ -531,3 +569,25 @@ def test_each_expert_s_gate_up_and_down_are_the_stacked_change_s_parts_at_peft_s
                  "alpha_pattern": {"mlp.experts.gate_up_proj": 8}}  # fmt: skip
     assert pair_scale(patterned, "gate_up") == 4.0  # 8 / sqrt(4)
     assert pair_scale(patterned, "down") == 8.0  # 32 / sqrt(16)
+
+
+def test_an_export_has_the_bases_inference_settings_back(tmp_path):
+    """What training switches on in a mixture of experts' config (router logits, for the
+    load-balancing term; the trainer's KV cache off) is set back to the base's config.json
+    values in an export (absent there: transformers' defaults, no router logits, a cache),
+    and a base's own choice is kept."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    from snaketune.export.convert import inference_settings
+
+    trained = Qwen3MoeConfig(**SMALL, **TINY["qwen3_moe"])
+    trained.output_router_logits, trained.use_cache = True, False
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert inference_settings(trained, tmp_path) == {"use_cache": True,
+                                                     "output_router_logits": False}  # fmt: skip
+    assert trained.output_router_logits is False and trained.use_cache is True
+    trained.use_cache = False
+    (tmp_path / "config.json").write_text(json.dumps({"use_cache": False}))
+    assert inference_settings(trained, tmp_path) == {}  # the base's own setting, kept

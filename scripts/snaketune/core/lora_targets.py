@@ -82,6 +82,27 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
             "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha}}  # fmt: skip
 
 
+def dropout_where_supported(model, p: float) -> tuple[int, int]:
+    """The run's ``lora.dropout`` ``p`` on every adapter of ``model`` (a peft model whose
+    config says no dropout: ``peft_config`` on a mixture of experts) but the fused experts'
+    (peft's ParamWrapper: an adapter on a 3-D parameter adds B·A to the weight, with no
+    input of its own to drop from, and peft refuses a dropout there). Returns the counts of
+    adapted modules given it and of expert parameters left without."""
+    import torch
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    given = left = 0
+    for module in model.modules():
+        if isinstance(module, ParamWrapper):
+            left += 1
+        elif isinstance(module, LoraLayer) and p > 0:
+            for name, layer in module.lora_dropout.items():
+                if isinstance(layer, torch.nn.Identity):
+                    module.lora_dropout[name] = torch.nn.Dropout(p)
+            given += 1
+    return given, left
+
+
 def suffix(name: str) -> str:
     """A module's name after its layer's index (model.layers.3.mlp.experts: mlp.experts)."""
     parts = name.split(".")

@@ -6,9 +6,9 @@ computed with it, for the export.
 The model a QLoRA run trains is the *dequantized* 4-bit base plus the adapter: each 4-bit
 layer's weight is dequantized to the compute dtype for its matmul. The export reproduces
 exactly that: :func:`as_trained` quantizes a base tensor as the training job's load did and
-dequantizes it, so convert_checkpoint's gate and the merged model compare with the training
-job's own probe logits at the precision's usual tolerance (docs/qlora.md has the
-measurement behind this choice).
+dequantizes it, so the merged model compares with the training job's own probe logits at
+the precision's usual tolerance (docs/qlora.md has the measurement behind this choice);
+convert_checkpoint's gate loads the base in 4 bits as training did (:func:`bnb_config`).
 """
 
 from __future__ import annotations
@@ -165,23 +165,6 @@ def as_trained(tensor: torch.Tensor, rec: dict[str, Any]) -> torch.Tensor:
         quant_storage=compute,
     )  # fmt: skip
     return bf.dequantize_4bit(packed, state).to(compute)
-
-
-def dequantize_model(model, rec: dict[str, Any]) -> int:
-    """Replace the quantized layers' weights of an unquantized ``model`` (loaded from the
-    base) by their trained-as values; returns how many."""
-    import torch
-
-    wanted = quantized_tensors(rec)
-    done = 0
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in wanted:
-                param.copy_(as_trained(param.data, rec).to(param.dtype))
-                done += 1
-    if done != len(wanted):
-        raise RuntimeError(f"dequantize: {done} of the {len(wanted)} recorded 4-bit layers found")
-    return done
 
 
 def already_quantized(config: dict[str, Any]) -> str | None:

@@ -150,17 +150,34 @@ def convert_lora(
         tmp.mkdir()
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         copy_files(("adapter_config.json", qlora.RECORD, *TOKENIZER_FILES), trained, tmp)
-        base = heads.load(base_model, head, dtype=dtype, local_files_only=True)
-        quantized = qlora.read_record(trained)
-        if quantized is not None:  # the base as the 4-bit run computed with it
-            qlora.dequantize_model(base, quantized)
-        model = load_adapter(base, tmp)
+        model = load_adapter(gate_base(base_model, head, dtype, qlora.read_record(trained)), tmp)
         data = load_file(str(probe))
         diff = gate(probe_logits(model, data), data, dtype, str(out))
         report = conversion_report("lora", ckpt, len(tensors), diff)
         if finish is not None:
             finish(tmp, report)
     return report
+
+
+def gate_base(base_model: Path, head: str, dtype: torch.dtype, quantized: dict | None):
+    """The base the adapter's gate computes on: memory-mapped in the export dtype, or for a
+    4-bit run (``quantized``: its record) loaded in 4 bits with the run's settings, as the
+    training job loaded it, on this CPU: what the 4-bit model weighs (0.5 bytes a linear
+    weight), not the base dequantized (2 bytes), and each layer computes with its weight
+    dequantized to the compute dtype, as training did (snaketune.core.qlora.exact_on_cpu)."""
+    if quantized is None:
+        return heads.load(base_model, head, dtype=dtype, local_files_only=True)
+    base = heads.load(base_model, head, dtype=qlora.dtype_of(quantized["load_dtype"]),
+                      quantization_config=qlora.bnb_config(quantized), device_map={"": "cpu"},
+                      local_files_only=True)  # fmt: skip
+    qlora.exact_on_cpu(base)
+    loaded = qlora.record(base, quantized)["modules"]
+    if sorted(loaded) != sorted(quantized["modules"]):
+        raise DataError(
+            f"{base_model}: loaded in 4 bits, its 4-bit layers are not the ones the run "
+            f"recorded ({len(loaded)} against {len(quantized['modules'])})"
+        )
+    return base
 
 
 def shapes_with_head(base_model: Path, head: str) -> dict[str, tuple[int, ...]]:

@@ -49,6 +49,27 @@ TOKENIZER_FILES = (
 # Called with the finished temporary directory and the stage's report, before the rename.
 Finish = Callable[[Path, dict], None]
 
+# What training switches on in the model's config and an exported model must not carry, with
+# the value a config without the key means: the trainer's ``use_cache`` (transformers'
+# TrainingArguments.use_cache, False: generation without a KV cache, each token recomputing
+# the whole sequence) and a mixture of experts' router logits (snaketune.methods.moe: on,
+# transformers' generate on a padded batch fails in its load-balancing loss).
+TRAINING_SWITCHES = {"use_cache": True, "output_router_logits": False}
+
+
+def inference_settings(config, base_model: Path) -> dict[str, object]:
+    """``config`` (the trained model's, changed in place) with each of TRAINING_SWITCHES it has
+    set back to the base model's value (its config.json; the key's meaning when absent);
+    returns what changed, for the report."""
+    base = json.loads((base_model / "config.json").read_text())
+    restored = {}
+    for key, absent in TRAINING_SWITCHES.items():
+        want = base.get(key, absent)
+        if hasattr(config, key) and getattr(config, key) != want:
+            setattr(config, key, want)
+            restored[key] = want
+    return restored
+
 
 def export_dtype(choice: str, probe: Path) -> torch.dtype:
     """The output dtype: as asked, or (auto) the precision the run trained in."""
@@ -225,13 +246,15 @@ def conversion_report(kind: str, ckpt: ZeroCheckpoint, tensors: int, diff: float
 def convert_full(
     checkpoint: Path,
     trained: Path,
+    base_model: Path,
     out: Path,
     max_shard_size: str,
     dtype: torch.dtype,
     probe: Path,
     finish: Finish | None = None,
 ) -> dict:
-    """A full fine-tune's DeepSpeed checkpoint -> HF model directory.
+    """A full fine-tune's DeepSpeed checkpoint -> HF model directory, with the base model's
+    inference settings (``inference_settings``).
 
     ``finish(tmp, report)`` runs on the complete directory before it is renamed into place
     (the scripts write provenance.json there)."""
@@ -247,6 +270,7 @@ def convert_full(
         copy_files(CONFIG_FILES + TOKENIZER_FILES, trained, tmp)
         config = config.result()
         config.dtype = str(dtype).removeprefix("torch.")
+        restored = inference_settings(config, base_model)
         config.save_pretrained(tmp)
         # a reward model (a score head) generates nothing
         stops = stop_at_end_of_turn(tmp) if heads.head_of(tmp) == "lm" else None
@@ -254,6 +278,7 @@ def convert_full(
         report = {
             **conversion_report("full", ckpt, len(weight_map), diff),
             "generation_config": stops,
+            "restored": restored,  # training's switches set back to the base's
         }
         if finish is not None:
             finish(tmp, report)

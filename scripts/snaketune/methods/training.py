@@ -101,9 +101,13 @@ def peft_config(run: dict[str, Any], model):
     lora = run["lora"]
     # a score head (a reward model): peft trains the new head whole (modules_to_save)
     task = "SEQ_CLS" if method_of(run).head == "score" else "CAUSAL_LM"
-    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+    targets = resolve(model, lora)
+    # peft refuses any dropout in a config with adapters on fused experts' parameters: the
+    # config says none, and made_ready puts the run's dropout on the other adapters
+    dropout = 0.0 if targets.get("target_parameters") else lora["dropout"]
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=dropout,
                       task_type=task, modules_to_save=lora["modules_to_save"] or None,
-                      **resolve(model, lora))  # fmt: skip
+                      **targets)  # fmt: skip
 
 
 class PlannedPairs:

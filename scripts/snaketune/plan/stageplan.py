@@ -315,8 +315,9 @@ def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]
     """CPU memory of convert_checkpoint and merge_lora (no GPU): both stream one tensor at a
     time and gate the written model with a load budget of one shard (docs/benchmarks.md,
     measured at 285M weights); a LoRA run's conversion gates the adapter on its base,
-    which stays memory-mapped where it is read in its own dtype, but a 4-bit run's base is
-    dequantized into memory as the run computed with it (P x 2 bytes)."""
+    which stays memory-mapped where it is read in its own dtype; a 4-bit run's base is
+    loaded in 4 bits as the training job loaded it (what the 4-bit model weighs, and a
+    tensor being quantized)."""
     from snaketune.core.io import parse_size
     from snaketune.plan.runspec import RunSpec
 
@@ -326,10 +327,16 @@ def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]
     out = {"convert_checkpoint": {"cpu_gib": round(streamed, 2), "why": "one tensor at a "
                                   "time, the gate's load budget of a shard"}}  # fmt: skip
     if spec.trains_lora and spec.quantized:
+        # the weights the 4-bit model keeps in its load dtype: the run's precision (bf16 on
+        # the GPU nodes the plan is for), or fp32
+        w = 4 if run["precision"] == "fp32" else 2
+        per_linear = quant_bytes(spec.quantization["double_quant"])
+        four_bit = w * (shape.params - shape.linear_params) + per_linear * shape.linear_params
         out["convert_checkpoint"] = {
-            "cpu_gib": round(LIBRARIES_GIB + 2 * shape.params / GIB + 2 * shard / GIB, 2),
-            "why": "the adapter's gate holds the 4-bit base dequantized (2 bytes a weight)",
-        }
+            "cpu_gib": round(LIBRARIES_GIB + (four_bit + 4 * shape.largest_layer) / GIB, 2),
+            "why": "the adapter's gate loads the base in 4 bits as training did, one tensor "
+                   "at a time",
+        }  # fmt: skip
     if spec.trains_lora and not spec.adapter_only:
         out["merge_lora"] = {
             "cpu_gib": round(streamed, 2),
