@@ -1,0 +1,129 @@
+"""Every config example runs in miniature, end to end (tests/miniature.py: the example as
+written, only its sizes changed): download, tokenization, sharding, training on emulated
+nodes, conversion, merge, evaluation and the report, then plain transformers generates with
+each run's exported model on a padded batch, whose config has the base model's inference
+settings. A new file under config/examples/ is covered with nothing else to write.
+
+The CI tier runs the mixture-of-experts example (its default dropout and exported router
+switch were the defects found by running it; with a full fine-tune of the same model beside
+it); the extended tier runs every one."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, snakemake
+from miniature import defaults_config, miniature
+
+EXAMPLES = sorted((ROOT / "config/examples").glob("*.yaml"))
+CI = {"qwen3-30b-a3b-lora-1x8"}
+
+
+def exported(results: Path, run: str) -> tuple[Path, Path | None]:
+    """A run's exported model: (model directory, adapter directory or None)."""
+    for name in ("merged_model", "hf"):
+        if (results / run / name / "config.json").is_file():
+            return results / run / name, None
+    adapter = results / run / "lora_adapters"
+    assert (adapter / "adapter_config.json").is_file(), sorted((results / run).iterdir())
+    base = json.loads((adapter / "provenance.json").read_text())["inputs"]["base"]["path"]
+    return results.parent / base, adapter  # recorded relative to the working directory
+
+
+def generates_on_a_padded_batch(model_dir: Path, adapter: Path | None) -> list[str]:
+    """Two prompts of unequal length, left-padded, 4 new tokens each, by plain
+    transformers (and peft for an adapter kept apart from its base); a reward model (a
+    sequence classifier) scores the batch instead."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter or model_dir, padding_side="left")
+    config = json.loads((model_dir / "config.json").read_text())
+    scorer = config["architectures"][0].endswith("ForSequenceClassification")
+    auto = AutoModelForSequenceClassification if scorer else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from snaketune.core.lora_targets import load_adapter
+
+        model = load_adapter(model, adapter)
+    prompts = ["Tina has 43 clips. She buys 5 more. How many?", "2 + 3 ="]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1].sum() < batch["attention_mask"][0].sum()  # padded
+    with torch.no_grad():
+        if scorer:
+            scores = model.eval()(**batch).logits
+            assert scores.shape == (2, 1) and torch.isfinite(scores).all()
+            return [str(float(v)) for v in scores[:, 0]]
+        out = model.eval().generate(**batch, max_new_tokens=4, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert out.shape[0] == 2 and out.shape[1] > batch["input_ids"].shape[1]
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :])
+
+
+def runs_of(workdir: Path) -> list[str]:
+    """The runs the pipeline made (sweep members by their own names): summary.tsv's rows."""
+    with open(workdir / "results/summary.tsv") as f:
+        return [row["run"] for row in csv.DictReader(f, delimiter="\t")]
+
+
+def check_miniature(workdir: Path, config: dict) -> None:
+    """Each run of ``config`` (the miniature's) in the report, evaluated where it names an
+    eval set, its exported model generating on a padded batch with the base's inference
+    settings."""
+    from snaketune.export.convert import TRAINING_SWITCHES
+
+    results = workdir / "results"
+    made = runs_of(workdir)
+    for name, spec in config["runs"].items():
+        members = [r for r in made if r == name or r.startswith(f"{name}-")]
+        assert members, (name, made)
+        for run in members:  # evaluated where the run names an eval set
+            assert (results / run / "eval/metrics.json").is_file() == ("eval_dataset" in spec), run
+            model_dir, adapter = exported(results, run)
+            texts = generates_on_a_padded_batch(model_dir, adapter)
+            assert len(texts) == 2
+            got = json.loads((model_dir / "config.json").read_text())
+            for key, absent in TRAINING_SWITCHES.items():
+                if key in got:  # the tiny bases say use_cache true, no router logits
+                    assert got[key] == absent, (run, key, got[key])
+    assert (results / "summary.html").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "example",
+    [pytest.param(e, id=e.stem, marks=() if e.stem in CI else pytest.mark.extended)
+     for e in EXAMPLES],
+)  # fmt: skip
+def test_each_example_runs_in_miniature(demo, example, tmp_path):
+    import yaml
+
+    path = miniature(example, demo, tmp_path / "w")
+    config = yaml.safe_load(path.read_text())
+    if example.stem in CI:  # the same model fully fine-tuned, beside the example's LoRA run
+        ((name, run),) = config["runs"].items()
+        full = {k: v for k, v in run.items() if k != "lora"}
+        config["runs"][f"{name}_full"] = {**full, "method": "full", "learning_rate": 1e-4}
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake("--configfile", str(path), "--directory", str(tmp_path / "w"))
+    check_miniature(tmp_path / "w", config)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_every_method_runs_from_the_schemas_defaults(demo, tmp_path):
+    """A user's first config for each training method (tests/miniature.py's
+    defaults_config: only the required keys written, 4 steps) runs end to end on the demo's
+    tiny model: each run evaluated and reported, each export used by plain transformers."""
+    import yaml
+
+    path = defaults_config(demo, tmp_path / "w")
+    snakemake("--configfile", str(path), "--directory", str(tmp_path / "w"))
+    check_miniature(tmp_path / "w", yaml.safe_load(path.read_text()))
