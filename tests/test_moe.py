@@ -209,7 +209,7 @@ def test_the_schemas_default_dropout_builds_on_a_mixture_of_experts(kind, counts
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from snaketune.core.lora_targets import dropout_where_supported, exact_targets
+    from snaketune.core.lora_targets import exact_targets, run_dropout
     from snaketune.methods.training import peft_config
 
     run = defaults_spec(lora={"r": 8, "alpha": 16, "target_modules": "all-linear"})
@@ -218,7 +218,11 @@ def test_the_schemas_default_dropout_builds_on_a_mixture_of_experts(kind, counts
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **SMALL, **TINY[kind]))
     with exact_targets():
         peft = get_peft_model(model, peft_config(run, model))
-    assert dropout_where_supported(peft, run["lora"]["dropout"]) == counts
+    given, left = counts
+    assert run_dropout(peft, run["lora"]["dropout"]) == (
+        f"lora.dropout 0.05 on the {given} adapted linear layers; none on the {left} adapted "
+        "fused-expert parameters (peft's adapter on an expert parameter has no dropout; "
+        "docs/moe.md)")  # fmt: skip
     layers = [m for m in peft.modules() if isinstance(m, LoraLayer)]
     experts = [m for m in layers if isinstance(m, ParamWrapper)]
     linear = [m for m in layers if not isinstance(m, ParamWrapper)]
@@ -230,6 +234,9 @@ def test_the_schemas_default_dropout_builds_on_a_mixture_of_experts(kind, counts
     dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "llama", **SMALL, intermediate_size=32))  # fmt: skip
     assert peft_config(run, dense).lora_dropout == 0.05
+    with exact_targets():
+        dense_peft = get_peft_model(dense, peft_config(run, dense))
+    assert run_dropout(dense_peft, 0.05) is None  # peft's own dropout: nothing to add
 
 
 @pytest.fixture(scope="session")

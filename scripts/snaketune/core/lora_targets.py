@@ -103,6 +103,19 @@ def dropout_where_supported(model, p: float) -> tuple[int, int]:
     return given, left
 
 
+def run_dropout(model, p: float) -> str | None:
+    """A peft ``model`` whose config left out the run's ``lora.dropout`` ``p`` (adapters on
+    fused experts: snaketune.methods.training.peft_config) given it where peft supports it
+    (``dropout_where_supported``); the log line that says so, None where nothing changed."""
+    config = next(iter(model.peft_config.values()))
+    if not getattr(config, "target_parameters", None) or config.lora_dropout == p:
+        return None
+    given, left = dropout_where_supported(model, p)
+    return (f"lora.dropout {p} on the {given} adapted linear layers; none on the {left} "
+            "adapted fused-expert parameters (peft's adapter on an expert parameter has no "
+            "dropout; docs/moe.md)")  # fmt: skip
+
+
 def suffix(name: str) -> str:
     """A module's name after its layer's index (model.layers.3.mlp.experts: mlp.experts)."""
     parts = name.split(".")

@@ -65,6 +65,7 @@ from snaketune.core.job import (
     WorkerEnv,
     write_segment,
 )
+from snaketune.core.lora_targets import ADAPTERS, describe, run_dropout
 from snaketune.data import sequence
 from snaketune.data.batches import Data, PlanBatches, read_rank_rows
 from snaketune.data.kernels import check_packing, resolve_attention, resolve_liger, training_kernel
@@ -219,22 +220,6 @@ def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
     return kernel
 
 
-def expert_dropout(model, ctx: Context) -> None:
-    """On a mixture of experts with adapters on its fused experts, the run's LoRA dropout
-    where peft supports it (snaketune.core.lora_targets.dropout_where_supported), said once."""
-    from snaketune.core.lora_targets import dropout_where_supported
-
-    p = ctx.run["lora"]["dropout"]
-    config = next(iter(model.peft_config.values()))
-    if not config.target_parameters or config.lora_dropout == p:
-        return
-    given, left = dropout_where_supported(model, p)
-    if ctx.env.rank == 0 and p > 0:
-        log.info("lora.dropout %s on the %d adapted linear layers; none on the %d adapted "
-                 "fused-expert parameters (peft's adapter on an expert parameter has no "
-                 "dropout; docs/moe.md)", p, given, left)  # fmt: skip
-
-
 def made_ready(trainer, ctx: Context) -> None:
     """What every method's trainer gets: our step lines instead of the printer's, gathers
     of unequal counts, the held-out pass, a 4-bit base's trainable parts in the run's
@@ -250,12 +235,12 @@ def made_ready(trainer, ctx: Context) -> None:
         trainable_in(trainer.model, DTYPES[ctx.precision])
         if ctx.env.rank == 0:
             log.info("%s", qlora.describe(ctx.quantized))
-    if hasattr(trainer.model, "peft_config"):
-        expert_dropout(trainer.model, ctx)
-    if ctx.env.rank == 0 and hasattr(trainer.model, "peft_config"):
-        from snaketune.core.io import write_json
-        from snaketune.core.lora_targets import ADAPTERS, describe
-
+    if not hasattr(trainer.model, "peft_config"):
+        return
+    said = run_dropout(trainer.model, ctx.run["lora"]["dropout"])  # fused experts: docs/moe.md
+    if ctx.env.rank == 0:
+        if said:
+            log.info("%s", said)
         adapters = describe(trainer.model)  # the provenance reads it (snaketune.train.launch)
         write_json(ctx.ckpt_dir / ADAPTERS, adapters)
         log.info("adapters: %s", ", ".join(f"{k} {v:,}" for k, v in
