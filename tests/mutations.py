@@ -222,6 +222,13 @@ MUTATIONS = (
         ("tests/test_moe.py::test_an_export_has_the_bases_inference_settings_back",
          "tests/test_export.py::test_full_zero3_converts_to_a_model_transformers_loads"),
     ),
+    Mutation(
+        "omp-passive-always", "the local launcher makes OpenMP threads sleep for every launch",
+        f"{LIB}/train/agents.py",
+        "    if threads > cores:",
+        "    if True:",
+        ("tests/test_train_units.py::test_openmp_threads_sleep_only_where_the_ranks_threads_outnumber_the_cores",),
+    ),
 )  # fmt: skip
 
 

@@ -26,6 +26,8 @@ SHORT = {
     "convert.py": ["--layers", "2", "--hidden", "128", "--repeat", "1"],
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
+    "gpu_check.py": [],  # its CPU form is the short one (test_the_gpu_check_s_cpu_form_runs)
+    "gpu_prepare.py": ["--dry-run"],  # the list of what to carry, nothing fetched
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
     "launch_startup.py": ["--repeats", "1"],
     "load_memory.py": ["--short"],
@@ -50,6 +52,7 @@ HEAVY = {"checkpoint_disk.py", "convert.py", "dpo_reference.py", "heldout_cost.p
 # Benchmarks another slow test already runs, in the documented short form (its table printed,
 # then the figures as JSON it judges): not run twice. The test named must run the script.
 RUN_BY = {
+    "gpu_check.py": ("tests/test_bench.py", "test_the_gpu_check_s_cpu_form_runs"),
     "eval_memory.py": ("tests/test_big_models.py",
                        "test_the_evaluate_stages_plan_is_what_evaluation_holds"),
     "load_memory.py": ("tests/test_memplan.py",
@@ -138,3 +141,29 @@ def test_documented_benchmark_runs(command, request, tmp_path):
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), "a benchmark prints its figures"
+
+
+def test_the_gpu_check_s_cpu_form_runs(tmp_path):
+    """bench/gpu_check.py without --gpu (its CPU form, tiny sizes; the CI tier runs it so
+    that the GPU check cannot rot between GPU runs): full fine-tuning, LoRA and (where
+    bitsandbytes imports) a 4-bit base each train through the stage with their tokens/s,
+    step time, peak memory, the plan's figure and the kernels the worker used, and the
+    profiler's top operators add up to at most the whole step."""
+    import importlib.util
+    import json
+
+    cmd = [sys.executable, str(ROOT / "bench/gpu_check.py"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    methods = {"full", "lora"} | ({"qlora"} if importlib.util.find_spec("bitsandbytes") else set())
+    assert set(result["runs"]) == methods, result["runs"]
+    for name, run in result["runs"].items():
+        assert run["tokens_per_s_per_gpu"] > 0 and run["step_s"] > 0, (name, run)
+        assert run["peak_gib"] > 0 and run["plan_gib"] > run["plan_without_margin_gib"] > 0
+        assert "attention" not in run["kernels"] and run["kernels"] != "not logged", run
+        assert run["loss_first_last"][0] > 0
+    shares = [p["share"] for p in result["profile"]]
+    assert len(shares) == 10 and 0 < sum(shares) <= 1.0001, result["profile"]
+    assert "| full |" in proc.stdout and "pytest -m gpu: not run" in proc.stdout

@@ -300,3 +300,21 @@ def test_the_launchers_handoff_reaches_the_worker_whole_and_alone():
     deadline = Deadline.handed(given)
     assert (deadline.end, deadline.margin_s, deadline.save_s) == (1_000_000.0, 90.0, 12.5)
     assert Deadline.handed(Handoff(deadline=5.0, stop_margin_s=120.0)).save_s == 30.0  # a guess
+
+
+def test_openmp_threads_sleep_only_where_the_ranks_threads_outnumber_the_cores():
+    """OMP_WAIT_POLICY=PASSIVE where ranks share cores (the tests' emulated nodes: 4 ranks on
+    2 cores, or 2 ranks of 2 threads), OpenMP's spinning default where each thread has a
+    core (one process with every core: bench/train_overhead.py's case, 0.57 of a plain loop
+    under PASSIVE); a policy the environment sets is kept."""
+    from snaketune.train.agents import wait_policy
+
+    for ranks, threads, cores, passive in [(4, "1", 2, True), (2, "2", 2, True),
+                                           (1, "2", 2, False), (2, "1", 2, False),
+                                           (8, "4", 32, False), (2, "", 1, True)]:  # fmt: skip
+        env = {"OMP_NUM_THREADS": threads}
+        wait_policy(env, ranks, cores)
+        assert ("OMP_WAIT_POLICY" in env) == passive, (ranks, threads, cores)
+    env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}
+    wait_policy(env, 4, 2)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -318,6 +318,19 @@ def start(workers: Workers, env: dict[str, str]) -> tuple[int, str | None]:
         watch.stop()
 
 
+def wait_policy(env: dict[str, str], ranks: int, cores: int) -> None:
+    """OpenMP threads that sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``) where the
+    ranks' threads are more than the cores: a rank's threads spinning at a collective would
+    take the cores from the ranks it waits for (the tests' emulated nodes; the same sums in
+    the same order, no figure changes: docs/benchmarks.md, "Ranks sharing cores"). Where
+    each thread has its own core they spin (OpenMP's default): sleeping costs each parallel
+    region a wake-up (docs/benchmarks.md, "Training overhead"). The environment's own
+    setting wins."""
+    threads = ranks * max(1, int(env.get("OMP_NUM_THREADS") or 1))
+    if threads > cores:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def run_workers(
     workers: Workers, launcher: str, env: dict[str, str], watch: StallWatch
 ) -> tuple[int, str | None]:
@@ -325,13 +338,9 @@ def run_workers(
     if launcher == "local":
         # Every emulated node's workers share this machine's cores: one thread pool each
         # of all cores would oversubscribe them (torchrun sets 1 only for 2+ per node).
-        env.setdefault(
-            "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (nodes * gpus)))
-        )
-        # ... and a rank's OpenMP threads that spin while they wait would take the cores
-        # from the ranks it waits for (at a collective): they sleep instead. The same sums
-        # in the same order: no figure changes (docs/benchmarks.md, "Ranks sharing cores").
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        cores = len(os.sched_getaffinity(0))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * gpus))))
+        wait_policy(env, nodes * gpus, cores)
         commands = local_commands(nodes, gpus, workers.argv, workers.run_id, free_port())
         return supervise(commands, env, stalled=lambda: watch.verdict is not None)
     run_preflight(workers.out, nodes, gpus, env)
