@@ -2,7 +2,8 @@
 written, only its sizes changed): download, tokenization, sharding, training on emulated
 nodes, conversion, merge, evaluation and the report, then plain transformers generates with
 each run's exported model on a padded batch, whose config has the base model's inference
-settings. A new file under config/examples/ is covered with nothing else to write.
+settings. A new file under config/examples/ is covered with nothing else to write but its
+model's published config.json fields in conftest.SHAPES.
 
 The CI tier runs the mixture-of-experts example (its default dropout and exported router
 switch were the defects found by running it; with a full fine-tune of the same model beside
