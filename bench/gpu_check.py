@@ -156,7 +156,7 @@ def check(mode: str, out: Path) -> dict:
                 result["runs"][method] = {"error": str(exc)[-1500:]}
                 continue
             s = tt.steady(records, warmup)
-            plan = planned(_validated(run, micro, steps), model, on_gpu)
+            plan = planned(tt.run_spec_of(micro, steps, True, **run), model, on_gpu)
             after = records[warmup:]
             step_s = (after[-1]["elapsed_s"] - records[warmup - 1]["elapsed_s"]) / len(after)
             result["runs"][method] = {
@@ -176,16 +176,6 @@ def check(mode: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def _validated(run: dict, micro: int, steps: int) -> dict:
-    """The run as the train stage got it (train_throughput.train_side's settings)."""
-    from snaketune.app.fixtures import demo_run_spec
-
-    return demo_run_spec(ROOT, nodes=1, gpus_per_node=1, micro_batch_size=micro,
-                         gradient_accumulation_steps=1, max_steps=steps, warmup_ratio=0.0,
-                         lr_scheduler="linear", save_steps=10**6, max_grad_norm=1.0, seed=0,
-                         packing=True, **run)  # fmt: skip
 
 
 def table(result: dict) -> str:

@@ -143,19 +143,26 @@ def steady(records: list[dict], warmup: int) -> dict[str, float]:
     }
 
 
+def run_spec_of(micro: int, steps: int, packing: bool, **run) -> dict:
+    """The validated run a side trains (1 node x 1 process, no warmup, no checkpoint)."""
+    from snaketune.app.fixtures import demo_run_spec
+
+    return demo_run_spec(ROOT, nodes=1, gpus_per_node=1, micro_batch_size=micro,
+                         gradient_accumulation_steps=1, max_steps=steps, warmup_ratio=0.0,
+                         lr_scheduler="linear", save_steps=10**6, max_grad_norm=1.0, seed=0,
+                         packing=packing, **run)  # fmt: skip
+
+
 def train_side(tmp: Path, name: str, tokenized: Path, model: Path, micro: int, steps: int,
                packing: bool, **run) -> list[dict]:  # fmt: skip
     """Shard (packed or not) and run the train stage; return metrics records."""
-    from snaketune.app.fixtures import demo_run_spec, run_train_stage
+    from snaketune.app.fixtures import run_train_stage
     from snaketune.data.shard import Layout, shard
 
     shards = tmp / f"shards-{name}"
     manifest = shard(tokenized, shards, Layout(1, 1, micro, 1), seed=0, packing=packing)
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    spec = demo_run_spec(ROOT, nodes=1, gpus_per_node=1, micro_batch_size=micro,
-                         gradient_accumulation_steps=1, max_steps=steps, warmup_ratio=0.0,
-                         lr_scheduler="linear", save_steps=10**6, max_grad_norm=1.0, seed=0,
-                         packing=packing, **run)  # fmt: skip
+    spec = run_spec_of(micro, steps, packing, **run)
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())}
     return run_train_stage(ROOT, spec, shards, model, tmp / f"train-{name}", env=env)
 

@@ -21,7 +21,8 @@ What changes:
 Everything else as written: the method, LoRA with its dropout, the 4-bit base, the DeepSpeed
 preset, sequence parallelism, packing, precision, gradient checkpointing, sweeps, chains
 (init_from), GRPO's settings, export and publish settings. A new example is covered by
-adding its file; a key or value this module cannot shrink fails with its name.
+adding its file (and its model's published config.json fields to conftest.SHAPES, which
+the plan's tests read too); a format or filter this module cannot fill fails naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import SHAPES
+from conftest import REQUIRED, SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -138,6 +139,9 @@ def miniature(example: Path, demo: Path, out: Path) -> Path:
     (out / "rewards_mini.py").write_text(VARIED)
     sp = max((r.get("sequence_parallel", 1) for r in config["runs"].values()), default=1)
     for name, spec in config["models"].items():
+        assert spec.get("id") in SHAPES, (
+            f"{example.name}: model {name} ({spec.get('id')}): add its published config.json "
+            "fields to tests/conftest.py's SHAPES (the plan tests read them too)")  # fmt: skip
         tiny_model(
             SHAPES[spec["id"]], fixtures / "tiny-llama", out / "models" / name, heads=max(4, 2 * sp)
         )
@@ -198,8 +202,7 @@ def defaults_config(demo: Path, out: Path) -> Path:
         train, test = data[method_named(name).trains_on]
         config["runs"][f"{name}_defaults"] = {
             "model": "tiny", "dataset": train, "eval_dataset": test, "method": name,
-            "nodes": 2, "gpus_per_node": 1, "max_length": 128, "micro_batch_size": 8,
-            "learning_rate": 1e-4, "max_steps": STEPS,
+            **REQUIRED, "micro_batch_size": 8, "learning_rate": 1e-4, "max_steps": STEPS,
         }  # fmt: skip
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
