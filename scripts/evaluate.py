@@ -1,4 +1,6 @@
-"""Evaluate a model on a held-out tokenized eval set: loss, perplexity, GSM8K exact match.
+"""Evaluate a model on a held-out tokenized eval set with the figures that fit it: loss and
+perplexity; exact match and math_verify for numeric answers, chrF (and normalized exact
+match) for free text; preference figures for pairs; the user's metrics (--metrics).
 
     python scripts/evaluate.py --model results/demo/merged_model \
         --eval results/tokenized/EVALKEY/data.parquet --train results/tokenized/KEY/data.parquet \
@@ -74,13 +76,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="lm-evaluation-harness settings as JSON (a run's eval.lm_eval block)",
     )  # fmt: skip
     parser.add_argument(
-        "--dpo-beta", type=float, default=None,
-        help="a DPO run's beta: the implicit rewards of held-out pairs against the base's",
+        "--method", default=None,
+        help="the run's method (snaketune.methods): what its evaluation scores and leads with "
+        "(none: a base model's evaluation)",
     )  # fmt: skip
     parser.add_argument(
-        "--reward-seed", type=int, default=None,
-        help="--model is a reward model (method reward; a causal model gets the score head "
-        "drawn from this seed, as its run's training did): score the held-out pairs",
+        "--beta", type=float, default=None,
+        help="the beta held-out pairs' implicit rewards against the base's are scored with",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="a model that scores (a reward model) from a causal one: its new head's seed, "
+        "as its run's training drew it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--metrics", type=json.loads, default=None,
+        help="the user's metrics as JSON (snaketune.methods.scorers.spec)",
     )  # fmt: skip
     parser.add_argument(
         "--adapter-base",
@@ -106,8 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.evaluation.evaluate import base_pair_logps, evaluate
+    from snaketune.evaluation.evaluate import evaluate
+    from snaketune.evaluation.preference import base_pair_logps
     from snaketune.evaluation.sharded import Share
+    from snaketune.methods.scorers import scorer
 
     hf_logging.disable_progress_bar()
     base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None
@@ -117,14 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
-    config.update({"reward_seed": args.reward_seed} if args.reward_seed is not None else {})
+    config.update({k: getattr(args, k) for k in ("method", "beta", "seed", "metrics")
+                   if getattr(args, k) is not None})  # fmt: skip
+    from snaketune.methods import method_named
+
+    method = method_named(args.method) if args.method else None  # none: a base model's
 
     def finish(tmp: Path, _: dict) -> None:
         stage = "evaluate" if args.train else "evaluate_base"
         write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
-    if args.reward_seed is not None:
-        return reward(args, base, finish, sharded)
+    if method is not None and not method.generates:  # it scores held-out pairs
+        return reward(args, base, finish, sharded, method.headline)
     share, beat = Share.from_environ() if sharded else Share(), None
     if sharded:
         from snaketune.core.heartbeat import Heartbeat
@@ -147,18 +164,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_pair_logps(args.base_metrics.with_name("samples.jsonl"))
         if args.base_metrics
         else None,
-        args.dpo_beta,
+        args.beta,
         share,
         None if beat is None else beat.watch,
         args.adapter_base,
+        method.headline if method is not None else (),
+        scorer(
+            args.metrics,
+            args.base_metrics.with_name("samples.jsonl") if args.base_metrics else None,
+        ),
     )
     if metrics is None:  # not rank 0
         return 0
-    print(json.dumps({k: metrics[k] for k in ("loss", "perplexity", "exact_match", "math_verify")}))
+    print(json.dumps({k: v["value"] for k, v in metrics["figures"].items()}))
     return 0
 
 
-def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool) -> int:
+def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool,
+           first: tuple[str, ...]) -> int:  # fmt: skip
     """A reward model's evaluation: its held-out pairs' scores (one process)."""
     from snaketune.core.errors import UserError
     from snaketune.evaluation.reward_eval import evaluate_reward
@@ -167,8 +190,8 @@ def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool) -
         raise UserError(f"{args.model}: a reward model is scored in one process; run with "
                         "--nodes 1 --gpus-per-node 1 (as the workflow plans it)")  # fmt: skip
     metrics = evaluate_reward(args.model, args.eval, args.train, args.out, args.limit,
-                              args.batch_size, args.reward_seed, base, finish,
-                              args.adapter_base)  # fmt: skip
+                              args.batch_size, args.seed, base, finish,
+                              args.adapter_base, first)  # fmt: skip
     print(json.dumps(metrics["preference"]))
     return 0
 

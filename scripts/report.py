@@ -26,6 +26,7 @@ from snaketune.app.plots import sweep_svg, training_svg
 from snaketune.app.report import summary_html, sweep_section
 from snaketune.core.io import atomic_paths, read_jsonl
 from snaketune.core.provenance import lineage
+from snaketune.methods import method_of
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.summary import summary_row, write_summary
 
@@ -34,7 +35,8 @@ def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, lis
                    evals: dict[str, dict]) -> list[str]:  # fmt: skip
     """The report's section of each sweep (snaketune.plan.sweep): its members compared, the best
     one chosen as results/<sweep>/best.json chooses it."""
-    from snaketune.plan.sweep import best_member, sweeps_of
+    from snaketune.app.selection import best_member
+    from snaketune.plan.sweep import sweeps_of
 
     sections = []
     for sweep, members in sweeps_of(runs).items():
@@ -84,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             exported = provenance.get("exported")
             attempts[name] = provenance.get("attempts") or []
             step = exported["step"] if exported and exported["checkpoint"] == "best" else None
-            svgs[name] = training_svg(metrics, f"{name}: training", held_out, step)
+            panel = method_of(spec).plot  # the method's own first panel
+            svgs[name] = training_svg(metrics, f"{name}: training", held_out, step, panel)
             (curves / f"{name}.svg").write_text(svgs[name])
             if "eval_dataset" in spec:
                 lines = (ev.parent / "samples.jsonl").read_text().splitlines()

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.app.cli import run
+from snaketune.app.selection import best_member
 from snaketune.core.io import atomic_paths, read_jsonl
-from snaketune.plan.sweep import best_member
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -79,8 +79,8 @@ def test_every_rank_share_joins_back_in_the_eval_sets_order():
 def evaluate_command(demo: Path, out: Path, gpus: int) -> list[str]:
     """The demo's evaluate job's command line (as the rule wrote it to its log's shell
     command: the same settings), with ``gpus`` processes and another output folder."""
+    from snaketune.evaluation.settings import eval_args
     from snaketune.plan.config import load_yaml, validate_config
-    from snaketune.plan.stages import eval_args
 
     config = validate_config(load_yaml(ROOT / "config/config.yaml"), ROOT)
     settings = config["runs"]["demo"]["eval"]

@@ -363,7 +363,7 @@ def test_each_rank_scores_only_its_share_of_the_held_out_pairs(tmp_path, tiny_mo
 
     from transformers import AutoModelForCausalLM
 
-    from snaketune.evaluation import evaluate
+    from snaketune.evaluation import preference
     from snaketune.evaluation.sharded import Share
 
     run_tokenize(tmp_path, "pairs", SPEC, PAIRS[:11], tiny_model)
@@ -371,8 +371,8 @@ def test_each_rank_scores_only_its_share_of_the_held_out_pairs(tmp_path, tiny_mo
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     want = [(summed_logp(model, r["input_ids"], r["labels"]),
              summed_logp(model, r["rejected_input_ids"], r["rejected_labels"])) for r in rows]  # fmt: skip
-    monkeypatch.setattr(evaluate, "whole_output_layer", lambda *a: contextlib.nullcontext())
-    shares = [evaluate.pair_logps(model, rows, 2, 0, Share(r, 3)) for r in range(3)]
+    monkeypatch.setattr(preference, "whole_output_layer", lambda *a: contextlib.nullcontext())
+    shares = [preference.pair_logps(model, rows, 2, 0, Share(r, 3)) for r in range(3)]
     assert [len(s) for s in shares] == [4, 4, 3]
     got = Share(0, 3).join(shares)
     assert len(got) == len(rows) == 11

@@ -197,7 +197,11 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo, tmp_path):
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
     table = page.split('<table id="summary">')[1].split("</table>")[0]
-    assert '<td class="name">demo</td>' in table and '<td class="name">lora</td>' in table
+    assert '<td class="name">demo<br><small>tiny</small></td>' in table
+    assert '<td class="name">lora</td>' in table
+    # the results column leads with the run's headline: exact match, base then tuned
+    shown = f"{100 * metrics['base']['exact_match']:.1f}% → {100 * metrics['exact_match']:.1f}%"
+    assert f"exact_match: {shown}" in table
     assert f"{100 * metrics['exact_match']:.1f}%" in table  # a share, not 0.765625
     assert not re.search(r"\d\.\d{5}", table), "numbers with too many digits"
     run_section = page.split('<section id="run-demo">')[1]

@@ -320,7 +320,7 @@ def test_early_stopping_ends_as_a_finished_run(demo, tmp_path):
 
 
 def test_a_sweep_selects_on_the_best_heldout_figure_seen_while_training():
-    from snaketune.plan.sweep import best_member
+    from snaketune.app.selection import best_member
 
     select = {"metric": "heldout_loss_best", "mode": "min"}
     specs = {m: {"sweep_of": {"values": {"learning_rate": lr}, "select": select}}

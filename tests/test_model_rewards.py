@@ -101,6 +101,17 @@ def test_the_prompt_s_turns_come_from_its_source_row(tmp_path):
                      "d:0:1": (("system", "Be brief."), ("user", "one?"))}  # fmt: skip
 
 
+def test_a_preference_row_s_prompt_turns_are_its_prompt(tmp_path):
+    """An eval set of pairs scored with a reward model (eval.metrics: model:<run>): each
+    example's prompt is the pair's prompt, not its chosen or rejected turn."""
+    folder = tmp_path / "p"
+    folder.mkdir()
+    pq.write_table(pa.table({"prompt": ["one?", "two?"], "chosen": ["1", "2"],
+                             "rejected": ["3", "4"]}), folder / "data.parquet")  # fmt: skip
+    turns = model_rewards.prompt_turns({"p": {"format": "preference"}}, ["p:1"], tmp_path)
+    assert turns == {"p:1": (("user", "two?"),)}
+
+
 def test_group_normalisation_is_a_z_score_within_each_prompt_s_completions():
     values = [1.0, 2.0, 4.0, 7.0, 3.0, 3.0, 3.0, 3.0, -1.0, 5.0, 0.5, 2.0]
     got = model_rewards.normalized(values, 4)

@@ -52,12 +52,13 @@ def test_lm_eval_gain_over_base_and_summary_columns():
 
 def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
     from snaketune.app.plots import training_svg
+    from snaketune.methods import method_named
     from snaketune.plan.summary import reward_quarters
 
     metrics = [{"step": s, "loss": 0.01, "lr": 1e-3, "tokens_per_s": 100.0,
                 "reward": 0.1 * s, "reward_correctness_mean": 0.05 * s,
                 "reward_format_mean": 1.0} for s in range(1, 9)]  # fmt: skip
-    svg = training_svg(metrics, "rl", None)
+    svg = training_svg(metrics, "rl", None, panel=method_named("grpo").plot)
     assert 'id="reward"' in svg and 'id="loss"' not in svg
     assert "mean reward per completion" in svg and "correctness" in svg
     # the total's quarters, and each reward's by its key (steps 1-2 and 7-8 of 8)

@@ -136,13 +136,16 @@ def test_bad_reward_configs_get_one_line(change, line):
 def test_a_reward_run_scores_its_own_start_and_shares_no_base_evaluation():
     """Its start (the model and the new head) is evaluated by rule evaluate_start with the
     run's seed; no base evaluation of the tiny model is planned for it."""
+    from snaketune.evaluation import settings as evaluations
+    from snaketune.methods import method_of
     from snaketune.plan import stages
 
     config = validate_config(reward_config(seed=5), ROOT)
     assert stages.base_metrics(config, "p", lambda: "") == "results/p/start_eval/metrics.json"
     assert all(e["run"] != "p" for e in stages.base_evaluations(config).values())
-    args = stages.eval_args(config["runs"]["p"]["eval"], None, 5)
-    assert "--reward-seed 5" in args
+    run = config["runs"]["p"]
+    args = evaluations.eval_args(run["eval"], "reward", method_of(run).eval_settings(run))
+    assert "--method reward" in args and "--seed 5" in args
 
 
 def test_a_reward_models_evaluations_are_planned_on_one_gpu_whatever_eval_asks():
@@ -159,15 +162,19 @@ def test_a_reward_models_evaluations_are_planned_on_one_gpu_whatever_eval_asks()
 
 
 def test_the_card_of_a_reward_model_says_how_to_score(tmp_path):
+    from snaketune.evaluation.figures import headline, table
     from snaketune.export.hub import card_text
 
     spec = validate_config(reward_config(), ROOT)["runs"]["p"]
     metrics = {"head": "score", "preference": {"preference_accuracy": 0.93, "reward_margin": 2.1}}
+    metrics["figures"] = table(
+        metrics, headline(("preference_accuracy", "reward_margin"), None, (), generates=False)
+    )  # as reward_eval writes
     text = card_text("p", spec, {"base": {"id": "tiny"}, "datasets": []}, metrics, "0" * 64,
                      "apache-2.0", "me/rm")  # fmt: skip
     assert "pipeline_tag: text-classification" in text and "reward-model" in text
     assert 'AutoModelForSequenceClassification.from_pretrained("me/rm")' in text
-    assert "| held-out preference accuracy | 0.93 |" in text
+    assert "| preference accuracy (chosen ranked first) | 0.93 |" in text
 
 
 # --------------------------------------------------------------- against the oracle

@@ -13,9 +13,10 @@ import pytest
 import yaml
 from conftest import ROOT, STOP_SWEEP, STOP_SWEEP_STEPS, ci_tier, read_jsonl, snakemake
 
+from snaketune.app.selection import select
 from snaketune.core.errors import ConfigError
 from snaketune.plan.config import load_yaml, validate_config
-from snaketune.plan.sweep import member_name, select
+from snaketune.plan.sweep import member_name
 
 GRID = {"learning_rate": [0.003, 0.006], "lora.r": [4, 8]}
 MEMBERS = ["demo-learning_rate_0p003-r_4", "demo-learning_rate_0p003-r_8",
@@ -110,19 +111,31 @@ def test_validate_lists_the_members_and_the_dry_run_shares_the_data_stages(tmp_p
     assert jobs["tokenize_dataset"] == "2" and jobs["shard_dataset"] == "1", jobs
 
 
-def test_auto_selects_on_the_loss_where_the_references_have_no_answers():
-    """Chat data: no '#### <answer>' in the references, every member's exact match is 0; the
-    default (auto) picks the lowest held-out loss, and says why."""
-    members = {m: {"values": {"lr": i}, "answers": 0,
-                   "figures": {"exact_match": 0.0, "loss": [1.5, 1.1, 1.3][i]}}
+def test_auto_selects_on_the_first_figure_of_the_members_headline():
+    """Chat data (free-text references): the headline the evaluation wrote leads with the
+    held-out loss, so auto picks the lowest, and says why; GSM8K-style references lead with
+    exact match (max); a DPO run's headline with its preference accuracy (max); members
+    without a headline (evaluations from before it) fall back to the loss."""
+    from snaketune.evaluation.figures import headline
+
+    members = {m: {"values": {"lr": i}, "headline": headline((), "text", ()),
+                   "figures": {"chrf": [30.0, 20.0, 10.0][i], "loss": [1.5, 1.1, 1.3][i],
+                               "exact_match": 0.0, "preference_accuracy": [0.5, 0.6, 0.7][i]}}
                for i, m in enumerate(("a", "b", "c"))}  # fmt: skip
     best = select(members, {"metric": "auto"})
     assert (best["metric"], best["mode"], best["best"]) == ("loss", "min", "b")
-    assert "no '#### <answer>' lines" in best["metric_chosen"] and "tied" not in best
+    assert "headline" in best["metric_chosen"] and "tied" not in best
     for info in members.values():  # GSM8K-style references: exact match, as before
-        info["answers"] = 64
+        info["headline"] = headline((), "numeric", ())
     best = select(members, {"metric": "auto"})
     assert (best["metric"], best["mode"]) == ("exact_match", "max")
+    for info in members.values():  # DPO: its own figure first
+        info["headline"] = headline(("preference_accuracy",), "text", ())
+    best = select(members, {"metric": "auto"})
+    assert (best["metric"], best["mode"], best["best"]) == ("preference_accuracy", "max", "c")
+    for info in members.values():
+        info["headline"] = None
+    assert select(members, {"metric": "auto"})["metric"] == "loss"
 
 
 def test_a_tie_is_named_and_broken_by_the_heldout_loss():
@@ -146,7 +159,8 @@ def test_select_sweep_writes_best_json(tmp_path):
         (tmp_path / m / "train/metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0 - i})
                                                           + "\n")  # fmt: skip
         (tmp_path / m / "eval/metrics.json").write_text(json.dumps(
-            {"exact_match": [0.2, 0.5, 0.4, 0.1][i], "loss": 1.0, "perplexity": 2.7}))  # fmt: skip
+            {"exact_match": [0.2, 0.5, 0.4, 0.1][i], "loss": 1.0, "perplexity": 2.7,
+             "headline": ["exact_match", "math_verify", "loss"]}))  # fmt: skip
     out = tmp_path / "demo/best.json"
     proc = subprocess.run(
         ["python", str(ROOT / "scripts/select_sweep.py"), "--sweep", "demo", "--members",

@@ -4,7 +4,9 @@ import json
 from functools import partial
 from pathlib import Path
 
+from snaketune.methods import scorers
 from snaketune.methods import method_of
+from snaketune.evaluation import settings as evaluations
 from snaketune.plan import fit, slurmfit, stages, targets
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
@@ -294,11 +296,27 @@ def eval_adapter_arg(wildcards, input):
     )
 
 
+def eval_metrics(run):
+    """What a run's evaluate stage scores its user's metrics with (None: it has none)."""
+    return scorers.spec(
+        config,
+        run,
+        lambda name: stages.final_model(config, reward_run(name)),
+        lambda model: stages.chat_template(config, model),
+    )
+
+
+def start_eval_settings(wildcards):
+    return stages.run_eval_args(run_of(wildcards))
+
+
 def run_eval_settings(wildcards):
-    run = run_of(wildcards)
-    method = method_of(run)
-    seed = run["seed"] if method.head == "score" else None  # a reward model's new head
-    return stages.eval_args(run["eval"], method.eval_beta(run), seed)
+    return stages.run_eval_args(run_of(wildcards), eval_metrics(wildcards.run))
+
+
+def eval_metric_inputs(wildcards):
+    """The reward models a run's metrics score with ("model:<run>" in eval.metrics)."""
+    return {"metric_models": scorers.model_folders(eval_metrics(wildcards.run))}
 
 
 def base_eval_model(wildcards):
@@ -306,7 +324,7 @@ def base_eval_model(wildcards):
 
 
 def base_eval_settings(wildcards):
-    return stages.eval_args(BASE_EVALS[wildcards.key])
+    return evaluations.eval_args(BASE_EVALS[wildcards.key])
 
 
 # ----------------------------------------------------------------------------- sweeps

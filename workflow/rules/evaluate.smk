@@ -73,7 +73,7 @@ rule evaluate_start:
         workers_per_node=eval_resource("gpus"),
         timeout_minutes=eval_timeout,
     params:
-        settings=run_eval_settings,
+        settings=start_eval_settings,
         out="results/{run}/start_eval",
     shell:
         "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
@@ -85,6 +85,7 @@ rule evaluate_start:
 rule evaluate:
     input:
         unpack(eval_adapter_inputs),
+        unpack(eval_metric_inputs),
         script=f"{SCRIPTS}/evaluate.py",
         model=run_final_model,
         eval=run_eval_tokenized,

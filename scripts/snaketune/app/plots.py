@@ -29,27 +29,40 @@ def figure(width_in: float, height_in: float, cols: int):
 
     plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True,
                          "grid.alpha": 0.3, "svg.hashsalt": "snaketune"})  # fmt: skip
-    return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False)
+    # constrained: each panel's labels (a second axis at its right included) keep clear of
+    # the next panel's
+    return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False,
+                        layout="constrained")  # fmt: skip
+
+
+PANELS = ("loss", "reward", "preference")  # a method's first panel (snaketune.methods: plot)
 
 
 def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None,
-                 exported: int | None = None) -> str:  # fmt: skip
-    """Training loss (with the held-out loss where measured) or, for a GRPO run, its
-    rewards; learning rate; tokens/s; against the optimizer step, side by side, with ticks
-    and units. Held-out passes while training (eval_steps) are points over the first panel,
-    and ``exported`` (export.checkpoint: best) marks the step the model was taken from."""
+                 exported: int | None = None, panel: str = "loss") -> str:  # fmt: skip
+    """The method's first ``panel``: training loss (with the held-out loss where measured),
+    a GRPO run's rewards or a DPO or reward model run's preference figures; learning rate;
+    tokens/s; against the optimizer step, side by side, with ticks and units. Held-out
+    passes while training (eval_steps) are points over the first panel, and ``exported``
+    (export.checkpoint: best) marks the step the model was taken from."""
+    return svg_of(training_figure(metrics, title, eval_loss, exported, panel))
+
+
+def training_figure(metrics: list[dict[str, Any]], title: str, eval_loss: float | None,
+                    exported: int | None = None, panel: str = "loss"):  # fmt: skip
+    """The matplotlib figure of ``training_svg``."""
     metrics, held = split_rows(metrics)
     steps = [m["step"] for m in metrics]
     fig, axes = figure(11.5, 3.0, 3)
     loss, lr, tps = axes[0]
-    if metrics and "reward" in metrics[0]:
+    if metrics and panel == "reward":
         _reward_panel(loss, metrics, steps)
         loss.set_title(f"{title}: reward")
         _heldout_points(loss, held, "exact_match", twin=True)
-    elif metrics and "reward_margin" in metrics[0]:
+    elif metrics and panel == "preference":
         _preference_panel(loss, metrics, steps)
         loss.set_title(f"{title}: preference")
-        _heldout_points(loss, held, "loss", twin=True)
+        _heldout_points(loss, held, "loss", twin=False)  # a loss: the left axis's unit
     else:
         _loss_panel(loss, metrics, steps, eval_loss)
         loss.set_title(f"{title}: loss")
@@ -68,7 +81,7 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
             ylabel="real tokens / s (all ranks)")  # fmt: skip
     for ax in axes[0]:
         ax.xaxis.get_major_locator().set_params(integer=True)
-    return svg_of(fig)
+    return fig
 
 
 def _heldout_points(ax, held: list[dict[str, Any]], figure: str, twin: bool) -> None:

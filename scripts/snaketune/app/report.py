@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from snaketune.app.plots import figure, svg_of
 from snaketune.core import heldout
+from snaketune.methods import method_named
 from snaketune.plan.summary import lm_eval_figures
 
 
@@ -48,40 +49,20 @@ class Comparison(NamedTuple):
     percent: bool  # shown as a share (76.6%)
     higher_is_better: bool
     stderr: float | None = None
+    headline: bool = False  # one of the figures the run leads with
 
 
 def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
-    """Every metric of an evaluation: exact match, math_verify, loss, perplexity, each
-    lm-eval figure (with its stderr)."""
-    base, gain = ev.get("base") or {}, ev.get("gain") or {}
-    rows = [] if ev.get("head") == "score" else [  # a reward model: its pairs' scores only
-        Comparison("exact match (#### number)", base.get("exact_match"), ev.get("exact_match"),
-                   gain.get("exact_match"), True, True),
-        Comparison("math_verify accuracy", base.get("math_verify"), ev.get("math_verify"),
-                   gain.get("math_verify"), True, True),
-        Comparison("stop rate (ends on a stop id)", base.get("stop_rate"), ev.get("stop_rate"),
-                   None if None in (base.get("stop_rate"), ev.get("stop_rate"))
-                   else ev["stop_rate"] - base["stop_rate"], True, True),
-        Comparison("held-out loss (nats/token)", base.get("loss"), ev.get("loss"),
-                   None if "loss" not in gain else -gain["loss"], False, False),
-        Comparison("perplexity", base.get("perplexity"), ev.get("perplexity"),
-                   None if base.get("perplexity") is None
-                   else ev["perplexity"] - base["perplexity"], False, False),
-    ]  # fmt: skip
-    pref, base_pref = ev.get("preference") or {}, base.get("preference") or {}
-    if "preference_accuracy" in pref:  # held-out pairs of a DPO run or a reward model
-        ranked = "score" if ev.get("head") == "score" else "implicit reward"
-        rows += [
-            Comparison(f"preference accuracy ({ranked} ranks chosen first)",
-                       base_pref.get("preference_accuracy"), pref["preference_accuracy"],
-                       gain.get("preference_accuracy"), True, True),
-            Comparison("reward margin (chosen - rejected)", base_pref.get("reward_margin"),
-                       pref["reward_margin"], gain.get("preference_reward_margin"), False, True),
-        ]  # fmt: skip
-    if "likelihood_accuracy" in pref and "preference_accuracy" in pref:
-        rows.append(Comparison("chosen more likely than rejected",
-                               base_pref.get("likelihood_accuracy"), pref["likelihood_accuracy"],
-                               gain.get("preference_likelihood_accuracy"), True, True))  # fmt: skip
+    """Every figure the evaluation measured (metrics.json's ``figures``: its headline
+    first, snaketune.evaluation.figures), then each lm-eval figure (with its stderr)."""
+    from snaketune.evaluation.figures import described
+
+    lead = set(ev.get("headline") or ())
+    rows = []
+    for key, f in (ev.get("figures") or {}).items():
+        d = described(key)
+        rows.append(Comparison(d.label, f.get("base"), f["value"], f.get("gain"), d.percent,
+                               d.higher_is_better, None, key in lead))  # fmt: skip
     for label, f in lm_eval_figures(ev):
         rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
                                False, True, f.get("stderr")))  # fmt: skip
@@ -93,7 +74,7 @@ def comparison_svg(ev: dict[str, Any], title: str) -> str | None:
     pairs = [
         (r.label, r.base, r.tuned)
         for r in comparison_rows(ev)
-        if r.base is not None and 0 <= r.base <= 1 and 0 <= r.tuned <= 1
+        if r.percent and r.base is not None and 0 <= r.base <= 1 and 0 <= r.tuned <= 1
     ]
     if not pairs:
         return None
@@ -122,7 +103,9 @@ STYLE = (
     "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top;text-align:left}"
     "td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}"
     "th{background:#f4f4f4}svg{max-width:100%;height:auto}"
-    "table.samples{table-layout:fixed;width:100%}"
+    "table.samples,table#summary{table-layout:fixed;width:100%}"
+    "table#summary td,table#summary th{overflow-wrap:anywhere}"
+    "th.results{width:24%}small{color:#666}"
     "pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}"
     "tr.right td.mark{color:#167a2c;font-weight:bold}tr.wrong td.mark{color:#b3261e;"
     "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
@@ -130,13 +113,14 @@ STYLE = (
     "div.wide{max-width:100%;overflow-x:auto}td.name{overflow-wrap:anywhere;min-width:6em}"
     "p.warn{border-left:4px solid #b3261e;padding:.3em .6em;background:#fbeeee}"
 )
-SUMMARY = [("run", "run", False), ("model", "model", False), ("method", "method", False),
+# the summary table's columns: (summary.tsv column, label, shown as a share); `results` is
+# each run's headline figures, base beside tuned (headline_cell)
+SUMMARY = [("run", "run (model)", False), ("method", "method", False),
            ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
-           ("final_loss", "final train loss", False), ("eval_loss", "held-out loss", False),
-           ("base_exact_match", "exact match, base", True), ("exact_match", "exact match", True),
-           ("math_verify", "math_verify", True), ("stop_rate", "stop rate", True),
-           ("tokens_per_s", "tokens/s", False),
-           ("padding", "padding", True), ("mfu", "MFU", True),
+           ("final_loss", "final train loss", False),
+           ("results", "results (base → tuned)", False),
+           ("tokens_per_s", "tokens/s", False), ("padding", "padding", True),
+           ("mfu", "MFU", True),
            ("expert_load_last_quarter", "expert load (busiest / even)", False),
            ("aux_loss_last_quarter", "router aux loss", False),
            ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
@@ -162,8 +146,9 @@ def comparison_table(ev: dict[str, Any]) -> str:
     for r in comparison_rows(ev):
         shown = pretty(r.tuned, r.percent)
         shown += f" ± {pretty(r.stderr)}" if r.stderr is not None else ""
+        label = f"<b>{escape(r.label)}</b>" if r.headline else escape(r.label)
         trs.append(
-            f"<tr><td>{escape(r.label)}</td><td class='num'>{escape(pretty(r.base, r.percent))}"
+            f"<tr><td>{label}</td><td class='num'>{escape(pretty(r.base, r.percent))}"
             f"</td><td class='num'>{escape(shown)}</td>"
             f"{_gain(r.gain, r.percent, r.higher_is_better)}</tr>"
         )
@@ -189,27 +174,43 @@ def scores_table(samples: list[dict[str, Any]], n: int) -> str:
             f"{trs}</table>")  # fmt: skip
 
 
+def sample_scores(s: dict[str, Any]) -> str:
+    """A generation's own figures: chrF, normalized match, the user's metrics."""
+    figures = {"chrF": s.get("chrf"), "normalized match": s.get("normalized_match"),
+               **(s.get("scores") or {})}  # fmt: skip
+    shown = {k: ("yes" if v else "no") if isinstance(v, bool) else pretty(v)
+             for k, v in figures.items() if v is not None}  # fmt: skip
+    return "; ".join(f"{k} {v}" for k, v in shown.items())
+
+
 def samples_table(samples: list[dict[str, Any]], n: int) -> str:
+    """The first ``n`` generations with their prompts and reference texts; marked right or
+    wrong where a checker decides (a reference with a final answer), otherwise with their
+    scores."""
     from html import escape
 
-    if samples and "chosen_score" in samples[0]:  # a reward model's pairs
-        return scores_table(samples, n)
-    right = sum(bool(s.get("correct")) for s in samples)
+    checked = [s for s in samples if s.get("reference_answer") is not None]
+    right = sum(bool(s.get("correct")) for s in checked)
     trs = []
     for s in samples[:n]:
-        ok = bool(s.get("correct"))
+        if s.get("reference_answer") is not None:
+            ok = bool(s.get("correct"))
+            mark, cls = ("✓ right" if ok else "✗ wrong"), ("right" if ok else "wrong")
+        else:
+            mark, cls = sample_scores(s), "scored"
         trs.append(
-            f"<tr class='{'right' if ok else 'wrong'}'>"
-            f"<td class='mark'>{'✓ right' if ok else '✗ wrong'}</td>"
+            f"<tr class='{cls}'><td class='mark'>{escape(mark)}</td>"
             f"<td><pre>{escape(str(s.get('prompt', '')))}</pre></td>"
-            f"<td><pre>{escape(str(s.get('reference_answer')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('reference', '')))}</pre></td>"
             f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
         )
+    said = (f"{right} of {len(checked)} answered right: the mark is exact match on the number "
+            "after ####" if checked else "the references have no final answer to check, so "
+            "each sample shows its scores")  # fmt: skip
     return (
-        f"<p>First {min(n, len(samples))} of {len(samples)} held-out examples ({right} answered "
-        "right; the mark is exact match on the number after ####).</p>"
-        "<table class='samples'><col style='width:8%'><col style='width:42%'>"
-        "<col style='width:10%'><col style='width:40%'><tr><th></th><th>prompt</th>"
+        f"<p>First {min(n, len(samples))} of {len(samples)} held-out examples ({said}).</p>"
+        "<table class='samples'><col style='width:13%'><col style='width:29%'>"
+        "<col style='width:23%'><col style='width:35%'><tr><th></th><th>prompt</th>"
         f"<th>reference</th><th>generation (tuned)</th></tr>{''.join(trs)}</table>"
     )
 
@@ -282,6 +283,39 @@ def worse_than_start(row: dict[str, str]) -> str | None:
                                     int(row["exported_step"]))  # fmt: skip
 
 
+def headline_cell(row: dict[str, str]) -> str:
+    """A run's headline figures (its summary row's ``headline``), one a line, the base
+    model's before the tuned one's."""
+    from html import escape
+
+    from snaketune.evaluation.figures import described
+    from snaketune.plan.summary import column_of
+
+    lines = []
+    for key in (row.get("headline") or "").split():
+        column, d = column_of(key), described(key)
+        if not row.get(column):
+            continue
+        base = row.get(f"base_{column}")
+        before = f"{pretty(base, d.percent)} → " if base else ""
+        lines.append(f"{escape(d.short)}: {escape(before + pretty(row[column], d.percent))}")
+    return "<br>".join(lines) or "–"
+
+
+def summary_cell(row: dict[str, str], key: str, percent: bool) -> str:
+    """One cell of the summary table."""
+    from html import escape
+
+    if key == "run":
+        return (f"<td class='name'>{escape(row['run'])}<br><small>{escape(row['model'])}"
+                "</small></td>")  # fmt: skip
+    if key == "method":
+        return f"<td class='name'>{escape(row[key])}</td>"
+    if key == "results":
+        return f"<td class='results'>{headline_cell(row)}</td>"
+    return f"<td class='num'>{escape(pretty(row.get(key), percent))}</td>"
+
+
 def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
                  evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
                  lineages: dict[str, tuple[str, str, str]] | None = None,
@@ -294,17 +328,9 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
 
     # a mixture of experts' router columns only where a run has them
     columns = [c for c in SUMMARY if c[0] not in ROUTER or any(r.get(c[0]) for r in rows)]
-    head = "".join(f"<th>{escape(label)}</th>" for _, label, _ in columns)
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f"<td class='name'>{escape(row[key])}</td>" if key in ("run", "model", "method")
-            else f"<td class='num'>{escape(pretty(row.get(key), pct))}</td>"
-            for key, _, pct in columns
-        )
-        + "</tr>"
-        for row in rows
-    )  # fmt: skip
+    head = "".join(f"<th class='{key}'>{escape(label)}</th>" for key, label, _ in columns)
+    body = "".join("<tr>" + "".join(summary_cell(row, key, pct) for key, _, pct in columns)
+                   + "</tr>" for row in rows)  # fmt: skip
     sections = []
     by_run = {row["run"]: row for row in rows}
     for run, svg in plots.items():
@@ -328,7 +354,9 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
         if attempts and attempts.get(run):
             parts.append(attempts_table(attempts[run]))
         if samples.get(run):
-            parts.append("<h3>Samples</h3>" + samples_table(samples[run], n_samples))
+            pairs = not method_named(by_run[run]["method"]).generates if run in by_run else False
+            table = (scores_table if pairs else samples_table)(samples[run], n_samples)
+            parts.append("<h3>Samples</h3>" + table)
         sections.append("".join(parts) + "</section>")
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"

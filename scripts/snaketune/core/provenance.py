@@ -197,7 +197,8 @@ def evaluations_of(root: Path, artefact: Path) -> Iterator[str]:
             figures = ""
             if metrics.is_file():
                 m = json.loads(metrics.read_text())
-                figures = f": exact_match {m.get('exact_match')}, loss {m.get('loss'):.4g}"
+                figures = ": " + ", ".join(f"{k} {f['value']:.4g}" for k, f in
+                                           list((m.get("figures") or {}).items())[:3])  # fmt: skip
             yield f"evaluated in {ev.parent.relative_to(root)}{figures}"
 
 

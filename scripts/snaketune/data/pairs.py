@@ -29,6 +29,12 @@ PAIR_COLUMNS = (("rejected_input_ids", pa.list_(pa.int32())),
                 ("rejected_labels", pa.list_(pa.int32())))  # fmt: skip
 
 
+def holds_pairs(columns) -> bool:
+    """Whether a tokenized set's columns (or one of its rows) are pairs': this kind's own
+    question, so that nothing else probes its column names."""
+    return all(name in columns for name, _ in PAIR_COLUMNS)
+
+
 def pair_schema(base: pa.Schema) -> pa.Schema:
     """The tokenized schema of a preference set: the supervised one and the rejected side."""
     schema = base

@@ -30,7 +30,7 @@ def parse_answer(text: str) -> str | None:
 _LAST_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """The last ``\\boxed{...}`` of ``text`` (braces matched), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -49,7 +49,7 @@ def final_answer(text: str) -> str | None:
     if "####" in text:
         line = text.rsplit("####", 1)[1].strip().splitlines()
         return line[0].strip() if line and line[0].strip() else None
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     numbers = _LAST_NUMBER.findall(text)

@@ -10,11 +10,10 @@ an eval example that was trained on fails the stage before any model is loaded.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,12 @@ import torch
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
 from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
+from snaketune.data.pairs import PAIR_COLUMNS, holds_pairs
 from snaketune.data.shard import check_overlap
-from snaketune.evaluation.answers import final_answer, math_verify_match, parse_answer
+from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
 from snaketune.evaluation.model import DTYPES, resolve_precision
-from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded, whole_output_layer
+from snaketune.evaluation.preference import pair_logps, preference
+from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
     """The eval rows (and, for preference pairs, their rejected sides)."""
     names = pq.ParquetFile(path).schema_arrow.names
     columns = ["example_id", "input_ids", "labels"]
-    columns += [c for c in ("rejected_input_ids", "rejected_labels") if c in names]
+    columns += [name for name, _ in PAIR_COLUMNS] if holds_pairs(names) else []
     table = pq.read_table(path, columns=columns)
     if limit is not None:
         table = table.slice(0, limit)
@@ -149,8 +150,12 @@ def greedy(model, batch: list[list[int]], pad: int, stops: list[int], max_new_to
 
 def score(rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """Each generation against its reference (snaketune.evaluation.answers): the samples, and the
-    figures over all of them."""
+    """Each generation against its reference with the figures that fit the references
+    (snaketune.evaluation.figures: numeric answers, free text or both): the samples, and the
+    figures over all of them (``exact_match`` and ``math_verify`` always: the held-out pass
+    while training reads them)."""
+    from snaketune.evaluation.figures import answer_format, text_scores
+
     samples, correct, verified, answers = [], 0, 0, 0
     for r, text, ended in zip(rows, generations, stopped, strict=True):
         prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
@@ -160,7 +165,7 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
         ok = want is not None and got == want
         correct += ok
         final = final_answer(text)
-        mv = math_verify_match(want, final)
+        mv = math_verify_match(want or last_boxed(reference), final)  # GSM8K or MATH
         verified += mv
         samples.append({
             "example_id": r["example_id"], "prompt": tokenizer.decode(prompt),
@@ -168,7 +173,9 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
             "reference_answer": want, "correct": ok, "final_answer": final,
             "math_verify": mv, "stopped": ended,
         })  # fmt: skip
+    fmt = answer_format([s["reference"] for s in samples])
     figures = {
+        "format": fmt,
         "exact_match": correct / len(rows),
         "math_verify": verified / len(rows),
         # generations that ended on a stop id of the model, not at max_new_tokens
@@ -176,77 +183,20 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
         # references with a '#### <answer>' line: what exact match can score
         "reference_answers": answers,
     }
+    if fmt != "numeric":  # free-text references: chrF (and normalized match if short)
+        per, overlap = text_scores([s["reference"] for s in samples], generations)
+        for sample, one in zip(samples, per, strict=True):
+            sample.update(one)
+        figures.update(overlap)
     return samples, figures
-
-
-def pair_logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
-               ) -> list[tuple[float, float]]:  # fmt: skip
-    """Each of this rank's held-out pairs' summed log-probs of its chosen and its rejected
-    response (every rank runs as many batches: one short of pairs repeats a pair)."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    from snaketune.evaluation.logps import pair_batch, sequence_logps
-
-    add_fused_lm_head(model)  # the log-probs as DPO training computes them
-    mine, out = share.mine(rows), []
-    for b in range(share.batches(len(rows), batch_size)):
-        part = mine[b * batch_size : (b + 1) * batch_size]
-        batch = pair_batch(part or rows[:1], pad)
-        with whole_output_layer(model, share.world > 1):
-            chosen, rejected = sequence_logps(model, {k: v.to(model.device)
-                                                      for k, v in batch.items()})  # fmt: skip
-        if part:
-            out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
-    return out
-
-
-def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
-               beta: float | None) -> dict[str, Any]:  # fmt: skip
-    """Figures of the held-out pairs: how often the model finds the chosen response more
-    likely than the rejected (likelihood_accuracy); and, against the model it started from
-    (``base``: example id -> its log-probs) with the run's ``beta``, the implicit reward
-    beta * (log p - log p_start) of each side: how often it ranks chosen above rejected
-    (preference_accuracy; 0 for the starting model itself, whose rewards are all 0) and the
-    mean margin between them."""
-    figures: dict[str, Any] = {
-        "pairs": len(samples),
-        "likelihood_accuracy": sum(s["chosen_logp"] > s["rejected_logp"] for s in samples)
-        / len(samples),
-    }
-    if base is None or beta is None:
-        return figures
-    margins, chosen, rejected = [], [], []
-    for s in samples:
-        c0, r0 = base[s["example_id"]]
-        chosen.append(beta * (s["chosen_logp"] - c0))
-        rejected.append(beta * (s["rejected_logp"] - r0))
-        margins.append(chosen[-1] - rejected[-1])
-    figures.update({
-        "beta": beta,
-        "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
-        "reward_margin": sum(margins) / len(margins),
-        "reward_chosen": sum(chosen) / len(chosen),
-        "reward_rejected": sum(rejected) / len(rejected),
-    })  # fmt: skip
-    return figures
-
-
-def base_pair_logps(samples: Path) -> dict[str, tuple[float, float]] | None:
-    """The pairs' log-probs a base evaluation recorded in its samples (None: none there)."""
-    if not samples.is_file():
-        return None
-    out = {}
-    for line in samples.read_text().splitlines():
-        s = json.loads(line)
-        if "chosen_logp" in s:
-            out[s["example_id"]] = (s["chosen_logp"], s["rejected_logp"])
-    return out or None
 
 
 def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
     """Add the base model's figures and the gain over them, in place."""
-    keys = ("loss", "perplexity", "exact_match", "math_verify", "stop_rate")
-    metrics["base"] = {k: base_metrics.get(k) for k in keys}
+    from snaketune.evaluation.figures import FAMILY, GENERATED
+
+    keys = dict.fromkeys((*GENERATED, *FAMILY["mixed"]))
+    metrics["base"] = {k: base_metrics.get(k) for k in keys if k in base_metrics}
     metrics["gain"] = {
         "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
         "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
@@ -273,7 +223,7 @@ def scored(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: 
     texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens,
                               calls)  # fmt: skip
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
-    if "rejected_input_ids" in rows[0]:
+    if holds_pairs(rows[0]):
         mine = [(*m, lp) for m, lp in zip(mine, pair_logps(model, rows, batch_size, pad, share),
                                           strict=True)]  # fmt: skip
     every = share.in_order(mine)
@@ -351,6 +301,8 @@ def evaluate(
     share: Share = ONE,
     on_loaded: Callable[[Any], None] | None = None,
     adapter_base: Path | None = None,
+    first: Sequence[str] = (),
+    user_scores: Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None = None,
 ) -> dict[str, Any] | None:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
     With ``share`` of several processes every one calls this: the model is sharded over them
@@ -362,6 +314,8 @@ def evaluate(
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
     An eval set of preference pairs adds each pair's log-probs to its sample and the
     ``preference`` figures (against ``base_pairs``, the starting model's, with ``beta``).
+    ``first``: its method's headline figures; ``user_scores(samples, metrics)`` adds the
+    user's metrics (snaketune.methods.scorers) and returns their keys (``describe``).
     """
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
@@ -380,13 +334,24 @@ def evaluate(
     metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
                     "model": str(model_dir), "max_new_tokens": max_new_tokens,
                     "processes": share.world})  # fmt: skip
-    if "chosen_logp" in samples[0]:
+    if holds_pairs(rows[0]):
         metrics["preference"] = preference(samples, base_pairs, beta)
     if base_metrics is not None:
         against_base(metrics, base_metrics)
+    user = user_scores(samples, metrics) if user_scores is not None else []
+    describe(metrics, first, user)
     write_outputs(out_dir, metrics, samples, finish)
-    log.info("loss %.4f, perplexity %.2f, exact match %.3f, math_verify %.3f, stop rate %.3f "
-             "(stop ids %s) on %d examples", metrics["loss"], metrics["perplexity"],
-             metrics["exact_match"], metrics["math_verify"], metrics["stop_rate"],
-             metrics["stop_ids"], len(rows))  # fmt: skip
+    log.info("%s; stop ids %s; %d examples", ", ".join(
+        f"{k} {v['value']:.4g}" + (f" (base {v['base']:.4g})" if "base" in v else "")
+        for k, v in metrics["figures"].items()), metrics["stop_ids"], len(rows))  # fmt: skip
     return metrics
+
+
+def describe(metrics: dict[str, Any], first: Sequence[str], user: Sequence[str]) -> None:
+    """metrics.json's ``headline`` (the method's figures, the data's, the loss, the user's)
+    and ``figures`` (every figure shown, headline first, with the base's), in place."""
+    from snaketune.evaluation import figures
+
+    metrics["headline"] = figures.headline(first, metrics["format"], user)
+    keys = figures.shown(metrics, metrics["headline"])
+    metrics["figures"] = figures.table(metrics, [*keys, *user])

@@ -29,6 +29,11 @@ def head_of(model_dir: Path) -> str:
     return "score" if any(n.endswith(SCORE_ARCHITECTURE) for n in names) else "lm"
 
 
+def generates(head: str) -> bool:
+    """Whether a model with ``head`` generates text (``lm``; ``score``: one figure a sequence)."""
+    return head == "lm"
+
+
 def auto_class(head: str):
     """transformers' auto class that loads a model with ``head``."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

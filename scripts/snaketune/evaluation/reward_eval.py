@@ -92,25 +92,34 @@ def evaluate_reward(model_dir: Path, eval_tokenized: Path, train_tokenized: Path
                     out_dir: Path, limit: int | None, batch_size: int, seed: int,
                     base_metrics: dict[str, Any] | None = None,
                     finish: Callable[[Path, dict[str, Any]], None] | None = None,
-                    adapter_base: Path | None = None) -> dict[str, Any]:  # fmt: skip
+                    adapter_base: Path | None = None,
+                    first: tuple[str, ...] = ("preference_accuracy",),
+                    ) -> dict[str, Any]:  # fmt: skip
     """Write ``metrics.json`` and ``samples.jsonl`` (each pair's two scores) under
-    ``out_dir``; return the metrics. ``base_metrics``: the starting model's, for the gain."""
+    ``out_dir``; return the metrics. ``base_metrics``: the starting model's, for the gain;
+    ``first``: the method's headline figures."""
     from snaketune.core.errors import DataError
+    from snaketune.data.pairs import holds_pairs
     from snaketune.data.shard import check_overlap
     from snaketune.evaluation.evaluate import load_examples
 
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
-    if "rejected_input_ids" not in rows[0]:
+    if not holds_pairs(rows[0]):
         raise DataError(f"{eval_tokenized}: a reward model is scored on preference pairs; "
                         "give the run a `preference` eval_dataset")  # fmt: skip
     tokenizer, model = load_reward_model(model_dir, seed, adapter_base)
     scores = pair_scores(model, rows, batch_size, pad_id(tokenizer))
     metrics: dict[str, Any] = {"head": "score", "examples": len(rows), "model": str(model_dir),
-                               "preference": figures(scores), "processes": 1}  # fmt: skip
+                               "preference": figures(scores), "processes": 1,
+                               "format": None}  # fmt: skip
     if base_metrics is not None:
         against_start(metrics, base_metrics)
+    from snaketune.evaluation import figures as shown
+
+    metrics["headline"] = shown.headline(first, None, (), generates=False)  # the method's
+    metrics["figures"] = shown.table(metrics, shown.shown(metrics, metrics["headline"]))
     samples = [{"example_id": r["example_id"], "chosen_score": c, "rejected_score": s}
                for r, (c, s) in zip(rows, scores, strict=True)]  # fmt: skip
     write_outputs(out_dir, metrics, samples, finish)

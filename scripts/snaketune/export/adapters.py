@@ -267,11 +267,11 @@ def write_config(config, dtype: torch.dtype, head: str, adapter: Path, base_mode
     """The merged model's config (a reward model's: the sequence classifier the adapter
     was trained as), tokenizer and generation config; what stop_at_end_of_turn did."""
     config.dtype = str(dtype).removeprefix("torch.")
-    if head == "score":
+    if not heads.generates(head):
         heads.as_scorer(config, heads.pad_id_of(adapter))
     config.save_pretrained(tmp)
     copy_files(TOKENIZER_FILES, adapter, tmp)
-    if head == "score":  # a reward model generates nothing
+    if not heads.generates(head):  # a reward model generates nothing
         return None
     copy_files(("generation_config.json",), base_model, tmp)
     return stop_at_end_of_turn(tmp)

@@ -36,10 +36,6 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "adap
 CARD_KEYS = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "epochs", "max_steps",
              "micro_batch_size", "gradient_accumulation_steps", "nodes", "gpus_per_node",
              "max_length", "packing", "deepspeed", "seed", "lora")  # fmt: skip
-# Held-out preference figures of a DPO run (metrics.json's `preference`), for the card.
-PREFERENCE_FIGURES = (("preference_accuracy", "preference accuracy"),
-                      ("reward_margin", "reward margin"),
-                      ("likelihood_accuracy", "likelihood accuracy"))  # fmt: skip
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -67,26 +63,24 @@ def base_license(model_dir: Path) -> str | None:
         return None
 
 
-def eval_results(metrics: dict[str, Any], dataset: str):
-    """The evaluation figures as huggingface_hub EvalResults (the card's model-index)."""
+def eval_results(metrics: dict[str, Any], dataset: str, generates: bool = True):
+    """The evaluation figures as huggingface_hub EvalResults (the card's model-index): the
+    figures it measured, headline first (snaketune.evaluation.figures), then lm-eval's;
+    ``generates``: the run's method's model generates text (else it scores: a reward
+    model)."""
     from huggingface_hub import EvalResult
 
-    kind = "text-classification" if metrics.get("head") == "score" else "text-generation"
+    from snaketune.evaluation.figures import described
+
+    kind = "text-generation" if generates else "text-classification"
 
     def result(metric: str, value: float, name: str, task: str = dataset) -> EvalResult:
         return EvalResult(task_type=kind, dataset_type=task, dataset_name=task,
                           metric_type=metric, metric_value=float(value),
                           metric_name=name)  # fmt: skip
 
-    out = []
-    for key, name in (("exact_match", "exact match"), ("math_verify", "math-verify accuracy"),
-                      ("loss", "held-out loss"), ("perplexity", "perplexity")):  # fmt: skip
-        if metrics.get(key) is not None:
-            out.append(result(key, metrics[key], name))
-    preference = metrics.get("preference") or {}
-    for key, name in PREFERENCE_FIGURES:
-        if preference.get(key) is not None:
-            out.append(result(key, preference[key], f"held-out {name}"))
+    out = [result(key, f["value"], described(key).label)
+           for key, f in (metrics.get("figures") or {}).items()]  # fmt: skip
     for task, figures in (metrics.get("lm_eval") or {}).items():
         for key, figure in figures.items():
             if figure.get("value") is not None:
@@ -166,10 +160,11 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         tags=["snaketune", spec["method"], "trl"],
         library_name="transformers",
         model_name=repo_id,
-        eval_results=eval_results(metrics, spec.get("eval_dataset", "eval")) or None,
-    )
+        eval_results=eval_results(metrics, spec.get("eval_dataset", "eval"),
+                                  method_of(spec).generates) or None,
+    )  # fmt: skip
     method = method_of(spec)
-    if method.head == "score":  # a reward model
+    if not method.generates:  # a reward model
         data.pipeline_tag, data.tags = "text-classification", [*data.tags, "reward-model"]
     adapter = sources.get("adapter", False)
     if adapter:  # the adapter alone (export.merged: false): peft loads it on its base
@@ -196,7 +191,7 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         "## Hyperparameters", "", "```json", json.dumps(hyper, indent=2, sort_keys=True), "```", "",
         *exported_lines(sources.get("exported")),
         *(loading_lines(repo_id, base.get("id")) if adapter else []),
-        *(scoring_lines(repo_id) if method.head == "score" else []),
+        *(scoring_lines(repo_id) if not method.generates else []),
         "## Evaluation", "",
         "| dataset | metric | value |", "|---|---|---|", rows or "| - | - | - |", "",
         "## Provenance", "",

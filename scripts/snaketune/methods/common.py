@@ -87,8 +87,19 @@ class Method:
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
     # the run needs the reference log-probs stage (rule reference_logps)
     reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False
-    # the beta its evaluation scores held-out pairs with (None: its own block has none)
-    eval_beta: Callable[[Mapping[str, Any]], float | None] = lambda run: None
+    # --- what its outputs show (the report, plots, summary, card and export ask these)
+    # (run) -> the evaluate stage's settings of its own: `beta`, the beta held-out pairs'
+    # implicit rewards are scored with (DPO); `seed`, a new score head's (a reward model)
+    eval_settings: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda run: {}
+    # its own figures, first in its headline (snaketune.evaluation.figures): the end line,
+    # summary, report, card and a sweep's `auto` lead with them, then its data's
+    headline: tuple[str, ...] = ()
+    # whether its model generates text: evaluation generates and scores (else it scores
+    # held-out pairs: a reward model), the card shows generation, merge checks generation
+    generates: bool = True
+    # its training plot's first panel (snaketune.app.plots.PANELS): `loss`, `reward`
+    # (rewards of its own generations) or `preference` (reward accuracy and margin)
+    plot: str = "loss"
     # (run) -> sha256 of the user's code the run calls, by the key naming it (GRPO's reward
     # functions): the train job's spec carries it (code_sha256), so changed code retrains
     code: Callable[[Mapping[str, Any]], dict[str, str]] = lambda run: {}
@@ -100,6 +111,14 @@ class Method:
     evaluates_start: bool = False
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
+
+    def checked(self, where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+        """Its own cross-key checks, then those of the run's own eval metrics
+        (snaketune.methods.scorers), every method's."""
+        from snaketune.methods import scorers
+
+        self.check(where, run, config)
+        scorers.check(where, run, config)
 
     def adapter_of(self, run: Mapping[str, Any]) -> str:
         """`lora` or `full`: what a run of this method trains (its checkpoint holds): an

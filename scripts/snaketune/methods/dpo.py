@@ -253,7 +253,9 @@ METHOD = Method(
         "reference": run["dpo"]["reference"] == "live",
     },  # fmt: skip
     reference_stage=lambda run: run["dpo"]["reference"] == "precomputed",
-    eval_beta=lambda run: run["dpo"]["beta"],
+    eval_settings=lambda run: {"beta": run["dpo"]["beta"]},
+    headline=("preference_accuracy",),
+    plot="preference",
     # the reference's log-probs file is a local path
     card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
 )

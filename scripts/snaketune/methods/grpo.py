@@ -375,6 +375,7 @@ properties:
 """
 
 METHOD = Method(
+    plot="reward",
     name="grpo",
     data=data,
     trainer=trainer,

@@ -42,7 +42,8 @@ def reward_runs(run: Mapping[str, Any]) -> list[str]:
     return model_runs(run["grpo"]["rewards"]) if "grpo" in run else []
 
 
-def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any],
+          block: str = "grpo.rewards") -> None:  # fmt: skip
     """One line for the first ``model:<run>`` key that cannot be scored with: no such run
     (or sweep), a run that trains no reward model, the run itself."""
     from snaketune.methods import REGISTRY, method_named
@@ -54,7 +55,7 @@ def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any]) -> 
     me = where.removeprefix("runs.")
     mine = {me, runs.get(me, {}).get("sweep_of", {}).get("run")}
     for name in model_runs(rewards):
-        at = f"{where}.grpo.rewards: 'model:{name}'"
+        at = f"{where}.{block}: 'model:{name}'"
         if name in mine:
             raise ConfigError(f"{at} names this run itself; name a reward run (method: reward)")
         member = settings_run(runs, name)
@@ -80,16 +81,18 @@ def settings_run(runs: Mapping[str, Any], name: str) -> str:
 
 
 def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
-         template: Callable[[str], dict[str, str] | None]) -> dict[str, Any] | None:  # fmt: skip
+         template: Callable[[str], dict[str, str] | None], names: list[str] | None = None,
+         dataset: str = "dataset") -> dict[str, Any] | None:  # fmt: skip
     """What a GRPO run's train job needs to score with its reward models (None: it has
     none): per reward run, its final model's folder (``final_model``), its chat template
     (``template``: path and sha256 of the model's configured file, or None) and
     max_length (a sweep's: its first member's, as every member's); the settings of the
-    run's datasets (their prompts' turns)."""
+    run's datasets (their prompts' turns). ``names``: these reward runs instead of the
+    GRPO run's, the prompts of its ``dataset`` key (eval_dataset: its evaluation's)."""
     from snaketune.data.formats import components
 
     r = config["runs"][run]
-    names = reward_runs(r)
+    names = reward_runs(r) if names is None else names
     if not names:
         return None
     models = {}
@@ -97,7 +100,7 @@ def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
         rm = config["runs"][settings_run(config["runs"], name)]
         models[name] = {"path": final_model(name), "chat_template": template(rm["model"]),
                         "max_length": rm["max_length"]}  # fmt: skip
-    sources = {c["name"]: config["datasets"][c["name"]] for c in components(config, r["dataset"])}
+    sources = {c["name"]: config["datasets"][c["name"]] for c in components(config, r[dataset])}
     return {"models": models, "sources": sources}
 
 
@@ -117,15 +120,18 @@ def in_spec(block: dict[str, Any], settings: dict[str, Any] | None) -> dict[str,
 def prompt_turns(sources: Mapping[str, Any], example_ids: list[str],
                  datasets: Path = DATASETS) -> dict[str, tuple]:  # fmt: skip
     """Each example's prompt as turns (every turn before its last assistant turn: the
-    system prompt, the user's), from its row of the downloaded dataset, by example id
-    ("<dataset>:<row>[:<copy>]")."""
-    from snaketune.data.conversations import Source, conversations
+    system prompt, the user's; a preference row's prompt), from its row of the downloaded
+    dataset, by example id ("<dataset>:<row>[:<copy>]")."""
+    from snaketune.data.conversations import Pair, Source, conversations
 
     turns: dict[tuple[str, int], tuple] = {}
     for name, (order, table) in source_rows(example_ids, datasets).items():
         source = Source(name, datasets / name / "data.parquet", sources[name])
         for row, conv in zip(order, conversations(source, table.to_batches()[0], order),
                              strict=True):  # fmt: skip
+            if isinstance(conv, Pair):  # a preference row: the turns before its responses
+                turns[(name, row)] = tuple(conv.prompt)
+                continue
             last = max(i for i, (role, _) in enumerate(conv) if role == "assistant")
             turns[(name, row)] = tuple(conv[:last])
     return {e: turns[source_of(e)] for e in example_ids}

@@ -204,5 +204,9 @@ METHOD = Method(
     check=check,
     memory=lambda run, on_gpu: {"sequences_per_example": 2},
     head="score",
+    eval_settings=lambda run: {"seed": run["seed"]},  # a causal model's new score head
+    headline=("preference_accuracy", "reward_margin"),
+    generates=False,
+    plot="preference",
     evaluates_start=True,
 )

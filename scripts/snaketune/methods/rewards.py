@@ -110,12 +110,12 @@ def _load(key: str) -> Callable[..., Any]:
     return getattr(module, match["function"], None)
 
 
-def check(where: str, rewards: Mapping[str, Any]) -> None:
+def check(where: str, rewards: Mapping[str, Any], block: str = "grpo.rewards") -> None:
     """One line for the first reward key that cannot be used: not a built-in nor a
     ``file.py:function`` key, a file that is not there or does not import, a function that
     is not there or does not take keyword arguments."""
     for key in user_keys(rewards):  # reward models: model_rewards.check (the config's runs)
-        at = f"{where}.grpo.rewards: {key!r}"
+        at = f"{where}.{block}: {key!r}"
         match = USER_KEY.match(key)
         if not match:
             close = difflib.get_close_matches(key, BUILTIN, n=1)

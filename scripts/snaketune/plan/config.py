@@ -194,7 +194,7 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
                 _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
                          f"which only {_named(on_pairs)} train and evaluate on; set method: "
                          f"{' or '.join(on_pairs)} or use a dataset of another format")  # fmt: skip
-    method.check(where, run, cfg)
+    method.checked(where, run, cfg)
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:

@@ -110,7 +110,7 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
                           "(export.merged: false) runs on one GPU")  # fmt: skip
     from snaketune.methods import method_of
 
-    if method_of(run).head == "score":  # snaketune.evaluation.reward_eval: one process
+    if not method_of(run).generates:  # snaketune.evaluation.reward_eval: one process
         return EvalLayout(1, 1, figure(1), "a reward model is scored on one GPU")
 
     if nodes != "auto" and gpus != "auto":

@@ -25,6 +25,7 @@ from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
 from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
+from snaketune.evaluation.settings import eval_args, shared_eval
 from snaketune.methods import method_of, model_rewards
 from snaketune.plan.runspec import RunSpec
 
@@ -122,9 +123,15 @@ def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
         return False
     return any(
         config["runs"][p].get("eval_dataset") != r["eval_dataset"]
-        or config["runs"][p].get("eval") != r["eval"]
+        or shared_eval(config["runs"][p]) != shared_eval(r)
         for p in init_parents(config, run)
     )
+
+
+def run_eval_args(run: dict[str, Any], metrics: dict[str, Any] | None = None) -> str:
+    """evaluate.py options of a run's evaluation: its method (its config name) and the
+    method's own settings, and ``metrics``, the user's (snaketune.methods.scorers.spec)."""
+    return eval_args(run["eval"], run["method"], method_of(run).eval_settings(run), metrics)
 
 
 def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str, dict[str, Any]]:
@@ -138,8 +145,8 @@ def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str
         if "eval_dataset" not in r or "init_from" in r or method_of(r).evaluates_start:
             continue
         key = tokenize_key(run_eval_tokenize_spec(config, run, root))
-        first = evals.setdefault(key, {"run": run, **r["eval"]})
-        if {k: v for k, v in first.items() if k != "run"} != r["eval"]:
+        first = evals.setdefault(key, {"run": run, **shared_eval(r)})
+        if {k: v for k, v in first.items() if k != "run"} != shared_eval(r):
             raise ConfigError(
                 f"runs.{run}.eval: differs from runs.{first['run']}.eval, which evaluates the same "
                 "model on the same eval set; give both the same eval settings"
@@ -382,19 +389,3 @@ def base_metrics(config: dict[str, Any], run: str, start: Callable[[], str]) -> 
     if "init_from" not in config["runs"][run]:
         return f"results/base_eval/{tokenize_key(run_eval_tokenize_spec(config, run))}/metrics.json"
     return f"results/{start()}/eval/metrics.json"
-
-
-def eval_args(settings: dict[str, Any], beta: float | None = None,
-              reward_seed: int | None = None) -> str:  # fmt: skip
-    """evaluate.py options for a run's eval settings (``beta``: the one its method scores
-    held-out pairs' implicit rewards with, a DPO run's; ``reward_seed``: a reward model's
-    run's seed, which a causal model's new score head is drawn from)."""
-    import shlex
-
-    args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"
-    args += f" --dpo-beta {beta}" if beta is not None else ""
-    args += f" --reward-seed {reward_seed}" if reward_seed is not None else ""
-    args += f" --limit {settings['limit']}" if "limit" in settings else ""
-    if settings.get("lm_eval"):
-        args += f" --lm-eval {shlex.quote(json.dumps(settings['lm_eval'], sort_keys=True))}"
-    return args

@@ -15,9 +15,10 @@ from snaketune.core.heldout import split_rows
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",
            "reward_accuracy_last_quarter", "reward_margin_last_quarter", "tokens_per_s",
-           "padding", "mfu", "eval_loss", "perplexity", "exact_match", "base_exact_match",
-           "gain_exact_match", "math_verify", "base_math_verify", "gain_math_verify",
-           "stop_rate", "base_stop_rate", "preference_accuracy", "gain_preference_accuracy",
+           "padding", "mfu", "headline", "eval_loss", "perplexity", "exact_match",
+           "base_exact_match", "gain_exact_match", "math_verify", "base_math_verify",
+           "gain_math_verify", "stop_rate", "base_stop_rate", "preference_accuracy",
+           "gain_preference_accuracy",
            "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
            "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter"]  # fmt: skip
@@ -132,27 +133,10 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     }  # fmt: skip
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
-        # a reward model's evaluation has its pairs' figures only (preference)
-        row.update(eval_loss=ev.get("loss"), perplexity=ev.get("perplexity"),
-                   exact_match=ev.get("exact_match"),
-                   math_verify=ev.get("math_verify"), stop_rate=ev.get("stop_rate"))  # fmt: skip
+        row.update(figure_columns(ev))  # what the evaluation measured, base beside tuned
         row.update(lm_eval_columns(ev))
-        pref = ev.get("preference") or {}
-        row.update(preference_accuracy=pref.get("preference_accuracy"),
-                   reward_margin=pref.get("reward_margin"),
-                   likelihood_accuracy=pref.get("likelihood_accuracy"),
-                   gain_preference_accuracy=(ev.get("gain") or {}).get("preference_accuracy"),
-                   base_likelihood_accuracy=((ev.get("base") or {}).get("preference") or {})
-                   .get("likelihood_accuracy"))  # fmt: skip
-        if "base" in ev:
-            row.update(
-                base_exact_match=ev["base"].get("exact_match"),
-                gain_exact_match=ev["gain"].get("exact_match"),
-                base_math_verify=ev["base"].get("math_verify"),
-                gain_math_verify=ev["gain"].get("math_verify"),
-                base_stop_rate=ev["base"].get("stop_rate"),
-                gain_loss=ev["gain"].get("loss"),
-            )
+        if "loss" in (ev.get("gain") or {}):
+            row["gain_loss"] = ev["gain"]["loss"]  # base - tuned: positive is better
     seconds = None
     if train_benchmark is not None and train_benchmark.is_file():
         with open(train_benchmark) as fh:
@@ -173,17 +157,40 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     return {c: _fmt(row.get(c)) for c in COLUMNS + extra_columns([row])}
 
 
+def column_of(key: str) -> str:
+    """summary.tsv's column of an evaluation figure (its key; the held-out loss's is
+    eval_loss, beside the training loss)."""
+    return {"loss": "eval_loss"}.get(key, key)
+
+
+def figure_columns(ev: dict[str, Any]) -> dict[str, Any]:
+    """Every figure an evaluation shows (metrics.json's ``figures``: snaketune.evaluation.figures)
+    as ``<figure>``, ``base_<figure>`` and ``gain_<figure>`` (tuned - base), and its
+    ``headline``: the figures the run leads with, space-separated."""
+    row: dict[str, Any] = {"headline": " ".join(ev.get("headline") or ())}
+    for key, figure in (ev.get("figures") or {}).items():
+        column = column_of(key)
+        row[column] = figure["value"]
+        if "base" in figure:
+            row[f"base_{column}"] = figure["base"]
+            if key != "loss":  # gain_loss: base - tuned, below
+                row[f"gain_{column}"] = figure["gain"]
+    return row
+
+
 def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
     first), each GRPO reward's quarters (``reward_first_quarter:<key>``), the held-out
-    columns of runs evaluated while training, then the lm-eval columns task by task."""
+    columns of runs evaluated while training, the evaluation's other figures (free text,
+    the user's metrics: ``figure_columns``), then the lm-eval columns task by task."""
     seen = [c for row in rows for c in row if c not in COLUMNS]
     swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
     rewards = list(dict.fromkeys(c for c in seen if c.startswith("reward_") and ":" in c))
     prefixes = ("heldout_", "exported_", "start_heldout_")
     held = list(dict.fromkeys(c for c in seen if c.startswith(prefixes)))
     lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)
-    return swept + rewards + held + lm
+    figures = [c for c in dict.fromkeys(seen) if c not in {*swept, *rewards, *held, *lm}]
+    return swept + rewards + held + figures + lm
 
 
 def _lm_eval_order(column: str) -> tuple[str, int]:
@@ -232,16 +239,17 @@ def headline(summary_tsv: Path, html: Path) -> str:
     """One line for the end of a pipeline: where the report is, and each run's result."""
     with open(summary_tsv) as fh:
         rows = list(csv.DictReader(fh, delimiter="\t"))
+    from snaketune.evaluation.figures import described
+
     parts = [f"report: {html}"]
     for r in rows:
         figures = []
-        for key in ("exact_match", "math_verify"):
-            if r.get(key):
-                base = f" (base {r[f'base_{key}']})" if r.get(f"base_{key}") else ""
-                figures.append(f"{key} {r[key]}{base}")
-        if r.get("eval_loss"):
-            figures.append(f"eval loss {r['eval_loss']}")
-        elif r.get("final_loss"):
+        for key in (r.get("headline") or "").split():  # what the run's evaluation leads with
+            column = column_of(key)
+            if r.get(column):
+                base = f" (base {r[f'base_{column}']})" if r.get(f"base_{column}") else ""
+                figures.append(f"{described(key).short} {r[column]}{base}")
+        if not figures and r.get("final_loss"):
             figures.append(f"final loss {r['final_loss']}")
         parts.append(f"{r['run']}: {', '.join(figures)}")
     return " | ".join(parts)

@@ -22,11 +22,13 @@ digits and ``_`` as ``_``, a list as its items joined by ``_``. A name longer th
 characters keeps its first 55 and adds ``-`` and 8 hex digits of its SHA-1.
 
 ``results/<run>/best.json`` names the member with the best ``sweep_select.metric`` (any
-figure of the members' eval metrics.json: exact_match, math_verify, loss, perplexity,
-stop_rate, an lm-eval column ``lm_eval:<task>:<metric,filter>``; or ``train_loss``, the
-last training loss), with its values and metrics. The default with an eval set, ``auto``,
-is exact_match when the eval references hold ``####`` answers (GSM8K-style) and the
-held-out loss when they do not (chat data, where every member would score 0). Members tied
+figure of the members' eval metrics.json: exact_match, math_verify, chrf, loss,
+perplexity, stop_rate, preference_accuracy and the other figures, a key of eval.metrics,
+an lm-eval column ``lm_eval:<task>:<metric,filter>``; or ``train_loss``, the last training
+loss), with its values and metrics. The default with an eval set, ``auto``, is the first
+figure of the members' headline (snaketune.evaluation.figures): their method's own (DPO's
+preference_accuracy), else their data's: exact_match where the eval references hold
+``####`` answers (GSM8K-style), the held-out loss for free text (chat data). Members tied
 on the metric are named in best.json (``tied``) and the tie is broken by the held-out loss
 (else the training loss), then by name.
 
@@ -49,11 +51,22 @@ from snaketune.core.errors import ConfigError
 from snaketune.plan.runspec import merged
 
 MAX_NAME = 64
-EVAL_FIGURES = ("exact_match", "math_verify", "loss", "perplexity", "stop_rate")
+EVAL_FIGURES = (
+    "exact_match",
+    "math_verify",
+    "chrf",
+    "normalized_match",
+    "loss",
+    "perplexity",
+    "stop_rate",
+    "preference_accuracy",
+    "reward_margin",
+    "likelihood_accuracy",
+)
 # the best held-out figure each member saw while training (eval_steps; snaketune.core.heldout)
 HELDOUT_FIGURES = ("heldout_loss_best", "heldout_exact_match_best")
 LOWER_IS_BETTER = ("loss", "perplexity", "train_loss", "heldout_loss_best")
-AUTO = "auto"  # exact_match where the eval references have #### answers, else the loss
+AUTO = "auto"  # the first figure of the members' headline (snaketune.evaluation.figures)
 
 
 def _run_schema(schema: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -129,16 +142,15 @@ def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
             f"{where}.sweep_select.metric: {metric!r} needs an evaluation (set eval_dataset), "
             "or select on train_loss"
         )
-    if metric in EVAL_FIGURES:
+    if metric in EVAL_FIGURES or metric in ((run.get("eval") or {}).get("metrics") or ()):
         return
     tasks = ((run.get("eval") or {}).get("lm_eval") or {}).get("tasks") or []
     if metric.startswith("lm_eval:") and metric.split(":")[1] in tasks:
         return
     raise ConfigError(
         f"{where}.sweep_select.metric: {metric!r} is not a figure of the evaluation; use one "
-        f"of {', '.join((*EVAL_FIGURES, 'train_loss', *HELDOUT_FIGURES))} or "
-        "lm_eval:<task>:<metric,filter> of a "
-        "task in eval.lm_eval.tasks"
+        f"of {', '.join((*EVAL_FIGURES, 'train_loss', *HELDOUT_FIGURES))}, a key of "
+        "eval.metrics or lm_eval:<task>:<metric,filter> of a task in eval.lm_eval.tasks"
     )
 
 
@@ -307,87 +319,3 @@ def _chain(name: str, runs: Mapping[str, Any], sweeps: Mapping[str, list[str]]) 
                  f"true on {kept[0] if kept else parent!r}")  # fmt: skip
         current = members[0]
     return chain
-
-
-def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,
-            held: list[dict[str, Any]] | None = None) -> dict[str, float]:  # fmt: skip
-    """Every figure a member can be selected on (``held``: its held-out rows while
-    training, whose best figures count too)."""
-    from snaketune.plan.summary import lm_eval_columns
-
-    out: dict[str, float] = {}
-    if train_loss is not None:
-        out["train_loss"] = train_loss
-    for key, best in (("loss", min), ("exact_match", max)):
-        seen = [r[f"heldout_{key}"] for r in held or () if r.get("step", 0) > 0
-                and f"heldout_{key}" in r]  # fmt: skip
-        if seen:
-            out[f"heldout_{key}_best"] = best(seen)
-    if metrics:
-        out.update({k: metrics[k] for k in EVAL_FIGURES if metrics.get(k) is not None})
-        out.update({k: v for k, v in lm_eval_columns(metrics).items()
-                    if not k.startswith(("base_", "gain_")) and v is not None})  # fmt: skip
-    return out
-
-
-def resolve_auto(members: Mapping[str, Mapping[str, Any]]) -> tuple[str, str, str]:
-    """The metric and mode ``auto`` stands for, and why: exact_match (max) when every
-    member's eval references hold ``####`` answers, the held-out loss (min) when none do."""
-    answers = [info.get("answers") for info in members.values()]
-    if answers and all(a == 0 for a in answers):
-        return "loss", "min", "the eval references hold no '#### <answer>' lines"
-    return "exact_match", "max", "the eval references hold '#### <answer>' lines"
-
-
-def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) -> dict[str, Any]:
-    """best.json: the best member by ``rule`` among ``{member: {values, figures, answers}}``;
-    members tied on the metric are listed and the tie is broken by the held-out loss (else
-    the training loss), then by name."""
-    metric, mode, why = rule["metric"], rule.get("mode"), None
-    if metric == AUTO:
-        metric, mode, why = resolve_auto(members)
-    scored = {m: info["figures"].get(metric) for m, info in members.items()}
-    missing = [m for m, v in scored.items() if v is None]
-    if missing:
-        raise ConfigError(f"sweep_select: {metric} is not in the metrics of {missing[0]}")
-    top = (max if mode == "max" else min)(scored.values())
-    tied = sorted(m for m, v in scored.items() if v == top)
-
-    def loss(m: str) -> float:
-        figures = members[m]["figures"]
-        value = figures.get("loss", figures.get("train_loss"))
-        return float("inf") if value is None else value
-
-    best = min(tied, key=lambda m: (loss(m), m))
-    out = {
-        "metric": metric,
-        "mode": mode,
-        "best": best,
-        "value": scored[best],
-        "values": members[best]["values"],
-        "figures": members[best]["figures"],
-        "members": [
-            {"run": m, "values": members[m]["values"], metric: scored[m]} for m in members
-        ],  # fmt: skip
-    }
-    if why:
-        out["metric_chosen"] = f"sweep_select auto: {metric} ({why})"
-    if len(tied) > 1:
-        out["tied"] = tied
-        out["tie_broken_by"] = "loss" if "loss" in members[best]["figures"] else "train_loss"
-    return out
-
-
-def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any],
-                curves: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
-    """best.json of one sweep from its members' run configs, eval metrics (where they have
-    them) and training metrics rows: what select_sweep writes and the report shows."""
-    info = {}
-    for name, spec in specs.items():
-        losses = [r["loss"] for r in curves[name] if r.get("loss") is not None]
-        last = losses[-1] if losses else None
-        held = [r for r in curves[name] if "heldout_loss" in r]
-        info[name] = {"values": spec["sweep_of"]["values"],
-                      "figures": figures(evals.get(name), last, held),
-                      "answers": (evals.get(name) or {}).get("reference_answers")}  # fmt: skip
-    return select(info, next(iter(specs.values()))["sweep_of"]["select"])
