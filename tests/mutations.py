@@ -172,8 +172,16 @@ MUTATIONS = (
         ("tests/test_grpo.py::test_publish_dry_run_writes_the_folder_with_a_model_card",),
     ),
     Mutation(
+        "text-marked-wrong", "the report marks a free-text sample right or wrong (no checker)",
+        f"{LIB}/app/report.py",
+        "        if s.get(\"reference_answer\") is not None:\n            ok",
+        "        if True:\n            ok",
+        ("tests/test_task_eval.py::"
+         "test_the_report_shows_the_reference_text_and_marks_only_what_a_checker_decides",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
-        f"{LIB}/evaluation/evaluate.py",
+        f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",
         "    mine, out = rows, []",
         ("tests/test_dpo.py::test_each_rank_scores_only_its_share_of_the_held_out_pairs",),

@@ -112,14 +112,6 @@ class Method:
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
 
-    def checked(self, where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-        """Its own cross-key checks, then those of the run's own eval metrics
-        (snaketune.methods.scorers), every method's."""
-        from snaketune.methods import scorers
-
-        self.check(where, run, config)
-        scorers.check(where, run, config)
-
     def adapter_of(self, run: Mapping[str, Any]) -> str:
         """`lora` or `full`: what a run of this method trains (its checkpoint holds): an
         adapter when the method always does, or may and the run has a `lora` block."""

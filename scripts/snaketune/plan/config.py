@@ -17,14 +17,9 @@ from typing import Any
 from snaketune.core.errors import ConfigError, ConfigProblems
 from snaketune.core.heldout import check_run as check_heldout
 from snaketune.data import sequence
-from snaketune.data.formats import (
-    FORMAT_FIELDS,
-    PAIR_FORMATS,
-    SINGLE_DATASET_KEYS,
-    components,
-)
+from snaketune.data.formats import FORMAT_FIELDS, PAIR_FORMATS, SINGLE_DATASET_KEYS, components
 from snaketune.data.kernels import check_kernels_installed
-from snaketune.methods import compose_schema, method_of, methods
+from snaketune.methods import compose_schema, method_of, methods, scorers
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
     WORKFLOW_ROOT,
@@ -194,7 +189,8 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
                 _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
                          f"which only {_named(on_pairs)} train and evaluate on; set method: "
                          f"{' or '.join(on_pairs)} or use a dataset of another format")  # fmt: skip
-    method.checked(where, run, cfg)
+    method.check(where, run, cfg)
+    scorers.check(where, run, cfg)  # the run's own eval metrics
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
