@@ -10,7 +10,7 @@ from pathlib import Path
 from snakemake.utils import min_version
 from snaketune.core.errors import UserError, labelled
 from snaketune.plan.checks import at_parse, check_workflow, in_dry_runs
-from snaketune.plan.summary import report_line
+from snaketune.app.summary import report_line
 from snaketune.train.attempts import one_start_per_job
 
 min_version("9.0")

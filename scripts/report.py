@@ -24,11 +24,11 @@ from pathlib import Path
 from snaketune.app.cli import run
 from snaketune.app.plots import sweep_svg, training_svg
 from snaketune.app.report import summary_html, sweep_section
+from snaketune.app.summary import summary_row, write_summary
 from snaketune.core.io import atomic_paths, read_jsonl
 from snaketune.core.provenance import lineage
 from snaketune.methods import method_of
 from snaketune.plan.runspec import RunSpec
-from snaketune.plan.summary import summary_row, write_summary
 
 
 def sweep_sections(runs: dict, rows: list[dict[str, str]], curves: dict[str, list[dict]],

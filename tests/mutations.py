@@ -180,6 +180,13 @@ MUTATIONS = (
          "test_the_report_shows_the_reference_text_and_marks_only_what_a_checker_decides",),
     ),
     Mutation(
+        "steps-without-accumulation", "the plan's steps forget gradient accumulation",
+        f"{LIB}/plan/cost.py",
+        '    return max(1, micro) * run["gradient_accumulation_steps"] * ranks',
+        "    return max(1, micro) * ranks",
+        ("tests/test_cost.py::test_steps_per_epoch_are_the_examples_over_one_step_s_examples",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",

@@ -27,12 +27,12 @@ from conftest import (
 )
 
 from snaketune.app.plots import training_svg
+from snaketune.app.summary import summary_row
 from snaketune.core.heldout import split_rows
 from snaketune.data.batches import PlanBatches
 from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
 from snaketune.plan import stages
 from snaketune.plan.config import load_yaml, validate_config
-from snaketune.plan.summary import summary_row
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
 

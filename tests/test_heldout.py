@@ -104,9 +104,9 @@ def test_a_start_that_beats_every_checkpoint_is_said_in_the_card_and_the_report(
     (the GRPO run that met it: exact match 0.766 at step 0, 0.703 at best): the model
     card and the report say so, with both figures; a run that improved gets no word."""
     from snaketune.app.report import worse_than_start
+    from snaketune.app.summary import _fmt, heldout_columns
     from snaketune.core.heldout import start_figure
     from snaketune.export.hub import exported_lines
-    from snaketune.plan.summary import _fmt, heldout_columns
 
     held = [{"step": 0, "heldout_exact_match": 0.766, "heldout_loss": 0.5},
             {"step": 10, "heldout_exact_match": 0.703, "heldout_loss": 0.6},

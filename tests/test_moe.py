@@ -318,7 +318,7 @@ def test_a_mixture_of_experts_trains_on_two_nodes_with_its_router_in_balance(
     nll, _ = mean_nll(base, first[0] + first[1])
     assert rows[0]["aux_loss"] == pytest.approx(aux, rel=1e-5)
     assert rows[0]["loss"] == pytest.approx(nll + 0.01 * aux, rel=1e-5)
-    from snaketune.plan.summary import summary_row  # summary.tsv and the report: last quarter
+    from snaketune.app.summary import summary_row  # summary.tsv and the report: last quarter
 
     summary = summary_row("x", spec, out, None, None)
     assert float(summary["aux_loss_last_quarter"]) == pytest.approx(rows[-1]["aux_loss"], abs=1e-4)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from snaketune.app.report import pretty
+from snaketune.app.summary import lm_eval_columns
 from snaketune.evaluation.lmeval import collect, with_base
-from snaketune.plan.summary import lm_eval_columns
 
 
 @pytest.mark.parametrize(
@@ -52,8 +52,8 @@ def test_lm_eval_gain_over_base_and_summary_columns():
 
 def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
     from snaketune.app.plots import training_svg
+    from snaketune.app.summary import reward_quarters
     from snaketune.methods import method_named
-    from snaketune.plan.summary import reward_quarters
 
     metrics = [{"step": s, "loss": 0.01, "lr": 1e-3, "tokens_per_s": 100.0,
                 "reward": 0.1 * s, "reward_correctness_mean": 0.05 * s,

@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT
 
+from snaketune.app.summary import extra_columns, reward_quarters
 from snaketune.core.errors import ConfigError
 from snaketune.methods import rewards
 from snaketune.methods.grpo import correctness, step_fields
 from snaketune.plan import stages
 from snaketune.plan.config import load_yaml, validate_config
-from snaketune.plan.summary import extra_columns, reward_quarters
 
 DEMO_KEY = "config/rewards/arith.py:sum_from_question"
 

@@ -111,8 +111,8 @@ def evaluation(headline_first=("preference_accuracy",)) -> dict:
 
 
 def test_the_end_line_summary_and_card_lead_with_the_headline(tmp_path):
+    from snaketune.app.summary import COLUMNS, figure_columns, headline, write_summary
     from snaketune.export.hub import eval_results
-    from snaketune.plan.summary import COLUMNS, figure_columns, headline, write_summary
 
     metrics = evaluation()
     assert list(metrics["figures"])[:3] == ["preference_accuracy", "loss", "chrf"]

@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--gpu", help=f"GPU type, one of: {table}; default: each run's `gpu`")
     which.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB")
     pla.add_argument("--json", action="store_true", help="one JSON list, a dict per run")
+    pla.add_argument(
+        "--model-config", action="append", default=[], metavar="NAME=PATH",
+        help="plan model NAME from this config.json (or the folder holding it), e.g. a Hub "
+        "model's on a login node without its weights; repeatable",
+    )  # fmt: skip
     return parser
 
 
@@ -121,11 +126,13 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from snaketune.plan.advice import format_plan
     from snaketune.plan.config import load_config
+    from snaketune.plan.cost import format_estimate, format_steps
     from snaketune.plan.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
-    from snaketune.plan.fit import plan_config
+    from snaketune.plan.fit import model_configs, plan_config
     from snaketune.plan.stageplan import format_stages
 
     config = load_config(args.config, args.root)
+    model_configs(config, args.model_config)
     workdir, root = Path("."), Path(args.root)
     plans = plan_config(config, workdir, root, args.gpu_memory or args.gpu, args.config)
     for plan in plans:  # the model's config.json is there: plan_config read it
@@ -138,12 +145,18 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         for plan in plans:
             print(format_plan(plan["run"], plan))
+            for line in format_steps(plan["run"], plan["steps"]):
+                print(line)
+            run = config["runs"][plan["run"]]
+            print(format_estimate(plan["run"], plan["estimate"],
+                                  run["nodes"] * run["gpus_per_node"]))  # fmt: skip
             for line in format_stages(plan["run"], plan["stages"]):
                 print(line)
             print(format_disk(plan["run"], plan["disk"]))
         for group in shared:
             print(format_shared(group))
     bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]
+           or "problem" in p["steps"]
            or any(s.get("fits") is False for s in p["stages"].values())]  # fmt: skip
     return 1 if bad or any(not g["fits"] for g in shared) else 0
 

@@ -118,7 +118,7 @@ def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
     """GRPO: the total (weighted) reward per completion and each reward's mean."""
     (line,) = ax.plot(steps, [m["reward"] for m in metrics], color="tab:blue", label="total")
     line.set_gid("reward")
-    from snaketune.plan.summary import reward_names
+    from snaketune.app.summary import reward_names
 
     for name in sorted(reward_names(metrics)):
         ax.plot(steps, [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],

@@ -1,5 +1,5 @@
 """The report of all runs: one self-contained HTML page (results/summary.html) with the
-summary table (snaketune.plan.summary), per run its training plots (snaketune.app.plots), a
+summary table (snaketune.app.summary), per run its training plots (snaketune.app.plots), a
 base-versus-tuned view of every metric, samples marked right or wrong, and each sweep's
 members compared."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from snaketune.app.plots import figure, svg_of
+from snaketune.app.summary import lm_eval_figures
 from snaketune.core import heldout
 from snaketune.methods import method_named
-from snaketune.plan.summary import lm_eval_figures
 
 
 def pretty(value: Any, percent: bool = False) -> str:
@@ -271,6 +271,18 @@ def attempts_table(attempts: list[dict[str, Any]]) -> str:
             f"<th>log</th></tr>{rows}</table></details>")  # fmt: skip
 
 
+def estimate_said(row: dict[str, str]) -> str | None:
+    """The train stage's time beside the estimate made when it was queued (None: none)."""
+    if not row.get("estimated_train_wall_s") or not row.get("wall_time_s"):
+        return None
+    error = float(row["estimate_error"])
+    return (
+        f"Training took {pretty(row['wall_time_s'])} s; estimated "
+        f"{pretty(row['estimated_train_wall_s'])} s when queued ({100 * error:+.0f}%; "
+        f"{row['estimate_basis']})."
+    )
+
+
 def worse_than_start(row: dict[str, str]) -> str | None:
     """The report's word on a run whose held-out figure before training beats every
     evaluated checkpoint (its summary row's exported_* and start_heldout_* columns)."""
@@ -288,8 +300,8 @@ def headline_cell(row: dict[str, str]) -> str:
     model's before the tuned one's."""
     from html import escape
 
+    from snaketune.app.summary import column_of
     from snaketune.evaluation.figures import described
-    from snaketune.plan.summary import column_of
 
     lines = []
     for key in (row.get("headline") or "").split():
@@ -336,6 +348,9 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
     for run, svg in plots.items():
         parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>',
                  "<h3>Training</h3>", svg]  # fmt: skip
+        said = estimate_said(by_run.get(run, {}))
+        if said:
+            parts.append(f"<p class='estimate'>{escape(said)}</p>")
         warning = worse_than_start(by_run.get(run, {}))
         if warning:
             parts.append(f'<p class="warn">{escape(warning)}</p>')

@@ -15,7 +15,7 @@ def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,
             held: list[dict[str, Any]] | None = None) -> dict[str, float]:  # fmt: skip
     """Every figure a member can be selected on (``held``: its held-out rows while
     training, whose best figures count too)."""
-    from snaketune.plan.summary import lm_eval_columns
+    from snaketune.app.summary import lm_eval_columns
 
     out: dict[str, float] = {}
     if train_loss is not None:

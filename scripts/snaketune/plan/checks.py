@@ -159,14 +159,16 @@ def before_queueing(
     workdir: Path,
     basedir: Path,
     local_exec: bool,
+    record: bool = False,
 ) -> list[str]:
     """A line per problem that would make a queued job fail or never start: runs about to
     train that do not fit their GPUs' memory or their results filesystem (one by one and
     together), lm-eval tasks lm-eval does not know, SLURM jobs their partition cannot take.
     Notes (what fits, what could not be checked and why) go to stderr."""
     from snaketune.evaluation.lmeval import check_tasks
+    from snaketune.plan.cost import check_steps
     from snaketune.plan.diskplan import check_disk_runs
-    from snaketune.plan.fit import check_runs, download_advice
+    from snaketune.plan.fit import check_runs, download_advice, readable_shape
     from snaketune.plan.stages import base_evaluations
 
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
@@ -187,6 +189,10 @@ def before_queueing(
     found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb, stage_mem)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
+    runtime = {job.wildcards["run"]: job.resources.get("runtime") for job in jobs
+               if job.rule == "train"}  # fmt: skip
+    shapes = {name: readable_shape(config, config["runs"][name], workdir) for name in training}
+    found += check_steps(config, shapes, workdir, runtime, record)
     if not local_exec:
         found += check_partitions([job for job in jobs if not job.local])
     return found
@@ -255,7 +261,7 @@ def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None
     jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),
                 job.rule.name in local_rules) for job in workflow.dag.needrun_jobs()]  # fmt: skip
     local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
-    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local)
+    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local, not dry_run)
     if found:
         refuse(found, dry_run)
     if not local and not dry_run:

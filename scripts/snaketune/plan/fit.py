@@ -144,6 +144,8 @@ def plan_config(
     """The plan of every run of a validated config; ``gpu`` overrides the runs' own. The
     models are looked for under ``workdir`` (resources/models/), the DeepSpeed presets
     under the workflow directory ``basedir``."""
+    from snaketune.plan.cost import estimate, steps_of
+
     plans = []
     for name, run in sorted(config["runs"].items()):
         path, why = locate_config_json(config, run, workdir)
@@ -157,6 +159,8 @@ def plan_config(
         setup = run_setup(config, run, deepspeed, workdir)
         plan = {"run": name, **plan_run(shape, setup, chosen)}
         plan["stages"] = stage_plans(config, name, shape, chosen, setup)
+        plan["steps"] = steps_of(config, name, workdir)
+        plan["estimate"] = estimate(config, name, workdir, shape, plan["steps"])
         plans.append(plan)
     return plans
 
@@ -196,6 +200,27 @@ def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Pa
     return total
 
 
+# a model's config.json given on `snaketune plan`'s command line (--model-config NAME=PATH):
+# the plan reads it, nothing else does
+PLANNED_FROM = "planned_from_config_json"
+
+
+def model_configs(config: dict[str, Any], given: list[str]) -> None:
+    """Put each ``NAME=PATH`` (a config.json, or a folder holding one) into the config's
+    model NAME for the plan to read (in place); one line naming a bad entry."""
+    for entry in given:
+        name, _, path = entry.partition("=")
+        where = f"--model-config {entry}"
+        if name not in config["models"]:
+            known = ", ".join(sorted(config["models"]))
+            raise UserError(f"{where}: the config has no model {name!r} (models: {known})")
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise UserError(f"{where}: {file} is not a file; give a model's config.json (or "
+                            "the folder holding it)")  # fmt: skip
+        config["models"][name][PLANNED_FROM] = str(file)
+
+
 def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
     """The run's model config.json where it can be read now (``locate_config_json``)."""
     return locate_config_json(config, run, workdir)[0]
@@ -207,11 +232,14 @@ def locate_config_json(
     """The run's model config.json where it can be read now: the downloaded model, a local
     model's path, or (a hub model not yet downloaded) config.json alone from the Hub's cache
     or the Hub. (None, why) when it cannot be read yet; the Hub is asked at most once per
-    model and process, and not at all when it is unreachable."""
+    model and process, and not at all when it is unreachable. ``snaketune plan
+    --model-config NAME=PATH`` names one to plan from instead (``PLANNED_FROM``)."""
+    spec = config["models"][run["model"]]
+    if PLANNED_FROM in spec:
+        return Path(spec[PLANNED_FROM]), ""
     local = model_dir_of(config, run, workdir) / "config.json"
     if local.is_file():
         return local, ""
-    spec = config["models"][run["model"]]
     if spec.get("source") != "hub":
         return None, f"{local.parent} is not there yet (a job makes it)"
     found, why = hub_config_json(spec["id"], spec.get("revision"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.heldout import split_rows
+from snaketune.plan.cost import estimate_columns
 
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",
@@ -21,6 +22,7 @@ COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final
            "gain_preference_accuracy",
            "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
+           "estimated_train_wall_s", "estimate_error", "estimate_basis",
            "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter"]  # fmt: skip
 
 
@@ -145,6 +147,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
     if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
         seconds = segments["wall_s"]  # first start to last end, queue waits between included
         row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
+    row.update(estimate_columns(train_dir.parent, seconds))  # made when it was queued
     network = provenance.get("network") or {}  # multi-node jobs: their all-reduce figure
     row["allreduce_busbw_gbps"] = network.get("busbw_gbps")
     if seconds is not None:

@@ -1,0 +1,371 @@
+"""What a run will cost, before it is queued: its optimizer steps, the train stage's time
+and GPU-hours, and what they advise.
+
+An epoch is the run's examples over the examples one optimizer step takes, as the shard
+stage plans it (snaketune.data.shard: whole global batches, the rest left out): the
+micro batch over the rows one example becomes (GRPO: its completions) x
+gradient_accumulation_steps x the data-parallel ranks (nodes x gpus_per_node over
+sequence_parallel). The examples are counted from the tokenized set where it is made
+already (exact: overlong rows dropped), else from the source rows (the downloaded copy,
+else the local file; a mixture's components by their weights): ``about``, since
+tokenization may drop overlong rows. A run with ``max_steps`` takes that many; with
+``epochs``, that many epochs of steps.
+
+What it advises, before any GPU time is spent: a run with fewer examples than one step
+takes is refused by the shard stage (said here first); one with one step per epoch or
+fewer than ``FEW`` steps in all is warned about (a learning-rate schedule and warmup over
+a handful of updates mean little); so is a warmup that rounds to no step at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+FEW = 10  # fewer optimizer steps than this in all: warned about
+# MFU assumed for a GPU run with no calibration of its own (docs/benchmarks.md: not yet
+# measured on a GPU; the usual range of bf16 fine-tuning with FlashAttention is 30-50%)
+ASSUMED_MFU = {"lora": 0.30, "full": 0.35}
+
+
+def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
+    """Rows of a dataset's source (None: not readable yet): its downloaded copy, else its
+    local file (jsonl lines, a parquet's rows); a mixture's components by their weights."""
+    import pyarrow.parquet as pq
+
+    from snaketune.data.formats import components
+
+    total = 0.0
+    for part in components(config, dataset):
+        name, spec = part["name"], config["datasets"][part["name"]]
+        downloaded = workdir / "resources/datasets" / name / "data.parquet"
+        local = Path(spec["path"]) if spec.get("source") == "local" else None
+        if local is not None and not local.is_absolute():
+            local = workdir / local
+        if downloaded.is_file():
+            rows = pq.ParquetFile(downloaded).metadata.num_rows
+        elif local is not None and local.is_file() and local.suffix == ".parquet":
+            rows = pq.ParquetFile(local).metadata.num_rows
+        elif local is not None and local.is_file() and local.suffix == ".jsonl":
+            rows = sum(1 for line in local.open() if line.strip())
+        else:
+            return None
+        total += rows * part["weight"]
+    return int(total)
+
+
+def examples_of(config: dict[str, Any], name: str, workdir: Path) -> tuple[int | None, str]:
+    """A run's training examples and where the count comes from."""
+    import pyarrow.parquet as pq
+
+    from snaketune.plan.stages import tokenized
+
+    path = workdir / tokenized(config, name)
+    if path.is_file():
+        return pq.ParquetFile(path).metadata.num_rows, "the tokenized set"
+    rows = source_rows(config, config["runs"][name]["dataset"], workdir)
+    return rows, "about, from the source rows (tokenization may drop overlong ones)"
+
+
+def per_step(run: dict[str, Any]) -> int:
+    """Examples one optimizer step takes, as the shard stage plans it."""
+    from snaketune.methods import method_of
+
+    ranks = run["nodes"] * run["gpus_per_node"] // run.get("sequence_parallel", 1)
+    micro = run["micro_batch_size"] // method_of(run).rows_per_example(run)
+    return max(1, micro) * run["gradient_accumulation_steps"] * ranks
+
+
+def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> dict[str, Any]:
+    """The run's steps: examples, per step, per epoch, in all, and the advice on them
+    (``problem``: the shard stage would refuse it; ``warnings``)."""
+    run = config["runs"][name]
+    examples, basis = examples_of(config, name, workdir)
+    out: dict[str, Any] = {"examples": examples, "basis": basis, "per_step": per_step(run),
+                           "warnings": []}  # fmt: skip
+    if examples is None:
+        out["basis"] = "not counted yet: the dataset is not downloaded"
+        return out
+    epoch = examples // out["per_step"]
+    out["steps_per_epoch"] = epoch
+    if epoch == 0:
+        out["problem"] = (f"runs.{name}: {examples} examples ({basis}), fewer than one "
+                          f"optimizer step takes ({out['per_step']}: micro_batch_size x "
+                          "gradient_accumulation_steps x data-parallel GPUs); lower one of "
+                          "these or add data")  # fmt: skip
+        return out
+    total = run["max_steps"] if "max_steps" in run else math.ceil(run["epochs"] * epoch)
+    out.update(steps=total, epochs=total / epoch)
+    if epoch == 1:
+        out["warnings"].append(
+            f"one optimizer step per epoch ({examples} examples, "
+            f"{out['per_step']} a step): each epoch is a single update"
+        )
+    if total < FEW:
+        out["warnings"].append(f"{total} optimizer step(s) in all: fewer than {FEW}; the "
+                               "learning-rate schedule and warmup mean little over so few "
+                               "updates (more epochs or data, or a smaller batch)")  # fmt: skip
+    if run.get("warmup_ratio", 0) > 0 and math.ceil(run["warmup_ratio"] * total) >= total:
+        out["warnings"].append(f"warmup_ratio {run['warmup_ratio']} of {total} steps is the "
+                               "whole run: the learning rate never reaches its peak")  # fmt: skip
+    return out
+
+
+def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
+                runtime: dict[str, float] | None = None, record: bool = False
+                ) -> list[str]:  # fmt: skip
+    """The check before queueing, of each run of ``shapes`` (its model's Shape, None where
+    its config.json cannot be read yet): its steps, warnings and train estimate on stderr;
+    a line per run the shard stage would refuse, or whose estimate needs more continuations
+    of its train job (``runtime``: its time limit in minutes, by run) than
+    max_continuations allows. ``record`` (a real run, not a dry one): each estimate is kept
+    in results/<run>/estimate.json, which the summary and the report compare with what the
+    run took."""
+    import sys
+
+    found = []
+    for name, shape in shapes.items():
+        run = config["runs"][name]
+        s = steps_of(config, name, workdir)
+        if "problem" in s:
+            found.append(s["problem"])
+            continue
+        lines = format_steps(name, s)
+        if shape is not None:
+            e = estimate(config, name, workdir, shape, s)
+            lines.append(format_estimate(name, e, run["nodes"] * run["gpus_per_node"]))
+            if record and "wall_s" in e:
+                keep(workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]})
+            limit = (runtime or {}).get(name)
+            if limit and "wall_s" in e and e["wall_s"] > limit * 60:
+                jobs = math.ceil(e["wall_s"] / (limit * 60))
+                line = (f"runs.{name}: the train estimate ({duration(e['wall_s'])}) is over "
+                        f"its job's time limit ({limit:g} min): about {jobs} jobs, "
+                        f"{jobs - 1} continuation(s)")  # fmt: skip
+                if jobs - 1 > run["max_continuations"]:
+                    found.append(f"{line}, more than max_continuations "
+                                 f"({run['max_continuations']}); raise it, or the job's "
+                                 "runtime, or train fewer steps")  # fmt: skip
+                    continue
+                lines.append(f"{name}: {line.split(': ', 1)[1]} (max_continuations "
+                             f"{run['max_continuations']})")  # fmt: skip
+        for line in lines:
+            print(f"plan: {line}", file=sys.stderr)
+    return found
+
+
+ESTIMATE = "estimate.json"  # results/<run>/: the train estimate made when it was queued
+
+
+def keep(path: Path, estimate: dict[str, Any]) -> None:
+    """Write the estimate (whole or not at all)."""
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({**estimate, "made": time.time()}, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def estimate_columns(run_dir: Path, wall_s: float | None) -> dict[str, Any]:
+    """summary.tsv's columns of the train estimate made when the run was queued, and its
+    error against what the train stage took (``wall_s``): (took - estimated) / estimated."""
+    path = run_dir / ESTIMATE
+    if not path.is_file():
+        return {}
+    e = json.loads(path.read_text())
+    out = {"estimated_train_wall_s": round(e["wall_s"], 1), "estimate_basis": e["basis"]}
+    if wall_s:
+        out["estimate_error"] = round(wall_s / e["wall_s"] - 1, 3)
+    return out
+
+
+def format_steps(name: str, s: dict[str, Any]) -> list[str]:
+    """The plan's lines of a run's steps (and its warnings)."""
+    if "steps_per_epoch" not in s:
+        return [f"{name}: steps: {s['basis']}"]
+    if "problem" in s:
+        return [f"{name}: steps: {s['problem']}"]
+    lines = [f"{name}: {s['steps']:,} optimizer steps ({s['steps_per_epoch']:,} per epoch x "
+             f"{s['epochs']:.3g} epochs; {s['examples']:,} examples, {s['basis']}; "
+             f"{s['per_step']} a step)"]  # fmt: skip
+    lines += [f"{name}: warning: {w}" for w in s["warnings"]]
+    return lines
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def tokens_per_step(config: dict[str, Any], name: str, workdir: Path, per: int
+                    ) -> tuple[float, float] | None:  # fmt: skip
+    """Real tokens of one optimizer step and the sum of its examples' squared lengths (the
+    attention's share of the FLOPs), from the tokenized set's lengths (None before it)."""
+    import pyarrow.parquet as pq
+
+    from snaketune.plan.stages import tokenized
+
+    path = workdir / tokenized(config, name)
+    if not path.is_file():
+        return None
+    lengths = pq.read_table(path, columns=["length"]).column("length").to_numpy()
+    if not len(lengths):
+        return None
+    mean, square = float(lengths.mean()), float((lengths.astype(float) ** 2).mean())
+    return mean * per, square * per
+
+
+def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
+                ) -> dict[str, Any] | None:  # fmt: skip
+    """The newest finished run under ``workdir``/results like this one (the same model
+    shape, method, adapter and device kind; not the run itself): its measured tokens/s
+    (over all its devices) and its train job's time outside the steps (start-up, saving,
+    export), from its provenance and shard manifest. None: no such run yet."""
+    from snaketune.core.heldout import split_rows
+    from snaketune.core.io import read_jsonl
+    from snaketune.core.modelshape import Shape
+    from snaketune.methods import method_of
+
+    run = config["runs"][name]
+    kind = method_of(run).adapter_of(run)
+    gpu = run.get("gpu", config.get("gpu"))
+    found = []
+    for prov in (workdir / "results").glob("*/train/provenance.json"):
+        other = prov.parent.parent.name
+        try:
+            record = json.loads(prov.read_text())
+            spec = json.loads((prov.parent / "run_config.json").read_text())
+            manifest = json.loads((prov.parent.parent / "shards/manifest.json").read_text())
+            model = json.loads((workdir / "resources/models" / spec["model"] / "config.json")
+                               .read_text())  # fmt: skip
+        except (OSError, ValueError, KeyError):
+            continue
+        seg = record.get("segments") or {}
+        if other == name or not seg.get("train_s") or record.get("device") is None:
+            continue
+        same = (Shape.from_config(model) == shape and method_of(spec) is method_of(run)
+                and method_of(spec).adapter_of(spec) == kind
+                and (record["device"] == "cpu") == (gpu is None)
+                and spec.get("gpu", gpu) == gpu)  # fmt: skip
+        if not same:
+            continue
+        rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
+        if not rows:
+            continue
+        tokens = sum(s["tokens"] for s in manifest["shards"]) / manifest["steps_per_epoch"]
+        steps, per = rows[-1]["step"], manifest["global_batch"]
+        found.append(
+            (
+                prov.stat().st_mtime,
+                {
+                    "run": other,
+                    "tokens_per_s": tokens * steps / seg["train_s"],
+                    "step_s": seg["train_s"] / steps,
+                    "per_step": per,
+                    "devices": spec["nodes"] * spec["gpus_per_node"],
+                    "outside_s": seg.get("outside_training_s", 0.0),
+                    "device": record["device"],
+                },
+            )
+        )
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
+             steps: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The train stage's estimated seconds (``train_s``: the steps; ``wall_s``: with the
+    time outside them where a calibration measured it) and GPU-hours, and its ``basis``:
+    calibrated from a finished run like it (``calibration``), else for a GPU run its FLOPs
+    at an assumed MFU; none for a CPU run without a calibration."""
+    from snaketune.core.throughput import peak_tflops, step_flops
+    from snaketune.methods import method_of
+
+    run = config["runs"][name]
+    method = method_of(run)
+    if "steps" not in steps:
+        return {"basis": "no estimate: the steps are not counted yet"}
+    devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
+    cal = calibration(config, name, workdir, shape)
+    measured = tokens_per_step(config, name, workdir, steps["per_step"])
+    if cal is not None:
+        scale = 1 if cal["device"] == "cpu" else devices / cal["devices"]  # per GPU
+        if method.trains_on == "prompts" or measured is None:  # generation: by the step
+            step_s = cal["step_s"] * steps["per_step"] / cal["per_step"] / scale
+        else:
+            step_s = measured[0] / (cal["tokens_per_s"] * scale)
+        out = {"train_s": steps["steps"] * step_s, "outside_s": cal["outside_s"],
+               "basis": f"calibrated from run {cal['run']}"}  # fmt: skip
+    elif gpu is None:
+        return {
+            "basis": "no estimate: no finished run of this model and method on this "
+            "machine to calibrate from (a short run calibrates it: max_steps: 20)"
+        }
+    elif method.trains_on == "prompts":
+        return {"basis": "no estimate: its generation time is measured, not derived from "
+                "FLOPs; a short run calibrates it (max_steps: 5)"}  # fmt: skip
+    else:
+        bound = measured is None  # before tokenization: every example max_length tokens
+        if bound:  # each sequence of an example (a pair's two sides) at max_length
+            seqs = steps["per_step"] * method.memory(run, True).get("sequences_per_example", 1)
+            measured = (run["max_length"] * seqs, run["max_length"] ** 2 * seqs)
+        kind = method.adapter_of(run)
+        peak, mfu = peak_tflops(str(gpu).upper()), ASSUMED_MFU[kind]
+        if peak is None:
+            return {"basis": f"no estimate: no peak FLOP/s known for GPU {gpu}"}
+        n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
+        flops = step_flops(n, measured[0], measured[1], shape.layers, shape.hidden,
+                           kind == "lora")  # fmt: skip
+        out = {"train_s": steps["steps"] * flops / (devices * peak * 1e12 * mfu),
+               "outside_s": None, "basis": f"assumed MFU {mfu:.0%} of {gpu}'s {peak:g} "
+               "TFLOP/s a GPU, not calibrated (a short run calibrates it)"
+               + ("; every example taken at max_length: at most, until the data is tokenized"
+                  if bound else "")}  # fmt: skip
+    out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
+    out["gpu_hours"] = out["wall_s"] * devices / 3600 if gpu is not None else None
+    if cal is not None:  # the other stages of the run, as the calibration's took
+        out["stages"] = stage_seconds(workdir, cal["run"])
+        out["pipeline_s"] = out["wall_s"] + sum(out["stages"].values())
+    return out
+
+
+# the stages a run has of its own, after training (and its shard plan before it)
+RUN_STAGES = ("shard_dataset", "convert_checkpoint", "merge_lora", "evaluate_start", "evaluate")
+
+
+def stage_seconds(workdir: Path, run: str) -> dict[str, float]:
+    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
+    import csv
+
+    out: dict[str, float] = {}
+    for rule in RUN_STAGES:
+        folder = workdir / "benchmarks" / rule
+        # <run>.tsv, or <run>.<what>.tsv (convert_checkpoint: demo.lora_adapters.tsv)
+        for path in sorted(folder.glob("*.tsv")) if folder.is_dir() else ():
+            if path.name.split(".")[0] == run:
+                with open(path) as fh:
+                    row = next(csv.DictReader(fh, delimiter="\t"))
+                out[rule] = out.get(rule, 0.0) + float(row["s"])
+    return out
+
+
+def format_estimate(name: str, e: dict[str, Any], devices: int) -> str:
+    """The plan's line of a run's train stage estimate."""
+    if "wall_s" not in e:
+        return f"{name}: train time: {e['basis']}"
+    outside = (f", {e['outside_s']:.0f} s of it start-up and saving" if e["outside_s"]
+               else ", start-up and saving not counted (a calibration measures them)")  # fmt: skip
+    hours = f", {e['gpu_hours']:.2f} GPU-hours" if e["gpu_hours"] is not None else ""
+    line = (f"{name}: train about {duration(e['wall_s'])} on {devices} device(s){outside}"
+            f"{hours} ({e['basis']})")  # fmt: skip
+    if "pipeline_s" in e:
+        parts = ", ".join(f"{rule} {duration(sec)}" for rule, sec in e["stages"].items())
+        line += f"; its stages in all about {duration(e['pipeline_s'])} (train, {parts})"
+    return line
+
+
+def duration(seconds: float) -> str:
+    """3725 -> '1.0 h', 95 -> '1.6 min', 40 -> '40 s'."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"

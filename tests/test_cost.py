@@ -1,0 +1,297 @@
+"""What a run will cost before it is queued (snaketune.plan.cost): its steps from the data
+and the batch, the advice on them, the train stage's time from a calibration or from its
+FLOPs at an assumed MFU, continuations against the job's time limit, and the estimate's
+error once the run has finished. The figures are checked against arithmetic written out
+here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from snaketune.core.modelshape import Shape
+
+ROOT = Path(__file__).resolve().parents[1]
+# a Llama-3.1-8B's config.json (the fields the plan reads)
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+            "head_dim": 128, "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def config_with(tmp_path: Path, rows: int, **run) -> dict:
+    """A validated config: model m (LLAMA_8B's config.json), a local jsonl of ``rows``
+    prompt/response rows of unequal length, run x with ``run``."""
+    from snaketune.plan.config import validate_config
+
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m/config.json").write_text(json.dumps(LLAMA_8B))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "q" * (i % 7 + 1), "response": "a"}) + "\n"
+                            for i in range(rows)))  # fmt: skip
+    written = {"nodes": 2, "gpus_per_node": 4, "max_length": 256, "micro_batch_size": 4,
+               "learning_rate": 1e-4, "epochs": 2, "method": "lora", **run}  # fmt: skip
+    config = {"models": {"m": {"source": "local", "path": str(tmp_path / "m")}},
+              "datasets": {"d": {"source": "local", "path": str(data),
+                                 "format": "prompt_response"}},
+              "runs": {"x": {"model": "m", "dataset": "d", **written}}}  # fmt: skip
+    return validate_config(config, ROOT)
+
+
+def test_steps_per_epoch_are_the_examples_over_one_step_s_examples(tmp_path):
+    from snaketune.plan.cost import format_steps, steps_of
+
+    config = config_with(tmp_path, 1000, gradient_accumulation_steps=2)
+    s = steps_of(config, "x", tmp_path)
+    # 4 a micro batch x 2 accumulated x 8 GPUs = 64 a step; 1000 // 64 = 15 (the rest left
+    # out, as the shard plan does), 2 epochs
+    assert (s["per_step"], s["steps_per_epoch"], s["steps"]) == (64, 15, 30)
+    assert s["basis"].startswith("about, from the source rows") and s["warnings"] == []
+    (line,) = format_steps("x", s)
+    assert line.startswith("x: 30 optimizer steps (15 per epoch x 2 epochs; 1,000 examples")
+    # the tokenized set, once made, is counted instead (overlong rows dropped)
+    from snaketune.plan.stages import tokenized
+
+    path = tmp_path / tokenized(config, "x")
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"length": list(range(100, 740))}), path)
+    s = steps_of(config, "x", tmp_path)
+    assert (s["examples"], s["steps_per_epoch"], s["basis"]) == (640, 10, "the tokenized set")
+    config["runs"]["x"]["max_steps"] = 25
+    del config["runs"]["x"]["epochs"]
+    assert steps_of(config, "x", tmp_path)["steps"] == 25
+
+
+@pytest.mark.parametrize("rows, run, said", [
+    (40, {}, ["one optimizer step per epoch", "2 optimizer step(s) in all: fewer than 10"]),
+    (400, {"epochs": 1, "warmup_ratio": 1.0}, ["warmup_ratio 1.0 of 12 steps is the whole run"]),
+    (3000, {}, []),
+])  # fmt: skip
+def test_few_steps_and_a_warmup_over_the_whole_run_are_warned_about(tmp_path, rows, run, said):
+    from snaketune.plan.cost import steps_of
+
+    warnings = steps_of(config_with(tmp_path, rows, **run), "x", tmp_path)["warnings"]
+    assert [w[: len(s)] for w, s in zip(warnings, said, strict=False)] == said, warnings
+    assert len(warnings) == len(said)
+
+
+def test_fewer_examples_than_one_step_is_refused_before_queueing(tmp_path):
+    from snaketune.plan.cost import check_steps
+
+    config = config_with(tmp_path, 20)
+    (line,) = check_steps(config, {"x": None}, tmp_path)
+    assert line.startswith("runs.x: 20 examples (about, from the source rows") and (
+        "fewer than one optimizer step takes (32" in line)  # fmt: skip
+
+
+def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path):
+    from snaketune.plan.cost import ASSUMED_MFU, estimate, format_estimate, steps_of
+    from snaketune.plan.stages import tokenized
+
+    config = config_with(tmp_path, 1000, gpu="a100-80gb")
+    path = tmp_path / tokenized(config, "x")
+    path.parent.mkdir(parents=True)
+    lengths = [200 + (i % 50) for i in range(1000)]
+    pq.write_table(pa.table({"length": lengths}), path)
+    s = steps_of(config, "x", tmp_path)
+    shape = Shape.from_config(LLAMA_8B)
+    e = estimate(config, "x", tmp_path, shape, s)
+    # by hand: N = the 8B's matmul weights (all but the input embedding): 32 layers of
+    # attention (q, o: 4096^2; k, v: 4096 x 1024) and MLP (3 x 4096 x 14336), the head
+    h, layers = 4096, 32
+    n = layers * (2 * h * h + 2 * h * 1024 + 3 * h * 14336) + 128256 * h
+    per = 4 * 8  # examples a step: 4 a micro batch x 8 GPUs
+    mean = sum(lengths) / len(lengths)
+    squares = sum(x * x for x in lengths) / len(lengths)
+    flops = 4 * n * mean * per + 6 * layers * h * squares * per  # LoRA: 4N per token
+    want = s["steps"] * flops / (8 * 312e12 * ASSUMED_MFU["lora"])
+    assert e["train_s"] == pytest.approx(want, rel=1e-3)
+    assert e["gpu_hours"] == pytest.approx(e["wall_s"] * 8 / 3600)
+    line = format_estimate("x", e, 8)
+    assert "assumed MFU 30% of a100-80gb's 312 TFLOP/s" in line and "GPU-hours" in line
+    config["runs"]["x"]["gpu"] = None
+    del config["runs"]["x"]["gpu"]
+    e = estimate(config, "x", tmp_path, shape, s)
+    assert "wall_s" not in e and "no finished run" in e["basis"]  # a CPU run: calibrate
+
+
+def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,
+             tokens_per_epoch: int, steps_per_epoch: int, steps: int, device: str,
+             model: dict) -> None:  # fmt: skip
+    """The files a finished run leaves that a calibration reads."""
+    train = work / "results" / run / "train"
+    train.mkdir(parents=True)
+    (work / "results" / run / "shards").mkdir()
+    (train / "run_config.json").write_text(json.dumps(spec))
+    (train / "provenance.json").write_text(json.dumps({"device": device, "segments": {
+        "train_s": train_s, "outside_training_s": outside_s}}))  # fmt: skip
+    (train / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
+                                                 for s in range(1, steps + 1)))  # fmt: skip
+    (work / "results" / run / "shards/manifest.json").write_text(json.dumps({
+        "shards": [{"tokens": tokens_per_epoch // 2}, {"tokens": tokens_per_epoch // 2}],
+        "steps_per_epoch": steps_per_epoch, "global_batch": 32}))  # fmt: skip
+    models = work / "resources/models" / spec["model"]
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "config.json").write_text(json.dumps(model))
+
+
+def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
+    from snaketune.plan.cost import estimate, format_estimate, steps_of
+    from snaketune.plan.stages import tokenized
+
+    config = config_with(tmp_path, 1000, gpu="h100-80gb")
+    run = config["runs"]["x"]
+    path = tmp_path / tokenized(config, "x")
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"length": [300] * 1000}), path)
+    spec = {**run, "nodes": 1, "gpus_per_node": 4, "model": "m"}
+    # measured: 40 steps of 64,000 tokens (20 steps an epoch of 1,280,000) in 80 s on 4 GPUs
+    finished(tmp_path, "earlier", spec, 80.0, 45.0, 1_280_000, 20, 40, "cuda", LLAMA_8B)
+    (tmp_path / "benchmarks/evaluate").mkdir(parents=True)
+    (tmp_path / "benchmarks/evaluate/earlier.tsv").write_text("s\th:m:s\n30.5\t0:00:30\n")
+    s = steps_of(config, "x", tmp_path)
+    e = estimate(config, "x", tmp_path, Shape.from_config(LLAMA_8B), s)
+    rate_per_gpu = 40 * 64_000 / 80.0 / 4  # tokens/s a GPU
+    want = s["steps"] * (300 * 32) / (rate_per_gpu * 8)  # 32 examples of 300 a step, 8 GPUs
+    assert e["train_s"] == pytest.approx(want) and e["outside_s"] == 45.0
+    assert e["wall_s"] == pytest.approx(want + 45.0) and e["stages"] == {"evaluate": 30.5}
+    assert e["pipeline_s"] == pytest.approx(want + 45.0 + 30.5)
+    assert e["basis"] == "calibrated from run earlier"
+    assert "; its stages in all about" in format_estimate("x", e, 8)
+    # another model shape, method or device kind is no calibration for it
+    other = tmp_path / "o"
+    other.mkdir()
+    config_other = config_with(other, 1000, gpu="h100-80gb", method="full")
+    finished(other, "earlier", {**spec, "method": "lora"}, 80.0, 45.0, 1_280_000, 20, 40,
+             "cuda", LLAMA_8B)  # fmt: skip
+    e = estimate(config_other, "x", other, Shape.from_config(LLAMA_8B),
+                 steps_of(config_other, "x", other))  # fmt: skip
+    assert e["basis"] != "calibrated from run earlier"
+
+
+def test_a_train_stage_over_its_time_limit_says_its_continuations(tmp_path, capsys):
+    from snaketune.plan.cost import check_steps
+
+    config = config_with(tmp_path, 100_000, gpu="a100-80gb", max_continuations=3)
+    from snaketune.plan.stages import tokenized
+
+    path = tmp_path / tokenized(config, "x")
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"length": [2048] * 100_000}), path)
+    shape = Shape.from_config(LLAMA_8B)
+    assert check_steps(config, {"x": shape}, tmp_path, {"x": 1440}) == []
+    said = capsys.readouterr().err
+    assert "x: 6,250 optimizer steps" in said and "x: train about " in said
+    (line,) = check_steps(config, {"x": shape}, tmp_path, {"x": 60})
+    jobs = int(line.split("about ")[1].split(" jobs")[0])
+    assert line.startswith("runs.x: the train estimate (") and jobs - 1 > 3
+    assert "more than max_continuations (3); raise it" in line
+    config["runs"]["x"]["max_continuations"] = 500
+    assert check_steps(config, {"x": shape}, tmp_path, {"x": 60}) == []
+    assert f"about {jobs} jobs, {jobs - 1} continuation(s) (max_continuations 500)" in (
+        capsys.readouterr().err)  # fmt: skip
+
+
+def test_the_estimate_made_when_queued_is_compared_with_what_the_run_took(tmp_path):
+    from snaketune.plan.cost import ESTIMATE, estimate_columns, keep
+
+    keep(tmp_path / "results/x" / ESTIMATE, {"wall_s": 100.0, "basis": "calibrated from run a"})
+    row = estimate_columns(tmp_path / "results/x", 125.0)
+    assert row == {"estimated_train_wall_s": 100.0, "estimate_basis": "calibrated from run a",
+                   "estimate_error": 0.25}  # fmt: skip
+    assert estimate_columns(tmp_path / "results/y", 125.0) == {}
+
+
+def test_plan_reads_a_hub_model_s_config_json_given_on_the_command_line(tmp_path, capsys,
+                                                                        monkeypatch):  # fmt: skip
+    from snaketune.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama/config.json").write_text(json.dumps(LLAMA_8B))
+    example = ROOT / "config/examples/llama3.1-8b-chat-lora-sweep-grpo-2x4.yaml"
+    name = "llama31_8b_instruct"
+    code = main(["plan", str(example), "--root", str(ROOT), "--model-config",
+                 f"{name}={tmp_path / 'llama'}", "--json"])  # fmt: skip
+    plans = json.loads(capsys.readouterr().out)
+    assert code == 0 and plans and all(p["per_gpu_gib"]["weights"] > 10 for p in plans)
+    assert all("steps" in p and "estimate" in p for p in plans)
+    assert main(["plan", str(example), "--root", str(ROOT), "--model-config", "nope=x"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --model-config nope=x: the config has no model 'nope'")  # fmt: skip
+    assert main(["plan", str(example), "--root", str(ROOT), "--model-config",
+                 f"{name}=/nowhere"]) == 2  # fmt: skip
+    assert "/nowhere is not a file; give a model's config.json" in capsys.readouterr().err
+
+
+CHAIN = """
+gpu: a100-80gb
+models:
+  llama:
+    source: hub
+    id: meta-llama/Llama-3.1-8B-Instruct
+datasets:
+  chat: {source: local, path: chat.jsonl, format: messages}
+  pairs: {source: local, path: pairs.jsonl, format: preference}
+runs:
+  sft:
+    model: llama
+    dataset: chat
+    method: lora
+    nodes: 2
+    gpus_per_node: 4
+    max_length: 1024
+    micro_batch_size: 4
+    learning_rate: 1.0e-4
+    epochs: 3
+  dpo:
+    init_from: sft
+    dataset: pairs
+    method: dpo
+    lora: {r: 16}
+    nodes: 2
+    gpus_per_node: 4
+    max_length: 1024
+    micro_batch_size: 2
+    learning_rate: 5.0e-6
+    epochs: 1
+"""
+
+
+def test_the_dry_run_of_an_8b_chain_says_its_steps_time_and_gpu_hours(tmp_path):
+    """The issue's chain: an 8B LoRA SFT then DPO on 2 nodes x 4 A100-80GB, 40 chat examples
+    and 40 pairs of the user's, the model's config.json alone (no weights), through the
+    SLURM profile against a stand-in SLURM: before anything is queued, each run's steps,
+    the warning of one step per epoch, its train time and GPU-hours."""
+    import subprocess
+
+    from conftest import BIN, ENV, SHAPES, stand_in_slurm
+
+    work = tmp_path / "w"
+    (work / "resources/models/llama").mkdir(parents=True)
+    (work / "resources/models/llama/config.json").write_text(
+        json.dumps(SHAPES["meta-llama/Llama-3.1-8B-Instruct"]))  # fmt: skip
+    turns = [{"messages": [{"role": "user", "content": "q" * (i % 50 + 1)},
+                           {"role": "assistant", "content": "a" * (i % 70 + 1)}]}
+             for i in range(40)]  # fmt: skip
+    (work / "chat.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+    pairs = [{"prompt": "q" * (i % 50 + 1), "chosen": "a" * (i % 30 + 1),
+              "rejected": "b" * (i % 20 + 1)} for i in range(40)]  # fmt: skip
+    (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (work / "chain.yaml").write_text(CHAIN)
+    env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
+    proc = subprocess.run([str(BIN / "snakemake"), "--profile", "profiles/slurm", "--configfile",
+                           str(work / "chain.yaml"), "-n", "--directory", str(work)],
+                          cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    assert "plan: sft: 3 optimizer steps (1 per epoch x 3 epochs; 40 examples" in said
+    assert "plan: sft: warning: one optimizer step per epoch" in said
+    (line,) = [x for x in said.splitlines() if x.startswith("plan: sft: train about ")]
+    assert "on 8 device(s)" in line and "GPU-hours (assumed MFU 30% of a100-80gb" in line
+    assert "plan: dpo: 2 optimizer steps" in said
