@@ -204,6 +204,12 @@ def test_the_estimate_made_when_queued_is_compared_with_what_the_run_took(tmp_pa
     assert row == {"estimated_train_wall_s": 100.0, "estimate_basis": "calibrated from run a",
                    "estimate_error": 0.25}  # fmt: skip
     assert estimate_columns(tmp_path / "results/y", 125.0) == {}
+    from snaketune.train.progress import planned_note
+
+    keep(tmp_path / "results/z" / ESTIMATE, {"wall_s": 130.0, "train_s": 95.0, "steps": 400,
+                                             "basis": "calibrated from run a"})  # fmt: skip
+    assert planned_note(tmp_path / "results/z") == " (planned: 1.6 min for 400 steps)"
+    assert planned_note(tmp_path / "results/y") == ""
 
 
 def test_plan_reads_a_hub_model_s_config_json_given_on_the_command_line(tmp_path, capsys,

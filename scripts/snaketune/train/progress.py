@@ -118,6 +118,18 @@ def _duration(seconds: float) -> str:
     return str(timedelta(seconds=int(seconds)))
 
 
+def planned_note(run_dir: Path) -> str:
+    """The progress line's word on the plan: the steps' time estimated when the run was
+    queued (results/<run>/estimate.json, snaketune.plan.cost), "" without one."""
+    from snaketune.plan.cost import ESTIMATE, duration
+
+    path = run_dir / ESTIMATE
+    if not path.is_file():
+        return ""
+    e = json.loads(path.read_text())
+    return f" (planned: {duration(e['train_s'])} for {e['steps']} steps)"
+
+
 class StepCallback(TrainerCallback):
     """At every optimizer step: the step's metrics line (rank 0; the method's own figures
     from ``step_fields``), the progress line, the decision to stop (signal, time limit, GPU
@@ -161,12 +173,14 @@ class StepCallback(TrainerCallback):
         # for export.checkpoint: best (its held-out metric, greater is better)
         self.heldout: tuple[int, dict[str, Any]] | None = None
         self.best = best
+        self._planned = ""  # the estimate made when the run was queued, for the ETA
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = self._last = time.monotonic()
         self.deadline.restart()
         if self.rank == 0:
             self._out = open(self.metrics, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._planned = planned_note(self.metrics.parent.parent)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._out is not None:
@@ -285,7 +299,7 @@ class StepCallback(TrainerCallback):
             100 * record["padding"],
             f", MFU {100 * record['mfu']:.1f}%" if "mfu" in record else "",
             _duration(eta),
-            self._heldout_note(),
+            self._planned + self._heldout_note(),
         )
 
     def _heldout_note(self) -> str:
