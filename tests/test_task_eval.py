@@ -414,6 +414,7 @@ def rewards_by_hand(model_dir: Path, prompts: list[str], completions: list[str])
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.extended
 def test_a_chat_sft_then_dpo_chain_is_evaluated_on_its_task(fixtures_dir, tmp_path):
     """A user's chat data tuned with LoRA, then DPO from it on preference pairs, with a
