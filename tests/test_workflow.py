@@ -258,7 +258,8 @@ def _big_run_config(tmp_path, **run) -> Path:
     model = tmp_path / "llama-1b-config-only"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.2-1B"]))
-    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1?", "response": "#### 2"}\n')
+    # enough rows for a step of the largest layout its tests ask (8 nodes x 4 GPUs x 8)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1?", "response": "#### 2"}\n' * 300)
     spec = {"model": "llama1b", "dataset": "d", "method": "lora", "deepspeed": "zero2",
             "nodes": 1, "gpus_per_node": 4, "max_length": 65536, "micro_batch_size": 8,
             "max_steps": 10, "learning_rate": 1e-4, "gpu": "a100-40gb", **run}  # fmt: skip
