@@ -20,7 +20,6 @@ Prints a table, then the figures as one JSON line.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
+from snaketune.plan.cost import stage_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("shard_dataset", "train", "convert_checkpoint", "merge_lora", "evaluate")
@@ -41,16 +42,6 @@ def snakemake(work: Path, config: Path, *extra: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"snakemake failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-
-
-def seconds(work: Path, rule: str, run: str) -> float:
-    """A rule's measured seconds for ``run`` (its benchmark files: <run>.tsv, <run>.*.tsv)."""
-    total = 0.0
-    for path in (work / "benchmarks" / rule).glob("*.tsv"):
-        if path.name.split(".")[0] == run:
-            with open(path) as fh:
-                total += float(next(csv.DictReader(fh, delimiter="\t"))["s"])
-    return total
 
 
 def main() -> int:
@@ -85,7 +76,8 @@ def main() -> int:
     if "wall_s" not in estimate:
         sys.exit(f"no estimate: {estimate['basis']}")
     snakemake(work, second, "results/other/eval/metrics.json")
-    took = {rule: seconds(work, rule, "other") for rule in STAGES}
+    took = stage_seconds(work, "other", STAGES)
+    took = {rule: took.get(rule, 0.0) for rule in STAGES}
     figures = {
         "steps": plan["steps"]["steps"], "nodes": args.nodes, "basis": estimate["basis"],
         "train_estimated_s": round(estimate["wall_s"], 1), "train_took_s": took["train"],

@@ -182,8 +182,8 @@ MUTATIONS = (
     Mutation(
         "steps-without-accumulation", "the plan's steps forget gradient accumulation",
         f"{LIB}/plan/cost.py",
-        '    return max(1, micro) * run["gradient_accumulation_steps"] * ranks',
-        "    return max(1, micro) * ranks",
+        '                  run["gradient_accumulation_steps"],',
+        "                  1,",
         ("tests/test_cost.py::test_steps_per_epoch_are_the_examples_over_one_step_s_examples",),
     ),
     Mutation(

@@ -300,17 +300,12 @@ def headline_cell(row: dict[str, str]) -> str:
     model's before the tuned one's."""
     from html import escape
 
-    from snaketune.app.summary import column_of
-    from snaketune.evaluation.figures import described
+    from snaketune.app.summary import headline_figures
 
     lines = []
-    for key in (row.get("headline") or "").split():
-        column, d = column_of(key), described(key)
-        if not row.get(column):
-            continue
-        base = row.get(f"base_{column}")
+    for d, value, base in headline_figures(row):
         before = f"{pretty(base, d.percent)} → " if base else ""
-        lines.append(f"{escape(d.short)}: {escape(before + pretty(row[column], d.percent))}")
+        lines.append(f"{escape(d.short)}: {escape(before + pretty(value, d.percent))}")
     return "<br>".join(lines) or "–"
 
 

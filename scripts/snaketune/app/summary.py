@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.heldout import split_rows
-from snaketune.plan.cost import estimate_columns
+from snaketune.plan.cost import benchmark_seconds, estimate_columns
 
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",
@@ -141,8 +141,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
             row["gain_loss"] = ev["gain"]["loss"]  # base - tuned: positive is better
     seconds = None
     if train_benchmark is not None and train_benchmark.is_file():
-        with open(train_benchmark) as fh:
-            seconds = float(next(csv.DictReader(fh, delimiter="\t"))["s"])
+        seconds = benchmark_seconds(train_benchmark)
     segments = provenance.get("segments") or {}
     if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
         seconds = segments["wall_s"]  # first start to last end, queue waits between included
@@ -238,20 +237,27 @@ def lm_eval_columns(ev: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def headline_figures(row: dict[str, str]) -> list[tuple[Any, str, str]]:
+    """A summary row's headline figures it has, in order: how each reads
+    (snaketune.evaluation.figures.Described), its value and the base model's ("": none)."""
+    from snaketune.evaluation.figures import described
+
+    out = []
+    for key in (row.get("headline") or "").split():  # what the run's evaluation leads with
+        column = column_of(key)
+        if row.get(column):
+            out.append((described(key), row[column], row.get(f"base_{column}") or ""))
+    return out
+
+
 def headline(summary_tsv: Path, html: Path) -> str:
     """One line for the end of a pipeline: where the report is, and each run's result."""
     with open(summary_tsv) as fh:
         rows = list(csv.DictReader(fh, delimiter="\t"))
-    from snaketune.evaluation.figures import described
-
     parts = [f"report: {html}"]
     for r in rows:
-        figures = []
-        for key in (r.get("headline") or "").split():  # what the run's evaluation leads with
-            column = column_of(key)
-            if r.get(column):
-                base = f" (base {r[f'base_{column}']})" if r.get(f"base_{column}") else ""
-                figures.append(f"{described(key).short} {r[column]}{base}")
+        figures = [f"{d.short} {value}" + (f" (base {base})" if base else "")
+                   for d, value, base in headline_figures(r)]  # fmt: skip
         if not figures and r.get("final_loss"):
             figures.append(f"final loss {r['final_loss']}")
         parts.append(f"{r['run']}: {', '.join(figures)}")

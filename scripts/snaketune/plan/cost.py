@@ -70,12 +70,15 @@ def examples_of(config: dict[str, Any], name: str, workdir: Path) -> tuple[int |
 
 
 def per_step(run: dict[str, Any]) -> int:
-    """Examples one optimizer step takes, as the shard stage plans it."""
+    """Examples one optimizer step takes: the global batch of the shard stage's layout
+    (snaketune.data.shard.Layout), its micro batch in examples (plan.stages.shard_job)."""
+    from snaketune.data.shard import Layout
     from snaketune.methods import method_of
 
-    ranks = run["nodes"] * run["gpus_per_node"] // run.get("sequence_parallel", 1)
     micro = run["micro_batch_size"] // method_of(run).rows_per_example(run)
-    return max(1, micro) * run["gradient_accumulation_steps"] * ranks
+    return Layout(run["nodes"], run["gpus_per_node"], max(1, micro),
+                  run["gradient_accumulation_steps"],
+                  run.get("sequence_parallel", 1)).global_batch  # fmt: skip
 
 
 def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> dict[str, Any]:
@@ -333,19 +336,24 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
 RUN_STAGES = ("shard_dataset", "convert_checkpoint", "merge_lora", "evaluate_start", "evaluate")
 
 
-def stage_seconds(workdir: Path, run: str) -> dict[str, float]:
-    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
+def benchmark_seconds(path: Path) -> float:
+    """The wall seconds a Snakemake benchmark file recorded (its ``s`` column)."""
     import csv
 
+    with open(path) as fh:
+        return float(next(csv.DictReader(fh, delimiter="\t"))["s"])
+
+
+def stage_seconds(workdir: Path, run: str, rules: tuple[str, ...] = RUN_STAGES
+                  ) -> dict[str, float]:  # fmt: skip
+    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
     out: dict[str, float] = {}
-    for rule in RUN_STAGES:
+    for rule in rules:
         folder = workdir / "benchmarks" / rule
         # <run>.tsv, or <run>.<what>.tsv (convert_checkpoint: demo.lora_adapters.tsv)
         for path in sorted(folder.glob("*.tsv")) if folder.is_dir() else ():
             if path.name.split(".")[0] == run:
-                with open(path) as fh:
-                    row = next(csv.DictReader(fh, delimiter="\t"))
-                out[rule] = out.get(rule, 0.0) + float(row["s"])
+                out[rule] = out.get(rule, 0.0) + benchmark_seconds(path)
     return out
 
 
