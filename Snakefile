@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 from snaketune.core.errors import UserError, labelled
-from snaketune.plan.checks import at_parse, check_workflow, in_dry_runs
+from snaketune.budget.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.app.summary import report_line
 from snaketune.train.attempts import one_start_per_job
 
@@ -62,7 +62,7 @@ include: "workflow/rules/sweep.smk"
 
 # Before anything runs or is queued, and in a dry run too: memory and disk plans of the
 # runs about to train, lm-eval's task names; on SLURM, every job's resources against its
-# partition (snaketune.plan.checks.before_queueing).
+# partition (snaketune.budget.checks.before_queueing).
 onstart:
     check_workflow(config, workflow, dry_run=False)
 

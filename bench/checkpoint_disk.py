@@ -5,7 +5,7 @@
 
 Measured: the fixture Llama, full fine-tuning with ZeRO-2 on 1 node x 2 processes (fp32),
 a checkpoint every 2 steps, ``--keep`` kept, trained once with each setting; the bytes of
-results/<run>/train/checkpoints at the end. Estimated (snaketune.plan.diskplan, the formula
+results/<run>/train/checkpoints at the end. Estimated (snaketune.budget.diskplan, the formula
 tests/test_diskplan.py checks within 10% of real checkpoints): Llama-3-8B and Qwen2.5-32B
 in bf16 with ZeRO-3 on 2 x 8 GPUs, the kept checkpoints at rest and the most on the disk
 while one is written.
@@ -32,7 +32,7 @@ GIB = 1024**3
 def measure(tmp: Path, model: Path, shards: Path, keep: int, optimizer: str) -> int:
     """Bytes of the checkpoints folder at the end."""
     from snaketune.app.fixtures import demo_run_spec, run_train_stage
-    from snaketune.plan.diskplan import folder_bytes
+    from snaketune.budget.diskplan import folder_bytes
 
     spec = demo_run_spec(ROOT, method="full", nodes=1, gpus_per_node=2, micro_batch_size=8,
                          gradient_accumulation_steps=1, max_steps=2 * (keep + 2), save_steps=2,
@@ -46,8 +46,8 @@ def measure(tmp: Path, model: Path, shards: Path, keep: int, optimizer: str) -> 
 def estimates(keep: int) -> list[tuple[str, float, float, float, float, float]]:
     """(model, one checkpoint, at rest with all, with last, while saving with all, with
     last) in GiB."""
-    from snaketune.plan.diskplan import checkpoint_size, run_need
-    from snaketune.plan.memplan import Setup, Shape
+    from snaketune.budget.diskplan import checkpoint_size, run_need
+    from snaketune.budget.memplan import Setup, Shape
 
     shapes = {
         "Llama-3-8B": Shape(4096, 14336, 32, 32, 8, 128, 128256, False, False),

@@ -4,12 +4,13 @@ demo-sized run, predict another with another step count and node count, run it, 
     python bench/cost_estimate.py                       # demo (2 x 1, 192 steps), then 1 x 1, 96 steps
     python bench/cost_estimate.py --nodes 2 --steps 48
 
-1. A workdir with the demo's fixtures; the demo config's run `demo` (the calibration: 2
-   emulated nodes, its 6 epochs, or --demo-steps) runs through snakemake, every stage.
-2. A second run `other` (the demo's settings on --nodes nodes for --steps steps) is added
+1. `snaketune calibrate config/config.yaml demo --steps N` writes the calibration's config
+   (run `demo_calibration`: the demo's 2 emulated nodes, 192 steps or --demo-steps), which
+   runs through snakemake, every stage, in a new workdir.
+2. A second run `other` (the same settings on --nodes nodes for --steps steps) is added
    to the config; `snaketune plan --json`, from the workdir, gives its estimate: the train
    stage's wall seconds, and the run's own stages in all (shard, train, convert, merge,
-   evaluate), calibrated from `demo` (snaketune.plan.cost).
+   evaluate), calibrated from `demo_calibration` (snaketune.budget.calibrate).
 3. `other` runs (its own jobs; download, tokenize and the base evaluation are shared and
    done); its train stage's wall seconds and its stages' in all (Snakemake's benchmark
    files) are set against the estimate.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from snaketune.plan.cost import stage_seconds
+from snaketune.budget.calibrate import stage_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("shard_dataset", "train", "convert_checkpoint", "merge_lora", "evaluate")
@@ -52,23 +53,23 @@ def main() -> int:
                         help="max_steps of the calibration run (default: its 6 epochs)")  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cost-estimate-"))
-    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    demo = cfg["runs"]["demo"]
-    if args.demo_steps:
-        del demo["epochs"]
-        demo.update(max_steps=args.demo_steps, save_steps=args.demo_steps)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts")}
+    steps = args.demo_steps or 192  # the demo's 6 epochs
+    cli = [sys.executable, "-m", "snaketune.app.cli"]
+    subprocess.run([*cli, "calibrate", str(ROOT / "config/config.yaml"), "demo", "--steps",
+                    str(steps), "--out", "demo.yaml", "--root", str(ROOT)], cwd=work, env=env,
+                   check=True)  # fmt: skip
     first = work / "demo.yaml"
-    first.write_text(yaml.safe_dump(cfg, sort_keys=False))
     snakemake(work, first)
-    other = {k: v for k, v in demo.items() if k not in ("epochs", "max_steps")}
+    cfg = yaml.safe_load(first.read_text())
+    other = {k: v for k, v in cfg["runs"]["demo_calibration"].items() if k != "max_steps"}
     other.update(nodes=args.nodes, max_steps=args.steps, save_steps=args.steps)
     cfg["runs"]["other"] = other
     second = work / "two.yaml"
     second.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts")}
-    proc = subprocess.run([sys.executable, "-m", "snaketune.app.cli", "plan", str(second),
-                           "--root", str(ROOT), "--json"], cwd=work, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run([*cli, "plan", str(second), "--root", str(ROOT), "--json"], cwd=work,
+                          env=env, capture_output=True, text=True)  # fmt: skip
     if proc.returncode:
         sys.exit(f"snaketune plan failed:\n{proc.stdout}{proc.stderr}")
     (plan,) = [p for p in json.loads(proc.stdout) if p["run"] == "other"]
@@ -81,7 +82,7 @@ def main() -> int:
     figures = {
         "steps": plan["steps"]["steps"], "nodes": args.nodes, "basis": estimate["basis"],
         "train_estimated_s": round(estimate["wall_s"], 1), "train_took_s": took["train"],
-        "stages_estimated_s": round(estimate["pipeline_s"], 1),
+        "stages_estimated_s": round(plan["costs"]["total"]["s"], 1),
         "stages_took_s": round(sum(took.values()), 1),
     }  # fmt: skip
     figures["train_error"] = round(figures["train_took_s"] / figures["train_estimated_s"] - 1, 3)

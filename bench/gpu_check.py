@@ -18,7 +18,7 @@ into rows of 2048 tokens, 30 steps (the first 5 left out):
 For each: real tokens/s per GPU, step time and MFU (metrics.jsonl's, against the GPU's
 dense bf16 peak: snaketune.core.throughput), peak memory (torch.cuda.max_memory_allocated
 in the worker) beside the memory plan's per-GPU figure for the same run
-(snaketune.plan.memplan.estimate, its total and the part without the CUDA margin), and
+(snaketune.budget.memplan.estimate, its total and the part without the CUDA margin), and
 the attention kernel and fused kernels the worker said it used. Then a torch profiler
 summary of one forward and backward of the same model in plain transformers (the top
 operators by device time: where a step's time goes), and `pytest -m gpu`. Writes
@@ -78,8 +78,8 @@ def kernels_used(train_out: Path) -> str:
 
 def planned(run: dict, model: Path, on_gpu: bool) -> dict[str, float]:
     """The memory plan's per-GPU figures (GiB) for ``run`` on ``model``."""
-    from snaketune.plan.fit import setup_of, shape_and_deepspeed
-    from snaketune.plan.memplan import estimate
+    from snaketune.budget.fit import setup_of, shape_and_deepspeed
+    from snaketune.budget.memplan import estimate
 
     spec = {**run, "deepspeed": "zero2"}
     shape, deepspeed = shape_and_deepspeed(model / "config.json", spec, ROOT)

@@ -1,5 +1,5 @@
 """The CPU memory of loading a model as the train stage loads it, against the plan's figure
-per process (snaketune.plan.memplan.cpu_per_node).
+per process (snaketune.budget.memplan.cpu_per_node).
 
     python bench/load_memory.py               # a random Llama of ~125M weights
     python bench/load_memory.py --short       # ~5M weights (the suite's short form)

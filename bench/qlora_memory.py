@@ -27,7 +27,7 @@ Two measurements of the same training:
   baseline before loading (the same code run once on a tiny model first, so libraries and
   kernels are in place). It adds what glibc's allocator keeps after tensors are freed.
 
-Plan: snaketune.plan.memplan's weights, gradients, optimizer states and activations for the same
+Plan: snaketune.budget.memplan's weights, gradients, optimizer states and activations for the same
 settings (no margin). tests/test_memplan.py checks the demo's rows: the plan within 15% of
 the tensors' peak.
 """
@@ -198,7 +198,7 @@ def train(path: Path, case: Case, quantized: bool, steps: int, measure: bool) ->
 
 
 def plan(path: Path, case: Case, quantized: bool) -> dict[str, float]:
-    from snaketune.plan.memplan import Setup, Shape, activations, model_states
+    from snaketune.budget.memplan import Setup, Shape, activations, model_states
 
     shape = Shape.from_config(json.loads((path / "config.json").read_text()))
     setup = Setup(adapter="lora", stage=0, offload_optimizer=False, offload_params=False,

@@ -24,10 +24,10 @@ from pathlib import Path
 if not sys.flags.safe_path:
     os.execv(sys.executable, [sys.executable, "-P", __file__, *sys.argv[1:]])
 
-from snaketune.plan.advice import plan_run
+from snaketune.budget.advice import plan_run
+from snaketune.budget.fit import setup_of
+from snaketune.budget.memplan import GPUS, Shape
 from snaketune.plan.config import load_config
-from snaketune.plan.fit import setup_of
-from snaketune.plan.memplan import GPUS, Shape
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config/examples/llama3.1-8b-32k-lora-sp-1x8.yaml"

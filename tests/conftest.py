@@ -272,7 +272,7 @@ STAND_IN_SLURM = {
 
 def stand_in_slurm(bin_dir: Path) -> Path:
     """`sinfo` and `scontrol` answering for the partitions of the shipped SLURM profiles,
-    as their real counterparts print them (what snaketune.plan.slurmfit reads), for dry runs."""
+    as their real counterparts print them (what snaketune.budget.slurmfit reads), for dry runs."""
     bin_dir.mkdir()
     nodes = "\n".join(
         f'    {name}) for i in $(seq 1 {n}); do echo "{name}$i|{cpus}|{mem}|gpu:{gpus}"; done ;;'
@@ -308,7 +308,7 @@ def header_dry_run(example: Path, model: str, tmp_path: Path,
     """An example config's dry run as its header gives it (`snakemake --profile
     profiles/slurm --configfile <it> -n`, asserted), against a stand-in SLURM, in
     ``tmp_path/w`` with the config.json of its model ``model`` (the name in its `models`)
-    where the download puts it. Returns the process (asserted 0) and each rule's resources."""
+    where the download puts it, and its weights there (an empty stand-in). Returns the process (asserted 0) and each rule's resources."""
     import re
     import shlex
 
@@ -318,6 +318,9 @@ def header_dry_run(example: Path, model: str, tmp_path: Path,
     where = tmp_path / "w/resources/models" / model
     where.mkdir(parents=True)
     (where / "config.json").write_text(json.dumps(SHAPES[spec["id"]]))
+    # downloaded, as the header's `--until download_model` leaves it: its weights stand in
+    # by an empty file (else the disk plan counts the download still to come)
+    (where / "model.safetensors").write_bytes(b"")
     (command,) = [line.strip("# ") for line in example.read_text().splitlines()
                   if "snakemake --profile" in line]  # fmt: skip
     args = shlex.split(command)[1:]

@@ -108,7 +108,7 @@ MUTATIONS = (
     ),
     Mutation(
         "double-quant", "the memory plan assumes double quantization always",
-        f"{LIB}/plan/fit.py",
+        f"{LIB}/budget/fit.py",
         '        double_quant=bool(spec.quantized and spec.quantization["double_quant"]),',
         "        double_quant=True,",
         ("tests/test_memplan.py::test_4bit_weights_are_what_bitsandbytes_holds",),
@@ -181,10 +181,18 @@ MUTATIONS = (
     ),
     Mutation(
         "steps-without-accumulation", "the plan's steps forget gradient accumulation",
-        f"{LIB}/plan/cost.py",
+        f"{LIB}/budget/cost.py",
         '                  run["gradient_accumulation_steps"],',
         "                  1,",
         ("tests/test_cost.py::test_steps_per_epoch_are_the_examples_over_one_step_s_examples",),
+    ),
+    Mutation(
+        "stage-download-again", "the plan counts a model's download that is done already",
+        f"{LIB}/budget/stagecost.py",
+        '        if shape is not None and not done and f"download_model {model}" not in out:',
+        '        if shape is not None and f"download_model {model}" not in out:',
+        ("tests/test_cost.py::"
+         "test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand",),
     ),
     Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
@@ -195,7 +203,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cpu-plan-dtype", "the CPU-memory plan counts the checkpoint's dtype, not the run's precision",
-        f"{LIB}/plan/memplan.py",
+        f"{LIB}/budget/memplan.py",
         "    return p * s.bytes_per_weight * s.gpus_per_node",
         "    return p * (shape.saved_bytes or s.bytes_per_weight) * s.gpus_per_node",
         ("tests/test_memplan.py::test_cpu_memory_per_node_is_counted_in_the_run_s_precision",),

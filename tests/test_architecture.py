@@ -12,7 +12,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "scripts/snaketune"
 # bottom to top
-WINGS = ("core", "data", "evaluation", "methods", "plan", "train", "export", "app")
+WINGS = ("core", "data", "evaluation", "methods", "plan", "budget", "train", "export", "app")
 
 
 def imported(path: Path) -> set[str]:

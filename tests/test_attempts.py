@@ -132,7 +132,7 @@ def test_a_done_training_a_late_signal_failed_is_published(tmp_path, caplog):
      ("--exclusive", 1, False)],
 )  # fmt: skip
 def test_a_signal_lead_over_half_the_runtime_is_refused(extra, runtime, refused):
-    from snaketune.plan.slurmfit import check_signal_leads
+    from snaketune.budget.slurmfit import check_signal_leads
 
     found = check_signal_leads([("train", {"slurm_extra": extra, "runtime": runtime})])
     assert bool(found) == refused, found

@@ -450,12 +450,12 @@ def assert_one_clean_line(output: str, message: str) -> None:
 
 def parse_time_lines(config_file: Path, workdir: Path) -> str:
     """What the Snakefile prints for ``config_file`` at parse time, in this process: the
-    same call (snaketune.plan.checks.at_parse on the file as snakemake loads it) and the
+    same call (snaketune.budget.checks.at_parse on the file as snakemake loads it) and the
     same "kind: line" per problem; a traceback for anything but a user's error."""
     import traceback
 
+    from snaketune.budget.checks import at_parse
     from snaketune.core.errors import UserError, labelled
-    from snaketune.plan.checks import at_parse
 
     config = yaml.safe_load(config_file.read_text())  # snakemake's loader: the last key wins
     try:

@@ -1,7 +1,7 @@
 """Models larger than one GPU at evaluation: the evaluate stage with its weights sharded over
 several processes (ZeRO-3, snaketune.evaluation.sharded) and the held-out pass while
 training generating on a sharded model, each against one process; and the layout the plan
-decides for the evaluate stages (snaketune.plan.stageplan)."""
+decides for the evaluate stages (snaketune.budget.stageplan)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import ENV, ROOT
 
+from snaketune.budget.memplan import Shape
+from snaketune.budget.stageplan import eval_gib, eval_layout
 from snaketune.evaluation.sharded import Share
-from snaketune.plan.memplan import Shape
-from snaketune.plan.stageplan import eval_gib, eval_layout
 
 # Llama-3.1-70B's config.json (the fields the plan reads)
 LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
@@ -231,8 +231,8 @@ def test_the_disk_plan_of_an_adapter_only_run_drops_the_merged_model():
     (2 bytes a weight of the 70B: 131.4 GiB) is not counted."""
     from dataclasses import replace
 
-    from snaketune.plan.diskplan import run_need
-    from snaketune.plan.fit import setup_of
+    from snaketune.budget.diskplan import run_need
+    from snaketune.budget.fit import setup_of
 
     shape = Shape.from_config(LLAMA_70B)
     run = {**yaml_of(EXAMPLE)["runs"]["llama70b_qlora"]}
@@ -286,8 +286,8 @@ def test_a_conversion_job_asking_less_memory_than_its_plan_is_refused():
     weights being loaded and the libraries (0.35 GiB): 41.1 GiB, not the 141 GiB of the
     base dequantized. A job asking 32 GB is refused before queueing, naming the stage, both
     figures and the key."""
+    from snaketune.budget.stageplan import export_plans, stage_memory
     from snaketune.plan.config import validate_config
-    from snaketune.plan.stageplan import export_plans, stage_memory
 
     config = validate_config({"models": {"llama31_70b_instruct": {"source": "hub", "id": "x"}},
                               "datasets": yaml_of(EXAMPLE)["datasets"],
@@ -329,8 +329,8 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
     """A full 70B DPO run with a precomputed reference on 80 GB GPUs: each reference_logps
     worker would hold the whole bf16 model (131.4 GiB): refused, naming the stage and
     `dpo.reference: live`; a 4-bit run's reference (its 4-bit base) fits."""
+    from snaketune.budget.stageplan import reference_plan, stage_problems
     from snaketune.plan.config import validate_config
-    from snaketune.plan.stageplan import reference_plan, stage_problems
 
     def dpo_run(**change) -> dict:
         run = {"model": "m", "dataset": "pairs", "method": "dpo", "deepspeed": "zero3",
@@ -378,8 +378,8 @@ def test_generation_while_training_is_planned_beside_the_training_states():
     batch's logits and its generation's KV cache with the prompt's MLP pass. On the shards
     that fits; gathered whole onto each GPU it would not: `auto` plans on the shards and
     says so; `true` is refused naming eval.gather_for_generation: false."""
-    from snaketune.plan.fit import setup_of
-    from snaketune.plan.stageplan import stage_problems, training_pass_plans
+    from snaketune.budget.fit import setup_of
+    from snaketune.budget.stageplan import stage_problems, training_pass_plans
 
     shape, gib = Shape.from_config(LLAMA_70B), 1024**3
     p = shape.params
@@ -422,8 +422,8 @@ def test_grpo_generation_under_zero3_is_planned_on_the_shards():
     """A full GRPO run of the 70B under ZeRO-3 without vLLM: its completions' KV cache
     (micro_batch_size x (prompt + completion) tokens) beside training's states and the frozen
     reference's shard; gathering the whole model would not fit, the shards do."""
-    from snaketune.plan.fit import setup_of
-    from snaketune.plan.stageplan import training_pass_plans
+    from snaketune.budget.fit import setup_of
+    from snaketune.budget.stageplan import training_pass_plans
 
     shape, gib = Shape.from_config(LLAMA_70B), 1024**3
     p = shape.params
@@ -449,8 +449,8 @@ def test_an_evaluate_job_asks_the_memory_its_loading_needs(tmp_path):
 
     from conftest import SHAPES
 
-    from snaketune.plan.fit import planned_mem_mb
-    from snaketune.plan.stageplan import stage_memory, stage_plans
+    from snaketune.budget.fit import planned_mem_mb
+    from snaketune.budget.stageplan import stage_memory, stage_plans
 
     cfg = {**SHAPES["meta-llama/Llama-3.1-8B-Instruct"], "dtype": "float32"}
     (tmp_path / "resources/models/m").mkdir(parents=True)

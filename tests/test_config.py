@@ -364,7 +364,7 @@ def test_a_fixture_path_needs_no_file_and_the_rule_makes_exactly_those():
     library's list is the rule's outputs."""
     import re
 
-    from snaketune.plan.checks import FIXTURE_OUTPUTS
+    from snaketune.budget.checks import FIXTURE_OUTPUTS
 
     rule = (ROOT / "workflow/rules/fixtures.smk").read_text()
     outputs = rule.split("output:")[1].split("log:")[0]
@@ -377,7 +377,7 @@ def test_the_command_help_speaks_to_users():
     import subprocess
     import sys
 
-    from snaketune.plan.memplan import GPUS
+    from snaketune.budget.memplan import GPUS
 
     def helptext(*args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "snaketune.app.cli", *args, "--help"],

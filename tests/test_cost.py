@@ -1,4 +1,4 @@
-"""What a run will cost before it is queued (snaketune.plan.cost): its steps from the data
+"""What a run will cost before it is queued (snaketune.budget.cost): its steps from the data
 and the batch, the advice on them, the train stage's time from a calibration or from its
 FLOPs at an assumed MFU, continuations against the job's time limit, and the estimate's
 error once the run has finished. The figures are checked against arithmetic written out
@@ -25,7 +25,8 @@ LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
 
 def config_with(tmp_path: Path, rows: int, **run) -> dict:
     """A validated config: model m (LLAMA_8B's config.json), a local jsonl of ``rows``
-    prompt/response rows of unequal length, run x with ``run``."""
+    prompt/response rows of unequal length (dataset d), an eval set of 50 rows (e), run x
+    with ``run``."""
     from snaketune.plan.config import validate_config
 
     (tmp_path / "m").mkdir(exist_ok=True)
@@ -33,17 +34,22 @@ def config_with(tmp_path: Path, rows: int, **run) -> dict:
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": "q" * (i % 7 + 1), "response": "a"}) + "\n"
                             for i in range(rows)))  # fmt: skip
+    held = tmp_path / "eval.jsonl"  # an eval set of 50 rows
+    held.write_text("".join(json.dumps({"prompt": "q", "response": "a"}) + "\n"
+                            for _ in range(50)))  # fmt: skip
     written = {"nodes": 2, "gpus_per_node": 4, "max_length": 256, "micro_batch_size": 4,
                "learning_rate": 1e-4, "epochs": 2, "method": "lora", **run}  # fmt: skip
     config = {"models": {"m": {"source": "local", "path": str(tmp_path / "m")}},
               "datasets": {"d": {"source": "local", "path": str(data),
+                                 "format": "prompt_response"},
+                           "e": {"source": "local", "path": str(held),
                                  "format": "prompt_response"}},
               "runs": {"x": {"model": "m", "dataset": "d", **written}}}  # fmt: skip
     return validate_config(config, ROOT)
 
 
 def test_steps_per_epoch_are_the_examples_over_one_step_s_examples(tmp_path):
-    from snaketune.plan.cost import format_steps, steps_of
+    from snaketune.budget.cost import format_steps, steps_of
 
     config = config_with(tmp_path, 1000, gradient_accumulation_steps=2)
     s = steps_of(config, "x", tmp_path)
@@ -72,7 +78,7 @@ def test_steps_per_epoch_are_the_examples_over_one_step_s_examples(tmp_path):
     (3000, {}, []),
 ])  # fmt: skip
 def test_few_steps_and_a_warmup_over_the_whole_run_are_warned_about(tmp_path, rows, run, said):
-    from snaketune.plan.cost import steps_of
+    from snaketune.budget.cost import steps_of
 
     warnings = steps_of(config_with(tmp_path, rows, **run), "x", tmp_path)["warnings"]
     assert [w[: len(s)] for w, s in zip(warnings, said, strict=False)] == said, warnings
@@ -80,7 +86,7 @@ def test_few_steps_and_a_warmup_over_the_whole_run_are_warned_about(tmp_path, ro
 
 
 def test_fewer_examples_than_one_step_is_refused_before_queueing(tmp_path):
-    from snaketune.plan.cost import check_steps
+    from snaketune.budget.checks import check_steps
 
     config = config_with(tmp_path, 20)
     (line,) = check_steps(config, {"x": None}, tmp_path)
@@ -89,7 +95,7 @@ def test_fewer_examples_than_one_step_is_refused_before_queueing(tmp_path):
 
 
 def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path):
-    from snaketune.plan.cost import ASSUMED_MFU, estimate, format_estimate, steps_of
+    from snaketune.budget.cost import ASSUMED_MFU, estimate, format_estimate, steps_of
     from snaketune.plan.stages import tokenized
 
     config = config_with(tmp_path, 1000, gpu="a100-80gb")
@@ -140,10 +146,10 @@ def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,
 
 
 def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
-    from snaketune.plan.cost import estimate, format_estimate, steps_of
+    from snaketune.budget.cost import estimate, format_estimate, steps_of
     from snaketune.plan.stages import tokenized
 
-    config = config_with(tmp_path, 1000, gpu="h100-80gb")
+    config = config_with(tmp_path, 1000, gpu="h100-80gb", eval_dataset="e")
     run = config["runs"]["x"]
     path = tmp_path / tokenized(config, "x")
     path.parent.mkdir(parents=True)
@@ -153,15 +159,30 @@ def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
     finished(tmp_path, "earlier", spec, 80.0, 45.0, 1_280_000, 20, 40, "cuda", LLAMA_8B)
     (tmp_path / "benchmarks/evaluate").mkdir(parents=True)
     (tmp_path / "benchmarks/evaluate/earlier.tsv").write_text("s\th:m:s\n30.5\t0:00:30\n")
+    (tmp_path / "benchmarks/merge_lora").mkdir(parents=True)  # x is a LoRA run: it merges
+    (tmp_path / "benchmarks/merge_lora/earlier.tsv").write_text("s\th:m:s\n12.0\t0:00:12\n")
     s = steps_of(config, "x", tmp_path)
     e = estimate(config, "x", tmp_path, Shape.from_config(LLAMA_8B), s)
     rate_per_gpu = 40 * 64_000 / 80.0 / 4  # tokens/s a GPU
     want = s["steps"] * (300 * 32) / (rate_per_gpu * 8)  # 32 examples of 300 a step, 8 GPUs
     assert e["train_s"] == pytest.approx(want) and e["outside_s"] == 45.0
-    assert e["wall_s"] == pytest.approx(want + 45.0) and e["stages"] == {"evaluate": 30.5}
-    assert e["pipeline_s"] == pytest.approx(want + 45.0 + 30.5)
+    assert e["wall_s"] == pytest.approx(want + 45.0)
+    assert e["stages"] == {"evaluate": 30.5, "merge_lora": 12.0}
     assert e["basis"] == "calibrated from run earlier"
-    assert "; its stages in all about" in format_estimate("x", e, 8)
+    assert format_estimate("x", e, 8).startswith("x: train about ")
+    # its other stages as the calibration's took: evaluate on the run's GPUs (eval: auto
+    # on an h100-80gb: the fewest that hold the 8B, one), the run's total added up
+    from snaketune.budget.stagecost import costs_of, format_costs
+
+    c = costs_of(config, "x", Shape.from_config(LLAMA_8B), s, e, tmp_path)
+    assert list(c["stages"]) == ["train", "merge_lora", "evaluate"]
+    assert c["stages"]["merge_lora"]["gpu_hours"] is None  # a CPU job
+    assert c["stages"]["evaluate"] == {"s": 30.5, "gpu_hours": pytest.approx(30.5 / 3600),
+                                       "gpus": 1, "basis": "as run earlier's took"}  # fmt: skip
+    assert c["total"]["s"] == pytest.approx(want + 45.0 + 30.5 + 12.0)
+    assert c["total"]["gpu_hours"] == pytest.approx((want + 45.0) * 8 / 3600 + 30.5 / 3600)
+    assert "x: evaluate: about 30 s, 0.01 GPU-hours on 1 GPU(s) (as run earlier's took)" in (
+        format_costs("x", c))  # fmt: skip
     # another model shape, method or device kind is no calibration for it
     other = tmp_path / "o"
     other.mkdir()
@@ -173,8 +194,124 @@ def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
     assert e["basis"] != "calibrated from run earlier"
 
 
+LLAMA_8B_PARAMS = 8_030_261_248  # Llama-3.1-8B's parameters, as its model card states
+
+
+def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_path):
+    """An 8B LoRA run on 2 x 4 A100-80GB, no calibration: each stage's seconds and GPU-hours
+    from the model's bytes and FLOPs at the assumed rates, written out here; the shared
+    stages (download, tokenize, the base's evaluation) once, and not at all once done."""
+    from snaketune.budget import stagecost as sc
+    from snaketune.budget.cost import estimate, steps_of
+
+    config = config_with(tmp_path, 1000, gpu="a100-80gb", eval_dataset="e")
+    shape = Shape.from_config(LLAMA_8B)
+    assert shape.params == LLAMA_8B_PARAMS
+    s = steps_of(config, "x", tmp_path)
+    c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s), tmp_path)
+    stages, size = c["stages"], LLAMA_8B_PARAMS * 2  # bf16 bytes
+    assert list(stages) == ["shard_dataset", "train", "convert_checkpoint", "merge_lora",
+                            "evaluate"]  # fmt: skip
+    assert stages["merge_lora"]["s"] == pytest.approx(2 * size / 500e6)  # read + write
+    assert stages["merge_lora"]["gpu_hours"] is None  # a CPU job
+    # evaluate: eval: auto puts the 8B on one A100; 50 examples, 8 a batch: 7 batches of
+    # 256 decode steps, each reading the weights at half of 2.04 TB/s; the load at 500 MB/s
+    decode = 7 * 256 * size / (2.04e12 * 0.5)
+    assert stages["evaluate"]["s"] == pytest.approx(size / 500e6 + decode)
+    assert stages["evaluate"]["gpu_hours"] == pytest.approx((size / 500e6 + decode) / 3600)
+    assert stages["train"]["gpu_hours"] == pytest.approx(stages["train"]["s"] * 8 / 3600)
+    assert c["total"]["s"] == pytest.approx(sum(x["s"] for x in stages.values()))
+    shared = c["shared"]
+    assert shared["download_model m"]["s"] == pytest.approx(size / 100e6)
+    tokenize = [k for k in shared if k.startswith("tokenize_dataset")]
+    assert len(tokenize) == 2  # the training set and the eval set
+    assert sorted(shared[k]["s"] for k in tokenize) == pytest.approx([50 * 256 / 2e5,
+                                                                      1000 * 256 / 2e5])  # fmt: skip
+    (base,) = [k for k in shared if k.startswith("evaluate_base")]
+    assert shared[base]["s"] == pytest.approx(size / 500e6 + decode)
+    lines = sc.format_pipeline([c, c])  # a second run of the same base: counted once
+    assert lines[-1].startswith("pipeline: every run and stage: about ")
+    want = 2 * c["total"]["gpu_hours"] + shared[base]["gpu_hours"]
+    assert f", {want:.2f} GPU-hours" in lines[-1]
+    # done: the weights downloaded, the sets tokenized, the base evaluated
+    (tmp_path / "resources/models/m").mkdir(parents=True)
+    (tmp_path / "resources/models/m/model.safetensors").write_bytes(b"x")
+    from snaketune.plan.stages import tokenized
+
+    for eval_set in (False, True):
+        path = tmp_path / tokenized(config, "x", eval_set)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"length": [100] * 50}), path)
+    key = base.split()[1]
+    (tmp_path / "results/base_eval" / key).mkdir(parents=True)
+    (tmp_path / "results/base_eval" / key / "metrics.json").write_text("{}")
+    s = steps_of(config, "x", tmp_path)
+    c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s), tmp_path)
+    assert c["shared"] == {}
+    # a full fine-tune converts its ZeRO checkpoint's fp32 weights and merges nothing
+    (tmp_path / "f").mkdir()
+    full = config_with(tmp_path / "f", 1000, gpu="a100-80gb", method="full")
+    s = steps_of(full, "x", tmp_path / "f")
+    c = sc.costs_of(full, "x", shape, s, estimate(full, "x", tmp_path / "f", shape, s),
+                    tmp_path / "f")  # fmt: skip
+    assert "merge_lora" not in c["stages"]
+    assert c["stages"]["convert_checkpoint"]["s"] == pytest.approx(LLAMA_8B_PARAMS * 6 / 500e6)
+
+
+def test_the_disk_plan_counts_the_base_model_s_download_once(tmp_path):
+    from snaketune.budget.diskplan import disk_plan_of, format_disk, shared_filesystems
+
+    config = config_with(tmp_path, 1000, gpu="a100-80gb")
+    config["runs"]["y"] = dict(config["runs"]["x"])
+    (tmp_path / "resources/models").mkdir(parents=True)
+    (tmp_path / "resources/models/m").symlink_to(tmp_path / "m")  # config.json, no weights
+    plans = {n: disk_plan_of(config, n, tmp_path, ROOT) for n in ("x", "y")}
+    download = plans["x"]["need_bytes"]["download"]
+    assert download == LLAMA_8B_PARAMS * 2
+    assert "the base model download 14.96 GiB" in format_disk("x", plans["x"])
+    (group,) = shared_filesystems(plans)
+    assert group["need_bytes"] == 2 * plans["x"]["need_bytes"]["total"] - download
+    (tmp_path / "m/model.safetensors").write_bytes(b"x")  # downloaded: nothing to count
+    assert disk_plan_of(config, "x", tmp_path, ROOT)["need_bytes"]["download"] == 0
+
+
+def test_calibrate_writes_a_short_copy_of_the_run_from_its_base_model(tmp_path, capsys,
+                                                                    monkeypatch):  # fmt: skip
+    """`snaketune calibrate`: the run alone for N steps, its chain's model instead of the run
+    it starts from, a sweep's first member, never published; the config it writes passes
+    validation; an unknown run is one line."""
+    import yaml
+
+    from snaketune.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chat.jsonl").write_text("")
+    (tmp_path / "pairs.jsonl").write_text("")
+    chain = yaml.safe_load(CHAIN)
+    chain["runs"]["dpo"]["sweep"] = {"learning_rate": [1e-6, 2e-6], "lora.r": [8, 32]}
+    chain["runs"]["dpo"]["publish"] = {"repo_id": "me/x"}
+    (tmp_path / "chain.yaml").write_text(yaml.safe_dump(chain))
+    assert main(["calibrate", "chain.yaml", "dpo", "--steps", "5", "--root", str(ROOT)]) == 0
+    said = capsys.readouterr().out
+    assert "run dpo_calibration, 5 steps" in said
+    assert "snakemake --profile profiles/<cluster> --configfile calibrate-dpo.yaml" in said
+    written = yaml.safe_load((tmp_path / "calibrate-dpo.yaml").read_text())
+    (run,) = written["runs"].values()
+    assert list(written["runs"]) == ["dpo_calibration"] and run["model"] == "llama"
+    assert run["max_steps"] == 5 and "epochs" not in run and "init_from" not in run
+    assert run["learning_rate"] == 1e-6 and run["lora"]["r"] == 8 and "publish" not in run
+    assert {k: v for k, v in run.items() if k not in ("model", "max_steps", "learning_rate",
+            "lora")} == {k: v for k, v in chain["runs"]["dpo"].items()
+                         if k not in ("init_from", "epochs", "sweep", "publish",
+                                      "learning_rate", "lora")}  # fmt: skip
+    assert written["models"] == chain["models"]
+    assert main(["calibrate", "chain.yaml", "nope", "--root", str(ROOT)]) == 2
+    assert "calibrate: the config has no run 'nope' (its runs: dpo, sft)" in (
+        capsys.readouterr().err)  # fmt: skip
+
+
 def test_a_train_stage_over_its_time_limit_says_its_continuations(tmp_path, capsys):
-    from snaketune.plan.cost import check_steps
+    from snaketune.budget.checks import check_steps
 
     config = config_with(tmp_path, 100_000, gpu="a100-80gb", max_continuations=3)
     from snaketune.plan.stages import tokenized
@@ -197,7 +334,7 @@ def test_a_train_stage_over_its_time_limit_says_its_continuations(tmp_path, caps
 
 
 def test_the_estimate_made_when_queued_is_compared_with_what_the_run_took(tmp_path):
-    from snaketune.plan.cost import ESTIMATE, estimate_columns, keep
+    from snaketune.budget.cost import ESTIMATE, estimate_columns, keep
 
     keep(tmp_path / "results/x" / ESTIMATE, {"wall_s": 100.0, "basis": "calibrated from run a"})
     row = estimate_columns(tmp_path / "results/x", 125.0)
@@ -301,3 +438,10 @@ def test_the_dry_run_of_an_8b_chain_says_its_steps_time_and_gpu_hours(tmp_path):
     (line,) = [x for x in said.splitlines() if x.startswith("plan: sft: train about ")]
     assert "on 8 device(s)" in line and "GPU-hours (assumed MFU 30% of a100-80gb" in line
     assert "plan: dpo: 2 optimizer steps" in said
+    # every stage besides training, the shared ones once, and the whole pipeline
+    assert "GPU-hours on 8 GPU(s) (a forward pass over one epoch" in next(
+        x for x in said.splitlines() if x.startswith("plan: dpo: reference_logps: about ")
+    )
+    assert "plan: sft: merge_lora: about 64 s (the base read and the merged" in said
+    assert "plan: pipeline: download_model llama: about 2.7 min (16.1 GB at 100 MB/s" in said
+    assert "plan: pipeline: every run and stage: about " in said

@@ -1,4 +1,4 @@
-"""The disk before the save (snaketune.plan.diskplan): the estimate against real checkpoints,
+"""The disk before the save (snaketune.budget.diskplan): the estimate against real checkpoints,
 older checkpoints reduced to weights, a run that cannot fit refused before it starts, and a
 disk that fills mid-run stopping the run with its last checkpoint intact."""
 
@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, launch_train, read_jsonl, run_spec, snakemake, tmpfs, workers_after
 
+from snaketune.budget.diskplan import checkpoint_size, folder_bytes, run_need, small_files
+from snaketune.budget.fit import setup_of
+from snaketune.budget.memplan import Shape
 from snaketune.core.checkpoints import (
     COMPLETE,
     is_reduced,
@@ -20,9 +23,6 @@ from snaketune.core.checkpoints import (
     newest_complete,
     prune,
 )
-from snaketune.plan.diskplan import checkpoint_size, folder_bytes, run_need, small_files
-from snaketune.plan.fit import setup_of
-from snaketune.plan.memplan import Shape
 
 MIB = 2**20
 
@@ -74,7 +74,7 @@ def test_all_keeps_every_checkpoint_whole_and_one_without_saved_weights_stays_wh
 
 def test_optimizer_last_needs_a_fraction_of_all_for_a_full_fine_tune():
     """An 8B Llama, full fine-tuning in bf16 on 2 x 8 GPUs, 3 checkpoints kept."""
-    from snaketune.plan.memplan import Setup
+    from snaketune.budget.memplan import Setup
 
     shape = Shape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                   head_dim=128, vocab=128256, tied=False, qkv_bias=False)  # fmt: skip
@@ -217,21 +217,23 @@ def test_a_save_cut_short_by_a_full_disk_is_removed_and_named(tmp_path):
 def test_runs_on_one_filesystem_are_added_up(fixtures_dir, tmp_path, capsys):
     """Four sweep members that each fit on a filesystem but not together: each is fine
     alone, the filesystem's line names all four and refuses."""
+    from snaketune.budget.diskplan import check_disk_runs, disk_plan_of, shared_filesystems
     from snaketune.plan.config import load_yaml, validate_config
-    from snaketune.plan.diskplan import check_disk_runs, disk_plan_of, shared_filesystems
 
     config = load_yaml(ROOT / "config/config.yaml")
     config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
     config["runs"]["demo"]["sweep"] = {"learning_rate": [0.001, 0.002, 0.003, 0.004]}
     config = validate_config(config, ROOT)
     members = sorted(config["runs"])
-    one = disk_plan_of(config, members[0], tmp_path, ROOT, False)["need_bytes"]["total"]
+    need = disk_plan_of(config, members[0], tmp_path, ROOT, False)["need_bytes"]
+    one, download = need["total"], need["download"]  # the base's download: once for all
+    assert download > 0  # not under tmp_path/resources/models yet
     with tmpfs(tmp_path / "fs", 2.5 * one / 2**20) as fs:  # room for two of them, not four
         plans = {m: disk_plan_of(config, m, fs, ROOT, False) for m in members}
         assert all(p["fits"] for p in plans.values())
         (group,) = shared_filesystems(plans)
         assert group["runs"] == members and not group["fits"]
-        assert group["need_bytes"] == pytest.approx(4 * one, rel=0.01)
+        assert group["need_bytes"] == pytest.approx(4 * one - 3 * download, rel=0.01)
         (line,) = check_disk_runs(config, members, fs, ROOT, False)
         assert line.startswith("disk plan: 4 runs write to the filesystem of ")
         assert "does NOT fit" in line and all(m in line for m in members)

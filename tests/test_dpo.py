@@ -850,7 +850,7 @@ def test_reference_key_is_shared_by_what_it_depends_on_only():
 
 
 def test_memory_plan_counts_pairs_and_a_live_full_reference():
-    from snaketune.plan.fit import setup_of
+    from snaketune.budget.fit import setup_of
 
     ds = {"zero_optimization": {"stage": 2}}
     run = validate_config(dpo_config(), ROOT)["runs"]["p"]

@@ -17,10 +17,10 @@ from conftest import ENV, ROOT, SHAPES, snakemake
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from snaketune.budget.advice import changes, format_plan, plan_run
+from snaketune.budget.memplan import Setup, Shape, estimate, model_states
 from snaketune.core.errors import UserError
-from snaketune.plan.advice import changes, format_plan, plan_run
 from snaketune.plan.config import validate_config
-from snaketune.plan.memplan import Setup, Shape, estimate, model_states
 
 # Parameter counts the Hub states for them.
 PARAMS = {
@@ -122,7 +122,7 @@ def test_when_no_single_change_fits_the_cheapest_set_of_changes_is_named():
     """An 8B LoRA at micro batch 8 x 4096 on 40 GiB GPUs (what a user met): no single change
     fits, a smaller micro batch with gradient checkpointing does; the plan names that pair
     and its figure, each recomputed here from the formulas."""
-    from snaketune.plan.advice import NOTHING_FITS
+    from snaketune.budget.advice import NOTHING_FITS
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
     s = setup(adapter="lora", lora_r=16, nodes=1, micro_batch_size=8, max_length=4096)
@@ -144,7 +144,7 @@ def test_cpu_memory_per_node_by_how_the_model_is_loaded():
     embedding: 128256 x 8192 at 2 bytes, per process), not a bf16 copy per process (1,051
     GiB, more than the node has, as the plan said before); a LoRA base in bf16 is loaded
     whole by each process."""
-    from snaketune.plan.advice import plan_run
+    from snaketune.budget.advice import plan_run
 
     llama70b = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
                 "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -188,8 +188,8 @@ def test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts():
 def test_the_train_jobs_memory_is_checked_against_the_cpu_figure(tmp_path):
     """Before queueing, a run whose train job asks less memory per node (mem_mb) than its
     CPU figure is refused, naming the run, both figures and the key."""
+    from snaketune.budget.fit import check_runs
     from snaketune.plan.config import load_config
-    from snaketune.plan.fit import check_runs
 
     path = _example_root(tmp_path, "qwen-32b-zero3-offload-4x4.yaml")
     config = load_config(path, tmp_path)
@@ -307,8 +307,8 @@ def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):
 
 
 def test_check_runs_cpu_run_skip_and_not_yet_downloaded(fixtures_dir, tmp_path):
+    from snaketune.budget.fit import check_runs
     from snaketune.plan.config import load_yaml, validate_config
-    from snaketune.plan.fit import check_runs
 
     config = load_yaml(ROOT / "config/config.yaml")
     config["models"]["tiny"]["path"] = str(fixtures_dir / "tiny-llama")
@@ -347,7 +347,7 @@ def _grpo_run(**grpo) -> dict:
 
 
 def test_grpo_plan_counts_completions_reference_and_vllm():
-    from snaketune.plan.fit import setup_of
+    from snaketune.budget.fit import setup_of
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
     zero2 = {"zero_optimization": {"stage": 2}}
@@ -451,7 +451,7 @@ def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, double_quant):
     # the same figure from a run's config (what `snaketune plan` and the checks read):
     # lora.double_quant reaches the plan (measured 1.0000 of the held bytes either way)
     from snaketune.app.fixtures import demo_run_spec
-    from snaketune.plan.fit import setup_of
+    from snaketune.budget.fit import setup_of
 
     run = demo_run_spec(ROOT, method="lora", precision="fp32", nodes=1, gpus_per_node=1,
                         micro_batch_size=1, max_length=64,
@@ -512,7 +512,7 @@ def test_cpu_memory_per_node_is_counted_in_the_run_s_precision():
     converts the whole model to 4 bytes a weight before DeepSpeed moves it; trained in bf16
     (the checkpoint's own dtype) it stays memory-mapped and each process holds its largest
     layer at a time; a 4-bit base streams the same way."""
-    from snaketune.plan.memplan import cpu_per_node
+    from snaketune.budget.memplan import cpu_per_node
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-70B-Instruct"])
     assert shape.saved_bytes == 2

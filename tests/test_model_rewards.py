@@ -126,8 +126,8 @@ def test_group_normalisation_is_a_z_score_within_each_prompt_s_completions():
 def test_the_memory_plan_holds_each_reward_model_whole_on_every_gpu(tmp_path):
     """A GRPO run's plan counts its reward model's weights in the run's precision on each
     GPU (not sharded: each rank loads it whole), and nothing for a run without one."""
-    from snaketune.plan.fit import plan_config
-    from snaketune.plan.memplan import Shape
+    from snaketune.budget.fit import plan_config
+    from snaketune.budget.memplan import Shape
 
     llama_8b = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -504,8 +504,8 @@ def test_a_router_coefficient_on_a_dense_model_is_refused_before_queueing(tmp_pa
 
     from conftest import ROOT, SHAPES
 
+    from snaketune.budget.fit import check_runs
     from snaketune.plan.config import validate_config
-    from snaketune.plan.fit import check_runs
 
     model = tmp_path / "resources/models/m"
     model.mkdir(parents=True)

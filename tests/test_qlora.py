@@ -121,7 +121,7 @@ def test_without_bitsandbytes_the_line_gives_the_install_command(monkeypatch):
 def test_an_already_quantized_model_is_refused_before_queueing(tmp_path, tiny_model):
     """A model whose config.json says it is quantized (an FP8 release, say): one line from
     the plan, as the workflow's check before queueing makes it."""
-    from snaketune.plan.fit import shape_and_deepspeed
+    from snaketune.budget.fit import shape_and_deepspeed
 
     cfg = json.loads((tiny_model / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}

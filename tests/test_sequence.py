@@ -107,7 +107,7 @@ def test_each_gpu_of_a_group_cuts_its_own_slice_and_only_the_first_counts():
 
 
 def test_the_plan_splits_activations_and_logits_not_model_states():
-    from snaketune.plan.memplan import Setup, Shape, activations, model_states
+    from snaketune.budget.memplan import Setup, Shape, activations, model_states
 
     shape = Shape.from_config({"hidden_size": 4096, "num_attention_heads": 32,
                                "num_key_value_heads": 8, "num_hidden_layers": 32,

@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from snaketune.plan import slurmfit
-from snaketune.plan.slurmfit import Node, Partition, PendingWatch, asks, hopeless, minutes, problems
+from snaketune.budget import slurmfit
+from snaketune.budget.slurmfit import (
+    Node,
+    Partition,
+    PendingWatch,
+    asks,
+    hopeless,
+    minutes,
+    problems,
+)
 
 TUPI = Partition("tupi", [Node("n1", 2, 8000, 0), Node("n2", 2, 8000, 0)], None, 24 * 60)
 GPU = Partition("gpu", [Node(f"g{i}", 32, 256000, 4) for i in range(2)], 2, None)
@@ -55,7 +63,7 @@ def test_gpus_nodes_and_time():
 def test_a_rules_jobs_name_their_runs(monkeypatch):
     """Three runs, two of them asking more GPUs per node than the partition has: one line
     naming both, with the key to change; a run that fits is not named."""
-    from snaketune.plan import slurmfit
+    from snaketune.budget import slurmfit
 
     monkeypatch.setattr(slurmfit, "read_partition", lambda name: GPU)
     big = {"nodes": 1, "tasks": 1, "cpus_per_task": 8, "mem_mb": 1000, "gres": "gpu:16"}

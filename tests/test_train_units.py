@@ -275,7 +275,7 @@ def test_the_launcher_imports_no_ml_library():
     import torch
 
     code = ("import sys, snaketune.train.launch, snaketune.train.attempts, snaketune.train.agents; "
-            "import snaketune.plan.diskplan; from snaketune.train.preflight import cuda_available; "
+            "import snaketune.budget.diskplan; from snaketune.train.preflight import cuda_available; "
             "gpu = cuda_available(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', "
             "'deepspeed', 'trl', 'peft', 'accelerate', 'datasets', 'numpy', 'pandas', "

@@ -95,7 +95,7 @@ def test_building_the_dag_imports_no_ml_library(demo, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "disk plan: demo:" in proc.stderr and "memory plan: demo:" in proc.stderr  # planned
     imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if "|" in ln}
-    assert "snaketune.plan.memplan" in imported
+    assert "snaketune.budget.memplan" in imported
     heavy = {"torch", "transformers", "peft", "deepspeed", "trl", "accelerate", "bitsandbytes"}
     assert not imported & heavy, sorted(imported & heavy)
 

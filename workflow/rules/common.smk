@@ -7,7 +7,8 @@ from pathlib import Path
 from snaketune.methods import scorers
 from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
-from snaketune.plan import fit, slurmfit, stages, targets
+from snaketune.budget import fit, slurmfit
+from snaketune.plan import stages, targets
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
@@ -246,7 +247,7 @@ EVAL_LAYOUTS = {}
 
 
 def eval_resource(what, final=False):
-    """An evaluate job's resource of its layout (snaketune.plan.stageplan; inside the job,
+    """An evaluate job's resource of its layout (snaketune.budget.stageplan; inside the job,
     what SLURM allocated, so the command always matches its allocation); ``final``: rule
     evaluate (the run's own model), else its base or start model."""
 
@@ -267,7 +268,7 @@ PLANNED_MEM = {}
 
 def planned_mem_mb(stage):
     """The memory (mem_mb, per node) a job of ``stage`` asks: its plan's figure, at least
-    16000 (snaketune.plan.fit.planned_mem_mb); a profile's set-resources replaces it, and the
+    16000 (snaketune.budget.fit.planned_mem_mb); a profile's set-resources replaces it, and the
     check before queueing compares either with the plan."""
 
     def mem_mb(wildcards):

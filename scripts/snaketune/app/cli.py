@@ -57,7 +57,7 @@ def run(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from snaketune.plan.memplan import GPUS
+    from snaketune.budget.memplan import GPUS
     from snaketune.plan.schema import WORKFLOW_ROOT
 
     parser = argparse.ArgumentParser(
@@ -93,11 +93,42 @@ def _parser() -> argparse.ArgumentParser:
         help="plan model NAME from this config.json (or the folder holding it), e.g. a Hub "
         "model's on a login node without its weights; repeatable",
     )  # fmt: skip
+    cal = sub.add_parser(
+        "calibrate",
+        help="write the config of a short run that calibrates a run's time estimate, and the "
+        "command that trains it",
+    )
+    cal.add_argument("config", help="path to the YAML config")
+    cal.add_argument("run", help="the run to calibrate (its model, method, batch and GPUs)")
+    cal.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    cal.add_argument("--out", help="where to write its config (default calibrate-<run>.yaml)")
+    cal.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
     return parser
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from snaketune.budget.calibrate import CALIBRATION, calibration_config
+    from snaketune.plan.config import load_config
+    from snaketune.plan.schema import load_yaml
+
+    written = calibration_config(load_yaml(args.config), args.run, args.steps)
+    out = Path(args.out or f"calibrate-{args.run}.yaml")
+    out.write_text(yaml.safe_dump(written, sort_keys=False))
+    load_config(out, args.root)  # what the workflow will read: checked now
+    name = args.run + CALIBRATION
+    print(
+        f"calibrate: {out}: run {name}, {args.steps} steps of {args.run}'s model, method, "
+        "batch and GPUs; train it once (later plans in this directory are calibrated from "
+        f"it, its train stage and the stages after it):\n  snakemake --profile "
+        f"profiles/<cluster> --configfile {out}"
+    )
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from snaketune.plan.checks import at_parse
+    from snaketune.budget.checks import at_parse
     from snaketune.plan.schema import load_yaml
     from snaketune.plan.stages import reference_runs
     from snaketune.plan.sweep import sweeps_of
@@ -124,12 +155,18 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from snaketune.plan.advice import format_plan
+    from snaketune.budget.advice import format_plan
+    from snaketune.budget.cost import format_estimate, format_steps
+    from snaketune.budget.diskplan import (
+        disk_plan_of,
+        format_disk,
+        format_shared,
+        shared_filesystems,
+    )
+    from snaketune.budget.fit import model_configs, plan_config
+    from snaketune.budget.stagecost import format_costs, format_pipeline
+    from snaketune.budget.stageplan import format_stages
     from snaketune.plan.config import load_config
-    from snaketune.plan.cost import format_estimate, format_steps
-    from snaketune.plan.diskplan import disk_plan_of, format_disk, format_shared, shared_filesystems
-    from snaketune.plan.fit import model_configs, plan_config
-    from snaketune.plan.stageplan import format_stages
 
     config = load_config(args.config, args.root)
     model_configs(config, args.model_config)
@@ -150,11 +187,15 @@ def _plan(args: argparse.Namespace) -> int:
             run = config["runs"][plan["run"]]
             print(format_estimate(plan["run"], plan["estimate"],
                                   run["nodes"] * run["gpus_per_node"]))  # fmt: skip
+            for line in format_costs(plan["run"], plan["costs"]):
+                print(line)
             for line in format_stages(plan["run"], plan["stages"]):
                 print(line)
             print(format_disk(plan["run"], plan["disk"]))
         for group in shared:
             print(format_shared(group))
+        for line in format_pipeline([plan["costs"] for plan in plans]):
+            print(line)
     bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]
            or "problem" in p["steps"]
            or any(s.get("fits") is False for s in p["stages"].values())]  # fmt: skip
@@ -169,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _validate(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "lineage":
             from snaketune.core.provenance import lineage
 

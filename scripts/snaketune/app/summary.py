@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget.calibrate import benchmark_seconds
+from snaketune.budget.cost import estimate_columns
 from snaketune.core.heldout import split_rows
-from snaketune.plan.cost import benchmark_seconds, estimate_columns
 
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",

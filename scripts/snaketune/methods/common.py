@@ -82,7 +82,7 @@ class Method:
     # is the run's place in the config (runs.<run>)
     check: Callable[[str, Mapping[str, Any], Mapping[str, Any]], None] = no_check
     # (run, on_gpu) -> what the memory plan counts besides the update and the micro batch:
-    # snaketune.plan.memplan.Setup's fields (sequences per example, completion length, a
+    # snaketune.budget.memplan.Setup's fields (sequences per example, completion length, a
     # reference model, vLLM's share)
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
     # the run needs the reference log-probs stage (rule reference_logps)

@@ -95,7 +95,7 @@ def check_disk(job: Job) -> int:
     """Refuse a run whose checkpoints and outputs do not fit on its filesystem (one line,
     before any worker starts); the estimated size of one checkpoint, for the workers' check
     before each save (0: not planned)."""
-    from snaketune.plan.diskplan import check_job_disk, format_disk
+    from snaketune.budget.diskplan import check_job_disk, format_disk
     from snaketune.train.preflight import cuda_available
 
     plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
@@ -219,8 +219,8 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
 def explain_failure(job: Job) -> None:
     """Why the workers failed, when the job left the reason behind (one line, UserError):
     a slow network, a stalled rank, a failing GPU, a disk that filled during a save."""
+    from snaketune.budget.diskplan import DiskGuard
     from snaketune.core.checkpoints import drop_incomplete
-    from snaketune.plan.diskplan import DiskGuard
 
     saved = newest_complete(job.ckpt)
     network = read_result(job.ckpt) or {}
@@ -267,10 +267,10 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     """run_config.json and provenance.json beside the workers' staged outputs, then all of
     them renamed into place at once. ``attempt``: this one (snaketune.train.attempts), recorded
     as done."""
+    from snaketune.budget.diskplan import folder_bytes
     from snaketune.core.job import WORKER_OUTPUTS, staged
     from snaketune.core.lora_targets import read_description
     from snaketune.core.provenance import output_hashes, record
-    from snaketune.plan.diskplan import folder_bytes
     from snaketune.train import attempts
     from snaketune.train.preflight import cuda_available
 

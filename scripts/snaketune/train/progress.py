@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from snaketune.budget.diskplan import DiskGuard
 from snaketune.core.checkpoints import mark_complete, prune
 from snaketune.core.collective import barrier, gather_combined
 from snaketune.core.heartbeat import Heartbeat
 from snaketune.core.job import Handoff
 from snaketune.core.throughput import FlopsModel, mfu, step_flops
-from snaketune.plan.diskplan import DiskGuard
 from snaketune.train.health import LEVEL, STATUS, Watchdog
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,8 @@ def _duration(seconds: float) -> str:
 
 def planned_note(run_dir: Path) -> str:
     """The progress line's word on the plan: the steps' time estimated when the run was
-    queued (results/<run>/estimate.json, snaketune.plan.cost), "" without one."""
-    from snaketune.plan.cost import ESTIMATE, duration
+    queued (results/<run>/estimate.json, snaketune.budget.cost), "" without one."""
+    from snaketune.budget.cost import ESTIMATE, duration
 
     path = run_dir / ESTIMATE
     if not path.is_file():

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from snaketune.budget.diskplan import DiskGuard
 from snaketune.core import heldout, qlora
 from snaketune.core.checkpoints import (
     best_checkpoint,
@@ -81,7 +82,6 @@ from snaketune.evaluation.model import (
 from snaketune.methods import method_of
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context
-from snaketune.plan.diskplan import DiskGuard
 from snaketune.plan.runspec import RunSpec
 from snaketune.train.health import report_unhealthy, start_watchdog
 from snaketune.train.outputs import probe_inputs, save_outputs

@@ -54,6 +54,7 @@ from typing import Any
 
 # The model's shape (every parameter of a dense model or a mixture of experts) lives in
 # snaketune.core.modelshape; the plans import it from here too.
+from snaketune.core.errors import UserError
 from snaketune.core.modelshape import LINEARS, REQUIRED, SAVED_BYTES, Shape  # noqa: F401
 
 GIB = 1024**3
@@ -66,6 +67,23 @@ GPUS: dict[str, float] = {
     "h200-141gb": 139.8,
     "l40s-48gb": 44.4,
 }
+
+
+def gpu_memory(name_or_gib: str | float | None) -> float | None:
+    """GiB of one GPU from a table name (``h100-80gb``) or a number; None: not set."""
+    if name_or_gib is None:
+        return None
+    if isinstance(name_or_gib, int | float):
+        return float(name_or_gib)
+    try:
+        return GPUS[str(name_or_gib).lower()]
+    except KeyError:
+        raise UserError(
+            f"gpu: {name_or_gib!r} is not a known GPU ({', '.join(GPUS)}); give one of them "
+            "or its memory in GiB (e.g. gpu: 94)"
+        ) from None
+
+
 CONTEXT_GIB = 1.5
 FRAGMENTATION = 0.10
 BUFFER = 1.5  # DeepSpeed's additional_buffer_factor for CPU memory

@@ -116,49 +116,6 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
     return out
 
 
-def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
-                runtime: dict[str, float] | None = None, record: bool = False
-                ) -> list[str]:  # fmt: skip
-    """The check before queueing, of each run of ``shapes`` (its model's Shape, None where
-    its config.json cannot be read yet): its steps, warnings and train estimate on stderr;
-    a line per run the shard stage would refuse, or whose estimate needs more continuations
-    of its train job (``runtime``: its time limit in minutes, by run) than
-    max_continuations allows. ``record`` (a real run, not a dry one): each estimate is kept
-    in results/<run>/estimate.json, which the summary and the report compare with what the
-    run took."""
-    import sys
-
-    found = []
-    for name, shape in shapes.items():
-        run = config["runs"][name]
-        s = steps_of(config, name, workdir)
-        if "problem" in s:
-            found.append(s["problem"])
-            continue
-        lines = format_steps(name, s)
-        if shape is not None:
-            e = estimate(config, name, workdir, shape, s)
-            lines.append(format_estimate(name, e, run["nodes"] * run["gpus_per_node"]))
-            if record and "wall_s" in e:
-                keep(workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]})
-            limit = (runtime or {}).get(name)
-            if limit and "wall_s" in e and e["wall_s"] > limit * 60:
-                jobs = math.ceil(e["wall_s"] / (limit * 60))
-                line = (f"runs.{name}: the train estimate ({duration(e['wall_s'])}) is over "
-                        f"its job's time limit ({limit:g} min): about {jobs} jobs, "
-                        f"{jobs - 1} continuation(s)")  # fmt: skip
-                if jobs - 1 > run["max_continuations"]:
-                    found.append(f"{line}, more than max_continuations "
-                                 f"({run['max_continuations']}); raise it, or the job's "
-                                 "runtime, or train fewer steps")  # fmt: skip
-                    continue
-                lines.append(f"{name}: {line.split(': ', 1)[1]} (max_continuations "
-                             f"{run['max_continuations']})")  # fmt: skip
-        for line in lines:
-            print(f"plan: {line}", file=sys.stderr)
-    return found
-
-
 ESTIMATE = "estimate.json"  # results/<run>/: the train estimate made when it was queued
 
 
@@ -219,68 +176,13 @@ def tokens_per_step(config: dict[str, Any], name: str, workdir: Path, per: int
     return mean * per, square * per
 
 
-def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
-                ) -> dict[str, Any] | None:  # fmt: skip
-    """The newest finished run under ``workdir``/results like this one (the same model
-    shape, method, adapter and device kind; not the run itself): its measured tokens/s
-    (over all its devices) and its train job's time outside the steps (start-up, saving,
-    export), from its provenance and shard manifest. None: no such run yet."""
-    from snaketune.core.heldout import split_rows
-    from snaketune.core.io import read_jsonl
-    from snaketune.core.modelshape import Shape
-    from snaketune.methods import method_of
-
-    run = config["runs"][name]
-    kind = method_of(run).adapter_of(run)
-    gpu = run.get("gpu", config.get("gpu"))
-    found = []
-    for prov in (workdir / "results").glob("*/train/provenance.json"):
-        other = prov.parent.parent.name
-        try:
-            record = json.loads(prov.read_text())
-            spec = json.loads((prov.parent / "run_config.json").read_text())
-            manifest = json.loads((prov.parent.parent / "shards/manifest.json").read_text())
-            model = json.loads((workdir / "resources/models" / spec["model"] / "config.json")
-                               .read_text())  # fmt: skip
-        except (OSError, ValueError, KeyError):
-            continue
-        seg = record.get("segments") or {}
-        if other == name or not seg.get("train_s") or record.get("device") is None:
-            continue
-        same = (Shape.from_config(model) == shape and method_of(spec) is method_of(run)
-                and method_of(spec).adapter_of(spec) == kind
-                and (record["device"] == "cpu") == (gpu is None)
-                and spec.get("gpu", gpu) == gpu)  # fmt: skip
-        if not same:
-            continue
-        rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
-        if not rows:
-            continue
-        tokens = sum(s["tokens"] for s in manifest["shards"]) / manifest["steps_per_epoch"]
-        steps, per = rows[-1]["step"], manifest["global_batch"]
-        found.append(
-            (
-                prov.stat().st_mtime,
-                {
-                    "run": other,
-                    "tokens_per_s": tokens * steps / seg["train_s"],
-                    "step_s": seg["train_s"] / steps,
-                    "per_step": per,
-                    "devices": spec["nodes"] * spec["gpus_per_node"],
-                    "outside_s": seg.get("outside_training_s", 0.0),
-                    "device": record["device"],
-                },
-            )
-        )
-    return max(found, key=lambda f: f[0])[1] if found else None
-
-
 def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
              steps: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """The train stage's estimated seconds (``train_s``: the steps; ``wall_s``: with the
     time outside them where a calibration measured it) and GPU-hours, and its ``basis``:
     calibrated from a finished run like it (``calibration``), else for a GPU run its FLOPs
     at an assumed MFU; none for a CPU run without a calibration."""
+    from snaketune.budget.calibrate import calibration, stage_seconds
     from snaketune.core.throughput import peak_tflops, step_flops
     from snaketune.methods import method_of
 
@@ -327,33 +229,8 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
     out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
     out["gpu_hours"] = out["wall_s"] * devices / 3600 if gpu is not None else None
     if cal is not None:  # the other stages of the run, as the calibration's took
+        out["calibrated_from"] = cal["run"]
         out["stages"] = stage_seconds(workdir, cal["run"])
-        out["pipeline_s"] = out["wall_s"] + sum(out["stages"].values())
-    return out
-
-
-# the stages a run has of its own, after training (and its shard plan before it)
-RUN_STAGES = ("shard_dataset", "convert_checkpoint", "merge_lora", "evaluate_start", "evaluate")
-
-
-def benchmark_seconds(path: Path) -> float:
-    """The wall seconds a Snakemake benchmark file recorded (its ``s`` column)."""
-    import csv
-
-    with open(path) as fh:
-        return float(next(csv.DictReader(fh, delimiter="\t"))["s"])
-
-
-def stage_seconds(workdir: Path, run: str, rules: tuple[str, ...] = RUN_STAGES
-                  ) -> dict[str, float]:  # fmt: skip
-    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
-    out: dict[str, float] = {}
-    for rule in rules:
-        folder = workdir / "benchmarks" / rule
-        # <run>.tsv, or <run>.<what>.tsv (convert_checkpoint: demo.lora_adapters.tsv)
-        for path in sorted(folder.glob("*.tsv")) if folder.is_dir() else ():
-            if path.name.split(".")[0] == run:
-                out[rule] = out.get(rule, 0.0) + benchmark_seconds(path)
     return out
 
 
@@ -364,12 +241,8 @@ def format_estimate(name: str, e: dict[str, Any], devices: int) -> str:
     outside = (f", {e['outside_s']:.0f} s of it start-up and saving" if e["outside_s"]
                else ", start-up and saving not counted (a calibration measures them)")  # fmt: skip
     hours = f", {e['gpu_hours']:.2f} GPU-hours" if e["gpu_hours"] is not None else ""
-    line = (f"{name}: train about {duration(e['wall_s'])} on {devices} device(s){outside}"
+    return (f"{name}: train about {duration(e['wall_s'])} on {devices} device(s){outside}"
             f"{hours} ({e['basis']})")  # fmt: skip
-    if "pipeline_s" in e:
-        parts = ", ".join(f"{rule} {duration(sec)}" for rule, sec in e["stages"].items())
-        line += f"; its stages in all about {duration(e['pipeline_s'])} (train, {parts})"
-    return line
 
 
 def duration(seconds: float) -> str:

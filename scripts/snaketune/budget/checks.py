@@ -140,7 +140,7 @@ def unreadable_models(
 ) -> tuple[list[str], dict[str, list[str]]]:
     """Split ``runs`` into those whose model's config.json can be read now and, by reason,
     those whose cannot (a Hub model not downloaded yet on an offline machine)."""
-    from snaketune.plan.fit import locate_config_json
+    from snaketune.budget.fit import locate_config_json
 
     ready, waiting = [], {}
     for name in runs:
@@ -165,10 +165,9 @@ def before_queueing(
     train that do not fit their GPUs' memory or their results filesystem (one by one and
     together), lm-eval tasks lm-eval does not know, SLURM jobs their partition cannot take.
     Notes (what fits, what could not be checked and why) go to stderr."""
+    from snaketune.budget.diskplan import check_disk_runs
+    from snaketune.budget.fit import check_runs, download_advice, readable_shape
     from snaketune.evaluation.lmeval import check_tasks
-    from snaketune.plan.cost import check_steps
-    from snaketune.plan.diskplan import check_disk_runs
-    from snaketune.plan.fit import check_runs, download_advice, readable_shape
     from snaketune.plan.stages import base_evaluations
 
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
@@ -227,7 +226,7 @@ def check_partitions(jobs: list[Job]) -> list[str]:
     """Every SLURM job against its partition (and its --signal lead against its runtime);
     where this machine has no SLURM (``sinfo`` not found: a dry run away from the cluster),
     one note and no partition checked."""
-    from snaketune.plan.slurmfit import check_jobs, check_signal_leads
+    from snaketune.budget.slurmfit import check_jobs, check_signal_leads
 
     if not jobs:
         return []
@@ -244,10 +243,10 @@ def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None
     """The workflow's door to ``before_queueing``, given Snakemake's ``workflow`` object: the
     jobs about to run (``workflow.dag.needrun_jobs()``), before any runs (onstart) or once
     they are known in a dry run; one line per problem, then exit 1. On SLURM (a real run),
-    a watch then cancels a pending job whose reason can never clear (snaketune.plan.slurmfit)."""
+    a watch then cancels a pending job whose reason can never clear (snaketune.budget.slurmfit)."""
     import os
 
-    from snaketune.plan.slurmfit import PendingWatch
+    from snaketune.budget.slurmfit import PendingWatch
     from snaketune.plan.targets import until_problem
 
     # `--until` a rule between training and the final model, on a config whose runs start
@@ -300,3 +299,61 @@ def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.loggi
     import logging
 
     logging.getLogger(logger_name).addFilter(_OnceTheJobsAreKnown(callback, dry_run))
+
+
+def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
+                runtime: dict[str, float] | None = None, record: bool = False
+                ) -> list[str]:  # fmt: skip
+    """The check before queueing, of each run of ``shapes`` (its model's Shape, None where
+    its config.json cannot be read yet): its steps, warnings and train estimate on stderr;
+    a line per run the shard stage would refuse, or whose estimate needs more continuations
+    of its train job (``runtime``: its time limit in minutes, by run) than
+    max_continuations allows. ``record`` (a real run, not a dry one): each estimate is kept
+    in results/<run>/estimate.json, which the summary and the report compare with what the
+    run took."""
+    import math
+
+    from snaketune.budget.cost import (
+        ESTIMATE,
+        duration,
+        estimate,
+        format_estimate,
+        format_steps,
+        keep,
+        steps_of,
+    )
+    from snaketune.budget.stagecost import costs_of, format_costs, format_pipeline
+
+    found, costs = [], []
+    for name, shape in shapes.items():
+        run = config["runs"][name]
+        s = steps_of(config, name, workdir)
+        if "problem" in s:
+            found.append(s["problem"])
+            continue
+        lines = format_steps(name, s)
+        if shape is not None:
+            e = estimate(config, name, workdir, shape, s)
+            lines.append(format_estimate(name, e, run["nodes"] * run["gpus_per_node"]))
+            costs.append(costs_of(config, name, shape, s, e, workdir))
+            lines += format_costs(name, costs[-1])
+            if record and "wall_s" in e:
+                keep(workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]})
+            limit = (runtime or {}).get(name)
+            if limit and "wall_s" in e and e["wall_s"] > limit * 60:
+                jobs = math.ceil(e["wall_s"] / (limit * 60))
+                line = (f"runs.{name}: the train estimate ({duration(e['wall_s'])}) is over "
+                        f"its job's time limit ({limit:g} min): about {jobs} jobs, "
+                        f"{jobs - 1} continuation(s)")  # fmt: skip
+                if jobs - 1 > run["max_continuations"]:
+                    found.append(f"{line}, more than max_continuations "
+                                 f"({run['max_continuations']}); raise it, or the job's "
+                                 "runtime, or train fewer steps")  # fmt: skip
+                    continue
+                lines.append(f"{name}: {line.split(': ', 1)[1]} (max_continuations "
+                             f"{run['max_continuations']})")  # fmt: skip
+        for line in lines:
+            print(f"plan: {line}", file=sys.stderr)
+    for line in format_pipeline(costs):
+        print(f"plan: {line}", file=sys.stderr)
+    return found

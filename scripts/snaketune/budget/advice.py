@@ -1,5 +1,5 @@
 """A run's memory plan against its GPU: the verdict, and when it does not fit the cheapest
-change (or set of changes) that does (the formulas: snaketune.plan.memplan).
+change (or set of changes) that does (the formulas: snaketune.budget.memplan).
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from snaketune.plan.memplan import GIB, Setup, Shape, cpu_per_node, cpu_why, estimate
+from snaketune.budget.memplan import GIB, Setup, Shape, cpu_per_node, cpu_why, estimate
 
 
 def not_counted(s: Setup, gpu_gib: float | None) -> list[str]:

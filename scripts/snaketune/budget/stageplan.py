@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from snaketune.plan.memplan import (
+from snaketune.budget.memplan import (
     CONTEXT_GIB,
     FRAGMENTATION,
     GIB,

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget.memplan import GIB, Setup, Shape
 from snaketune.core.errors import UserError
-from snaketune.plan.memplan import GIB, Setup, Shape
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,12 @@ def gib(n: float) -> str:
 
 def plan_disk(
     shape: Shape, s: Setup, run: dict[str, Any], deepspeed: dict[str, Any], run_dir: Path,
-    model_dir: Path,
+    model_dir: Path, download: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """A run's disk plan: what it needs, what its filesystem has free (plus what the run
-    already holds there, which it replaces), and whether it fits."""
+    already holds there, which it replaces), and whether it fits. ``download``: the bytes
+    of its base model's download still to come, counted where it lands on the same
+    filesystem."""
     zero = deepspeed.get("zero_optimization", {})
     gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
     keep = run["save_total_limit"]
@@ -151,8 +153,11 @@ def plan_disk(
     )
     where = existing(run_dir)
     free = shutil.disk_usage(where).free
+    need["download"] = download
+    need["total"] += download
     return {
         "need_bytes": {k: round(v) for k, v in need.items()},
+        "model": run["model"],
         "free_bytes": free,
         "held_bytes": held,
         "path": str(where),
@@ -171,7 +176,8 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
     line = (f"{name}: needs {gib(n['total'])} on {where} ({plan['save_total_limit']} kept "
             f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
             f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
-            f"{gib(n['final'])}; exports {gib(n['exports'])}), "
+            f"{gib(n['final'])}; exports {gib(n['exports'])}"
+            f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}), "
             f"{gib(plan['free_bytes'])} free{held}")  # fmt: skip
     if plan["fits"]:
         return f"{line}: fits"
@@ -189,7 +195,8 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
                  on_gpu: bool = True) -> dict[str, Any] | None:  # fmt: skip
     """The disk plan of run ``name`` of a validated config (precision auto: bf16 on GPU,
     fp32 on CPU); None when the model's config.json cannot be read yet."""
-    from snaketune.plan.fit import find_config_json, setup_of, shape_and_deepspeed
+    from snaketune.budget.fit import find_config_json, setup_of, shape_and_deepspeed
+    from snaketune.budget.stagecost import weights_in
 
     run = config["runs"][name]
     path = find_config_json(config, run, root)
@@ -197,7 +204,12 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
         return None
     shape, deepspeed = shape_and_deepspeed(path, run, basedir)
     s = setup_of(run, deepspeed, on_gpu=on_gpu)
-    return plan_disk(shape, s, run, deepspeed, root / "results" / name, path.parent)
+    run_dir, models = root / "results" / name, root / "resources/models"
+    download = 0.0
+    same = os.stat(existing(models)).st_dev == os.stat(existing(run_dir)).st_dev
+    if same and not weights_in(models / run["model"]):
+        download = shape.params * (shape.saved_bytes or 2)
+    return plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download)
 
 
 def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -212,6 +224,10 @@ def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
         if len(names) < 2:
             continue
         need = sum(plans[n]["need_bytes"]["total"] for n in names)
+        downloads = {plans[n].get("model"): plans[n]["need_bytes"].get("download", 0)
+                     for n in names}  # fmt: skip
+        need -= sum(plans[n]["need_bytes"].get("download", 0) for n in names)
+        need += sum(downloads.values())  # a model shared by runs is downloaded once
         held = sum(plans[n]["held_bytes"] for n in names)
         free = min(plans[n]["free_bytes"] for n in names)
         out.append({
@@ -279,7 +295,7 @@ def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_d
     config.json the estimate cannot read."""
     import json
 
-    from snaketune.plan.fit import setup_of
+    from snaketune.budget.fit import setup_of
 
     config = model_dir / "config.json"
     try:

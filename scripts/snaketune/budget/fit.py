@@ -1,4 +1,4 @@
-"""Will a config's runs fit? The memory plan (snaketune.plan.memplan) applied to a config: where
+"""Will a config's runs fit? The memory plan (snaketune.budget.memplan) applied to a config: where
 a run's model config.json is (downloaded, local, the Hub's cache or the Hub, asked once),
 every run's plan for ``snaketune plan``, and the check the workflow makes before queueing
 (against the run's GPU type, or this machine's memory for a run on the local profile).
@@ -13,13 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from snaketune.core.errors import UserError
-from snaketune.data import sequence
-from snaketune.data.sources import hub_config_json
-from snaketune.plan.advice import format_plan, plan_run
-from snaketune.plan.memplan import CONTEXT_GIB, GIB, GPUS, Setup, Shape, estimate
-from snaketune.plan.runspec import RunSpec
-from snaketune.plan.stageplan import (
+from snaketune.budget.advice import format_plan, plan_run
+from snaketune.budget.memplan import CONTEXT_GIB, GIB, Setup, Shape, estimate, gpu_memory
+from snaketune.budget.stageplan import (
     EvalLayout,
     cpu_mb,
     eval_layout,
@@ -28,6 +24,10 @@ from snaketune.plan.stageplan import (
     stage_plans,
     stage_problems,
 )
+from snaketune.core.errors import UserError
+from snaketune.data import sequence
+from snaketune.data.sources import hub_config_json
+from snaketune.plan.runspec import RunSpec
 
 
 def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True) -> Setup:
@@ -72,21 +72,6 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
         merged=not spec.adapter_only,
     )
-
-
-def gpu_memory(name_or_gib: str | float | None) -> float | None:
-    """GiB of one GPU from a table name (``h100-80gb``) or a number; None: not set."""
-    if name_or_gib is None:
-        return None
-    if isinstance(name_or_gib, int | float):
-        return float(name_or_gib)
-    try:
-        return GPUS[str(name_or_gib).lower()]
-    except KeyError:
-        raise UserError(
-            f"gpu: {name_or_gib!r} is not a known GPU ({', '.join(GPUS)}); give one of them "
-            "or its memory in GiB (e.g. gpu: 94)"
-        ) from None
 
 
 def shape_and_deepspeed(
@@ -144,7 +129,8 @@ def plan_config(
     """The plan of every run of a validated config; ``gpu`` overrides the runs' own. The
     models are looked for under ``workdir`` (resources/models/), the DeepSpeed presets
     under the workflow directory ``basedir``."""
-    from snaketune.plan.cost import estimate, steps_of
+    from snaketune.budget.cost import estimate, steps_of
+    from snaketune.budget.stagecost import costs_of
 
     plans = []
     for name, run in sorted(config["runs"].items()):
@@ -161,6 +147,7 @@ def plan_config(
         plan["stages"] = stage_plans(config, name, shape, chosen, setup)
         plan["steps"] = steps_of(config, name, workdir)
         plan["estimate"] = estimate(config, name, workdir, shape, plan["steps"])
+        plan["costs"] = costs_of(config, name, shape, plan["steps"], plan["estimate"], workdir)
         plans.append(plan)
     return plans
 
@@ -352,7 +339,7 @@ def _shape(path: str) -> Shape:
 def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),
                     final: bool = False) -> EvalLayout:  # fmt: skip
     """``eval_layout`` of run ``name`` of a validated config: its model's config.json where
-    it can be read now (snaketune.plan.fit.locate_config_json), its `gpu` (or the config's)."""
+    it can be read now (snaketune.budget.fit.locate_config_json), its `gpu` (or the config's)."""
     run = config["runs"][name]
     settings = run["eval"]
     if settings.get("nodes", "auto") != "auto" and settings.get("gpus_per_node", "auto") != "auto":
@@ -374,7 +361,7 @@ def readable_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -
 def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
                     ) -> tuple[int, int]:  # fmt: skip
     """(nodes, GPUs per node) of an evaluate job of ``run``: its plan's layout
-    (snaketune.plan.stageplan), or inside a SLURM job what the job was given (the layout
+    (snaketune.budget.stageplan), or inside a SLURM job what the job was given (the layout
     decided when it was queued: config.json may have been downloaded since)."""
     import os
 
@@ -387,7 +374,7 @@ def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: boo
 def planned_mem_mb(config: dict[str, Any], name: str, stage: str, floor: int,
                    workdir: Path = Path(".")) -> int:  # fmt: skip
     """The memory (mem_mb, per node) a job of ``stage`` for run ``name`` asks by default: its
-    stage's plan (snaketune.plan.stageplan) with a tenth to spare, and at least ``floor``;
+    stage's plan (snaketune.budget.stageplan) with a tenth to spare, and at least ``floor``;
     ``floor`` while the model's config.json cannot be read (a profile's set-resources
     replaces it; the check before queueing compares either with the plan)."""
     run = config["runs"][name]

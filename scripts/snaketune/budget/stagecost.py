@@ -1,0 +1,340 @@
+"""What each stage of a run costs besides training's steps, and what the whole pipeline
+costs: seconds and GPU-hours per stage (download, tokenize, shard, reference, train,
+convert, merge, evaluate), each with its basis. A finished run like this one (the train
+estimate's calibration) gives its stages' measured times (Snakemake's benchmark files);
+without one, a GPU run's stages are worked out from the model's bytes and FLOPs at the
+assumed rates below (docs/benchmarks.md says where each comes from). Stages whose outputs
+are already there cost nothing: Snakemake will not run them again."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+# Assumed rates, replaced by a calibration's measurements (docs/benchmarks.md).
+DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
+DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem
+TOKENIZE_TOKENS_S = 200_000.0  # one process of a fast (Rust) tokenizer
+DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
+FORWARD_MFU = 0.35  # a forward pass without gradients (the reference log-probs)
+HBM_TB_S = {"H200": 4.8, "H100": 3.35, "A100 80GB": 2.04, "A100 64GB": 1.64, "A100": 1.55,
+            "L40S": 0.864}  # fmt: skip
+MB = 1e6
+# a run's own stages in the order it goes through them
+ORDER = (
+    "shard_dataset",
+    "reference_logps",
+    "train",
+    "convert_checkpoint",
+    "merge_lora",
+    "evaluate_base",
+    "evaluate_start",
+    "evaluate",
+)
+
+
+def bandwidth(gpu: str) -> float | None:
+    """A GPU's memory bandwidth in bytes/s (None: not known)."""
+    name = str(gpu).upper().replace("-", " ")
+    for key, tb in HBM_TB_S.items():  # most specific first
+        if all(part in name for part in key.split()):
+            return tb * 1e12
+    return None
+
+
+def stage(seconds: float | None, gpus: int, basis: str) -> dict[str, Any]:
+    """One stage's figure: seconds, GPU-hours (``gpus`` held while it runs) and basis."""
+    hours = None if seconds is None or not gpus else seconds * gpus / 3600
+    return {"s": seconds, "gpu_hours": hours, "gpus": gpus, "basis": basis}
+
+
+def weights_in(folder: Path) -> bool:
+    """Whether a model's weights are there (its download done)."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+
+
+def weight_bytes(shape: Any) -> float:
+    """A model's saved weights (its config.json's dtype; bf16 when unsaid)."""
+    return shape.params * (shape.saved_bytes or 2)
+
+
+def eval_examples(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int | None:
+    """The examples an evaluate stage scores: its eval set's rows, at most eval.limit."""
+    from snaketune.budget.cost import source_rows
+
+    rows = None
+    if run.get("eval_dataset") in config["datasets"]:
+        rows = source_rows(config, run["eval_dataset"], workdir)
+    limit = run["eval"].get("limit")
+    return limit if rows is None else min(rows, limit or rows)
+
+
+def evaluate_seconds(
+    run: dict[str, Any], shape: Any, examples: int | None, layout: Any, gpu: str
+) -> dict[str, Any]:
+    """An evaluate stage on a GPU: loading the model, then its greedy generations, each
+    decode step reading every weight once (memory-bound: the model's bytes over the GPU's
+    memory bandwidth at DECODE_SHARE), eval.batch_size examples a step on each process."""
+    from snaketune.methods import method_of
+
+    load = weight_bytes(shape) / (DISK_MB_S * MB)
+    gpus = layout.processes
+    if examples is None:
+        return stage(None, gpus, "not estimated: its eval set is not readable yet")
+    if not method_of(run).generates:  # a reward model: one forward pass per pair
+        return stage(
+            load,
+            gpus,
+            f"loading {weight_bytes(shape) / 1e9:.1f} GB at "
+            f"{DISK_MB_S:g} MB/s; scoring {examples} pairs is seconds",
+        )
+    bw = bandwidth(gpu)
+    if bw is None:
+        return stage(None, gpus, f"not estimated: no memory bandwidth known for GPU {gpu}")
+    batches = math.ceil(examples / (run["eval"]["batch_size"] * gpus))
+    steps = batches * run["eval"]["max_new_tokens"]
+    decode = steps * weight_bytes(shape) / (bw * DECODE_SHARE)
+    return stage(
+        load + decode,
+        gpus,
+        f"{examples} examples, {steps} decode steps at "
+        f"{DECODE_SHARE:.0%} of {gpu}'s memory bandwidth (at most: every answer "
+        "max_new_tokens long), loading at the assumed disk rate",
+    )
+
+
+def assumed_stages(
+    config: dict[str, Any],
+    name: str,
+    shape: Any,
+    steps: dict[str, Any],
+    tokens: float | None,
+    workdir: Path,
+) -> dict[str, dict[str, Any]]:
+    """A GPU run's own stages besides training, from its model's bytes and FLOPs at the
+    assumed rates. ``tokens``: one optimizer step's tokens (a bound before tokenization)."""
+    from snaketune.budget.memplan import gpu_memory
+    from snaketune.budget.stageplan import eval_layout
+    from snaketune.core.throughput import peak_tflops
+    from snaketune.methods import method_of
+    from snaketune.plan.runspec import RunSpec, merged
+
+    run = config["runs"][name]
+    given = run.get("gpu", config.get("gpu"))  # a GPU type, or its memory in GiB
+    gpu = str(given)
+    spec, devices, size = RunSpec.of(run), run["nodes"] * run["gpus_per_node"], weight_bytes(shape)
+    disk = f"at {DISK_MB_S:g} MB/s (assumed disk rate)"
+    out: dict[str, dict[str, Any]] = {}
+    if tokens is not None and "steps_per_epoch" in steps:
+        epoch = tokens * steps["steps_per_epoch"]  # int32 ids and labels, read and written
+        out["shard_dataset"] = stage(epoch * 16 / (DISK_MB_S * MB), 0, f"one epoch's tokens {disk}")
+        peak = peak_tflops(gpu.upper())
+        if spec.reference_stage and peak:
+            forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
+            basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.0%}"
+            out["reference_logps"] = stage(size / (DISK_MB_S * MB) + forward, devices, basis)
+    if method_of(run).adapter_of(run) == "lora":
+        out["convert_checkpoint"] = stage(0.0, 0, "the adapter alone: seconds")
+        if merged(run):
+            basis = f"the base read and the merged model written {disk}"
+            out["merge_lora"] = stage(2 * size / (DISK_MB_S * MB), 0, basis)
+    else:  # the ZeRO checkpoint's fp32 weights read, the model written
+        basis = f"fp32 weights read and the model written {disk}"
+        out["convert_checkpoint"] = stage(shape.params * 6 / (DISK_MB_S * MB), 0, basis)
+    if "eval_dataset" in run:
+        examples = eval_examples(config, run, workdir)
+        for rule, final in evaluate_rules(config, name).items():
+            layout = eval_layout(run, shape, gpu_memory(given), final)
+            out[rule] = evaluate_seconds(run, shape, examples, layout, gpu)
+    return out
+
+
+def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:
+    """The evaluate stages run ``name`` has (rule -> whether it scores the run's own model):
+    its own, and its start's (the base's, shared by the runs of one base and eval set)."""
+    from snaketune.plan.stages import evaluates_its_start
+
+    run = config["runs"][name]
+    out = {"evaluate": True}
+    if evaluates_its_start(config, name):
+        out["evaluate_start"] = False
+    elif "init_from" not in run:
+        out["evaluate_base"] = False
+    return out
+
+
+def calibrated_stages(
+    config: dict[str, Any], name: str, measured: dict[str, float], source: str
+) -> dict[str, dict[str, Any]]:
+    """A run's own stages as the calibration run's took (``measured``: rule -> seconds)."""
+    from snaketune.budget.memplan import gpu_memory
+    from snaketune.budget.stageplan import eval_layout
+    from snaketune.methods import method_of
+    from snaketune.plan.runspec import merged
+
+    run = config["runs"][name]
+    gpu = run.get("gpu", config.get("gpu"))
+    has = {"shard_dataset", "convert_checkpoint"}  # the stages this run has
+    if method_of(run).adapter_of(run) == "lora" and merged(run):
+        has.add("merge_lora")
+    if "eval_dataset" in run:
+        has.update(evaluate_rules(config, name))
+    out = {}
+    for rule, seconds in measured.items():
+        if rule not in has:
+            continue
+        gpus = 0
+        if gpu is not None and rule.startswith("evaluate"):
+            gpus = eval_layout(run, None, gpu_memory(gpu), rule == "evaluate").processes
+        out[rule] = stage(seconds, gpus, f"as run {source}'s took")
+    return out
+
+
+def run_stages(
+    config: dict[str, Any],
+    name: str,
+    shape: Any,
+    steps: dict[str, Any],
+    train: dict[str, Any],
+    workdir: Path,
+) -> dict[str, dict[str, Any]]:
+    """Every stage of run ``name`` of its own (train included, from ``train``: the train
+    estimate), in the order it goes through them; empty where nothing is estimated."""
+    from snaketune.budget.cost import tokens_per_step
+
+    run = config["runs"][name]
+    gpu = run.get("gpu", config.get("gpu"))
+    out: dict[str, dict[str, Any]] = {}
+    if "wall_s" in train:
+        devices = run["nodes"] * run["gpus_per_node"] if gpu is not None else 0
+        out["train"] = stage(train["wall_s"], devices, train["basis"])
+    if "stages" in train:
+        out.update(calibrated_stages(config, name, train["stages"], train["calibrated_from"]))
+    elif gpu is not None and "per_step" in steps:
+        measured = tokens_per_step(config, name, workdir, steps["per_step"])
+        tokens = measured[0] if measured else steps["per_step"] * run["max_length"]
+        out.update(assumed_stages(config, name, shape, steps, tokens, workdir))
+    return {rule: out[rule] for rule in ORDER if rule in out}
+
+
+def shared_stages(
+    config: dict[str, Any], shapes: dict[str, Any], workdir: Path
+) -> dict[str, dict[str, Any]]:
+    """The stages the runs share, once each and only where their outputs are not there yet:
+    a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (every row at
+    max_length: at most)."""
+    from snaketune.plan.stages import tokenized
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, shape in shapes.items():
+        run = config["runs"][name]
+        model, folder = run["model"], workdir / "resources/models" / run["model"]
+        done = weights_in(folder)
+        if shape is not None and not done and f"download_model {model}" not in out:
+            size, hub = weight_bytes(shape), config["models"][model]["source"] == "hub"
+            rate = DOWNLOAD_MB_S if hub else DISK_MB_S
+            where = "assumed Hub rate" if hub else "a local model copied: assumed disk rate"
+            out[f"download_model {model}"] = stage(
+                size / (rate * MB), 0, f"{size / 1e9:.1f} GB at {rate:g} MB/s ({where})"
+            )
+        sets = {run["dataset"]: tokenized(config, name)}
+        if run.get("eval_dataset") in config["datasets"]:
+            sets[run["eval_dataset"]] = tokenized(config, name, eval_set=True)
+        for dataset, path in sets.items():
+            key = f"tokenize_dataset {Path(path).parent.name}"
+            if key not in out and not (workdir / path).is_file():
+                out[key] = tokenize_cost(config, dataset, run["max_length"], workdir)
+    return out
+
+
+def tokenize_cost(
+    config: dict[str, Any], dataset: str, max_length: int, workdir: Path
+) -> dict[str, Any]:
+    """A dataset's tokenization: every row at max_length (at most) at TOKENIZE_TOKENS_S."""
+    from snaketune.budget.cost import source_rows
+
+    rows = source_rows(config, dataset, workdir)
+    if rows is None:
+        return stage(None, 0, "not estimated: the dataset is not readable yet")
+    basis = f"{rows:,} rows of at most {max_length} tokens at {TOKENIZE_TOKENS_S:,.0f} tokens/s"
+    return stage(rows * max_length / TOKENIZE_TOKENS_S, 0, basis + " (assumed)")
+
+
+def total(stages: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The stages added up: seconds one after another (independent jobs may overlap) and
+    GPU-hours; ``missing`` counts the stages without a figure."""
+    every = [s for group in stages for s in group.values()]
+    known = [s for s in every if s["s"] is not None]
+    return {
+        "s": sum(s["s"] for s in known),
+        "gpu_hours": sum(s["gpu_hours"] or 0.0 for s in known),
+        "missing": len(every) - len(known),
+    }
+
+
+def format_stage_costs(name: str, stages: dict[str, dict[str, Any]]) -> list[str]:
+    """A line per stage of ``name`` (a run, or `pipeline` for the shared stages) and, where
+    it has any, its total."""
+    from snaketune.budget.cost import duration
+
+    lines = []
+    for rule, s in stages.items():
+        if rule == "train":  # the train line says it, with its basis
+            continue
+        if s["s"] is None:
+            lines.append(f"{name}: {rule}: {s['basis']}")
+            continue
+        hours = f", {s['gpu_hours']:.2f} GPU-hours on {s['gpus']} GPU(s)" if s["gpu_hours"] else ""
+        lines.append(f"{name}: {rule}: about {duration(s['s'])}{hours} ({s['basis']})")
+    return lines
+
+
+def format_total(what: str, t: dict[str, Any]) -> str:
+    from snaketune.budget.cost import duration
+
+    left = f"; {t['missing']} stage(s) not estimated" if t["missing"] else ""
+    hours = f", {t['gpu_hours']:.2f} GPU-hours" if t["gpu_hours"] else ""
+    return f"{what}: about {duration(t['s'])} one stage after another{hours}{left}"
+
+
+def costs_of(
+    config: dict[str, Any],
+    name: str,
+    shape: Any,
+    steps: dict[str, Any],
+    train: dict[str, Any],
+    workdir: Path,
+) -> dict[str, Any]:
+    """Run ``name``'s costs: its own stages, the shared ones it waits on that are not done
+    yet, and its own stages' total (the plan's and the dry run's figures, and --json's)."""
+    from snaketune.plan.stages import run_eval_tokenize_spec, tokenize_key
+
+    own = run_stages(config, name, shape, steps, train, workdir)
+    shared = shared_stages(config, {name: shape}, workdir)
+    if "evaluate_base" in own:  # once per base model and eval set, and not again once done
+        key = tokenize_key(run_eval_tokenize_spec(config, name))
+        base = own.pop("evaluate_base")
+        if not (workdir / "results/base_eval" / key / "metrics.json").is_file():
+            shared[f"evaluate_base {key}"] = base
+    return {"stages": own, "shared": shared, "total": total([own])}
+
+
+def format_costs(name: str, costs: dict[str, Any]) -> list[str]:
+    """The plan's lines of a run's stages besides training, and its total."""
+    lines = format_stage_costs(name, costs["stages"])
+    if len(costs["stages"]) > 1:
+        lines.append(format_total(f"{name}: its stages in all", costs["total"]))
+    return lines
+
+
+def format_pipeline(costs: list[dict[str, Any]]) -> list[str]:
+    """The shared stages (each once) and the whole pipeline's total, of every run's costs."""
+    shared: dict[str, dict[str, Any]] = {}
+    for c in costs:
+        shared.update(c["shared"])
+    lines = format_stage_costs("pipeline", shared)
+    every = [c["stages"] for c in costs] + [shared]
+    if any(every):
+        lines.append(format_total("pipeline: every run and stage", total(every)))
+    return lines
