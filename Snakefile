@@ -5,15 +5,18 @@
 #
 # Stages and layout: README.md and docs/.
 import sys
+import time
 from pathlib import Path
 
 from snakemake.utils import min_version
 from snaketune.core.errors import UserError, labelled
 from snaketune.budget.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.app.summary import report_line
-from snaketune.train.attempts import one_start_per_job
+from snaketune.train.attempts import one_start_per_job, stopped_since
 
 min_version("9.0")
+
+STARTED = time.time()  # this invocation's start: its train jobs' outcomes are newer
 
 
 # The demo config, unless config files are given (--configfile, or a profile's
@@ -75,6 +78,12 @@ in_dry_runs(
 # At the end of a successful pipeline: one line with the report's path and the results.
 onsuccess:
     report_line()
+
+
+# A train job stopped (Ctrl-C, scancel) or failed in this invocation: its one line, last.
+onerror:
+    for line in stopped_since(STARTED):
+        print(line, file=sys.stderr)
 
 
 wildcard_constraints:

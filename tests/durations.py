@@ -34,7 +34,7 @@ def kind(command: str) -> str:
     snakemake, a workflow script, a benchmark, pytest."""
     if "--worker" in command:
         return "train worker"
-    if "torch.distributed.run" in command or "--nnodes" in command:
+    if "torch.distributed.run" in command or "train.agents" in command or "--nnodes" in command:
         return "torchrun agent"
     if "pytest" in command:
         return "pytest"

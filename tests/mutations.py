@@ -93,10 +93,10 @@ MUTATIONS = (
         ("tests/test_big_models.py::test_every_rank_share_joins_back_in_the_eval_sets_order",),
     ),
     Mutation(
-        "kept-best", "worker.kept_best inverts greater-is-better",
-        f"{LIB}/train/worker.py",
-        "    return metric, heldout.greater_is_better(metric)",
-        "    return metric, not heldout.greater_is_better(metric)",
+        "kept-best", "runspec.kept_best inverts greater-is-better",
+        f"{LIB}/plan/runspec.py",
+        "    return metric, greater_is_better(metric)",
+        "    return metric, not greater_is_better(metric)",
         ("tests/test_heldout.py::test_the_checkpoint_a_run_keeps_as_best",),
     ),
     Mutation(

@@ -300,7 +300,8 @@ MESSAGES = [{"messages": [{"role": "user", "content": "hi"},
 # first rows (snaketune.data.peek); these fail there, before any job.
 FIRST_ROWS = [
     Case("unreadable-format", "data", dataset("bad_garbage", b"this is not json\n"),
-         "error: datasets.bad_garbage.path: bad-data/bad_garbage.jsonl: cannot read as jsonl"),
+         "error: datasets.bad_garbage.path: bad-data/bad_garbage.jsonl: line 1: not JSON "
+         "(Expecting value); each line must be one object"),
     Case("unknown-extension", "data", dataset("bad_ext", b"a,b\n", suffix=".txt"),
          "error: datasets.bad_ext.path: bad-data/bad_ext.txt: cannot tell the format from the "
          "extension"),
@@ -326,6 +327,12 @@ FIRST_ROWS = [
     Case("messages-not-a-list", "data",
          dataset("bad_msgs", [{"messages": "hello"}] * 20, format="messages", columns={}),
          "error: datasets.bad_msgs row 0: `messages` must be a non-empty list of turns"),
+    Case("messages-mixed-kinds", "data",  # row 1 alone: pyarrow refuses the whole file
+         dataset("mixed_msgs", MESSAGES[:1] + [{"messages": "hello"}] + MESSAGES,
+                 format="messages", columns={}),
+         "row 1 (line 2): `messages` is a string; it must be a list of turns, e.g. "
+         '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}], '
+         "as in row 0 (pyarrow: "),
     Case("messages-bad-role", "data",
          dataset("bad_role", [{"messages": [{"role": "bot", "content": "x"}]}] + MESSAGES,
                  format="messages", columns={}),

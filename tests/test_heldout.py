@@ -146,10 +146,10 @@ def test_prune_keeps_the_best_checkpoint(tmp_path):
                                               ("exact_match", "checkpoint-30"),
                                               ("auto", "checkpoint-20")])  # fmt: skip
 def test_the_checkpoint_a_run_keeps_as_best(tmp_path, metric, kept):
-    """What the worker tells pruning to keep (worker.kept_best) for a run exporting its best
+    """What the worker tells pruning to keep (runspec.kept_best) for a run exporting its best
     checkpoint: the lowest held-out loss, the highest exact match (picked by hand below);
     `auto` is the SFT method's own figure, the loss."""
-    from snaketune.train.worker import kept_best
+    from snaketune.plan.runspec import kept_best
 
     figures = {10: (2.0, 0.10), 20: (1.5, 0.20), 30: (1.7, 0.45), 40: (1.9, 0.30)}
     for step, (loss, exact) in figures.items():

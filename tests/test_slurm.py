@@ -314,6 +314,28 @@ def test_forcerun_evaluate_submits_only_that_stage(slurm_demo):
     assert set(submitted(proc.stdout)) == {"evaluate"}, proc.stdout[-4000:]
 
 
+def test_status_names_a_queued_job_of_the_workflow_by_its_slurm_id(cluster, tmp_path):
+    """`snaketune status` reads squeue: a train job the SLURM plugin submitted (its comment
+    rule_train_wildcards_<run>, here a held job on the local cluster) shows as pending with
+    its job id beside the run's finished shard stage; once it is gone, the run waits."""
+    (tmp_path / "results/demo/shards").mkdir(parents=True)
+    (tmp_path / "results/demo/shards/manifest.json").write_text("{}")
+    job = subprocess.run(["sbatch", "--parsable", "--hold", "-p", "tupi", "-A", ACCOUNT,
+                          "--comment", "rule_train_wildcards_demo", "--wrap", "sleep 1"],
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    try:
+        said = subprocess.run([str(BIN / "snaketune"), "status", str(tmp_path)], env=ENV,
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    assert said.splitlines()[:3] == ["run demo", "  shard_dataset      done",
+                                     f"  train              pending on SLURM (job {job})"], said  # fmt: skip
+    time.sleep(2)
+    said = subprocess.run([str(BIN / "snaketune"), "status", str(tmp_path)], env=ENV,
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "  train              -" in said.splitlines(), said
+
+
 def test_resources_no_node_has_fail_before_anything_is_queued(cluster, tmp_path):
     """A profile asking more CPUs and memory for tokenize_dataset than tupi's nodes have
     (32 CPUs, 256 GB): the run stops within a minute, before any job (local or SLURM),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENV, ROOT, launch_train, read_jsonl, run_spec, workers_after
+from conftest import BIN, ENV, ROOT, launch_train, read_jsonl, run_spec, workers_after
 from safetensors.torch import load_file
 
 from snaketune.core.checkpoints import COMPLETE, checkpoints
@@ -102,6 +103,61 @@ def _launcher(workdir: Path) -> psutil.Process:
         ):
             return p
     raise AssertionError("no train launcher running")
+
+
+def test_ctrl_c_saves_the_step_says_one_line_and_the_rerun_resumes_exactly(demo, tmp_path):
+    """Ctrl-C to the local pipeline mid-training (SIGINT to its process group, as a terminal
+    sends it): the step under way is saved (no step lost), the terminal ends with one line
+    (where it stopped, the checkpoint, how to resume) and no traceback, no process of the run
+    is left, `snaketune status` shows each state; the rerun resumes to the losses of an
+    uninterrupted run. On a copy of the finished demo without its training."""
+    work = tmp_path / "w"
+    subprocess.run(["cp", "-a", str(demo), str(work)], check=True)
+    shutil.rmtree(work / "results/demo/train")
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
+               "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory",
+               str(work), "--", "results/demo/train/metrics.jsonl"]  # fmt: skip
+    env = {**ENV, "SNAKETUNE_PROGRESS_S": "3"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    live = work / "results/demo/train/checkpoints/metrics.jsonl"
+
+    def status() -> str:
+        return subprocess.run([str(BIN / "snaketune"), "status", str(work)], env=ENV,
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+    try:
+        _wait_for(lambda: _last_step(live) >= 20, 300, "step 20")
+        running = status()
+        os.killpg(proc.pid, signal.SIGINT)
+        seen = _last_step(live)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "  train              running, attempt 1: step " in running, running
+    assert "/192, loss " in running and "ETA" in running
+    assert proc.returncode != 0 and "Traceback" not in out, out[-5000:]
+    saved = checkpoints(work / "results/demo/train/checkpoints")[-1]
+    step = int(saved.name.split("-")[1])
+    assert step >= seen and (saved / COMPLETE).is_file()  # the step under way, saved
+    line = (f"snaketune: run demo: stopped by Ctrl-C (SIGINT); newest complete checkpoint: "
+            f"checkpoint-{step}; run the same command again to resume")  # fmt: skip
+    last = out.strip().splitlines()[-6:]  # then Snakemake's log path, time and verdict
+    assert any(x.startswith(line) for x in last), last
+    assert "snaketune: train demo: step " in out  # progress reached the terminal
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if str(work) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not left, [p.info["cmdline"] for p in left]
+    assert "  train              stopped (attempt 1): stopped by Ctrl-C (SIGINT)" in status()
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
+    got = read_jsonl(work / "results/demo/train/metrics.jsonl")
+    want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
+    assert "  train              done" in status()
 
 
 def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, tmp_path):

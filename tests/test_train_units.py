@@ -91,7 +91,8 @@ def test_local_commands_one_agent_per_emulated_node():
     assert len(cmds) == 3
     for cmd in cmds:
         text = " ".join(cmd)
-        assert "-m torch.distributed.run --nnodes 3 --nproc-per-node 2" in text
+        # torchrun's own main, a stop by a signal an exit code (agents.quiet_torchrun)
+        assert "-m snaketune.train.agents --nnodes 3 --nproc-per-node 2" in text
         assert "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29999 --rdzv-id run1" in text
         assert "--max-restarts 0" in text and "SIGUSR1" in text
         assert cmd[-2:] == ["train.py", "--worker"]
@@ -244,6 +245,103 @@ def test_usr1_or_the_deadline_stop_to_continue_sigterm_to_stop():
         assert control.should_save == control.should_training_stop == (reason is not None)
         if reason:
             assert cb.stopped_at == 7
+
+
+def test_sigint_saves_and_stops_like_sigterm_and_a_repeat_is_the_same_request():
+    """Ctrl-C reaches a rank from the launcher and again from its torchrun agent: the first
+    asks for a save at the step's end and a stop for good, a repeat changes nothing (the
+    launcher, not the rank, stops at once on a second Ctrl-C)."""
+    import os
+    import signal as sig
+
+    from snaketune.train.progress import StopRequest
+
+    cb, control = _callback_step("SIGINT", None)
+    assert cb.stop_reason == "signal" and control.should_save and control.should_training_stop
+    stop = StopRequest()
+    previous = {s: sig.getsignal(s) for s in (sig.SIGINT, sig.SIGTERM, sig.SIGUSR1)}
+    try:
+        stop.install()
+        os.kill(os.getpid(), sig.SIGINT)  # no KeyboardInterrupt: a request
+        os.kill(os.getpid(), sig.SIGINT)
+        assert stop.signal == "SIGINT"
+    finally:
+        for s, handler in previous.items():
+            sig.signal(s, handler)
+
+
+def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
+    """Each check on the metrics rows a run writes, against rows made here: GRPO rewards
+    equal in every group with every completion clipped, a zero gradient, a learning rate
+    that stays 0, a loss that is not a number; each said once, kept in warnings.jsonl and
+    dropped when a run starts afresh."""
+    from snaketune.train.vitals import WINDOW, Vitals, checks, read
+
+    grpo = {"grpo": {"max_completion_length": 64}}
+    flat = [{"step": i, "loss": 0.0, "lr": 1e-5, "grad_norm": 0.0, "reward_std": 0.0,
+             "completion_clipped": 1.0} for i in range(1, WINDOW + 1)]  # fmt: skip
+    assert checks(grpo, flat[:-1]) == {}  # not yet: one step short of the window
+    found = checks(grpo, flat)
+    assert list(found) == ["reward_std"]  # the zero gradient is its consequence
+    assert found["reward_std"].startswith(f"no learning signal: reward_std 0 in each of the "
+                                          f"first {WINDOW} steps")  # fmt: skip
+    assert "every completion is cut at grpo.max_completion_length (64) (completion_clipped " in (
+        found["reward_std"])  # fmt: skip
+    moving = [{**r, "reward_std": 0.3, "grad_norm": 0.5} for r in flat]
+    assert list(checks(grpo, moving)) == ["completion_clipped"]
+    one_varies = [*flat[:-1], {**flat[-1], "reward_std": 0.1, "grad_norm": 0.2}]
+    assert "reward_std" not in checks(grpo, one_varies)
+    sft = [{"step": i, "loss": 2.0, "lr": 0.0, "grad_norm": 0.0} for i in range(1, 6)]
+    assert list(checks({}, sft)) == ["grad_norm", "lr"]
+    assert "loss is nan at step 3" in checks({}, [{"step": 3, "loss": float("nan")}])["loss"]
+    vitals = Vitals(grpo, tmp_path, fresh=True)
+    said = [line for r in flat + flat for line in vitals.see(r)]
+    assert said == [found["reward_std"]]  # once
+    assert read(tmp_path) == {"reward_std": found["reward_std"]}
+    resumed = Vitals(grpo, tmp_path, fresh=False)  # a resumed run: said already
+    assert [line for r in flat for line in resumed.see(r)] == []
+    Vitals(grpo, tmp_path, fresh=True)
+    assert read(tmp_path) == {}
+
+
+def test_status_says_a_failed_training_s_reason_its_warnings_and_an_interrupted_stage(
+        tmp_path, monkeypatch):  # fmt: skip
+    """`snaketune status` from the files a failed run leaves: the last attempt's one-line
+    reason, what the first steps warned, a stage Snakemake left incomplete (no Snakemake
+    holds the directory: interrupted, not running)."""
+    from base64 import urlsafe_b64encode
+
+    from snaketune.app.status import status
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no squeue: off SLURM
+    run = tmp_path / "results/x"
+    (run / "shards").mkdir(parents=True)
+    (run / "shards/manifest.json").write_text("{}")
+    (run / "train/logs").mkdir(parents=True)
+    (run / "train/logs/attempts.jsonl").write_text(
+        json.dumps({"attempt": 1, "log": "logs/attempt-1.log", "began": 1.0, "host": "h",
+                    "pid": 1}) + "\n"
+        + json.dumps({"attempt": 1, "ended": 2.0, "exit": 1,
+                      "reason": "CUDA out of memory on rank 3"}) + "\n")  # fmt: skip
+    (run / "train/warnings.jsonl").write_text(json.dumps(
+        {"step": 5, "check": "lr", "warning": "learning rate 0 in each of the first 5 steps"}
+    ) + "\n")  # fmt: skip
+    marks = tmp_path / ".snakemake/incomplete"
+    marks.mkdir(parents=True)
+    (marks / urlsafe_b64encode(b"results/x/merged_model").decode()).write_text("")
+    assert status(tmp_path) == [
+        "run x",
+        "  shard_dataset      done",
+        "  train              failed (attempt 1): CUDA out of memory on rank 3; rerun the same "
+        "command to resume",
+        "  convert_checkpoint -",
+        "  merge_lora         interrupted (rerun to redo it)",
+        "  evaluate           -",
+        "  warning: learning rate 0 in each of the first 5 steps",
+    ]
+    assert status(tmp_path / "none") == [
+        f"no run has started under {tmp_path / 'none/results'} yet"
+    ]
 
 
 def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):

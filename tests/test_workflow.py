@@ -168,6 +168,12 @@ def test_data_stages_run_on_the_local_profile(demo, tmp_path):
         return snakemake(shards, *args).stdout
 
     assert "Nothing to be done" in dry_run_with("runs={'demo': {'learning_rate': 0.1}}")
+    # The whole pipeline's dry run after a one-key change names that key, in the config's
+    # words, beside Snakemake's own reason (the run spec's whole diff)
+    args = ("-n", "--configfile", config, "--directory", str(tmp_path))
+    said = snakemake(*args, "--config", "runs={'demo': {'learning_rate': 0.1}}").stderr
+    retrains = [ln for ln in said.splitlines() if ln.startswith("plan: demo: retrains: ")]
+    assert retrains == ["plan: demo: retrains: runs.demo.learning_rate: 0.006 -> 0.1"], said[-3000:]
     # A tokenization key change makes new tokenized copies (training and eval set) and new
     # shards, nothing earlier.
     assert _jobs(dry_run_with("runs={'demo': {'max_length': 128}}")) == {

@@ -93,6 +93,14 @@ def _parser() -> argparse.ArgumentParser:
         help="plan model NAME from this config.json (or the folder holding it), e.g. a Hub "
         "model's on a login node without its weights; repeatable",
     )  # fmt: skip
+    sta = sub.add_parser(
+        "status",
+        help="where the pipeline in a directory is: each run's stages, a training's step and "
+        "ETA, failures, headline figures",
+    )
+    sta.add_argument("directory", nargs="?", default=".", help="its working directory")
+    sta.add_argument("--watch", type=float, metavar="SECONDS",
+                     help="print it again every SECONDS until Ctrl-C")  # fmt: skip
     cal = sub.add_parser(
         "calibrate",
         help="write the config of a short run that calibrates a run's time estimate, and the "
@@ -125,6 +133,22 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"profiles/<cluster> --configfile {out}"
     )
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from snaketune.app.status import status
+
+    while True:
+        print("\n".join(status(Path(args.directory))), flush=True)
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+        print(f"--- {time.strftime('%H:%M:%S')}")
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -212,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "status":
+            return _status(args)
         if args.command == "lineage":
             from snaketune.core.provenance import lineage
 

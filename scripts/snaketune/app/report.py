@@ -349,6 +349,8 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
         warning = worse_than_start(by_run.get(run, {}))
         if warning:
             parts.append(f'<p class="warn">{escape(warning)}</p>')
+        for line in filter(None, (by_run.get(run, {}).get("warnings") or "").split(" | ")):
+            parts.append(f'<p class="warn">Training warned: {escape(line)}</p>')
         ev = evals.get(run)
         if ev is not None:
             parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))

@@ -13,6 +13,7 @@ from typing import Any
 from snaketune.budget.calibrate import benchmark_seconds
 from snaketune.budget.cost import estimate_columns
 from snaketune.core.heldout import split_rows
+from snaketune.train.vitals import read as read_warnings
 
 COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
            "reward_first_quarter", "reward_last_quarter",
@@ -24,7 +25,8 @@ COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final
            "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
            "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
            "estimated_train_wall_s", "estimate_error", "estimate_basis",
-           "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter"]  # fmt: skip
+           "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter",
+           "warnings"]  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -148,6 +150,8 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         seconds = segments["wall_s"]  # first start to last end, queue waits between included
         row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
     row.update(estimate_columns(train_dir.parent, seconds))  # made when it was queued
+    # what its first steps said about whether it could learn (snaketune.train.vitals)
+    row["warnings"] = " | ".join(read_warnings(train_dir).values()) or None
     network = provenance.get("network") or {}  # multi-node jobs: their all-reduce figure
     row["allreduce_busbw_gbps"] = network.get("busbw_gbps")
     if seconds is not None:

@@ -192,6 +192,9 @@ def before_queueing(
                if job.rule == "train"}  # fmt: skip
     shapes = {name: readable_shape(config, config["runs"][name], workdir) for name in training}
     found += check_steps(config, shapes, workdir, runtime, record)
+    for name in training:  # what changed since a run's last training, by key
+        for line in changed_settings(config, name, workdir)[:MAX_CHANGES]:
+            print(f"plan: {name}: retrains: {line}", file=sys.stderr)
     if not local_exec:
         found += check_partitions([job for job in jobs if not job.local])
     return found
@@ -357,3 +360,41 @@ def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
     for line in format_pipeline(costs):
         print(f"plan: {line}", file=sys.stderr)
     return found
+
+
+MAX_CHANGES = 12  # keys named per run (a new run's whole spec is no news)
+EXTRAS = ("heldout", "reference_logps", "reward_models")  # paths the workflow adds, not keys
+UNSET = object()
+
+
+def changed_settings(config: dict[str, Any], name: str, workdir: Path) -> list[str]:
+    """The keys of run ``name`` whose values differ from its last training's
+    (results/<run>/train/run_config.json), as `runs.<run>.dpo.beta: 0.1 -> 0.2`: why
+    Snakemake retrains it, in the config's words (its own reason is the spec's whole diff)."""
+    import json
+
+    from snaketune.plan.stages import train_spec
+
+    path = workdir / "results" / name / "train/run_config.json"
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return []
+    return _diff(old, json.loads(train_spec(config["runs"][name])), f"runs.{name}")
+
+
+def _diff(old: Any, new: Any, path: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted((set(old) | set(new)) - set(EXTRAS)):
+            out += _diff(old.get(key, UNSET), new.get(key, UNSET), f"{path}.{key}")
+        return out
+    return [] if old == new else [f"{path}: {_said(old)} -> {_said(new)}"]
+
+
+def _said(value: Any) -> str:
+    import json
+
+    return "(unset)" if value is UNSET else json.dumps(value)

@@ -60,7 +60,8 @@ def worker_dies_with_agent() -> None:
         parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
         return
-    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
+    agents = (b"torch.distributed.run", b"torchrun", b"snaketune.train.agents")
+    if not any(name in parent for name in agents):
         log.error("the torchrun agent that started this worker is gone: exiting")
         os._exit(1)
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
 from snaketune.data.conversations import Source, conversations, filter_mask, missing_columns
-from snaketune.data.sources import file_format
+from snaketune.data.sources import file_format, jsonl_row_problem
 
 PEEK_ROWS = 64  # the rows read of each dataset
 MAX_JSON_ARRAY = 64 * 2**20  # a JSON array file is read whole: only up to this size
@@ -116,6 +116,9 @@ def check_dataset(name: str, spec: dict[str, Any], path: Path, local: bool) -> s
         return f"{where}: {exc}"
     except (OSError, ValueError, pa.ArrowException) as exc:
         reason = str(exc).splitlines()[0].split("?: ")[-1] if str(exc) else type(exc).__name__
+        row = jsonl_row_problem(path) if fmt == "jsonl" and path.exists() else None
+        if row is not None:
+            return f"{where}: {path}: {row} (pyarrow: {reason})"
         return (f"{where}: {path}: cannot read as {fmt} ({reason}); fix the file, or set "
                 "file_format if the extension misleads")  # fmt: skip
     return None if table is None else check_rows(name, spec, table)

@@ -137,6 +137,45 @@ def iter_local_batches(path: Path, fmt: str):
     yield from dataset.to_batches(batch_size=BATCH_ROWS)
 
 
+KINDS = {list: "a list", dict: "an object", str: "a string", bool: "true or false",
+         int: "a number", float: "a number"}  # fmt: skip
+# what a field of a format must hold, where a row gives it another kind
+SHAPES = {"messages": 'a list of turns, e.g. [{"role": "user", "content": "..."}, '
+          '{"role": "assistant", "content": "..."}]'}  # fmt: skip
+
+
+def jsonl_row_problem(path: Path) -> str | None:
+    """Why a JSON lines file cannot be one table, in the user's terms (pyarrow only says
+    which kinds clashed): the first row whose field holds another kind of value than the
+    first row that gives that field (row and line numbers from 0 and 1), or a line that is
+    not a JSON object. None: every row agrees."""
+    first: dict[str, tuple[str, int]] = {}
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    row = 0
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"line {number}: not JSON ({exc.msg}); each line must be one object"
+                if not isinstance(record, dict):
+                    return f"line {number}: {KINDS.get(type(record), 'a value')}, not an object"
+                for field, value in record.items():
+                    if value is None:
+                        continue
+                    kind = KINDS.get(type(value), type(value).__name__)
+                    seen = first.setdefault(field, (kind, row))
+                    if seen[0] != kind:
+                        want = SHAPES.get(field, seen[0])
+                        return (f"row {row} (line {number}): `{field}` is {kind}; it must be "
+                                f"{want}, as in row {seen[1]}")  # fmt: skip
+                row += 1
+    return None
+
+
 def check_utf8(path: Path) -> None:
     """Fail on the first byte sequence that is not UTF-8, naming its line."""
     import codecs
@@ -182,6 +221,9 @@ def convert_local(path: Path, fmt: str, out: Path) -> int:
             rows += batch.num_rows
     except (pa.ArrowInvalid, UnicodeDecodeError, json.JSONDecodeError) as exc:
         reason = str(exc).splitlines()[0].split("?: ")[-1]  # arrow's last clause is the reason
+        row = jsonl_row_problem(path) if fmt == "jsonl" else None
+        if row is not None:
+            raise DataError(f"{path}: {row} (pyarrow: {reason})") from exc
         raise DataError(
             f"{path}: cannot read as {fmt} ({reason}); fix the file, or set file_format if "
             "the extension misleads"

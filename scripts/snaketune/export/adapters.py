@@ -312,9 +312,14 @@ def merge_lora(
         plan += [(name, tuple(t.shape), t.dtype) for name, t in lora.added(refs).items()]
         write_shards(plan, merged, tmp, parse_size(max_shard_size), dtype)
         if change["max_abs"] == 0.0:
+            from snaketune.train.vitals import read
+
+            warned = list(read(Path(adapter).parent / "train").values())
+            cause = (f" Its training warned: {warned[0]}" if warned
+                     else " Was the adapter trained?")  # fmt: skip
             raise DataError(
                 f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
-                "model would equal the base. Was the adapter trained?"
+                f"model would equal the base.{cause}"
             )
         stops = write_config(base_config.result(), dtype, lora.head, adapter, base_model, tmp)
         # The reference is the training job's probe logits: base + this adapter, as

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from snaketune.core.heldout import greater_is_better
 from snaketune.methods import Method, method_of
 
 # The directory under results/<run>/ of the model a run ends with, by what it trains.
@@ -75,3 +76,20 @@ class RunSpec:
     @property
     def trains_lora(self) -> bool:
         return self.adapter == "lora"
+
+
+def heldout_metric(run: dict[str, Any]) -> str | None:
+    """The held-out figure a run is judged by (export.metric; `auto`: its method's own);
+    None for a run that scores nothing while training."""
+    spec = run.get("heldout")
+    if not spec:
+        return None
+    return spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
+
+
+def kept_best(run: dict[str, Any]) -> tuple[str, bool] | None:
+    """The held-out metric whose best checkpoint pruning keeps (export.checkpoint: best)."""
+    metric = heldout_metric(run)
+    if metric is None or run["heldout"]["checkpoint"] != "best":
+        return None
+    return metric, greater_is_better(metric)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # (SLURM's warning before the time limit, --signal=USR1@...) make workers checkpoint.
 FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 PORT_BASE = 29500
+AGENT = "snaketune.train.agents"  # torchrun, run by ``quiet_torchrun`` (this module's main)
 
 
 def free_port() -> int:
@@ -81,7 +82,7 @@ def local_commands(
 ) -> list[list[str]]:
     """One torchrun agent per emulated node, all on this machine."""
     args = torchrun_args(nodes, gpus_per_node, f"127.0.0.1:{port}", run_id, shutdown_timeout)
-    return [[sys.executable, "-m", "torch.distributed.run", *args, *worker] for _ in range(nodes)]
+    return [[sys.executable, "-m", AGENT, *args, *worker] for _ in range(nodes)]
 
 
 # Inside an srun task (where SLURM_JOB_NODELIST is back): the rendezvous host and port, and
@@ -116,7 +117,7 @@ def slurm_command(
     """
     args = torchrun_args(nodes, gpus_per_node, "$HEAD:$PORT", run_id, shutdown_timeout)
     args += ["--rdzv-conf", "is_host=$IS_HOST"]
-    return _srun(nodes, [sys.executable, "-m", "torch.distributed.run", *args, *worker])
+    return _srun(nodes, [sys.executable, "-m", AGENT, *args, *worker])
 
 
 def preflight_command(nodes: int, gpus_per_node: int, run_dir: str) -> list[str]:
@@ -150,11 +151,19 @@ class _Agents:
 
     def forward(self, signum, _frame) -> None:
         """A signal to this process: passed on to every agent (they forward it to their
-        workers, which checkpoint before stopping)."""
-        self.forwarded.append(signal.Signals(signum).name)
-        log.warning(
-            "received %s: passing it on to the training processes", signal.Signals(signum).name
-        )
+        workers, which checkpoint before stopping). A second Ctrl-C (SIGINT) stops them at
+        once, without the save."""
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and "SIGINT" in self.forwarded:
+            log.warning("a second Ctrl-C: stopping the training processes now, without saving")
+            self.signal_all(signal.SIGKILL)
+            return
+        self.forwarded.append(name)
+        if name == "SIGINT":
+            log.warning("Ctrl-C: the training saves a checkpoint at the end of this step, then "
+                        "stops (a second Ctrl-C stops it at once, without saving)")  # fmt: skip
+        else:
+            log.warning("received %s: passing it on to the training processes", name)
         self.signal_all(signum)
 
 
@@ -206,7 +215,8 @@ def _watch(agents: _Agents, grace: float, stalled: Callable[[], bool]) -> int | 
             bad = [c for c in codes if c not in (None, 0)]
             if bad:
                 failed = bad[0]
-                log.error("a torchrun agent exited with code %s: stopping the others", failed)
+                said = log.info if agents.forwarded else log.error  # a stop asked for
+                said("a torchrun agent exited with code %s: stopping the others", failed)
                 agents.signal_all(signal.SIGTERM)
                 deadline = time.monotonic() + grace
         if all(c is not None for c in codes):
@@ -362,3 +372,22 @@ def run_workers(
         for s, handler in previous.items():
             signal.signal(s, handler)
     return proc.returncode, got[0] if got else None
+
+
+def quiet_torchrun() -> int:
+    """torchrun's own main (the agent of one node), where a stop by a signal is an exit code,
+    not a traceback: a Ctrl-C or SIGTERM passed on is a stop the workers saved for."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    try:
+        main()
+    except SignalException as exc:
+        print(f"torchrun agent (PID {os.getpid()}): stopped by {signal.Signals(exc.sigval).name}",
+              file=sys.stderr)  # fmt: skip
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_torchrun())

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,41 @@ def last_line(path: Path) -> str:
         return ""
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
+
+
+def live_progress(live: Path) -> str | None:
+    """A training's newest step from its live metrics (``live``): step of steps, loss,
+    tokens/s and the ETA of this start; None before its first step."""
+    rows = [r for r in read_jsonl(live) if "loss" in r] if live.is_file() else []
+    if not rows:
+        return None
+    last = rows[-1]
+    total = last.get("max_steps")
+    loss = f"{last['loss']:.4f}" if last.get("loss") is not None else "-"
+    line = (f"step {last['step']}{f'/{total}' if total else ''}, loss {loss}, "
+            f"{last.get('tokens_per_s', 0):,.0f} tok/s")  # fmt: skip
+    start = len(rows) - 1  # this start's rows: elapsed_s counts from its own start
+    while start > 0 and rows[start - 1].get("elapsed_s", 0) < rows[start].get("elapsed_s", 0):
+        start -= 1
+    done = last["step"] - rows[start]["step"]
+    if total and done > 0:
+        left = (last["elapsed_s"] - rows[start]["elapsed_s"]) / done * (total - last["step"])
+        line += f", ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
+    return line
+
+
+def stopped_since(since: float, workdir: Path = Path(".")) -> list[str]:
+    """A line per run whose train job stopped or failed after ``since`` (epoch seconds):
+    its last attempt's reason and log, and how to resume (the workflow's last words on an
+    interrupted or failed invocation)."""
+    lines = []
+    for out in sorted((workdir / "results").glob(f"*/train/{LOGS}")):
+        attempts = read_attempts(out.parent)
+        last = attempts[-1] if attempts else {}
+        if last.get("exit", 0) != 0 and last.get("ended", 0) >= since:
+            lines.append(f"snaketune: run {out.parent.parent.name}: {last['reason']} (its log: "
+                         f"{out.parent / last['log']})")  # fmt: skip
+    return lines
 
 
 def read_attempts(out: Path) -> list[dict]:
@@ -198,6 +234,7 @@ class Attempt:
         self._tee: subprocess.Popen | None = None
         self._saved: tuple[int, int] | None = None
         self.restart = slurm_restarts()  # which run of its SLURM job this is (0 off SLURM)
+        self._ended = threading.Event()
         self.last_warning = _LastWarning()
         self._announce(announce_fd)
         if copy_output:
@@ -231,14 +268,35 @@ class Attempt:
 
     def _announce(self, fd: int | None) -> None:
         """One line on the job's own output (on SLURM, the job's stdout file; locally,
-        Snakemake's terminal): where this attempt's log is."""
-        if fd is None:
+        Snakemake's terminal): where this attempt's log is. The fd stays open for ``say``."""
+        self._terminal = fd
+        self.say(f"attempt {self.number}, its log: {self.path}")
+
+    def report_progress(self, live: Path, every_s: float | None = None) -> None:
+        """Every ``every_s`` seconds (SNAKETUNE_PROGRESS_S; 60 by default) while the job
+        runs, the training's newest step on the job's own output (``live``: its live
+        metrics), so the terminal shows a training move without its whole log."""
+        every = float(os.environ.get("SNAKETUNE_PROGRESS_S", 60) if every_s is None else every_s)
+        if self._terminal is None or every <= 0:
+            return
+
+        def beat() -> None:
+            last = None
+            while not self._ended.wait(every):
+                line = live_progress(live)
+                if line is not None and line != last:
+                    self.say(line)
+                last = line
+
+        threading.Thread(target=beat, daemon=True, name="progress").start()
+
+    def say(self, text: str) -> None:
+        """A line on the job's own output (the terminal, locally), naming the stage."""
+        if self._terminal is None:
             return
         what = self.name.removeprefix("run ")
-        line = f"snaketune: {self.stage} {what}: attempt {self.number}, its log: {self.path}\n"
         with contextlib.suppress(OSError):
-            os.write(fd, line.encode())
-            os.close(fd)
+            os.write(self._terminal, f"snaketune: {self.stage} {what}: {text}\n".encode())
 
     def _copy_output(self) -> None:
         """stdout and stderr (this process's and every child's) into a pipe that ``tee``
@@ -305,7 +363,10 @@ class Attempt:
             if cause:
                 reason += f" ({cause})"
         logging.getLogger().removeHandler(self.last_warning)
+        self._ended.set()
         reason = redact(reason, secret_values())  # as every log line is (snaketune.core.redact)
+        if code != 0:
+            self.say(f"{'' if code == 3 else 'failed: '}{reason} (its log: {self.path})")
         _append(self.out, {"attempt": self.number, "ended": round(time.time(), 3),
                            "exit": code, "reason": reason})  # fmt: skip
         attempts = read_attempts(self.out)

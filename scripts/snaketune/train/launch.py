@@ -202,10 +202,10 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
         # The agents exit 1 on a forwarded signal whatever their workers did; report the stop.
         saved = newest_complete(job.ckpt)
         log.warning(
-            "stopped by %s; newest complete checkpoint: %s; rerun to resume",
-            signalled,
+            "stopped by %s; newest complete checkpoint: %s; run the same command again to "
+            "resume", "Ctrl-C (SIGINT)" if signalled == "SIGINT" else signalled,
             saved.name if saved else "none",
-        )
+        )  # fmt: skip
         return STOPPED_EXIT_CODE
     if code == 0:
         return None
@@ -362,6 +362,7 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     from snaketune.train.attempts import Attempt, done
 
     attempt = Attempt(job.out, announce_fd)
+    attempt.report_progress(job.ckpt / "metrics.jsonl")
     try:
         attempt.refuse_second_start()
         result = train_job(job, attempt.number)

@@ -30,6 +30,7 @@ from snaketune.core.heartbeat import Heartbeat
 from snaketune.core.job import Handoff
 from snaketune.core.throughput import FlopsModel, mfu, step_flops
 from snaketune.train.health import LEVEL, STATUS, Watchdog
+from snaketune.train.vitals import Vitals
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +41,26 @@ FIELDS = (("flag", "max"), ("timeup", "max"), ("tokens", "sum"), ("padded", "sum
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGUSR1; read by the callback at every step end. SIGUSR1 is SLURM's
-    warning ahead of the time limit (``--signal=USR1@<seconds>``): a stop to continue in the
-    next job; SIGTERM (scancel, preemption) a stop for good."""
+    """Set by SIGTERM/SIGINT/SIGUSR1; read by the callback at every step end. SIGUSR1 is
+    SLURM's warning ahead of the time limit (``--signal=USR1@<seconds>``): a stop to
+    continue in the next job; SIGTERM (scancel, preemption) and SIGINT (Ctrl-C, passed on
+    by the launcher) a stop for good. A rank may get a signal more than once (from the
+    launcher and from its torchrun agent): each is the same request."""
+
+    STOPS = ("SIGTERM", "SIGINT")  # a stop for good: save at this step's end, then exit
 
     def __init__(self) -> None:
         self.signal: str | None = None
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        again = self.signal is not None
         self.signal = signal.Signals(signum).name
-        log.warning("%s received: saving a checkpoint at the end of this step", self.signal)
+        if not again:
+            log.warning("%s received: saving a checkpoint at the end of this step", self.signal)
 
 
 class Deadline:
@@ -151,12 +158,14 @@ class StepCallback(TrainerCallback):
         network: dict | None = None,
         step_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         best: tuple[str, bool] | None = None,
+        vitals: Vitals | None = None,
     ):
         self.rank, self.collator, self.stop = rank, collator, stop
         self.optimizer, self.disk = optimizer, disk  # older checkpoints' states; space check
         self.disk_short: str | None = None  # why the run stopped without its save
         self.network = network  # the job's all-reduce figure, on its first metrics line
         self.step_fields = step_fields or (lambda logs: {})  # the method's own figures
+        self.vitals = vitals  # rank 0: whether the run can learn, from its first steps
         self.deadline = deadline or Deadline(None, 0.0)
         self.stop_reason: str | None = None  # time (continue in the next job), signal, health
         self._save_began: float | None = None
@@ -196,7 +205,7 @@ class StepCallback(TrainerCallback):
         counts = {k: getattr(self.collator, k) - v for k, v in self._seen.items()}
         self._seen = {k: getattr(self.collator, k) for k in self._seen}
         mine = {
-            "flag": 2.0 if unhealthy else 1.0 if self.stop.signal == "SIGTERM" else 0.0,
+            "flag": 2.0 if unhealthy else 1.0 if self.stop.signal in StopRequest.STOPS else 0.0,
             "timeup": 1.0 if self.stop.signal == "SIGUSR1" or self.deadline.due() else 0.0,
             **counts,
             "peak": peak_memory_mib(),
@@ -257,6 +266,7 @@ class StepCallback(TrainerCallback):
         self._window = dict.fromkeys(self._window, 0.0)
         record: dict[str, Any] = {
             "step": state.global_step,
+            "max_steps": state.max_steps,
             "epoch": round(state.epoch or 0.0, 4),
             "loss": logs.get("loss"),
             "lr": logs.get("learning_rate"),
@@ -282,6 +292,8 @@ class StepCallback(TrainerCallback):
             self.network = None
         record.update(self.step_fields(logs))
         self._out.write(json.dumps(record) + "\n")
+        for warning in self.vitals.see(record) if self.vitals is not None else ():
+            log.warning("%s", warning)
         done = state.global_step - self._start_step
         left = state.max_steps - state.global_step
         eta = (now - self._start) / done * left if done > 0 else float("nan")

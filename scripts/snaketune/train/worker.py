@@ -12,8 +12,8 @@
    process's global ``RANK``; GROUP_RANK is the node rank torchrun's c10d rendezvous
    assigned, in arrival order), in the planned order (snaketune.data.batches);
 4. the model;
-5. the callbacks: the step callback (metrics, stops, checkpoint marks), the GPU health
-   watchdog, the heartbeat, the disk guard;
+5. the callbacks: the step callback (metrics, stops, checkpoint marks, vitals), the GPU
+   health watchdog, the heartbeat, the disk guard;
 6. the method's trainer (snaketune.methods);
 7. train, resuming from the newest complete checkpoint;
 8. how it ended (``finish``): the outputs, or the exit code of a stop (snaketune.core.job).
@@ -27,9 +27,10 @@ What every method shares:
 - the loss of a step is the mean over every label token of the global batch (Trainer's
   ``num_items_in_batch``, counted across micro batches and ranks), so packed and padded
   batches of the same examples give the same loss and gradients;
-- SIGTERM/SIGUSR1: every rank agrees (the per-step collective) to save at the end of the
-  current step, then the job exits with code 3 so a retry resumes from there;
-- only rank 0 logs at info level and writes metrics.jsonl, one JSON line per step.
+- SIGTERM/SIGINT/SIGUSR1: every rank agrees (the per-step collective) to save at the end
+  of the current step, then the job exits with code 3 so a retry resumes from there;
+- only rank 0 logs at info level and writes metrics.jsonl, one JSON line per step, and
+  warns within the first steps of a run that cannot learn (snaketune.train.vitals).
 """
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ from snaketune.evaluation.model import (
     resolve_precision,
     trainable_in,
 )
-from snaketune.methods import method_of
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context
-from snaketune.plan.runspec import RunSpec
+from snaketune.plan.runspec import RunSpec, heldout_metric, kept_best
 from snaketune.train.health import report_unhealthy, start_watchdog
 from snaketune.train.outputs import probe_inputs, save_outputs
 from snaketune.train.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
+from snaketune.train.vitals import Vitals
 
 log = logging.getLogger(__name__)
 
@@ -179,23 +180,6 @@ def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: st
     )  # fmt: skip
 
 
-def heldout_metric(run: dict[str, Any]) -> str | None:
-    """The held-out figure a run is judged by (export.metric; `auto`: its method's own);
-    None for a run that scores nothing while training."""
-    spec = run.get("heldout")
-    if not spec:
-        return None
-    return spec["metric"] if spec["metric"] != "auto" else method_of(run).heldout_metric
-
-
-def kept_best(run: dict[str, Any]) -> tuple[str, bool] | None:
-    """The held-out metric whose best checkpoint pruning keeps (export.checkpoint: best)."""
-    metric = heldout_metric(run)
-    if metric is None or run["heldout"]["checkpoint"] != "best":
-        return None
-    return metric, heldout.greater_is_better(metric)
-
-
 def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
              ) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:  # fmt: skip
     """This rank's share of the eval set scored while training, and when (eval_steps)."""
@@ -283,15 +267,14 @@ def run_worker(
 
     watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
-    disk = None
-    if env.local_rank == 0:
-        disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes))
+    disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes)) if env.local_rank == 0 else None
+    vitals = Vitals(run, out, fresh=start_step == 0) if env.rank == 0 else None
     callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
                             run["save_total_limit"], start_step, watchdog,
                             flops_model(run, model, env.world_size, spec.trains_lora),
                             Deadline.handed(handoff),
                             run["checkpoints"]["optimizer"], disk, network,
-                            spec.method.step_fields, kept_best(run))  # fmt: skip
+                            spec.method.step_fields, kept_best(run), vitals)  # fmt: skip
     fixes = [UniversalLoadFix()] if handoff.load_universal else []
     # where this rank is, for the launcher's stall watch (snaketune.core.heartbeat)
     beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)

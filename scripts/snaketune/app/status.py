@@ -1,0 +1,140 @@
+"""`snaketune status`: where a pipeline is, read from what it already writes (no daemon).
+
+Each run under results/ with its stages and their state: done, running (a train job's
+step, loss, tokens/s, ETA and attempt), queued or running on SLURM (its job id, from
+squeue's comment, which the SLURM executor plugin sets to ``rule_<rule>_wildcards_<run>``),
+stopped or failed (the attempt's one-line reason), not started; the warnings of a run that
+cannot learn (snaketune.train.vitals); a finished run's headline figures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+# a run's own stages, in order, and the output each leaves when done
+STAGES = (
+    ("shard_dataset", ("shards/manifest.json",)),
+    ("train", ("train/provenance.json",)),
+    ("convert_checkpoint", ("lora_adapters/adapter_config.json", "hf/config.json")),
+    ("merge_lora", ("merged_model/config.json",)),
+    ("evaluate", ("eval/metrics.json",)),
+)
+COMMENT = re.compile(r"^rule_(?P<rule>.+?)_wildcards_(?P<wildcards>.*)$")
+
+
+def slurm_jobs(runs: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(rule, run) -> (SLURM job id, state) of this user's jobs the workflow submitted
+    (empty off SLURM: no squeue)."""
+    if shutil.which("squeue") is None:
+        return {}
+    try:
+        out = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%T|%k"], capture_output=True,
+                             text=True, timeout=20).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for line in out.splitlines():
+        job, state, comment = (line.split("|", 2) + ["", ""])[:3]
+        match = COMMENT.match(comment.strip())
+        if not match:
+            continue
+        wildcards = match["wildcards"]
+        run = max((r for r in runs if wildcards == r or wildcards.startswith(r + "_")),
+                  key=len, default=None)  # fmt: skip
+        if run is not None:
+            found[(match["rule"], run)] = (job, state.lower())
+    return found
+
+
+def started_outputs(workdir: Path) -> tuple[list[str], bool]:
+    """The outputs Snakemake marks as being made (.snakemake/incomplete: running now, or left
+    by an interrupted invocation) and whether a Snakemake holds the directory's lock."""
+    from base64 import urlsafe_b64decode
+
+    marks = workdir / ".snakemake/incomplete"
+    paths = []
+    for mark in marks.rglob("*") if marks.is_dir() else ():
+        if mark.is_file() and "@" not in mark.name:
+            try:
+                paths.append(urlsafe_b64decode(mark.name.encode()).decode())
+            except (ValueError, UnicodeDecodeError):
+                continue
+    locks = workdir / ".snakemake/locks"
+    return paths, locks.is_dir() and any(locks.iterdir())
+
+
+def train_state(folder: Path) -> str | None:
+    """A train job that has started: running (its step, loss, tokens/s, ETA and attempt),
+    or how its last attempt ended; None: never started."""
+    from snaketune.train.attempts import live_progress, read_attempts
+
+    attempts = read_attempts(folder)
+    if not attempts:
+        return None
+    last = attempts[-1]
+    n = f"attempt {last['attempt']}"
+    if last.get("reason") == "running":
+        step = live_progress(folder / "checkpoints/metrics.jsonl") or "starting (no step yet)"
+        return f"running, {n}: {step}"
+    if last.get("exit") == 0:
+        return f"finished ({n}), publishing"
+    word = "stopped" if last.get("exit") == 3 else "failed"
+    return f"{word} ({n}): {last.get('reason')}; rerun the same command to resume"
+
+
+def headline(metrics: Path) -> str:
+    """A finished evaluation's headline figures, tuned (base)."""
+    ev = json.loads(metrics.read_text())
+    figures = ev.get("figures") or {}
+    parts = []
+    for name in ev.get("headline") or []:
+        f = figures.get(name) or {}
+        if f.get("value") is None:
+            continue
+        base = f" (base {f['base']:.4g})" if f.get("base") is not None else ""
+        parts.append(f"{name} {f['value']:.4g}{base}")
+    return ", ".join(parts) or "evaluated"
+
+
+def run_status(run_dir: Path, queued: dict[tuple[str, str], tuple[str, str]],
+               started: tuple[list[str], bool]) -> list[str]:  # fmt: skip
+    """The lines of one run: a line per stage, then its warnings."""
+    from snaketune.train.vitals import read
+
+    run = run_dir.name
+    lines = [f"run {run}"]
+    for stage, outputs in STAGES:
+        done = next((o for o in outputs if (run_dir / o).exists()), None)
+        making = any(p.startswith(f"results/{run}/{o.split('/')[0]}") for o in outputs
+                     for p in started[0])  # fmt: skip
+        state = None
+        if done and stage == "evaluate":
+            state = f"done: {headline(run_dir / done)}"
+        elif done:
+            state = "done"
+        elif (stage, run) in queued:
+            job, slurm = queued[(stage, run)]
+            state = f"{slurm} on SLURM (job {job})"
+        elif making:
+            state = "running" if started[1] else "interrupted (rerun to redo it)"
+        if stage == "train" and not done:
+            state = train_state(run_dir / "train") or state
+        lines.append(f"  {stage:<19}{state or '-'}")
+    for warning in read(run_dir / "train").values():
+        lines.append(f"  warning: {warning}")
+    return lines
+
+
+def status(workdir: Path) -> list[str]:
+    """Every run under ``workdir``/results, a few lines each, in name order."""
+    results = workdir / "results"
+    found = results.iterdir() if results.is_dir() else ()
+    runs = sorted(p for p in found if (p / "shards").is_dir() or (p / "train").is_dir())
+    if not runs:
+        return [f"no run has started under {results} yet"]
+    queued, started = slurm_jobs([p.name for p in runs]), started_outputs(workdir)
+    return [line for p in runs for line in run_status(p, queued, started)]
