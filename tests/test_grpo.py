@@ -293,7 +293,7 @@ def test_a_reward_function_that_raises_fails_the_first_step_in_one_line(grpo_cha
 @pytest.mark.slow
 def test_a_grpo_run_whose_rewards_never_fire_warns_in_its_first_steps(grpo_chain, tmp_path):
     """Rewards that never vary within a group (a user's function scoring every completion 0)
-    and completions cut at a short max_completion_length: within the first 5 steps the train
+    and completions of one token, never finished: within the first 5 steps the train
     log warns once, naming reward_std and the clipped completions and what to change, and
     warnings.jsonl keeps it for the summary, the report and `snaketune status`."""
     w = grpo_chain
@@ -303,7 +303,7 @@ def test_a_grpo_run_whose_rewards_never_fire_warns_in_its_first_steps(grpo_chain
     spec = rl_spec(w, tmp_path, "eval_steps")
     spec.update(max_steps=6, save_steps=100)
     spec["grpo"] = {**spec["grpo"], "rewards": {"never.py:never": 1.0},
-                    "max_completion_length": 4}  # fmt: skip
+                    "max_completion_length": 1}  # fmt: skip
     del spec["code_sha256"]  # a function the pipeline never saw
     shards, model = w / "results/rl_demo/shards", w / "results/sft_demo/merged_model"
     proc = launch_train(tmp_path, spec, shards, model, "zero2")
@@ -311,9 +311,11 @@ def test_a_grpo_run_whose_rewards_never_fire_warns_in_its_first_steps(grpo_chain
     assert proc.returncode == 0, log[-3000:]
     warned = [ln for ln in log.splitlines() if "no learning signal: reward_std 0" in ln]
     assert len(warned) == 1, log[-4000:]
-    assert "every completion is cut at grpo.max_completion_length (4) (completion_clipped " in (
+    rows = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
+    assert all(r["reward_std"] == 0 and r["completion_clipped"] == 1 for r in rows[:5]), rows
+    assert "every completion is cut at grpo.max_completion_length (1) (completion_clipped " in (
         warned[0])  # fmt: skip
-    steps = [r["step"] for r in read_jsonl(tmp_path / "results/x/train/metrics.jsonl")]
+    steps = [r["step"] for r in rows]
     (kept,) = read_jsonl(tmp_path / "results/x/train/warnings.jsonl")
     assert kept["check"] == "reward_std" and kept["step"] <= 5 and steps[-1] == 6
 
