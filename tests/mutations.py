@@ -195,6 +195,22 @@ MUTATIONS = (
          "test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand",),
     ),
     Mutation(
+        "sigint-not-a-stop", "Ctrl-C is not a stop for the ranks (they train on)",
+        f"{LIB}/train/progress.py",
+        '    STOPS = ("SIGTERM", "SIGINT")',
+        '    STOPS = ("SIGTERM",)',
+        ("tests/test_train_units.py::"
+         "test_sigint_saves_and_stops_like_sigterm_and_a_repeat_is_the_same_request",),
+    ),
+    Mutation(
+        "vitals-one-step", "a run is warned about after one flat step, not five",
+        f"{LIB}/train/vitals.py",
+        "    return len(values) >= WINDOW and all(",
+        "    return len(values) >= 1 and all(",
+        ("tests/test_train_units.py::"
+         "test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",
