@@ -118,8 +118,11 @@ def test_ctrl_c_saves_the_step_says_one_line_and_the_rerun_resumes_exactly(demo,
                "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory",
                str(work), "--", "results/demo/train/metrics.jsonl"]  # fmt: skip
     env = {**ENV, "SNAKETUNE_PROGRESS_S": "3"}
+    # as a terminal's foreground job: its own process group, SIGINT not ignored (a shell's
+    # background job, as the test tiers run, would start it ignored)
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     live = work / "results/demo/train/checkpoints/metrics.jsonl"
 
     def status() -> str:

@@ -277,7 +277,7 @@ def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
     dropped when a run starts afresh."""
     from snaketune.train.vitals import WINDOW, Vitals, checks, read
 
-    grpo = {"grpo": {"max_completion_length": 64}}
+    grpo = {"method": "grpo", "grpo": {"max_completion_length": 64}}
     flat = [{"step": i, "loss": 0.0, "lr": 1e-5, "grad_norm": 0.0, "reward_std": 0.0,
              "completion_clipped": 1.0} for i in range(1, WINDOW + 1)]  # fmt: skip
     assert checks(grpo, flat[:-1]) == {}  # not yet: one step short of the window
@@ -292,8 +292,9 @@ def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
     one_varies = [*flat[:-1], {**flat[-1], "reward_std": 0.1, "grad_norm": 0.2}]
     assert "reward_std" not in checks(grpo, one_varies)
     sft = [{"step": i, "loss": 2.0, "lr": 0.0, "grad_norm": 0.0} for i in range(1, 6)]
-    assert list(checks({}, sft)) == ["grad_norm", "lr"]
-    assert "loss is nan at step 3" in checks({}, [{"step": 3, "loss": float("nan")}])["loss"]
+    lora = {"method": "lora"}
+    assert list(checks(lora, sft)) == ["grad_norm", "lr"]
+    assert "loss is nan at step 3" in checks(lora, [{"step": 3, "loss": float("nan")}])["loss"]
     vitals = Vitals(grpo, tmp_path, fresh=True)
     said = [line for r in flat + flat for line in vitals.see(r)]
     assert said == [found["reward_std"]]  # once

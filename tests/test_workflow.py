@@ -171,7 +171,10 @@ def test_data_stages_run_on_the_local_profile(demo, tmp_path):
     # The whole pipeline's dry run after a one-key change names that key, in the config's
     # words, beside Snakemake's own reason (the run spec's whole diff)
     args = ("-n", "--configfile", config, "--directory", str(tmp_path))
-    said = snakemake(*args, "--config", "runs={'demo': {'learning_rate': 0.1}}").stderr
+    as_ran = "'checkpoints': {'optimizer': 'all'}"  # the demo fixture's (conftest.chain_runs)
+    said = snakemake(
+        *args, "--config", f"runs={{'demo': {{{as_ran}, 'learning_rate': 0.1}}}}"
+    ).stderr
     retrains = [ln for ln in said.splitlines() if ln.startswith("plan: demo: retrains: ")]
     assert retrains == ["plan: demo: retrains: runs.demo.learning_rate: 0.006 -> 0.1"], said[-3000:]
     # A tokenization key change makes new tokenized copies (training and eval set) and new

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from snaketune.methods import method_of
+
 WINDOW = 5  # steps: a figure that holds over each of them is a run that cannot learn
 FILE = "warnings.jsonl"  # results/<run>/train/: one JSON line per warning
 
@@ -34,10 +36,11 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
             "and check that max_length leaves room for the answers"
         )
     first = rows[:WINDOW]
-    completion = run.get("grpo", {}).get("max_completion_length")
+    block = method_of(run).block  # the method's own keys (GRPO's: grpo.*)
+    completion = run.get(block, {}).get("max_completion_length")
     clipped = _all(first, "completion_clipped", lambda v: v >= 0.99)
     cut = (
-        f"every completion is cut at grpo.max_completion_length ({completion}) "
+        f"every completion is cut at {block}.max_completion_length ({completion}) "
         "(completion_clipped 1.0): its answers never finish"
     )
     if _all(first, "reward_std", lambda v: v == 0):
@@ -45,8 +48,8 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
             f"no learning signal: reward_std 0 in each of the first {WINDOW} steps: every "
             "completion of a prompt gets the same reward, so the advantages and the gradient "
             "are zero; " + (f"{cut}; raise it" if clipped else "check the rewards on a few "
-            "completions (grpo.rewards), raise grpo.temperature, or give prompts the model "
-            "can sometimes answer")
+            f"completions ({block}.rewards), raise {block}.temperature, or give prompts the "
+            "model can sometimes answer")
         )  # fmt: skip
     elif clipped:
         out["completion_clipped"] = f"{cut} in each of the first {WINDOW} steps; raise it"
