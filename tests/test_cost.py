@@ -233,6 +233,10 @@ def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_p
     assert shared[base]["s"] == pytest.approx(size / 500e6 + decode)
     lines = sc.format_pipeline([c, c])  # a second run of the same base: counted once
     assert lines[-1].startswith("pipeline: every run and stage: about ")
+    assert "not estimated" not in lines[-1]
+    blind = {"stages": {}, "shared": {}, "total": sc.total([{}])}  # a CPU run, uncalibrated
+    assert sc.format_pipeline([c, blind])[-1].endswith(
+        "; 1 run(s) not estimated (their train time and stages)")  # fmt: skip
     want = 2 * c["total"]["gpu_hours"] + shared[base]["gpu_hours"]
     assert f", {want:.2f} GPU-hours" in lines[-1]
     # done: the weights downloaded, the sets tokenized, the base evaluated

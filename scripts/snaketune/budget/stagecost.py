@@ -336,5 +336,8 @@ def format_pipeline(costs: list[dict[str, Any]]) -> list[str]:
     lines = format_stage_costs("pipeline", shared)
     every = [c["stages"] for c in costs] + [shared]
     if any(every):
-        lines.append(format_total("pipeline: every run and stage", total(every)))
+        line = format_total("pipeline: every run and stage", total(every))
+        blind = sum(1 for c in costs if "train" not in c["stages"])  # no train estimate
+        lines.append(line + (f"; {blind} run(s) not estimated (their train time and stages)"
+                             if blind else ""))  # fmt: skip
     return lines
