@@ -122,10 +122,28 @@ def refused_for_disk(argv: list[str], proc) -> tuple[int, ...]:
     varies around it); each refusal line must be a disk line that names its figures."""
     if argv[1:2] != ["plan"]:
         return ()
+    if "--json" in argv:
+        return refused_for_disk_json(proc.stdout)
     refusals = [ln for ln in proc.stdout.splitlines() if "does NOT fit" in ln]
     disk = re.compile(r"(: needs [\d.]+ GiB on | runs write to the filesystem of ).* free"
                       r"( \(\+[\d.]+ GiB [a-z ]+\))?: does NOT fit, [\d.]+ GiB short")  # fmt: skip
     return (1,) if refusals and all(disk.search(ln) for ln in refusals) else ()
+
+
+def refused_for_disk_json(stdout: str) -> tuple[int, ...]:
+    """The same for `plan --json`: every run's GPU memory, steps and stages fit, and what
+    does not fit is a disk plan (a run's or its shared filesystem's) with its figures."""
+    try:
+        plans = json.loads(stdout)
+    except json.JSONDecodeError:
+        return ()
+    disks = [d for p in plans for d in (p["disk"], p["disk"].get("shared")) if d]
+    short = [d for d in disks if not d["fits"]]
+    others_fit = all(p["fits"] is not False and "problem" not in p["steps"]
+                     and all(s.get("fits") is not False for s in p["stages"].values())
+                     for p in plans)  # fmt: skip
+    figures = all(d["need_bytes"] and d["free_bytes"] >= 0 for d in short)
+    return (1,) if short and others_fit and figures else ()
 
 
 def test_a_plan_refused_only_for_this_machines_disk_is_told_apart():
@@ -151,6 +169,18 @@ def test_a_plan_refused_only_for_this_machines_disk_is_told_apart():
     assert refused_for_disk(plan, Proc(stdout="qwen32b_qlora: disk: does NOT fit\n")) == ()
     assert refused_for_disk(plan, Proc(stdout=gpu_fits)) == ()  # exit 1 with no refusal
     assert refused_for_disk(["snaketune", "validate", "x.yaml"], Proc(stdout=disk_short)) == ()
+    # the same told apart in --json (stop 68's CI failure: 70.39 GB free for 70.79)
+    disk = {"fits": True, "need_bytes": {"total": 9}, "free_bytes": 10}
+    one = {"fits": True, "steps": {}, "stages": {"train": {"fits": True}},
+           "disk": {**disk, "shared": {**disk, "fits": False}}}  # fmt: skip
+    as_json = [*plan, "--json"]
+    assert refused_for_disk(as_json, Proc(stdout=json.dumps([one]))) == (1,)
+    assert refused_for_disk(as_json, Proc(stdout=json.dumps([{**one, "fits": False}]))) == ()
+    fits = {**one, "disk": disk}
+    assert refused_for_disk(as_json, Proc(stdout=json.dumps([fits]))) == ()
+    no_steps = {**one, "steps": {"problem": "x"}}
+    assert refused_for_disk(as_json, Proc(stdout=json.dumps([no_steps]))) == ()
+    assert refused_for_disk(as_json, Proc(stdout="not json")) == ()
 
 
 @pytest.mark.slow

@@ -152,7 +152,7 @@ def plan_disk(
         folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")
     )
     where = existing(run_dir)
-    free = shutil.disk_usage(where).free
+    free = free_bytes(where)
     need["download"] = download
     need["total"] += download
     return {
