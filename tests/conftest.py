@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile as _tempfile
@@ -260,6 +261,13 @@ def snakemake(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Co
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def started(out: str, rule: str) -> list[str]:
+    """The wildcards (``run=demo``) of each ``rule`` job a pipeline's terminal says it
+    started (snaketune's terminal: ``[12:00:00] started rule train (run=demo), job 4``)."""
+    pattern = rf"(?m)^\[[\d:]+\] started rule {rule}(?: \((.*)\))?, job \d+$"
+    return re.findall(pattern, out)
 
 
 STAND_IN_SLURM = {

@@ -211,6 +211,14 @@ MUTATIONS = (
          "test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps",),
     ),
     Mutation(
+        "failed-log-whole", "the terminal prints a failed job's whole log (a training's is all of it)",
+        f"{LIB}/app/terminal.py",
+        "        out += (errors or text)[-lines:]",
+        "        out += text",
+        ("tests/test_terminal.py::"
+         "test_a_failed_job_is_one_line_with_its_log_and_the_log_s_error_lines",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",

@@ -31,6 +31,7 @@ from conftest import (
     pipeline_spec,
     read_jsonl,
     snakemake,
+    started,
     train_as_planned,
 )
 from oracles import dpo_sigmoid_loss, planned_steps, summed_logp
@@ -643,10 +644,10 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     tokenized pairs: one reference_logps job served the three."""
     w = dpo_chain
     out = (w / "dpo.out").read_text()
-    assert out.count("rule reference_logps:") == 1, out[-3000:]
+    assert len(started(out, "reference_logps")) == 1, out[-3000:]
     # the DPO run and the two members trained here; sft_demo, the same run in the GRPO
     # overlay the sft_demo fixture trained it with, was not trained again
-    assert out.count("rule train:") == 3, out[-3000:]
+    assert len(started(out, "train")) == 3, out[-3000:]
     (ref,) = (w / "results/reference_logps").iterdir()
     members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
                for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip
@@ -791,8 +792,8 @@ def test_dpo_continues_on_one_node_from_its_two_node_checkpoint(dpo_chain, tmp_p
                      "--config", chain_runs("sft_demo", whole=("dpo_demo",),
                                             dpo_demo={"nodes": 1}))  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert "rule shard_dataset:" in out and "rule tokenize_dataset:" not in out, out[-3000:]
-    assert "rule reference_logps:" not in out, out[-3000:]  # the layout is not in its key
+    assert started(out, "shard_dataset") and not started(out, "tokenize_dataset"), out[-3000:]
+    assert not started(out, "reference_logps"), out[-3000:]  # the layout is not in its key
     assert "gradient_accumulation_steps 1 -> 2 on 1 node x 1 GPU" in out, out[-3000:]
     log = (work / "logs/train/dpo_demo.log").read_text()
     assert "continuing dpo_demo at step 100 on 1 node x 1 GPU" in log, log[-3000:]

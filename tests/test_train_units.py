@@ -273,7 +273,7 @@ def test_sigint_saves_and_stops_like_sigterm_and_a_repeat_is_the_same_request():
 def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
     """Each check on the metrics rows a run writes, against rows made here: GRPO rewards
     equal in every group with every completion clipped, a zero gradient, a learning rate
-    that stays 0, a loss that is not a number; each said once, kept in warnings.jsonl and
+    that stays 0, a loss that is not a number or does not change; each said once, kept in warnings.jsonl and
     dropped when a run starts afresh."""
     from snaketune.train.vitals import WINDOW, Vitals, checks, read
 
@@ -293,7 +293,13 @@ def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
     assert "reward_std" not in checks(grpo, one_varies)
     sft = [{"step": i, "loss": 2.0, "lr": 0.0, "grad_norm": 0.0} for i in range(1, 6)]
     lora = {"method": "lora"}
-    assert list(checks(lora, sft)) == ["grad_norm", "lr"]
+    assert list(checks(lora, sft)) == ["grad_norm", "lr"]  # the flat loss: their consequence
+    stuck = [{**r, "lr": 1e-4, "grad_norm": 0.7} for r in sft]  # a gradient, yet the same loss
+    assert checks(lora, stuck)["loss_flat"].startswith(
+        f"loss 2 in each of the first {WINDOW} steps, on different batches")  # fmt: skip
+    assert checks(lora, stuck[:-1]) == {}
+    learning = [{**r, "loss": 2.0 - 1e-4 * r["step"]} for r in stuck]
+    assert checks(lora, learning) == {}
     assert "loss is nan at step 3" in checks(lora, [{"step": 3, "loss": float("nan")}])["loss"]
     vitals = Vitals(grpo, tmp_path, fresh=True)
     said = [line for r in flat + flat for line in vitals.see(r)]
@@ -417,3 +423,44 @@ def test_openmp_threads_sleep_only_where_the_ranks_threads_outnumber_the_cores()
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}
     wait_policy(env, 4, 2)
     assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_torchrun_s_shutdown_warning_when_the_store_s_agent_ended_first_is_explained(caplog):
+    """torch's own shutdown (its words, from its code) on a node whose rendezvous store has
+    gone: the agent's line says what happened at INFO; another rendezvous error still warns."""
+    import logging
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousStateError,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from snaketune.train.torchrun import RENDEZVOUS_LOGGER, StoreGoneAtShutdown
+
+    def shutdown(error) -> None:
+        handler = DynamicRendezvousHandler.__new__(DynamicRendezvousHandler)
+        handler._this_node = "localhost_11317_0"
+        handler._settings = SimpleNamespace(run_id="snaketune-demo")
+        handler._stop_heartbeats = lambda: None
+        handler._record = lambda **kw: None
+
+        def close():
+            raise error("the store is gone")
+
+        handler._close = close
+        assert handler.shutdown() is False
+
+    logger = logging.getLogger(RENDEZVOUS_LOGGER)
+    explain = StoreGoneAtShutdown()
+    logger.addFilter(explain)
+    try:
+        with caplog.at_level(logging.INFO, logger=RENDEZVOUS_LOGGER):
+            shutdown(RendezvousConnectionError)
+            shutdown(RendezvousStateError)
+    finally:
+        logger.removeFilter(explain)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0][0] == "INFO" and said[0][1].endswith("not a failure)"), said
+    assert said[1][0] == "WARNING" and "RendezvousStateError" in said[1][1], said

@@ -60,7 +60,7 @@ def worker_dies_with_agent() -> None:
         parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
         return
-    agents = (b"torch.distributed.run", b"torchrun", b"snaketune.train.agents")
+    agents = (b"torch.distributed.run", b"torchrun", b"snaketune.train.torchrun")
     if not any(name in parent for name in agents):
         log.error("the torchrun agent that started this worker is gone: exiting")
         os._exit(1)

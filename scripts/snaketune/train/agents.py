@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # (SLURM's warning before the time limit, --signal=USR1@...) make workers checkpoint.
 FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 PORT_BASE = 29500
-AGENT = "snaketune.train.agents"  # torchrun, run by ``quiet_torchrun`` (this module's main)
+AGENT = "snaketune.train.torchrun"  # torchrun's main, its stop and shutdown words changed
 
 
 def free_port() -> int:
@@ -372,22 +372,3 @@ def run_workers(
         for s, handler in previous.items():
             signal.signal(s, handler)
     return proc.returncode, got[0] if got else None
-
-
-def quiet_torchrun() -> int:
-    """torchrun's own main (the agent of one node), where a stop by a signal is an exit code,
-    not a traceback: a Ctrl-C or SIGTERM passed on is a stop the workers saved for."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
-
-    try:
-        main()
-    except SignalException as exc:
-        print(f"torchrun agent (PID {os.getpid()}): stopped by {signal.Signals(exc.sigval).name}",
-              file=sys.stderr)  # fmt: skip
-        return 128 + int(exc.sigval)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(quiet_torchrun())

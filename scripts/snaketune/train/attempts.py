@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -235,6 +236,7 @@ class Attempt:
         self._saved: tuple[int, int] | None = None
         self.restart = slurm_restarts()  # which run of its SLURM job this is (0 off SLURM)
         self._ended = threading.Event()
+        self._live: Path | None = None  # the live metrics report_progress reads
         self.last_warning = _LastWarning()
         self._announce(announce_fd)
         if copy_output:
@@ -279,13 +281,19 @@ class Attempt:
         every = float(os.environ.get("SNAKETUNE_PROGRESS_S", 60) if every_s is None else every_s)
         if self._terminal is None or every <= 0:
             return
+        self._live = live
 
-        def beat() -> None:
-            last = None
-            while not self._ended.wait(every):
+        def beat() -> None:  # the first ETA at once, then one line every `every` seconds
+            last, said, began = None, -math.inf, time.monotonic()
+            while not self._ended.wait(min(every, 2.0)):
+                now = time.monotonic()
+                if now - said < every:
+                    continue
                 line = live_progress(live)
-                if line is not None and line != last:
+                first = said == -math.inf and now - began < every
+                if line is not None and line != last and (not first or "ETA" in line):
                     self.say(line)
+                    said = now
                 last = line
 
         threading.Thread(target=beat, daemon=True, name="progress").start()
@@ -367,6 +375,8 @@ class Attempt:
         reason = redact(reason, secret_values())  # as every log line is (snaketune.core.redact)
         if code != 0:
             self.say(f"{'' if code == 3 else 'failed: '}{reason} (its log: {self.path})")
+        elif self._live is not None and (line := live_progress(self._live)):
+            self.say(f"done: {line.split(', ETA')[0]}")
         _append(self.out, {"attempt": self.number, "ended": round(time.time(), 3),
                            "exit": code, "reason": reason})  # fmt: skip
         attempts = read_attempts(self.out)

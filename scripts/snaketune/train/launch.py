@@ -365,7 +365,7 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     attempt.report_progress(job.ckpt / "metrics.jsonl")
     try:
         attempt.refuse_second_start()
-        result = train_job(job, attempt.number)
+        result = train_job(job, attempt)
     except UserError as exc:
         print_error(exc)
         attempt.finish(2, "; ".join(error_lines(exc)))
@@ -384,8 +384,8 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     return STOPPED_EXIT_CODE
 
 
-def train_job(job: Job, attempt: int) -> int | str:
-    """Check the job, take the run's lock and train: 0, an exit code or "requeue"."""
+def train_job(job: Job, attempt) -> int | str:
+    """Check the job, take the run's lock, train (a resume said): 0, an exit code or "requeue"."""
     log.info(
         "train job started: host %s, PID %d%s",
         socket.gethostname(), os.getpid(),
@@ -395,4 +395,6 @@ def train_job(job: Job, attempt: int) -> int | str:
     checkpoint_bytes = check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
         prepare_checkpoints(job)
-        return train_segments(job, nodes, gpus, attempt, checkpoint_bytes)
+        if (resume := newest_complete(job.ckpt)) is not None:
+            attempt.say(f"resuming from {resume.name}")
+        return train_segments(job, nodes, gpus, attempt.number, checkpoint_bytes)

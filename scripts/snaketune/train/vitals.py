@@ -1,4 +1,5 @@
-"""Whether a run can learn, from its first steps' figures: a loss that is not a number, no
+"""Whether a run can learn, from its first steps' figures: a loss that is not a number or
+that stays the same to the sixth digit (different batches give different losses), no
 gradient, a learning rate that stays zero, GRPO rewards equal within every group (no
 advantage, so no gradient) and completions all cut at their maximum length. Each is
 warned about once, within the first WINDOW steps, in the train log (naming the figure,
@@ -62,6 +63,18 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
         out["lr"] = (
             f"learning rate 0 in each of the first {WINDOW} steps: the weights never move; "
             "check learning_rate and warmup_ratio"
+        )
+    losses = [r.get("loss") for r in first]
+    if (
+        not out.keys() & {"reward_std", "loss", "grad_norm", "lr"}  # a cause named already
+        and method_of(run).heldout_metric == "loss"  # its loss tracks learning (not RL's)
+        and _all(first, "loss", math.isfinite)
+        and max(losses) - min(losses) <= 1e-6 * max(1.0, abs(losses[0]))
+    ):  # fmt: skip
+        out["loss_flat"] = (
+            f"loss {losses[0]:.6g} in each of the first {WINDOW} steps, on different batches: "
+            "the weights do not move or no example carries a label; check learning_rate, "
+            "lora.target_modules and that max_length leaves room for the answers"
         )
     return out
 

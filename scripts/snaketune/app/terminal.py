@@ -1,0 +1,164 @@
+"""The terminal of a pipeline run: what a person reads while it works.
+
+A Snakemake logger plugin (``logger: [snaketune]`` in the profiles; the module
+``snakemake_logger_plugin_snaketune`` is the plugin's name for Snakemake). In a run it
+prints one line for each job started and one when it finished (with the count of jobs
+done), a failure as one line naming the rule, its wildcards and its log, followed by the
+log's own error lines (not the whole log: a train job's log is its whole training); the
+job table as one line. A train job prints its own progress and outcome beside it. A dry
+run keeps Snakemake's own blocks (the plan a person checks), with each job's reason cut
+to its first words: a changed run spec is named key by key on the ``plan:`` lines. With
+``-p`` (print shell commands) or ``--verbose`` everything is Snakemake's own output.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from snakemake_interface_logger_plugins.base import LogHandlerBase
+
+# Snakemake's lines about itself, not about the user's jobs: left out of a run's terminal
+NOISE = (
+    "Building DAG of jobs",
+    "Using shell:",
+    "Provided cores:",
+    "Rules claiming more threads",
+    "Select jobs to execute",
+    "Execute ",
+    "Assuming unrestricted shared filesystem usage",
+    "host:",
+    "Job stats:",
+    "Conda environments: ignored",
+)
+REASON_CHARS = 160  # a dry run's reason, each part
+EXCERPT_LINES = 8  # a failed job's log lines shown
+ERROR_LINE = re.compile(r"^(config )?error: |^stopped |^Traceback|^\w*Error: ")
+
+
+def shown(wildcards: dict[str, Any] | None) -> str:
+    """``run=demo``: the wildcards that tell a rule's jobs apart."""
+    return ", ".join(f"{k}={v}" for k, v in (wildcards or {}).items())
+
+
+def job_title(rule: str, wildcards: dict[str, Any] | None) -> str:
+    """``rule train (run=demo)``"""
+    return f"rule {rule} ({shown(wildcards)})" if wildcards else f"rule {rule}"
+
+
+def short_reason(reason: str, chars: int = REASON_CHARS) -> str:
+    """Each part of Snakemake's reason cut to its first ``chars`` characters: a changed
+    params' reason is the whole old and new run spec."""
+    parts = [p if len(p) <= chars else p[:chars] + " ..." for p in reason.split("; ")]
+    return "; ".join(parts)
+
+
+def log_excerpt(paths: list[str], lines: int = EXCERPT_LINES) -> list[str]:
+    """What a failed job's log says about its failure: its error lines (ours are one line
+    each, ``error: ...``; a traceback's last line), else its last lines."""
+    out = []
+    for path in paths:
+        try:
+            text = Path(path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        text = [ln for ln in text if ln.strip()]
+        errors = [ln for ln in text if ERROR_LINE.search(ln)]
+        if any(ln.startswith("Traceback") for ln in errors):  # the exception, not the frames
+            errors = [ln for ln in errors if not ln.startswith("Traceback")] or text[-1:]
+        out += (errors or text)[-lines:]
+    return [f"    {ln}" for ln in out]
+
+
+def stats_line(stats: dict[str, int]) -> str:
+    jobs = [f"{rule} {n}" for rule, n in stats.items() if rule not in ("total", "all")]
+    total = stats.get("total", 0) - stats.get("all", 0)
+    return f"{total} jobs: " + ", ".join(jobs)
+
+
+class LogHandler(LogHandlerBase):
+    """Snakemake's log records, as a person reads them (see the module's docstring)."""
+
+    def __post_init__(self) -> None:
+        from snakemake.logging import DefaultFilter, DefaultFormatter
+
+        s = self.common_settings
+        self.stream = sys.stdout if s.stdout else sys.stderr
+        self.full = bool(s.printshellcmds or s.verbose or s.debug_dag)
+        quiet = set(s.quiet or ())
+        self.default_filter = DefaultFilter(quiet, s.debug_dag, s.verbose, s.dryrun,
+                                            s.printshellcmds)  # fmt: skip
+        self.default = DefaultFormatter(quiet, s.show_failed_logs)
+        self.jobs: dict[int, tuple[str, dict[str, Any]]] = {}  # job id: rule, wildcards
+        self.finished: list[int] = []
+        self.targets = 0  # the jobs of rule all (the targets), not counted as work done
+
+    writes_to_stream = True
+    writes_to_file = False
+    has_filter = True
+    has_formatter = True
+    needs_rulegraph = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            lines = self.lines(record)
+        except Exception:  # a record of a shape this does not know: its message, as it is
+            lines = [record.getMessage()]
+        for line in lines:
+            print(line, file=self.stream, flush=True)
+
+    def lines(self, record: logging.LogRecord) -> list[str]:
+        event = str(getattr(record, "event", "") or "")
+        if self.full or self.common_settings.dryrun:
+            if not self.default_filter.filter(record):
+                return []
+            if event == "job_info" and not self.full:
+                record.reason = short_reason(record.reason)
+            return [self.default.format(record)]
+        return self.run_lines(event, record)
+
+    def run_lines(self, event: str, record: Any) -> list[str]:
+        now = time.strftime("[%H:%M:%S]")
+        if event == "job_info":
+            self.jobs[record.jobid] = (record.rule_name, record.wildcards)
+            if record.rule_name == "all":
+                return []
+            return [f"{now} started {job_title(record.rule_name, record.wildcards)}, "
+                    f"job {record.jobid}"]  # fmt: skip
+        if event == "job_finished":
+            self.finished.append(record.job_id)
+            return []
+        if event == "progress":
+            done, self.finished = self.finished, []
+            return [f"{now} finished {job_title(*self.jobs[j])}, {record.done} of "
+                    f"{record.total - self.targets} jobs done"
+                    for j in done if self.jobs.get(j, ("all",))[0] != "all"]  # fmt: skip
+        if event == "job_error":
+            return self.error_lines(now, record)
+        if event == "run_info" and isinstance(getattr(record, "stats", None), dict):
+            self.targets = record.stats.get("all", 0)
+            return [stats_line(record.stats)]
+        if event in ("job_started", "shellcmd", "resources_info", "debug_dag", "rulegraph",
+                     "workflow_started", "group_info"):  # fmt: skip
+            return []
+        if event in ("group_error",):
+            return [self.default.format(record)]
+        message = record.getMessage() if record.msg is not None else ""
+        if record.levelno < logging.WARNING and (
+            not message.strip() or message.strip().startswith(NOISE)
+        ):
+            return []
+        return [message]
+
+    def error_lines(self, now: str, record: Any) -> list[str]:
+        wildcards = shown(self.jobs.get(record.jobid, ("", {}))[1])
+        logs = list(record.log or [])
+        where = f"; log: {', '.join(logs)}" if logs else ""
+        aux = "".join(f"; {k}: {v}" for k, v in (record.aux or {}).items())
+        head = (f"{now} Error in rule {record.rule_name}: {wildcards + ', ' if wildcards else ''}"
+                f"job {record.jobid}{where}{aux}")  # fmt: skip
+        return [head, *(log_excerpt(logs) if self.common_settings.show_failed_logs else [])]

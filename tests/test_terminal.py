@@ -1,0 +1,139 @@
+"""The terminal of a pipeline run (snaketune.app.terminal, Snakemake's logger plugin
+``snaketune``): what the demo prints, and each kind of Snakemake log record as it reads."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from types import SimpleNamespace
+
+
+def handler(**settings):
+    from snaketune.app.terminal import LogHandler
+
+    common = dict(printshellcmds=False, nocolor=True, quiet=None, debug_dag=False,
+                  verbose=False, show_failed_logs=True, stdout=True, dryrun=False)  # fmt: skip
+    common.update(settings)
+    h = LogHandler(SimpleNamespace(**common), None)
+    h.stream = io.StringIO()
+    return h
+
+
+def record(msg=None, level=logging.INFO, **extra):
+    return logging.makeLogRecord({"msg": msg, "levelno": level,
+                                  "levelname": logging.getLevelName(level), **extra})  # fmt: skip
+
+
+def job_info(jobid, rule, wildcards=None, reason="Missing output files: x"):
+    return record(f" Rule: {rule}, Jobid: {jobid}", event="job_info", jobid=jobid,
+                  rule_msg=None, rule_name=rule, local=False, input=["a"], output=["b"],
+                  log=[], benchmark=None, wildcards=wildcards or {}, reason=reason,
+                  resources={}, priority=0, threads=1, indent=False, is_checkpoint=False,
+                  printshellcmd=True, is_handover=False, shellcmd="python x.py")  # fmt: skip
+
+
+def shown(h, *records) -> list[str]:
+    for r in records:
+        h.emit(r)
+    return h.stream.getvalue().splitlines()
+
+
+def test_a_run_prints_a_line_per_job_started_and_finished_and_leaves_snakemake_s_own_out():
+    h = handler()
+    lines = shown(
+        h,
+        record("Building DAG of jobs..."),
+        record("Using shell: /usr/bin/bash"),
+        record(
+            "Job stats:\n...",
+            event="run_info",
+            stats={"download_model": 1, "train": 2, "all": 1, "total": 4},
+        ),  # fmt: skip
+        record("Select jobs to execute..."),
+        job_info(3, "train", {"run": "demo"}),
+        record(None, event="shellcmd", cmd="python train.py '{...}'"),
+        record(None, event="job_started", jobs=[3]),
+        record("Finished jobid: 3 (Rule: train)", event="job_finished", job_id=3),
+        record(None, event="progress", done=2, total=4),
+        job_info(0, "all"),
+        record("Finished jobid: 0 (Rule: all)", event="job_finished", job_id=0),
+        record(None, event="progress", done=4, total=4),
+        record("plan: demo: retrains: runs.demo.learning_rate: 0.001 -> 0.002"),
+        record("a warning of Snakemake's", level=logging.WARNING),
+    )
+    stamp = r"\[\d\d:\d\d:\d\d\] "
+    assert lines[0] == "3 jobs: download_model 1, train 2"
+    assert re.fullmatch(stamp + r"started rule train \(run=demo\), job 3", lines[1]), lines
+    assert re.fullmatch(stamp + r"finished rule train \(run=demo\), 2 of 3 jobs done", lines[2])
+    assert lines[3:] == ["plan: demo: retrains: runs.demo.learning_rate: 0.001 -> 0.002",
+                         "a warning of Snakemake's"]  # fmt: skip
+
+
+def test_a_failed_job_is_one_line_with_its_log_and_the_log_s_error_lines(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("step 1\n" * 500 + "error: runs.demo.dataset: chat.jsonl row 2 field "
+                   "'messages' is a string; give a list of turns\nstep 2\n")  # fmt: skip
+    crash = tmp_path / "crash.log"
+    crash.write_text("loading\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                     "RuntimeError: CUDA out of memory\n")  # fmt: skip
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("".join(f"line {i}\n" for i in range(40)))
+
+    def error(jobid, rule, logs):
+        return record(f"Error in rule {rule}, jobid: {jobid}", level=logging.ERROR,
+                      event="job_error", rule_name=rule, rule_msg=None, jobid=jobid,
+                      input=[], output=[], log=[str(p) for p in logs], conda_env=None,
+                      container_img=None, aux={}, indent=False, shellcmd="python x")  # fmt: skip
+
+    h = handler()
+    lines = shown(h, job_info(4, "train", {"run": "demo"}), error(4, "train", [log]))[1:]
+    assert lines[0].endswith(f"Error in rule train: run=demo, job 4; log: {log}"), lines
+    assert lines[1:] == ["    error: runs.demo.dataset: chat.jsonl row 2 field 'messages' is "
+                         "a string; give a list of turns"]  # fmt: skip
+    lines = shown(handler(), error(5, "evaluate", [crash]))
+    assert lines[1:] == ["    RuntimeError: CUDA out of memory"], lines
+    lines = shown(handler(), error(6, "report", [quiet]))
+    assert lines[1:] == [f"    line {i}" for i in range(32, 40)]  # no error line: its end
+    assert len(shown(handler(show_failed_logs=False), error(6, "report", [quiet]))) == 1
+
+
+def test_a_dry_run_keeps_snakemake_s_blocks_with_the_reason_cut_and_p_keeps_it_whole():
+    spec = "Params have changed since last execution: " + "x" * 3000
+    lines = shown(handler(dryrun=True), job_info(3, "train", {"run": "demo"}, reason=spec))
+    text = "\n".join(lines)
+    assert "rule train:" in text and "    wildcards: run=demo" in text
+    (reason,) = [ln for ln in lines if "reason:" in ln]
+    assert len(reason) < 200 and reason.endswith(" ..."), reason
+    whole = "\n".join(shown(handler(printshellcmds=True), job_info(3, "train", reason=spec)))
+    assert spec in whole and "rule train:" in whole
+
+
+def test_a_record_of_an_unknown_shape_is_printed_as_its_message():
+    broken = record("Error in rule x, jobid: 3", level=logging.ERROR, event="job_error")
+    assert shown(handler(), broken) == ["Error in rule x, jobid: 3"]  # not lost, not raised
+
+
+def test_the_demo_s_terminal_is_a_page_with_its_training_s_progress(demo):
+    """`make demo`'s terminal (the demo fixture ran the local profile as `make demo` does):
+    under 80 lines, none of them a run spec, every job started and finished, the training's
+    progress (its ETA as soon as it has one) and its last step."""
+    out = (demo / "snakemake.out").read_text()
+    lines = out.splitlines()
+    assert len(lines) < 80, out
+    assert max(len(ln) for ln in lines) < 300, max(lines, key=len)
+    assert "Traceback" not in out and '"model"' not in out  # no run spec's JSON
+    stamp = r"\[\d\d:\d\d:\d\d\] "
+    starts = re.findall(rf"(?m)^{stamp}started rule (\w+)", out)
+    ends = re.findall(rf"(?m)^{stamp}finished rule (\w+).*, (\d+) of (\d+) jobs done$", out)
+    assert sorted(starts) == sorted(rule for rule, _, _ in ends), (starts, ends)
+    assert "train" in starts and "report" in starts and "all" not in starts
+    assert [int(done) for _, done, _ in ends] == list(range(1, len(ends) + 1))
+    assert {int(total) for _, _, total in ends} == {len(starts)}
+    assert re.search(r"(?m)^snaketune: train demo: step \d+/(\d+), loss [\d.]+, [\d,]+ tok/s, "
+                     r"ETA \d+:\d\d:\d\d$", out), out  # fmt: skip
+    (total,) = re.findall(r"(?m)^snaketune: train demo: done: step (\d+)/\1, loss ", out)
+    assert re.search(rf"(?m)^report: {demo}/results/summary.html \| demo: ", out)
+    # the second node's agent, at the end, does not warn that the rendezvous failed
+    (attempt,) = (demo / "results/demo/train/logs").glob("attempt-*.log")
+    assert "has failed to shutdown the rendezvous" not in attempt.read_text()
