@@ -91,8 +91,8 @@ def test_local_commands_one_agent_per_emulated_node():
     assert len(cmds) == 3
     for cmd in cmds:
         text = " ".join(cmd)
-        # torchrun's own main, a stop by a signal an exit code (agents.quiet_torchrun)
-        assert "-m snaketune.train.agents --nnodes 3 --nproc-per-node 2" in text
+        # torchrun's own main, a stop by a signal an exit code (snaketune.train.torchrun)
+        assert "-m snaketune.train.torchrun --nnodes 3 --nproc-per-node 2" in text
         assert "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29999 --rdzv-id run1" in text
         assert "--max-restarts 0" in text and "SIGUSR1" in text
         assert cmd[-2:] == ["train.py", "--worker"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import BIN, ENV, ROOT, snakemake
+from conftest import BIN, ENV, ROOT, snakemake, started
 
 EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
 
@@ -195,7 +195,8 @@ def test_data_stages_run_on_the_local_profile(demo, tmp_path):
         "--directory",
         str(tmp_path),
     )
-    assert "tokenize_dataset" not in proc.stderr.split("Job stats:")[1].split("Select jobs")[0]
+    assert started(proc.stderr, "shard_dataset") and not started(proc.stderr, "tokenize_dataset")
+    assert "1 job: shard_dataset 1" in proc.stderr.splitlines(), proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ def log_excerpt(paths: list[str], lines: int = EXCERPT_LINES) -> list[str]:
 def stats_line(stats: dict[str, int]) -> str:
     jobs = [f"{rule} {n}" for rule, n in stats.items() if rule not in ("total", "all")]
     total = stats.get("total", 0) - stats.get("all", 0)
-    return f"{total} jobs: " + ", ".join(jobs)
+    return f"{total} job{'' if total == 1 else 's'}: " + ", ".join(jobs)
 
 
 class LogHandler(LogHandlerBase):
