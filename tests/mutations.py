@@ -219,6 +219,13 @@ MUTATIONS = (
          "test_a_failed_job_is_one_line_with_its_log_and_the_log_s_error_lines",),
     ),
     Mutation(
+        "simpo-no-margin", "SimPO's collator leaves out the target margin gamma",
+        f"{LIB}/methods/simpo.py",
+        "        self.margin = gamma / beta",
+        "        self.margin = 0.0",
+        ("tests/test_dpo.py::test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",

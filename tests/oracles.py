@@ -62,6 +62,19 @@ def dpo_sigmoid_loss(model, reference, pairs: list[dict], beta: float,
     return math.fsum(losses) / len(losses)
 
 
+def simpo_loss(model, pairs: list[dict], beta: float, gamma: float) -> float:
+    """SimPO's loss of ``pairs`` as the paper writes it (Meng et al. 2024, eq. 6), averaged
+    over the pairs: -log sigmoid(beta * (mean log-prob of the chosen response's tokens - the
+    rejected's) - gamma); no reference model."""
+    losses = []
+    for p in pairs:
+        c = token_logps(model, p["input_ids"], p["labels"])
+        r = token_logps(model, p["rejected_input_ids"], p["rejected_labels"])
+        margin = beta * (math.fsum(c) / len(c) - math.fsum(r) / len(r)) - gamma
+        losses.append(-torch.nn.functional.logsigmoid(torch.tensor(margin, dtype=torch.float64)))
+    return math.fsum(x.item() for x in losses) / len(losses)
+
+
 def planned_steps(shards: Path, steps: int, nodes: int = 2) -> list[list[list[dict]]]:
     """The rows of each of the first ``steps`` planned steps, by global rank, read from the
     shards (``node-<k>.parquet``: the plan the trainers execute, one file per node)."""

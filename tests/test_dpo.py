@@ -34,7 +34,7 @@ from conftest import (
     started,
     train_as_planned,
 )
-from oracles import dpo_sigmoid_loss, planned_steps, summed_logp
+from oracles import dpo_sigmoid_loss, planned_steps, simpo_loss, summed_logp
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.core.errors import ConfigError
@@ -275,6 +275,49 @@ def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, 
     assert sum(ranks) / 2 == pytest.approx(want, rel=1e-5)
     # two micro batches of micro_batch_size pairs: TRL's own mean, unweighted
     assert sum([loss_of(pairs[:2]), loss_of(pairs[2:])]) / 2 == pytest.approx(want, rel=1e-5)
+
+
+def test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_model,
+                                                               fixtures_dir):  # fmt: skip
+    """SimPO (snaketune.methods.simpo: the DPO trainer's sigmoid_norm loss, its collator's
+    constant reference carrying the margin) on a step of 4 pairs of different lengths that a
+    token-balanced plan split 3 and 1 between two ranks: the ranks' losses averaged (as
+    DeepSpeed averages their gradients) equal SimPO's loss of the 4 pairs as the paper writes
+    it, from plain transformers log-probs (oracles.simpo_loss, float64)."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig
+
+    from snaketune.methods.dpo import trainer_class
+    from snaketune.methods.simpo import SimPOCollator
+
+    path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
+    rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
+    pairs = sorted({r["length"]: r for r in rows}.values(), key=lambda r: -r["length"])[:4]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    beta, gamma = 2.0, 1.0
+    args = DPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, beta=beta,
+                     loss_type=["sigmoid_norm"], precompute_ref_log_probs=True,
+                     max_length=None, report_to=[], gradient_checkpointing=False)  # fmt: skip
+    trainer = trainer_class()(model=model, args=args, processing_class=tok,
+                              train_dataset=datasets.Dataset.from_list(pairs), planned=None,
+                              run=RUN_OF_TWO)  # fmt: skip
+    collate = SimPOCollator(tok.pad_token_id, beta, gamma, None)
+
+    def loss_of(micro):
+        with torch.no_grad():
+            return trainer.compute_loss(trainer.model, collate(micro)).item()
+
+    want = simpo_loss(model, pairs, beta, gamma)
+    assert sum([loss_of(pairs[:3]), loss_of(pairs[3:])]) / 2 == pytest.approx(want, rel=1e-5)
+    # two micro batches of micro_batch_size pairs: TRL's own mean, unweighted
+    assert sum([loss_of(pairs[:2]), loss_of(pairs[2:])]) / 2 == pytest.approx(want, rel=1e-5)
+    # the margin and the length normalisation are in it: without either the loss differs
+    assert simpo_loss(model, pairs, beta, 0.0) != pytest.approx(want, rel=1e-3)
+    summed = dpo_sigmoid_loss(model, None, pairs, beta, {p["example_id"]: (0.0, 0.0)
+                                                        for p in pairs})  # fmt: skip
+    assert summed != pytest.approx(want, rel=1e-3)
 
 
 def _ragged_worker(rank: int, port: int, out: str) -> None:
@@ -564,6 +607,77 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
         assert math.isfinite(m["reward_margin"])
 
 
+@pytest.mark.slow
+def test_simpo_on_two_nodes_equals_the_oracle_and_a_killed_run_resumes_exactly(
+    gsm8k_pairs, tiny_model, tmp_path
+):
+    """LoRA SimPO from a user's config (method simpo, the schema's beta and gamma) on 2 nodes
+    over pairs of varied lengths (the ranks get unequal pair counts in several steps): every
+    step's loss equals SimPO's loss of that step's 4 pairs written out from the paper under
+    the previous step's saved adapter (oracles.simpo_loss; no reference model); each rank
+    trained the pairs the plan gave it. Then the run again from its checkpoint-4, its
+    launcher killed two steps on (no orphan), rerun: it resumes, logs each step once, and
+    its losses are the uninterrupted run's."""
+    import psutil
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    plan = planned_steps(gsm8k_pairs / "shards", STEPS)
+    counts = [tuple(len(r) for r in step) for step in plan]
+    assert sum(a != b for a, b in counts) >= 3, counts  # unequal pair counts per rank
+    config = dpo_config(method="simpo")
+    del config["runs"]["p"]["dpo"]
+    spec = validate_config(config, ROOT)["runs"]["p"]
+    assert spec["simpo"] == {"beta": 2.0, "gamma": 1.0}  # the schema's defaults
+    spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
+                save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32",
+                checkpoints={**spec["checkpoints"], "optimizer": "all"})  # fmt: skip
+    spec.pop("eval", None)
+    (tmp_path / "a").mkdir()
+    metrics = train_as_planned(tmp_path / "a", spec, gsm8k_pairs / "shards", tiny_model, plan)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ckpts = tmp_path / "a/results/x/train/checkpoints"
+    for m, step in zip(metrics, plan, strict=True):
+        k = m["step"]
+        model = base
+        if k > 1:
+            fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+            model = PeftModel.from_pretrained(fresh, str(ckpts / f"checkpoint-{k - 1}")).eval()
+        want = simpo_loss(model, step[0] + step[1], 2.0, 1.0)
+        assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
+        assert {"logp_chosen", "logp_rejected"} <= set(m) and "reward_accuracy" not in m
+
+    b = tmp_path / "b"
+    shutil.copytree(ckpts, b / "results/x/train/checkpoints")
+    for k in range(5, STEPS + 1):
+        shutil.rmtree(b / f"results/x/train/checkpoints/checkpoint-{k}")
+    live = b / "results/x/train/checkpoints/metrics.jsonl"
+    proc = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = read_jsonl(live) if live.exists() and live.read_text() else []
+            if rows and 6 <= rows[-1]["step"] < STEPS:
+                break
+            time.sleep(0.05)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
+    finally:
+        proc.kill()
+        proc.communicate()
+    first = (b / "results/x/train/logs/attempt-1.log").read_text()
+    assert "resuming from checkpoint-4" in first, first[-3000:]
+    out, _ = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2").communicate(
+        timeout=600)  # fmt: skip
+    assert re.search(r"resuming from checkpoint-[4-7]\b", out), out[-3000:]
+    resumed = read_jsonl(b / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))  # each step once
+    for got, want in zip(resumed, metrics, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-7), got["step"]
+
+
 # ----------------------------------------------------------------------------- the chain
 
 SWEEP = {"runs": {"dpo_sweep": {"sweep": {"dpo.beta": [0.1, 0.3]}, "max_steps": 16}}}
@@ -583,13 +697,54 @@ def dpo_chain(sft_demo, tmp_path_factory):
     # what its test there shows; the CI tier's sweeps are test_sweep.py's)
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
     sweeps = [] if ci_tier() else [str(workdir / "sweep.yaml")]
+    # and SimPO from the same SFT run on the same pairs, in both tiers (its pipeline: no
+    # reference stage, its own headline)
+    (workdir / "simpo.yaml").write_text(yaml.safe_dump({"runs": {"simpo_demo": simpo_run()}}))
     start = time.monotonic()
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
-                     *sweeps, "--directory", str(workdir), "--config",
+                     *sweeps, str(workdir / "simpo.yaml"), "--directory", str(workdir), "--config",
                      chain_runs("sft_demo", whole=("dpo_demo",)))  # fmt: skip
     (workdir / "dpo.out").write_text(proc.stdout + proc.stderr)
     (workdir / "dpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
     return workdir
+
+
+def simpo_run() -> dict:
+    """The DPO demo's run as SimPO (the schema's beta and gamma), 16 steps, not published."""
+    run = copy.deepcopy(load_yaml(OVERLAY)["runs"]["dpo_demo"])
+    for key in ("dpo", "publish"):
+        del run[key]
+    return {**run, "method": "simpo", "max_steps": 16}
+
+
+@pytest.mark.slow
+def test_simpo_after_sft_reaches_evaluation_with_its_own_headline(dpo_chain):
+    """The chain SFT -> SimPO from one config through the pipeline: no reference stage for
+    it, each step's figures, its held-out pairs evaluated against the start's (the SFT
+    run's merged model) with likelihood accuracy its headline, in the summary and the
+    report; its merged model exported."""
+    import csv
+
+    w = dpo_chain
+    metrics = read_jsonl(w / "results/simpo_demo/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 17))
+    assert all({"loss", "logp_chosen", "logp_rejected"} <= set(m) for m in metrics)
+    assert "reference_logps" not in json.loads(
+        (w / "results/simpo_demo/train/run_config.json").read_text())["simpo"]  # fmt: skip
+    got = json.loads((w / "results/simpo_demo/eval/metrics.json").read_text())
+    pref = got["preference"]
+    assert 0 <= pref["likelihood_accuracy"] <= 1 and pref["pairs"] > 0
+    assert "preference_accuracy" not in pref  # no reference, no DPO implicit reward
+    assert got["headline"][0] == "likelihood_accuracy"
+    assert "likelihood_accuracy" in got["base"]["preference"]  # the start's, beside it
+    assert started((w / "dpo.out").read_text(), "train").count("run=simpo_demo") == 1
+    with open(w / "results/summary.tsv") as fh:
+        row = next(r for r in csv.DictReader(fh, delimiter="\t") if r["run"] == "simpo_demo")
+    assert row["method"] == "simpo" and float(row["likelihood_accuracy"]) == pytest.approx(
+        pref["likelihood_accuracy"])  # fmt: skip
+    assert row["headline"].split()[0] == "likelihood_accuracy"
+    assert "simpo_demo" in (w / "results/summary.html").read_text()
+    assert (w / "results/simpo_demo/merged_model/config.json").is_file()
 
 
 def dpo_spec(**overrides) -> dict:
@@ -647,7 +802,7 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     assert len(started(out, "reference_logps")) == 1, out[-3000:]
     # the DPO run and the two members trained here; sft_demo, the same run in the GRPO
     # overlay the sft_demo fixture trained it with, was not trained again
-    assert len(started(out, "train")) == 3, out[-3000:]
+    assert len(started(out, "train")) == 4, out[-3000:]  # and simpo_demo
     (ref,) = (w / "results/reference_logps").iterdir()
     members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
                for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip

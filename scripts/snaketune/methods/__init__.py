@@ -24,6 +24,7 @@ REGISTRY = {
     "grpo": ("snaketune.methods.grpo", "METHOD"),
     "dpo": ("snaketune.methods.dpo", "METHOD"),
     "reward": ("snaketune.methods.reward_model", "METHOD"),
+    "simpo": ("snaketune.methods.simpo", "METHOD"),
 }
 
 

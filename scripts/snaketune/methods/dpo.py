@@ -107,17 +107,25 @@ def trainer_class():
 
 def trainer(ctx: Context, model, data: Data, callbacks: list):
     """TRL's DPOTrainer on the planned pairs, with the shared settings of training_args."""
+    dpo = ctx.run["dpo"]
+    return pair_trainer(
+        ctx, model, data, callbacks, beta=dpo["beta"], loss_type=losses(dpo),
+        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
+        precompute_ref_log_probs=dpo["reference"] == "precomputed",
+    )  # fmt: skip
+
+
+def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config):
+    """TRL's DPOTrainer on the planned pairs with ``dpo_config`` (DPOConfig's loss keys) and
+    the shared settings of training_args (a method whose loss the DPO trainer computes:
+    DPO's family, SimPO)."""
     from unittest import mock
 
     from trl import DPOConfig
     from trl.trainer import dpo_trainer
 
-    dpo = ctx.run["dpo"]
-    precomputed = dpo["reference"] == "precomputed"
     args = training_args(
-        ctx, DPOConfig, beta=dpo["beta"], loss_type=losses(dpo),
-        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
-        precompute_ref_log_probs=precomputed, max_length=None, model_init_kwargs=None,
+        ctx, DPOConfig, **dpo_config, max_length=None, model_init_kwargs=None,
         # a mixture of experts: TRL's DPO adds coefficient x the router's loss per micro
         # batch (auto: the model's own coefficient; docs/moe.md)
         router_aux_loss_coef=None if ctx.run["router_aux_loss_coef"] == "auto"
