@@ -453,13 +453,13 @@ def dpo_config(**run) -> dict:
          "runs.p.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0"),
         ({"runs": {"demo": {"eval_dataset": "arith_pairs_test"}}},
          "runs.demo.eval_dataset: 'arith_pairs_test' is a preference dataset (pairs), which "
-         "only methods dpo, reward train and evaluate on; set method: dpo or reward"),
+         "only methods dpo, reward, simpo train and evaluate on; set method: dpo or reward or simpo"),
         ({"runs": {"demo": {"init_from": "p", "model": None}}},
-         "runs.demo.init_from: only for methods grpo, dpo, reward (a run of method lora starts "
+         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo (a run of method lora starts "
          "from "
          "`model`)"),
         ({"runs": {"demo": {"method": "full"}}},
-         "runs.demo.lora: only for method lora (or grpo, dpo, reward); remove it or set "
+         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo); remove it or set "
          "method: lora"),
         ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
                                                                 {"dataset": "arith_pairs"}]}}},
