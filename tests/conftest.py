@@ -501,32 +501,15 @@ def pipeline_spec(pipeline_train: Path, workdir: Path) -> dict:
     return json.loads((pipeline_train / "run_config.json").read_text())
 
 
-def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Path,
-                    model: Path) -> tuple[int, list[dict]]:  # fmt: skip
-    """A pipeline run's training again from its next-to-last checkpoint (its checkpoints
-    directory copied, the last checkpoint left out): asserts it resumes there (``spec``
-    must be the run's own: pipeline_spec), kills the launcher two steps later (asserting no
-    orphan worker), then reruns it; asserts it resumes there again and logs every step
-    once. Returns (that step, the resumed run's metrics) for the caller's figures."""
-    import shutil
+def kill_two_steps_on(proc: subprocess.Popen, live: Path, start: int, steps: int) -> bool:
+    """SIGKILL the launcher ``proc`` of a training resumed from checkpoint ``start`` once its
+    live rows (``live``) reach step ``start`` + 2, before its last step ``steps``; asserts no
+    worker outlives it. False when it did not get there (it started over, ended or took
+    300 s)."""
     import time
 
     import psutil
 
-    from snaketune.core.checkpoints import is_reduced
-
-    ckpt = workdir / "results/x/train/checkpoints"
-    shutil.copytree(pipeline_train / "checkpoints", ckpt)
-    steps = spec.get("max_steps") or read_jsonl(pipeline_train / "metrics.jsonl")[-1]["step"]
-    every = spec["save_steps"]
-    start = (steps - 1) // every * every  # the last periodic save before the final one
-    saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
-    assert saved == [start, steps], saved
-    # reduced to its weights (checkpoints.optimizer: last, the default) it cannot be resumed
-    assert not is_reduced(ckpt / f"checkpoint-{start}"), "run it with checkpoints.optimizer: all"
-    shutil.rmtree(ckpt / f"checkpoint-{steps}")
-    live = ckpt / "metrics.jsonl"  # the pipeline's rows, cut back to `start` on resuming
-    proc = launch_train(workdir, spec, shards, model, "zero2")
     reached = False
     try:
         deadline = time.monotonic() + 300
@@ -545,6 +528,33 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     finally:
         proc.kill()
         proc.communicate()
+    return reached
+
+
+def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Path,
+                    model: Path) -> tuple[int, list[dict]]:  # fmt: skip
+    """A pipeline run's training again from its next-to-last checkpoint (its checkpoints
+    directory copied, the last checkpoint left out): asserts it resumes there (``spec``
+    must be the run's own: pipeline_spec), kills the launcher two steps later (asserting no
+    orphan worker), then reruns it; asserts it resumes there again and logs every step
+    once. Returns (that step, the resumed run's metrics) for the caller's figures."""
+    import shutil
+
+    from snaketune.core.checkpoints import is_reduced
+
+    ckpt = workdir / "results/x/train/checkpoints"
+    shutil.copytree(pipeline_train / "checkpoints", ckpt)
+    steps = spec.get("max_steps") or read_jsonl(pipeline_train / "metrics.jsonl")[-1]["step"]
+    every = spec["save_steps"]
+    start = (steps - 1) // every * every  # the last periodic save before the final one
+    saved = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("checkpoint-*"))
+    assert saved == [start, steps], saved
+    # reduced to its weights (checkpoints.optimizer: last, the default) it cannot be resumed
+    assert not is_reduced(ckpt / f"checkpoint-{start}"), "run it with checkpoints.optimizer: all"
+    shutil.rmtree(ckpt / f"checkpoint-{steps}")
+    live = ckpt / "metrics.jsonl"  # the pipeline's rows, cut back to `start` on resuming
+    proc = launch_train(workdir, spec, shards, model, "zero2")
+    reached = kill_two_steps_on(proc, live, start, steps)
     first = (workdir / "results/x/train/logs/attempt-1.log").read_text()  # as it was written
     assert f"resuming from checkpoint-{start}" in first and reached, first[-3000:]
     out, _ = launch_train(workdir, spec, shards, model, "zero2").communicate(timeout=600)

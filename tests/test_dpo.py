@@ -26,6 +26,7 @@ from conftest import (
     chain_runs,
     ci_tier,
     kill_and_resume,
+    kill_two_steps_on,
     launch_train,
     leaked_secrets,
     pipeline_spec,
@@ -565,6 +566,18 @@ def test_a_killed_reference_worker_takes_the_stage_down_and_a_rerun_computes_the
 STEPS = 8
 
 
+def model_before(step: int, base, tiny_model, ckpts):
+    """The model a 2-node oracle run's step ``step`` trained: the base at step 1, else the
+    base with the adapter its previous step saved (peft, checkpoint-<step - 1>)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if step == 1:
+        return base
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return PeftModel.from_pretrained(fresh, str(ckpts / f"checkpoint-{step - 1}")).eval()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "reference", ["precomputed", pytest.param("live", marks=pytest.mark.extended)]
@@ -579,7 +592,6 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
     adapter (peft), the reference the starting model. Measured: 3.3e-6 relative at worst
     (float32 sums of sides up to ~300 tokens), both references; bound 1e-4. Step 2 is still
     log 2: the first step's learning rate is 0 (warmup)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     plan = planned_steps(gsm8k_pairs / "shards", STEPS)
@@ -598,10 +610,7 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
     ckpts = tmp_path / "results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):
         k = m["step"]
-        model = base
-        if k > 1:
-            fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-            model = PeftModel.from_pretrained(fresh, str(ckpts / f"checkpoint-{k - 1}")).eval()
+        model = model_before(k, base, tiny_model, ckpts)
         want = dpo_sigmoid_loss(model, base, step[0] + step[1], 0.1)
         assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
         assert math.isfinite(m["reward_margin"])
@@ -618,8 +627,6 @@ def test_simpo_on_two_nodes_equals_the_oracle_and_a_killed_run_resumes_exactly(
     trained the pairs the plan gave it. Then the run again from its checkpoint-4, its
     launcher killed two steps on (no orphan), rerun: it resumes, logs each step once, and
     its losses are the uninterrupted run's."""
-    import psutil
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     plan = planned_steps(gsm8k_pairs / "shards", STEPS)
@@ -639,11 +646,7 @@ def test_simpo_on_two_nodes_equals_the_oracle_and_a_killed_run_resumes_exactly(
     ckpts = tmp_path / "a/results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):
         k = m["step"]
-        model = base
-        if k > 1:
-            fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-            model = PeftModel.from_pretrained(fresh, str(ckpts / f"checkpoint-{k - 1}")).eval()
-        want = simpo_loss(model, step[0] + step[1], 2.0, 1.0)
+        want = simpo_loss(model_before(k, base, tiny_model, ckpts), step[0] + step[1], 2.0, 1.0)
         assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
         assert {"logp_chosen", "logp_rejected"} <= set(m) and "reward_accuracy" not in m
 
@@ -653,22 +656,9 @@ def test_simpo_on_two_nodes_equals_the_oracle_and_a_killed_run_resumes_exactly(
         shutil.rmtree(b / f"results/x/train/checkpoints/checkpoint-{k}")
     live = b / "results/x/train/checkpoints/metrics.jsonl"
     proc = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2")
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            rows = read_jsonl(live) if live.exists() and live.read_text() else []
-            if rows and 6 <= rows[-1]["step"] < STEPS:
-                break
-            time.sleep(0.05)
-        family = psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        _, alive = psutil.wait_procs(family, timeout=30)
-        assert not alive, [p.cmdline() for p in alive]  # no orphan worker
-    finally:
-        proc.kill()
-        proc.communicate()
+    reached = kill_two_steps_on(proc, live, 4, STEPS)  # no orphan worker
     first = (b / "results/x/train/logs/attempt-1.log").read_text()
-    assert "resuming from checkpoint-4" in first, first[-3000:]
+    assert "resuming from checkpoint-4" in first and reached, first[-3000:]
     out, _ = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2").communicate(
         timeout=600)  # fmt: skip
     assert re.search(r"resuming from checkpoint-[4-7]\b", out), out[-3000:]
