@@ -291,6 +291,7 @@ def test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_m
 
     from snaketune.methods.dpo import trainer_class
     from snaketune.methods.simpo import SimPOCollator
+    from snaketune.methods.simpo import step_fields as simpo_step_fields
 
     path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
     rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
@@ -316,6 +317,11 @@ def test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_m
     assert sum([loss_of(pairs[:2]), loss_of(pairs[2:])]) / 2 == pytest.approx(want, rel=1e-5)
     # the margin and the length normalisation are in it: without either the loss differs
     assert simpo_loss(model, pairs, beta, 0.0) != pytest.approx(want, rel=1e-3)
+    # its step figures: the DPO trainer's but its rewards (DPO's, not SimPO's)
+    logs = {"rewards/chosen": 0.2, "rewards/accuracies": 0.5, "logps/chosen": -3.0,
+            "logps/rejected": -4.0, "aux_loss": 0.1}  # fmt: skip
+    assert simpo_step_fields(logs) == {"logp_chosen": -3.0, "logp_rejected": -4.0,
+                                       "aux_loss": 0.1}  # fmt: skip
     summed = dpo_sigmoid_loss(model, None, pairs, beta, {p["example_id"]: (0.0, 0.0)
                                                         for p in pairs})  # fmt: skip
     assert summed != pytest.approx(want, rel=1e-3)

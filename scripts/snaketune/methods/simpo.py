@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.dpo import PairCollator, pair_trainer
+from snaketune.methods.dpo import step_fields as dpo_step_fields
 from snaketune.methods.training import Context
 
 if TYPE_CHECKING:
@@ -68,11 +69,10 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                         precompute_ref_log_probs=True)  # fmt: skip
 
 
-LOG_KEYS = {"logps/chosen": "logp_chosen", "logps/rejected": "logp_rejected"}
-
-
 def step_fields(logs: dict[str, Any]) -> dict[str, float]:
-    return {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
+    """The DPO trainer's figures of a step (snaketune.methods.dpo.step_fields) but its
+    rewards (DPO's, not SimPO's): each side's log-probs, a mixture of experts' aux_loss."""
+    return {k: v for k, v in dpo_step_fields(logs).items() if not k.startswith("reward_")}
 
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
