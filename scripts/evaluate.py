@@ -117,8 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.evaluation.evaluate import evaluate
-    from snaketune.evaluation.preference import base_pair_logps
+    from snaketune.evaluation.evaluate import evaluate, recorded_scores
     from snaketune.evaluation.sharded import Share
     from snaketune.methods.scorers import scorer
 
@@ -161,9 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base,
         finish,
         args.lm_eval,
-        base_pair_logps(args.base_metrics.with_name("samples.jsonl"))
-        if args.base_metrics
-        else None,
+        recorded_scores(args.eval, args.base_metrics),
         args.beta,
         share,
         None if beat is None else beat.watch,

@@ -53,7 +53,7 @@ MUTATIONS = (
     ),
     Mutation(
         "last-token", "pair_batch leaves each side's last response token out of the scored tokens",
-        f"{LIB}/evaluation/logps.py",
+        f"{LIB}/data/pairs.py",
         "        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)\n",
         "        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)\n"
         "        completion[i, int(np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)[-1])] = 0\n",

@@ -159,7 +159,7 @@ def test_pairs_in_the_hh_text_form_read_as_conversations(tmp_path, tiny_model, t
 def test_pair_batch_labels_written_out_by_hand():
     """Two pairs of unequal lengths: chosen sides first, then rejected, right-padded; the
     scored tokens are each side's labelled ones, its last response token included."""
-    from snaketune.evaluation.logps import pair_batch
+    from snaketune.data.pairs import pair_batch
 
     x = IGNORE_INDEX
     pairs = [{"input_ids": [5, 6, 7, 8], "labels": [x, x, 7, 8],
@@ -177,14 +177,14 @@ def test_pair_batch_labels_written_out_by_hand():
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_dpo_loss_of_hand_computed_pairs_equals_trls(tmp_path, tiny_model, loss_type):
-    """TRL's DPOTrainer on our pair batches (snaketune.evaluation.logps.pair_batch, the reference
+    """TRL's DPOTrainer on our pair batches (snaketune.data.pairs.pair_batch, the reference
     log-probs given as precomputed) against the loss written out by hand from full-logit
     log-probs: equal to 1e-6."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from snaketune.evaluation.logps import pair_batch
+    from snaketune.data.pairs import pair_batch
 
     rows, _ = run_tokenize(tmp_path, "pairs", SPEC, PAIRS, tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -242,7 +242,7 @@ def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
-    from snaketune.evaluation.logps import pair_batch
+    from snaketune.data.pairs import pair_batch
     from snaketune.methods.dpo import trainer_class
 
     path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
@@ -423,7 +423,7 @@ def test_each_rank_scores_only_its_share_of_the_held_out_pairs(tmp_path, tiny_mo
     want = [(summed_logp(model, r["input_ids"], r["labels"]),
              summed_logp(model, r["rejected_input_ids"], r["rejected_labels"])) for r in rows]  # fmt: skip
     monkeypatch.setattr(preference, "whole_output_layer", lambda *a: contextlib.nullcontext())
-    shares = [preference.pair_logps(model, rows, 2, 0, Share(r, 3)) for r in range(3)]
+    shares = [preference.logps(model, rows, 2, 0, Share(r, 3)) for r in range(3)]
     assert [len(s) for s in shares] == [4, 4, 3]
     got = Share(0, 3).join(shares)
     assert len(got) == len(rows) == 11
@@ -470,7 +470,8 @@ def dpo_config(**run) -> dict:
          "method: lora"),
         ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
                                                                 {"dataset": "arith_pairs"}]}}},
-         "datasets.mix.mixture: mixes preference pairs with other formats"),
+         "datasets.mix.mixture: mixes conversations and pairs (prompt_response; preference); a "
+         "mixture's components are of one kind of data"),
     ],
 )  # fmt: skip
 def test_bad_dpo_configs_get_one_line(change, line):

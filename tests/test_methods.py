@@ -11,8 +11,9 @@ import re
 import pytest
 from conftest import ROOT
 
+from snaketune.data.kinds import KINDS
 from snaketune.methods import REGISTRY, method_named, methods
-from snaketune.methods.common import ADAPTERS, DATA_KINDS
+from snaketune.methods.common import ADAPTERS
 
 LIBRARY = ROOT / "scripts"
 WORKFLOW = [ROOT / "Snakefile", *sorted((ROOT / "workflow").rglob("*.smk"))]
@@ -75,6 +76,33 @@ def test_the_check_finds_a_method_named_in_code():
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_each_method_answers_the_config_side(name):
     m = method_named(name)
-    assert m.trains_on in DATA_KINDS and m.adapter in ADAPTERS
+    assert m.trains_on in KINDS and m.adapter in ADAPTERS
     assert m.block is None or m.block == name  # a method's block is named after it
     assert not (m.reference_stage is None or m.memory is None or m.check is None)
+
+
+def test_no_data_kind_is_asked_outside_the_kinds():
+    """Nothing asks "is it pairs?" outside the data kinds (snaketune.data.kinds and each
+    kind's modules): no comparison with a method's ``trains_on`` and no kind's own column
+    name as a literal; the plans, tokenization, batches and evaluation ask the kind."""
+    from snaketune.data.kinds import KINDS
+
+    own = {"data/kinds.py"}
+    for kind in KINDS.values():
+        own |= {m.removeprefix("snaketune.").replace(".", "/") + ".py"
+                for m in (kind.module, kind.heldout) if m}  # fmt: skip
+    columns = {c for kind in KINDS.values() for c in kind.columns}
+    found = []
+    for path in sorted((LIBRARY / "snaketune").rglob("*.py")):
+        if str(path.relative_to(LIBRARY / "snaketune")) in own:
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.Compare) and any(
+                isinstance(x, ast.Attribute) and x.attr == "trains_on"
+                for x in (n.left, *n.comparators)
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno}: compares trains_on")
+            if isinstance(n, ast.Constant) and n.value in columns:
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}")
+    assert found == []
+    assert {"data/kinds.py", "data/pairs.py", "evaluation/preference.py"} <= own  # scanned above

@@ -84,7 +84,7 @@ def test_a_saved_reward_model_keeps_its_head(tiny_model, tmp_path):
 def test_the_score_is_read_at_the_last_real_token_of_a_padded_batch(tiny_model):
     """Two sequences of different lengths in one right-padded batch (pair_batch) score as
     each does alone: the score sits at the last token that is not padding."""
-    from snaketune.evaluation.logps import pair_batch
+    from snaketune.data.pairs import pair_batch
     from snaketune.evaluation.reward_eval import pair_scores
 
     model = heads.load(tiny_model, "score", 3, dtype=torch.float32).eval()

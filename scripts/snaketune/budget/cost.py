@@ -184,10 +184,12 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
     at an assumed MFU; none for a CPU run without a calibration."""
     from snaketune.budget.calibrate import calibration, stage_seconds
     from snaketune.core.throughput import peak_tflops, step_flops
+    from snaketune.data.kinds import kind_named
     from snaketune.methods import method_of
 
     run = config["runs"][name]
     method = method_of(run)
+    generates = kind_named(method.trains_on).generates  # a step's time is its generation's
     if "steps" not in steps:
         return {"basis": "no estimate: the steps are not counted yet"}
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
@@ -195,7 +197,7 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
     measured = tokens_per_step(config, name, workdir, steps["per_step"])
     if cal is not None:
         scale = 1 if cal["device"] == "cpu" else devices / cal["devices"]  # per GPU
-        if method.trains_on == "prompts" or measured is None:  # generation: by the step
+        if generates or measured is None:  # generation: by the step
             step_s = cal["step_s"] * steps["per_step"] / cal["per_step"] / scale
         else:
             step_s = measured[0] / (cal["tokens_per_s"] * scale)
@@ -206,7 +208,7 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
             "basis": "no estimate: no finished run of this model and method on this "
             "machine to calibrate from (a short run calibrates it: max_steps: 20)"
         }
-    elif method.trains_on == "prompts":
+    elif generates:
         return {"basis": "no estimate: its generation time is measured, not derived from "
                 "FLOPs; a short run calibrates it (max_steps: 5)"}  # fmt: skip
     else:

@@ -84,10 +84,11 @@ def read_rank_rows(shards: Path, node: int, rank: int):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from snaketune.data.kinds import kind_of_columns
+
     table = pq.read_table(shards / f"node-{node}.parquet")
     table = table.filter(pc.equal(table.column("rank"), rank))
-    columns = ["example_id", "input_ids", "labels", "step", "micro"]
-    columns += [c for c in ("rejected_input_ids", "rejected_labels") if c in table.column_names]
+    columns = [*kind_of_columns(table.column_names).read_columns, "step", "micro"]
     return datasets.Dataset(table.select(columns))
 
 

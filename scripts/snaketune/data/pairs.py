@@ -14,9 +14,14 @@ assistant turns after the prompt are, so a multi-turn prompt's own assistant tur
 context. ``overlong`` applies to the longer side (drop: the pair goes; truncate: each side
 is cut at ``max_length``, and the pair goes when a side has no response token left).
 Pairs whose responses are identical or empty are dropped and counted.
+
+This is the ``pairs`` kind's module (snaketune.data.kinds): its schema, rendering, labels,
+dropped counts and batches (``batch``: chosen sides, then rejected sides).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,18 +34,40 @@ PAIR_COLUMNS = (("rejected_input_ids", pa.list_(pa.int32())),
                 ("rejected_labels", pa.list_(pa.int32())))  # fmt: skip
 
 
-def holds_pairs(columns) -> bool:
-    """Whether a tokenized set's columns (or one of its rows) are pairs': this kind's own
-    question, so that nothing else probes its column names."""
-    return all(name in columns for name, _ in PAIR_COLUMNS)
-
-
-def pair_schema(base: pa.Schema) -> pa.Schema:
+def schema(base: pa.Schema) -> pa.Schema:
     """The tokenized schema of a preference set: the supervised one and the rejected side."""
-    schema = base
+    out = base
     for name, kind in PAIR_COLUMNS:
-        schema = schema.append(pa.field(name, kind))
-    return schema
+        out = out.append(pa.field(name, kind))
+    return out
+
+
+def dropped(stats: Stats) -> str:
+    return (f"preference pairs dropped: {stats.dropped_identical_pair} with identical sides, "
+            f"{stats.dropped_empty_pair} with an empty side, {stats.dropped_prompt_mismatch} "
+            "whose prompt tokens differ between the sides")  # fmt: skip
+
+
+def batch(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Chosen sides then rejected sides, right-padded: input_ids, attention_mask and
+    completion_mask (1 on the response tokens), as TRL's DPOTrainer reads them."""
+    import torch
+
+    seqs = [(e["input_ids"], e["labels"]) for e in examples]
+    seqs += [(e["rejected_input_ids"], e["rejected_labels"]) for e in examples]
+    width = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    completion = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(seqs):
+        n = len(ids)
+        input_ids[i, :n] = torch.as_tensor(ids, dtype=torch.long)
+        attention[i, :n] = 1
+        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
+
+
+pair_batch = batch  # what the DPO family's collators and scorers call it
 
 
 def usable(pair: Pair, stats: Stats) -> bool:
@@ -54,7 +81,7 @@ def usable(pair: Pair, stats: Stats) -> bool:
     return True
 
 
-def render_pairs(renderer: ChatRenderer, items: Items, stats: Stats):
+def render(renderer: ChatRenderer, items: Items, stats: Stats):
     """The usable pairs of a batch, and texts and response spans: chosen sides first, then
     rejected, in the pairs' order (2n of each)."""
     kept = [(i, p) for i, p in items if usable(p, stats)]
@@ -80,8 +107,8 @@ def _side(ids: list[int], spans, enc, text: str) -> np.ndarray:
     return labels
 
 
-def label_pairs(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
-                overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
+def label(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
+          overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
     """Labels and length policy of one encoded batch of pairs; the pairs kept, as a table."""
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}

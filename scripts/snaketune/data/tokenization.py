@@ -44,8 +44,7 @@ from snaketune.data.chat import (
     stop_ids,
 )
 from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
-from snaketune.data.formats import PAIR_FORMATS
-from snaketune.data.pairs import label_pairs, pair_schema, render_pairs
+from snaketune.data.kinds import Kind, kind_of_formats
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +174,29 @@ def label_batch(
     )
 
 
+# ------------------------------------------------ supervised rows, as a kind (snaketune.data.kinds)
+
+
+def schema(base: pa.Schema) -> pa.Schema:
+    return base
+
+
+def render(renderer: ChatRenderer, items: Items, stats: Stats):
+    return (items, *render_batch(renderer, items))
+
+
+def label(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
+          overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
+    return label_batch(items, texts, spans, encodings, max_length, overlong, stats)
+
+
+def dropped(stats: Stats) -> str:
+    return ""
+
+
+batch = None  # its methods collate rows themselves (packing, padding-free)
+
+
 def check_end_of_turn(stats: Stats, model_dir: str | Path, model_name: str) -> None:
     """One warning line each: examples whose assistant turn does not end with the
     template's end-of-turn token (a model trained on them learns not to stop), and a model
@@ -225,18 +247,14 @@ def check_result(stats: Stats, max_length: int, overlong: str, model_dir: str | 
         )
 
 
-def _log_result(stats: Stats, pairs: bool) -> None:
+def _log_result(stats: Stats, kind: Kind) -> None:
     log.info(
         "tokenized %d %s -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
-        stats.conversations, "pairs" if pairs else "conversations", stats.rows, stats.tokens,
-        stats.dropped_overlong, stats.truncated,
+        stats.conversations, kind.noun, stats.rows, stats.tokens, stats.dropped_overlong,
+        stats.truncated,
     )  # fmt: skip
-    if pairs:
-        log.info(
-            "preference pairs dropped: %d with identical sides, %d with an empty side, %d whose "
-            "prompt tokens differ between the sides",
-            stats.dropped_identical_pair, stats.dropped_empty_pair, stats.dropped_prompt_mismatch,
-        )  # fmt: skip
+    if line := kind.impl().dropped(stats):
+        log.info("%s", line)
 
 
 def tokenize(
@@ -248,8 +266,9 @@ def tokenize(
     chat_template: str | None = None,
     model_name: str = "model",
 ) -> Stats:
-    """Tokenize ``sources`` into the parquet file ``out``; return the stats. Preference
-    data (snaketune.data.pairs) becomes one row per pair.
+    """Tokenize ``sources`` into the parquet file ``out``; return the stats. The kind of
+    the sources' data (snaketune.data.kinds: one for all) renders and labels each batch:
+    preference data (snaketune.data.pairs) becomes one row per pair.
 
     Errors about the tokenizer start with ``models.<model_name>``.
     """
@@ -264,25 +283,22 @@ def tokenize(
     if stats.end_of_turn_id is not None:
         stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
         stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
-    pairs = any(s.spec["format"] in PAIR_FORMATS for s in sources)
-    schema = pair_schema(OUTPUT_SCHEMA) if pairs else OUTPUT_SCHEMA
-    label = functools.partial(label_pairs, schema=schema) if pairs else label_batch
+    kind = kind_of_formats(s.spec["format"] for s in sources)
+    table_schema = kind.impl().schema(OUTPUT_SCHEMA)
+    label_of = functools.partial(kind.impl().label, schema=table_schema)
 
     def finish(batch: tuple) -> None:
         items, texts, spans, future = batch
-        table = label(items, texts, spans, future.result(), max_length, overlong, stats)
+        table = label_of(items, texts, spans, future.result(), max_length, overlong, stats)
         if table.num_rows:
             writer.write_table(table)
 
     # The Rust encoder releases the GIL: while it encodes batch k on a worker thread, this
     # thread labels batch k-1 and reads and renders batch k+1. Output order is unchanged.
-    with pq.ParquetWriter(str(out), schema) as writer, ThreadPoolExecutor(1) as pool:
+    with pq.ParquetWriter(str(out), table_schema) as writer, ThreadPoolExecutor(1) as pool:
         pending = None
         for items in iter_conversations(sources, stats):
-            if pairs:  # the usable pairs, each side rendered
-                items, texts, spans = render_pairs(renderer, items, stats)
-            else:
-                texts, spans = render_batch(renderer, items)
+            items, texts, spans = kind.impl().render(renderer, items, stats)
             if not items:
                 continue
             submitted = (items, texts, spans, pool.submit(encode, texts))
@@ -293,5 +309,5 @@ def tokenize(
             finish(pending)
     check_result(stats, max_length, overlong, model_dir, model_name)
     check_end_of_turn(stats, model_dir, model_name)
-    _log_result(stats, pairs)
+    _log_result(stats, kind)
     return stats

@@ -24,22 +24,19 @@ import torch
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
 from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
-from snaketune.data.pairs import PAIR_COLUMNS, holds_pairs
+from snaketune.data.kinds import kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
 from snaketune.evaluation.model import DTYPES, resolve_precision
-from snaketune.evaluation.preference import pair_logps, preference
 from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded
 
 log = logging.getLogger(__name__)
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    """The eval rows (and, for preference pairs, their rejected sides)."""
-    names = pq.ParquetFile(path).schema_arrow.names
-    columns = ["example_id", "input_ids", "labels"]
-    columns += [name for name, _ in PAIR_COLUMNS] if holds_pairs(names) else []
-    table = pq.read_table(path, columns=columns)
+    """The eval rows (and the columns of their kind: a preference pair's rejected side)."""
+    kind = kind_of_columns(pq.ParquetFile(path).schema_arrow.names)
+    table = pq.read_table(path, columns=kind.read_columns)
     if limit is not None:
         table = table.slice(0, limit)
     rows = table.to_pylist()
@@ -212,19 +209,28 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
                                 mine[k] - v for k, v in start.items() if k in mine})  # fmt: skip
 
 
+def recorded_scores(eval_tokenized: Path, base_metrics: Path | None) -> dict[str, Any] | None:
+    """What the starting model's evaluation (``base_metrics``) recorded of the scores the
+    eval rows' kind gives (a pair's log-probs, by example id); None for none."""
+    own = kind_of_columns(pq.ParquetFile(eval_tokenized).schema_arrow.names).scorer()
+    if base_metrics is None or own is None:
+        return None
+    return own.recorded(base_metrics.with_name("samples.jsonl"))
+
+
 def scored(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int,
            share: Share) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
-    """The loss, the generations scored and (for pairs) each pair's log-probs, every rank on
-    its share; the figures and samples of all of them, in the eval set's order, on rank 0
-    (empty on the others)."""
+    """The loss, the generations scored and what the rows' kind scores of its own (a pair's
+    log-probs), every rank on its share; the figures and samples of all of them, in the
+    eval set's order, on rank 0 (empty on the others)."""
     pad = pad_id(tokenizer)
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad, share)
     calls = share.batches(len(rows), batch_size) if share.world > 1 else None
     texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens,
                               calls)  # fmt: skip
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
-    if holds_pairs(rows[0]):
-        mine = [(*m, lp) for m, lp in zip(mine, pair_logps(model, rows, batch_size, pad, share),
+    if (own := kind_of_columns(rows[0]).scorer()) is not None:
+        mine = [(*m, lp) for m, lp in zip(mine, own.logps(model, rows, batch_size, pad, share),
                                           strict=True)]  # fmt: skip
     every = share.in_order(mine)
     if every is None:
@@ -233,7 +239,7 @@ def scored(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: 
     metrics.update(figures)
     for sample, e in zip(samples, every, strict=True):
         if len(e) == 3:
-            sample.update({"chosen_logp": e[2][0], "rejected_logp": e[2][1]})
+            sample.update(own.sample_fields(e[2]))
     return metrics, samples
 
 
@@ -312,8 +318,8 @@ def evaluate(
     ``base_metrics`` (the base model's) adds the base figures and the gain over them;
     ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
-    An eval set of preference pairs adds each pair's log-probs to its sample and the
-    ``preference`` figures (against ``base_pairs``, the starting model's, with ``beta``).
+    An eval set whose kind scores its rows (pairs) adds their scores to each sample and its
+    figures (against ``base_pairs``, the starting model's, with ``beta``).
     ``first``: its method's headline figures; ``user_scores(samples, metrics)`` adds the
     user's metrics (snaketune.methods.scorers) and returns their keys (``describe``).
     """
@@ -334,8 +340,8 @@ def evaluate(
     metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
                     "model": str(model_dir), "max_new_tokens": max_new_tokens,
                     "processes": share.world})  # fmt: skip
-    if holds_pairs(rows[0]):
-        metrics["preference"] = preference(samples, base_pairs, beta)
+    if (own := kind_of_columns(rows[0]).scorer()) is not None:
+        metrics.update(own.figures(samples, base_pairs, beta))
     if base_metrics is not None:
         against_base(metrics, base_metrics)
     user = user_scores(samples, metrics) if user_scores is not None else []

@@ -1,11 +1,11 @@
 """Summed log-probabilities of preference pairs: the batches DPO trains on, the model's
 log-probs of each side's response, and the reference stage that computes them once.
 
-A pair batch (``pair_batch``) holds the chosen sides, then the rejected sides, padded on
-the right, with ``completion_mask`` 1 on each side's response tokens (its labels): TRL's
-DPOTrainer reads that layout. ``sequence_logps`` scores such a batch with TRL's fused LM
-head (the same code DPOTrainer scores the policy and a live reference with), so a
-precomputed reference and a live one give the same numbers.
+A pair batch (``snaketune.data.pairs.batch``) holds the chosen sides, then the rejected
+sides, padded on the right, with ``completion_mask`` 1 on each side's response tokens (its
+labels): TRL's DPOTrainer reads that layout. ``sequence_logps`` scores such a batch with
+TRL's fused LM head (the same code DPOTrainer scores the policy and a live reference with),
+so a precomputed reference and a live one give the same numbers.
 
 The reference stage (rule reference_logps, ``scripts/reference_logps.py``) splits the
 tokenized pairs into chunks of ``CHUNK_PAIRS``; worker w of W computes chunks w, w+W, ...
@@ -31,32 +31,14 @@ import pyarrow.parquet as pq
 
 from snaketune.core.io import atomic_path
 from snaketune.core.rows import IGNORE_INDEX
+from snaketune.data.kinds import kind_named
+from snaketune.data.pairs import pair_batch
 
 log = logging.getLogger(__name__)
 
 CHUNK_PAIRS = 256  # pairs per part file: what a rerun after a kill may compute again
 SCHEMA = pa.schema([("example_id", pa.string()), ("ref_chosen_logps", pa.float32()),
                     ("ref_rejected_logps", pa.float32())])  # fmt: skip
-PAIR_COLUMNS = ["example_id", "input_ids", "labels", "rejected_input_ids", "rejected_labels"]
-
-
-def pair_batch(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
-    """Chosen sides then rejected sides, right-padded: input_ids, attention_mask and
-    completion_mask (1 on the response tokens), as TRL's DPOTrainer reads them."""
-    import torch
-
-    seqs = [(e["input_ids"], e["labels"]) for e in examples]
-    seqs += [(e["rejected_input_ids"], e["rejected_labels"]) for e in examples]
-    width = max(len(ids) for ids, _ in seqs)
-    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), width), dtype=torch.long)
-    completion = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (ids, labels) in enumerate(seqs):
-        n = len(ids)
-        input_ids[i, :n] = torch.as_tensor(ids, dtype=torch.long)
-        attention[i, :n] = 1
-        completion[i, :n] = torch.as_tensor(np.asarray(labels) != IGNORE_INDEX, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
 
 
 def sequence_logps(model, batch: dict[str, Any]):
@@ -123,7 +105,7 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
 
     pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     model = load_scorer(model_dir, precision, attention, device, quantize)
-    table = pq.read_table(tokenized, columns=PAIR_COLUMNS)
+    table = pq.read_table(tokenized, columns=kind_named("pairs").read_columns)
     for c in todo:
         rows = table.slice(c * chunk_pairs, chunk_pairs).to_pylist()
         chosen, rejected = [], []

@@ -1,7 +1,10 @@
 """Held-out preference pairs, scored by a model that generates: each pair's summed
 log-probs of its chosen and rejected response (as DPO training computes them), and the
 figures of all of them: likelihood accuracy, and against the starting model's log-probs
-with the run's beta the implicit rewards' preference accuracy and margin."""
+with the run's beta the implicit rewards' preference accuracy and margin.
+
+The ``pairs`` kind's held-out scorer (snaketune.data.kinds): ``logps``, ``sample_fields``,
+``figures`` and ``recorded``."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ from typing import Any
 from snaketune.evaluation.sharded import ONE, Share, whole_output_layer
 
 
-def pair_logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
+def logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
                ) -> list[tuple[float, float]]:  # fmt: skip
     """Each of this rank's held-out pairs' summed log-probs of its chosen and its rejected
     response (every rank runs as many batches: one short of pairs repeats a pair)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from snaketune.evaluation.logps import pair_batch, sequence_logps
+    from snaketune.data.pairs import pair_batch
+    from snaketune.evaluation.logps import sequence_logps
 
     add_fused_lm_head(model)  # the log-probs as DPO training computes them
     mine, out = share.mine(rows), []
@@ -31,6 +35,17 @@ def pair_logps(model, rows: list[dict], batch_size: int, pad: int, share: Share 
         if part:
             out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     return out
+
+
+def sample_fields(scores: tuple[float, float]) -> dict[str, float]:
+    """What a pair's sample records of its scores."""
+    return {"chosen_logp": scores[0], "rejected_logp": scores[1]}
+
+
+def figures(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
+            beta: float | None) -> dict[str, Any]:  # fmt: skip
+    """The metrics' own part for held-out pairs."""
+    return {"preference": preference(samples, base, beta)}
 
 
 def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
@@ -64,7 +79,7 @@ def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float
     return figures
 
 
-def base_pair_logps(samples: Path) -> dict[str, tuple[float, float]] | None:
+def recorded(samples: Path) -> dict[str, tuple[float, float]] | None:
     """The pairs' log-probs a base evaluation recorded in its samples (None: none there, an
     eval set of rows)."""
     if not samples.is_file():

@@ -50,7 +50,7 @@ def load_reward_model(model_dir: Path, seed: int, adapter_base: Path | None = No
 def pair_scores(model, rows: list[dict], batch_size: int, pad: int) -> list[tuple[float, float]]:
     """Each pair's (chosen, rejected) score, float32, batches of ``batch_size`` pairs (both
     sides of a pair in one batch, right-padded)."""
-    from snaketune.evaluation.logps import pair_batch
+    from snaketune.data.pairs import pair_batch
 
     device = next(model.parameters()).device
     out: list[tuple[float, float]] = []
@@ -99,14 +99,14 @@ def evaluate_reward(model_dir: Path, eval_tokenized: Path, train_tokenized: Path
     ``out_dir``; return the metrics. ``base_metrics``: the starting model's, for the gain;
     ``first``: the method's headline figures."""
     from snaketune.core.errors import DataError
-    from snaketune.data.pairs import holds_pairs
+    from snaketune.data.kinds import kind_named
     from snaketune.data.shard import check_overlap
     from snaketune.evaluation.evaluate import load_examples
 
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
-    if not holds_pairs(rows[0]):
+    if not kind_named("pairs").holds(rows[0]):
         raise DataError(f"{eval_tokenized}: a reward model is scored on preference pairs; "
                         "give the run a `preference` eval_dataset")  # fmt: skip
     tokenizer, model = load_reward_model(model_dir, seed, adapter_base)

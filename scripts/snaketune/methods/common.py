@@ -26,10 +26,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
-# What a method trains on: supervised rows (a prompt and its response), prompts (it
-# generates its own responses: a prompt_response or alpaca set gives each prompt its
-# reference answer) or pairs of responses to one prompt (a preference set).
-DATA_KINDS = ("rows", "prompts", "pairs")
 # Whether a method trains a LoRA adapter: always, never (every weight), or when the run has
 # a `lora` block.
 ADAPTERS = ("lora", "full", "optional")
@@ -67,7 +63,10 @@ class Method:
     # its config block's JSON Schema (YAML text: `description`, `type: object`,
     # `properties` with their defaults), None when it has no block
     schema: str | None = None
-    trains_on: str = "rows"  # one of DATA_KINDS
+    # the kind of data it trains on (snaketune.data.kinds.KINDS): supervised rows (a prompt
+    # and its response), prompts (it generates its own responses: a prompt_response or
+    # alpaca set gives each prompt its reference answer) or pairs of responses to one prompt
+    trains_on: str = "rows"
     adapter: str = "optional"  # one of ADAPTERS
     # its own config block (runs.<run>.<block>: defaults from the schema), None for none
     block: str | None = None

@@ -2,7 +2,7 @@
 planned pairs of a ``preference`` dataset (snaketune.data.pairs), LoRA or every weight.
 
 A pair is one planned example: both its sides are in the same micro batch (chosen sides
-first, then rejected: snaketune.evaluation.logps.pair_batch), padded on the right. TRL 1.16's
+first, then rejected: snaketune.data.pairs.pair_batch), padded on the right. TRL 1.16's
 DPOTrainer has no padding-free path (its ``padding_free`` is disabled after a refactor and
 falls back to padding), so DPO batches are padded everywhere; the shard plan still
 balances each step's pairs across ranks by their tokens.
@@ -55,7 +55,7 @@ class PairCollator:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        from snaketune.evaluation.logps import pair_batch
+        from snaketune.data.pairs import pair_batch
 
         ids = [e["example_id"] for e in examples]
         self._ids_log.write(ids)

@@ -17,8 +17,9 @@ from typing import Any
 from snaketune.core.errors import ConfigError, ConfigProblems
 from snaketune.core.heldout import check_run as check_heldout
 from snaketune.data import sequence
-from snaketune.data.formats import FORMAT_FIELDS, PAIR_FORMATS, SINGLE_DATASET_KEYS, components
+from snaketune.data.formats import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components
 from snaketune.data.kernels import check_kernels_installed
+from snaketune.data.kinds import kind_named, mixes_kinds, unread
 from snaketune.methods import compose_schema, method_of, methods, scorers
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
@@ -91,10 +92,8 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
                 datasets[other].get("source") != "mixture",
                 f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
             )
-        kinds = {datasets[c["dataset"]].get("format") in PAIR_FORMATS for c in spec["mixture"]}
-        _require(len(kinds) == 1, f"{where}.mixture: mixes preference pairs with other formats; "
-                 "a mixture is all preference datasets (for a method that trains on pairs) or "
-                 "none")  # fmt: skip
+        mixed = mixes_kinds([datasets[c["dataset"]].get("format") for c in spec["mixture"]])
+        _require(mixed is None, f"{where}.mixture: {mixed}")
         return
     _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
     _require("seed" not in spec, f"{where}.seed: only for source mixture")
@@ -176,19 +175,14 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
     _require("init_from" not in run or method.starts_from_runs,
              f"{where}.init_from: only for {_named(starters)} (a run of method "
              f"{run['method']} starts from `model`)")  # fmt: skip
-    on_pairs = [n for n, m in every.items() if m.trains_on == "pairs"]
+    kind = kind_named(method.trains_on)
     for key in ("dataset", "eval_dataset"):
+        allowed = kind.formats if key == "dataset" else kind.evaluates_on
         for part in (c["name"] for c in components(cfg, run[key])) if key in run else ():
             fmt = cfg["datasets"][part]["format"]
-            pairs = fmt in PAIR_FORMATS
-            if method.trains_on == "pairs" and key == "dataset":
-                _require(pairs, f"{where}.dataset: {part!r} (format {fmt}) has no pairs to "
-                         f"tune on; method {run['method']} needs a dataset of format preference "
-                         "(prompt, chosen, rejected)")  # fmt: skip
-            elif method.trains_on != "pairs":
-                _require(not pairs, f"{where}.{key}: {part!r} is a preference dataset (pairs), "
-                         f"which only {_named(on_pairs)} train and evaluate on; set method: "
-                         f"{' or '.join(on_pairs)} or use a dataset of another format")  # fmt: skip
+            readers = [n for n, m in every.items() if fmt in kind_named(m.trains_on).formats]
+            _require(allowed is None or fmt in allowed,
+                     unread(f"{where}.{key}", part, fmt, run["method"], kind, readers))  # fmt: skip
     method.check(where, run, cfg)
     scorers.check(where, run, cfg)  # the run's own eval metrics
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from snaketune.core.heldout import greater_is_better
+from snaketune.data.kinds import kind_named
 from snaketune.methods import Method, method_of
 
 # The directory under results/<run>/ of the model a run ends with, by what it trains.
@@ -57,7 +58,7 @@ class RunSpec:
             lora=lora,
             quantization={k: lora[k] for k in QUANTIZATION_KEYS} if quantized else None,
             reference_stage=method.reference_stage(run),
-            balances_tokens=bool(run["packing"]) or method.trains_on == "pairs",
+            balances_tokens=bool(run["packing"]) or kind_named(method.trains_on).balances_tokens,
             final_model=ADAPTER_ONLY
             if adapter == "lora" and not merged(run)
             else FINAL_MODEL[adapter],

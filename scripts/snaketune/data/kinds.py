@@ -1,0 +1,148 @@
+"""The kinds of data a method trains on, as plug-ins: supervised rows, prompts (the method
+generates its own responses) and preference pairs. A method names its kind
+(``Method.trains_on``); nothing outside the kinds asks "is it pairs?": the config checks,
+tokenization, the shard plan, the rank's rows, the reference stage and evaluation ask the
+kind.
+
+A ``Kind`` is light (the config side reads it while Snakemake parses the workflow); what
+it does with tokens is in its module (``module``), imported when tokens are handled, with:
+
+- ``schema(base)``: the tokenized file's schema (the supervised columns and its own);
+- ``render(renderer, items, stats)``: a batch of read examples -> (the examples kept,
+  texts to encode, response spans);
+- ``label(items, texts, spans, encodings, max_length, overlong, stats, *, schema)``: the
+  encoded batch's rows as a table, its length policy applied;
+- ``dropped(stats)``: a log line of what it dropped beyond the common counts ("" for none);
+- ``batch(examples, pad)``: examples collated as a trainer and a scorer read them (None
+  where methods collate rows themselves: packing, padding-free).
+
+A kind with held-out figures of its own names the evaluation module that scores them
+(``heldout``: ``logps(model, rows, batch_size, pad, share)``, ``sample_fields(scores)``,
+``figures(samples, base, beta)``, ``recorded(samples_path)``).
+
+Adding a kind: its ``Kind`` in ``KINDS`` and its module; docs/architecture.md has the
+checklist.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+
+from snaketune.core.errors import ConfigError
+
+SUPERVISED_COLUMNS = ("example_id", "input_ids", "labels")  # every tokenized file's
+ROW_FORMATS = ("prompt_response", "alpaca", "messages")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of training data: its formats and columns, and what the plans and stages
+    ask of it."""
+
+    name: str
+    noun: str  # its examples, plural, as logs and messages say: "conversations", "pairs"
+    formats: tuple[str, ...]  # the dataset formats (datasets.<d>.format) a method trains on
+    # the dataset formats its methods may evaluate on (None: any)
+    evaluates_on: tuple[str, ...] | None = None
+    # how a message names the data it needs: "a dataset of format preference (...)"
+    needs: str = ""
+    stored_as: str | None = None  # the kind whose tokenized file it reads (None: its own)
+    columns: tuple[str, ...] = ()  # its tokenized columns besides the supervised ones
+    # its examples are never packed and the shard plan balances each step's tokens across
+    # the ranks (whole examples of several sequences)
+    balances_tokens: bool = False
+    # its methods generate their own responses: a step's time is its generation's
+    generates: bool = False
+    # its tokens' handling (see above): supervised rows' is tokenization's own
+    module: str = "snaketune.data.tokenization"
+    heldout: str | None = None  # the evaluation module of its own held-out figures
+
+    def impl(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    def scorer(self) -> ModuleType | None:
+        """The module scoring its held-out examples beyond the loss (None: none)."""
+        return None if self.heldout is None else importlib.import_module(self.heldout)
+
+    def holds(self, columns: Iterable[str]) -> bool:
+        """Whether a tokenized set's columns (or a row of it) are this kind's."""
+        names = set(columns)
+        return all(c in names for c in self.columns)
+
+    @property
+    def read_columns(self) -> list[str]:
+        """The columns a stage reads of its tokenized file."""
+        return [*SUPERVISED_COLUMNS, *self.columns]
+
+
+KINDS = {
+    "rows": Kind("rows", "conversations", ROW_FORMATS, evaluates_on=ROW_FORMATS,
+                 needs="a dataset of rows (format prompt_response, alpaca or messages)"),
+    "prompts": Kind("prompts", "prompts", ROW_FORMATS, evaluates_on=ROW_FORMATS,
+                    needs="a dataset of prompts (format prompt_response, alpaca or "
+                    "messages; their responses are the reference answers)",
+                    stored_as="rows", generates=True),
+    "pairs": Kind("pairs", "pairs", ("preference",), needs="a dataset of format preference "
+                  "(prompt, chosen, rejected)", columns=("rejected_input_ids",
+                  "rejected_labels"), balances_tokens=True, module="snaketune.data.pairs",
+                  heldout="snaketune.evaluation.preference"),
+}  # fmt: skip
+
+
+def kind_named(name: str) -> Kind:
+    return KINDS[name]
+
+
+def stored(kind: Kind) -> Kind:
+    """The kind whose tokenized file ``kind`` trains on."""
+    return KINDS[kind.stored_as] if kind.stored_as else kind
+
+
+def kind_of_format(fmt: str) -> Kind:
+    """The kind a dataset of format ``fmt`` is tokenized as."""
+    return next(k for k in KINDS.values() if k.stored_as is None and fmt in k.formats)
+
+
+def kind_of_formats(formats: Iterable[str]) -> Kind:
+    """The one kind the datasets of ``formats`` (a mixture's) are tokenized as."""
+    kinds = {kind_of_format(f).name for f in formats}
+    if len(kinds) != 1:
+        raise ConfigError(f"the datasets mix kinds of data ({', '.join(sorted(kinds))}); "
+                          "a mixture's components are of one kind")  # fmt: skip
+    return KINDS[kinds.pop()]
+
+
+def kind_of_columns(columns: Iterable[str]) -> Kind:
+    """The kind of a tokenized set, by its columns (or a row of it)."""
+    names = set(columns)
+    own = [k for k in KINDS.values() if k.stored_as is None and k.holds(names)]
+    return max(own, key=lambda k: len(k.columns))
+
+
+def mixes_kinds(formats: Iterable[str | None]) -> str | None:
+    """What is wrong with a mixture of datasets of ``formats`` (None: nothing): its
+    components are of one kind of data."""
+    kinds: dict[str, set[str]] = {}
+    for fmt in filter(None, formats):
+        kinds.setdefault(kind_of_format(fmt).noun, set()).add(fmt)
+    if len(kinds) < 2:
+        return None
+    return (f"mixes {' and '.join(sorted(kinds))} ("
+            + "; ".join(", ".join(sorted(f)) for _, f in sorted(kinds.items()))
+            + "); a mixture's components are of one kind of data, the one its run's method "
+            "trains on")  # fmt: skip
+
+
+def unread(where: str, part: str, fmt: str, method: str, kind: Kind, readers: list[str]) -> str:
+    """The line for a dataset ``part`` of a format that ``method`` (on ``kind``) does not
+    read: the data its kind needs, or the methods (``readers``) that read this one."""
+    if len(stored(kind).columns) > len(kind_of_format(fmt).columns):
+        return (f"{where}: {part!r} (format {fmt}) has no {kind.noun} to tune on; method "
+                f"{method} needs {kind.needs}")  # fmt: skip
+    named = f"method{'s' if len(readers) > 1 else ''} {', '.join(readers)}"
+    return (f"{where}: {part!r} is a {fmt} dataset ({kind_of_format(fmt).noun}), which only "
+            f"{named} train and evaluate on; set method: {' or '.join(readers)} or use a "
+            "dataset of another format")  # fmt: skip
