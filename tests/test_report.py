@@ -70,3 +70,18 @@ def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
     sft = [{k: v for k, v in m.items() if not k.startswith("reward")} for m in metrics]
     assert reward_quarters(sft) == {}
     assert 'id="loss"' in training_svg(sft, "sft", 0.5)
+
+
+def test_a_preference_run_is_summarised_by_what_its_trainer_logs():
+    """DPO logs reward accuracy and margin, KTO's trainer only the margin: the summary's
+    last quarter has each run's own (steps 7-8 of 8), and no column it never logged."""
+    from snaketune.app.summary import preference_quarter
+
+    dpo = [{"step": s, "loss": 0.5, "reward_accuracy": 0.1 * s, "reward_margin": 0.2 * s}
+           for s in range(1, 9)]  # fmt: skip
+    assert preference_quarter(dpo) == pytest.approx(
+        {"reward_accuracy_last_quarter": 0.75, "reward_margin_last_quarter": 1.5}
+    )
+    kto = [{k: v for k, v in m.items() if k != "reward_accuracy"} for m in dpo]
+    assert preference_quarter(kto) == pytest.approx({"reward_margin_last_quarter": 1.5})
+    assert preference_quarter([{"step": 1, "loss": 0.1}]) == {}

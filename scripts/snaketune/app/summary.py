@@ -93,13 +93,14 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """A DPO or reward model run's mean reward accuracy and margin over its last quarter
-    of steps."""
+    """A preference run's mean reward accuracy and margin over its last quarter of steps
+    (what it logs of them: KTO's trainer has no reward accuracy)."""
     rows = [m for m in metrics if m.get("reward_margin") is not None]
     if not rows:
         return {}
     return {f"{key}_last_quarter": quarters([m[key] for m in rows])[1]
-            for key in ("reward_accuracy", "reward_margin")}  # fmt: skip
+            for key in ("reward_accuracy", "reward_margin")
+            if all(m.get(key) is not None for m in rows)}  # fmt: skip
 
 
 def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[str, Any]:
