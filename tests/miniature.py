@@ -179,7 +179,8 @@ def defaults_config(demo: Path, out: Path) -> Path:
     out.mkdir(parents=True)
     (out / "config").symlink_to(ROOT / "config")
     data = {"rows": ("arith", "arith_test"), "prompts": ("arith", "arith_test"),
-            "pairs": ("arith_pairs", "arith_pairs_test")}  # fmt: skip
+            "pairs": ("arith_pairs", "arith_pairs_test"),
+            "labelled": ("arith_pairs", "arith_pairs_test")}  # fmt: skip
     config = {
         "models": {"tiny": {"source": "local", "path": str(fixtures / "tiny-llama")}},
         "datasets": {

@@ -226,6 +226,20 @@ MUTATIONS = (
         ("tests/test_dpo.py::test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss",),
     ),
     Mutation(
+        "orpo-labels-whole", "ORPO's collator labels each side whole (the odds over the prompt too)",
+        f"{LIB}/methods/orpo.py",
+        "                labels[i, : len(seq)] = torch.as_tensor(lab, dtype=torch.long)",
+        "                labels[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)",
+        ("tests/test_dpo.py::test_orpo_of_unequal_micro_batches_equals_the_paper_s_loss",),
+    ),
+    Mutation(
+        "kto-own-partner", "KTO's KL sequence of a pair is its own prompt and response (no mismatch)",
+        f"{LIB}/methods/kto.py",
+        "        return self.table[(self.row_of[example_id] + 1) % len(self.table)]",
+        "        return self.table[self.row_of[example_id]]",
+        ("tests/test_dpo.py::test_kto_of_unequal_micro_batches_equals_the_paper_s_loss",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",

@@ -75,6 +75,71 @@ def simpo_loss(model, pairs: list[dict], beta: float, gamma: float) -> float:
     return math.fsum(x.item() for x in losses) / len(losses)
 
 
+def orpo_loss(model, micro_batches: list[list[dict]], lam: float) -> float:
+    """ORPO's loss of a step (Hong, Lee and Thorne 2024, eq. 6-7) over its ``micro_batches``
+    of pairs, with TRL's NLL term (each micro batch's mean NLL over its chosen sides' tokens,
+    prompt included) weighted by the micro batch's share of the step's pairs, minus lambda x
+    the mean over every pair of log sigmoid(log odds(chosen) - log odds(rejected)); log
+    odds(y) = a - log(1 - exp(a)), a the mean log-prob of y's response tokens. Float64."""
+    pairs = sum(len(m) for m in micro_batches)
+    nll, ratio = [], []
+    for micro in micro_batches:
+        tokens = [x for p in micro for x in token_logps(model, p["input_ids"], p["input_ids"])]
+        nll.append(len(micro) / pairs * -math.fsum(tokens) / len(tokens))
+        for p in micro:
+            odds = []
+            for ids, labels in ((p["input_ids"], p["labels"]),
+                                (p["rejected_input_ids"], p["rejected_labels"])):  # fmt: skip
+                lp = token_logps(model, ids, labels)
+                a = math.fsum(lp) / len(lp)
+                odds.append(a - math.log(-math.expm1(a)))
+            ratio.append(-math.log1p(math.exp(-(odds[0] - odds[1]))))  # log sigmoid
+    return math.fsum(nll) - lam * math.fsum(ratio) / pairs
+
+
+def _prompt_and_response(ids: list[int], labels: list[int]):
+    """A side's prompt tokens (before its first labelled token) and the rest, with labels."""
+    start = next(t for t, x in enumerate(labels) if x != IGNORE)
+    return list(ids[:start]), list(ids[start:]), list(labels[start:])
+
+
+def kto_loss(model, reference, passes: list[list[list[dict]]], partner, beta: float,
+             desirable: float = 1.0, undesirable: float = 1.0) -> float:  # fmt: skip
+    """KTO's loss (Ethayarajh et al. 2024, eq. 7-8) of a step's pairs read as labelled
+    responses (chosen desirable, rejected undesirable), averaged over every response:
+    weight x (1 - sigmoid(beta (r - z))) for a desirable one, weight x (1 - sigmoid(beta
+    (z - r))) for an undesirable one, r = log p - log p_ref summed over the response. z, the
+    reference point, of each pass (the ranks' micro batches taken together, ``passes``): the
+    mean over its micro batches of their KL sequences' mean log p - log p_ref, not below 0;
+    a KL sequence is a pair side's prompt with the same side's response of
+    ``partner(pair)``. Summed log-probs in float64 under ``model`` and ``reference``."""
+
+    def ratio(ids, labels) -> float:
+        return summed_logp(model, ids, labels) - summed_logp(reference, ids, labels)
+
+    sides = (("input_ids", "labels"), ("rejected_input_ids", "rejected_labels"))
+    losses = []
+    for micro_batches in passes:
+        means = []
+        for micro in micro_batches:
+            kl = []
+            for p in micro:
+                for ids, labels in sides:
+                    prompt, _, _ = _prompt_and_response(p[ids], p[labels])
+                    _, other, other_labels = _prompt_and_response(partner(p)[ids],
+                                                                  partner(p)[labels])  # fmt: skip
+                    kl.append(ratio(prompt + other, [IGNORE] * len(prompt) + other_labels))
+            means.append(math.fsum(kl) / len(kl))
+        z = max(math.fsum(means) / len(means), 0.0)
+        for micro in micro_batches:
+            for p in micro:
+                r = ratio(p["input_ids"], p["labels"])
+                losses.append(desirable * (1 - 1 / (1 + math.exp(-beta * (r - z)))))
+                r = ratio(p["rejected_input_ids"], p["rejected_labels"])
+                losses.append(undesirable * (1 - 1 / (1 + math.exp(-beta * (z - r)))))
+    return math.fsum(losses) / len(losses)
+
+
 def planned_steps(shards: Path, steps: int, nodes: int = 2) -> list[list[list[dict]]]:
     """The rows of each of the first ``steps`` planned steps, by global rank, read from the
     shards (``node-<k>.parquet``: the plan the trainers execute, one file per node)."""

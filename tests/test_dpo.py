@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -35,7 +36,15 @@ from conftest import (
     started,
     train_as_planned,
 )
-from oracles import dpo_sigmoid_loss, planned_steps, simpo_loss, summed_logp
+from oracles import (
+    dpo_sigmoid_loss,
+    kto_loss,
+    mean_nll,
+    orpo_loss,
+    planned_steps,
+    simpo_loss,
+    summed_logp,
+)
 from test_tokenize import oracle, run_tokenize
 
 from snaketune.core.errors import ConfigError
@@ -327,6 +336,107 @@ def test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_m
     assert summed != pytest.approx(want, rel=1e-3)
 
 
+def test_orpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_model,
+                                                              fixtures_dir):  # fmt: skip
+    """ORPO (snaketune.methods.orpo: trl.experimental's ORPOTrainer on the planned pairs,
+    its collator ours) on a step of 4 pairs of different lengths that a token-balanced plan
+    split 3 and 1 between two ranks: the ranks' weighted losses averaged (as DeepSpeed
+    averages their gradients) equal ORPO's loss written out from plain transformers
+    log-probs (oracles.orpo_loss, float64, TRL's NLL term over prompt and response). A TRL
+    upgrade that changes the experimental trainer's loss fails here."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.orpo import ORPOConfig
+
+    from snaketune.methods.orpo import ORPOCollator, trainer_class
+    from snaketune.methods.orpo import step_fields as orpo_step_fields
+
+    path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
+    rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
+    pairs = sorted({r["length"]: r for r in rows}.values(), key=lambda r: -r["length"])[:4]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    lam = 0.25
+    args = ORPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, beta=lam,
+                      report_to=[], gradient_checkpointing=False, disable_dropout=True)  # fmt: skip
+    collate = ORPOCollator(tok.pad_token_id, None)
+    trainer = trainer_class()(model=model, args=args, processing_class=tok,
+                              train_dataset=datasets.Dataset.from_list(pairs).select([]),
+                              data_collator=collate, planned=None, run=RUN_OF_TWO)  # fmt: skip
+
+    def loss_of(micro):
+        with torch.no_grad():
+            return trainer.compute_loss(trainer.model, collate(micro)).item()
+
+    for split in ([pairs[:3], pairs[3:]], [pairs[:2], pairs[2:]], [pairs[1:], pairs[:1]]):
+        want = orpo_loss(model, split, lam)
+        assert sum(loss_of(m) for m in split) / 2 == pytest.approx(want, rel=1e-5), split
+    # the odds-ratio term is in it, and the NLL term covers the prompt (TRL's choice)
+    assert orpo_loss(model, [pairs[:3], pairs[3:]], 0.0) != pytest.approx(want, rel=1e-3)
+    response_only = sum(mean_nll(model, m)[0] * len(m) / 4 for m in ([pairs[:3], pairs[3:]]))
+    assert orpo_loss(model, [pairs[:3], pairs[3:]], 0.0) != pytest.approx(response_only, rel=1e-3)
+    logs = {"rewards/accuracies": 0.5, "logps/chosen": -1.5, "nll_loss": 2.0,
+            "log_odds_ratio": -0.6, "logits/chosen": 3.0}  # fmt: skip
+    assert orpo_step_fields(logs) == {"reward_accuracy": 0.5, "mean_logp_chosen": -1.5,
+                                      "nll_loss": 2.0, "log_odds_ratio": -0.6}  # fmt: skip
+
+
+def test_kto_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_model,
+                                                             fixtures_dir):  # fmt: skip
+    """KTO (snaketune.methods.kto: TRL's KTOTrainer on the planned pairs read as labelled
+    responses, snaketune.data.labelled) on 4 pairs of different lengths in micro batches of
+    3 and 1 pairs, a LoRA policy whose adapter is not zero, the reference its base: each
+    response's reference log-probs precomputed (as rule reference_logps gives them), the KL
+    sequences' from the base with the adapter off in the step. The micro batches' weighted
+    losses averaged equal KTO's loss written out from plain transformers log-probs
+    (oracles.kto_loss, float64: each pair's KL sequence with the next pair's response), with
+    unequal desirable and undesirable weights; a micro batch of one pair still has a KL
+    sequence of another prompt."""
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig
+
+    from snaketune.methods.kto import KTOCollator, trainer_class
+
+    path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
+    rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
+    pairs = sorted({r["length"]: r for r in rows}.values(), key=lambda r: -r["length"])[:4]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules="all-linear",
+                                      init_lora_weights=False)).eval()  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    beta, wd, wu = 0.5, 1.0, 1.5
+    reference = {p["example_id"]: (summed_logp(base, p["input_ids"], p["labels"]),
+                                   summed_logp(base, p["rejected_input_ids"],
+                                               p["rejected_labels"])) for p in pairs}  # fmt: skip
+    args = KTOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, beta=beta,
+                     desirable_weight=wd, undesirable_weight=wu, precompute_ref_log_probs=True,
+                     per_device_train_batch_size=4, max_length=None, report_to=[],
+                     gradient_checkpointing=False)  # fmt: skip
+    table = datasets.Dataset.from_list(pairs)
+    collate = KTOCollator(table, tok.pad_token_id, reference, None)
+    trainer = trainer_class()(model=model, args=args, processing_class=tok, train_dataset=table,
+                              data_collator=collate, planned=None, run=RUN_OF_TWO)  # fmt: skip
+
+    def loss_of(micro):
+        with torch.no_grad():
+            return trainer.compute_loss(trainer.model, collate(micro)).item()
+
+    def partner(p):
+        return pairs[(pairs.index(p) + 1) % len(pairs)]
+
+    want = kto_loss(model, base, [[pairs[:3]], [pairs[3:]]], partner, beta, wd, wu)
+    assert sum([loss_of(pairs[:3]), loss_of(pairs[3:])]) / 2 == pytest.approx(want, rel=1e-5)
+    # the reference point and the weights are in it: without either the loss differs
+    assert kto_loss(model, base, [[pairs[:3]], [pairs[3:]]], lambda p: p, beta, wd, wu
+                    ) != pytest.approx(want, rel=1e-3)  # fmt: skip
+    assert kto_loss(model, base, [[pairs[:3]], [pairs[3:]]], partner, beta
+                    ) != pytest.approx(want, rel=1e-3)  # fmt: skip
+
+
 def _ragged_worker(rank: int, port: int, out: str) -> None:
     import os
 
@@ -460,14 +570,24 @@ def dpo_config(**run) -> dict:
          "runs.p.dpo.label_smoothing: loss exo_pair needs label_smoothing > 0"),
         ({"runs": {"demo": {"eval_dataset": "arith_pairs_test"}}},
          "runs.demo.eval_dataset: 'arith_pairs_test' is a preference dataset (pairs), which "
-         "only methods dpo, reward, simpo train and evaluate on; set method: dpo or reward or simpo"),
+         "only methods dpo, reward, simpo, orpo, kto train and evaluate on; set method: dpo or "
+         "reward or simpo or orpo or kto"),
         ({"runs": {"demo": {"init_from": "p", "model": None}}},
-         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo (a run of method lora starts "
+         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo, orpo, kto (a run of method lora starts "
          "from "
          "`model`)"),
         ({"runs": {"demo": {"method": "full"}}},
-         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo); remove it or set "
+         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto); remove it "
+         "or set "
          "method: lora"),
+        ({"runs": {"p": {"method": "kto", "dpo": None, "lora": None,
+                         "kto": {"reference": "precomputed"}}}},
+         "runs.p.kto.reference: precomputed needs a LoRA run (its KL term's reference is the "
+         "base with the adapter off, each step); set reference: live"),
+        ({"runs": {"p": {"method": "kto", "dpo": None, "dataset": "arith"}}},
+         "runs.p.dataset: 'arith' (format prompt_response) has no labelled responses to tune "
+         "on; method kto needs a dataset of format preference (prompt, chosen, rejected: each "
+         "chosen response a desirable one"),
         ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
                                                                 {"dataset": "arith_pairs"}]}}},
          "datasets.mix.mixture: mixes conversations and pairs (prompt_response; preference); a "
@@ -623,39 +743,73 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
         assert math.isfinite(m["reward_margin"])
 
 
+# A method without a reference model: its schema defaults, its loss written out from the
+# paper for a step's micro batches (one per rank) under a model, the step figures it logs.
+REFERENCE_FREE = {
+    "simpo": ({"beta": 2.0, "gamma": 1.0},
+              lambda model, ranks: simpo_loss(model, ranks[0] + ranks[1], 2.0, 1.0),
+              {"logp_chosen", "logp_rejected"}),
+    "orpo": ({"lambda": 0.1}, lambda model, ranks: orpo_loss(model, ranks, 0.1),
+             {"mean_logp_chosen", "nll_loss", "log_odds_ratio", "reward_accuracy"}),
+}  # fmt: skip
+
+
+def rank_partners(shards: Path) -> dict[str, dict]:
+    """Each planned pair's KTO partner, written out: the next pair in its rank's rows (the
+    node's shard read in order, the rank's first pair after its last)."""
+    by_rank: dict[int, list[dict]] = {}
+    for node in sorted(shards.glob("node-*.parquet")):
+        for r in pq.read_table(node).to_pylist():
+            by_rank.setdefault(r["rank"], []).append(r)
+    return {r["example_id"]: rows[(k + 1) % len(rows)]
+            for rows in by_rank.values() for k, r in enumerate(rows)}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_simpo_on_two_nodes_equals_the_oracle_and_a_killed_run_resumes_exactly(
-    gsm8k_pairs, tiny_model, tmp_path
+@pytest.mark.parametrize("method", [*sorted(REFERENCE_FREE), "kto"])
+def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle_and_resume_exactly(
+    gsm8k_pairs, tiny_model, tmp_path, method
 ):
-    """LoRA SimPO from a user's config (method simpo, the schema's beta and gamma) on 2 nodes
-    over pairs of varied lengths (the ranks get unequal pair counts in several steps): every
-    step's loss equals SimPO's loss of that step's 4 pairs written out from the paper under
-    the previous step's saved adapter (oracles.simpo_loss; no reference model); each rank
-    trained the pairs the plan gave it. Then the run again from its checkpoint-4, its
-    launcher killed two steps on (no orphan), rerun: it resumes, logs each step once, and
-    its losses are the uninterrupted run's."""
+    """LoRA SimPO, ORPO and KTO from a user's config (the method, its block's schema
+    defaults) on 2 nodes over pairs of varied lengths (the ranks get unequal pair counts in
+    several steps): every step's loss equals the method's loss of that step's pairs written
+    out from its paper under the previous step's saved adapter (oracles.simpo_loss,
+    orpo_loss; kto_loss with the reference stage's log-probs of the start and the KL
+    sequences' reference point over both ranks); each rank trained the pairs the plan gave
+    it. Then the run again from its checkpoint-4, its launcher killed two steps on (no
+    orphan), rerun: it resumes, logs each step once, and its losses are the uninterrupted
+    run's."""
     from transformers import AutoModelForCausalLM
 
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    partners = rank_partners(gsm8k_pairs / "shards")
+    defaults, oracle, figures = REFERENCE_FREE.get(method) or (
+        {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "auto"},
+        lambda model, ranks: kto_loss(model, base, [ranks], lambda p: partners[p["example_id"]],
+                                      0.1),
+        {"kl", "reward_chosen", "reward_rejected", "logp_chosen"})  # fmt: skip
     plan = planned_steps(gsm8k_pairs / "shards", STEPS)
     counts = [tuple(len(r) for r in step) for step in plan]
     assert sum(a != b for a, b in counts) >= 3, counts  # unequal pair counts per rank
-    config = dpo_config(method="simpo")
+    config = dpo_config(method=method)
     del config["runs"]["p"]["dpo"]
     spec = validate_config(config, ROOT)["runs"]["p"]
-    assert spec["simpo"] == {"beta": 2.0, "gamma": 1.0}  # the schema's defaults
+    assert spec[method] == defaults  # the schema's
     spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
                 save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32",
                 checkpoints={**spec["checkpoints"], "optimizer": "all"})  # fmt: skip
+    if method == "kto":  # a LoRA run's reference: the start's, as the stage gives it
+        spec[method]["reference_logps"] = str(gsm8k_pairs / "ref/logps.parquet")
     spec.pop("eval", None)
     (tmp_path / "a").mkdir()
     metrics = train_as_planned(tmp_path / "a", spec, gsm8k_pairs / "shards", tiny_model, plan)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ckpts = tmp_path / "a/results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):
         k = m["step"]
-        want = simpo_loss(model_before(k, base, tiny_model, ckpts), step[0] + step[1], 2.0, 1.0)
+        want = oracle(model_before(k, base, tiny_model, ckpts), step)
         assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
-        assert {"logp_chosen", "logp_rejected"} <= set(m) and "reward_accuracy" not in m
+        assert figures <= set(m) and (method == "orpo") == ("reward_accuracy" in m), m
+        assert method != "kto" or m["kl"] >= 0
 
     b = tmp_path / "b"
     shutil.copytree(ckpts, b / "results/x/train/checkpoints")
@@ -694,9 +848,10 @@ def dpo_chain(sft_demo, tmp_path_factory):
     # what its test there shows; the CI tier's sweeps are test_sweep.py's)
     (workdir / "sweep.yaml").write_text(yaml.safe_dump({"runs": {"dpo_sweep": sweep}}))
     sweeps = [] if ci_tier() else [str(workdir / "sweep.yaml")]
-    # and SimPO from the same SFT run on the same pairs, in both tiers (its pipeline: no
-    # reference stage, its own headline)
-    (workdir / "simpo.yaml").write_text(yaml.safe_dump({"runs": {"simpo_demo": simpo_run()}}))
+    # and SimPO, ORPO and KTO from the same SFT run on the same pairs, in both tiers (their
+    # pipeline: no reference stage, or the DPO run's for KTO; their own headline)
+    free = {f"{m}_demo": pair_method_run(m) for m in CHAINED}
+    (workdir / "simpo.yaml").write_text(yaml.safe_dump({"runs": free}))
     start = time.monotonic()
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
                      *sweeps, str(workdir / "simpo.yaml"), "--directory", str(workdir), "--config",
@@ -706,42 +861,53 @@ def dpo_chain(sft_demo, tmp_path_factory):
     return workdir
 
 
-def simpo_run() -> dict:
-    """The DPO demo's run as SimPO (the schema's beta and gamma), 16 steps, not published."""
+def pair_method_run(method: str) -> dict:
+    """The DPO demo's run as ``method`` (SimPO, ORPO, KTO: the schema's settings), 16 steps,
+    not published."""
     run = copy.deepcopy(load_yaml(OVERLAY)["runs"]["dpo_demo"])
     for key in ("dpo", "publish"):
         del run[key]
-    return {**run, "method": "simpo", "max_steps": 16}
+    return {**run, "method": method, "max_steps": 16}
+
+
+# What the chain's run of each method logs at every step and leads its evaluation with.
+CHAINED = {"simpo": ({"logp_chosen", "logp_rejected"}, "likelihood_accuracy"),
+           "orpo": ({"nll_loss", "log_odds_ratio", "reward_accuracy"}, "likelihood_accuracy"),
+           "kto": ({"kl", "reward_chosen", "reward_rejected"}, "preference_accuracy")}  # fmt: skip
 
 
 @pytest.mark.slow
-def test_simpo_after_sft_reaches_evaluation_with_its_own_headline(dpo_chain):
-    """The chain SFT -> SimPO from one config through the pipeline: no reference stage for
-    it, each step's figures, its held-out pairs evaluated against the start's (the SFT
-    run's merged model) with likelihood accuracy its headline, in the summary and the
-    report; its merged model exported."""
+@pytest.mark.parametrize("method", sorted(CHAINED))
+def test_simpo_orpo_and_kto_after_sft_reach_evaluation_with_their_headline(dpo_chain, method):
+    """The chains SFT -> SimPO, SFT -> ORPO and SFT -> KTO from one config through the
+    pipeline: a reference stage only for KTO (the DPO run's, shared: the test below), each
+    step's figures, the held-out pairs evaluated against the start's (the SFT run's merged
+    model) with the method's headline first (likelihood accuracy; KTO: the implicit
+    reward's preference accuracy with its beta), in the summary and the report; the merged
+    model exported."""
     import csv
 
-    w = dpo_chain
-    metrics = read_jsonl(w / "results/simpo_demo/train/metrics.jsonl")
+    w, run = dpo_chain, f"{method}_demo"
+    figures, headline = CHAINED[method]
+    metrics = read_jsonl(w / f"results/{run}/train/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 17))
-    assert all({"loss", "logp_chosen", "logp_rejected"} <= set(m) for m in metrics)
-    assert "reference_logps" not in json.loads(
-        (w / "results/simpo_demo/train/run_config.json").read_text())["simpo"]  # fmt: skip
-    got = json.loads((w / "results/simpo_demo/eval/metrics.json").read_text())
+    assert all({"loss", *figures} <= set(m) for m in metrics)
+    block = json.loads((w / f"results/{run}/train/run_config.json").read_text())[method]
+    assert ("reference_logps" in block) == (method == "kto")
+    got = json.loads((w / f"results/{run}/eval/metrics.json").read_text())
     pref = got["preference"]
     assert 0 <= pref["likelihood_accuracy"] <= 1 and pref["pairs"] > 0
-    assert "preference_accuracy" not in pref  # no reference, no DPO implicit reward
-    assert got["headline"][0] == "likelihood_accuracy"
-    assert "likelihood_accuracy" in got["base"]["preference"]  # the start's, beside it
-    assert started((w / "dpo.out").read_text(), "train").count("run=simpo_demo") == 1
+    # an implicit reward against the start only where the method has a beta (KTO)
+    assert ("preference_accuracy" in pref) == (method == "kto")
+    assert got["headline"][0] == headline
+    assert headline in got["base"]["preference"]  # the start's, beside it
+    assert started((w / "dpo.out").read_text(), "train").count(f"run={run}") == 1
     with open(w / "results/summary.tsv") as fh:
-        row = next(r for r in csv.DictReader(fh, delimiter="\t") if r["run"] == "simpo_demo")
-    assert row["method"] == "simpo" and float(row["likelihood_accuracy"]) == pytest.approx(
-        pref["likelihood_accuracy"])  # fmt: skip
-    assert row["headline"].split()[0] == "likelihood_accuracy"
-    assert "simpo_demo" in (w / "results/summary.html").read_text()
-    assert (w / "results/simpo_demo/merged_model/config.json").is_file()
+        row = next(r for r in csv.DictReader(fh, delimiter="\t") if r["run"] == run)
+    assert row["method"] == method and float(row[headline]) == pytest.approx(pref[headline])
+    assert row["headline"].split()[0] == headline
+    assert run in (w / "results/summary.html").read_text()
+    assert (w / f"results/{run}/merged_model/config.json").is_file()
 
 
 def dpo_spec(**overrides) -> dict:
@@ -792,20 +958,21 @@ def test_dpo_after_sft_learns_on_two_nodes(dpo_chain):
 @pytest.mark.extended
 @pytest.mark.slow
 def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
-    """dpo_demo and both members of the beta sweep start from sft_demo and train on the same
-    tokenized pairs: one reference_logps job served the three."""
+    """dpo_demo, both members of the beta sweep and kto_demo start from sft_demo and train on
+    the same tokenized pairs: one reference_logps job served the four."""
     w = dpo_chain
     out = (w / "dpo.out").read_text()
     assert len(started(out, "reference_logps")) == 1, out[-3000:]
     # the DPO run and the two members trained here; sft_demo, the same run in the GRPO
     # overlay the sft_demo fixture trained it with, was not trained again
-    assert len(started(out, "train")) == 4, out[-3000:]  # and simpo_demo
+    assert len(started(out, "train")) == 6, out[-3000:]  # and simpo, orpo, kto _demo
     (ref,) = (w / "results/reference_logps").iterdir()
     members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
                for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip
-    assert {m["dpo"]["reference_logps"] for m in members} == {
+    kto = json.loads((w / "results/kto_demo/train/run_config.json").read_text())["kto"]
+    assert {m["dpo"]["reference_logps"] for m in members} | {kto["reference_logps"]} == {
         f"results/reference_logps/{ref.name}/logps.parquet"
-    }
+    }  # and the KTO run from the same start on the same pairs
     assert [m["dpo"]["beta"] for m in members] == [0.1, 0.1, 0.3]
     assert pq.read_table(ref / "logps.parquet").num_rows == 2048
 

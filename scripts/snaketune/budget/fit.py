@@ -44,7 +44,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
     attention = run["attn_implementation"]
     # what the run's method adds: sequences per planned example (DPO: a pair is 2), its
     # rollouts (GRPO), a reference model (held by a full fine-tune only: LoRA's is the base
-    # with the adapter off)
+    # with the adapter off), a loss on the whole logits (fused_loss False: ORPO's)
     extra = {"sequences_per_example": 1, **spec.method.memory(run, on_gpu)}
     lora = spec.lora or {}
     return Setup(
@@ -59,7 +59,8 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         max_length=run["max_length"],
         gradient_checkpointing=bool(run["gradient_checkpointing"]),
         attention="sdpa" if attention == "auto" else attention,  # flash or sdpa: no L^2
-        liger=on_gpu and run["liger_kernel"] is True,
+        # Liger's fused loss keeps no logits, unless the method's loss reads them whole
+        liger=on_gpu and run["liger_kernel"] is True and extra.get("fused_loss", True),
         bytes_per_weight=4 if precision == "fp32" else 2,
         lora_r=lora.get("r", 0),
         lora_targets=lora.get("target_modules", "all-linear"),

@@ -1,5 +1,5 @@
 """The kinds of data a method trains on, as plug-ins: supervised rows, prompts (the method
-generates its own responses) and preference pairs. A method names its kind
+generates its own responses), preference pairs and labelled responses. A method names its kind
 (``Method.trains_on``); nothing outside the kinds asks "is it pairs?": the config checks,
 tokenization, the shard plan, the rank's rows, the reference stage and evaluation ask the
 kind.
@@ -89,6 +89,12 @@ KINDS = {
                   "(prompt, chosen, rejected)", columns=("rejected_input_ids",
                   "rejected_labels"), balances_tokens=True, module="snaketune.data.pairs",
                   heldout="snaketune.evaluation.preference"),
+    # single responses, each desirable or not (KTO): for now from preference pairs, their
+    # chosen responses desirable and their rejected ones not (snaketune.data.labelled)
+    "labelled": Kind("labelled", "labelled responses", ("preference",),
+                     needs="a dataset of format preference (prompt, chosen, rejected: each "
+                     "chosen response a desirable one, each rejected one an undesirable one)",
+                     stored_as="pairs", balances_tokens=True, module="snaketune.data.labelled"),
 }  # fmt: skip
 
 

@@ -25,6 +25,8 @@ REGISTRY = {
     "dpo": ("snaketune.methods.dpo", "METHOD"),
     "reward": ("snaketune.methods.reward_model", "METHOD"),
     "simpo": ("snaketune.methods.simpo", "METHOD"),
+    "orpo": ("snaketune.methods.orpo", "METHOD"),
+    "kto": ("snaketune.methods.kto", "METHOD"),
 }
 
 

@@ -82,7 +82,8 @@ class Method:
     check: Callable[[str, Mapping[str, Any], Mapping[str, Any]], None] = no_check
     # (run, on_gpu) -> what the memory plan counts besides the update and the micro batch:
     # snaketune.budget.memplan.Setup's fields (sequences per example, completion length, a
-    # reference model, vLLM's share)
+    # reference model, vLLM's share) and fused_loss (False: its loss reads the whole
+    # logits, Liger or not)
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
     # the run needs the reference log-probs stage (rule reference_logps)
     reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False

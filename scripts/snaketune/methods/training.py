@@ -137,5 +137,8 @@ class PlannedPairs:
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             return loss
-        pairs = inputs["input_ids"].shape[0] // 2  # chosen sides, then rejected
-        return loss * pairs / self.micro_batch_size
+        return loss * self.pairs_in(inputs) / self.micro_batch_size
+
+    def pairs_in(self, inputs) -> int:
+        """The pairs of a micro batch: its sequences are the chosen sides, then the rejected."""
+        return inputs["input_ids"].shape[0] // 2
