@@ -240,6 +240,14 @@ MUTATIONS = (
         ("tests/test_dpo.py::test_kto_of_unequal_micro_batches_equals_the_paper_s_loss",),
     ),
     Mutation(
+        "labelled-flipped", "a labelled dataset's rows are tokenized with their label flipped",
+        f"{LIB}/data/labelled.py",
+        "    kept = [desirable[i] for i in table.column(\"example_id\").to_pylist()]",
+        "    kept = [not desirable[i] for i in table.column(\"example_id\").to_pylist()]",
+        ("tests/test_kto.py::"
+         "test_labelled_responses_tokenize_with_their_label_and_only_the_completion_labelled",),
+    ),
+    Mutation(
         "pairs-every-rank", "a sharded evaluation scores every pair on every rank (not its share)",
         f"{LIB}/evaluation/preference.py",
         "    mine, out = share.mine(rows), []",

@@ -105,26 +105,31 @@ def _prompt_and_response(ids: list[int], labels: list[int]):
 
 def kto_loss(model, reference, passes: list[list[list[dict]]], partner, beta: float,
              desirable: float = 1.0, undesirable: float = 1.0) -> float:  # fmt: skip
-    """KTO's loss (Ethayarajh et al. 2024, eq. 7-8) of a step's pairs read as labelled
-    responses (chosen desirable, rejected undesirable), averaged over every response:
-    weight x (1 - sigmoid(beta (r - z))) for a desirable one, weight x (1 - sigmoid(beta
-    (z - r))) for an undesirable one, r = log p - log p_ref summed over the response. z, the
-    reference point, of each pass (the ranks' micro batches taken together, ``passes``): the
-    mean over its micro batches of their KL sequences' mean log p - log p_ref, not below 0;
-    a KL sequence is a pair side's prompt with the same side's response of
-    ``partner(pair)``. Summed log-probs in float64 under ``model`` and ``reference``."""
+    """KTO's loss (Ethayarajh et al. 2024, eq. 7-8) of a step's examples, averaged over
+    every response: weight x (1 - sigmoid(beta (r - z))) for a desirable one, weight x (1 -
+    sigmoid(beta (z - r))) for an undesirable one, r = log p - log p_ref summed over the
+    response. An example is a labelled response (``desirable``: its label) or a pair (its
+    chosen side desirable, its rejected side not). z, the reference point, of each pass (the
+    ranks' micro batches taken together, ``passes``): the mean over its micro batches of
+    their KL sequences' mean log p - log p_ref, not below 0; a KL sequence is a response's
+    prompt with the same side's response of ``partner(example)``. Summed log-probs in
+    float64 under ``model`` and ``reference``."""
 
     def ratio(ids, labels) -> float:
         return summed_logp(model, ids, labels) - summed_logp(reference, ids, labels)
 
-    sides = (("input_ids", "labels"), ("rejected_input_ids", "rejected_labels"))
+    def responses(p) -> list[tuple[str, str, bool]]:  # (ids, labels, desirable) keys
+        if "desirable" in p:
+            return [("input_ids", "labels", bool(p["desirable"]))]
+        return [("input_ids", "labels", True), ("rejected_input_ids", "rejected_labels", False)]
+
     losses = []
     for micro_batches in passes:
         means = []
         for micro in micro_batches:
             kl = []
             for p in micro:
-                for ids, labels in sides:
+                for ids, labels, _ in responses(p):
                     prompt, _, _ = _prompt_and_response(p[ids], p[labels])
                     _, other, other_labels = _prompt_and_response(partner(p)[ids],
                                                                   partner(p)[labels])  # fmt: skip
@@ -133,10 +138,11 @@ def kto_loss(model, reference, passes: list[list[list[dict]]], partner, beta: fl
         z = max(math.fsum(means) / len(means), 0.0)
         for micro in micro_batches:
             for p in micro:
-                r = ratio(p["input_ids"], p["labels"])
-                losses.append(desirable * (1 - 1 / (1 + math.exp(-beta * (r - z)))))
-                r = ratio(p["rejected_input_ids"], p["rejected_labels"])
-                losses.append(undesirable * (1 - 1 / (1 + math.exp(-beta * (z - r)))))
+                for ids, labels, good in responses(p):
+                    r = ratio(p[ids], p[labels])
+                    margin = beta * (r - z) if good else beta * (z - r)
+                    losses.append((desirable if good else undesirable)
+                                  * (1 - 1 / (1 + math.exp(-margin))))  # fmt: skip
     return math.fsum(losses) / len(losses)
 
 

@@ -161,7 +161,7 @@ BAD = [
     ),
     (
         _set("datasets.gsm8k_demo.format", "sharegpt"),
-        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages', 'preference']",
+        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages', 'preference', 'labelled']",
     ),
     (_delete("datasets.gsm8k_demo.format"), "datasets.gsm8k_demo: missing required key 'format'"),
     (

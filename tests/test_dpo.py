@@ -35,6 +35,7 @@ from conftest import (
     snakemake,
     started,
     train_as_planned,
+    write_jsonl,
 )
 from oracles import (
     dpo_sigmoid_loss,
@@ -586,8 +587,8 @@ def dpo_config(**run) -> dict:
          "base with the adapter off, each step); set reference: live"),
         ({"runs": {"p": {"method": "kto", "dpo": None, "dataset": "arith"}}},
          "runs.p.dataset: 'arith' (format prompt_response) has no labelled responses to tune "
-         "on; method kto needs a dataset of format preference (prompt, chosen, rejected: each "
-         "chosen response a desirable one"),
+         "on; method kto needs a dataset of format labelled (prompt, completion, label) or "
+         "preference (each chosen response desirable, each rejected one not)"),
         ({"datasets": {"mix": {"source": "mixture", "mixture": [{"dataset": "arith_test"},
                                                                 {"dataset": "arith_pairs"}]}}},
          "datasets.mix.mixture: mixes conversations and pairs (prompt_response; preference); a "
@@ -851,7 +852,18 @@ def dpo_chain(sft_demo, tmp_path_factory):
     # and SimPO, ORPO and KTO from the same SFT run on the same pairs, in both tiers (their
     # pipeline: no reference stage, or the DPO run's for KTO; their own headline)
     free = {f"{m}_demo": pair_method_run(m) for m in CHAINED}
-    (workdir / "simpo.yaml").write_text(yaml.safe_dump({"runs": free}))
+    # and KTO on a user's labelled responses (the pairs' chosen answers desirable, every
+    # third pair's rejected answer not: 3 to 1), its own reference job
+    pairs = read_jsonl(workdir / "resources/fixtures/arith-demo/pairs-train.jsonl")
+    labelled = [{"question": p["question"], "completion": p["chosen"], "label": True}
+                for p in pairs]  # fmt: skip
+    labelled += [{"question": p["question"], "completion": p["rejected"], "label": False}
+                 for p in pairs[::3]]  # fmt: skip
+    write_jsonl(workdir / "labelled.jsonl", labelled)
+    free["kto_labelled_demo"] = {**pair_method_run("kto"), "dataset": "arith_labelled"}
+    (workdir / "simpo.yaml").write_text(yaml.safe_dump({"runs": free, "datasets": {
+        "arith_labelled": {"source": "local", "path": "labelled.jsonl", "format": "labelled",
+                           "columns": {"prompt": "question"}}}}))  # fmt: skip
     start = time.monotonic()
     proc = snakemake("all", "publish", "--configfile", str(ROOT / "config/config.yaml"), str(OVERLAY),
                      *sweeps, str(workdir / "simpo.yaml"), "--directory", str(workdir), "--config",
@@ -876,11 +888,18 @@ CHAINED = {"simpo": ({"logp_chosen", "logp_rejected"}, "likelihood_accuracy"),
            "kto": ({"kl", "reward_chosen", "reward_rejected"}, "preference_accuracy")}  # fmt: skip
 
 
+def dpo_reference(w: Path) -> Path:
+    """The reference log-probs the chain's DPO run read (its run config names them)."""
+    spec = json.loads((w / "results/dpo_demo/train/run_config.json").read_text())
+    return w / spec["dpo"]["reference_logps"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", sorted(CHAINED))
+@pytest.mark.parametrize("method", [*sorted(CHAINED), "kto_labelled"])
 def test_simpo_orpo_and_kto_after_sft_reach_evaluation_with_their_headline(dpo_chain, method):
-    """The chains SFT -> SimPO, SFT -> ORPO and SFT -> KTO from one config through the
-    pipeline: a reference stage only for KTO (the DPO run's, shared: the test below), each
+    """The chains SFT -> SimPO, SFT -> ORPO and SFT -> KTO (on the pairs, and on a labelled
+    dataset) from one config through the pipeline: a reference stage only for KTO (the DPO
+    run's on the pairs, shared: the test below; its own on the labelled set), each
     step's figures, the held-out pairs evaluated against the start's (the SFT run's merged
     model) with the method's headline first (likelihood accuracy; KTO: the implicit
     reward's preference accuracy with its beta), in the summary and the report; the merged
@@ -888,12 +907,16 @@ def test_simpo_orpo_and_kto_after_sft_reach_evaluation_with_their_headline(dpo_c
     import csv
 
     w, run = dpo_chain, f"{method}_demo"
+    method = method.removesuffix("_labelled")  # KTO on a labelled dataset: the same figures
     figures, headline = CHAINED[method]
     metrics = read_jsonl(w / f"results/{run}/train/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 17))
     assert all({"loss", *figures} <= set(m) for m in metrics)
     block = json.loads((w / f"results/{run}/train/run_config.json").read_text())[method]
     assert ("reference_logps" in block) == (method == "kto")
+    if run == "kto_labelled_demo":  # one reference log-prob per labelled response
+        table = pq.read_table(w / block["reference_logps"])
+        assert table.column_names == ["example_id", "ref_logps"] and table.num_rows > 256
     got = json.loads((w / f"results/{run}/eval/metrics.json").read_text())
     pref = got["preference"]
     assert 0 <= pref["likelihood_accuracy"] <= 1 and pref["pairs"] > 0
@@ -962,11 +985,12 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     the same tokenized pairs: one reference_logps job served the four."""
     w = dpo_chain
     out = (w / "dpo.out").read_text()
-    assert len(started(out, "reference_logps")) == 1, out[-3000:]
+    # and one for kto_labelled_demo's own data
+    assert len(started(out, "reference_logps")) == 2, out[-3000:]
     # the DPO run and the two members trained here; sft_demo, the same run in the GRPO
     # overlay the sft_demo fixture trained it with, was not trained again
-    assert len(started(out, "train")) == 6, out[-3000:]  # and simpo, orpo, kto _demo
-    (ref,) = (w / "results/reference_logps").iterdir()
+    assert len(started(out, "train")) == 7, out[-3000:]  # and simpo, orpo, kto(_labelled)
+    ref = dpo_reference(w).parent
     members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
                for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip
     kto = json.loads((w / "results/kto_demo/train/run_config.json").read_text())["kto"]
@@ -985,7 +1009,7 @@ def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo
     relative 1e-5); every pair the plan keeps trained exactly once across the 2 nodes."""
     w = dpo_chain
     shards, model = w / "results/dpo_demo/shards", w / "results/sft_demo/merged_model"
-    ref = next((w / "results/reference_logps").iterdir()) / "logps.parquet"
+    ref = dpo_reference(w)
     runs = {}
     for how in ("precomputed", "live"):
         work = tmp_path / how
@@ -1025,7 +1049,7 @@ def test_a_dpo_run_scores_its_held_out_pairs_while_training(dpo_chain, tmp_path)
     w = dpo_chain
     config = chain_config()
     spec = dpo_spec(max_steps=2, save_steps=100, eval_steps=2)
-    ref = next((w / "results/reference_logps").iterdir()) / "logps.parquet"
+    ref = dpo_reference(w)
     spec["dpo"] = {**spec["dpo"], "reference_logps": str(ref)}
     eval_set = w / stages.tokenized(config, "dpo_demo", eval_set=True)
     spec["heldout"] = spec_of(config["runs"]["dpo_demo"], str(eval_set))
@@ -1059,8 +1083,7 @@ def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
                     "--quantize", "4bit", "--out", str(out)], check=True, env=ENV,
                    capture_output=True)  # fmt: skip
     rewards = {}
-    for name, ref in (("4bit", out), ("unquantized", next(
-            (w / "results/reference_logps").iterdir()) / "logps.parquet")):  # fmt: skip
+    for name, ref in (("4bit", out), ("unquantized", dpo_reference(w))):
         spec = dpo_spec(max_steps=2, save_steps=100)
         spec["lora"] = {**spec["lora"], "quantize": "4bit", "quant_type": "nf4",
                         "double_quant": True, "compute_dtype": "auto"}  # fmt: skip

@@ -21,11 +21,13 @@ import pyarrow.parquet as pq
 from snaketune.core.errors import DataError
 from snaketune.data.chat import Turn
 from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS
+from snaketune.data.kinds import kind_of_format
 
 log = logging.getLogger(__name__)
 
 BATCH_ROWS = 1024  # rows read and rendered at a time
-# One batch of conversations: (example id, turns), or (example id, Pair) for preference data.
+# One batch of conversations: (example id, turns), (example id, Pair) for preference data,
+# (example id, Labelled) for labelled responses.
 Items = list[tuple[str, Any]]
 
 
@@ -119,10 +121,13 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
         for c in (col if isinstance(col, list) else [col])
         if c in batch.schema.names
     }
-    out = []
+    out, own = [], getattr(kind_of_format(fmt).impl(), "read_row", None)
     for i, row in enumerate(rows):
         if fmt == "preference":
             out.append(_pair(source, system, cols, data, i, row))
+            continue
+        if own is not None:  # a format its data kind reads (a labelled response)
+            out.append(own(source, system, cols, data, i, row))
             continue
         if fmt == "messages":
             msgs = data[cols["messages"]][i]
@@ -263,6 +268,7 @@ def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
     """Template-independent hash of a conversation (roles and contents), or of a pair."""
     if isinstance(turns, Pair):
         turns = (*turns.prompt, *turns.chosen, ("\x1d", ""), *turns.rejected)
+
     blob = "\x1e".join([f"{role}\x1f{content}" for role, content in turns])
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 

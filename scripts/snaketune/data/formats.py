@@ -14,10 +14,8 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
     "messages": {"messages": "messages"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+    "labelled": {"prompt": "prompt", "completion": "completion", "label": "label"},
 }
-# Formats whose rows are pairs of responses to one prompt (what a method that trains on
-# pairs reads: snaketune.methods).
-PAIR_FORMATS = {"preference"}
 # Fields that may be missing or empty, by format (a preference dataset without a prompt
 # column holds whole conversations in chosen and rejected that share their prompt turns).
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}

@@ -14,7 +14,9 @@ it does with tokens is in its module (``module``), imported when tokens are hand
   encoded batch's rows as a table, its length policy applied;
 - ``dropped(stats)``: a log line of what it dropped beyond the common counts ("" for none);
 - ``batch(examples, pad)``: examples collated as a trainer and a scorer read them (None
-  where methods collate rows themselves: packing, padding-free).
+  where methods collate rows themselves: packing, padding-free);
+- ``read_row(source, system, cols, data, i, row)`` (optional): a row of a dataset format
+  only this kind reads (``labelled``), as snaketune.data.conversations reads the others.
 
 A kind with held-out figures of its own names the evaluation module that scores them
 (``heldout``: ``logps(model, rows, batch_size, pad, share)``, ``sample_fields(scores)``,
@@ -49,8 +51,11 @@ class Kind:
     evaluates_on: tuple[str, ...] | None = None
     # how a message names the data it needs: "a dataset of format preference (...)"
     needs: str = ""
-    stored_as: str | None = None  # the kind whose tokenized file it reads (None: its own)
+    # the dataset formats tokenized as this kind (its own tokenized files; a kind may train
+    # on other kinds' too: KTO's labelled responses on preference pairs)
+    stores: tuple[str, ...] = ()
     columns: tuple[str, ...] = ()  # its tokenized columns besides the supervised ones
+    sequences: int = 1  # sequences an example of its own tokenized files has (a pair: 2)
     # its examples are never packed and the shard plan balances each step's tokens across
     # the ranks (whole examples of several sequences)
     balances_tokens: bool = False
@@ -80,21 +85,23 @@ class Kind:
 
 KINDS = {
     "rows": Kind("rows", "conversations", ROW_FORMATS, evaluates_on=ROW_FORMATS,
-                 needs="a dataset of rows (format prompt_response, alpaca or messages)"),
+                 needs="a dataset of rows (format prompt_response, alpaca or messages)",
+                 stores=ROW_FORMATS),
     "prompts": Kind("prompts", "prompts", ROW_FORMATS, evaluates_on=ROW_FORMATS,
                     needs="a dataset of prompts (format prompt_response, alpaca or "
-                    "messages; their responses are the reference answers)",
-                    stored_as="rows", generates=True),
+                    "messages; their responses are the reference answers)", generates=True),
     "pairs": Kind("pairs", "pairs", ("preference",), needs="a dataset of format preference "
-                  "(prompt, chosen, rejected)", columns=("rejected_input_ids",
-                  "rejected_labels"), balances_tokens=True, module="snaketune.data.pairs",
-                  heldout="snaketune.evaluation.preference"),
-    # single responses, each desirable or not (KTO): for now from preference pairs, their
-    # chosen responses desirable and their rejected ones not (snaketune.data.labelled)
-    "labelled": Kind("labelled", "labelled responses", ("preference",),
-                     needs="a dataset of format preference (prompt, chosen, rejected: each "
-                     "chosen response a desirable one, each rejected one an undesirable one)",
-                     stored_as="pairs", balances_tokens=True, module="snaketune.data.labelled"),
+                  "(prompt, chosen, rejected)", stores=("preference",),
+                  columns=("rejected_input_ids", "rejected_labels"), sequences=2,
+                  balances_tokens=True,
+                  module="snaketune.data.pairs", heldout="snaketune.evaluation.preference"),
+    # single responses, each desirable or not (KTO): a labelled set's, or a preference set's
+    # (its chosen responses desirable, its rejected ones not: snaketune.data.labelled)
+    "labelled": Kind("labelled", "labelled responses", ("labelled", "preference"),
+                     needs="a dataset of format labelled (prompt, completion, label) or "
+                     "preference (each chosen response desirable, each rejected one not)",
+                     stores=("labelled",), columns=("desirable",), balances_tokens=True,
+                     module="snaketune.data.labelled"),
 }  # fmt: skip
 
 
@@ -102,14 +109,9 @@ def kind_named(name: str) -> Kind:
     return KINDS[name]
 
 
-def stored(kind: Kind) -> Kind:
-    """The kind whose tokenized file ``kind`` trains on."""
-    return KINDS[kind.stored_as] if kind.stored_as else kind
-
-
 def kind_of_format(fmt: str) -> Kind:
     """The kind a dataset of format ``fmt`` is tokenized as."""
-    return next(k for k in KINDS.values() if k.stored_as is None and fmt in k.formats)
+    return next(k for k in KINDS.values() if fmt in k.stores)
 
 
 def kind_of_formats(formats: Iterable[str]) -> Kind:
@@ -124,7 +126,7 @@ def kind_of_formats(formats: Iterable[str]) -> Kind:
 def kind_of_columns(columns: Iterable[str]) -> Kind:
     """The kind of a tokenized set, by its columns (or a row of it)."""
     names = set(columns)
-    own = [k for k in KINDS.values() if k.stored_as is None and k.holds(names)]
+    own = [k for k in KINDS.values() if k.stores and k.holds(names)]
     return max(own, key=lambda k: len(k.columns))
 
 
@@ -145,7 +147,7 @@ def mixes_kinds(formats: Iterable[str | None]) -> str | None:
 def unread(where: str, part: str, fmt: str, method: str, kind: Kind, readers: list[str]) -> str:
     """The line for a dataset ``part`` of a format that ``method`` (on ``kind``) does not
     read: the data its kind needs, or the methods (``readers``) that read this one."""
-    if len(stored(kind).columns) > len(kind_of_format(fmt).columns):
+    if not kind_of_format(fmt).columns:  # rows: what every kind of data has
         return (f"{where}: {part!r} (format {fmt}) has no {kind.noun} to tune on; method "
                 f"{method} needs {kind.needs}")  # fmt: skip
     named = f"method{'s' if len(readers) > 1 else ''} {', '.join(readers)}"

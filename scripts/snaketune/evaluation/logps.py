@@ -15,6 +15,9 @@ computes only the chunks missing; ``merge`` writes the one parquet the runs read
     example_id          string
     ref_chosen_logps    float32   summed over the chosen response's tokens
     ref_rejected_logps  float32
+
+or, for labelled responses (snaketune.data.labelled: KTO's data), ``ref_logps``, each
+response's. What a batch of the tokenized rows is, is their kind's (snaketune.data.kinds).
 """
 
 from __future__ import annotations
@@ -31,26 +34,28 @@ import pyarrow.parquet as pq
 
 from snaketune.core.io import atomic_path
 from snaketune.core.rows import IGNORE_INDEX
-from snaketune.data.kinds import kind_named
-from snaketune.data.pairs import pair_batch
+from snaketune.data.kinds import Kind, kind_of_columns
 
 log = logging.getLogger(__name__)
+
+SCORED = ("input_ids", "attention_mask", "completion_mask")  # what a scored batch feeds
 
 CHUNK_PAIRS = 256  # pairs per part file: what a rerun after a kill may compute again
 SCHEMA = pa.schema([("example_id", pa.string()), ("ref_chosen_logps", pa.float32()),
                     ("ref_rejected_logps", pa.float32())])  # fmt: skip
 
 
-def sequence_logps(model, batch: dict[str, Any]):
-    """(chosen, rejected) summed log-probs of each side's response tokens, float32; the
-    model carries TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``)."""
+def sequence_logps(model, batch: dict[str, Any], sides: int = 2):
+    """(chosen, rejected) summed log-probs of each side's response tokens, float32 (each
+    sequence's, one side); the model carries TRL's fused LM head
+    (``trl.trainer.utils.add_fused_lm_head``)."""
     import torch
 
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     labels=labels, fused_lm_head=True, use_cache=False)  # fmt: skip
-    return [x.float() for x in out.log_probs.sum(dim=1).chunk(2, dim=0)]
+    return [x.float() for x in out.log_probs.sum(dim=1).chunk(sides, dim=0)]
 
 
 def load_scorer(model_dir: str | Path, precision: str, attention: str, device,
@@ -105,21 +110,21 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
 
     pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     model = load_scorer(model_dir, precision, attention, device, quantize)
-    table = pq.read_table(tokenized, columns=kind_named("pairs").read_columns)
+    kind = kind_of_columns(pq.ParquetFile(tokenized).schema_arrow.names)
+    table, schema = pq.read_table(tokenized, columns=kind.read_columns), schema_of(kind)
     for c in todo:
         rows = table.slice(c * chunk_pairs, chunk_pairs).to_pylist()
-        chosen, rejected = [], []
+        sides: list[list] = [[] for _ in range(kind.sequences)]
         for at in range(0, len(rows), batch_pairs):
             if on_batch is not None:
                 on_batch(c)
-            batch = pair_batch(rows[at : at + batch_pairs], pad)
-            logps = sequence_logps(model, {k: v.to(device) for k, v in batch.items()})
-            chosen.append(logps[0].cpu().numpy())
-            rejected.append(logps[1].cpu().numpy())
-        part = pa.Table.from_arrays([pa.array([r["example_id"] for r in rows], pa.string()),
-                                     pa.array(np.concatenate(chosen), pa.float32()),
-                                     pa.array(np.concatenate(rejected), pa.float32())],
-                                    schema=SCHEMA)  # fmt: skip
+            batch = kind.impl().batch(rows[at : at + batch_pairs], pad)
+            logps = sequence_logps(model, {k: batch[k].to(device) for k in SCORED}, kind.sequences)
+            for side, lp in zip(sides, logps, strict=True):
+                side.append(lp.cpu().numpy())
+        part = pa.Table.from_arrays([pa.array([r["example_id"] for r in rows], pa.string())]
+                                    + [pa.array(np.concatenate(x), pa.float32()) for x in sides],
+                                    schema=schema)  # fmt: skip
         with atomic_path(part_path(parts, c)) as tmp:
             pq.write_table(part, tmp)
         log.info("worker %d/%d: chunk %d (%d pairs) done", worker, workers, c, len(rows))
@@ -145,12 +150,19 @@ def merge(tokenized: str | Path, parts: Path, out: Path,
     return table
 
 
-def read_reference(path: str | Path) -> dict[str, tuple[float, float]]:
-    """example_id -> (reference chosen, reference rejected) summed log-probs."""
+def schema_of(kind: Kind) -> pa.Schema:
+    """The reference log-probs' columns for tokenized data of ``kind``: a pair's two sides,
+    or one response's."""
+    return SCHEMA if kind.sequences == 2 else pa.schema([("example_id", pa.string()),
+                                                         ("ref_logps", pa.float32())])  # fmt: skip
+
+
+def read_reference(path: str | Path) -> dict[str, tuple[float, ...]]:
+    """example_id -> (reference chosen, reference rejected) summed log-probs (a labelled
+    response's: its one)."""
     table = pq.read_table(path)
-    return dict(zip(table.column("example_id").to_pylist(),
-                    zip(table.column("ref_chosen_logps").to_pylist(),
-                        table.column("ref_rejected_logps").to_pylist(), strict=True),
+    sides = [table.column(name).to_pylist() for name in table.column_names[1:]]
+    return dict(zip(table.column("example_id").to_pylist(), zip(*sides, strict=True),
                     strict=True))  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """KTO (config method ``kto``): tuning on single responses labelled desirable or not (the
-``labelled`` kind, snaketune.data.labelled: a preference set's chosen responses desirable,
-its rejected ones not) with TRL 1.16's stable KTOTrainer, LoRA or every weight.
+``labelled`` kind, snaketune.data.labelled: a ``labelled`` set's responses, or a preference
+set's chosen responses desirable and its rejected ones not) with TRL 1.16's stable
+KTOTrainer, LoRA or every weight.
 
 KTO's loss (Ethayarajh et al. 2024, eq. 7-8) of a response y to a prompt x, with
 r = log p(y|x) - log p_ref(y|x) summed over the response tokens and z the reference point
@@ -45,13 +46,14 @@ if TYPE_CHECKING:
 
 
 class KTOCollator:
-    """Planned pairs as labelled responses with their KL sequences (each pair's partner: the
-    next pair in this rank's rows) and, when precomputed, each response's reference
-    log-probs; counting what the step callback reports."""
+    """Planned examples (labelled responses, or pairs as two of them) with their KL
+    sequences (each example's partner: the next example in this rank's rows) and, when
+    precomputed, each response's reference log-probs; counting what the step callback
+    reports."""
 
     layout = "padded labelled responses"
 
-    def __init__(self, table, pad_token_id: int, reference: dict[str, tuple[float, float]] | None,
+    def __init__(self, table, pad_token_id: int, reference: dict[str, tuple[float, ...]] | None,
                  ids_log: Path | None):  # fmt: skip
         self.table, self.pad_token_id, self.reference = table, pad_token_id, reference
         ids = [] if table is None else table["example_id"]
@@ -70,9 +72,9 @@ class KTOCollator:
         ids = [e["example_id"] for e in examples]
         self._ids_log.write(ids)
         out = batch(examples, self.pad_token_id, [self.partner(i) for i in ids])
-        if self.reference is not None:
+        if self.reference is not None:  # in the batch's order: by side, then by example
             ref = [self.reference[i] for i in ids]
-            out["ref_logps"] = torch.tensor([c for c, _ in ref] + [r for _, r in ref],
+            out["ref_logps"] = torch.tensor([r[side] for side in range(len(ref[0])) for r in ref],
                                             dtype=torch.float32)  # fmt: skip
         lengths = out["attention_mask"].sum(dim=1).tolist()
         self.tokens += sum(lengths)
@@ -115,11 +117,18 @@ def trainer_class():
     from trl.trainer import kto_trainer
 
     class PlannedKTOTrainer(PlannedPairs, KTOTrainer):
+        def __init__(self, *args, **kwargs):
+            from snaketune.data.kinds import kind_of_columns
+
+            # responses a planned example gives: a pair's 2, a labelled response 1
+            self.sequences = kind_of_columns(kwargs["train_dataset"].column_names).sequences
+            super().__init__(*args, **kwargs)
+
         def _precompute_ref_logps(self, dataset, name, batch_size):
             return dataset  # computed by rule reference_logps, read by the collator
 
         def pairs_in(self, inputs) -> int:
-            return len(inputs["label"]) // 2  # chosen sides, then rejected
+            return len(inputs["label"]) // self.sequences  # the micro batch's examples
 
         def _compute_loss(self, model, inputs, return_outputs):
             if self.precompute_ref_logps and "ref_KL_logps" not in inputs:
@@ -179,8 +188,9 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
     kto = run["kto"]
-    return (f"KTO: {manifest['global_batch']} pairs per step, each a desirable and an "
-            f"undesirable response; beta {kto['beta']}, weights {kto['desirable_weight']} / "
+    return (f"KTO: {manifest['global_batch']} examples per step (a labelled response, or a "
+            f"pair: a desirable and an undesirable one); beta {kto['beta']}, weights "
+            f"{kto['desirable_weight']} / "
             f"{kto['undesirable_weight']}; reference {reference(run)}; padded")  # fmt: skip
 
 
