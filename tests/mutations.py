@@ -64,7 +64,7 @@ MUTATIONS = (
     Mutation(
         "weighting", "PlannedPairs.compute_loss (DPO's and reward models' trainers) without the per-pair weighting",
         f"{LIB}/methods/training.py",
-        "        return loss * pairs / self.micro_batch_size",
+        "        return loss * self.pairs_in(inputs) / self.micro_batch_size",
         "        return loss",
         ("tests/test_dpo.py::test_unequal_micro_batches_give_the_global_batch_mean",
          "tests/test_reward_model.py::test_margins_and_centring_of_unequal_micro_batches_give_the_global_batch_mean"),
