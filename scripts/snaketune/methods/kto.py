@@ -94,7 +94,8 @@ def reference(run: Mapping[str, Any]) -> str:
 
 def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
          ids_log: Path | None) -> Data:  # fmt: skip
-    """This rank's planned pairs, with the precomputed reference log-probs of each side."""
+    """This rank's planned examples (labelled responses, or pairs), with the precomputed
+    reference log-probs of each response."""
     from snaketune.data.batches import Data
     from snaketune.evaluation.logps import read_reference
 
@@ -103,7 +104,7 @@ def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: st
         logps = read_reference(run["kto"]["reference_logps"])
         missing = [i for i in table["example_id"] if i not in logps]
         if missing:
-            raise RuntimeError(f"{len(missing)} planned pairs have no reference log-probs "
+            raise RuntimeError(f"{len(missing)} planned examples have no reference log-probs "
                                f"(first: {missing[0]}); rerun rule reference_logps")  # fmt: skip
     return Data(table, batches, KTOCollator(table, pad_id(tokenizer), logps, ids_log))
 
@@ -158,7 +159,8 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         router_aux_loss_coef=None if ctx.run["router_aux_loss_coef"] == "auto"
         or not hasattr(model.config, "output_router_logits") else ctx.run["router_aux_loss_coef"],
     )  # fmt: skip
-    # a micro batch of n pairs is 2n responses (TRL refuses fewer than 2 per device)
+    # the responses of a device's micro batch: n pairs are 2n (TRL refuses fewer than 2 per
+    # device; its KL sequences here need no second example: snaketune.data.labelled)
     args.per_device_train_batch_size = 2 * ctx.run["micro_batch_size"]
     with mock.patch.object(kto_trainer, "hash_module", lambda module: None), exact_targets():
         return trainer_class()(
