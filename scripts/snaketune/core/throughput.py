@@ -26,6 +26,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class Counted:
+    """What the step callback (snaketune.train.progress) reads from a collator, counted
+    over its batches: real (example) tokens, tokens in the model's input (padding
+    included), samples, and the sum of squared sequence lengths (attention work)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.padded = self.samples = self.squares = 0
+
+    def add(self, lengths: list[int], padded: int, samples: int) -> None:
+        """One batch: its sequences' real lengths, its input's size, its samples."""
+        self.tokens += sum(lengths)
+        self.squares += sum(n * n for n in lengths)
+        self.padded += padded
+        self.samples += samples
+
+
 @dataclass(frozen=True)
 class FlopsModel:
     """What the MFU of a step needs; None on CPU."""

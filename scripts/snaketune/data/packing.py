@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.io import IdsLog
+from snaketune.core.throughput import Counted
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,7 @@ def packed_rows(
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
 
 
-class Collator:
+class Collator(Counted):
     """Collates a planned micro batch in the run's layout, counting real and padded tokens
     (and logging example ids when asked)."""
 
@@ -111,10 +112,7 @@ class Collator:
         self._trl = DataCollatorForLanguageModeling(
             pad_token_id=pad_token_id, padding_free=layout == "varlen"
         )
-        self.tokens = 0  # real (example) tokens
-        self.padded = 0  # tokens in the model's input, padding included
-        self.samples = 0
-        self.squares = 0  # sum of squared example lengths (attention FLOPs, throughput.py)
+        super().__init__()
         self._ids_log = IdsLog(ids_log)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -126,9 +124,6 @@ class Collator:
             batch = self._trl(plain)
             if self.layout == "varlen":
                 batch["use_cache"] = False
-        lengths = [len(e["input_ids"]) for e in examples]
-        self.tokens += sum(lengths)
-        self.squares += sum(n * n for n in lengths)
-        self.padded += batch["input_ids"].numel()
-        self.samples += len(examples)
+        self.add([len(e["input_ids"]) for e in examples], batch["input_ids"].numel(),
+                 len(examples))  # fmt: skip
         return batch

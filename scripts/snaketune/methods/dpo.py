@@ -33,6 +33,8 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
+from snaketune.core.throughput import Counted
+from snaketune.methods import moe
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
 
-class PairCollator:
+class PairCollator(Counted):
     """Collates planned pairs (and their reference log-probs, when precomputed), counting
     the tokens the step callback reports."""
 
@@ -48,8 +50,8 @@ class PairCollator:
 
     def __init__(self, pad_token_id: int, reference: dict[str, tuple[float, float]] | None,
                  ids_log: Path | None):  # fmt: skip
+        super().__init__()
         self.pad_token_id, self.reference = pad_token_id, reference
-        self.tokens = self.padded = self.samples = self.squares = 0
         self._ids_log = IdsLog(ids_log)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -64,11 +66,8 @@ class PairCollator:
             ref = [self.reference[i] for i in ids]
             batch["ref_chosen_logps"] = torch.tensor([c for c, _ in ref], dtype=torch.float32)
             batch["ref_rejected_logps"] = torch.tensor([r for _, r in ref], dtype=torch.float32)
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        self.tokens += sum(lengths)
-        self.squares += sum(n * n for n in lengths)
-        self.padded += batch["input_ids"].numel()
-        self.samples += len(examples)
+        self.add(batch["attention_mask"].sum(dim=1).tolist(), batch["input_ids"].numel(),
+                 len(examples))  # fmt: skip
         return batch
 
 
@@ -128,8 +127,7 @@ def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config)
         ctx, DPOConfig, **dpo_config, max_length=None, model_init_kwargs=None,
         # a mixture of experts: TRL's DPO adds coefficient x the router's loss per micro
         # batch (auto: the model's own coefficient; docs/moe.md)
-        router_aux_loss_coef=None if ctx.run["router_aux_loss_coef"] == "auto"
-        or not hasattr(model.config, "output_router_logits") else ctx.run["router_aux_loss_coef"],
+        router_aux_loss_coef=moe.trl_coef(ctx.run, model),
     )  # fmt: skip
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.

@@ -27,6 +27,7 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
+from snaketune.core.throughput import Counted
 from snaketune.methods import model_rewards, rewards
 from snaketune.methods.common import Method
 from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
@@ -55,7 +56,7 @@ def prompt_rows(table, tokenizer):
     })  # fmt: skip
 
 
-class RolloutCounter:
+class RolloutCounter(Counted):
     """What the step callback reads from a collator, counted over generated rollouts:
     real tokens (prompt + completion), tokens in the model's input (padding included),
     completions, and the squared lengths (attention work). Logs the prompt ids it trains
@@ -64,15 +65,12 @@ class RolloutCounter:
     layout = "rollouts"
 
     def __init__(self, ids_log: Path | None):
-        self.tokens = self.padded = self.samples = self.squares = 0
+        super().__init__()
         self.ids_log = IdsLog(ids_log)
 
     def count(self, prompt_mask, completion_mask) -> None:
         lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
-        self.tokens += sum(lengths)
-        self.padded += prompt_mask.numel() + completion_mask.numel()
-        self.samples += len(lengths)
-        self.squares += sum(n * n for n in lengths)
+        self.add(lengths, prompt_mask.numel() + completion_mask.numel(), len(lengths))
 
 
 def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,

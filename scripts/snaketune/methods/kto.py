@@ -38,6 +38,8 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
+from snaketune.core.throughput import Counted
+from snaketune.methods import moe
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
 
-class KTOCollator:
+class KTOCollator(Counted):
     """Planned examples (labelled responses, or pairs as two of them) with their KL
     sequences (each example's partner: the next example in this rank's rows) and, when
     precomputed, each response's reference log-probs; counting what the step callback
@@ -55,10 +57,10 @@ class KTOCollator:
 
     def __init__(self, table, pad_token_id: int, reference: dict[str, tuple[float, ...]] | None,
                  ids_log: Path | None):  # fmt: skip
+        super().__init__()
         self.table, self.pad_token_id, self.reference = table, pad_token_id, reference
         ids = [] if table is None else table["example_id"]
         self.row_of = {example_id: k for k, example_id in enumerate(ids)}
-        self.tokens = self.padded = self.samples = self.squares = 0
         self._ids_log = IdsLog(ids_log)
 
     def partner(self, example_id: str) -> dict[str, Any]:
@@ -76,11 +78,8 @@ class KTOCollator:
             ref = [self.reference[i] for i in ids]
             out["ref_logps"] = torch.tensor([r[side] for side in range(len(ref[0])) for r in ref],
                                             dtype=torch.float32)  # fmt: skip
-        lengths = out["attention_mask"].sum(dim=1).tolist()
-        self.tokens += sum(lengths)
-        self.squares += sum(n * n for n in lengths)
-        self.padded += out["input_ids"].numel()
-        self.samples += len(examples)
+        self.add(out["attention_mask"].sum(dim=1).tolist(), out["input_ids"].numel(),
+                 len(examples))  # fmt: skip
         return out
 
 
@@ -156,8 +155,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         ctx, KTOConfig, beta=kto["beta"], desirable_weight=kto["desirable_weight"],
         undesirable_weight=kto["undesirable_weight"], max_length=None, model_init_kwargs=None,
         precompute_ref_log_probs=reference(ctx.run) == "precomputed",
-        router_aux_loss_coef=None if ctx.run["router_aux_loss_coef"] == "auto"
-        or not hasattr(model.config, "output_router_logits") else ctx.run["router_aux_loss_coef"],
+        router_aux_loss_coef=moe.trl_coef(ctx.run, model),
     )  # fmt: skip
     # the responses of a device's micro batch: n pairs are 2n (TRL refuses fewer than 2 per
     # device; its KL sequences here need no second example: snaketune.data.labelled)

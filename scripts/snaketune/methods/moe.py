@@ -22,6 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def trl_coef(run: dict[str, Any], model) -> float | None:
+    """The ``router_aux_loss_coef`` a TRL preference trainer (DPO's, KTO's) takes, which adds
+    coefficient x the router's loss per micro batch itself: None (the model's own) for
+    ``auto`` or a model without router logits, else the run's."""
+    setting = run["router_aux_loss_coef"]
+    if setting == "auto" or not hasattr(model.config, "output_router_logits"):
+        return None
+    return setting
+
+
 class Router:
     """The auxiliary loss and the expert load of one training job's MoE model."""
 

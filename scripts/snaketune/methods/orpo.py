@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import IGNORE_INDEX, pad_id
+from snaketune.core.throughput import Counted
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
 
-class ORPOCollator:
+class ORPOCollator(Counted):
     """Planned pairs in ORPOTrainer's layout: each side right-padded, its own input ids,
     attention mask and labels (-100 outside the response), counting what the step callback
     reports."""
@@ -50,8 +51,8 @@ class ORPOCollator:
     layout = "padded pairs"
 
     def __init__(self, pad_token_id: int, ids_log: Path | None):
+        super().__init__()
         self.pad_token_id = pad_token_id
-        self.tokens = self.padded = self.samples = self.squares = 0
         self._ids_log = IdsLog(ids_log)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -71,10 +72,7 @@ class ORPOCollator:
                 mask[i, : len(seq)] = 1
             batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": mask,
                           f"{side}_labels": labels})  # fmt: skip
-            lengths = mask.sum(dim=1).tolist()
-            self.tokens += sum(lengths)
-            self.squares += sum(n * n for n in lengths)
-            self.padded += ids.numel()
+            self.add(mask.sum(dim=1).tolist(), ids.numel(), 0)
         self.samples += len(examples)
         return batch
 
