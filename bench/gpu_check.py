@@ -3,13 +3,14 @@ GPU, in one command that is ready before a GPU machine is (issue 59).
 
     python bench/gpu_prepare.py download         # here, online: the wheels a GPU machine lacks
     python bench/gpu_prepare.py install          # there, after each part is carried
-    python bench/gpu_check.py --gpu --out gpu_check   # there: under 9 minutes, one H100/H200
+    PYTHONPATH=$PWD/scripts:$PWD/.gpu-site \
+    python bench/gpu_check.py --gpu --out gpu_check   # there: ~5 minutes on one H200
     python bench/gpu_check.py --out /tmp/gpu_check    # CPU: tiny sizes (the CI tier runs it)
 
 Each run goes through scripts/train.py (torchrun agent, DeepSpeed ZeRO-2, TRL's trainer,
 the metrics callback: the stage itself, not a copy) on one GPU: a Llama-3.2-1B-shaped model
-with random weights (its config, nothing downloaded), bf16, GSM8K-shaped examples packed
-into rows of 2048 tokens, 30 steps (the first 5 left out):
+with random weights (its config, nothing downloaded), bf16, micro batches of 4 examples of
+2048 tokens each, 30 steps (the first 5 left out):
 
   full    every weight
   lora    r 16 on every linear layer
@@ -21,11 +22,11 @@ in the worker) beside the memory plan's per-GPU figure for the same run
 (snaketune.budget.memplan.estimate, its total and the part without the CUDA margin), and
 the attention kernel and fused kernels the worker said it used. Then a torch profiler
 summary of one forward and backward of the same model in plain transformers (the top
-operators by device time: where a step's time goes), and `pytest -m gpu`. Writes
+kernels by device time: where a step's time goes), and `pytest -m gpu`. Writes
 ``<out>/gpu_check.json`` and prints a table (docs/benchmarks.md, "GPU check").
 
-Without --gpu: the same path on this machine's CPU at tiny sizes (a 2-layer Llama, rows of 256
-tokens, 4 steps, fp32, no pytest), so that the script cannot rot between GPU runs.
+Without --gpu: the same path on this machine's CPU at tiny sizes (a 2-layer Llama, examples
+of 256 tokens, 4 steps, fp32, no pytest), so that the script cannot rot between GPU runs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,9 +106,16 @@ def profile_step(model_dir: Path, micro: int, length: int, device: str) -> list[
         model(input_ids=ids, labels=ids).loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
-    # self time: an operator's own, not the operators it calls (no time counted twice)
+    # self time: an operator's own, not the operators it calls (no time counted twice); on
+    # CUDA the kernels alone (an operator's self device time is its kernels' again: the
+    # first GPU run listed aten::mm beside the GEMM kernels it launched)
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    events = list(prof.key_averages())
+    if device == "cuda":
+        from torch.autograd import DeviceType
+
+        events = [e for e in events if e.device_type == DeviceType.CUDA] or events
+    events = sorted(events, key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events if not e.key.startswith("ProfilerStep")) or 1
     return [{"op": e.key, "ms": round(getattr(e, key) / 1000, 3),
              "share": round(getattr(e, key) / total, 4), "calls": e.count}
@@ -113,17 +123,24 @@ def profile_step(model_dir: Path, micro: int, length: int, device: str) -> list[
 
 
 def gpu_tests() -> dict:
-    """`pytest -m gpu` (the tests that need a CUDA GPU): its summary line and exit code."""
+    """`pytest -m gpu` (the tests that need a CUDA GPU): its summary line and exit code. The
+    documented benchmarks' --gpu forms (tests/test_bench.py) are left out: they are whole
+    benchmarks, this check among them, for a GPU session of their own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
-                           "no:cacheprovider", "tests"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           "-k", "not test_documented_benchmark_runs", "tests"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        return {"exit": None, "summary": f"timed out after 300 s: {str(exc.stdout)[-300:]}"}
     lines = [ln for ln in proc.stdout.splitlines() if re.search(r"passed|failed|error", ln)]
-    return {"exit": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-300:]}
+    return {"exit": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-300:],
+            "failures": proc.stdout[-3000:] if proc.returncode else ""}  # fmt: skip
 
 
-def check(mode: str, out: Path) -> dict:
+def check(mode: str, out: Path, only: list[str] | None = None, extras: bool = True) -> dict:
     import torch
 
     tt = throughput_module()
@@ -132,6 +149,7 @@ def check(mode: str, out: Path) -> dict:
         raise SystemExit("gpu_check: no CUDA GPU here (without --gpu: the CPU form)")
     length, micro, steps, warmup = SIZES[mode]
     methods = ["full", "lora"] + (["qlora"] if importlib.util.find_spec("bitsandbytes") else [])
+    methods = [m for m in methods if not only or m in only]
     result = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"),
               "device": torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu",
               "torch": torch.__version__, "max_length": length, "micro_batch_size": micro,
@@ -141,7 +159,11 @@ def check(mode: str, out: Path) -> dict:
         model, params = tt.make_model(tmp / "model", gpu=on_gpu, layers=2)
         result["params"] = params
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        lengths = tt.gsm8k_lengths(micro * steps * length // 150 + micro)
+        # Examples of max_length tokens each: a micro batch of `micro` examples is then
+        # micro x max_length tokens, the batch the memory plan and the MFU goal are about
+        # (micro_batch_size counts examples: GSM8K-shaped ones, ~150 tokens, would fill a
+        # tenth of it; the first GPU run measured that by mistake).
+        lengths = np.full(micro * (steps + 1), length, dtype=np.int64)
         tokenized = tt.write_tokenized(tmp / "tokenized.parquet", lengths, vocab)
         for method in methods:
             run = {"method": "lora" if method != "full" else "full", "max_length": length,
@@ -153,7 +175,11 @@ def check(mode: str, out: Path) -> dict:
             try:
                 records = tt.train_side(tmp, method, tokenized, model, micro, steps, True, **run)
             except RuntimeError as exc:
-                result["runs"][method] = {"error": str(exc)[-1500:]}
+                logs = sorted((tmp / f"train-{method}" / "logs").glob("*.log"))
+                tails = "".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+                result["runs"][method] = {"error": str(exc)[-1500:], "logs": tails[-6000:]}
+                dump(result, out)
+                print(f"{method}: failed", flush=True)
                 continue
             s = tt.steady(records, warmup)
             plan = planned(tt.run_spec_of(micro, steps, True, **run), model, on_gpu)
@@ -166,16 +192,37 @@ def check(mode: str, out: Path) -> dict:
                 "peak_gib": round(s["peak_gib"], 3),
                 "plan_gib": plan["total"],
                 "plan_without_margin_gib": round(plan["total"] - plan["margin"], 3),
-                "plan_error": round(plan["total"] / s["peak_gib"] - 1, 4) if on_gpu else None,
+                # what max_memory_allocated measures is the plan less its margin (the CUDA
+                # context, NCCL's buffers, fragmentation: memory the allocator does not count)
+                "plan_error": round((plan["total"] - plan["margin"]) / s["peak_gib"] - 1, 4)
+                if on_gpu
+                else None,
+                "plan_total_error": round(plan["total"] / s["peak_gib"] - 1, 4) if on_gpu else None,
                 "kernels": kernels_used(tmp / f"train-{method}"),
                 "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
                 "wall_s": round(time.monotonic() - began, 1),
             }
-        result["profile"] = profile_step(model, micro, length, "cuda" if on_gpu else "cpu")
-    result["gpu_tests"] = gpu_tests() if on_gpu else {"summary": "not run (the CPU form)"}
+            dump(result, out)  # each run's figures kept, should a later one not end
+            print(f"{method}: {json.dumps(result['runs'][method])}", flush=True)
+        try:
+            if not extras:
+                raise RuntimeError("left out (--runs-only)")
+            result["profile"] = profile_step(model, micro, length, "cuda" if on_gpu else "cpu")
+        except Exception as exc:  # the runs' figures stand without it
+            result["profile"] = [{"op": f"profile failed: {exc!r}"[:300], "ms": 0, "share": 0,
+                                  "calls": 0}]  # fmt: skip
+        print(f"profile: {json.dumps(result['profile'][:5])}", flush=True)
+    result["gpu_tests"] = {"summary": "not run yet"}
+    dump(result, out)
+    result["gpu_tests"] = (gpu_tests() if on_gpu and extras else
+                           {"summary": "not run (the CPU form or --runs-only)"})  # fmt: skip
+    dump(result, out)
+    return result
+
+
+def dump(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def table(result: dict) -> str:
@@ -183,7 +230,7 @@ def table(result: dict) -> str:
              f"{result['params'] / 1e6:.0f}M weights, rows of {result['max_length']} tokens "
              f"packed, micro batch {result['micro_batch_size']}, {result['steps']} steps "
              f"(first {result['warmup']} left out)",
-             "| run | tokens/s per GPU | step s | MFU | peak GiB | plan GiB | plan error | kernels |",
+             "| run | tokens/s per GPU | step s | MFU | peak GiB | plan GiB (less margin) | plan error | kernels |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for name, r in result["runs"].items():
         if "error" in r:
@@ -192,7 +239,8 @@ def table(result: dict) -> str:
         mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         err = "" if r["plan_error"] is None else f"{100 * r['plan_error']:+.1f}%"
         lines.append(f"| {name} | {r['tokens_per_s_per_gpu']:,.0f} | {r['step_s']:.3f} | {mfu} | "
-                     f"{r['peak_gib']:.2f} | {r['plan_gib']:.2f} | {err} | {r['kernels']} |")  # fmt: skip
+                     f"{r['peak_gib']:.2f} | {r['plan_gib']:.2f} ({r['plan_without_margin_gib']:.2f}) | "
+                     f"{err} | {r['kernels']} |")  # fmt: skip
     lines.append("where one forward and backward goes (plain transformers, the profiler's top "
                  "operators): " + ", ".join(f"{p['op']} {100 * p['share']:.0f}%"
                                             for p in result["profile"][:5]))  # fmt: skip
@@ -205,10 +253,14 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--gpu", action="store_true",
                         help="the GPU check (without: the CPU form, tiny sizes, a few steps)")  # fmt: skip
+    parser.add_argument("--only", type=lambda v: v.split(","), default=None,
+                        help="these runs alone (full,lora,qlora)")  # fmt: skip
+    parser.add_argument("--runs-only", action="store_true",
+                        help="the training runs alone: no profile, no pytest -m gpu")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("gpu_check"),
                         help="folder for gpu_check.json (the device tool's $OUT there)")  # fmt: skip
     args = parser.parse_args()
-    result = check("gpu" if args.gpu else "smoke", args.out)
+    result = check("gpu" if args.gpu else "smoke", args.out, args.only, not args.runs_only)
     print(table(result))
     failed = [name for name, r in result["runs"].items() if "error" in r]
     return 1 if failed else 0

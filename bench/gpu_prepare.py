@@ -139,6 +139,32 @@ THERE = set(
     ]
 )
 SOURCE_ONLY = {"deepspeed"}  # published as a source archive only
+# bitsandbytes' wheel holds a library per CUDA, ROCm and XPU release (129 MB unpacked, 43 MB
+# packed, most of a call's 64 MiB): keep those of the GPU machines' CUDA (torch 2.11+cu130)
+# and the CPU one, so that everything travels in one call.
+CUDA_KEPT = ("cuda130", "cuda132")
+
+
+def slim(wheel: Path) -> None:
+    """Drop from bitsandbytes' ``wheel`` the native libraries of other CUDA, ROCm and XPU
+    releases than CUDA_KEPT (and their RECORD lines)."""
+    import zipfile
+
+    def dropped(name: str) -> bool:
+        lib = re.fullmatch(r"bitsandbytes/libbitsandbytes_(\w+)\.(so|dll|dylib)", name)
+        return bool(lib) and lib[1] != "cpu" and lib[1] not in CUDA_KEPT
+
+    slimmed = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            if dropped(item.filename):
+                continue
+            data = src.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(ln for ln in lines if not dropped(ln.split(",")[0])).encode()
+            dst.writestr(item, data)
+    slimmed.replace(wheel)
 
 
 def norm(name: str) -> str:
@@ -216,6 +242,8 @@ def download(dry_run: bool) -> int:
                    check=True)  # fmt: skip
     if source:
         subprocess.run([*pip, "--no-binary=:all:", *source], check=True)
+    for wheel in fetched.glob("bitsandbytes-*.whl"):
+        slim(wheel)
     for i, part in enumerate(parts(sorted(fetched.iterdir())), 1):
         folder = WHEELS / f"part-{i}"
         folder.mkdir(exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -160,9 +161,13 @@ ENV = {
     "PYTHONPATH": os.pathsep.join([str(OFFLINE), *filter(None, [os.environ.get("PYTHONPATH")])]),
 }
 sys.path.insert(0, str(OFFLINE))
-import sitecustomize  # noqa: E402,F401  (the same watch on this process)
+import sitecustomize  # noqa: E402  (the same watch on this process)
 
 sys.path.remove(str(OFFLINE))
+if not hasattr(sitecustomize, "cpu_seconds"):  # Python's site imported another one first
+    _spec = importlib.util.spec_from_file_location("sitecustomize", OFFLINE / "sitecustomize.py")
+    sitecustomize = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sitecustomize)
 
 
 def pytest_runtest_setup(item) -> None:

@@ -165,6 +165,40 @@ def test_the_gpu_check_s_cpu_form_runs(tmp_path):
         assert run["peak_gib"] > 0 and run["plan_gib"] > run["plan_without_margin_gib"] > 0
         assert "attention" not in run["kernels"] and run["kernels"] != "not logged", run
         assert run["loss_first_last"][0] > 0
+        # a micro batch is micro_batch_size examples of max_length tokens, the batch the plan
+        # and the MFU goal are about (the first GPU run trained a tenth of it: ~150-token
+        # examples, micro_batch_size counting examples)
+        tokens = run["tokens_per_s_per_gpu"] * run["step_s"]
+        assert tokens == pytest.approx(result["micro_batch_size"] * result["max_length"],
+                                       rel=0.05), (name, run)  # fmt: skip
     shares = [p["share"] for p in result["profile"]]
     assert len(shares) == 10 and 0 < sum(shares) <= 1.0001, result["profile"]
     assert "| full |" in proc.stdout and "pytest -m gpu: not run" in proc.stdout
+
+
+def test_the_carried_bitsandbytes_keeps_the_gpu_machines_cuda_and_the_cpu_library(tmp_path):
+    """gpu_prepare's slim: bitsandbytes' wheel (43 MB, a library per CUDA, ROCm and XPU
+    release) keeps the GPU machines' CUDA libraries and the CPU one, and its RECORD names
+    exactly the files left, so that everything a GPU machine lacks travels in one call."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("gpu_prepare", ROOT / "bench/gpu_prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    libs = ["cpu", "cuda118", "cuda128", "cuda130", "cuda132", "rocm72", "xpu2025"]
+    names = ["bitsandbytes/__init__.py", *(f"bitsandbytes/libbitsandbytes_{x}.so" for x in libs)]
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    record = "bitsandbytes-0.50.2.dist-info/RECORD"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, name * 100)
+        z.writestr(record, "".join(f"{n},sha256=x,1\n" for n in [*names, record]))
+    prepare.slim(wheel)
+    with zipfile.ZipFile(wheel) as z:
+        kept = set(z.namelist())
+        listed = {line.split(",")[0] for line in z.read(record).decode().splitlines()}
+        assert z.read("bitsandbytes/libbitsandbytes_cuda130.so") == names[4].encode() * 100
+    expected = {"bitsandbytes/__init__.py", record, *(f"bitsandbytes/libbitsandbytes_{x}.so"
+                                                     for x in ("cpu", "cuda130", "cuda132"))}  # fmt: skip
+    assert kept == listed == expected

@@ -464,3 +464,17 @@ def test_torchrun_s_shutdown_warning_when_the_store_s_agent_ended_first_is_expla
     said = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert said[0][0] == "INFO" and said[0][1].endswith("not a failure)"), said
     assert said[1][0] == "WARNING" and "RendezvousStateError" in said[1][1], said
+
+
+def test_torchrun_is_given_only_the_options_it_takes(monkeypatch):
+    """Every option the launchers pass is one this torch's torchrun knows; --shutdown-timeout
+    (torch 2.12 on) is left out where torchrun lacks it (torch 2.11 refused the whole launch:
+    the first GPU check)."""
+    from snaketune.train import agents
+
+    args = agents.torchrun_args(2, 4, "head:29500", "run", 90)
+    assert all(agents.torchrun_knows(a) for a in args if a.startswith("--")), args
+    assert args[args.index("--shutdown-timeout") + 1] == "90"
+    monkeypatch.setattr(agents, "torchrun_knows", lambda option: False)
+    older = agents.torchrun_args(2, 4, "head:29500", "run", 90)
+    assert "--shutdown-timeout" not in older and older == args[: args.index("--shutdown-timeout")]

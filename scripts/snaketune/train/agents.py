@@ -22,6 +22,7 @@ WORLD_SIZE):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shlex
@@ -68,8 +69,17 @@ def torchrun_args(
         "--max-restarts", "0",
         "--monitor-interval", "1",
         "--signals-to-handle", FORWARDED,
-        "--shutdown-timeout", str(shutdown_timeout),
-    ]  # fmt: skip
+    ] + (["--shutdown-timeout", str(shutdown_timeout)]
+         if torchrun_knows("--shutdown-timeout") else [])  # fmt: skip
+
+
+@functools.cache
+def torchrun_knows(option: str) -> bool:
+    """Whether this torch's torchrun takes ``option`` (--shutdown-timeout came with torch
+    2.12: the pinned 2.13 has it; a GPU machine's 2.11 refuses the whole launch for it)."""
+    from torch.distributed.run import get_args_parser
+
+    return option in get_args_parser()._option_string_actions
 
 
 def local_commands(
