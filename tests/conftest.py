@@ -42,6 +42,11 @@ CI_RUNS = {
 }
 
 
+# The GRPO chain's RLOO run (the GRPO run's settings as method rloo): enough steps for a
+# checkpoint, the merge and the evaluation, in both tiers.
+RLOO_CHAINED = {"max_steps": 8, "save_steps": 4}
+
+
 # The batch settings of the pair trainers' weighting tests (PlannedPairs): micro batches of
 # 2 pairs, 2 of them a step (the weighting is by a micro batch's pairs, not a step's).
 RUN_OF_TWO = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}
@@ -685,11 +690,22 @@ def grpo_chain(sft_demo, tmp_path_factory):
     one)."""
     import time
 
+    import yaml
+
+    from snaketune.plan.config import load_yaml
+
     workdir = tmp_path_factory.mktemp("grpo") / "w"
     subprocess.run(["cp", "-a", str(sft_demo), str(workdir)], check=True)
+    # and RLOO from the same SFT run with the same rollouts and rewards, to its evaluation
+    # (tests/test_rloo.py), in both tiers
+    run = load_yaml(ROOT / "config/grpo_demo.yaml")["runs"]["rl_demo"]
+    run = {**{k: v for k, v in run.items() if k not in ("grpo", "eval_steps")},
+           "method": "rloo", "rloo": run["grpo"], **RLOO_CHAINED}  # fmt: skip
+    (workdir / "rloo.yaml").write_text(yaml.safe_dump({"runs": {"rloo_demo": run}}))
     start = time.monotonic()
     proc = snakemake("--configfile", str(ROOT / "config/config.yaml"), str(ROOT / "config" / "grpo_demo.yaml"),
-                     "--directory", str(workdir), "publish", "--config",
+                     str(workdir / "rloo.yaml"), "--directory", str(workdir), "publish",
+                     "results/rloo_demo/eval/metrics.json", "--config",
                      chain_runs("sft_demo", whole=("rl_demo",)))  # fmt: skip
     (workdir / "grpo.out").write_text(proc.stdout + proc.stderr)
     (workdir / "grpo.seconds").write_text(f"{time.monotonic() - start:.0f}\n")

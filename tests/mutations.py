@@ -165,11 +165,25 @@ MUTATIONS = (
     ),
     Mutation(
         "user-columns-unused", "GRPO's trainer never hands the step's inputs their source rows' columns",
-        f"{LIB}/methods/grpo.py",
+        f"{LIB}/methods/rollouts.py",
         "            rewards.add_columns(inputs, columns)",
         "            pass",
         # the CI tier's GRPO chain: config/rewards/arith.py reads the `question` column
         ("tests/test_grpo.py::test_publish_dry_run_writes_the_folder_with_a_model_card",),
+    ),
+    Mutation(
+        "rloo-normalized", "RLOO's advantages scaled to unit spread where the run did not ask",
+        f"{LIB}/methods/rloo.py",
+        "                            normalize_advantages=normalize)",
+        "                            normalize_advantages=True)",
+        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly",),
+    ),
+    Mutation(
+        "rollouts-other-rank", "the rollouts log records another rank's rewards",
+        f"{LIB}/methods/rollouts.py",
+        "                mine = scored[-1][self.accelerator.process_index * len(inputs) :][: len(inputs)]",
+        "                mine = scored[-1][: len(inputs)]",
+        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly",),
     ),
     Mutation(
         "text-marked-wrong", "the report marks a free-text sample right or wrong (no checker)",

@@ -177,3 +177,58 @@ def reward_pair_loss(model, pairs: list[dict], centre: float | None = None,
         loss = math.log1p(math.exp(-(c - r - m)))
         losses.append(loss + (centre or 0.0) * (c + r) ** 2)
     return math.fsum(losses) / len(losses)
+
+
+def completion_logp(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The summed log-probability of ``completion`` after ``prompt`` (one sequence, no
+    padding), with its graph."""
+    ids = torch.tensor([prompt + completion])
+    logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    picked = logps[len(prompt) - 1 :].gather(1, ids[0, len(prompt) :, None])
+    return picked.sum()
+
+
+def rloo_grad_norm(model, reference, ranks: list[dict], weights: dict[str, float], beta: float,
+                   generations: int) -> float:  # fmt: skip
+    """The norm of the gradient of one RLOO step as the paper writes it (Ahmadian et al.,
+    2024) with TRL's KL penalty, over data-parallel ``ranks`` (each one rank's rollouts:
+    prompt_ids, completion_ids, rewards by function): each completion's reward is the
+    weighted sum of its functions' values (those that gave one) less beta x its summed
+    log-ratio to ``reference``; its advantage is that reward less the mean of the other
+    completions of its prompt (``generations`` in a row, over the ranks' completions in rank
+    order); each rank's loss is minus the mean of advantage x ratio (1 in value, the
+    log-probability's gradient), and the step's gradient the mean of the ranks'."""
+    logps, rewards = [], []
+    for rank in ranks:
+        for i, (prompt, completion) in enumerate(zip(rank["prompt_ids"], rank["completion_ids"],
+                                                     strict=True)):  # fmt: skip
+            logp = completion_logp(model, prompt, completion)
+            with torch.no_grad():
+                kl = logp - completion_logp(reference, prompt, completion) if beta else 0.0
+            given = [(weights[k], v[i]) for k, v in rank["rewards"].items() if v[i] is not None]
+            reward = sum(w * v for w, v in given) if given else math.nan
+            logps.append(logp)
+            rewards.append(reward - beta * float(kl))
+    advantages = []
+    for g in range(0, len(rewards), generations):
+        group = rewards[g : g + generations]
+        scored = [r for r in group if not math.isnan(r)]
+        for r in group:
+            if math.isnan(r) or len(scored) < 2:
+                advantages.append(0.0)
+            else:
+                advantages.append(r - (sum(scored) - r) / (len(scored) - 1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    start = 0
+    for rank in ranks:
+        n = len(rank["completion_ids"])
+        loss = -sum(a * torch.exp(lp - lp.detach())
+                    for a, lp in zip(advantages[start : start + n], logps[start : start + n],
+                                     strict=True)) / n  # fmt: skip
+        for t, grad in zip(total, torch.autograd.grad(loss, params, allow_unused=True),
+                           strict=True):  # fmt: skip
+            if grad is not None:
+                t += grad / len(ranks)
+        start += n
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in total))

@@ -92,7 +92,7 @@ fi
 SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
        tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py
        tests/test_examples.py tests/test_bench.py)
-SIDE=(tests/test_grpo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
+SIDE=(tests/test_grpo.py tests/test_rloo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
       tests/test_sequence.py)
 CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py)
 # pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure

@@ -27,6 +27,7 @@ REGISTRY = {
     "simpo": ("snaketune.methods.simpo", "METHOD"),
     "orpo": ("snaketune.methods.orpo", "METHOD"),
     "kto": ("snaketune.methods.kto", "METHOD"),
+    "rloo": ("snaketune.methods.rloo", "METHOD"),
 }
 
 

@@ -38,8 +38,14 @@ def model_runs(rewards: Mapping[str, Any]) -> list[str]:
 
 
 def reward_runs(run: Mapping[str, Any]) -> list[str]:
-    """The runs whose reward models ``run`` scores with (a GRPO run's ``model:`` keys)."""
-    return model_runs(run["grpo"]["rewards"]) if "grpo" in run else []
+    """The runs whose reward models ``run`` scores with (the ``model:`` keys of a rollout
+    method's ``rewards``: GRPO's, RLOO's)."""
+    from snaketune.methods import REGISTRY, method_named
+
+    if run.get("method") not in REGISTRY:
+        return []
+    block = method_named(run["method"]).block
+    return model_runs(run.get(block, {}).get("rewards", {})) if block else []
 
 
 def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any],
@@ -204,19 +210,19 @@ def normalized(values: list[float], group: int) -> list[float]:
     return out
 
 
-def scorers(grpo: Mapping[str, Any], example_ids: list[str], dtype,
+def scorers(block: Mapping[str, Any], example_ids: list[str], dtype,
             local_rank: int) -> dict[str, ModelReward]:  # fmt: skip
-    """This rank's reward-model rewards, by key (none without ``model:`` keys), on its GPU
-    (else the CPU)."""
+    """This rank's reward-model rewards of a rollout method's ``block``, by key (none
+    without ``model:`` keys), on its GPU (else the CPU)."""
     import torch
 
-    runs = {k: m["run"] for k in grpo["rewards"] if (m := MODEL_KEY.match(k))}
+    runs = {k: m["run"] for k in block["rewards"] if (m := MODEL_KEY.match(k))}
     if not runs:
         return {}
-    settings = grpo["reward_models"]
+    settings = block["reward_models"]
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     prompts = prompt_turns(settings["sources"], example_ids)
     return {k: ModelReward(k, settings["models"][run], prompts,
-                           grpo["reward_model_normalization"], grpo["num_generations"],
+                           block["reward_model_normalization"], block["num_generations"],
                            dtype, device) for k, run in runs.items()}  # fmt: skip

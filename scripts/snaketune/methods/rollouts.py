@@ -1,0 +1,408 @@
+"""What the methods that learn from their own generations share (GRPO, RLOO): the prompts
+they plan, the rollouts they count, the rewards they score with, their trainer's planned
+data path, their step figures, checks, memory and the config keys of their blocks.
+
+A rollout run trains on the same tokenized copy and the same per-node shards as supervised
+fine-tuning: a row's prompt is its tokens before the first trained label (the chat
+template's user turn and the assistant header), its reference answer the text of its
+trained labels. shard_dataset plans prompts, ``micro_batch_size / num_generations`` per
+device and pass, exactly once per epoch, equal steps per node.
+
+Each optimizer step, every device generates ``num_generations`` completions for each of
+its prompts (one generation batch per step: TRL's ``steps_per_generation`` is the
+accumulation), so each group of completions is scored where it was generated; TRL gathers
+the rewards of every rank before the group statistics (GRPO's normalised advantages,
+RLOO's leave-one-out baselines), which need only the groups to be contiguous, as they are
+here.
+
+Rewards (weights from ``<block>.rewards``): the built-in ``correctness`` and ``format``,
+the user's own functions (``"<file.py>:<function>"``), snaketune.methods.rewards, and
+reward models (``"model:<run>"``), snaketune.methods.model_rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from snaketune.core.errors import ConfigError
+from snaketune.core.io import IdsLog
+from snaketune.core.lora_targets import exact_targets
+from snaketune.core.rows import prompt_and_answer
+from snaketune.core.throughput import Counted
+from snaketune.methods import model_rewards, rewards
+from snaketune.methods.training import Context, peft_config
+
+if TYPE_CHECKING:
+    from snaketune.data.batches import Data
+
+# Dataset formats that give each prompt a reference answer for the rewards.
+ANSWERED_FORMATS = ("prompt_response", "alpaca")
+
+
+def prompt_rows(table, tokenizer):
+    """SFT rows -> rollout rows: prompt (the decoded prompt tokens), prompt_ids, answer."""
+    import datasets
+
+    prompts, ids, answers = [], [], []
+    for input_ids, labels in zip(table["input_ids"], table["labels"], strict=True):
+        prompt, answer = prompt_and_answer(input_ids, labels)
+        ids.append(prompt)
+        prompts.append(tokenizer.decode(prompt))
+        answers.append(tokenizer.decode(answer, skip_special_tokens=True).strip())
+    return datasets.Dataset.from_dict({
+        "example_id": list(table["example_id"]), "prompt": prompts, "prompt_ids": ids,
+        "answer": answers, "step": list(table["step"]), "micro": list(table["micro"]),
+    })  # fmt: skip
+
+
+class RolloutCounter(Counted):
+    """What the step callback reads from a collator, counted over generated rollouts:
+    real tokens (prompt + completion), tokens in the model's input (padding included),
+    completions, and the squared lengths (attention work). Logs the prompt ids it trains
+    on, once per prompt, when asked to."""
+
+    layout = "rollouts"
+
+    def __init__(self, ids_log: Path | None):
+        super().__init__()
+        self.ids_log = IdsLog(ids_log)
+        # beside the ids (--log-example-ids): each step's rollouts, for the per-step oracles
+        self.rollouts = Path(ids_log).with_suffix(".rollouts.jsonl") if ids_log else None
+
+    def count(self, prompt_mask, completion_mask) -> None:
+        lengths = (prompt_mask.sum(1) + completion_mask.sum(1)).tolist()
+        self.add(lengths, prompt_mask.numel() + completion_mask.numel(), len(lengths))
+
+    def record(self, step: int, inputs: list[dict], out: dict, rewards: dict) -> None:
+        """With --log-example-ids: this rank's rollouts of optimizer step ``step`` (one line:
+        per completion its example id, prompt and completion tokens, and each reward
+        function's value, None where it gave none)."""
+        if self.rollouts is None:
+            return
+        import json
+
+        def tokens(ids, mask) -> list[list[int]]:
+            return [[t for t, m in zip(row, keep, strict=True) if m]
+                    for row, keep in zip(ids.tolist(), mask.tolist(), strict=True)]  # fmt: skip
+
+        line = {"step": step, "example_ids": [x["example_id"] for x in inputs],
+                "prompt_ids": tokens(out["prompt_ids"], out["prompt_mask"]),
+                "completion_ids": tokens(out["completion_ids"], out["completion_mask"]),
+                "rewards": rewards}  # fmt: skip
+        with open(self.rollouts, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
+         ids_log: Path | None) -> Data:  # fmt: skip
+    """This rank's planned prompts with their reference answers, counted per rollout."""
+    from snaketune.data.batches import Data
+
+    return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
+
+
+def group_batches(batches, generations: int):
+    """A sampler over rollout rows from a PlanBatches: per step, the step's prompts (all its
+    micro batches), each repeated ``generations`` times in a row, given ``accumulation``
+    times (TRL generates on the first and trains each pass on a slice of it)."""
+    import numpy as np
+    from torch.utils.data import Sampler
+
+    class GroupBatches(Sampler[list[int]]):
+        def __iter__(self):
+            epoch, batches.epoch = batches.epoch, batches.epoch + 1
+            for s in batches.order(epoch):
+                rows = [i for micro in batches.batches[s] for i in micro]
+                batch = list(np.repeat(rows, generations).tolist())
+                for _ in range(batches.accumulation):
+                    yield batch
+
+        def __len__(self) -> int:
+            return len(batches)
+
+    return GroupBatches()
+
+
+def reward_setup(ctx: Context, table, block: str) -> tuple[list, list[float], dict[str, dict]]:
+    """The run's reward functions and weights (its reward models loaded on this rank's
+    device), and for the user's functions the source rows' other columns by example id
+    (their keywords); refuses code changed since the workflow planned the job (its digest
+    is in the spec)."""
+    from snaketune.core.qlora import dtype_of
+
+    run = ctx.run
+    named = run[block]["rewards"]
+    if "code_sha256" in run and run["code_sha256"] != rewards.digests(named):
+        raise rewards.RewardError(
+            "a reward function's file changed after the workflow planned this job; run "
+            "snakemake again (the run retrains with the new code)"
+        )
+    models = model_rewards.scorers(run[block], list(table["example_id"]),
+                                   dtype_of(ctx.precision), ctx.env.local_rank)  # fmt: skip
+    funcs, weights = rewards.functions(named, models)
+    users = rewards.user_keys(named)
+    columns = rewards.source_columns(list(table["example_id"])) if users else {}
+    return funcs, weights, columns
+
+
+def use_vllm(setting: bool | str) -> bool:
+    """vLLM for the rollouts: asked for (true), or auto where it is installed on a GPU."""
+    if setting == "auto":
+        import torch
+
+        from snaketune.data.kernels import installed
+
+        return torch.cuda.is_available() and installed("vllm")
+    return bool(setting)
+
+
+def shared_args(ctx: Context, block: str, weights: list[float]) -> dict[str, Any]:
+    """The TRL config arguments every rollout method's block sets alike."""
+    b = ctx.run[block]
+    return dict(
+        num_generations=b["num_generations"], max_completion_length=b["max_completion_length"],
+        temperature=b["temperature"], top_p=b["top_p"], beta=b["beta"], epsilon=b["epsilon"],
+        num_iterations=b["num_iterations"], reward_weights=weights,
+        steps_per_generation=ctx.run["gradient_accumulation_steps"],
+        use_vllm=use_vllm(b["use_vllm"]), vllm_mode="colocate",
+        vllm_gpu_memory_utilization=b["vllm_gpu_memory_utilization"],
+        shuffle_dataset=False, log_completions=False, model_init_kwargs=None,
+    )  # fmt: skip
+
+
+def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, config_cls,
+            **method_args):  # fmt: skip
+    """TRL's rollout trainer ``base`` (GRPOTrainer, RLOOTrainer) on this rank's planned
+    prompts: its config ``config_cls`` from the shared settings (training_args) and the
+    block's, the prompts' own tokens, each step's rollouts counted."""
+    from torch.utils.data import DataLoader
+
+    from snaketune.data.batches import planned_loader
+    from snaketune.methods.training import training_args
+
+    funcs, weights, columns = reward_setup(ctx, data.table, block)
+    args = training_args(ctx, config_cls, **shared_args(ctx, block, weights), **method_args)
+    counter: RolloutCounter = data.collator
+    prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
+    sampler = group_batches(data.batches, ctx.run[block]["num_generations"])
+    decided: list[bool] = []
+
+    scored: list = []  # the last _calculate_rewards' values (every rank's rows)
+
+    class Planned(base):
+        def get_train_dataloader(self) -> DataLoader:
+            # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
+            return planned_loader(data.table, sampler, list)
+
+        def _tokenize_prompts(self, prompts: list):
+            # the tokens tokenize wrote (chat template applied), not a re-encoding of them
+            return [list(prompt_ids[p]) for p in prompts], None, {}
+
+        def _generate_and_score_completions(self, inputs):
+            if not decided:  # ZeRO-3: the whole model per GPU, or generate on the shards
+                from snaketune.evaluation.sharded import gather_for_generation, is_sharded
+
+                if is_sharded(self.model):
+                    self.args.ds3_gather_for_generation = gather_for_generation(
+                        ctx.run.get("gather_for_generation", "auto"), self.model)  # fmt: skip
+                decided.append(True)
+            rewards.add_columns(inputs, columns)
+            try:
+                out = super()._generate_and_score_completions(inputs)
+            except rewards.RewardError as exc:  # the launcher's one line (health/fatal.json)
+                rewards.report(ctx.ckpt_dir, exc, self.state.global_step)
+                raise
+            if self.model.training:
+                counter.count(out["prompt_mask"], out["completion_mask"])
+                counter.ids_log.write([x["example_id"] for x in inputs[:: self.num_generations]])
+                mine = scored[-1][self.accelerator.process_index * len(inputs) :][: len(inputs)]
+                values = {name: [None if v != v else v for v in mine[:, i].tolist()]
+                          for i, name in enumerate(self.reward_func_names)}  # fmt: skip
+                counter.record(self.state.global_step + 1, inputs, out, values)
+            return out
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            scored[:] = [super()._calculate_rewards(inputs, prompts, completions,
+                                                    completion_ids_list)]  # fmt: skip
+            return scored[0]
+
+    Planned.__name__ = f"Planned{base.__name__}"
+    with exact_targets():
+        return Planned(model=model, reward_funcs=funcs, args=args, train_dataset=data.table,
+                       processing_class=ctx.tokenizer, peft_config=peft_config(ctx.run, model),
+                       callbacks=callbacks)  # fmt: skip
+
+
+# TRL's log keys -> metrics.jsonl keys (reward functions' keys are added by name).
+LOG_KEYS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "kl": "kl",
+    "completions/mean_length": "completion_length",
+    "completions/clipped_ratio": "completion_clipped",
+}
+
+
+def step_fields(logs: dict[str, Any]) -> dict[str, float]:
+    """The rollout figures of a step's logs, for metrics.jsonl: total reward, each reward's
+    mean and std, KL, completion length."""
+    out = {new: logs[old] for old, new in LOG_KEYS.items() if old in logs}
+    for key, value in logs.items():  # rewards/<name>/mean: a user's name holds slashes
+        head, _, stat = key.rpartition("/")
+        if head.startswith("rewards/") and stat in ("mean", "std"):
+            out[f"reward_{head[len('rewards/') :]}_{stat}"] = value
+    return out
+
+
+def describe(name: str, block: str):
+    """The start-up line: prompts, generations and completions per step, the rewards."""
+
+    def line(run: dict[str, Any], manifest: dict[str, Any]) -> str:
+        g = run[block]["num_generations"]
+        named = ", ".join(f"{k} x {v}" for k, v in run[block]["rewards"].items())
+        return (f"{name}: {manifest['global_batch']} prompts per step x {g} generations = "
+                f"{manifest['global_batch'] * g} completions; {named}")  # fmt: skip
+
+    return line
+
+
+def check(block: str, name: str):
+    """Whole groups per device; prompts with reference answers; vLLM installed if asked."""
+
+    def checked(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+        from snaketune.data.formats import components
+        from snaketune.data.kernels import installed
+
+        b = run[block]
+        if run["micro_batch_size"] % b["num_generations"]:
+            raise ConfigError(
+                f"{where}.{block}.num_generations: {b['num_generations']} does not divide "
+                f"micro_batch_size {run['micro_batch_size']} (each device generates whole "
+                "groups); make micro_batch_size a multiple of it"
+            )
+        for part in (c["name"] for c in components(config, run["dataset"])):
+            fmt = config["datasets"][part]["format"]
+            if fmt not in ANSWERED_FORMATS:
+                raise ConfigError(
+                    f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for "
+                    f"the {name} rewards; use a prompt_response dataset (columns.response: "
+                    "the answer) or alpaca"
+                )
+        rewards.check(where, b["rewards"], f"{block}.rewards")
+        model_rewards.check(where, b["rewards"], config, f"{block}.rewards")
+        if b["use_vllm"] is True and not installed("vllm"):
+            raise ConfigError(
+                f"{where}.{block}.use_vllm: true asked for but vLLM is not installed (no "
+                "release installs beside the pinned stack: docs/grpo.md); set use_vllm: auto "
+                "or false"
+            )
+
+    return checked
+
+
+def memory(block: str):
+    """The rollouts: completions as long as max_completion_length, a reference model when
+    the KL term is on (beta > 0), vLLM's share of the GPU where it generates."""
+
+    def planned_memory(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
+        b = run[block]
+        vllm = on_gpu and b["use_vllm"] in (True, "auto")
+        return {"completion_length": b["max_completion_length"], "reference": b["beta"] > 0,
+                "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
+
+    return planned_memory
+
+
+def code(block: str):
+    """The sha256 of the user's reward functions' files, by key (the train spec's)."""
+    return lambda run: rewards.digests(run[block]["rewards"])
+
+
+# The block keys every rollout method has (snaketune.methods.grpo and .rloo add theirs: the
+# KL coefficient's default, the loss).
+SHARED_SCHEMA = """\
+  num_generations:
+    description: >-
+      Completions sampled per prompt (the group whose rewards are compared with each
+      other). Must divide micro_batch_size: each device generates whole groups,
+      micro_batch_size / num_generations prompts per pass.
+    type: integer
+    minimum: 2
+    default: 8
+  max_completion_length:
+    description: Longest completion, in tokens (GSM8K's worked answers fit in 256).
+    type: integer
+    minimum: 1
+    default: 256
+  temperature:
+    description: Sampling temperature of the rollouts.
+    type: number
+    exclusiveMinimum: 0
+    default: 1.0
+  top_p:
+    description: Nucleus sampling of the rollouts (1.0 keeps every token).
+    type: number
+    exclusiveMinimum: 0
+    maximum: 1
+    default: 1.0
+  epsilon:
+    description: PPO-style clipping range of the probability ratio.
+    type: number
+    exclusiveMinimum: 0
+    default: 0.2
+  num_iterations:
+    description: Optimisation passes over each generated batch (μ in the GRPO paper).
+    type: integer
+    minimum: 1
+    default: 1
+  rewards:
+    description: >-
+      Reward functions and their weights. `correctness`: 1 when the completion's final
+      answer (its `####` line, else its last number) equals the reference answer's,
+      checked with math-verify; `format`: 1 when the completion ends with a
+      "#### <number>" line; "<path/to/file.py>:<function>": a function of yours, called
+      as TRL calls reward functions (prompts, completions, the dataset's other columns
+      as keywords; one float or None per completion), its file found from the directory
+      snakemake runs in; "model:<run>": the score of that run's reward model (a run of
+      method reward, or a sweep of them: its best member) on the prompt and completion
+      in its own chat template (docs/rewards.md).
+    type: object
+    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.methods.rewards),
+    # "model:<run>" (snaketune.methods.model_rewards)
+    additionalProperties:
+      description: Weight of a reward function of yours or of a reward model.
+      type: number
+    minProperties: 1
+    default: {correctness: 1.0, format: 0.2}
+    properties:
+      correctness:
+        description: Weight of the correctness reward.
+        type: number
+      format:
+        description: Weight of the format reward.
+        type: number
+  reward_model_normalization:
+    description: >-
+      How a reward model's score ("model:<run>" rewards) enters the weighted sum:
+      `raw`, the score as the model gives it; `group`, z-scored within each prompt's
+      completions ((score - mean) / (std + 1e-4)), so its scale does not outweigh the
+      other rewards.
+    enum: [raw, group]
+    default: raw
+  use_vllm:
+    description: >-
+      Generate rollouts with vLLM in TRL's colocate mode (GPU only, where a site
+      installed vLLM: no release installs beside the pinned stack, docs/grpo.md).
+      auto: where vLLM is installed and a GPU is there; false: transformers'
+      generate (CPU, tests); true: vLLM or a config error.
+    enum: [auto, true, false]
+    default: false
+  vllm_gpu_memory_utilization:
+    description: Share of each GPU's memory vLLM may take for its weights and KV cache (use_vllm).
+    type: number
+    exclusiveMinimum: 0
+    maximum: 1
+    default: 0.3
+"""
