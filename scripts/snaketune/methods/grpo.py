@@ -8,7 +8,7 @@ is snaketune.methods.rollouts.
 
 from __future__ import annotations
 
-from snaketune.methods import rollouts
+from snaketune.methods import rewards, rollouts
 from snaketune.methods.common import Method
 from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
 from snaketune.methods.rollouts import group_batches, step_fields  # noqa: F401 (tests use them)
@@ -79,5 +79,5 @@ METHOD = Method(
     packs=False,  # GRPO plans prompts; its rollouts are padded batches
     check=rollouts.check(BLOCK, "GRPO"),
     memory=rollouts.memory(BLOCK),
-    code=rollouts.code(BLOCK),
+    code=lambda run: rewards.digests(run[BLOCK]["rewards"]),  # the user's reward code
 )

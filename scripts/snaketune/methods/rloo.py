@@ -18,7 +18,7 @@ common keys) is snaketune.methods.rollouts.
 
 from __future__ import annotations
 
-from snaketune.methods import rollouts
+from snaketune.methods import rewards, rollouts
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context
 
@@ -85,5 +85,5 @@ METHOD = Method(
     packs=False,  # RLOO plans prompts; its rollouts are padded batches
     check=rollouts.check(BLOCK, "RLOO"),
     memory=rollouts.memory(BLOCK),
-    code=rollouts.code(BLOCK),
+    code=lambda run: rewards.digests(run[BLOCK]["rewards"]),  # the user's reward code
 )

@@ -2,26 +2,20 @@
 they plan, the rollouts they count, the rewards they score with, their trainer's planned
 data path, their step figures, checks, memory and the config keys of their blocks.
 
-A rollout run trains on the same tokenized copy and the same per-node shards as supervised
-fine-tuning: a row's prompt is its tokens before the first trained label (the chat
-template's user turn and the assistant header), its reference answer the text of its
-trained labels. shard_dataset plans prompts, ``micro_batch_size / num_generations`` per
-device and pass, exactly once per epoch, equal steps per node.
-
-Each optimizer step, every device generates ``num_generations`` completions for each of
-its prompts (one generation batch per step: TRL's ``steps_per_generation`` is the
-accumulation), so each group of completions is scored where it was generated; TRL gathers
-the rewards of every rank before the group statistics (GRPO's normalised advantages,
-RLOO's leave-one-out baselines), which need only the groups to be contiguous, as they are
-here.
-
-Rewards (weights from ``<block>.rewards``): the built-in ``correctness`` and ``format``,
-the user's own functions (``"<file.py>:<function>"``), snaketune.methods.rewards, and
-reward models (``"model:<run>"``), snaketune.methods.model_rewards.
+A row's prompt is its tokens before the first trained label (the chat template's user turn
+and the assistant header), its reference answer the text of its trained labels;
+shard_dataset plans ``micro_batch_size / num_generations`` prompts per device and pass.
+Each step, every device generates ``num_generations`` completions of each of its prompts
+(TRL's ``steps_per_generation`` is the accumulation); TRL gathers every rank's rewards
+before the group statistics (GRPO's normalised advantages, RLOO's leave-one-out
+baselines), which need only each group contiguous, as it is here. Rewards: the built-ins,
+the user's ``"<file.py>:<function>"`` (snaketune.methods.rewards) and reward models'
+``"model:<run>"`` (snaketune.methods.model_rewards).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,20 +73,15 @@ class RolloutCounter(Counted):
         """With --log-example-ids: this rank's rollouts of optimizer step ``step`` (one line:
         per completion its example id, prompt and completion tokens, and each reward
         function's value, None where it gave none)."""
-        if self.rollouts is None:
-            return
-        import json
-
-        def tokens(ids, mask) -> list[list[int]]:
-            return [[t for t, m in zip(row, keep, strict=True) if m]
-                    for row, keep in zip(ids.tolist(), mask.tolist(), strict=True)]  # fmt: skip
-
-        line = {"step": step, "example_ids": [x["example_id"] for x in inputs],
-                "prompt_ids": tokens(out["prompt_ids"], out["prompt_mask"]),
-                "completion_ids": tokens(out["completion_ids"], out["completion_mask"]),
-                "rewards": rewards}  # fmt: skip
-        with open(self.rollouts, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        if self.rollouts is not None:
+            ids = {k: [row[m.bool()].tolist() for row, m in zip(out[f"{k}_ids"], out[f"{k}_mask"],
+                                                                strict=True)]
+                   for k in ("prompt", "completion")}  # fmt: skip
+            line = {"step": step, "example_ids": [x["example_id"] for x in inputs],
+                    "prompt_ids": ids["prompt"], "completion_ids": ids["completion"],
+                    "rewards": rewards}  # fmt: skip
+            with open(self.rollouts, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
@@ -172,6 +161,17 @@ def shared_args(ctx: Context, block: str, weights: list[float]) -> dict[str, Any
     )  # fmt: skip
 
 
+def gather_decided(trainer, run: Mapping[str, Any]) -> bool:
+    """Under ZeRO-3, whether ``trainer`` gathers the whole model to generate (the run's
+    gather_for_generation, auto: where it fits) or generates on the shards."""
+    from snaketune.evaluation.sharded import gather_for_generation, is_sharded
+
+    if is_sharded(trainer.model):
+        trainer.args.ds3_gather_for_generation = gather_for_generation(
+            run.get("gather_for_generation", "auto"), trainer.model)  # fmt: skip
+    return True
+
+
 def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, config_cls,
             **method_args):  # fmt: skip
     """TRL's rollout trainer ``base`` (GRPOTrainer, RLOOTrainer) on this rank's planned
@@ -202,12 +202,7 @@ def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, 
 
         def _generate_and_score_completions(self, inputs):
             if not decided:  # ZeRO-3: the whole model per GPU, or generate on the shards
-                from snaketune.evaluation.sharded import gather_for_generation, is_sharded
-
-                if is_sharded(self.model):
-                    self.args.ds3_gather_for_generation = gather_for_generation(
-                        ctx.run.get("gather_for_generation", "auto"), self.model)  # fmt: skip
-                decided.append(True)
+                decided.append(gather_decided(self, ctx.run))
             rewards.add_columns(inputs, columns)
             try:
                 out = super()._generate_and_score_completions(inputs)
@@ -313,11 +308,6 @@ def memory(block: str):
                 "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
 
     return planned_memory
-
-
-def code(block: str):
-    """The sha256 of the user's reward functions' files, by key (the train spec's)."""
-    return lambda run: rewards.digests(run[block]["rewards"])
 
 
 # The block keys every rollout method has (snaketune.methods.grpo and .rloo add theirs: the
