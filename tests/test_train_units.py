@@ -478,3 +478,20 @@ def test_torchrun_is_given_only_the_options_it_takes(monkeypatch):
     monkeypatch.setattr(agents, "torchrun_knows", lambda option: False)
     older = agents.torchrun_args(2, 4, "head:29500", "run", 90)
     assert "--shutdown-timeout" not in older and older == args[: args.index("--shutdown-timeout")]
+
+
+def test_the_progress_line_reads_a_live_file_whose_last_line_is_being_written(tmp_path):
+    """A train job's progress line (the terminal's, `snaketune status`'s) reads the live
+    metrics while the callback appends to them: a torn last line is left for the next
+    read, not an error (one killed the progress thread of the demo under the CI tier's
+    load: no ETA line)."""
+    from snaketune.train.attempts import live_progress
+
+    live = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 1.0 / s, "max_steps": 10, "tokens_per_s": 100.0,
+             "elapsed_s": 2.0 * s} for s in (1, 2)]  # fmt: skip
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    live.write_text(whole + '{"step": 3, "loss": 0.3')
+    assert live_progress(live) == "step 2/10, loss 0.5000, 100 tok/s, ETA 0:00:16"
+    live.write_text(whole)
+    assert live_progress(live) == "step 2/10, loss 0.5000, 100 tok/s, ETA 0:00:16"

@@ -145,6 +145,13 @@ def read_jsonl(path: str | Path) -> list[Any]:
     return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
 
+def written_rows(path: str | Path) -> list[Any]:
+    """The rows of a jsonl file a writer may be appending to (live metrics): its complete,
+    newline-ended lines; a last line still being written is left for the next read."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """Write JSON atomically (sorted keys, indented, trailing newline)."""
     with atomic_path(path) as tmp:

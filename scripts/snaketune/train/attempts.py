@@ -5,9 +5,8 @@ a requeue or the next invocation would erase what explained the failure before i
 start of the train job (an *attempt*) therefore also writes everything it prints (the
 launcher, srun, torchrun, every rank) to ``results/<run>/train/logs/attempt-<n>.log``,
 which nothing deletes, and records how it began and ended in ``logs/attempts.jsonl``
-(exit code and the one-line reason). The rule's log starts by naming this attempt's file
-and the earlier ones, and ends with every attempt's outcome; provenance.json and the
-report list them.
+(exit code and the one-line reason). The rule's log names this attempt's file and the
+earlier ones, and ends with every attempt's outcome; provenance and the report list them.
 
 The copy is made by ``tee`` (a process of its own, deaf to the signals that stop a job, so
 it keeps what the ranks print while they save): the job's stdout and stderr go into a pipe
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 from snaketune.core.errors import UserError
-from snaketune.core.io import host_name, read_jsonl
+from snaketune.core.io import host_name, read_jsonl, written_rows
 from snaketune.core.redact import redact, secret_values
 from snaketune.core.runlock import process_alive, start_time
 from snaketune.train.segments import slurm_restarts
@@ -103,7 +102,7 @@ def last_line(path: Path) -> str:
 def live_progress(live: Path) -> str | None:
     """A training's newest step from its live metrics (``live``): step of steps, loss,
     tokens/s and the ETA of this start; None before its first step."""
-    rows = [r for r in read_jsonl(live) if "loss" in r] if live.is_file() else []
+    rows = [r for r in written_rows(live) if "loss" in r] if live.is_file() else []
     if not rows:
         return None
     last = rows[-1]
@@ -289,7 +288,10 @@ class Attempt:
                 now = time.monotonic()
                 if now - said < every:
                     continue
-                line = live_progress(live)
+                try:
+                    line = live_progress(live)
+                except (OSError, ValueError):  # a file moved or torn: the next beat reads it
+                    continue
                 first = said == -math.inf and now - began < every
                 if line is not None and line != last and (not first or "ETA" in line):
                     self.say(line)
