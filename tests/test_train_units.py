@@ -470,10 +470,15 @@ def test_torchrun_is_given_only_the_options_it_takes(monkeypatch):
     """Every option the launchers pass is one this torch's torchrun knows; --shutdown-timeout
     (torch 2.12 on) is left out where torchrun lacks it (torch 2.11 refused the whole launch:
     the first GPU check)."""
+    from torch.distributed.run import get_args_parser
+
     from snaketune.train import agents
 
+    known = get_args_parser()._option_string_actions  # torchrun's own parser
     args = agents.torchrun_args(2, 4, "head:29500", "run", 90)
-    assert all(agents.torchrun_knows(a) for a in args if a.startswith("--")), args
+    assert all(a in known for a in args if a.startswith("--")), args
+    for option in ("--shutdown-timeout", "--nnodes", "--no-such-option"):
+        assert agents.torchrun_knows(option) == (option in known), option
     assert args[args.index("--shutdown-timeout") + 1] == "90"
     monkeypatch.setattr(agents, "torchrun_knows", lambda option: False)
     older = agents.torchrun_args(2, 4, "head:29500", "run", 90)

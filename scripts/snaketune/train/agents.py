@@ -76,10 +76,15 @@ def torchrun_args(
 @functools.cache
 def torchrun_knows(option: str) -> bool:
     """Whether this torch's torchrun takes ``option`` (--shutdown-timeout came with torch
-    2.12: the pinned 2.13 has it; a GPU machine's 2.11 refuses the whole launch for it)."""
-    from torch.distributed.run import get_args_parser
+    2.12: the pinned 2.13 has it; a GPU machine's 2.11 refused the whole launch for it).
+    Read from torchrun's source, not by importing torch: that costs the launcher seconds."""
+    import importlib.util
 
-    return option in get_args_parser()._option_string_actions
+    spec = importlib.util.find_spec("torch")  # a top-level package: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    run = Path(spec.submodule_search_locations[0]) / "distributed" / "run.py"
+    return run.is_file() and f'"{option}"' in run.read_text(encoding="utf-8")
 
 
 def local_commands(
