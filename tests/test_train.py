@@ -41,12 +41,17 @@ def _last_step(metrics: Path) -> int:
 
 
 def _workers(workdir: Path) -> list[psutil.Process]:
+    """The training's ranks in ``workdir`` (not their torchrun agents, whose command line
+    holds the worker's too: after the PIDs wrap, an agent can have the highest PID)."""
+    from snaketune.train.agents import AGENT
+
     found = []
     for p in psutil.process_iter(["cmdline", "cwd"]):
         cmd = p.info["cmdline"] or []
         if (
             "--worker" in cmd
             and any(c.endswith("train.py") for c in cmd)
+            and AGENT not in cmd
             and p.info["cwd"] == str(workdir)
         ):
             found.append(p)
