@@ -139,3 +139,13 @@ def gather_for_generation(setting: bool | str, model) -> bool:
     whole = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
     short = float(torch.cuda.mem_get_info()[0] < 1.1 * whole)
     return gather_combined([short], ("max",))[0] == 0.0
+
+
+def decide_gather(trainer, run) -> bool:
+    """Under ZeRO-3, whether a rollout ``trainer`` (TRL's GRPO, RLOO) gathers the whole model
+    to generate (the run's gather_for_generation, auto: where it fits) or generates on the
+    shards; sets its ds3_gather_for_generation."""
+    if is_sharded(trainer.model):
+        trainer.args.ds3_gather_for_generation = gather_for_generation(
+            run.get("gather_for_generation", "auto"), trainer.model)  # fmt: skip
+    return True

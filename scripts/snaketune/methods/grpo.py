@@ -8,8 +8,7 @@ is snaketune.methods.rollouts.
 
 from __future__ import annotations
 
-from snaketune.methods import rewards, rollouts
-from snaketune.methods.common import Method
+from snaketune.methods import rollouts
 from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
 from snaketune.methods.rollouts import group_batches, step_fields  # noqa: F401 (tests use them)
 from snaketune.methods.training import Context
@@ -57,27 +56,14 @@ properties:
     + rollouts.SHARED_SCHEMA
 )
 
-METHOD = Method(
-    plot="reward",
-    name="grpo",
-    data=rollouts.data,
-    trainer=trainer,
-    step_fields=step_fields,
-    rows_per_example=lambda run: run[BLOCK]["num_generations"],
-    describe=rollouts.describe("GRPO", BLOCK),
-    heldout_metric="exact_match",
-    trains_on="prompts",
-    adapter="optional",
-    block=BLOCK,
-    summary=(
+METHOD = rollouts.method(
+    BLOCK,
+    "GRPO",
+    trainer,
+    SCHEMA,
+    (
         "reinforcement learning with verifiable rewards (TRL's GRPOTrainer) on the dataset's "
         "prompts, scored against its reference answers; LoRA when the run has a `lora` block, "
         "else every weight (docs/grpo.md)"
     ),
-    schema=SCHEMA,
-    starts_from_runs=True,
-    packs=False,  # GRPO plans prompts; its rollouts are padded batches
-    check=rollouts.check(BLOCK, "GRPO"),
-    memory=rollouts.memory(BLOCK),
-    code=lambda run: rewards.digests(run[BLOCK]["rewards"]),  # the user's reward code
 )

@@ -18,8 +18,7 @@ common keys) is snaketune.methods.rollouts.
 
 from __future__ import annotations
 
-from snaketune.methods import rewards, rollouts
-from snaketune.methods.common import Method
+from snaketune.methods import rollouts
 from snaketune.methods.training import Context
 
 BLOCK = "rloo"
@@ -63,27 +62,14 @@ properties:
     + rollouts.SHARED_SCHEMA
 )
 
-METHOD = Method(
-    plot="reward",
-    name="rloo",
-    data=rollouts.data,
-    trainer=trainer,
-    step_fields=rollouts.step_fields,
-    rows_per_example=lambda run: run[BLOCK]["num_generations"],
-    describe=rollouts.describe("RLOO", BLOCK),
-    heldout_metric="exact_match",
-    trains_on="prompts",
-    adapter="optional",
-    block=BLOCK,
-    summary=(
+METHOD = rollouts.method(
+    BLOCK,
+    "RLOO",
+    trainer,
+    SCHEMA,
+    (
         "REINFORCE with a leave-one-out baseline (TRL's RLOOTrainer) on the dataset's prompts, "
         "with GRPO's rewards; LoRA when the run has a `lora` block, else every weight "
         "(docs/methods.md)"
     ),
-    schema=SCHEMA,
-    starts_from_runs=True,
-    packs=False,  # RLOO plans prompts; its rollouts are padded batches
-    check=rollouts.check(BLOCK, "RLOO"),
-    memory=rollouts.memory(BLOCK),
-    code=lambda run: rewards.digests(run[BLOCK]["rewards"]),  # the user's reward code
 )

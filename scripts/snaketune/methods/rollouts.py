@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
 from snaketune.methods import model_rewards, rewards
+from snaketune.methods.common import Method
 from snaketune.methods.training import Context, peft_config
 
 if TYPE_CHECKING:
@@ -161,17 +163,6 @@ def shared_args(ctx: Context, block: str, weights: list[float]) -> dict[str, Any
     )  # fmt: skip
 
 
-def gather_decided(trainer, run: Mapping[str, Any]) -> bool:
-    """Under ZeRO-3, whether ``trainer`` gathers the whole model to generate (the run's
-    gather_for_generation, auto: where it fits) or generates on the shards."""
-    from snaketune.evaluation.sharded import gather_for_generation, is_sharded
-
-    if is_sharded(trainer.model):
-        trainer.args.ds3_gather_for_generation = gather_for_generation(
-            run.get("gather_for_generation", "auto"), trainer.model)  # fmt: skip
-    return True
-
-
 def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, config_cls,
             **method_args):  # fmt: skip
     """TRL's rollout trainer ``base`` (GRPOTrainer, RLOOTrainer) on this rank's planned
@@ -202,7 +193,9 @@ def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, 
 
         def _generate_and_score_completions(self, inputs):
             if not decided:  # ZeRO-3: the whole model per GPU, or generate on the shards
-                decided.append(gather_decided(self, ctx.run))
+                from snaketune.evaluation.sharded import decide_gather
+
+                decided.append(decide_gather(self, ctx.run))
             rewards.add_columns(inputs, columns)
             try:
                 out = super()._generate_and_score_completions(inputs)
@@ -251,63 +244,67 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def describe(name: str, block: str):
+def describe(name: str, block: str, run: dict[str, Any], manifest: dict[str, Any]) -> str:
     """The start-up line: prompts, generations and completions per step, the rewards."""
-
-    def line(run: dict[str, Any], manifest: dict[str, Any]) -> str:
-        g = run[block]["num_generations"]
-        named = ", ".join(f"{k} x {v}" for k, v in run[block]["rewards"].items())
-        return (f"{name}: {manifest['global_batch']} prompts per step x {g} generations = "
-                f"{manifest['global_batch'] * g} completions; {named}")  # fmt: skip
-
-    return line
+    g = run[block]["num_generations"]
+    named = ", ".join(f"{k} x {v}" for k, v in run[block]["rewards"].items())
+    return (f"{name}: {manifest['global_batch']} prompts per step x {g} generations = "
+            f"{manifest['global_batch'] * g} completions; {named}")  # fmt: skip
 
 
-def check(block: str, name: str):
+def check(block: str, name: str, where: str, run: Mapping[str, Any],
+          config: Mapping[str, Any]) -> None:  # fmt: skip
     """Whole groups per device; prompts with reference answers; vLLM installed if asked."""
+    from snaketune.data.formats import components
+    from snaketune.data.kernels import installed
 
-    def checked(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-        from snaketune.data.formats import components
-        from snaketune.data.kernels import installed
-
-        b = run[block]
-        if run["micro_batch_size"] % b["num_generations"]:
+    b = run[block]
+    if run["micro_batch_size"] % b["num_generations"]:
+        raise ConfigError(
+            f"{where}.{block}.num_generations: {b['num_generations']} does not divide "
+            f"micro_batch_size {run['micro_batch_size']} (each device generates whole "
+            "groups); make micro_batch_size a multiple of it"
+        )
+    for part in (c["name"] for c in components(config, run["dataset"])):
+        fmt = config["datasets"][part]["format"]
+        if fmt not in ANSWERED_FORMATS:
             raise ConfigError(
-                f"{where}.{block}.num_generations: {b['num_generations']} does not divide "
-                f"micro_batch_size {run['micro_batch_size']} (each device generates whole "
-                "groups); make micro_batch_size a multiple of it"
+                f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for "
+                f"the {name} rewards; use a prompt_response dataset (columns.response: "
+                "the answer) or alpaca"
             )
-        for part in (c["name"] for c in components(config, run["dataset"])):
-            fmt = config["datasets"][part]["format"]
-            if fmt not in ANSWERED_FORMATS:
-                raise ConfigError(
-                    f"{where}.dataset: {part!r} (format {fmt}) gives no reference answers for "
-                    f"the {name} rewards; use a prompt_response dataset (columns.response: "
-                    "the answer) or alpaca"
-                )
-        rewards.check(where, b["rewards"], f"{block}.rewards")
-        model_rewards.check(where, b["rewards"], config, f"{block}.rewards")
-        if b["use_vllm"] is True and not installed("vllm"):
-            raise ConfigError(
-                f"{where}.{block}.use_vllm: true asked for but vLLM is not installed (no "
-                "release installs beside the pinned stack: docs/grpo.md); set use_vllm: auto "
-                "or false"
-            )
-
-    return checked
+    rewards.check(where, b["rewards"], f"{block}.rewards")
+    model_rewards.check(where, b["rewards"], config, f"{block}.rewards")
+    if b["use_vllm"] is True and not installed("vllm"):
+        raise ConfigError(
+            f"{where}.{block}.use_vllm: true asked for but vLLM is not installed (no "
+            "release installs beside the pinned stack: docs/grpo.md); set use_vllm: auto "
+            "or false"
+        )
 
 
-def memory(block: str):
+def memory(block: str, run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
     """The rollouts: completions as long as max_completion_length, a reference model when
     the KL term is on (beta > 0), vLLM's share of the GPU where it generates."""
+    b = run[block]
+    vllm = on_gpu and b["use_vllm"] in (True, "auto")
+    return {"completion_length": b["max_completion_length"], "reference": b["beta"] > 0,
+            "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
 
-    def planned_memory(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
-        b = run[block]
-        vllm = on_gpu and b["use_vllm"] in (True, "auto")
-        return {"completion_length": b["max_completion_length"], "reference": b["beta"] > 0,
-                "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
 
-    return planned_memory
+def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
+    """A rollout method's Method (``name``: its config name and block; ``label``: how its
+    lines and refusals name it): its trainer, schema and summary its own, the rest shared."""
+    return Method(
+        name=name, block=name, trainer=trainer, schema=schema, summary=summary, plot="reward",
+        data=data, step_fields=step_fields, heldout_metric="exact_match", trains_on="prompts",
+        adapter="optional", starts_from_runs=True,
+        packs=False,  # it plans prompts; its rollouts are padded batches
+        rows_per_example=lambda run: run[name]["num_generations"],
+        describe=partial(describe, label, name), check=partial(check, name, label),
+        memory=partial(memory, name),
+        code=lambda run: rewards.digests(run[name]["rewards"]),  # the user's reward code
+    )  # fmt: skip
 
 
 # The block keys every rollout method has (snaketune.methods.grpo and .rloo add theirs: the
