@@ -530,7 +530,7 @@ def test_the_router_term_is_the_coefficient_times_the_mean_of_a_step_s_micro_bat
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from snaketune.methods.moe import Router
+    from snaketune.methods.training import Router
 
     config = AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32,
                                   intermediate_size=64, moe_intermediate_size=16,

@@ -52,8 +52,9 @@ Finish = Callable[[Path, dict], None]
 # What training switches on in the model's config and an exported model must not carry, with
 # the value a config without the key means: the trainer's ``use_cache`` (transformers'
 # TrainingArguments.use_cache, False: generation without a KV cache, each token recomputing
-# the whole sequence) and a mixture of experts' router logits (snaketune.methods.moe: on,
-# transformers' generate on a padded batch fails in its load-balancing loss).
+# the whole sequence) and a mixture of experts' router logits (the Router of
+# snaketune.methods.training: on, transformers' generate on a padded batch fails in its
+# load-balancing loss).
 TRAINING_SWITCHES = {"use_cache": True, "output_router_logits": False}
 
 

@@ -34,9 +34,14 @@ from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
-from snaketune.methods import moe
 from snaketune.methods.common import Method
-from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
+from snaketune.methods.training import (
+    Context,
+    PlannedPairs,
+    peft_config,
+    training_args,
+    trl_coef,
+)
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -127,7 +132,7 @@ def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config)
         ctx, DPOConfig, **dpo_config, max_length=None, model_init_kwargs=None,
         # a mixture of experts: TRL's DPO adds coefficient x the router's loss per micro
         # batch (auto: the model's own coefficient; docs/moe.md)
-        router_aux_loss_coef=moe.trl_coef(ctx.run, model),
+        router_aux_loss_coef=trl_coef(ctx.run, model),
     )  # fmt: skip
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.

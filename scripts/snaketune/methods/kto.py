@@ -39,9 +39,14 @@ from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
-from snaketune.methods import moe
 from snaketune.methods.common import Method
-from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
+from snaketune.methods.training import (
+    Context,
+    PlannedPairs,
+    peft_config,
+    training_args,
+    trl_coef,
+)
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -155,7 +160,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         ctx, KTOConfig, beta=kto["beta"], desirable_weight=kto["desirable_weight"],
         undesirable_weight=kto["undesirable_weight"], max_length=None, model_init_kwargs=None,
         precompute_ref_log_probs=reference(ctx.run) == "precomputed",
-        router_aux_loss_coef=moe.trl_coef(ctx.run, model),
+        router_aux_loss_coef=trl_coef(ctx.run, model),
     )  # fmt: skip
     # the responses of a device's micro batch: n pairs are 2n (TRL refuses fewer than 2 per
     # device; its KL sequences here need no second example: snaketune.data.labelled)

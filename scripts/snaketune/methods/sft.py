@@ -10,8 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods.common import Method
-from snaketune.methods.moe import STEP_FIELDS, Router
-from snaketune.methods.training import Context, peft_config, training_args
+from snaketune.methods.training import (
+    ROUTER_FIELDS,
+    Context,
+    Router,
+    peft_config,
+    training_args,
+)
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -73,7 +78,7 @@ LORA = Method(
     name="sft",
     data=data,
     trainer=trainer,
-    step_fields=lambda logs: {k: logs[k] for k in STEP_FIELDS if k in logs},
+    step_fields=lambda logs: {k: logs[k] for k in ROUTER_FIELDS if k in logs},
     rows_per_example=lambda run: 1,
     describe=lambda run, manifest: "",
     trains_on="rows",
