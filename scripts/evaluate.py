@@ -99,6 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="--model is a LoRA adapter (export.merged: false): its base",
     )
+    parser.add_argument(
+        "--teacher-topk", type=Path, default=None,
+        help="a distilled model's teacher's top-k log-probs of the eval set (rule "
+        "teacher_logps): the held-out KL to the teacher too",
+    )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes the model is sharded over")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each node")
     parser.add_argument("--timeout-minutes", type=float, default=None,
@@ -127,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"adapter_base": args.adapter_base} if args.adapter_base else {})
     inputs.update({"train": args.train} if args.train else {})
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
+    inputs.update({"teacher_topk": args.teacher_topk} if args.teacher_topk else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
     config.update({k: getattr(args, k) for k in ("method", "beta", "seed", "metrics")
@@ -170,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.metrics,
             args.base_metrics.with_name("samples.jsonl") if args.base_metrics else None,
         ),
+        args.teacher_topk,
     )
     if metrics is None:  # not rank 0
         return 0

@@ -19,32 +19,21 @@ kill computes only what is missing; the output is written once every chunk is th
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from snaketune.app.cli import run
 from snaketune.core import qlora
-from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
 from snaketune.data.kernels import resolve_attention
-from snaketune.evaluation.logps import CHUNK_PAIRS, compute_parts, merge, threads_per_worker
+from snaketune.evaluation.logps import CHUNK_PAIRS, compute_parts, merge
 from snaketune.evaluation.model import resolve_precision
-
-log = logging.getLogger("reference_logps")
 
 
 def worker(args: argparse.Namespace, parts: Path) -> int:
     """One device's share: worker RANK of WORLD_SIZE (torchrun's), its heartbeat written."""
-    from snaketune.core.heartbeat import DONE, FOLDER, Heartbeat
-    from snaketune.core.runlock import die_with_parent
+    from snaketune.train.scoring import worker as run_worker
 
-    die_with_parent()  # never outlive the agent that started it
-    rank, workers = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    beat = Heartbeat(parts.parent / FOLDER, rank, int(os.environ.get("GROUP_RANK", 0))).start()
-    parts.mkdir(parents=True, exist_ok=True)
     precision = resolve_precision(args.precision)
     quantization = None if args.quantize == "none" else {
         "quantize": args.quantize,
@@ -52,75 +41,31 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
         "double_quant": args.double_quant == "true",
         "compute_dtype": args.compute_dtype,
     }  # fmt: skip
-    done = compute_parts(args.tokenized, args.model, parts, rank, workers, args.batch_pairs,
-                         precision, resolve_attention(args.attn_implementation),
-                         qlora.settings(quantization, precision),
-                         on_batch=lambda chunk: beat.move("forward", chunk),
-                         chunk_pairs=args.chunk_pairs)  # fmt: skip
-    beat.move(DONE)
-    beat.write()
-    beat.stop()
-    log.info("worker %d: %d chunks computed", rank, done)
-    return 0
+    return run_worker(parts, lambda rank, workers, on_batch: compute_parts(
+        args.tokenized, args.model, parts, rank, workers, args.batch_pairs, precision,
+        resolve_attention(args.attn_implementation), qlora.settings(quantization, precision),
+        on_batch=on_batch, chunk_pairs=args.chunk_pairs))  # fmt: skip
 
 
 def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
     """Every worker through the shared launcher, as one attempt of the stage; then the
     output once every chunk is there."""
-    from snaketune.core.errors import UserError, error_lines
-    from snaketune.train.agents import Workers, choose_launcher, start, worker_environment
-    from snaketune.train.attempts import Attempt
+    from snaketune.train.scoring import Stage
+    from snaketune.train.scoring import launch as run_stage
 
-    folder = out.parent
-    attempt = Attempt(folder, stage="reference_logps", name=folder.name)
-    timeout = args.timeout_minutes
-    if timeout is None:  # run by hand: the run's default
-        from snaketune.plan.schema import run_default
+    stage = Stage("reference_logps", str(Path(__file__).resolve()), shared, out, args.nodes,
+                  args.gpus_per_node, args.timeout_minutes)  # fmt: skip
 
-        timeout = run_default("timeout_minutes")
-    workers = Workers([str(Path(__file__).resolve()), *shared, "--worker"], args.nodes,
-                      args.gpus_per_node, f"reference-{folder.name}", "reference_logps", folder,
-                      folder, timeout * 60)  # fmt: skip
-    env = worker_environment()
-    try:
-        here = choose_launcher(workers.launcher, args.nodes, workers.rule) == "local"
-        # the cores of this machine (every emulated node) or of each node, shared out
-        local = args.nodes * args.gpus_per_node if here else args.gpus_per_node
-        env["OMP_NUM_THREADS"] = str(threads_per_worker(local))
-        code, signalled = start(workers, env)
-        if code != 0:
-            from snaketune.core.heartbeat import stall_verdict
+    def finish() -> str:
+        table = merge(args.tokenized, stage.parts, out, args.chunk_pairs)
+        return f"reference log-probs of {table.num_rows} pairs"
 
-            stalled = stall_verdict(folder)
-            reason = f"stalled: {stalled}" if stalled else (
-                f"stopped by {signalled}" if signalled else None)  # fmt: skip
-            log.error("a worker failed (exit %d); the chunks written are kept, a rerun "
-                      "computes the rest", code)  # fmt: skip
-            attempt.finish(code, reason)
-            return code
-        table = merge(args.tokenized, folder / "parts", out, args.chunk_pairs)
-    except UserError as exc:
-        from snaketune.core.errors import print_error
-
-        print_error(exc)
-        attempt.finish(2, "; ".join(error_lines(exc)))
-        return 2
-    except BaseException as exc:  # recorded as this attempt's end, then raised
-        attempt.finish(1, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        raise
     settings = {
         "precision": args.precision,
         "attn_implementation": args.attn_implementation,
         "quantize": args.quantize,
     }
-    inputs = {"tokenized": args.tokenized, "model": args.model}
-    prov = record("reference_logps", str(out), settings, inputs,
-                  output_hashes(folder, [out.name]))  # fmt: skip
-    write_provenance(folder / NAME, prov)
-    shutil.rmtree(folder / "parts", ignore_errors=True)
-    log.info("reference log-probs of %d pairs -> %s", table.num_rows, out)
-    attempt.finish(0, f"{table.num_rows} pairs scored")
-    return 0
+    return run_stage(stage, finish, settings, {"tokenized": args.tokenized, "model": args.model})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--quantize", args.quantize, "--quant-type", args.quant_type,
               "--double-quant", args.double_quant, "--compute-dtype", args.compute_dtype,
               "--out", args.out, "--chunk-pairs", str(args.chunk_pairs)]  # fmt: skip
-    (out.parent / "parts").mkdir(parents=True, exist_ok=True)
     return launch(args, shared, out)
 
 

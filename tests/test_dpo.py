@@ -574,11 +574,11 @@ def dpo_config(**run) -> dict:
          "only methods dpo, reward, simpo, orpo, kto train and evaluate on; set method: dpo or "
          "reward or simpo or orpo or kto"),
         ({"runs": {"demo": {"init_from": "p", "model": None}}},
-         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo, orpo, kto, rloo (a run of method lora starts "
+         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo, orpo, kto, rloo, distill (a run of method lora starts "
          "from "
          "`model`)"),
         ({"runs": {"demo": {"method": "full"}}},
-         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto, rloo); remove it "
+         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto, rloo, distill); remove it "
          "or set "
          "method: lora"),
         ({"runs": {"p": {"method": "kto", "dpo": None, "lora": None,

@@ -9,6 +9,7 @@ from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
 from snaketune.budget import fit, slurmfit
 from snaketune.plan import stages, targets
+from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
@@ -19,6 +20,8 @@ SCRIPTS = Path(workflow.basedir) / "scripts"
 SWEEPS = sweeps_of(config["runs"])
 # {key: the first run that reads it} of the DPO runs' precomputed reference log-probs
 REFERENCES = stages.reference_jobs(config)
+# {key: {run, eval_set}} of the distillation runs' teacher top-k log-probs
+TEACHERS = teachers.teacher_jobs(config)
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
@@ -135,8 +138,12 @@ def run_spec(wildcards):
 def train_extras(wildcards):
     """What a run's training reads besides its shards and model: a DPO run's precomputed
     reference log-probs (rule reference_logps), the eval set it scores while training
-    (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards)."""
-    return stages.train_extras(config, wildcards.run, reward_run)
+    (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards), a
+    distillation run's teacher top-k (rule teacher_logps)."""
+    extras = stages.train_extras(config, wildcards.run, reward_run)
+    if teacher := teachers.teacher_path(config, wildcards.run):
+        extras["teacher"] = teacher
+    return extras
 
 
 def reward_run(name):
@@ -210,6 +217,52 @@ def reference_timeout(wildcards):
 def reference_settings(wildcards):
     """What the log-probs depend on besides the inputs (also in the output's key)."""
     return stages.reference_settings(reference_run(wildcards))
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+def teacher_inputs(wildcards):
+    """What teacher_logps scores: a run's tokenized rows (train or eval set), with its
+    teacher's model and the student's (whose tokenizer made the rows)."""
+    return teachers.teacher_inputs(config, TEACHERS[wildcards.ref], reward_run)
+
+
+def teacher_run(wildcards):
+    return config["runs"][TEACHERS[wildcards.ref]["run"]]
+
+
+def teacher_nodes(wildcards):
+    return teacher_run(wildcards)["nodes"]
+
+
+def teacher_threads(wildcards):
+    return teacher_run(wildcards)["nodes"] * teacher_run(wildcards)["gpus_per_node"]
+
+
+def teacher_mpi(wildcards):
+    return slurmfit.train_mpi(teacher_run(wildcards))
+
+
+def teacher_gres(wildcards):
+    return f"gpu:{teacher_run(wildcards)['gpus_per_node']}"
+
+
+def teacher_gpus(wildcards):
+    return teacher_run(wildcards)["gpus_per_node"]
+
+
+def teacher_batch(wildcards):
+    return teacher_run(wildcards)["micro_batch_size"]
+
+
+def teacher_timeout(wildcards):
+    return teacher_run(wildcards)["timeout_minutes"]
+
+
+def teacher_settings(wildcards):
+    """What the top-k depends on besides the inputs (also in the output's key)."""
+    return teachers.teacher_settings(teacher_run(wildcards))
 
 
 # ----------------------------------------------------------------------------- export
@@ -295,6 +348,19 @@ def eval_adapter_arg(wildcards, input):
     return (
         f"--adapter-base {input.adapter_base}" if "adapter_base" in input.keys() else ""
     )
+
+
+def eval_teacher_inputs(wildcards):
+    """A distillation run: its teacher's top-k of the eval set (the held-out KL)."""
+    path = teachers.teacher_path(config, wildcards.run, eval_set=True)
+    return {"teacher": path} if path else {}
+
+
+def eval_teacher_arg(wildcards, input):
+    # a rule's input is a list of paths with names: `in` alone would look among the paths
+    return (
+        f"--teacher-topk {input.teacher}" if "teacher" in input.keys() else ""
+    )  # noqa: SIM118
 
 
 def eval_metrics(run):

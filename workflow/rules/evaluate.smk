@@ -86,6 +86,7 @@ rule evaluate:
     input:
         unpack(eval_adapter_inputs),
         unpack(eval_metric_inputs),
+        unpack(eval_teacher_inputs),
         script=f"{SCRIPTS}/evaluate.py",
         model=run_final_model,
         eval=run_eval_tokenized,
@@ -123,9 +124,11 @@ rule evaluate:
     params:
         settings=run_eval_settings,
         adapter=eval_adapter_arg,
+        teacher=eval_teacher_arg,
         out="results/{run}/eval",
     shell:
         "python {input.script} --model {input.model} --eval {input.eval} --train {input.train}"
         " --base-metrics {input.base} --out {params.out} {params.settings} {params.adapter}"
-        " --nodes {resources.nodes} --gpus-per-node {resources.workers_per_node}"
+        " {params.teacher} --nodes {resources.nodes}"
+        " --gpus-per-node {resources.workers_per_node}"
         " --timeout-minutes {resources.timeout_minutes} > {log} 2>&1"

@@ -75,6 +75,14 @@ def fill_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return best
 
 
+def example_order(layout: str, lengths: list[int], row_tokens: int) -> list[int]:
+    """The order a micro batch's examples come in, row by row, once collated in ``layout``:
+    as given, but for ``rows``, where each row holds the examples fill_rows deals it."""
+    if layout != "rows":
+        return list(range(len(lengths)))
+    return [i for row in fill_rows(lengths, max(row_tokens, *lengths)) for i in row]
+
+
 def packed_rows(
     examples: list[dict[str, Any]], row_tokens: int, pad_token_id: int
 ) -> dict[str, torch.Tensor]:

@@ -218,13 +218,25 @@ def recorded_scores(eval_tokenized: Path, base_metrics: Path | None) -> dict[str
     return own.recorded(base_metrics.with_name("samples.jsonl"))
 
 
-def scored(model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int,
-           share: Share) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+def scored(
+    model,
+    tokenizer,
+    rows: list[dict],
+    batch_size: int,
+    max_new_tokens: int,
+    share: Share,
+    teacher: Path | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The loss, the generations scored and what the rows' kind scores of its own (a pair's
     log-probs), every rank on its share; the figures and samples of all of them, in the
-    eval set's order, on rank 0 (empty on the others)."""
+    eval set's order, on rank 0 (empty on the others). ``teacher``: a teacher's top-k of the
+    rows (snaketune.evaluation.topk), the held-out KL to it too."""
     pad = pad_id(tokenizer)
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad, share)
+    if teacher is not None:
+        from snaketune.evaluation.topk import heldout_kl
+
+        metrics.update(heldout_kl(model, rows, teacher, batch_size, pad, share))
     calls = share.batches(len(rows), batch_size) if share.world > 1 else None
     texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens,
                               calls)  # fmt: skip
@@ -309,27 +321,27 @@ def evaluate(
     adapter_base: Path | None = None,
     first: Sequence[str] = (),
     user_scores: Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None = None,
+    teacher: Path | None = None,
 ) -> dict[str, Any] | None:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
     With ``share`` of several processes every one calls this: the model is sharded over them
     (snaketune.evaluation.sharded), rank 0 writes and returns the metrics, the others None;
-    ``on_loaded(model)`` runs once the model is loaded (a worker's heartbeat);
-    ``adapter_base``: ``model_dir`` is an adapter, evaluated on that base.
-    ``base_metrics`` (the base model's) adds the base figures and the gain over them;
+    ``on_loaded(model)`` runs once it is loaded (a heartbeat); ``adapter_base``: ``model_dir``
+    is an adapter on that base; ``base_metrics`` adds the base's figures and the gains;
     ``finish(tmp, metrics)`` runs on the complete directory before it is renamed into place;
     ``lm_eval`` (a run's eval.lm_eval settings) runs those lm-evaluation-harness tasks too.
     An eval set whose kind scores its rows (pairs) adds their scores to each sample and its
-    figures (against ``base_pairs``, the starting model's, with ``beta``).
-    ``first``: its method's headline figures; ``user_scores(samples, metrics)`` adds the
-    user's metrics (snaketune.methods.scorers) and returns their keys (``describe``).
-    """
+    figures (against ``base_pairs``, the starting model's, with ``beta``). ``first``: its
+    method's headline; ``user_scores(samples, metrics)`` adds the user's metrics
+    (snaketune.methods.scorers), returns their keys; ``teacher``: the teacher's top-k of
+    the eval set (a distilled model's held-out KL to it)."""
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
     tokenizer, model, _keep = load_model(model_dir, share, adapter_base)
     if on_loaded is not None:
         on_loaded(model)
-    metrics, samples = scored(model, tokenizer, rows, batch_size, max_new_tokens, share)
+    metrics, samples = scored(model, tokenizer, rows, batch_size, max_new_tokens, share, teacher)
     if lm_eval:  # every rank runs the same requests (a sharded model's passes are collective)
         from snaketune.evaluation.lmeval import run_tasks, with_base
 

@@ -16,7 +16,8 @@ Every generating evaluation has the held-out ``loss`` and ``perplexity`` over re
 tokens and the ``stop_rate``; an eval set of preference pairs adds ``likelihood_accuracy``
 and, for a method that scores pairs with a beta (DPO), the implicit reward's
 ``preference_accuracy`` and ``reward_margin``; a reward model's evaluation has its scores'
-``preference_accuracy`` and ``reward_margin`` only; the user's own metrics (``eval.metrics``,
+``preference_accuracy`` and ``reward_margin`` only; a distilled model's adds ``heldout_kl``,
+its forward KL from the teacher's top-k on the eval set; the user's own metrics (``eval.metrics``,
 snaketune.methods.scorers) are figures under their keys.
 
 A run's *headline* is its method's own figures (snaketune.methods: ``Method.headline``),
@@ -72,6 +73,8 @@ DESCRIBED = {
                                "reward_margin"),
     "likelihood_accuracy": Described("chosen more likely than rejected", True, True,
                                      "likelihood_accuracy"),
+    "heldout_kl": Described("KL to the teacher (nats/token, held out)", False, False,
+                            "kl_to_teacher"),
 }  # fmt: skip
 
 

@@ -131,20 +131,21 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     return len(todo)
 
 
-def merge(tokenized: str | Path, parts: Path, out: Path,
-          chunk_pairs: int = CHUNK_PAIRS) -> pa.Table:  # fmt: skip
-    """The part files as one parquet in the tokenized file's order (every pair once)."""
+def merge(tokenized: str | Path, parts: Path, out: Path, chunk_pairs: int = CHUNK_PAIRS,
+          what: str = "reference log-probs") -> pa.Table:  # fmt: skip
+    """The part files as one parquet in the tokenized file's order (every example once);
+    ``what`` they are, for the errors."""
     n = chunks(tokenized, chunk_pairs)
     missing = [c for c in range(n) if not part_path(parts, c).exists()]
     if missing:
-        raise RuntimeError(f"reference log-probs: {len(missing)} of {n} chunks missing "
+        raise RuntimeError(f"{what}: {len(missing)} of {n} chunks missing "
                            f"(first: {missing[0]}); a worker failed, see its lines "
                            "above")  # fmt: skip
     table = pa.concat_tables([pq.read_table(part_path(parts, c)) for c in range(n)])
     ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id")
     if not table.column("example_id").equals(ids):
-        raise RuntimeError("reference log-probs: the part files do not match the tokenized "
-                           f"pairs; delete {parts} and rerun")  # fmt: skip
+        raise RuntimeError(f"{what}: the part files do not match the tokenized "
+                           f"examples; delete {parts} and rerun")  # fmt: skip
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
     return table

@@ -28,6 +28,7 @@ REGISTRY = {
     "orpo": ("snaketune.methods.orpo", "METHOD"),
     "kto": ("snaketune.methods.kto", "METHOD"),
     "rloo": ("snaketune.methods.rloo", "METHOD"),
+    "distill": ("snaketune.methods.distill", "METHOD"),
 }
 
 

@@ -87,6 +87,9 @@ class Method:
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
     # the run needs the reference log-probs stage (rule reference_logps)
     reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False
+    # (run) -> what rule teacher_logps computes for it (snaketune.plan.teacher): `teacher`,
+    # the model or run that teaches it, and `top_k`, the log-probs kept per token; None
+    teacher: Callable[[Mapping[str, Any]], Mapping[str, Any] | None] = lambda run: None
     # --- what its outputs show (the report, plots, summary, card and export ask these)
     # (run) -> the evaluate stage's settings of its own: `beta`, the beta held-out pairs'
     # implicit rewards are scored with (DPO); `seed`, a new score head's (a reward model)

@@ -237,10 +237,16 @@ NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "p
                 "sweep_of")  # fmt: skip
 
 
-def train_spec(run: dict[str, Any], reference: str | None = None, heldout: str | None = None,
-               reward_models: dict[str, Any] | None = None) -> str:  # fmt: skip
+def train_spec(
+    run: dict[str, Any],
+    reference: str | None = None,
+    heldout: str | None = None,
+    reward_models: dict[str, Any] | None = None,
+    teacher: str | None = None,
+) -> str:
     """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
-    precomputed reference gets the path of its log-probs (``reference``), a run with
+    precomputed reference gets the path of its log-probs (``reference``), a distillation run
+    its teacher's top-k (``teacher``: snaketune.plan.teacher), a run with
     eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
     eval and export keys that matter to it), a GRPO run what it scores with its reward
     models (``reward_models``: below)."""
@@ -255,6 +261,8 @@ def train_spec(run: dict[str, Any], reference: str | None = None, heldout: str |
     block = method_of(run).block  # what a method's job reads beside its settings goes there
     if reference is not None:
         spec[block] = {**spec[block], "reference_logps": reference}
+    if teacher is not None:
+        spec[block] = {**spec[block], "teacher_logps": teacher}
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
     if block in spec:  # a GRPO run's reward models (reward_models below)
