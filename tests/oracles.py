@@ -232,3 +232,44 @@ def rloo_grad_norm(model, reference, ranks: list[dict], weights: dict[str, float
                 t += grad / len(ranks)
         start += n
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in total))
+
+
+def teacher_topk(model, input_ids: list[int], labels: list[int], k: int):
+    """The teacher's k most likely next tokens at each labelled token of one sequence:
+    (ids [targets, k], log-probs [targets, k], float64), from log_softmax(logits[t - 1])."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([input_ids])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)
+    at = [t - 1 for t in range(1, len(input_ids)) if labels[t] != IGNORE]
+    top = logp[at].topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def distill_sums(model, row: dict, ids, logps, temperature: float, kind: str = "forward",
+                 forward_share: float = 0.5) -> tuple[float, float, int]:  # fmt: skip
+    """One row's summed cross-entropy on its labelled tokens, its summed divergence from the
+    teacher's stored top-k (``ids``, ``logps`` [targets, k]) as the distillation papers
+    write it (Hinton et al.: both softened by the temperature, times its square), and its
+    target count; float64. Forward: sum_k p_k (log p_k - log q_k), p the teacher's top-k
+    renormalised at T, q the student's softmax at T over the whole vocabulary; reverse:
+    sum_k r_k (log r_k - log p_k), r the student's top-k probabilities renormalised."""
+    input_ids, labels = row["input_ids"], row["labels"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([input_ids])).logits[0].double()
+    at = [t for t in range(1, len(input_ids)) if labels[t] != IGNORE]
+    ce, div = [], []
+    for j, t in enumerate(at):
+        z = logits[t - 1]
+        ce.append(-(z[labels[t]] - torch.logsumexp(z, 0)).item())
+        teacher = [float(x) / temperature for x in logps[j]]
+        norm = math.log(math.fsum(math.exp(x) for x in teacher))
+        p = [x - norm for x in teacher]  # log p_k
+        zt = z / temperature
+        q = [(zt[int(i)] - torch.logsumexp(zt, 0)).item() for i in ids[j]]  # log q_k
+        fwd = math.fsum(math.exp(a) * (a - b) for a, b in zip(p, q, strict=True))
+        qn = math.log(math.fsum(math.exp(b) for b in q))
+        rev = math.fsum(math.exp(b - qn) * (b - qn - a) for a, b in zip(p, q, strict=True))
+        d = {"forward": fwd, "reverse": rev,
+             "mixed": forward_share * fwd + (1 - forward_share) * rev}[kind]  # fmt: skip
+        div.append(d * temperature**2)
+    return math.fsum(ce), math.fsum(div), len(at)
