@@ -149,7 +149,7 @@ def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_cha
         assert torch.allclose(got.double(), logps, atol=1e-5, rtol=0)
     assert not (path.parent / "parts").exists()
     prov = json.loads((path.parent / "provenance.json").read_text())
-    assert prov["settings"]["top_k"] == 32
+    assert prov["stage"] == "teacher_logps" and prov["config"]["top_k"] == 32
 
 
 def test_a_two_rank_distillation_step_logs_the_loss_written_out_in_plain_torch(distill_chain):

@@ -363,7 +363,7 @@ def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
 
 
 MAX_CHANGES = 12  # keys named per run (a new run's whole spec is no news)
-EXTRAS = ("heldout", "reference_logps", "reward_models")  # paths the workflow adds, not keys
+EXTRAS = ("heldout", "reference_logps", "teacher_logps", "reward_models")  # paths, not keys
 UNSET = object()
 
 

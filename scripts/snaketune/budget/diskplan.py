@@ -36,6 +36,7 @@ from typing import Any
 
 from snaketune.budget.memplan import GIB, Setup, Shape
 from snaketune.core.errors import UserError
+from snaketune.methods import method_of
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
             f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
             f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
             f"{gib(n['final'])}; exports {gib(n['exports'])}"
-            f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}), "
+            f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}"
+            f"{'; teacher top-k ' + gib(n['teacher_logps']) if n.get('teacher_logps') else ''}), "
             f"{gib(plan['free_bytes'])} free{held}")  # fmt: skip
     if plan["fits"]:
         return f"{line}: fits"
@@ -209,7 +211,14 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
     same = os.stat(existing(models)).st_dev == os.stat(existing(run_dir)).st_dev
     if same and not weights_in(models / run["model"]):
         download = shape.params * (shape.saved_bytes or 2)
-    return plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download)
+    plan = plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download)
+    if method_of(run).teacher(run) is not None:  # its teacher's top-k (rule teacher_logps)
+        from snaketune.budget.teacherplan import disk_bytes
+
+        plan["need_bytes"]["teacher_logps"] = round(disk_bytes(config, name, root) or 0)
+        plan["need_bytes"]["total"] += plan["need_bytes"]["teacher_logps"]
+        plan["fits"] = plan["need_bytes"]["total"] <= plan["free_bytes"] + plan["held_bytes"]
+    return plan
 
 
 def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """What each stage of a run costs besides training's steps, and what the whole pipeline
-costs: seconds and GPU-hours per stage (download, tokenize, shard, reference, train,
+costs: seconds and GPU-hours per stage (download, tokenize, shard, reference, teacher, train,
 convert, merge, evaluate), each with its basis. A finished run like this one (the train
 estimate's calibration) gives its stages' measured times (Snakemake's benchmark files);
 without one, a GPU run's stages are worked out from the model's bytes and FLOPs at the
@@ -25,6 +25,7 @@ MB = 1e6
 ORDER = (
     "shard_dataset",
     "reference_logps",
+    "teacher_logps",
     "train",
     "convert_checkpoint",
     "merge_lora",
@@ -134,6 +135,8 @@ def assumed_stages(
             forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
             basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.0%}"
             out["reference_logps"] = stage(size / (DISK_MB_S * MB) + forward, devices, basis)
+        if teacher := teacher_seconds(config, name, workdir, peak):
+            out["teacher_logps"] = teacher
     if method_of(run).adapter_of(run) == "lora":
         out["convert_checkpoint"] = stage(0.0, 0, "the adapter alone: seconds")
         if merged(run):
@@ -148,6 +151,26 @@ def assumed_stages(
             layout = eval_layout(run, shape, gpu_memory(given), final)
             out[rule] = evaluate_seconds(run, shape, examples, layout, gpu)
     return out
+
+
+def teacher_seconds(config: dict[str, Any], name: str, workdir: Path, peak: float | None,
+                    ) -> dict[str, Any] | None:  # fmt: skip
+    """A distillation run's teacher stage on the run's GPUs (``peak``: one GPU's TFLOPs):
+    the teacher read, and its forward pass over the sets' tokens at FORWARD_MFU; None for
+    another run, or before the teacher or the tokens are known."""
+    from snaketune.budget.teacherplan import teacher_shape, tokens
+
+    run = config["runs"][name]
+    shape, counted = teacher_shape(config, run, workdir), tokens(config, name, workdir)
+    if shape is None or counted is None or not peak:
+        return None
+    devices = run["nodes"] * run["gpus_per_node"]
+    forward = 2 * shape.active_params * counted[0] / (devices * peak * 1e12 * FORWARD_MFU)
+    basis = (
+        f"the teacher's forward pass over {counted[0]:,.0f} tokens ({counted[1]}) at "
+        f"assumed MFU {FORWARD_MFU:.0%}, read {weight_bytes(shape) / 1e9:.1f} GB"
+    )
+    return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
 
 
 def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:

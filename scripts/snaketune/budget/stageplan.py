@@ -136,12 +136,15 @@ def eval_layout(run: dict[str, Any], shape: Shape | None, gpu_gib: float | None,
 def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float | None,
                 setup: Setup | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The stages of run ``name`` besides training's steps, planned: generation inside the
-    training job (with its ``setup``), the reference stage, each evaluate stage it runs (its
-    layout, GiB per GPU, whether that fits ``gpu_gib``, its CPU memory per node) and the CPU
-    memory of conversion and merging."""
+    training job (with its ``setup``), the reference and teacher stages, each evaluate stage
+    it runs (its layout, GiB per GPU, whether that fits ``gpu_gib``, its CPU memory per node)
+    and the CPU memory of conversion and merging."""
     run = config["runs"][name]
+    from snaketune.budget.teacherplan import memory_plan
+
     out: dict[str, dict[str, Any]] = {**export_plans(run, shape),
-                                      **reference_plan(run, shape, gpu_gib)}  # fmt: skip
+                                      **reference_plan(run, shape, gpu_gib),
+                                      **memory_plan(config, run, gpu_gib)}  # fmt: skip
     if setup is not None:
         out.update(training_pass_plans(run, shape, setup, gpu_gib))
     if "eval_dataset" not in run:

@@ -1,0 +1,99 @@
+"""What a distillation run's teacher stage (rule teacher_logps) costs, before queueing: its
+GPUs (the run's own: one worker per GPU, each holding the whole teacher), their memory, the
+tokens it reads (its time: snaketune.budget.stagecost.teacher_seconds) and the disk of what
+it writes (k x 8 bytes per label token before compression: snaketune.evaluation.topk). The
+student's own memory plan has no teacher in it: the training job never holds one (its loss
+reads the logits, as a method without a fused loss: memplan's ``fused_loss``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
+
+EVAL_BYTES = 2  # the teacher's weights and logits on a GPU (bf16)
+
+
+def teacher_base(config: dict[str, Any], run: dict[str, Any]) -> str | None:
+    """The model of the config whose shape a run's teacher has: the teacher itself, or the
+    teacher run's (a sweep's first member's) model; None for a run without a teacher."""
+    from snaketune.plan.teacher import teacher_of
+
+    name = teacher_of(run)
+    if name is None or name in config["models"]:
+        return name
+    runs = config["runs"]
+    member = runs.get(name) or next(r for r in runs.values()
+                                    if (r.get("sweep_of") or {}).get("run") == name)  # fmt: skip
+    return member["model"]
+
+
+def teacher_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Shape | None:
+    """The teacher's shape from its config.json where it is on this machine now (its
+    download, or a local model's path), else None."""
+    import json
+
+    model = teacher_base(config, run)
+    if model is None:
+        return None
+    spec = config["models"][model]
+    folders = [workdir / "resources/models" / model]
+    if spec.get("source") == "local":
+        folders.append(workdir / spec["path"])
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            path = folder / "config.json"
+            return Shape.from_config(json.loads(path.read_text()), str(path))
+    return None
+
+
+def tokens(config: dict[str, Any], name: str, workdir: Path) -> tuple[float, str] | None:
+    """The tokens the teacher stage reads (the training set and the eval set, at most: every
+    token counted as a label) from the tokenized sets' lengths, or from their rows at
+    max_length (None before either is known)."""
+    import pyarrow.parquet as pq
+
+    from snaketune.plan.stages import tokenized
+
+    run, total, basis = config["runs"][name], 0.0, "the tokenized sets' tokens"
+    for eval_set in (False, True) if "eval_dataset" in run else (False,):
+        path = workdir / tokenized(config, name, eval_set)
+        if not path.is_file():
+            return None
+        total += float(pq.read_table(path, columns=["length"]).column("length").to_numpy().sum())
+    return total, basis
+
+
+def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None:
+    """Bytes of the teacher's top-k of a run's sets (at most), None before they are known."""
+    from snaketune.evaluation.topk import BYTES_PER_VALUE
+    from snaketune.plan.teacher import top_k
+
+    counted = tokens(config, name, workdir)
+    run = config["runs"][name]
+    return None if counted is None else counted[0] * top_k(run) * BYTES_PER_VALUE
+
+
+def memory_plan(config: dict[str, Any], run: dict[str, Any], gpu_gib: float | None,
+                workdir: Path = Path(".")) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The teacher stage's GPU memory: the whole teacher, a batch (micro_batch_size rows of
+    max_length) through one layer at a time, the batch's logits and one row's log-softmax
+    in float32."""
+    shape = teacher_shape(config, run, workdir)
+    if shape is None:
+        return {}
+    weights = shape.params * EVAL_BYTES
+    batch = run["micro_batch_size"] * run["max_length"]
+    passing = batch * (4 * shape.hidden + shape.mlp_pass) * EVAL_BYTES
+    logits = batch * shape.vocab * EVAL_BYTES + run["max_length"] * shape.vocab * 8
+    total = round((weights + passing + logits) / GIB * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+    return {"teacher_logps": {
+        "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
+        "fits": None if gpu_gib is None else total <= gpu_gib, "sharded": False,
+        "why": f"each worker holds the whole teacher ({weights / GIB:.1f} GiB) and a batch's "
+               f"logits ({logits / GIB:.1f} GiB)",
+        "fix": "lower micro_batch_size (the stage's rows per forward pass), or use GPUs with "
+               "more memory",
+    }}  # fmt: skip
