@@ -5,7 +5,8 @@
         --nodes 2 --gpus-per-node 1 --batch-rows 8 --precision auto \
         --attn-implementation auto --out results/teacher_logps/KEY/topk.parquet
 
-Data parallel over nodes x gpus_per_node workers, one per device, each holding the teacher,
+Data parallel over nodes x gpus_per_node workers, one per device, each holding the teacher
+(or, ``--sharded 1``, for a teacher larger than one GPU, its weights sharded over them all),
 started like the reference stage's (snaketune.train.scoring: the train job's launcher,
 heartbeats, one log per attempt, chunks written to ``parts/`` as they finish, so a rerun
 after a kill computes only what is missing). The teacher must tokenize as the student
@@ -114,6 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=CHUNK_PAIRS,
         help="rows per part file: what a rerun after a kill may compute "
         f"again (default {CHUNK_PAIRS})",
+    )
+    parser.add_argument(
+        "--sharded",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="1: the teacher's weights sharded over every worker (ZeRO-3, as "
+        "the evaluation shards a model larger than one GPU; the plan decides)",
     )
     parser.add_argument("--worker", action="store_true", help="(internal) one worker")
     args = parser.parse_args(argv)

@@ -43,6 +43,7 @@ WIDTH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "h
 MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
        "n_routed_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
 ROWS = {"train": 96, "test": 16}
+BLOCK_REQUIRED = {"teacher": "tiny"}  # the keys a method's block requires, in defaults_config
 STEPS = 4
 
 
@@ -200,11 +201,16 @@ def defaults_config(demo: Path, out: Path) -> Path:
         "runs": {},
     }  # fmt: skip
     for name in REGISTRY:
-        train, test = data[method_named(name).trains_on]
+        method = method_named(name)
+        train, test = data[method.trains_on]
         config["runs"][f"{name}_defaults"] = {
             "model": "tiny", "dataset": train, "eval_dataset": test, "method": name,
             **REQUIRED, "micro_batch_size": 8, "learning_rate": 1e-4, "max_steps": STEPS,
         }  # fmt: skip
+        required = yaml.safe_load(method.schema).get("required", []) if method.schema else []
+        if required:  # a block's required keys (distill's teacher: the tiny model itself)
+            config["runs"][f"{name}_defaults"][method.block] = {
+                key: BLOCK_REQUIRED[key] for key in required}  # fmt: skip
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -34,14 +34,14 @@ from conftest import (
     snakemake,
     train,
 )
-from oracles import distill_sums, planned_steps, teacher_topk
+from oracles import distill_sums, mean_nll, planned_steps, teacher_topk, token_logps
 
 from snaketune.core.errors import ConfigError
 from snaketune.plan.config import validate_config
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear",
         "modules_to_save": ["lm_head", "embed_tokens"]}  # fmt: skip
-STUDENT = {"model": "tiny", "dataset": "arith", "eval_dataset": "arith_test", "lora": LORA,
+STUDENT = {"model": "tiny", "dataset": "mixed", "eval_dataset": "arith_test", "lora": LORA,
            "nodes": 2, "gpus_per_node": 1, "max_length": 256, "micro_batch_size": 16,
            "max_steps": 32, "save_steps": 16, "learning_rate": 6.0e-3,
            "checkpoints": {"optimizer": "all"},
@@ -68,9 +68,15 @@ def build_model(tokenizer_dir: Path, out: Path, vocab: int | None = None, seed: 
 
 
 def chain_config(workdir: Path) -> dict:
-    """The demo's models and datasets, a larger tiny model (``big``), and the three runs."""
+    """The demo's models and datasets, a larger tiny model (``big``), a mixture of the
+    demo's arithmetic (37 tokens a row) and GSM8K-style rows (42 to 82: ranks get unequal
+    example counts), and the three runs."""
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     cfg["models"]["big"] = {"source": "local", "path": "resources/fixtures/big-llama"}
+    cfg["datasets"]["mixed"] = {
+        "source": "mixture",
+        "mixture": [{"dataset": "arith"}, {"dataset": "gsm8k_demo"}],
+    }
     cfg["runs"] = {
         "teacher": {**STUDENT, "model": "big", "method": "full", "nodes": 1,
                     "micro_batch_size": 32, "max_steps": 64, "save_steps": 64,
@@ -88,7 +94,7 @@ def distill_chain(tmp_path_factory, fixtures_dir) -> Path:
     workdir = tmp_path_factory.mktemp("distill_chain")
     fixtures = workdir / "resources/fixtures"
     fixtures.mkdir(parents=True)
-    for name in ("tiny-llama", "arith-demo"):
+    for name in ("tiny-llama", "arith-demo", "gsm8k-demo"):
         shutil.copytree(fixtures_dir / name, fixtures / name)
     build_model(fixtures / "tiny-llama", fixtures / "big-llama")
     (workdir / "config.yaml").write_text(yaml.safe_dump(chain_config(workdir)))
@@ -110,9 +116,15 @@ def topk_of(path: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], i
     return out, k
 
 
+def tokenized_set(workdir: Path, eval_set: bool) -> Path:
+    """The student's tokenized training rows or eval set."""
+    name = "arith_test" if eval_set else "mixed"
+    return next((workdir / "results/tokenized").glob(f"{name}__tiny__*/data.parquet"))
+
+
 def stage_output(workdir: Path, eval_set: bool) -> Path:
     """The teacher stage's output for the student's training rows or its eval set."""
-    rows = 64 if eval_set else 2048
+    rows = pq.ParquetFile(tokenized_set(workdir, eval_set)).metadata.num_rows
     for path in (workdir / "results/teacher_logps").glob("*/topk.parquet"):
         if pq.ParquetFile(path).metadata.num_rows == rows:
             return path
@@ -129,18 +141,27 @@ def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_cha
     """Every row of the tokenized training set once, in its order, k = 32 (the default);
     for rows across the stage's chunks (each worker's), the stored ids are the tuned
     teacher's k most likely next tokens at each label position and their log-probs its
-    log-softmax, computed with plain transformers one example at a time (1e-5)."""
+    log-softmax, computed with plain transformers one example at a time (1e-5), as are the
+    labels' own log-probs stored beside them."""
     w = distill_chain
     path = stage_output(w, eval_set=False)
-    tokenized = next((w / "results/tokenized").glob("arith__tiny__*/data.parquet"))
-    rows = pq.read_table(tokenized).to_pylist()
+    rows = pq.read_table(tokenized_set(w, eval_set=False)).to_pylist()
+    assert len(rows) == 2048 + 512
     stored, k = topk_of(path)
     assert k == 32
     assert pq.read_table(path, columns=["example_id"]).column(0).to_pylist() == [
         r["example_id"] for r in rows]  # fmt: skip
     teacher = model(w / "results/teacher/hf")
-    for i in (0, 1, 255, 256, 257, 1000, 2047):  # chunks of 256 rows: both workers'
+    own = dict(
+        zip(
+            *pq.read_table(path, columns=["example_id", "label_logps"]).to_pydict().values(),
+            strict=True,
+        )
+    )
+    for i in (0, 1, 255, 256, 257, 1000, 2559):  # chunks of 256 rows: both workers'
         r = rows[i]
+        want = token_logps(teacher, r["input_ids"], r["labels"])  # the labels' own
+        assert own[r["example_id"]] == pytest.approx(want, abs=1e-5)
         ids, logps = teacher_topk(teacher, r["input_ids"], r["labels"], k)
         got_ids, got = stored[r["example_id"]]
         assert got_ids.shape == ids.shape and len(ids) == sum(
@@ -196,11 +217,11 @@ def test_the_distilled_student_is_closer_to_its_teacher_than_sft_alone(distill_c
     """On the demo task's held-out set, the student distilled from the tuned teacher has a
     lower KL to the teacher than the same student tuned by SFT alone on the same data and
     steps; its evaluation's heldout_kl (the headline, with the teacher's stored top-k) is
-    the KL written out with plain torch on the exported model (1e-5)."""
+    the KL written out with plain torch on the exported model, its teacher_loss the
+    teacher's own held-out loss (1e-5)."""
     w = distill_chain
     stored, _ = topk_of(stage_output(w, eval_set=True))
-    eval_rows = pq.read_table(next((w / "results/tokenized").glob(
-        "arith_test__tiny__*/data.parquet"))).to_pylist()  # fmt: skip
+    eval_rows = pq.read_table(tokenized_set(w, eval_set=True)).to_pylist()
 
     def kl(path: Path) -> float:
         m, total, n = model(path), [], 0
@@ -212,15 +233,19 @@ def test_the_distilled_student_is_closer_to_its_teacher_than_sft_alone(distill_c
 
     student, sft = kl(w / "results/student/merged_model"), kl(w / "results/sft/merged_model")
     metrics = json.loads((w / "results/student/eval/metrics.json").read_text())
-    assert metrics["headline"][0] == "heldout_kl"
+    assert metrics["headline"][:2] == ["heldout_kl", "teacher_loss"]
     assert metrics["heldout_kl"] == pytest.approx(student, abs=1e-5)
+    teacher_nll, _ = mean_nll(model(w / "results/teacher/hf"), eval_rows)
+    assert metrics["teacher_loss"] == pytest.approx(teacher_nll, abs=1e-5)  # beside its own
     assert student < sft, (student, sft)
     print(f"held-out KL to the teacher: distilled {student:.4f}, SFT alone {sft:.4f}")
     line = (w / "snakemake.out").read_text()
-    assert re.search(r"student: kl_to_teacher [0-9.]+", line), line[-2000:]
+    assert re.search(r"student: kl_to_teacher [0-9.]+, teacher loss [0-9.]+", line), line[-2000:]
 
 
-def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(distill_chain, tmp_path):
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(
+    distill_chain, tmp_path, monkeypatch
+):
     """A teacher whose vocabulary is not the student's: the config's check names the key
     and the fix before any job (the models are on this machine), and the teacher stage
     refuses too (a teacher downloaded later), in one line, writing nothing."""
@@ -229,6 +254,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(distill_chain, 
     cfg = chain_config(w)
     cfg["models"]["other"] = {"source": "local", "path": str(other)}
     cfg["runs"]["student"]["distill"] = {"teacher": "other"}
+    monkeypatch.chdir(w)  # where snakemake reads the config: its --directory
     with pytest.raises(ConfigError) as exc:
         validate_config(cfg, ROOT)
     line = str(exc.value)
@@ -236,8 +262,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(distill_chain, 
     assert "is not the student's" in line and "choose a teacher" in line, line
     out = tmp_path / "topk/topk.parquet"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/teacher_logps.py"),
-                           "--tokenized", str(next((w / "results/tokenized").glob(
-                               "arith_test__tiny__*/data.parquet"))),
+                           "--tokenized", str(tokenized_set(w, eval_set=True)),
                            "--model", str(other), "--student-model",
                            str(w / "resources/models/tiny"), "--out", str(out)],
                           env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -258,7 +283,7 @@ def test_a_killed_teacher_worker_takes_the_stage_down_and_a_rerun_computes_the_r
     import psutil
 
     w = distill_chain
-    tokenized = next((w / "results/tokenized").glob("arith__tiny__*/data.parquet"))
+    tokenized = tokenized_set(w, eval_set=False)
     out = tmp_path / "topk/topk.parquet"
     cmd = [sys.executable, str(ROOT / "scripts/teacher_logps.py"), "--tokenized",
            str(tokenized), "--model", str(w / "results/teacher/hf"), "--nodes", "2",
@@ -278,7 +303,7 @@ def test_a_killed_teacher_worker_takes_the_stage_down_and_a_rerun_computes_the_r
     log = rerun.stdout + rerun.stderr
     assert rerun.returncode == 0, log[-3000:]
     computed = [int(n) for n in re.findall(r"worker 0: (\d+) chunks computed", log)]
-    assert computed == [4 - sum(k % 2 == 0 for k in kept)], (kept, log[-3000:])
+    assert computed == [5 - sum(k % 2 == 0 for k in kept)], (kept, log[-3000:])  # 10 chunks
     assert pq.read_table(out).equals(pq.read_table(stage_output(w, eval_set=False)))
 
 
@@ -350,3 +375,56 @@ def test_each_divergence_is_the_papers(kind, temperature):
         _, want, _ = distill_sums(Fixed(), one, teacher.indices[j : j + 1],
                                   teacher.values[j : j + 1], temperature, kind, 0.3)  # fmt: skip
         assert got[j].item() * temperature**2 == pytest.approx(want, abs=1e-5)
+
+
+def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
+    distill_chain, tmp_path
+):
+    """The teacher stage with the teacher's weights sharded over its 2 workers (ZeRO-3, as
+    the evaluation shards a model larger than one GPU), on chunks that give the workers
+    unequal forward passes (the short one runs passes that keep nothing): the same ids and
+    log-probs as the stage with a whole teacher per worker (1e-5)."""
+    w = distill_chain
+    tokenized = tokenized_set(w, eval_set=True)
+    out = tmp_path / "topk/topk.parquet"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/teacher_logps.py"),
+                           "--tokenized", str(tokenized), "--model", str(w / "results/teacher/hf"),
+                           "--nodes", "2", "--batch-rows", "8", "--chunk-rows", "20",
+                           "--sharded", "1", "--out", str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got, k = topk_of(out)
+    want, _ = topk_of(stage_output(w, eval_set=True))
+    assert k == 32 and list(got) == list(want)
+    for name, (ids, logps) in want.items():
+        assert torch.equal(got[name][0], ids)
+        assert torch.allclose(got[name][1], logps, atol=1e-5, rtol=0)
+
+
+def test_the_plans_count_the_teacher_stage(distill_chain):
+    """The teacher stage in the plans: on GPUs too small for the whole teacher it is
+    sharded over the run's GPUs (and the rule's resource says so); its disk is (8k + 4)
+    bytes per token of the tokenized sets (at most: every token); its time is a forward
+    pass of the teacher's size over those tokens."""
+    from snaketune.budget.diskplan import disk_plan_of
+    from snaketune.budget.stagecost import teacher_seconds
+    from snaketune.budget.teacherplan import memory_plan, sharded, tokens
+
+    w = distill_chain
+    config = validate_config(yaml.safe_load((w / "config.yaml").read_text()), ROOT)
+    run = config["runs"]["student"]
+    whole = memory_plan(config, run, None, w)["teacher_logps"]
+    assert whole["sharded"] is False and whole["fits"] is None
+    small = whole["per_gpu_gib"] - 0.001
+    tight = memory_plan(config, run, small, w)["teacher_logps"]
+    assert tight["sharded"] is True and tight["per_gpu_gib"] < whole["per_gpu_gib"]
+    assert not sharded(config, run, w)  # no `gpu`: a CPU run, never sharded
+    assert sharded(config, {**run, "gpu": small}, w)
+    counted, _ = tokens(config, "student", w)
+    lengths = sum(pq.read_table(tokenized_set(w, e), columns=["length"]).column(0).to_numpy().sum()
+                  for e in (False, True))  # fmt: skip
+    assert counted == lengths
+    disk = disk_plan_of(config, "student", w, ROOT)
+    assert disk["need_bytes"]["teacher_logps"] == round(lengths * (32 * 8 + 4))
+    cost = teacher_seconds(config, "student", w, 989.0)
+    assert cost["gpus"] == 2 and cost["s"] > 0 and f"{lengths:,.0f} tokens" in cost["basis"]

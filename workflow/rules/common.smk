@@ -7,7 +7,7 @@ from pathlib import Path
 from snaketune.methods import scorers
 from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
-from snaketune.budget import fit, slurmfit
+from snaketune.budget import fit, slurmfit, teacherplan
 from snaketune.plan import stages, targets
 from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
@@ -254,6 +254,11 @@ def teacher_gpus(wildcards):
 
 def teacher_batch(wildcards):
     return teacher_run(wildcards)["micro_batch_size"]
+
+
+def teacher_sharded(wildcards):
+    """1 where the teacher does not fit one of the run's GPUs (snaketune.budget.teacherplan)."""
+    return int(teacherplan.sharded(config, teacher_run(wildcards)))
 
 
 def teacher_timeout(wildcards):

@@ -20,6 +20,7 @@ rule teacher_logps:
     # On the GPUs of the run it serves (data parallel: one worker per GPU, on each of its
     # nodes); a rerun after a kill computes only the chunks not written yet. The layout and
     # batch are resources, not params: they change how fast, not what (the output's key).
+    # A teacher the plan finds larger than one GPU is sharded over them (sharded=1).
     resources:
         mem_mb=16000,
         runtime=240,
@@ -30,6 +31,7 @@ rule teacher_logps:
         tasks_per_gpu=0,
         workers_per_node=teacher_gpus,
         batch_rows=teacher_batch,
+        sharded=teacher_sharded,
         timeout_minutes=teacher_timeout,
     params:
         settings=teacher_settings,
@@ -37,6 +39,7 @@ rule teacher_logps:
         "python {input.script} --tokenized {input.tokenized} --model {input.model}"
         " --student-model {input.student}"
         " --nodes {resources.nodes} --gpus-per-node {resources.workers_per_node}"
-        " --batch-rows {resources.batch_rows} --timeout-minutes {resources.timeout_minutes}"
+        " --batch-rows {resources.batch_rows} --sharded {resources.sharded}"
+        " --timeout-minutes {resources.timeout_minutes}"
         " {params.settings} --out {output.topk}"
         " > {log} 2>&1"

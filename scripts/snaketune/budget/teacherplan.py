@@ -1,7 +1,7 @@
 """What a distillation run's teacher stage (rule teacher_logps) costs, before queueing: its
 GPUs (the run's own: one worker per GPU, each holding the whole teacher), their memory, the
 tokens it reads (its time: snaketune.budget.stagecost.teacher_seconds) and the disk of what
-it writes (k x 8 bytes per label token before compression: snaketune.evaluation.topk). The
+it writes (k x 8 + 4 bytes per label token before compression: snaketune.evaluation.topk). The
 student's own memory plan has no teacher in it: the training job never holds one (its loss
 reads the logits, as a method without a fused loss: memplan's ``fused_loss``).
 """
@@ -68,32 +68,52 @@ def tokens(config: dict[str, Any], name: str, workdir: Path) -> tuple[float, str
 
 def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None:
     """Bytes of the teacher's top-k of a run's sets (at most), None before they are known."""
-    from snaketune.evaluation.topk import BYTES_PER_VALUE
+    from snaketune.evaluation.topk import BYTES_PER_TARGET, BYTES_PER_VALUE
     from snaketune.plan.teacher import top_k
 
     counted = tokens(config, name, workdir)
-    run = config["runs"][name]
-    return None if counted is None else counted[0] * top_k(run) * BYTES_PER_VALUE
+    per_token = top_k(config["runs"][name]) * BYTES_PER_VALUE + BYTES_PER_TARGET
+    return None if counted is None else counted[0] * per_token
 
 
 def memory_plan(config: dict[str, Any], run: dict[str, Any], gpu_gib: float | None,
                 workdir: Path = Path(".")) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The teacher stage's GPU memory: the whole teacher, a batch (micro_batch_size rows of
     max_length) through one layer at a time, the batch's logits and one row's log-softmax
-    in float32."""
+    in float32; where the whole teacher does not fit ``gpu_gib``, its weights sharded over
+    the run's GPUs (ZeRO-3, a layer gathered at a time: the stage's ``--sharded``)."""
     shape = teacher_shape(config, run, workdir)
     if shape is None:
         return {}
+    devices = run["nodes"] * run["gpus_per_node"]
     weights = shape.params * EVAL_BYTES
     batch = run["micro_batch_size"] * run["max_length"]
     passing = batch * (4 * shape.hidden + shape.mlp_pass) * EVAL_BYTES
     logits = batch * shape.vocab * EVAL_BYTES + run["max_length"] * shape.vocab * 8
-    total = round((weights + passing + logits) / GIB * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+
+    def gib(held: float) -> float:
+        return round((held + passing + logits) / GIB * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+
+    total, sharded = gib(weights), False
+    if gpu_gib is not None and total > gpu_gib and devices > 1:
+        total = gib(weights / devices + shape.largest_layer * EVAL_BYTES)
+        sharded = True
+    held = (f"the teacher sharded over {devices} GPUs ({weights / GIB:.1f} GiB in all, a layer "
+            "gathered at a time)" if sharded else
+            f"each worker holds the whole teacher ({weights / GIB:.1f} GiB)")  # fmt: skip
     return {"teacher_logps": {
         "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
-        "fits": None if gpu_gib is None else total <= gpu_gib, "sharded": False,
-        "why": f"each worker holds the whole teacher ({weights / GIB:.1f} GiB) and a batch's "
-               f"logits ({logits / GIB:.1f} GiB)",
-        "fix": "lower micro_batch_size (the stage's rows per forward pass), or use GPUs with "
-               "more memory",
+        "fits": None if gpu_gib is None else total <= gpu_gib, "sharded": sharded,
+        "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
+        "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
+               "more GPUs, or GPUs with more memory",
     }}  # fmt: skip
+
+
+def sharded(config: dict[str, Any], run: dict[str, Any], workdir: Path = Path(".")) -> bool:
+    """Whether the teacher stage shards the teacher over the run's GPUs (it does not fit
+    one, by the memory plan against the run's `gpu`)."""
+    from snaketune.budget.memplan import gpu_memory
+
+    plan = memory_plan(config, run, gpu_memory(run.get("gpu", config.get("gpu"))), workdir)
+    return bool(plan.get("teacher_logps", {}).get("sharded"))

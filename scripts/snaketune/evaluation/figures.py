@@ -17,7 +17,8 @@ tokens and the ``stop_rate``; an eval set of preference pairs adds ``likelihood_
 and, for a method that scores pairs with a beta (DPO), the implicit reward's
 ``preference_accuracy`` and ``reward_margin``; a reward model's evaluation has its scores'
 ``preference_accuracy`` and ``reward_margin`` only; a distilled model's adds ``heldout_kl``,
-its forward KL from the teacher's top-k on the eval set; the user's own metrics (``eval.metrics``,
+its forward KL from the teacher's top-k on the eval set, and the teacher's own held-out
+``teacher_loss`` beside its ``loss``; the user's own metrics (``eval.metrics``,
 snaketune.methods.scorers) are figures under their keys.
 
 A run's *headline* is its method's own figures (snaketune.methods: ``Method.headline``),
@@ -75,6 +76,8 @@ DESCRIBED = {
                                      "likelihood_accuracy"),
     "heldout_kl": Described("KL to the teacher (nats/token, held out)", False, False,
                             "kl_to_teacher"),
+    "teacher_loss": Described("the teacher's held-out loss (nats/token)", False, False,
+                              "teacher loss"),
 }  # fmt: skip
 
 

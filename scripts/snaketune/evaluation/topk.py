@@ -11,8 +11,10 @@ temperature 1, float32, with their token ids: the parquet it writes has
     example_id   string
     ids          list<int32>    targets x k, target by target, the largest first
     logps        list<float32>  the same shape
+    label_logps  list<float32>  targets: the label's own log-prob (the teacher's loss)
 
-so the disk is targets x k x 8 bytes before compression (``BYTES_PER_VALUE``). Chunks,
+so the disk is targets x (k x 8 + 4) bytes before compression (``BYTES_PER_VALUE``,
+``BYTES_PER_TARGET``). Chunks,
 parts and their merge are the reference stage's (snaketune.evaluation.logps).
 
 The divergence at a target (``divergence``), with temperature T: the teacher's top-k
@@ -40,6 +42,7 @@ from snaketune.evaluation.logps import CHUNK_PAIRS, chunks, part_path
 log = logging.getLogger(__name__)
 
 BYTES_PER_VALUE = 8  # an int32 token id and a float32 log-prob per stored value
+BYTES_PER_TARGET = 4  # the label's own log-prob, float32
 DIVERGENCES = ("forward", "reverse", "mixed")
 
 
@@ -50,6 +53,7 @@ def schema(k: int) -> pa.Schema:
             ("example_id", pa.string()),
             ("ids", pa.list_(pa.int32())),
             ("logps", pa.list_(pa.float32())),
+            ("label_logps", pa.list_(pa.float32())),
         ],
         metadata={"k": str(k)},
     )
@@ -61,8 +65,9 @@ def targets(labels: list[int]) -> list[int]:
 
 
 def row_topk(model, rows: list[dict[str, Any]], pad: int, k: int):
-    """Each row's (ids int32 [targets, k], logps float32 [targets, k]): one right-padded
-    forward pass of ``model`` (on its device), log-softmax in float32."""
+    """Each row's (ids int32 [targets, k], logps float32 [targets, k], the labels' own
+    log-probs float32 [targets]): one right-padded forward pass of ``model`` (on its
+    device), log-softmax in float32."""
     import torch
 
     device = next(model.parameters()).device
@@ -70,11 +75,41 @@ def row_topk(model, rows: list[dict[str, Any]], pad: int, k: int):
     with torch.no_grad():
         out = []
         for j, r in enumerate(rows):
-            at = torch.as_tensor(targets(r["labels"]), dtype=torch.long, device=device) - 1
-            logp = torch.log_softmax(logits[j, at].float(), dim=-1)
+            t = torch.as_tensor(targets(r["labels"]), dtype=torch.long, device=device)
+            logp = torch.log_softmax(logits[j, t - 1].float(), dim=-1)
             top = logp.topk(k, dim=-1)
-            out.append((top.indices.to(torch.int32).cpu().numpy(), top.values.cpu().numpy()))
+            label = logp.gather(-1, torch.as_tensor(r["labels"], device=device)[t][:, None])
+            out.append(
+                (
+                    top.indices.to(torch.int32).cpu().numpy(),
+                    top.values.cpu().numpy(),
+                    label[:, 0].cpu().numpy(),
+                )
+            )
     return out
+
+
+def load_teacher(model_dir: str | Path, precision: str, attention: str, worker: int,
+                 sharded: bool):  # fmt: skip
+    """(the teacher in eval mode, its pad id, what keeps a sharded one's DeepSpeed config
+    alive): whole on this worker's device, or (``sharded``) its weights over every worker
+    as the evaluation shards a model larger than one GPU (snaketune.evaluation.sharded)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from snaketune.core.rows import pad_id
+    from snaketune.evaluation.model import DTYPES, build_model
+
+    if sharded:
+        from snaketune.evaluation.sharded import load_sharded
+
+        tokenizer, model, keep = load_sharded(Path(model_dir), DTYPES[precision])
+        return model, pad_id(tokenizer), keep
+    device = torch.device(
+        f"cuda:{worker % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    )
+    pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    return build_model(Path(model_dir), precision, attention).to(device).eval(), pad, None
 
 
 def compute_parts(
@@ -89,50 +124,55 @@ def compute_parts(
     attention: str,
     on_batch: Callable[[int], None] | None = None,
     chunk_rows: int = CHUNK_PAIRS,
+    sharded: bool = False,
 ) -> int:
     """Worker ``worker`` of ``workers``: the teacher's top-k of its chunks that have no
     part file yet; returns how many it computed. ``on_batch(chunk)`` is called before each
-    forward pass (the worker's heartbeat)."""
-    import torch
-    from transformers import AutoTokenizer
+    forward pass (the worker's heartbeat). ``sharded``: the teacher's weights are over
+    every worker, each forward pass a collective: a worker short of chunks runs passes
+    that keep nothing until the busiest is done."""
+    from snaketune.evaluation.sharded import DUMMY
 
-    from snaketune.core.rows import pad_id
-    from snaketune.evaluation.model import build_model
-
-    todo = [
-        c
-        for c in range(worker, chunks(tokenized, chunk_rows), workers)
-        if not part_path(parts, c).exists()
-    ]
-    if not todo:
+    n = pq.ParquetFile(tokenized).metadata.num_rows
+    todo = [c for c in range(worker, chunks(tokenized, chunk_rows), workers)
+            if not part_path(parts, c).exists()]  # fmt: skip
+    if not todo and not sharded:
         return 0
-    device = torch.device(
-        f"cuda:{worker % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    )
-    pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-    model = build_model(Path(model_dir), precision, attention).to(device).eval()
+    model, pad, _keep = load_teacher(model_dir, precision, attention, worker, sharded)
+    passes = sum(-(-min(chunk_rows, n - c * chunk_rows) // batch_rows) for c in todo)
+    idle = 0
+    if sharded:
+        from snaketune.core.collective import gather_combined
+
+        idle = int(gather_combined([float(passes)], ("max",))[0]) - passes
     table = pq.read_table(tokenized, columns=["example_id", "input_ids", "labels"])
     for c in todo:
         rows = table.slice(c * chunk_rows, chunk_rows).to_pylist()
-        ids, logps = [], []
+        got = []
         for at in range(0, len(rows), batch_rows):
             if on_batch is not None:
                 on_batch(c)
-            for i, lp in row_topk(model, rows[at : at + batch_rows], pad, k):
-                ids.append(i.reshape(-1))
-                logps.append(lp.reshape(-1))
-        part = pa.Table.from_arrays(
-            [
-                pa.array([r["example_id"] for r in rows], pa.string()),
-                pa.array(ids, pa.list_(pa.int32())),
-                pa.array(logps, pa.list_(pa.float32())),
-            ],
-            schema=schema(k),
-        )
-        with atomic_path(part_path(parts, c)) as tmp:
-            pq.write_table(part, tmp)
+            got += row_topk(model, rows[at : at + batch_rows], pad, k)
+        write_part(part_path(parts, c), [r["example_id"] for r in rows], got, k)
         log.info("worker %d/%d: chunk %d (%d rows) done", worker, workers, c, len(rows))
+    for _ in range(idle):
+        row_topk(model, [DUMMY], pad, 1)
     return len(todo)
+
+
+def write_part(path: Path, ids: list[str], got: list[tuple], k: int) -> None:
+    """One chunk's rows (``got``: row_topk's, in order) as a part file, atomically."""
+    part = pa.Table.from_arrays(
+        [
+            pa.array(ids, pa.string()),
+            pa.array([g[0].reshape(-1) for g in got], pa.list_(pa.int32())),
+            pa.array([g[1].reshape(-1) for g in got], pa.list_(pa.float32())),
+            pa.array([g[2] for g in got], pa.list_(pa.float32())),
+        ],
+        schema=schema(k),
+    )
+    with atomic_path(path) as tmp:
+        pq.write_table(part, tmp)
 
 
 def read_topk(
@@ -195,8 +235,8 @@ def heldout_kl(
     model, rows: list[dict[str, Any]], path: str | Path, batch_size: int, pad: int, share=None
 ) -> dict[str, float]:
     """The held-out forward KL (temperature 1) of ``model`` from the teacher's top-k stored
-    at ``path``, the mean per target over ``rows`` (every rank's share: each rank runs as
-    many forward passes)."""
+    at ``path``, the mean per target over ``rows``, and the teacher's own held-out loss
+    (every rank's share: each rank runs as many forward passes)."""
     import torch
 
     from snaketune.core.collective import gather_combined
@@ -205,8 +245,9 @@ def heldout_kl(
     share = share or ONE
     mine = share.mine(rows)
     teacher = read_topk(path, [r["example_id"] for r in mine])
+    own = own_logps(path, [r["example_id"] for r in mine])
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    total, count, teacher_nll = 0.0, 0, 0.0
     for b in range(share.batches(len(rows), batch_size)):
         batch = mine[b * batch_size : (b + 1) * batch_size]
         got = _padded_logits(model, batch or [DUMMY], pad)
@@ -215,8 +256,24 @@ def heldout_kl(
             ids, logps = (torch.as_tensor(x) for x in teacher[r["example_id"]])
             kl = divergence(got[j, at.to(device)], ids.to(device), logps.to(device))
             total, count = total + float(kl.double().sum()), count + len(at)
-    total, count = gather_combined([total, float(count)], ("sum", "sum"))
-    return {"heldout_kl": total / max(count, 1.0)}
+            teacher_nll -= float(np.sum(own[r["example_id"]], dtype=np.float64))
+    total, teacher_nll, count = gather_combined([total, teacher_nll, float(count)], ("sum",) * 3)
+    return {"heldout_kl": total / max(count, 1.0), "teacher_loss": teacher_nll / max(count, 1.0)}
+
+
+def own_logps(path: str | Path, ids: list[str]) -> dict[str, np.ndarray]:
+    """example_id -> the teacher's log-probs of the labels themselves (of ``ids``)."""
+    import pyarrow.compute as pc
+
+    table = pq.read_table(path, columns=["example_id", "label_logps"])
+    table = table.filter(pc.is_in(table.column("example_id"), pa.array(ids, pa.string())))
+    return dict(
+        zip(
+            table.column("example_id").to_pylist(),
+            (np.asarray(x, np.float32) for x in table.column("label_logps").to_pylist()),
+            strict=True,
+        )
+    )
 
 
 def _padded_logits(model, rows: list[dict[str, Any]], pad: int):

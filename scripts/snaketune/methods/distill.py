@@ -355,7 +355,9 @@ METHOD = Method(
     # its loss reads the logits (no fused cross-entropy); the teacher is not in memory
     memory=lambda run, on_gpu: {"fused_loss": False},
     teacher=lambda run: {k: run[BLOCK][k] for k in ("teacher", "top_k")},
-    headline=("heldout_kl",),
+    # the KL to the teacher; the data's figures and held-out loss follow, the teacher's own
+    # held-out loss beside them (snaketune.evaluation.figures)
+    headline=("heldout_kl", "teacher_loss"),
     # the teacher's top-k file is a local path
     card_block=lambda block: {k: v for k, v in block.items() if k != "teacher_logps"},
 )
