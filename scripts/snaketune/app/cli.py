@@ -156,6 +156,7 @@ def _validate(args: argparse.Namespace) -> int:
     from snaketune.plan.schema import load_yaml
     from snaketune.plan.stages import reference_runs
     from snaketune.plan.sweep import sweeps_of
+    from snaketune.plan.teacher import teacher_jobs
 
     config = load_yaml(args.config)
     parsed = at_parse(config, Path(args.root), [args.config])
@@ -167,6 +168,8 @@ def _validate(args: argparse.Namespace) -> int:
         "tokenized": sorted(parsed.tokenize),
         # DPO runs' precomputed reference log-probs, each computed once: key -> its runs
         "reference_logps": reference_runs(config),
+        # distillation runs' teacher top-k, each computed once: key -> the run and set it serves
+        "teacher_logps": teacher_jobs(config),
     }
     print(json.dumps(plan, indent=2))
     read = parsed.datasets_read
