@@ -100,10 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--model is a LoRA adapter (export.merged: false): its base",
     )
     parser.add_argument(
-        "--teacher-topk", type=Path, default=None,
+        "--teacher-topk",
+        type=Path,
+        default=None,
         help="a distilled model's teacher's top-k log-probs of the eval set (rule "
         "teacher_logps): the held-out KL to the teacher too",
-    )  # fmt: skip
+    )
     parser.add_argument("--nodes", type=int, default=1, help="nodes the model is sharded over")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each node")
     parser.add_argument("--timeout-minutes", type=float, default=None,

@@ -41,10 +41,22 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
         "double_quant": args.double_quant == "true",
         "compute_dtype": args.compute_dtype,
     }  # fmt: skip
-    return run_worker(parts, lambda rank, workers, on_batch: compute_parts(
-        args.tokenized, args.model, parts, rank, workers, args.batch_pairs, precision,
-        resolve_attention(args.attn_implementation), qlora.settings(quantization, precision),
-        on_batch=on_batch, chunk_pairs=args.chunk_pairs))  # fmt: skip
+    return run_worker(
+        parts,
+        lambda rank, workers, on_batch: compute_parts(
+            args.tokenized,
+            args.model,
+            parts,
+            rank,
+            workers,
+            args.batch_pairs,
+            precision,
+            resolve_attention(args.attn_implementation),
+            qlora.settings(quantization, precision),
+            on_batch=on_batch,
+            chunk_pairs=args.chunk_pairs,
+        ),
+    )
 
 
 def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
@@ -53,8 +65,15 @@ def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
     from snaketune.train.scoring import Stage
     from snaketune.train.scoring import launch as run_stage
 
-    stage = Stage("reference_logps", str(Path(__file__).resolve()), shared, out, args.nodes,
-                  args.gpus_per_node, args.timeout_minutes)  # fmt: skip
+    stage = Stage(
+        "reference_logps",
+        str(Path(__file__).resolve()),
+        shared,
+        out,
+        args.nodes,
+        args.gpus_per_node,
+        args.timeout_minutes,
+    )
 
     def finish() -> str:
         table = merge(args.tokenized, stage.parts, out, args.chunk_pairs)

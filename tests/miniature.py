@@ -210,7 +210,8 @@ def defaults_config(demo: Path, out: Path) -> Path:
         required = yaml.safe_load(method.schema).get("required", []) if method.schema else []
         if required:  # a block's required keys (distill's teacher: the tiny model itself)
             config["runs"][f"{name}_defaults"][method.block] = {
-                key: BLOCK_REQUIRED[key] for key in required}  # fmt: skip
+                key: BLOCK_REQUIRED[key] for key in required
+            }
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

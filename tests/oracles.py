@@ -245,8 +245,15 @@ def teacher_topk(model, input_ids: list[int], labels: list[int], k: int):
     return top.indices, top.values
 
 
-def distill_sums(model, row: dict, ids, logps, temperature: float, kind: str = "forward",
-                 forward_share: float = 0.5) -> tuple[float, float, int]:  # fmt: skip
+def distill_sums(
+    model,
+    row: dict,
+    ids,
+    logps,
+    temperature: float,
+    kind: str = "forward",
+    forward_share: float = 0.5,
+) -> tuple[float, float, int]:
     """One row's summed cross-entropy on its labelled tokens, its summed divergence from the
     teacher's stored top-k (``ids``, ``logps`` [targets, k]) as the distillation papers
     write it (Hinton et al.: both softened by the temperature, times its square), and its
@@ -269,7 +276,10 @@ def distill_sums(model, row: dict, ids, logps, temperature: float, kind: str = "
         fwd = math.fsum(math.exp(a) * (a - b) for a, b in zip(p, q, strict=True))
         qn = math.log(math.fsum(math.exp(b) for b in q))
         rev = math.fsum(math.exp(b - qn) * (b - qn - a) for a, b in zip(p, q, strict=True))
-        d = {"forward": fwd, "reverse": rev,
-             "mixed": forward_share * fwd + (1 - forward_share) * rev}[kind]  # fmt: skip
+        d = {
+            "forward": fwd,
+            "reverse": rev,
+            "mixed": forward_share * fwd + (1 - forward_share) * rev,
+        }[kind]
         div.append(d * temperature**2)
     return math.fsum(ce), math.fsum(div), len(at)

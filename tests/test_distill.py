@@ -39,19 +39,38 @@ from oracles import distill_sums, mean_nll, planned_steps, teacher_topk, token_l
 from snaketune.core.errors import ConfigError
 from snaketune.plan.config import validate_config
 
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear",
-        "modules_to_save": ["lm_head", "embed_tokens"]}  # fmt: skip
-STUDENT = {"model": "tiny", "dataset": "mixed", "eval_dataset": "arith_test", "lora": LORA,
-           "nodes": 2, "gpus_per_node": 1, "max_length": 256, "micro_batch_size": 16,
-           "max_steps": 32, "save_steps": 16, "learning_rate": 6.0e-3,
-           "checkpoints": {"optimizer": "all"},
-           "seed": 16,  # its plan's first step gives the ranks 17 and 15 rows
-           "eval": {"max_new_tokens": 16, "batch_size": 64}}  # fmt: skip
+LORA = {
+    "r": 8,
+    "alpha": 16,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "modules_to_save": ["lm_head", "embed_tokens"],
+}
+STUDENT = {
+    "model": "tiny",
+    "dataset": "mixed",
+    "eval_dataset": "arith_test",
+    "lora": LORA,
+    "nodes": 2,
+    "gpus_per_node": 1,
+    "max_length": 256,
+    "micro_batch_size": 16,
+    "max_steps": 32,
+    "save_steps": 16,
+    "learning_rate": 6.0e-3,
+    "checkpoints": {"optimizer": "all"},
+    "seed": 16,  # its plan's first step gives the ranks 17 and 15 rows
+    "eval": {"max_new_tokens": 16, "batch_size": 64},
+}
 DISTILL = {"teacher": "teacher"}  # the schema's defaults: top-k 32, alpha 0.5, T 1, forward KL
 
 
-def build_model(tokenizer_dir: Path, out: Path, vocab: int | None = None, seed: int = 1,
-                ) -> Path:  # fmt: skip
+def build_model(
+    tokenizer_dir: Path,
+    out: Path,
+    vocab: int | None = None,
+    seed: int = 1,
+) -> Path:
     """A tiny Llama larger than the demo's (3 layers, hidden 128) with the tokenizer of
     ``tokenizer_dir``, or (``vocab``) a tokenizer of its own trained to that size."""
     from transformers import AutoTokenizer
@@ -61,8 +80,9 @@ def build_model(tokenizer_dir: Path, out: Path, vocab: int | None = None, seed: 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if vocab is not None:
         tokenizer = build_tokenizer(["1 + 2 = 3", "Tina has 43 clips"] * 50, vocab)
-    model = build_model(tokenizer, FixtureSizes(hidden_size=128, intermediate_size=512,
-                                                layers=3), seed=seed)  # fmt: skip
+    model = build_model(
+        tokenizer, FixtureSizes(hidden_size=128, intermediate_size=512, layers=3), seed=seed
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -79,12 +99,19 @@ def chain_config(workdir: Path) -> dict:
         "mixture": [{"dataset": "arith"}, {"dataset": "gsm8k_demo"}],
     }
     cfg["runs"] = {
-        "teacher": {**STUDENT, "model": "big", "method": "full", "nodes": 1,
-                    "micro_batch_size": 32, "max_steps": 64, "save_steps": 64,
-                    "learning_rate": 2.0e-3},
+        "teacher": {
+            **STUDENT,
+            "model": "big",
+            "method": "full",
+            "nodes": 1,
+            "micro_batch_size": 32,
+            "max_steps": 64,
+            "save_steps": 64,
+            "learning_rate": 2.0e-3,
+        },
         "student": {**STUDENT, "method": "distill", "distill": DISTILL},
         "sft": {**STUDENT, "method": "lora"},
-    }  # fmt: skip
+    }
     del cfg["runs"]["teacher"]["lora"]
     return cfg
 
@@ -99,8 +126,7 @@ def distill_chain(tmp_path_factory, fixtures_dir) -> Path:
         shutil.copytree(fixtures_dir / name, fixtures / name)
     build_model(fixtures / "tiny-llama", fixtures / "big-llama")
     (workdir / "config.yaml").write_text(yaml.safe_dump(chain_config(workdir)))
-    proc = snakemake("--configfile", str(workdir / "config.yaml"), "--directory",
-                     str(workdir))  # fmt: skip
+    proc = snakemake("--configfile", str(workdir / "config.yaml"), "--directory", str(workdir))
     (workdir / "snakemake.out").write_text(proc.stdout + proc.stderr)
     return workdir
 
@@ -112,8 +138,10 @@ def topk_of(path: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], i
     k = int(table.schema.metadata[b"k"])
     out = {}
     for row in table.to_pylist():
-        out[row["example_id"]] = (torch.tensor(row["ids"]).reshape(-1, k),
-                                  torch.tensor(row["logps"]).reshape(-1, k))  # fmt: skip
+        out[row["example_id"]] = (
+            torch.tensor(row["ids"]).reshape(-1, k),
+            torch.tensor(row["logps"]).reshape(-1, k),
+        )
     return out, k
 
 
@@ -151,7 +179,8 @@ def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_cha
     stored, k = topk_of(path)
     assert k == 32
     assert pq.read_table(path, columns=["example_id"]).column(0).to_pylist() == [
-        r["example_id"] for r in rows]  # fmt: skip
+        r["example_id"] for r in rows
+    ]
     teacher = model(w / "results/teacher/hf")
     own = dict(
         zip(
@@ -166,7 +195,8 @@ def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_cha
         ids, logps = teacher_topk(teacher, r["input_ids"], r["labels"], k)
         got_ids, got = stored[r["example_id"]]
         assert got_ids.shape == ids.shape and len(ids) == sum(
-            1 for t in r["labels"][1:] if t != -100)  # fmt: skip
+            1 for t in r["labels"][1:] if t != -100
+        )
         assert torch.equal(got_ids, ids)
         assert torch.allclose(got.double(), logps, atol=1e-5, rtol=0)
     assert not (path.parent / "parts").exists()
@@ -262,11 +292,24 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(
     assert "\n" not in line and "runs.student.distill.teacher" in line, line
     assert "is not the student's" in line and "choose a teacher" in line, line
     out = tmp_path / "topk/topk.parquet"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/teacher_logps.py"),
-                           "--tokenized", str(tokenized_set(w, eval_set=True)),
-                           "--model", str(other), "--student-model",
-                           str(w / "resources/models/tiny"), "--out", str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/teacher_logps.py"),
+            "--tokenized",
+            str(tokenized_set(w, eval_set=True)),
+            "--model",
+            str(other),
+            "--student-model",
+            str(w / "resources/models/tiny"),
+            "--out",
+            str(out),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     errors = [x for x in proc.stderr.splitlines() if "tokenizer" in x]
     assert len(errors) == 1 and "is not the student's" in errors[0], proc.stderr[-2000:]
@@ -286,17 +329,37 @@ def test_a_killed_teacher_worker_takes_the_stage_down_and_a_rerun_computes_the_r
     w = distill_chain
     tokenized = tokenized_set(w, eval_set=False)
     out = tmp_path / "topk/topk.parquet"
-    cmd = [sys.executable, str(ROOT / "scripts/teacher_logps.py"), "--tokenized",
-           str(tokenized), "--model", str(w / "results/teacher/hf"), "--nodes", "2",
-           "--batch-rows", "16", "--precision", "auto", "--chunk-rows", "256", "--out",
-           str(out)]  # fmt: skip
-    killed = subprocess.run(cmd, env={**ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH": "part-000005"},
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/teacher_logps.py"),
+        "--tokenized",
+        str(tokenized),
+        "--model",
+        str(w / "results/teacher/hf"),
+        "--nodes",
+        "2",
+        "--batch-rows",
+        "16",
+        "--precision",
+        "auto",
+        "--chunk-rows",
+        "256",
+        "--out",
+        str(out),
+    ]
+    killed = subprocess.run(
+        cmd,
+        env={**ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH": "part-000005"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "stopping the others" in log, log[-3000:]
     assert not out.exists()
-    left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(
-        p.info["cmdline"] or [])]  # fmt: skip
+    left = [
+        p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
+    ]
     assert not left, [p.info["cmdline"] for p in left]
     kept = sorted(int(p.stem.split("-")[1]) for p in (out.parent / "parts").glob("part-*"))
     assert 1 in kept and 3 in kept and 5 not in kept, kept
@@ -342,8 +405,10 @@ def test_the_collator_puts_each_teachers_top_k_beside_its_target(layout):
         labels = [-100] * 2 + ids[2:]
         rows.append({"example_id": f"e{e}", "input_ids": ids, "labels": labels})
         targets = [t for t in range(1, n) if labels[t] != -100]
-        teacher[f"e{e}"] = (np.array([[ids[t], 0] for t in targets]),
-                            np.full((len(targets), 2), float(e), dtype=np.float32))  # fmt: skip
+        teacher[f"e{e}"] = (
+            np.array([[ids[t], 0] for t in targets]),
+            np.full((len(targets), 2), float(e), dtype=np.float32),
+        )
     batch = teacher_collator(layout, 0, 16, None, teacher)(rows)
     shifted = batch["labels"][..., 1:]
     keep = shifted != -100
@@ -373,8 +438,15 @@ def test_each_divergence_is_the_papers(kind, temperature):
     for j in range(6):
         one = {"input_ids": row["input_ids"], "labels": [-100] * 7}
         one["labels"][j + 1] = 0
-        _, want, _ = distill_sums(Fixed(), one, teacher.indices[j : j + 1],
-                                  teacher.values[j : j + 1], temperature, kind, 0.3)  # fmt: skip
+        _, want, _ = distill_sums(
+            Fixed(),
+            one,
+            teacher.indices[j : j + 1],
+            teacher.values[j : j + 1],
+            temperature,
+            kind,
+            0.3,
+        )
         assert got[j].item() * temperature**2 == pytest.approx(want, abs=1e-5)
 
 
@@ -388,11 +460,30 @@ def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
     w = distill_chain
     tokenized = tokenized_set(w, eval_set=True)
     out = tmp_path / "topk/topk.parquet"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/teacher_logps.py"),
-                           "--tokenized", str(tokenized), "--model", str(w / "results/teacher/hf"),
-                           "--nodes", "2", "--batch-rows", "8", "--chunk-rows", "20",
-                           "--sharded", "1", "--out", str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/teacher_logps.py"),
+            "--tokenized",
+            str(tokenized),
+            "--model",
+            str(w / "results/teacher/hf"),
+            "--nodes",
+            "2",
+            "--batch-rows",
+            "8",
+            "--chunk-rows",
+            "20",
+            "--sharded",
+            "1",
+            "--out",
+            str(out),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     got, k = topk_of(out)
     want, _ = topk_of(stage_output(w, eval_set=True))
@@ -423,8 +514,10 @@ def test_the_plans_count_the_teacher_stage(distill_chain):
     assert not sharded(config, run, w)  # no `gpu`: a CPU run, never sharded
     assert sharded(config, {**run, "gpu": small}, w)
     counted, _ = tokens(config, "student", w)
-    lengths = sum(pq.read_table(tokenized_set(w, e), columns=["length"]).column(0).to_numpy().sum()
-                  for e in (False, True))  # fmt: skip
+    lengths = sum(
+        pq.read_table(tokenized_set(w, e), columns=["length"]).column(0).to_numpy().sum()
+        for e in (False, True)
+    )
     assert counted == lengths
     disk = disk_plan_of(config, "student", w, ROOT)
     assert disk["need_bytes"]["teacher_logps"] == round(lengths * (32 * 8 + 4))

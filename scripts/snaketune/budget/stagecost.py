@@ -153,8 +153,12 @@ def assumed_stages(
     return out
 
 
-def teacher_seconds(config: dict[str, Any], name: str, workdir: Path, peak: float | None,
-                    ) -> dict[str, Any] | None:  # fmt: skip
+def teacher_seconds(
+    config: dict[str, Any],
+    name: str,
+    workdir: Path,
+    peak: float | None,
+) -> dict[str, Any] | None:
     """A distillation run's teacher stage on the run's GPUs (``peak``: one GPU's TFLOPs):
     the teacher read, and its forward pass over the sets' tokens at FORWARD_MFU; None for
     another run, or before the teacher or the tokens are known."""

@@ -142,9 +142,11 @@ def stage_plans(config: dict[str, Any], name: str, shape: Shape, gpu_gib: float 
     run = config["runs"][name]
     from snaketune.budget.teacherplan import memory_plan
 
-    out: dict[str, dict[str, Any]] = {**export_plans(run, shape),
-                                      **reference_plan(run, shape, gpu_gib),
-                                      **memory_plan(config, run, gpu_gib)}  # fmt: skip
+    out: dict[str, dict[str, Any]] = {
+        **export_plans(run, shape),
+        **reference_plan(run, shape, gpu_gib),
+        **memory_plan(config, run, gpu_gib),
+    }
     if setup is not None:
         out.update(training_pass_plans(run, shape, setup, gpu_gib))
     if "eval_dataset" not in run:

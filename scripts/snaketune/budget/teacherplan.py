@@ -25,8 +25,9 @@ def teacher_base(config: dict[str, Any], run: dict[str, Any]) -> str | None:
     if name is None or name in config["models"]:
         return name
     runs = config["runs"]
-    member = runs.get(name) or next(r for r in runs.values()
-                                    if (r.get("sweep_of") or {}).get("run") == name)  # fmt: skip
+    member = runs.get(name) or next(
+        r for r in runs.values() if (r.get("sweep_of") or {}).get("run") == name
+    )
     return member["model"]
 
 
@@ -76,8 +77,9 @@ def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None
     return None if counted is None else counted[0] * per_token
 
 
-def memory_plan(config: dict[str, Any], run: dict[str, Any], gpu_gib: float | None,
-                workdir: Path = Path(".")) -> dict[str, dict[str, Any]]:  # fmt: skip
+def memory_plan(
+    config: dict[str, Any], run: dict[str, Any], gpu_gib: float | None, workdir: Path = Path(".")
+) -> dict[str, dict[str, Any]]:
     """The teacher stage's GPU memory: the whole teacher, a batch (micro_batch_size rows of
     max_length) through one layer at a time, the batch's logits and one row's log-softmax
     in float32; where the whole teacher does not fit ``gpu_gib``, its weights sharded over
@@ -98,16 +100,24 @@ def memory_plan(config: dict[str, Any], run: dict[str, Any], gpu_gib: float | No
     if gpu_gib is not None and total > gpu_gib and devices > 1:
         total = gib(weights / devices + shape.largest_layer * EVAL_BYTES)
         sharded = True
-    held = (f"the teacher sharded over {devices} GPUs ({weights / GIB:.1f} GiB in all, a layer "
-            "gathered at a time)" if sharded else
-            f"each worker holds the whole teacher ({weights / GIB:.1f} GiB)")  # fmt: skip
-    return {"teacher_logps": {
-        "nodes": run["nodes"], "gpus_per_node": run["gpus_per_node"], "per_gpu_gib": total,
-        "fits": None if gpu_gib is None else total <= gpu_gib, "sharded": sharded,
-        "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
-        "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
-               "more GPUs, or GPUs with more memory",
-    }}  # fmt: skip
+    held = (
+        f"the teacher sharded over {devices} GPUs ({weights / GIB:.1f} GiB in all, a layer "
+        "gathered at a time)"
+        if sharded
+        else f"each worker holds the whole teacher ({weights / GIB:.1f} GiB)"
+    )
+    return {
+        "teacher_logps": {
+            "nodes": run["nodes"],
+            "gpus_per_node": run["gpus_per_node"],
+            "per_gpu_gib": total,
+            "fits": None if gpu_gib is None else total <= gpu_gib,
+            "sharded": sharded,
+            "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
+            "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
+            "more GPUs, or GPUs with more memory",
+        }
+    }
 
 
 def sharded(config: dict[str, Any], run: dict[str, Any], workdir: Path = Path(".")) -> bool:

@@ -131,8 +131,13 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     return len(todo)
 
 
-def merge(tokenized: str | Path, parts: Path, out: Path, chunk_pairs: int = CHUNK_PAIRS,
-          what: str = "reference log-probs") -> pa.Table:  # fmt: skip
+def merge(
+    tokenized: str | Path,
+    parts: Path,
+    out: Path,
+    chunk_pairs: int = CHUNK_PAIRS,
+    what: str = "reference log-probs",
+) -> pa.Table:
     """The part files as one parquet in the tokenized file's order (every example once);
     ``what`` they are, for the errors."""
     n = chunks(tokenized, chunk_pairs)
@@ -144,8 +149,9 @@ def merge(tokenized: str | Path, parts: Path, out: Path, chunk_pairs: int = CHUN
     table = pa.concat_tables([pq.read_table(part_path(parts, c)) for c in range(n)])
     ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id")
     if not table.column("example_id").equals(ids):
-        raise RuntimeError(f"{what}: the part files do not match the tokenized "
-                           f"examples; delete {parts} and rerun")  # fmt: skip
+        raise RuntimeError(
+            f"{what}: the part files do not match the tokenized examples; delete {parts} and rerun"
+        )
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp)
     return table

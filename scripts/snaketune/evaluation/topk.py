@@ -89,8 +89,7 @@ def row_topk(model, rows: list[dict[str, Any]], pad: int, k: int):
     return out
 
 
-def load_teacher(model_dir: str | Path, precision: str, attention: str, worker: int,
-                 sharded: bool):  # fmt: skip
+def load_teacher(model_dir: str | Path, precision: str, attention: str, worker: int, sharded: bool):
     """(the teacher in eval mode, its pad id, what keeps a sharded one's DeepSpeed config
     alive): whole on this worker's device, or (``sharded``) its weights over every worker
     as the evaluation shards a model larger than one GPU (snaketune.evaluation.sharded)."""
@@ -134,8 +133,11 @@ def compute_parts(
     from snaketune.evaluation.sharded import DUMMY
 
     n = pq.ParquetFile(tokenized).metadata.num_rows
-    todo = [c for c in range(worker, chunks(tokenized, chunk_rows), workers)
-            if not part_path(parts, c).exists()]  # fmt: skip
+    todo = [
+        c
+        for c in range(worker, chunks(tokenized, chunk_rows), workers)
+        if not part_path(parts, c).exists()
+    ]
     if not todo and not sharded:
         return 0
     model, pad, _keep = load_teacher(model_dir, precision, attention, worker, sharded)
