@@ -160,6 +160,21 @@ def stage_output(workdir: Path, eval_set: bool) -> Path:
     raise AssertionError(f"no teacher_logps output of {rows} rows")
 
 
+def teacher_stage(tokenized: Path, teacher: Path, out: Path, *flags: str) -> list[str]:
+    """The command of the teacher stage on ``tokenized`` with ``teacher``, writing ``out``."""
+    return [
+        sys.executable,
+        str(ROOT / "scripts/teacher_logps.py"),
+        "--tokenized",
+        str(tokenized),
+        "--model",
+        str(teacher),
+        *flags,
+        "--out",
+        str(out),
+    ]
+
+
 def model(path: Path):
     from transformers import AutoModelForCausalLM
 
@@ -293,18 +308,13 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(
     assert "is not the student's" in line and "choose a teacher" in line, line
     out = tmp_path / "topk/topk.parquet"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts/teacher_logps.py"),
-            "--tokenized",
-            str(tokenized_set(w, eval_set=True)),
-            "--model",
-            str(other),
+        teacher_stage(
+            tokenized_set(w, eval_set=True),
+            other,
+            out,
             "--student-model",
             str(w / "resources/models/tiny"),
-            "--out",
-            str(out),
-        ],
+        ),
         env=ENV,
         capture_output=True,
         text=True,
@@ -329,13 +339,10 @@ def test_a_killed_teacher_worker_takes_the_stage_down_and_a_rerun_computes_the_r
     w = distill_chain
     tokenized = tokenized_set(w, eval_set=False)
     out = tmp_path / "topk/topk.parquet"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts/teacher_logps.py"),
-        "--tokenized",
-        str(tokenized),
-        "--model",
-        str(w / "results/teacher/hf"),
+    cmd = teacher_stage(
+        tokenized,
+        w / "results/teacher/hf",
+        out,
         "--nodes",
         "2",
         "--batch-rows",
@@ -344,9 +351,7 @@ def test_a_killed_teacher_worker_takes_the_stage_down_and_a_rerun_computes_the_r
         "auto",
         "--chunk-rows",
         "256",
-        "--out",
-        str(out),
-    ]
+    )
     killed = subprocess.run(
         cmd,
         env={**ENV, "SNAKETUNE_KILL_BEFORE_PUBLISH": "part-000005"},
@@ -461,13 +466,10 @@ def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
     tokenized = tokenized_set(w, eval_set=True)
     out = tmp_path / "topk/topk.parquet"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts/teacher_logps.py"),
-            "--tokenized",
-            str(tokenized),
-            "--model",
-            str(w / "results/teacher/hf"),
+        teacher_stage(
+            tokenized,
+            w / "results/teacher/hf",
+            out,
             "--nodes",
             "2",
             "--batch-rows",
@@ -476,9 +478,7 @@ def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
             "20",
             "--sharded",
             "1",
-            "--out",
-            str(out),
-        ],
+        ),
         env=ENV,
         capture_output=True,
         text=True,
@@ -513,7 +513,7 @@ def test_the_plans_count_the_teacher_stage(distill_chain):
     assert "sharded over 2 GPUs" in tight["why"]
     assert not sharded(config, run, w)  # no `gpu`: a CPU run, never sharded
     assert sharded(config, {**run, "gpu": small}, w)
-    counted, _ = tokens(config, "student", w)
+    counted = tokens(config, "student", w)
     lengths = sum(
         pq.read_table(tokenized_set(w, e), columns=["length"]).column(0).to_numpy().sum()
         for e in (False, True)

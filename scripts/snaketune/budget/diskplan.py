@@ -138,12 +138,13 @@ def gib(n: float) -> str:
 
 def plan_disk(
     shape: Shape, s: Setup, run: dict[str, Any], deepspeed: dict[str, Any], run_dir: Path,
-    model_dir: Path, download: float = 0.0,
+    model_dir: Path, download: float = 0.0, extra: dict[str, float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A run's disk plan: what it needs, what its filesystem has free (plus what the run
     already holds there, which it replaces), and whether it fits. ``download``: the bytes
     of its base model's download still to come, counted where it lands on the same
-    filesystem."""
+    filesystem; ``extra``: the bytes of other outputs its stages write there, by name (a
+    distillation run's teacher top-k, ``teacher_logps``)."""
     zero = deepspeed.get("zero_optimization", {})
     gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
     keep = run["save_total_limit"]
@@ -155,7 +156,8 @@ def plan_disk(
     where = existing(run_dir)
     free = free_bytes(where)
     need["download"] = download
-    need["total"] += download
+    need.update(extra or {})
+    need["total"] += download + sum((extra or {}).values())
     return {
         "need_bytes": {k: round(v) for k, v in need.items()},
         "model": run["model"],
@@ -211,14 +213,12 @@ def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
     same = os.stat(existing(models)).st_dev == os.stat(existing(run_dir)).st_dev
     if same and not weights_in(models / run["model"]):
         download = shape.params * (shape.saved_bytes or 2)
-    plan = plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download)
+    extra = {}
     if method_of(run).teacher(run) is not None:  # its teacher's top-k (rule teacher_logps)
         from snaketune.budget.teacherplan import disk_bytes
 
-        plan["need_bytes"]["teacher_logps"] = round(disk_bytes(config, name, root) or 0)
-        plan["need_bytes"]["total"] += plan["need_bytes"]["teacher_logps"]
-        plan["fits"] = plan["need_bytes"]["total"] <= plan["free_bytes"] + plan["held_bytes"]
-    return plan
+        extra["teacher_logps"] = disk_bytes(config, name, root) or 0.0
+    return plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download, extra)
 
 
 def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from snaketune.budget.stageplan import (
 )
 from snaketune.core.errors import UserError
 from snaketune.data import sequence
-from snaketune.data.sources import hub_config_json
+from snaketune.data.sources import hub_config_json, model_folder
 from snaketune.plan.runspec import RunSpec
 
 
@@ -105,11 +105,7 @@ def machine_memory_gib() -> float:
 def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Path:
     """Where the run's model (its config.json) is: resources/models/<name> once downloaded,
     else a local model's own path."""
-    downloaded = root / "resources" / "models" / run["model"]
-    spec = config["models"][run["model"]]
-    if not (downloaded / "config.json").is_file() and spec.get("source") == "local":
-        return Path(spec["path"])
-    return downloaded
+    return model_folder(config, run["model"], root)
 
 
 def download_advice(config_path: str | Path | None = None) -> str:

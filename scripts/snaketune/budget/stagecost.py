@@ -169,9 +169,9 @@ def teacher_seconds(
     if shape is None or counted is None or not peak:
         return None
     devices = run["nodes"] * run["gpus_per_node"]
-    forward = 2 * shape.active_params * counted[0] / (devices * peak * 1e12 * FORWARD_MFU)
+    forward = 2 * shape.active_params * counted / (devices * peak * 1e12 * FORWARD_MFU)
     basis = (
-        f"the teacher's forward pass over {counted[0]:,.0f} tokens ({counted[1]}) at "
+        f"the teacher's forward pass over {counted:,.0f} tokens (the tokenized sets') at "
         f"assumed MFU {FORWARD_MFU:.0%}, read {weight_bytes(shape) / 1e9:.1f} GB"
     )
     return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)

@@ -19,52 +19,46 @@ EVAL_BYTES = 2  # the teacher's weights and logits on a GPU (bf16)
 def teacher_base(config: dict[str, Any], run: dict[str, Any]) -> str | None:
     """The model of the config whose shape a run's teacher has: the teacher itself, or the
     teacher run's (a sweep's first member's) model; None for a run without a teacher."""
+    from snaketune.plan.sweep import sweeps_of
     from snaketune.plan.teacher import teacher_of
 
     name = teacher_of(run)
     if name is None or name in config["models"]:
         return name
     runs = config["runs"]
-    member = runs.get(name) or next(
-        r for r in runs.values() if (r.get("sweep_of") or {}).get("run") == name
-    )
-    return member["model"]
+    return (runs.get(name) or runs[sweeps_of(runs)[name][0]])["model"]
 
 
 def teacher_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Shape | None:
-    """The teacher's shape from its config.json where it is on this machine now (its
-    download, or a local model's path), else None."""
+    """The teacher's shape from its config.json where it is on this machine now
+    (snaketune.data.sources.model_folder: its download, or a local model's path), else
+    None."""
     import json
 
     model = teacher_base(config, run)
     if model is None:
         return None
-    spec = config["models"][model]
-    folders = [workdir / "resources/models" / model]
-    if spec.get("source") == "local":
-        folders.append(workdir / spec["path"])
-    for folder in folders:
-        if (folder / "config.json").is_file():
-            path = folder / "config.json"
-            return Shape.from_config(json.loads(path.read_text()), str(path))
-    return None
+    from snaketune.data.sources import model_folder
+
+    path = model_folder(config, model, workdir) / "config.json"
+    return Shape.from_config(json.loads(path.read_text()), str(path)) if path.is_file() else None
 
 
-def tokens(config: dict[str, Any], name: str, workdir: Path) -> tuple[float, str] | None:
+def tokens(config: dict[str, Any], name: str, workdir: Path) -> float | None:
     """The tokens the teacher stage reads (the training set and the eval set, at most: every
-    token counted as a label) from the tokenized sets' lengths, or from their rows at
-    max_length (None before either is known)."""
+    token counted as a label) from the tokenized sets' lengths (None before they are
+    tokenized)."""
     import pyarrow.parquet as pq
 
     from snaketune.plan.stages import tokenized
 
-    run, total, basis = config["runs"][name], 0.0, "the tokenized sets' tokens"
+    run, total = config["runs"][name], 0.0
     for eval_set in (False, True) if "eval_dataset" in run else (False,):
         path = workdir / tokenized(config, name, eval_set)
         if not path.is_file():
             return None
         total += float(pq.read_table(path, columns=["length"]).column("length").to_numpy().sum())
-    return total, basis
+    return total
 
 
 def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None:
@@ -74,7 +68,7 @@ def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None
 
     counted = tokens(config, name, workdir)
     per_token = top_k(config["runs"][name]) * BYTES_PER_VALUE + BYTES_PER_TARGET
-    return None if counted is None else counted[0] * per_token
+    return None if counted is None else counted * per_token
 
 
 def memory_plan(

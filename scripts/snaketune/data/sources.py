@@ -64,6 +64,16 @@ def _link_tree(src: Path, dst: Path) -> None:
             (dst / item.name).symlink_to(item.resolve())
 
 
+def model_folder(config: dict[str, Any], name: str, root: Path = Path(".")) -> Path:
+    """Where model ``name`` of the config is read from: resources/models/<name> once
+    downloaded, else a local model's own path (either may not be there yet)."""
+    downloaded = root / "resources" / "models" / name
+    spec = config["models"][name]
+    if not (downloaded / "config.json").is_file() and spec.get("source") == "local":
+        return Path(spec["path"])
+    return downloaded
+
+
 def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
     """Materialise model ``name`` in directory ``out`` with a provenance.json."""
     out = Path(out)

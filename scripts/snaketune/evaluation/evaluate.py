@@ -27,7 +27,7 @@ from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_
 from snaketune.data.kinds import kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
-from snaketune.evaluation.model import DTYPES, resolve_precision
+from snaketune.evaluation.model import DTYPES, padded_logits, resolve_precision
 from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded
 
 log = logging.getLogger(__name__)
@@ -48,17 +48,10 @@ def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
 def nll_sums(model, batch: list[dict], pad_id: int) -> tuple[float, int]:
     """Summed negative log-likelihood of ``batch``'s response tokens, and their count (one
     forward pass, right-padded)."""
-    n = max(len(r["input_ids"]) for r in batch)
-    ids = torch.full((len(batch), n), pad_id)
-    labels = torch.full((len(batch), n), IGNORE_INDEX)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    labels = torch.full((len(batch), max(len(r["input_ids"]) for r in batch)), IGNORE_INDEX)
     for j, r in enumerate(batch):
-        ids[j, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
         labels[j, : len(r["labels"])] = torch.tensor(r["labels"])
-        mask[j, : len(r["input_ids"])] = 1
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    logits = padded_logits(model, batch, pad_id)
     shift_logits, shift_labels = logits.float().cpu()[:, :-1], labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),

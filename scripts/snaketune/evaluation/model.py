@@ -140,3 +140,19 @@ class UniversalLoadFix(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None and untie_optimizer_steps(optimizer):
             log.info("universal checkpoint: the optimizer's shared step counters were untied")
+
+
+def padded_logits(model, rows: list[dict], pad: int):
+    """The logits of ``rows``, right-padded with ``pad`` and masked, one forward pass of
+    ``model`` on its device (no gradient)."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
+        mask[j, : len(r["input_ids"])] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+        ).logits

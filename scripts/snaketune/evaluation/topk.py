@@ -70,8 +70,10 @@ def row_topk(model, rows: list[dict[str, Any]], pad: int, k: int):
     device), log-softmax in float32."""
     import torch
 
+    from snaketune.evaluation.model import padded_logits
+
     device = next(model.parameters()).device
-    logits = _padded_logits(model, rows, pad)
+    logits = padded_logits(model, rows, pad)
     with torch.no_grad():
         out = []
         for j, r in enumerate(rows):
@@ -184,11 +186,7 @@ def read_topk(
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """example_id -> (ids int64 [targets, k], logps float32 [targets, k]) of the stored
     top-k (of ``ids`` only, when given); ``k`` (at most the stored one) keeps the k largest."""
-    import pyarrow.compute as pc
-
-    table = pq.read_table(path)
-    if ids is not None:
-        table = table.filter(pc.is_in(table.column("example_id"), pa.array(ids, pa.string())))
+    table = pq.read_table(path, filters=None if ids is None else of_ids(ids))
     stored = stored_k(table)
     k = stored if k is None else k
     out = {}
@@ -203,6 +201,13 @@ def read_topk(
             np.array(lp, np.float32).reshape(-1, stored)[:, :k],
         )
     return out
+
+
+def of_ids(ids: list[str]):
+    """The rows of ``ids`` only, as a filter applied while the file is read."""
+    import pyarrow.compute as pc
+
+    return pc.field("example_id").isin(pa.array(ids, pa.string()))
 
 
 def stored_k(table: pa.Table) -> int:
@@ -242,6 +247,7 @@ def heldout_kl(
     import torch
 
     from snaketune.core.collective import gather_combined
+    from snaketune.evaluation.model import padded_logits
     from snaketune.evaluation.sharded import DUMMY, ONE
 
     share = share or ONE
@@ -252,7 +258,7 @@ def heldout_kl(
     total, count, teacher_nll = 0.0, 0, 0.0
     for b in range(share.batches(len(rows), batch_size)):
         batch = mine[b * batch_size : (b + 1) * batch_size]
-        got = _padded_logits(model, batch or [DUMMY], pad)
+        got = padded_logits(model, batch or [DUMMY], pad)
         for j, r in enumerate(batch):
             at = torch.as_tensor(targets(r["labels"]), dtype=torch.long) - 1
             ids, logps = (torch.as_tensor(x) for x in teacher[r["example_id"]])
@@ -265,10 +271,7 @@ def heldout_kl(
 
 def own_logps(path: str | Path, ids: list[str]) -> dict[str, np.ndarray]:
     """example_id -> the teacher's log-probs of the labels themselves (of ``ids``)."""
-    import pyarrow.compute as pc
-
-    table = pq.read_table(path, columns=["example_id", "label_logps"])
-    table = table.filter(pc.is_in(table.column("example_id"), pa.array(ids, pa.string())))
+    table = pq.read_table(path, columns=["example_id", "label_logps"], filters=of_ids(ids))
     return dict(
         zip(
             table.column("example_id").to_pylist(),
@@ -276,20 +279,3 @@ def own_logps(path: str | Path, ids: list[str]) -> dict[str, np.ndarray]:
             strict=True,
         )
     )
-
-
-def _padded_logits(model, rows: list[dict[str, Any]], pad: int):
-    """The logits of ``rows``, right-padded, one forward pass (no gradient)."""
-    import torch
-
-    device = next(model.parameters()).device
-    n = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), n), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
-        mask[j, : len(r["input_ids"])] = 1
-    with torch.no_grad():
-        return model(
-            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
-        ).logits

@@ -233,21 +233,17 @@ def check_tokenizers(student: str | Path, teacher: str | Path, where: str) -> No
 
 
 def local_model(config: Mapping[str, Any], name: str) -> Path | None:
-    """Where model ``name`` of the config is on this machine: its local path, or its
-    download (None: not there yet)."""
-    spec = config["models"][name]
-    for path in ((spec.get("path"),) if spec.get("source") == "local" else ()) + (
-        f"resources/models/{name}",
-    ):
-        if path and Path(path).is_dir():
-            return Path(path)
-    return None
+    """Where model ``name`` of the config is on this machine (snaketune.data.sources.
+    model_folder: its download, or its local path), None where it is not there yet."""
+    from snaketune.data.sources import model_folder
+
+    folder = model_folder(config, name)
+    return folder if folder.is_dir() else None
 
 
 def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
     """The teacher is a model or another run of the config, generating text, with the
-    student's tokenizer (where both are on this machine already); a mix's share only with
-    the mixed divergence."""
+    student's tokenizer (where both are on this machine already)."""
     b, runs = run[BLOCK], config["runs"]
     name = b["teacher"]
     # a sweep's members carry its name (snaketune.plan.sweep), each a run of the config
