@@ -60,9 +60,9 @@ def make_data(out: Path, rows: int) -> Path:
 
 def run_ours(data: Path, model: Path, out: Path) -> dict:
     """tokenize() in this process; returns tokens, seconds, peak RSS (MiB)."""
-    from snaketune.data.chat import load_tokenizer
     from snaketune.data.conversations import Source
     from snaketune.data.tokenization import tokenize
+    from snaketune.data.tokens import load_tokenizer
 
     load_tokenizer(model)  # imports done before the clock starts, as for the baselines
     start = time.perf_counter()
@@ -81,7 +81,8 @@ def in_subprocess(data: Path, model: Path, out: Path) -> dict:
 def run_raw(data: Path, model: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from snaketune.data.chat import ChatRenderer, load_tokenizer
+    from snaketune.data.chat import ChatRenderer
+    from snaketune.data.tokens import load_tokenizer
 
     tok = load_tokenizer(model)
     renderer = ChatRenderer(tok)
@@ -105,7 +106,7 @@ def run_raw(data: Path, model: Path) -> dict:
 def run_map(data: Path, model: Path, cache: Path) -> dict:
     import datasets
 
-    from snaketune.data.chat import load_tokenizer
+    from snaketune.data.tokens import load_tokenizer
 
     datasets.disable_progress_bars()
     tok = load_tokenizer(model)

@@ -91,7 +91,7 @@ def tiny_model(fixtures_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model):
-    from snaketune.data.chat import load_tokenizer
+    from snaketune.data.tokens import load_tokenizer
 
     return load_tokenizer(tiny_model)
 

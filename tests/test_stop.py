@@ -10,7 +10,8 @@ import logging
 from conftest import base_variant
 from test_tokenize import LONG, QA, run_tokenize
 
-from snaketune.data.chat import ChatRenderer, add_end_of_turn, end_of_turn_id, stop_ids
+from snaketune.data.chat import ChatRenderer
+from snaketune.data.tokens import add_end_of_turn, end_of_turn_id, stop_ids
 
 
 def test_the_end_of_turn_token_is_the_one_the_template_closes_an_assistant_turn_with(tokenizer):

@@ -65,11 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     root_help = f"workflow directory (holds workflow/schemas/ and config/deepspeed/; default {WORKFLOW_ROOT})"  # noqa: E501
-    val = sub.add_parser(
-        "validate", help="check a config as the workflow does; print its runs and tokenized copies"
-    )
-    val.add_argument("config", help="path to the YAML config")
-    val.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
+    _validate_parser(sub, root_help)
     fix = sub.add_parser("fixtures", help="build the offline demo fixtures")
     fix.add_argument("out", help="output directory, e.g. resources/fixtures")
     lin = sub.add_parser("lineage", help="print the chain of artefacts behind an artefact")
@@ -112,6 +108,23 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", help="where to write its config (default calibrate-<run>.yaml)")
     cal.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
     return parser
+
+
+def _validate_parser(sub, root_help: str) -> None:
+    from snaketune.plan.schema import WORKFLOW_ROOT
+
+    val = sub.add_parser(
+        "validate", help="check a config as the workflow does; print its runs and tokenized copies"
+    )
+    val.add_argument("config", help="path to the YAML config")
+    val.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
+    val.add_argument(
+        "--show-row",
+        type=int,
+        metavar="N",
+        help="print row N of each run's dataset as tokenize renders it, trained tokens in « »",
+    )
+    val.add_argument("--run", help="with --show-row: only this run")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -172,6 +185,8 @@ def _validate(args: argparse.Namespace) -> int:
         "teacher_logps": teacher_jobs(config),
     }
     print(json.dumps(plan, indent=2))
+    for line in _template_lines(config, Path.cwd(), args.show_row, args.run):
+        print(line, file=sys.stderr)
     read = parsed.datasets_read
     print(f"validate: {args.config} passed: the schema and the cross-key checks of "
           f"{len(config['runs'])} run(s), local paths, the working directory, the first rows "
@@ -179,6 +194,44 @@ def _validate(args: argparse.Namespace) -> int:
           "disk and SLURM partitions are checked by a dry run (snakemake -n)",
           file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _template_lines(config: dict, workdir: Path, row: int | None, only: str | None) -> list[str]:
+    """A line per model on this machine: how its template's assistant tokens are found;
+    with ``row``, that row of each run's dataset with its trained tokens marked."""
+    from snaketune.core.errors import DataError
+    from snaketune.data.formats import components
+    from snaketune.data.peek import renderer_for, show_row
+    from snaketune.data.sources import model_folder
+    from snaketune.plan.stages import chat_template
+
+    lines, renderers = [], {}
+    for name, run in sorted(config["runs"].items()):
+        model = run["model"]
+        folder = workdir / model_folder(config, model, workdir)
+        if model not in renderers:
+            renderers[model] = None
+            if (folder / "tokenizer_config.json").is_file():
+                template = chat_template(config, model, workdir)
+                text = (workdir / template["path"]).read_text() if template else None
+                try:
+                    renderers[model] = renderer_for(folder, text)
+                    lines.append(f"models.{model}: {renderers[model].describe()}")
+                except DataError as exc:
+                    lines.append(f"models.{model}: {exc}")
+        if row is None or (only and name != only) or renderers[model] is None:
+            continue
+        for part in components(config, run["dataset"]):
+            spec = config["datasets"][part["name"]]
+            local = spec["source"] == "local"
+            downloaded = f"resources/datasets/{part['name']}/data.parquet"
+            path = workdir / (spec["path"] if local else downloaded)
+            if not path.exists():
+                lines.append(f"runs.{name}: datasets.{part['name']} is not on this machine yet")
+                continue
+            shown = show_row(renderers[model], part["name"], spec, path, local, row)
+            lines.append(f"runs.{name}: datasets.{part['name']} row {row} (trained: « »):\n{shown}")
+    return lines
 
 
 def _plan(args: argparse.Namespace) -> int:

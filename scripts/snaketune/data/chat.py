@@ -1,22 +1,60 @@
 """Chat templates as tokenize reads them: a conversation rendered with the model's chat
-template, with the character spans of its assistant turns (``ChatRenderer``); the token a
-template ends an assistant turn with, and what the model's generation config stops on;
-the model's tokenizer and vocabulary size.
+template, with the character spans of its assistant turns (``ChatRenderer``), found from the
+template's ``{% generation %}`` marks, from renders of the conversation's prefixes (a
+prefix-stable template), or in the one full render (a template that renders earlier turns
+unlike the last: Qwen3.5's, Gemma 4's, gpt-oss's, GLM-4.5's).
 """
 
 from __future__ import annotations
 
-import bisect
-import json
 import logging
-from pathlib import Path
+import re
 
 from snaketune.core.errors import DataError
 
 log = logging.getLogger(__name__)
 
 
-Turn = tuple[str, str]  # (role, content)
+# (role, content), or (role, content, reasoning) for an assistant turn that carries its
+# reasoning (a row's ``reasoning_content`` or ``thinking``)
+Turn = tuple[str, ...]
+
+# How a template's assistant spans are found (``ChatRenderer.method``), in the words the
+# tokenize log and ``snaketune validate`` use.
+METHODS = {
+    "generation": "the template's {% generation %} marks",
+    "prefix": "renders of the conversation's prefixes (the template is prefix-stable)",
+    "full": "each assistant message's span in the one full render (the template renders "
+    "earlier turns differently from the last one, so prefixes cannot be used)",
+}
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Characters put around a message's content to find where the render holds it (private use).
+_MARK_OPEN, _MARK_CLOSE = "\ue010", "\ue011"
+
+
+def messages_of(turns: list[Turn] | tuple[Turn, ...]) -> list[dict[str, str]]:
+    """Turns as the messages a chat template reads; reasoning under both names templates use
+    (``reasoning_content``: Qwen, GLM, DeepSeek; ``thinking``: gpt-oss, Gemma), as
+    transformers' apply_chat_template aliases it."""
+    out = []
+    for turn in turns:
+        message = {"role": turn[0], "content": turn[1]}
+        if len(turn) > 2 and turn[2] is not None:
+            message["reasoning_content"] = message["thinking"] = turn[2]
+        out.append(message)
+    return out
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
 
 # Contents used to check that a template inserts message contents verbatim: padding,
 # blank lines, markup and template syntax must all come out unchanged.
@@ -38,7 +76,10 @@ class ChatRenderer:
     escape, drop reasoning) fail the check and every row is rendered by jinja.
     """
 
-    def __init__(self, tokenizer, template: str | None = None):
+    def __init__(self, tokenizer, template: str | None = None, stop: str | None = None):
+        """``stop``: the model's stop token (its generation config's first), labelled after
+        a conversation's last assistant turn where the template closes that turn with no
+        special token (GLM-4.5's), so the model learns to stop."""
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         template = template or tokenizer.chat_template
@@ -54,25 +95,36 @@ class ChatRenderer:
         # Template.render() copies the environment's globals into a new context on every
         # call; merge them once and hand jinja a ready context (what render() does next).
         self._base = {**self._compiled.globals, **tokenizer.special_tokens_map}
+        self._special_map = dict(tokenizer.special_tokens_map)
         self._layouts: dict[tuple[str, ...], tuple | None] = {}
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.stopped_rows = 0  # rows whose last turn was closed with ``stop``
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special_ids = set(tokenizer.all_special_ids) | {
+            i for i, token in decoder.items() if getattr(token, "special", False)
+        }
+        self.full_rows = 0  # rows of a prefix-stable template found by the full render
+        self.method = self._method()
 
     def render(
         self, turns: list[Turn] | tuple[Turn, ...], add_generation_prompt: bool = False
     ) -> str:
         """The template's text for ``turns`` (what apply_chat_template(tokenize=False) gives)."""
-        messages = [{"role": r, "content": c} for r, c in turns]
-        ctx = self._compiled.new_context(
-            {**self._base, "messages": messages, "add_generation_prompt": add_generation_prompt},
-            shared=True,
-        )
+        context = {
+            **self._base,
+            "messages": messages_of(turns),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        ctx = self._compiled.new_context(context, shared=True)
         return self._compiled.environment.concat(self._compiled.root_render_func(ctx))
 
     def spans_slow(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         """Text and assistant spans, by rendering every prefix through jinja."""
         text = self.render(turns)
         spans = []
-        for i, (role, _) in enumerate(turns):
-            if role != "assistant":
+        for i, turn in enumerate(turns):
+            if turn[0] != "assistant":
                 continue
             gen = self.render(turns[:i], add_generation_prompt=True)
             through = self.render(turns[: i + 1]) if i + 1 < len(turns) else text
@@ -124,7 +176,8 @@ class ChatRenderer:
         full, marks = layout
         parts = [full[0]]
         lengths = [0]
-        for (_, content), piece in zip(turns, full[1:], strict=True):
+        for turn, piece in zip(turns, full[1:], strict=True):
+            content = turn[1]
             parts.append(content)
             parts.append(piece)
             lengths.append(lengths[-1] + len(content))
@@ -133,106 +186,151 @@ class ChatRenderer:
 
     def spans(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans [start, end) of its assistant turns."""
-        layout = self._layout(tuple(r for r, _ in turns))
-        return self.spans_slow(turns) if layout is None else self._spans_fast(turns, layout)
+        if self.method == "generation":
+            return self.spans_marked(turns)
+        if self.method == "full":
+            return self.spans_full(turns)
+        layout = None if _reasons(turns) else self._layout(tuple(t[0] for t in turns))
+        if layout is not None:
+            return self._spans_fast(turns, layout)
+        try:
+            return self.spans_slow(turns)
+        except DataError:  # this row renders unlike its prefixes (its reasoning, say)
+            self.full_rows += 1
+            return self.spans_full(turns)
 
     def check(self, turns: tuple[Turn, ...]) -> None:
         """Compare the fast path with jinja on one real conversation (a spot check per batch)."""
-        layout = self._layout(tuple(r for r, _ in turns))
+        if self.method != "prefix" or _reasons(turns):
+            return
+        roles = tuple(t[0] for t in turns)
+        layout = self._layout(roles)
         if layout is not None and self._spans_fast(turns, layout) != self.spans_slow(turns):
-            self._layouts[tuple(r for r, _ in turns)] = None
+            self._layouts[roles] = None
             log.warning(
                 "chat template is not verbatim for this data; rendering every row with jinja"
             )
 
+    # ------------------------------------------------------------ templates not prefix-stable
 
-def end_of_turn_id(tokenizer, renderer: ChatRenderer) -> int | None:
-    """The special token the chat template closes an assistant turn with (Qwen's and the
-    demo's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the first special token of the markup
-    after an assistant message, within its turn. None when that markup has none."""
-    turns = (("user", _sentinel(0)), ("assistant", _sentinel(1)))
-    try:
-        text, spans = renderer.spans_slow(turns)
-    except Exception:  # noqa: BLE001 -- a template this probe cannot render: no check
-        return None
-    start, end = spans[0]
-    after = text.find(_sentinel(1), start) + len(_sentinel(1))
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    for token in tokenizer.backend_tokenizer.encode(text[after:end], add_special_tokens=False).ids:
-        if token in special:
-            return token
-    return None
+    def _method(self) -> str:
+        """How this template's assistant spans are found (a key of METHODS)."""
+        if _GENERATION_MARK.search(self.template):
+            return "generation"
+        for probe in _PROBE_CONVERSATIONS:
+            try:
+                self.spans_slow(probe)
+            except DataError:
+                return "full"
+            except Exception:  # noqa: BLE001 -- a template that refuses the probe's roles
+                continue
+        return "prefix"
 
+    def describe(self) -> str:
+        """The method in words, for the tokenize log and ``snaketune validate``."""
+        line = f"assistant tokens found by {METHODS[self.method]}"
+        if self.full_rows:
+            line += (
+                f"; {self.full_rows} rows rendered unlike their prefixes, found by the full render"
+            )
+        if self.stopped_rows:
+            line += (
+                f"; the template closes a last assistant turn with no special token: "
+                f"{self.stop} (the model's stop token) added after it in "
+                f"{self.stopped_rows} rows"
+            )
+        return line
 
-def stop_ids(model_dir: str | Path) -> list[int]:
-    """The ids plain ``generate`` stops on: generation_config.json's eos_token_id (else
-    config.json's)."""
-    model_dir = Path(model_dir)
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-            if value is not None:
-                return [value] if isinstance(value, int) else list(value)
-    return []
+    def spans_marked(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
+        """Text and spans from the template's ``{% generation %}`` marks (transformers'
+        assistant mask), one span per assistant turn."""
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-
-def add_end_of_turn(model_dir: Path) -> str | None:
-    """Make plain ``generate`` of an exported model stop where its chat template ends an
-    assistant turn: add that token to generation_config.json's eos_token_id when missing.
-    Returns what was done, in words (None: nothing to do)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    if not tokenizer.chat_template:
-        return None
-    end = end_of_turn_id(tokenizer, ChatRenderer(tokenizer))
-    ids = stop_ids(model_dir)
-    if end is None or end in ids:
-        return None
-    path = model_dir / "generation_config.json"
-    config = (GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-              if path.is_file() else GenerationConfig())  # fmt: skip
-    config.eos_token_id = [*ids, end]
-    config.save_pretrained(model_dir)
-    name = tokenizer.convert_ids_to_tokens(end)
-    return (f"generation_config eos_token_id {ids} -> {[*ids, end]}: {name}, which the chat "
-            "template ends an assistant turn with, now stops generation")  # fmt: skip
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The model's fast tokenizer (local files only)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(
-            f"{model_dir}: cannot load its tokenizer ({reason[:200]}); the model directory "
-            "needs the tokenizer files (tokenizer.json, tokenizer_config.json)"
-        ) from exc
-    if not getattr(tok, "is_fast", False):
-        raise DataError(
-            f"{model_dir}: the tokenizer has no fast (Rust) version; snaketune needs one"
+        texts, indices = render_jinja_template(
+            [messages_of(turns)],
+            chat_template=self.template,
+            return_assistant_tokens_mask=True,
+            **self._special_map,
         )
-    return tok
+        spans = [tuple(span) for span in indices[0]]
+        if len(spans) != sum(t[0] == "assistant" for t in turns):
+            raise DataError(
+                "the chat template's {% generation %} marks do not wrap each assistant turn "
+                f"once ({len(spans)} marked spans); mark each assistant message, or remove "
+                "the marks to let the assistant turns be found in the render"
+            )
+        return texts[0], spans
+
+    def spans_full(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
+        """Text and assistant spans from the one full render. Each message's place in it is
+        where the render changes when that message's text changes; an assistant span starts
+        where the generation prompt for it stops matching the render (the markup the model is
+        prompted with is not trained, what it writes after is: an opened thought block's end,
+        a channel header) and ends with the first special token after the message (its end
+        of turn, or the next turn's opening token where a template closes none: GLM)."""
+        text = self.render(turns)
+        regions: dict[int, tuple[int, int] | None] = {}
+
+        def region(j: int) -> tuple[int, int] | None:
+            if j not in regions:
+                regions[j] = self._region(turns, j, text)
+            return regions[j]
+
+        spans = []
+        for i, turn in enumerate(turns):
+            if turn[0] != "assistant":
+                continue
+            own = region(i)
+            if own is None:  # the render leaves the message out: nothing to learn
+                spans.append((len(text), len(text)))
+                continue
+            start, end = own
+            before = next((r[1] for j in range(i - 1, -1, -1) if (r := region(j))), 0)
+            prompted = _common_prefix(self.render(turns[:i], add_generation_prompt=True), text)
+            if before <= prompted <= start:
+                start = prompted
+            limit = next((r[0] for j in range(i + 1, len(turns)) if (r := region(j))), len(text))
+            closed = self._end_of_turn(text, end, limit)
+            if closed == end == len(text) and self.stop:  # nothing closes the last turn
+                text, closed = text + self.stop, len(text) + len(self.stop)
+                self.stopped_rows += 1
+            spans.append((start, closed))
+        return text, spans
+
+    def _region(self, turns: tuple[Turn, ...], j: int, text: str) -> tuple[int, int] | None:
+        """[start, end) of ``text`` that holds message ``j`` (its reasoning and content)."""
+        turn = turns[j]
+        changed = tuple(
+            value if k == 0 or value is None else f"{_MARK_OPEN}{value}{_MARK_CLOSE}"
+            for k, value in enumerate(turn)
+        )
+        other = self.render((*turns[:j], changed, *turns[j + 1 :]))
+        if other == text:
+            return None
+        start = _common_prefix(text, other)
+        end = len(text) - _common_prefix(text[::-1], other[::-1])
+        return start, max(start, end)
+
+    def _end_of_turn(self, text: str, end: int, limit: int) -> int:
+        """``end`` moved past the first special token in ``text[end:limit]`` (unchanged when
+        there is none)."""
+        piece = text[end:limit]
+        if not piece:
+            return end
+        encoding = self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False)
+        for token, (_, stop) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token in self._special_ids:
+                return end + stop
+        return end
 
 
-def model_vocab_size(model_dir: str | Path) -> int | None:
-    """``vocab_size`` from a model's config.json (its text model's, for multimodal ones)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+def _reasons(turns: tuple[Turn, ...]) -> bool:
+    return any(len(t) > 2 and t[2] is not None for t in turns)
 
 
-def first_token_at(enc, char: int, n_tokens: int, text_len: int) -> int:
-    """Index of the first token that starts at or after character ``char``."""
-    if char >= text_len:
-        return n_tokens
-    tok = enc.char_to_token(char)
-    if tok is None:  # a character no token covers: look at every offset
-        return bisect.bisect_left([o[0] for o in enc.offsets], char)
-    return tok + 1 if enc.token_to_chars(tok)[0] < char else tok
+# Conversations the template is probed with: two exchanges with a system turn, without and
+# with reasoning on the assistant turns.
+_PROBE_CONVERSATIONS = (
+    (("system", "S"), ("user", "U1"), ("assistant", "A1"), ("user", "U2"), ("assistant", "A2")),
+    (("user", "U1"), ("assistant", "A1", "R1"), ("user", "U2"), ("assistant", "A2", "R2")),
+)

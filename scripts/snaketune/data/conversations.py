@@ -15,12 +15,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
 from snaketune.data.chat import Turn
-from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS
+from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS, filter_mask, multiplicity
 from snaketune.data.kinds import kind_of_format
 
 log = logging.getLogger(__name__)
@@ -81,6 +80,7 @@ class Stats:
     end_of_turn_id: int | None = None
     rows_without_end_of_turn: int = 0
     model_stops_at_end_of_turn: bool | None = None
+    masks: str = ""  # how the assistant tokens were found (ChatRenderer.describe)
 
 
 def _column(spec: dict[str, Any], fieldname: str) -> str | list[str]:
@@ -144,8 +144,8 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
                         "assistant "
                         f"and text content (got {m!r:.80}); clean the data or filter the row out"
                     )
-                turns.append((m["role"], _text(m.get("content"), name, row, "content")))
-            if not any(role == "assistant" for role, _ in turns):
+                turns.append(_turn(m, name, row))
+            if not any(turn[0] == "assistant" for turn in turns):
                 raise DataError(
                     f"datasets.{name} row {row}: no assistant turn to learn from; "
                     "clean the data or filter the row out"
@@ -170,6 +170,19 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     return out
 
 
+# Where a row's message keeps its reasoning (TRL's and transformers' names).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _turn(message: dict, name: str, row: int, col: str = "content") -> Turn:
+    """A message as a turn: (role, content), and its reasoning third where it has one."""
+    content = _text(message.get("content"), name, row, col)
+    reasoning = next((message[k] for k in REASONING_KEYS if message.get(k) is not None), None)
+    if reasoning is None:
+        return (message["role"], content)
+    return (message["role"], content, _text(reasoning, name, row, "reasoning_content"))
+
+
 def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple[Turn, ...]:
     """A preference field as turns: text (one turn of ``role``) or a list of messages."""
     if isinstance(value, str):
@@ -187,7 +200,7 @@ def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple
                 f"user or assistant and text content (got {m!r:.80}); clean the data or filter "
                 "the row out"
             )
-        turns.append((m["role"], _text(m.get("content"), name, row, col)))
+        turns.append(_turn(m, name, row, col))
     return tuple(turns)
 
 
@@ -220,7 +233,7 @@ def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: 
             chosen = chosen[len(prompt) :]
         if rejected[: len(prompt)] == prompt and len(rejected) > len(prompt):
             rejected = rejected[len(prompt) :]
-    if not prompt or any(role != "assistant" for role, _ in (*chosen, *rejected)):
+    if not prompt or any(turn[0] != "assistant" for turn in (*chosen, *rejected)):
         raise DataError(
             f"datasets.{name} row {row}: a preference row needs prompt turns and responses of "
             "assistant turns only (chosen/rejected); clean the data or filter the row out"
@@ -269,55 +282,8 @@ def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
     if isinstance(turns, Pair):
         turns = (*turns.prompt, *turns.chosen, ("\x1d", ""), *turns.rejected)
 
-    blob = "\x1e".join([f"{role}\x1f{content}" for role, content in turns])
+    blob = "\x1e".join(["\x1f".join(turn) for turn in turns])
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- filters, mixture
-
-
-def filter_mask(batch: pa.RecordBatch, filters: list[dict[str, Any]], name: str) -> pa.Array | None:
-    """Boolean mask of the rows that pass every filter (None when there are none)."""
-    mask = None
-    for flt in filters:
-        col, op, value = flt["column"], flt["op"], flt["value"]
-        arr = batch.column(col)
-        if op in ("in", "not_in"):
-            hit = pc.is_in(arr, value_set=pa.array(value))
-            cond = hit if op == "in" else pc.invert(hit)
-        else:
-            fn = {
-                "==": pc.equal,
-                "!=": pc.not_equal,
-                "<": pc.less,
-                "<=": pc.less_equal,
-                ">": pc.greater,
-                ">=": pc.greater_equal,
-            }[op]
-            try:
-                cond = fn(arr, pa.scalar(value))
-            except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
-                raise DataError(
-                    f"datasets.{name}.filters: cannot compare column {col!r} ({arr.type}) "
-                    f"with {value!r}; use a value of the column's type"
-                ) from exc
-        cond = pc.fill_null(cond, False)
-        mask = cond if mask is None else pc.and_(mask, cond)
-    return mask
-
-
-def multiplicity(rows: int, weight: float, seed: int, name: str) -> np.ndarray:
-    """How many times each raw row enters a mixture: floor(weight), plus one for a seeded
-    subset of round(frac * rows) rows."""
-    whole = int(np.floor(weight))
-    frac = weight - whole
-    counts = np.full(rows, whole, dtype=np.int64)
-    extra = int(round(frac * rows))
-    if extra:
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-        counts[rng.choice(rows, size=extra, replace=False)] += 1
-    return counts
 
 
 def _open_source(source: Source) -> pq.ParquetFile:

@@ -1,11 +1,19 @@
 """The config's vocabulary of datasets: the words config validation, the tokenize plan and
-the rules read a dataset with (formats and their fields, which datasets a mixture reads).
+the rules read a dataset with (formats and their fields, which datasets a mixture reads),
+and the rows a dataset contributes (its filters, its mixture weight).
 What a run trains and where its model ends up are its method's (snaketune.methods).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from snaketune.core.errors import DataError
 
 # For each dataset format: the fields a row must provide (field -> default column name),
 # and which of them may be missing or empty.
@@ -31,3 +39,50 @@ def components(config: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
         return [{"name": dataset, "weight": 1.0, "seed": 0}]
     seed = spec.get("seed", 0)
     return [{"name": c["dataset"], "weight": c["weight"], "seed": seed} for c in spec["mixture"]]
+
+
+# ----------------------------------------------------------------------------- filters, mixture
+
+
+def filter_mask(batch: pa.RecordBatch, filters: list[dict[str, Any]], name: str) -> pa.Array | None:
+    """Boolean mask of the rows that pass every filter (None when there are none)."""
+    mask = None
+    for flt in filters:
+        col, op, value = flt["column"], flt["op"], flt["value"]
+        arr = batch.column(col)
+        if op in ("in", "not_in"):
+            hit = pc.is_in(arr, value_set=pa.array(value))
+            cond = hit if op == "in" else pc.invert(hit)
+        else:
+            fn = {
+                "==": pc.equal,
+                "!=": pc.not_equal,
+                "<": pc.less,
+                "<=": pc.less_equal,
+                ">": pc.greater,
+                ">=": pc.greater_equal,
+            }[op]
+            try:
+                cond = fn(arr, pa.scalar(value))
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
+                raise DataError(
+                    f"datasets.{name}.filters: cannot compare column {col!r} ({arr.type}) "
+                    f"with {value!r}; use a value of the column's type"
+                ) from exc
+        cond = pc.fill_null(cond, False)
+        mask = cond if mask is None else pc.and_(mask, cond)
+    return mask
+
+
+def multiplicity(rows: int, weight: float, seed: int, name: str) -> np.ndarray:
+    """How many times each raw row enters a mixture: floor(weight), plus one for a seeded
+    subset of round(frac * rows) rows."""
+    whole = int(np.floor(weight))
+    frac = weight - whole
+    counts = np.full(rows, whole, dtype=np.int64)
+    extra = int(round(frac * rows))
+    if extra:
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        counts[rng.choice(rows, size=extra, replace=False)] += 1
+    return counts

@@ -62,7 +62,7 @@ def read_row(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], dat
                         f"or false (got {label!r:.40}); clean the data or filter the row "
                         "out")  # fmt: skip
     completion = _turns(data[cols["completion"]][i], name, row, cols["completion"], "assistant")
-    if any(role != "assistant" for role, _ in completion):
+    if any(turn[0] != "assistant" for turn in completion):
         raise DataError(f"datasets.{name} row {row}: a completion is assistant turns only; "
                         "clean the data or filter the row out")  # fmt: skip
     prompt = _turns(raw, name, row, cols["prompt"], "user")

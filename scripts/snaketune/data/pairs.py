@@ -27,8 +27,9 @@ import numpy as np
 import pyarrow as pa
 
 from snaketune.core.rows import IGNORE_INDEX
-from snaketune.data.chat import ChatRenderer, first_token_at
+from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Pair, Stats, text_sha
+from snaketune.data.tokens import first_token_at
 
 PAIR_COLUMNS = (("rejected_input_ids", pa.list_(pa.int32())),
                 ("rejected_labels", pa.list_(pa.int32())))  # fmt: skip

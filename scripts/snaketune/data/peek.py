@@ -21,7 +21,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
-from snaketune.data.conversations import Source, conversations, filter_mask, missing_columns
+from snaketune.data.conversations import Source, conversations, missing_columns
+from snaketune.data.formats import filter_mask
 from snaketune.data.sources import file_format, jsonl_row_problem
 
 PEEK_ROWS = 64  # the rows read of each dataset
@@ -122,3 +123,46 @@ def check_dataset(name: str, spec: dict[str, Any], path: Path, local: bool) -> s
         return (f"{where}: {path}: cannot read as {fmt} ({reason}); fix the file, or set "
                 "file_format if the extension misleads")  # fmt: skip
     return None if table is None else check_rows(name, spec, table)
+
+
+def renderer_for(model_dir: Path, template: str | None):
+    """The ChatRenderer tokenize builds for a model (its tokenizer, ``template`` or its own,
+    its stop token)."""
+    from snaketune.data.chat import ChatRenderer
+    from snaketune.data.tokens import load_tokenizer, stop_ids
+
+    tokenizer = load_tokenizer(model_dir)
+    stops = stop_ids(model_dir)
+    stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
+    return ChatRenderer(tokenizer, template, stop=stop)
+
+
+def show_row(renderer, name: str, spec: dict[str, Any], path: Path, local: bool, row: int) -> str:
+    """Row ``row`` of dataset ``name`` as tokenize makes it: the rendered text with the
+    tokens trained on between « and » (a preference row: its chosen side)."""
+    import numpy as np
+
+    from snaketune.data.conversations import Pair
+    from snaketune.data.tokenization import labelled_tokens
+
+    fmt = file_format(path, spec.get("file_format")) if local else "parquet"
+    table = head(path, fmt, rows=row + 1)
+    if table is None or table.num_rows <= row:
+        raise DataError(
+            f"datasets.{name}: no row {row} (the first rows read: "
+            f"{0 if table is None else table.num_rows})"
+        )
+    batch = table.slice(row, 1).combine_chunks().to_batches()[0]
+    (item,) = conversations(Source(name, Path(), spec), batch, [row])
+    turns = (*item.prompt, *item.chosen) if isinstance(item, Pair) else item
+    turns = (*item.prompt, *item.completion) if hasattr(item, "completion") else turns
+    text, spans = renderer.spans(tuple(turns))
+    encoding = renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    trained = labelled_tokens([encoding], [spans], [text], np.array([0, len(encoding.ids)]))
+    out, inside = [], False
+    for token, on in zip(encoding.ids, trained, strict=True):
+        if on != inside:
+            out.append("«" if on else "»")
+            inside = bool(on)
+        out.append(renderer.tokenizer.decode([token]))
+    return "".join(out) + ("»" if inside else "")

@@ -35,16 +35,16 @@ import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
-from snaketune.data.chat import (
-    ChatRenderer,
+from snaketune.data.chat import ChatRenderer
+from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
+from snaketune.data.kinds import Kind, kind_of_formats
+from snaketune.data.tokens import (
     end_of_turn_id,
     first_token_at,
     load_tokenizer,
     model_vocab_size,
     stop_ids,
 )
-from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
-from snaketune.data.kinds import Kind, kind_of_formats
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,9 @@ def tokenize(
     """
     try:
         tokenizer = load_tokenizer(model_dir)
-        renderer = ChatRenderer(tokenizer, chat_template)
+        stops = stop_ids(model_dir)
+        stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
+        renderer = ChatRenderer(tokenizer, chat_template, stop=stop)
     except DataError as exc:
         raise DataError(f"models.{model_name}: {exc}") from None
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
@@ -310,4 +312,6 @@ def tokenize(
     check_result(stats, max_length, overlong, model_dir, model_name)
     check_end_of_turn(stats, model_dir, model_name)
     _log_result(stats, kind)
+    stats.masks = renderer.describe()
+    log.info("models.%s: %s", model_name, stats.masks)
     return stats

@@ -230,7 +230,7 @@ def stop_at_end_of_turn(model_dir: Path) -> str | None:
     """The exported model stops where its chat template ends an assistant turn (Qwen base
     models stop on <|endoftext|>, their template ends a turn with <|im_end|>): see
     snaketune.data.tokenization.add_end_of_turn. Logged and recorded in the report."""
-    from snaketune.data.chat import add_end_of_turn
+    from snaketune.data.tokens import add_end_of_turn
 
     done = add_end_of_turn(model_dir)
     if done:

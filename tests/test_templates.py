@@ -1,0 +1,139 @@
+"""Loss masks from the families' real chat templates (tests/templates/, their sources in
+SOURCES.md): two-exchange rows with and without reasoning, tokenized by the product, checked
+against transformers' own apply_chat_template on the same messages: the last assistant turn
+trains exactly what the model writes after the generation prompt (through its end of turn),
+each earlier one its content and its end of turn, and no system or user text is trained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import BIN, ENV
+from families import FAMILIES, TEMPLATES, build, chat_rows
+
+from snaketune.app.fixtures import make_arith
+from snaketune.data.chat import ChatRenderer
+from snaketune.data.conversations import Source
+from snaketune.data.tokenization import tokenize
+
+METHOD = {"smollm3": "generation", "llama3": "prefix"}  # the rest: "full"
+ARITH = make_arith(64, 8)
+CORPUS = [f"{r['question']} {r['answer']}" for r in ARITH["train"]] + [
+    "Answer with the sum. Add the two numbers."
+]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> Path:
+    """Each family's tiny model and its rows, tokenized: <family>.parquet beside it."""
+    import pandas as pd
+
+    out = tmp_path_factory.mktemp("families")
+    rows = chat_rows(ARITH["train"][:16], reasoning=True)
+    pd.DataFrame(rows).to_parquet(out / "chat.parquet")
+    (out / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in FAMILIES:
+        build(name, CORPUS, out / name)
+        source = Source("chat", out / "chat.parquet", {"format": "messages"})
+        tokenize([source], out / name, out / f"{name}.parquet", 1024, model_name=name)
+    return out
+
+
+def trained_pieces(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The runs of trained tokens of a row, decoded."""
+    pieces, run = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            pieces.append(tokenizer.decode(run))
+            run = []
+    return pieces + ([tokenizer.decode(run)] if run else [])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_familys_template_trains_the_assistant_turns_as_transformers_renders_them(
+    families, name
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(families / name)
+    rows = [json.loads(line) for line in (families / "chat.jsonl").read_text().splitlines()]
+    tokenized = pq.read_table(families / f"{name}.parquet").to_pylist()
+    assert len(tokenized) == len(rows)
+    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    for row, done in zip(rows, tokenized, strict=True):
+        messages = row["messages"]
+        pieces = trained_pieces(tokenizer, done["input_ids"], done["labels"])
+        assert len(pieces) == 2, pieces  # one span per assistant turn
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            messages[:-1], tokenize=False, add_generation_prompt=True
+        )
+        if full.startswith(prompt) and name != "smollm3":  # its marks also train its header
+            written = full[len(prompt) :]  # what the model writes, served this prompt
+            if name == "glm-4.5":  # closes no turn: the model's stop token is added
+                written += "<eos>"
+            assert pieces[-1] == written.rstrip("\n"), (pieces[-1], written)
+        for piece, message in zip(pieces, messages[2::2], strict=True):
+            assert message["content"] in piece
+            assert any(piece.rstrip("\n").endswith(t) for t in special), piece  # end of turn
+        for message in (m for m in messages if m["role"] != "assistant"):  # system, users
+            assert not any(message["content"] in piece for piece in pieces)
+    reasoned = [
+        p for r in tokenized[:1] for p in trained_pieces(tokenizer, r["input_ids"], r["labels"])
+    ]
+    if FAMILIES[name].thinking:  # the last turn's reasoning is trained
+        assert "Add the two numbers." in reasoned[-1], reasoned
+    template = (TEMPLATES / FAMILIES[name].template).read_text()
+    assert ChatRenderer(tokenizer, template).method == METHOD.get(name, "full")
+
+
+def test_marked_templates_use_their_generation_marks(families):
+    """A template with {% generation %} marks (TRL's Qwen3.5 training template) trains
+    exactly the marked text, as transformers' assistant mask does."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(families / "qwen3.5")
+    template = (TEMPLATES / "qwen3_5_think_training.jinja").read_text()
+    renderer = ChatRenderer(tokenizer, template)
+    assert renderer.method == "generation"
+    turns = (("user", "2 + 3?"), ("assistant", "5", "add"), ("user", "1 + 1?"), ("assistant", "2"))
+    text, spans = renderer.spans(turns)
+    messages = [{"role": "user", "content": "2 + 3?"},
+                {"role": "assistant", "content": "5", "reasoning_content": "add"},
+                {"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]  # fmt: skip
+    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                        return_dict=True, return_assistant_tokens_mask=True)  # fmt: skip
+    marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
+    ours = "".join(text[s:e] for s, e in spans)
+    assert tokenizer.decode(marked) == ours
+    assert "add" in ours and "2 + 3?" not in ours
+
+
+def test_validate_shows_a_row_with_its_trained_tokens_marked(families, tmp_path):
+    """`snaketune validate --show-row N` prints how the template's masks are made and the
+    row with its trained tokens between « and »."""
+    config = {
+        "models": {"qwen": {"source": "local", "path": str(families / "qwen3.5")}},
+        "datasets": {"chat": {"source": "local", "path": str(families / "chat.jsonl"),
+                              "format": "messages"}},
+        "runs": {"r": {"model": "qwen", "dataset": "chat", "method": "lora", "nodes": 1,
+                       "gpus_per_node": 1, "micro_batch_size": 2, "learning_rate": 1e-4,
+                       "max_steps": 2, "max_length": 512}},
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))
+    proc = subprocess.run([str(BIN / "snaketune"), "validate", str(path), "--show-row", "0"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "models.qwen: assistant tokens found by each assistant message's span" in proc.stderr
+    shown = proc.stderr.split("row 0 (trained: « »):\n")[1]
+    assert "<|im_start|>assistant\n«#### " in shown  # the earlier turn: its content on
+    assert "<think>\n«Add the two numbers.\n</think>\n\n#### " in shown  # the last: reasoning on
+    assert "«" not in shown.split("<|im_start|>assistant")[0]  # system and user text off
