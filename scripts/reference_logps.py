@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
             workers,
             args.batch_pairs,
             precision,
-            resolve_attention(args.attn_implementation),
+            resolve_attention(args.attn_implementation, args.model),
             qlora.settings(quantization, precision),
             on_batch=on_batch,
             chunk_pairs=args.chunk_pairs,

@@ -62,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = Layout(args.nodes, args.gpus_per_node, args.micro_batch_size,
                     args.gradient_accumulation_steps, args.sequence_parallel)  # fmt: skip
     if args.packing and args.model:
-        check_packing(args.model, expected_attention(args.attn_implementation), f"runs.{args.run}")
+        check_packing(
+            args.model, expected_attention(args.attn_implementation, args.model), f"runs.{args.run}"
+        )
     try:  # the data errors of this step name the run
         if args.eval:
             check_overlap(Path(args.tokenized), Path(args.eval))

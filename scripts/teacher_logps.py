@@ -33,7 +33,7 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
     from snaketune.train.scoring import worker as run_worker
 
     precision = resolve_precision(args.precision)
-    attention = resolve_attention(args.attn_implementation)
+    attention = resolve_attention(args.attn_implementation, args.model)
 
     def compute(rank: int, workers: int, on_batch) -> int:
         return compute_parts(

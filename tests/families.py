@@ -18,10 +18,21 @@ from typing import Any
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Every family: 2 layers, 64 wide, 4 heads of 16 (2 KV heads).
-TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
-LINEAR = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-          "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}  # fmt: skip
+TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+LINEAR = {
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+}
 EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 
@@ -36,6 +47,9 @@ class Family:
     stops: tuple[str, ...]
     fields: dict[str, Any] = field(default_factory=dict)
     thinking: bool = False  # the template renders a row's reasoning
+    # a vision-language family's image processor (its PIL build: torchvision, which the
+    # full processors need, has no CPU build here), saved beside the model
+    processor: str | None = None
 
     @property
     def vlm(self) -> bool:
@@ -47,21 +61,21 @@ FAMILIES = {
         "text_config": {**TEXT, **LINEAR},
         "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                           "out_hidden_size": 64, "patch_size": 4, "num_position_embeddings": 64}},
-        thinking=True),
+        thinking=True, processor="Qwen2VLImageProcessorPil"),
     "gemma4": Family("gemma4", "gemma4_v5.jinja", ("<turn|>",), {
         "text_config": {**TEXT, "layer_types": ["sliding_attention", "full_attention"],
                         "sliding_window": 16, "hidden_size_per_layer_input": 8,
                         "global_head_dim": 16},
         "vision_config": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16},
-        "audio_config": None}, thinking=True),
+        "audio_config": None}, thinking=True, processor="Gemma4ImageProcessorPil"),
     "gpt-oss": Family("gpt_oss", "gptoss.jinja", ("<|return|>", "<|call|>"), {
         **TEXT, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"]}, thinking=True),
     "deepseek-v3": Family("deepseek_v3", "deepseekv3.jinja", ("<｜end▁of▁sentence｜>",), {
-        **TEXT, **EXPERTS, "n_routed_experts": 4, "n_shared_experts": 1,
+        **TEXT, **EXPERTS, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
-        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_group": 2,
         "topk_group": 1}),
     "qwen3-next": Family("qwen3_next", "qwen3_5_think.jinja", ("<|im_end|>",), {
         **TEXT, **EXPERTS, **LINEAR, "num_experts": 4, "shared_expert_intermediate_size": 32},
@@ -95,18 +109,29 @@ def build_tokenizer(template: str, corpus: list[str]):
 
     special, plain = template_tokens(template)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[PAD, BOS, EOS, *special],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=[PAD, BOS, EOS, *special],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, chat_template=template,
-                                   model_max_length=4096)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=template,
+        model_max_length=4096,
+    )
 
 
 def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
@@ -120,12 +145,16 @@ def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(template, corpus)
     vocab = len(tokenizer)
     fields = json.loads(json.dumps(family.fields))
-    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     text = fields["text_config"] if family.vlm else fields
     text.update(vocab_size=vocab, initializer_range=0.1, **ids)
     if "vocab_size_per_layer_input" in AutoConfig.for_model(family.model_type).to_dict().get(
-            "text_config", {}):  # fmt: skip
+        "text_config", {}
+    ):
         text["vocab_size_per_layer_input"] = vocab
     config = AutoConfig.for_model(family.model_type, **fields)
     torch.manual_seed(seed)
@@ -137,10 +166,17 @@ def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
         model = AutoModelForCausalLM.from_config(config)
     stops = [tokenizer.convert_tokens_to_ids(t) for t in family.stops]
     model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, *stops], do_sample=False)  # fmt: skip
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, *stops],
+        do_sample=False,
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if family.processor:
+        import transformers
+
+        getattr(transformers, family.processor)().save_pretrained(out)
     return out
 
 

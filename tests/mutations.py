@@ -347,6 +347,27 @@ MUTATIONS = (
         "    if True:",
         ("tests/test_train_units.py::test_openmp_threads_sleep_only_where_the_ranks_threads_outnumber_the_cores",),
     ),
+    Mutation(
+        "prompted-markup", "a template that is not prefix-stable: the markup the model writes after the generation prompt (an opened thought block's end, a channel header) is left untrained",
+        f"{LIB}/data/chat.py",
+        "            if before <= prompted <= start:\n",
+        "            if False:\n",
+        ("tests/test_templates.py::test_each_familys_template_trains_the_assistant_turns_as_transformers_renders_them",),
+    ),
+    Mutation(
+        "end-of-turn", "a template that is not prefix-stable: the end-of-turn token after an assistant message is left untrained",
+        f"{LIB}/data/chat.py",
+        "                return end + stop\n",
+        "                return end\n",
+        ("tests/test_templates.py::test_each_familys_template_trains_the_assistant_turns_as_transformers_renders_them",),
+    ),
+    Mutation(
+        "aux-free-term", "a family without an auxiliary loss (DeepSeek-V3) gets transformers' default balance term anyway",
+        f"{LIB}/methods/training.py",
+        "            coef = 0.0\n",
+        "            coef = 0.001\n",
+        ("tests/test_families.py::test_each_family_trains_on_its_own_template_and_exports_a_model_that_generates",),
+    ),
 )  # fmt: skip
 
 

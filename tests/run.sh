@@ -94,7 +94,7 @@ SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test
        tests/test_examples.py tests/test_bench.py)
 SIDE=(tests/test_grpo.py tests/test_rloo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
       tests/test_sequence.py)
-CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py)
+CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py)
 # pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure
 ran() { [ "$1" -eq 5 ] && echo 0 || echo "$1"; }
 pytest "${SLURM[@]}" -m "$marks" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &

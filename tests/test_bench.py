@@ -22,6 +22,7 @@ DOC = ROOT / "docs/benchmarks.md"
 # Appended to each benchmark's documented command: the same code paths, tiny sizes.
 SHORT = {
     "allreduce.py": ["--mib", "1"],
+    "chat_masks.py": ["--rows", "100"],
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--hidden", "128", "--repeat", "1"],
     "cost_estimate.py": ["--demo-steps", "16", "--steps", "8"],

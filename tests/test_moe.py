@@ -138,11 +138,26 @@ def test_qwen3_30b_a3b_is_planned_at_its_real_size():
 
 
 def test_a_mixture_of_experts_the_plan_cannot_count_is_refused():
-    cfg = {"model_type": "jetmoe", **SMALL, "intermediate_size": 32, "num_local_experts": 4,
-           "num_experts_per_tok": 2}  # fmt: skip
-    with pytest.raises(UserError, match=r"model_type 'jetmoe': a mixture of experts the plan "
-                       r"does not count .*set skip_memory_check: true"):  # fmt: skip
-        Shape.from_config(cfg)
+    """A mixture of experts no formula knows is counted on the model transformers builds
+    (JetMoE); one transformers cannot build either is refused, not planned at its active
+    size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.budget.modelcount import shape_of
+
+    cfg = {
+        "model_type": "jetmoe",
+        **SMALL,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    assert shape_of(cfg).params == sum(p.numel() for p in built.parameters())
+    unknown = {**cfg, "model_type": "snaketune_unknown_moe"}
+    refused = r"model_type 'snaketune_unknown_moe': a mixture of experts the plan does not count"
+    with pytest.raises(UserError, match=refused + r" .*set skip_memory_check: true"):
+        shape_of(unknown)
 
 
 def test_the_mfu_counts_the_experts_a_token_is_routed_to():
@@ -598,3 +613,31 @@ def test_an_export_has_the_bases_inference_settings_back(tmp_path):
     trained.use_cache = False
     (tmp_path / "config.json").write_text(json.dumps({"use_cache": False}))
     assert inference_settings(trained, tmp_path) == {}  # the base's own setting, kept
+
+
+def test_a_family_without_an_auxiliary_loss_adds_none_unless_a_coefficient_is_set():
+    """DeepSeek-V3 balances its experts with a router bias (its config has no
+    router_aux_loss_coef, its model returns no aux_loss): ``auto`` adds no term; a run's own
+    coefficient adds that times the Switch balance loss of the router's logits, written out
+    here (router_aux)."""
+    import json as _json
+
+    from families import FAMILIES
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.methods.training import Router
+
+    family = FAMILIES["deepseek-v3"]
+    fields = {**_json.loads(_json.dumps(family.fields)), "vocab_size": 100}
+    config = AutoConfig.for_model(family.model_type, **fields)
+    assert getattr(config, "router_aux_loss_coef", None) is None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    row = {"input_ids": list(range(3, 40))}
+    auto = Router.prepare(model, {"router_aux_loss_coef": "auto", "gradient_accumulation_steps": 1})
+    with torch.no_grad():
+        outputs = model(input_ids=torch.tensor([row["input_ids"]]))
+    assert outputs.aux_loss is None and auto.coef == 0.0 and auto.term(outputs) == 0.0
+    set_ = Router.prepare(model, {"router_aux_loss_coef": 0.01, "gradient_accumulation_steps": 2})
+    want = 0.01 * router_aux(model, [row], 4, 2) / 2
+    assert float(set_.term(outputs)) == pytest.approx(want, rel=1e-5)

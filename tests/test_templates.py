@@ -105,11 +105,19 @@ def test_marked_templates_use_their_generation_marks(families):
     assert renderer.method == "generation"
     turns = (("user", "2 + 3?"), ("assistant", "5", "add"), ("user", "1 + 1?"), ("assistant", "2"))
     text, spans = renderer.spans(turns)
-    messages = [{"role": "user", "content": "2 + 3?"},
-                {"role": "assistant", "content": "5", "reasoning_content": "add"},
-                {"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]  # fmt: skip
-    out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                        return_dict=True, return_assistant_tokens_mask=True)  # fmt: skip
+    messages = [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "5", "reasoning_content": "add"},
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "2"},
+    ]
+    out = tokenizer.apply_chat_template(
+        messages,
+        chat_template=template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"], strict=True) if m]
     ours = "".join(text[s:e] for s, e in spans)
     assert tokenizer.decode(marked) == ours
@@ -121,16 +129,32 @@ def test_validate_shows_a_row_with_its_trained_tokens_marked(families, tmp_path)
     row with its trained tokens between « and »."""
     config = {
         "models": {"qwen": {"source": "local", "path": str(families / "qwen3.5")}},
-        "datasets": {"chat": {"source": "local", "path": str(families / "chat.jsonl"),
-                              "format": "messages"}},
-        "runs": {"r": {"model": "qwen", "dataset": "chat", "method": "lora", "nodes": 1,
-                       "gpus_per_node": 1, "micro_batch_size": 2, "learning_rate": 1e-4,
-                       "max_steps": 2, "max_length": 512}},
-    }  # fmt: skip
+        "datasets": {
+            "chat": {"source": "local", "path": str(families / "chat.jsonl"), "format": "messages"}
+        },
+        "runs": {
+            "r": {
+                "model": "qwen",
+                "dataset": "chat",
+                "method": "lora",
+                "nodes": 1,
+                "gpus_per_node": 1,
+                "micro_batch_size": 2,
+                "learning_rate": 1e-4,
+                "max_steps": 2,
+                "max_length": 512,
+            }
+        },
+    }
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([str(BIN / "snaketune"), "validate", str(path), "--show-row", "0"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [str(BIN / "snaketune"), "validate", str(path), "--show-row", "0"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "models.qwen: assistant tokens found by each assistant message's span" in proc.stderr
     shown = proc.stderr.split("row 0 (trained: « »):\n")[1]

@@ -19,9 +19,9 @@ def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
     shape, method, adapter and device kind; not the run itself): its measured tokens/s
     (over all its devices) and its train job's time outside the steps (start-up, saving,
     export), from its provenance and shard manifest. None: no such run yet."""
+    from snaketune.budget.modelcount import shape_of
     from snaketune.core.heldout import split_rows
     from snaketune.core.io import read_jsonl
-    from snaketune.core.modelshape import Shape
     from snaketune.methods import method_of
 
     run = config["runs"][name]
@@ -41,7 +41,7 @@ def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
         seg = record.get("segments") or {}
         if other == name or not seg.get("train_s") or record.get("device") is None:
             continue
-        same = (Shape.from_config(model) == shape and method_of(spec) is method_of(run)
+        same = (shape_of(model) == shape and method_of(spec) is method_of(run)
                 and method_of(spec).adapter_of(spec) == kind
                 and (record["device"] == "cpu") == (gpu is None)
                 and spec.get("gpu", gpu) == gpu)  # fmt: skip

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget.memplan import GIB, Setup, Shape
+from snaketune.budget.modelcount import shape_of
 from snaketune.core.errors import UserError
 from snaketune.methods import method_of
 
@@ -308,7 +309,7 @@ def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_d
 
     config = model_dir / "config.json"
     try:
-        shape = Shape.from_config(json.loads(config.read_text()), str(config))
+        shape = shape_of(json.loads(config.read_text()), str(config))
     except (UserError, OSError, ValueError) as exc:
         log.warning("disk plan: not checked (%s); each save is still checked", exc)
         return None

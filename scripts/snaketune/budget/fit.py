@@ -15,6 +15,7 @@ from typing import Any
 
 from snaketune.budget.advice import format_plan, plan_run
 from snaketune.budget.memplan import CONTEXT_GIB, GIB, Setup, Shape, estimate, gpu_memory
+from snaketune.budget.modelcount import shape_of
 from snaketune.budget.stageplan import (
     EvalLayout,
     cpu_mb,
@@ -91,7 +92,7 @@ def shape_and_deepspeed(
             "bitsandbytes cannot quantize it again for lora.quantize: 4bit; use the model's "
             "unquantized release, or drop lora.quantize"
         )
-    shape = Shape.from_config(cfg, str(config_json))
+    shape = shape_of(cfg, str(config_json))
     return shape, json.loads(resolve_deepspeed(run["deepspeed"], basedir).read_text())
 
 
@@ -330,7 +331,7 @@ def job_memory(name: str, plan: dict[str, Any], mem_mb: float) -> list[str]:
 def _shape(path: str) -> Shape:
     import json
 
-    return Shape.from_config(json.loads(Path(path).read_text()), path)
+    return shape_of(json.loads(Path(path).read_text()), path)
 
 
 def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),

@@ -14,7 +14,9 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   or not) x per layer (8h + 4·kv + 4·I)·w bytes (the tensors a Llama-shaped decoder layer
   keeps for backward), for every layer without gradient checkpointing, or the layer inputs
   (h·w per token per layer) plus one layer recomputed with it; eager attention adds its
-  micro x heads x max_length^2 score and probability matrices per layer; the logits add
+  micro x heads x max_length^2 score and probability matrices per full-attention layer
+  (max_length x the window per sliding-window layer, none per linear-attention layer: the
+  config's layer_types); the logits add
   tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
   gradient), none with Liger's fused linear cross-entropy; with ``sequence_parallel: N``
   each GPU holds 1/N of the tokens (and of their logits); weights, gradients and optimizer
@@ -22,7 +24,8 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
 - GRPO: sequences are prompt and completion (max_length + max_completion_length tokens);
   training keeps the activations of micro_batch_size completions of that length and the
   logits of their completion tokens; generating them (without vLLM) holds a KV cache of
-  2 x layers x kv x w bytes per token, which is freed before the training pass (the larger
+  2 x layers x kv x w bytes per token (linear-attention layers keep a fixed state, not
+  counted), which is freed before the training pass (the larger
   of the two counts); full fine-tuning with beta > 0 holds a frozen reference copy (w·P,
   divided by N under ZeRO-3); with vLLM (use_vllm true or auto) its share of each GPU
   (vllm_gpu_memory_utilization x the GPU's memory) holds its weights and KV cache;
@@ -176,18 +179,21 @@ def activations(shape: Shape, s: Setup) -> float:
     w, h, kv = s.bytes_per_weight, shape.hidden, shape.kv_width // 2
     tokens = s.micro_batch_size * s.sequence / s.sequence_parallel  # this GPU's slice
     layer = tokens * (8 * h + 4 * kv + 4 * shape.ffn_width) * w
-    if s.attention == "eager":
-        layer += 2 * s.micro_batch_size * shape.heads * s.sequence**2 * w
+    kinds = shape.attention_layers  # eager attention's scores: by each layer's attention
+    window = min(shape.window or s.sequence, s.sequence)
+    scores = {"full": s.sequence**2, "sliding": s.sequence * window, "linear": 0}
+    eager = 2 * s.micro_batch_size * shape.heads * w if s.attention == "eager" else 0
     if s.gradient_checkpointing:
-        kept = shape.layers * tokens * h * w + layer
+        one = max(scores[k] for k, n in kinds.items() if n)
+        kept = shape.layers * tokens * h * w + layer + eager * one
     else:
-        kept = shape.layers * layer
+        kept = shape.layers * layer + eager * sum(n * scores[k] for k, n in kinds.items())
     if s.quantized:  # one 4-bit layer dequantized for its matmul at a time
         kept += w * max(i * o for i, o in shape.linear_shapes().values())
     scored = s.micro_batch_size * s.completion_length if s.completion_length else tokens
     logits = 0 if s.liger else scored * shape.vocab * (w + 8)
     if s.completion_length and not s.vllm_share:
-        kv_cache = shape.layers * shape.kv_width * w * tokens
+        kv_cache = (shape.layers - kinds["linear"]) * shape.kv_width * w * tokens
         return max(kept + logits, kv_cache)
     return kept + logits
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
+from snaketune.budget.modelcount import shape_of
 
 EVAL_BYTES = 2  # the teacher's weights and logits on a GPU (bf16)
 
@@ -41,7 +42,7 @@ def teacher_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) ->
     from snaketune.data.sources import model_folder
 
     path = model_folder(config, model, workdir) / "config.json"
-    return Shape.from_config(json.loads(path.read_text()), str(path)) if path.is_file() else None
+    return shape_of(json.loads(path.read_text()), str(path)) if path.is_file() else None
 
 
 def tokens(config: dict[str, Any], name: str, workdir: Path) -> float | None:

@@ -18,6 +18,10 @@ for the plan):
 - the routers (each MoE layer's top-k router; Qwen2-MoE's shared-expert gate) only with
   ``lora.adapt_router: true``: adapting the router moves which experts a token reaches.
 
+On a vision-language model (Qwen3.5, Gemma 4, whole) the adapters go on its language model
+alone (peft's ``all-linear`` would also adapt the vision tower): its nn.Linear modules are
+listed by name, the vision tower and projector stay as they are.
+
 peft's translation is switched off while the adapters are made or loaded
 (``exact_targets``), so what it builds is what is listed here.
 """
@@ -28,7 +32,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from snaketune.core.modelshape import MLP
+from snaketune.core.modelshape import MLP, stacked_params
 
 ADAPTERS = "adapters.json"  # in the checkpoints folder: what carries adapters (``describe``)
 
@@ -42,7 +46,7 @@ def experts_modules(model) -> dict[str, list[str]]:
     """Each module holding fused experts (3-D parameters), with their names."""
     found: dict[str, list[str]] = {}
     for name, module in model.named_modules():
-        stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        stacked = [n for n, _ in stacked_params(module)]
         if stacked:
             found[name] = stacked
     return found
@@ -54,13 +58,18 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
 
     targets = lora["target_modules"]
     experts = experts_modules(model)
-    if not experts:
+    language = model.get_decoder() if hasattr(model, "get_decoder") else model
+    towers = any(True for _ in language_outside(model, language))
+    if not experts and not towers:
         return {"target_modules": targets}
     every, router = targets == "all-linear", bool(lora.get("adapt_router", False))
     names = set(targets) if not every else set()
     output = model.get_output_embeddings()
+    inside = {id(m) for m in language.modules()}
     modules, parameters = [], set()
     for name, module in model.named_modules():
+        if id(module) not in inside:  # a vision-language model's towers: not adapted
+            continue
         if is_router(name, module):
             if router and isinstance(module, torch.nn.Linear):
                 modules.append(name)
@@ -76,10 +85,21 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
             wanted = {"down_proj"} if kind == "down_proj" else {"gate_proj", "up_proj"}
             if wanted <= mlp:
                 parameters.add(f"{suffix(name)}.{param}")
+    if not experts:  # a vision-language model's language model: its linears, as named
+        return {"target_modules": modules}
     r, alpha = lora["r"], lora["alpha"]
     return {"target_modules": modules, "target_parameters": sorted(parameters),
             "rank_pattern": {r".*\.gate_up_proj": 2 * r},
             "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha}}  # fmt: skip
+
+
+def language_outside(model, language):
+    """The parameters of ``model`` outside its language model ``language`` (a
+    vision-language model's vision tower and projector)."""
+    inside = {id(p) for p in language.parameters()}
+    output = model.get_output_embeddings()
+    inside |= {id(p) for p in output.parameters()} if output is not None else set()
+    return (p for p in model.parameters() if id(p) not in inside)
 
 
 def dropout_where_supported(model, p: float) -> tuple[int, int]:

@@ -1,18 +1,20 @@
-"""A model's shape from its config.json alone: every parameter counted, the experts of a
-mixture of experts included, with no model built and no heavy import (the plans run on the
-login node).
+"""A model's shape from its config.json: what the plans need of it, with every parameter
+counted on the model transformers itself builds from that config.json, on the meta device
+(no memory, no weights; ``counted``), so a family the plan has never seen is counted
+exactly: linear attention's projections (Qwen3.5, Qwen3-Next), latent attention (DeepSeek),
+per-layer inputs (Gemma), a vision-language model's towers, each expert of a mixture of
+experts. The activations are estimated from the config (hidden width, heads, each layer's
+kind: full, sliding-window or linear attention).
 
-Dense decoders (Llama, Mistral, Qwen2/3 and alike) and the mixtures of experts of
-``MOE_TYPES``, as transformers 5 builds them: each MoE layer holds its routed experts as two
-fused 3-D parameters (gate and up stacked: experts x 2·I x h; down: experts x h x I), a
-router (experts x h), and for some families shared experts (a plain MLP beside them:
-Qwen2-MoE with its sigmoid gate, DeepSeek) or leading dense layers (DeepSeek's
-first_k_dense_replace, Qwen-MoE's mlp_only_layers and decoder_sparse_step). DeepSeek-V2/V3
-attend through latent projections (MLA); gpt-oss has biases on its attention output,
-experts and router, and a sink per head. A config.json that names experts of any other
-model_type is refused: counting only its active parameters would plan a model several
-times too small. tests/test_moe.py checks the counts against models built on the meta
-device.
+Where transformers cannot build the model (a model_type it does not know, custom code), the
+count falls back to the formulas below for dense decoders (Llama, Mistral, Qwen2/3 and
+alike) and the mixtures of experts of ``MOE_TYPES`` as transformers 5 builds them: each MoE
+layer holds its routed experts as two fused 3-D parameters (gate and up stacked: experts x
+2·I x h; down: experts x h x I), a router (experts x h), and for some families shared
+experts or leading dense layers. A mixture of experts of any other model_type that
+transformers cannot build is refused: counting only its active parameters would plan a
+model several times too small. tests/test_moe.py and tests/test_families.py check the counts
+against models built on the meta device.
 """
 
 from __future__ import annotations
@@ -33,18 +35,55 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+@dataclass(frozen=True)
+class Counted:
+    """A model as transformers builds it from its config.json (on the meta device)."""
+
+    params: int  # every parameter (tied ones once)
+    linear: int  # the language model's nn.Linear weights (what a 4-bit base quantizes)
+    largest: int  # the largest single module's own parameters (ZeRO-3's gathering unit)
+    expert_layers: int  # modules holding fused experts (3-D parameters)
+    expert_params: int  # one routed expert's parameters
+    # the language model's nn.Linear modules by name: (name, in, out, how many)
+    linears: tuple[tuple[str, int, int, int], ...] = ()
+    # each fused expert parameter: (name, experts, in, out, how many layers)
+    stacked: tuple[tuple[str, int, int, int, int], ...] = ()
+    towers: int = 0  # parameters outside the language model (vision, audio, projector)
+
+
+def stacked_params(module) -> list[tuple[str, Any]]:
+    """A module's fused experts' parameters (3-D: one slice an expert), with their names;
+    none for any other module (a convolution's 3-D kernel: Qwen3.5's linear attention)."""
+    if not type(module).__name__.endswith("Experts"):
+        return []
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
 def experts_of(cfg: dict[str, Any]) -> int:
     """Routed experts per MoE layer named by a config (its config.json or ``to_dict()``; 0:
     a dense model)."""
     return next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
 
 
-def moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """The experts of a mixture of experts' config.json (nothing for a dense model)."""
+def moe_fields(cfg: dict[str, Any], where: str, counted: Counted | None = None) -> dict[str, Any]:
+    """The experts of a mixture of experts' config.json (nothing for a dense model); of a
+    family the formulas do not know, from the model transformers builds (``counted``)."""
     kind = cfg.get("model_type")
     experts = experts_of(cfg)
     if not experts:
         return {}
+    if kind not in MOE_TYPES and counted is not None and counted.expert_layers:
+        width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        shared = shared or (cfg.get("n_shared_experts") or 0) * width
+        top_k = cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 1
+        return {
+            "experts": experts,
+            "experts_per_token": top_k,
+            "expert_intermediate": width,
+            "moe_layers": counted.expert_layers,
+            "shared_intermediate": shared,
+        }
     if kind not in MOE_TYPES:
         raise UserError(
             f"{where}: cannot plan memory for model_type {kind!r}: a mixture of experts the "
@@ -107,9 +146,19 @@ class Shape:
     qk_norm: int = 0  # parameters of the query and key norms of each layer
     # DeepSeek's latent attention: (q_lora_rank or 0, kv_lora_rank, nope, rope, v head dims)
     mla: tuple[int, int, int, int, int] | None = None
+    # each layer's attention: full_attention, sliding_attention, linear_attention (the
+    # config's layer_types; empty: every layer full)
+    layer_kinds: tuple[str, ...] = ()
+    window: int = 0  # a sliding-window layer's window
+    counted: Counted | None = None  # the model as transformers builds it (None: formulas)
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], where: str = "config.json") -> Shape:
+    def from_config(
+        cls, cfg: dict[str, Any], where: str = "config.json", counted: Counted | None = None
+    ) -> Shape:
+        """The shape of config.json ``cfg``; its parameters as ``counted`` (the model
+        transformers builds: snaketune.budget.modelcount) where given, else by the
+        formulas."""
         cfg = cfg.get("text_config", cfg)
         missing = [k for k in REQUIRED if k not in cfg]
         if missing:
@@ -129,8 +178,11 @@ class Shape:
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", kind in ("qwen2", "qwen2_moe", "gpt_oss"))),
             saved_bytes=SAVED_BYTES.get(str(cfg.get("dtype", cfg.get("torch_dtype")))),
-            **moe_fields(cfg, where),
+            **moe_fields(cfg, where, counted),
             **attention_fields(cfg),
+            layer_kinds=tuple(cfg.get("layer_types") or ()),
+            window=cfg.get("sliding_window") or 0,
+            counted=counted,
         )
 
     @property
@@ -187,8 +239,20 @@ class Shape:
         return self.experts * (self.hidden + self.biases) + self.hidden * self.shared_gate
 
     @property
+    def attention_layers(self) -> dict[str, int]:
+        """Layers by their attention: full, sliding (a window), linear (a fixed state)."""
+        kinds = self.layer_kinds or ("full_attention",) * self.layers
+        out = {"full": 0, "sliding": 0, "linear": 0}
+        for kind in kinds:
+            key = "linear" if "linear" in kind else "sliding" if "sliding" in kind else "full"
+            out[key] += 1
+        return out
+
+    @property
     def params(self) -> int:
-        """Every parameter, each expert's included."""
+        """Every parameter, each expert's included (a vision-language model's towers too)."""
+        if self.counted is not None:
+            return self.counted.params
         dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
         moe = self.moe_layers * (self.experts * self.expert_params + self.router_params
                                  + 3 * self.hidden * self.shared_intermediate)  # fmt: skip
@@ -200,7 +264,8 @@ class Shape:
     def active_params(self) -> int:
         """Parameters a token passes through: the routed experts it is not sent to left out."""
         idle = self.experts - self.experts_per_token
-        return self.params - self.moe_layers * idle * self.expert_params
+        each = self.counted.expert_params if self.counted is not None else self.expert_params
+        return self.params - self.moe_layers * idle * each
 
     @property
     def ffn_width(self) -> int:
@@ -236,6 +301,8 @@ class Shape:
     def linear_params(self) -> int:
         """Parameters of the decoder layers' nn.Linear weights (what a 4-bit base quantizes:
         bitsandbytes replaces nn.Linear layers; fused experts stay in the run's precision)."""
+        if self.counted is not None:
+            return self.counted.linear
         dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
         shared = self.moe_layers * (3 * self.hidden * self.shared_intermediate
                                     + self.hidden * self.shared_gate)  # fmt: skip
@@ -246,6 +313,8 @@ class Shape:
     def largest_layer(self) -> int:
         """Parameters of the largest single module (DeepSpeed's ZeRO-3 gathering unit): an
         MoE layer's experts are one module."""
+        if self.counted is not None:
+            return self.counted.largest
         linears = [i * o for i, o in self.linear_shapes().values()]
         return max(self.vocab * self.hidden, self.experts * self.expert_params, *linears)
 
@@ -257,6 +326,9 @@ class Shape:
         rank r·experts is their stack of one rank-r adapter per expert (peft's ParamWrapper),
         gate and up together at rank 2r, as two rank-r adapters would be."""
         every = targets == "all-linear"
+        if self.counted is not None:
+            count = self.counted_adapters(r, targets, router)
+            return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
         attention = self.attention_shapes()
         names = set(LINEARS) | set(attention) if every else set(targets)
         count = self.layers * sum(r * (i + o) for n, (i, o) in attention.items() if n in names)
@@ -270,6 +342,31 @@ class Shape:
         if not every and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)
             count += r * (self.vocab + self.hidden)
         return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
+
+    def counted_adapters(self, r: int, targets: str | list[str], router: bool) -> int:
+        """The adapters of ``lora_params`` on the model transformers builds: each targeted
+        nn.Linear of the language model (``all-linear``: every one, as peft's and
+        snaketune.core.lora_targets' own choice; a router only with ``router``), the fused
+        experts' parameters, an embedding named in ``targets``."""
+        every = targets == "all-linear"
+        names = set() if every else set(targets)
+        count = sum(
+            r * (i + o) * k
+            for n, i, o, k in self.counted.linears
+            if (every or n in names) and (router or n != "shared_expert_gate")
+        )
+        mlp = set(MLP) if every else names & set(MLP)
+        if self.counted.stacked and ("gate_proj" in mlp) != ("up_proj" in mlp):
+            self.expert_adapters(r, sorted(mlp), False)  # its refusal
+        for n, e, a, b, k in self.counted.stacked:
+            wanted = {"down_proj"} if "down" in n else {"gate_proj", "up_proj"}
+            if wanted <= mlp:
+                count += k * (r if "down" in n else 2 * r) * e * (a + b)
+        if router and self.moe:  # the top-k routers (a parameter each, not an nn.Linear)
+            count += self.moe_layers * r * (self.hidden + self.experts)
+        if not every and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)
+            count += r * (self.vocab + self.hidden)
+        return count
 
     def expert_adapters(self, r: int, mlp: list[str], router: bool) -> int:
         """An MoE layer's adapter parameters on its experts (and its routing, ``router``)."""

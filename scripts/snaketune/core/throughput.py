@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snaketune.core.modelshape import stacked_params
+
 
 class Counted:
     """What the step callback (snaketune.train.progress) reads from a collator, counted
@@ -87,9 +89,9 @@ def matmul_params(model) -> int:
     routed = getattr(model.config, "num_experts_per_tok", None)
     for module in model.modules() if routed else ():
         own = list(module.parameters(recurse=False))
-        stacked = [p for p in own if p.dim() == 3]
+        stacked = stacked_params(module)
         if stacked:  # the experts module: each of its parameters has one slice per expert
-            experts = stacked[0].shape[0]
+            experts = stacked[0][1].shape[0]
             total -= sum(p.numel() for p in own) * (experts - routed) // experts
     return total if tied else total - embedding.numel()
 

@@ -30,6 +30,9 @@ METHODS = {
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Characters put around a message's content to find where the render holds it (private use).
 _MARK_OPEN, _MARK_CLOSE = "\ue010", "\ue011"
+# A message's own mark beside them (private use too): message j is chr(_TAG + j).
+_TAG, _MAX_MARKED = 0xE100, 0x400
+_MARKS = re.compile("\ue010[\ue100-\ue4ff]|[\ue100-\ue4ff]\ue011")
 
 
 def messages_of(turns: list[Turn] | tuple[Turn, ...]) -> list[dict[str, str]]:
@@ -68,12 +71,16 @@ def _sentinel(i: int) -> str:
 class ChatRenderer:
     """Render conversations with a tokenizer's chat template and find the assistant spans.
 
-    Rendering every row through jinja costs more than encoding it. Most templates insert
-    message contents verbatim between fixed pieces of markup, so for each conversation
-    shape (its sequence of roles) the renderer derives those pieces once, from a render
-    with placeholder contents, checks them against real renders of probe contents, and
-    then builds each row by concatenation. Templates that transform contents (trim,
-    escape, drop reasoning) fail the check and every row is rendered by jinja.
+    The spans come from the template's ``{% generation %}`` marks where it has them, from
+    renders of the conversation's prefixes where it is prefix-stable, else from the one
+    full render (``METHODS``; ``method`` says which, probed once per template).
+
+    Rendering every row through jinja costs more than encoding it. For a prefix-stable
+    template that inserts message contents verbatim between fixed pieces of markup, the
+    renderer derives those pieces once per conversation shape (its sequence of roles),
+    from a render with placeholder contents, checks them against real renders of probe
+    contents, and then builds each row by concatenation. Templates that transform contents
+    (trim, escape) fail the check and every row is rendered by jinja.
     """
 
     def __init__(self, tokenizer, template: str | None = None, stop: str | None = None):
@@ -269,7 +276,7 @@ class ChatRenderer:
         a channel header) and ends with the first special token after the message (its end
         of turn, or the next turn's opening token where a template closes none: GLM)."""
         text = self.render(turns)
-        regions: dict[int, tuple[int, int] | None] = {}
+        regions = self._marked_regions(turns, text) or {}
 
         def region(j: int) -> tuple[int, int] | None:
             if j not in regions:
@@ -296,6 +303,34 @@ class ChatRenderer:
                 self.stopped_rows += 1
             spans.append((start, closed))
         return text, spans
+
+    def _marked_regions(self, turns: tuple[Turn, ...], text: str) -> dict | None:
+        """Every message's region of ``text`` from one render with each message's texts
+        between marks of its own: where the template inserts them verbatim (the render less
+        the marks is ``text``), a message's region runs from its first mark to its last
+        (None: the render leaves it out); None where the template changed them (the regions
+        are then found one message at a time, ``_region``)."""
+        if len(turns) > _MAX_MARKED:
+            return None
+        marked = tuple(
+            tuple(
+                value
+                if k == 0 or value is None
+                else f"{_MARK_OPEN}{chr(_TAG + j)}{value}{chr(_TAG + j)}{_MARK_CLOSE}"
+                for k, value in enumerate(turn)
+            )
+            for j, turn in enumerate(turns)
+        )
+        render = self.render(marked)
+        if _MARKS.sub("", render) != text:
+            return None
+        regions: dict[int, tuple[int, int] | None] = dict.fromkeys(range(len(turns)))
+        for k, found in enumerate(_MARKS.finditer(render)):
+            mark, at = found.group(), found.start() - 2 * k  # its place in ``text``
+            j = ord(mark[1] if mark[0] == _MARK_OPEN else mark[0]) - _TAG
+            start, end = regions[j] or (at, at)
+            regions[j] = (min(start, at), max(end, at))
+        return regions
 
     def _region(self, turns: tuple[Turn, ...], j: int, text: str) -> tuple[int, int] | None:
         """[start, end) of ``text`` that holds message ``j`` (its reasoning and content)."""

@@ -42,13 +42,17 @@ def flash_attention_usable() -> bool:
     )
 
 
-def resolve_attention(preference: str) -> str:
+def resolve_attention(preference: str, model_dir: str | Path | None = None) -> str:
     """The attention implementation a run trains with (``auto``: flash-attention 2 where it
-    is installed and the GPU supports it, sdpa otherwise)."""
+    is installed, the GPU and the model support it, sdpa otherwise, eager for a model whose
+    class has no sdpa path: gpt-oss's attention sinks)."""
     import torch
 
     if preference == "auto":
-        return "flash_attention_2" if flash_attention_usable() else "sdpa"
+        supports = model_supports(model_dir)
+        if flash_attention_usable() and "flash_attention_2" in supports:
+            return "flash_attention_2"
+        return "sdpa" if "sdpa" in supports else "eager"
     if preference == "flash_attention_2" and not flash_attention_usable():
         package = "installed" if installed("flash_attn") else "missing"
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -155,6 +159,7 @@ def segment_attention(
 def segments_problem(config: dict[str, Any]) -> str | None:
     """Why a model (its config.json as a dict) needs more than causal attention within each
     example, so that :func:`segment_attention` cannot stand in for its sdpa, or None."""
+    config = config.get("text_config") or config  # a vision-language model's language model
     if config.get("sliding_window") and config.get("use_sliding_window", True):
         return "sliding-window attention"
     if "sliding_attention" in (config.get("layer_types") or []):
@@ -235,10 +240,11 @@ def packing_problem(config: dict[str, Any], attention: str) -> str | None:
         return f"model type {name!r} has no causal-LM class in the installed transformers"
     if "position_ids" not in inspect.signature(cls.forward).parameters:
         return f"{cls.__name__} takes no position_ids, so positions cannot restart per example"
+    text = config.get("text_config") or config  # a vision-language model's language model
     other = sorted(
         {
             t
-            for t in config.get("layer_types") or []
+            for t in text.get("layer_types") or []
             if t not in ("full_attention", "sliding_attention")
         }
     )
@@ -270,11 +276,30 @@ def check_packing(model_dir: str | Path, attention: str, where: str) -> dict[str
     return config
 
 
-def expected_attention(preference: str) -> str:
+def expected_attention(preference: str, model_dir: str | Path | None = None) -> str:
     """The implementation ``auto`` will pick where this runs (for checks before training)."""
     if preference != "auto":
         return preference
-    return "flash_attention_2" if installed("flash_attn") else "sdpa"
+    supports = model_supports(model_dir)
+    if installed("flash_attn") and "flash_attention_2" in supports:
+        return "flash_attention_2"
+    return "sdpa" if "sdpa" in supports else "eager"
+
+
+def model_supports(model_dir: str | Path | None) -> set[str]:
+    """The attention implementations the model's class has (eager always; all of them when
+    the model is not known here)."""
+    every = {"eager", "sdpa", "flash_attention_2"}
+    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return every
+    cls = _causal_lm_class(json.loads(path.read_text(encoding="utf-8")))
+    if cls is None:
+        return every
+    found = {"eager"}
+    found |= {"sdpa"} if getattr(cls, "_supports_sdpa", True) else set()
+    found |= {"flash_attention_2"} if getattr(cls, "_supports_flash_attn", False) else set()
+    return found
 
 
 # ----------------------------------------------------------------------------- collation

@@ -11,10 +11,12 @@ outside an assistant turn. Output: one parquet file with columns
     length      int32
     text_sha    sha256 (16 hex) of the conversation's roles and contents
 
-Masking: an assistant turn's text runs from the end of the conversation rendered up to
-that turn with ``add_generation_prompt=True`` to the end of the conversation rendered
-through that turn (so the end-of-turn token is learned). A token is labelled when its
-first character lies inside such a span; one that straddles the boundary counts as prompt.
+Masking: the character spans of the assistant turns come from snaketune.data.chat (the
+template's ``{% generation %}`` marks; for a prefix-stable template, from the end of the
+conversation rendered up to a turn with ``add_generation_prompt=True`` to the end of the
+conversation rendered through it; otherwise each message's span in the one full render, its
+end-of-turn token included: docs/families.md). A token is labelled when its first character
+lies inside such a span; one that straddles the boundary counts as prompt.
 
 Overlong conversations (more than ``max_length`` tokens) are dropped (``drop``) or cut
 (``truncate``; dropped anyway when no response token is left). Counts of both, and of
@@ -58,7 +60,7 @@ OUTPUT_SCHEMA = pa.schema(
     ]
 )
 # Bump when a change here changes the tokens written for the same inputs (part of the key).
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- encode
@@ -282,6 +284,7 @@ def tokenize(
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     stats = Stats()
     stats.end_of_turn_id = end_of_turn_id(tokenizer, renderer)
+    renderer.full_rows = renderer.stopped_rows = 0  # the probe's row is not the data's
     if stats.end_of_turn_id is not None:
         stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
         stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)

@@ -34,11 +34,26 @@ def generates(head: str) -> bool:
     return head == "lm"
 
 
-def auto_class(head: str):
-    """transformers' auto class that loads a model with ``head``."""
+def auto_class(head: str, model_dir: Path | None = None):
+    """transformers' auto class that loads a model with ``head``: a vision-language base
+    (its config.json has a ``vision_config``) as the whole model it is, vision tower and
+    all (AutoModelForImageTextToText), which trains and generates on text alone."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    if head == "score":
+        return AutoModelForSequenceClassification
+    if model_dir is not None and is_vision_language(model_dir):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def is_vision_language(model_dir: Path) -> bool:
+    """Whether the saved model is a vision-language model (a ``vision_config`` beside its
+    text model's)."""
+    path = Path(model_dir) / "config.json"
+    return path.is_file() and "vision_config" in json.loads(path.read_text())
 
 
 def load(model_dir: Path, head: str, seed: int | None = None, **kwargs: Any):
@@ -47,7 +62,7 @@ def load(model_dir: Path, head: str, seed: int | None = None, **kwargs: Any):
     given the pad id of the model's tokenizer (where the score is read; a saved reward
     model keeps its own)."""
     if head != "score":
-        return auto_class(head).from_pretrained(model_dir, **kwargs)
+        return auto_class(head, model_dir).from_pretrained(model_dir, **kwargs)
     from transformers import set_seed
     from trl.trainer.reward_trainer import suppress_seqcls_warning
 

@@ -26,6 +26,7 @@ from snaketune.core.io import atomic_path
 from snaketune.core.modelshape import experts_of
 from snaketune.evaluation import heads
 from snaketune.export.convert import (
+    PROCESSOR_FILES,
     TOKENIZER_FILES,
     Finish,
     base_shapes,
@@ -273,7 +274,7 @@ def write_config(config, dtype: torch.dtype, head: str, adapter: Path, base_mode
     copy_files(TOKENIZER_FILES, adapter, tmp)
     if not heads.generates(head):  # a reward model generates nothing
         return None
-    copy_files(("generation_config.json",), base_model, tmp)
+    copy_files(("generation_config.json", *PROCESSOR_FILES), base_model, tmp)
     return stop_at_end_of_turn(tmp)
 
 

@@ -44,6 +44,13 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+# A vision-language base's processor: copied from the base beside the exported model.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+)
 
 
 # Called with the finished temporary directory and the stage's report, before the rename.
@@ -164,7 +171,7 @@ def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, 
     probe logits; return the max difference."""
     trim_heap()
     scratch = model_dir / ".offload"
-    model = heads.auto_class(heads.head_of(model_dir)).from_pretrained(
+    model = heads.auto_class(heads.head_of(model_dir), model_dir).from_pretrained(
         model_dir, dtype=dtype, device_map="auto", max_memory={"cpu": budget},
         offload_folder=str(scratch), local_files_only=True,
     )  # fmt: skip
@@ -221,7 +228,7 @@ def load_model_config(model_dir: Path):
 
     hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    auto = heads.auto_class(heads.head_of(model_dir))
+    auto = heads.auto_class(heads.head_of(model_dir), model_dir)
     auto._model_mapping[type(config)]  # noqa: B018 -- imports the modeling module
     return config
 
@@ -269,6 +276,7 @@ def convert_full(
         tmp.mkdir()
         weight_map = write_shards(plan, weights, tmp, parse_size(max_shard_size), dtype)
         copy_files(CONFIG_FILES + TOKENIZER_FILES, trained, tmp)
+        copy_files(PROCESSOR_FILES, base_model, tmp)
         config = config.result()
         config.dtype = str(dtype).removeprefix("torch.")
         restored = inference_settings(config, base_model)

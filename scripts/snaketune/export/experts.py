@@ -11,8 +11,9 @@ the experts' width) or down (in = the width, out = hidden).
 The base checkpoint holds the experts as transformers 5 saves them, one tensor per expert
 (``<experts>.<e>.gate_proj.weight``, ``up_proj``, ``down_proj``: gate and up are the first
 and second half of the stacked change), or fused as in memory (``<experts>.gate_up_proj``,
-``<experts>.down_proj``); a layout neither (Mixtral's w1/w2/w3 names, gpt-oss's quantized
-experts) is refused in one line naming ``export.merged: false``.
+``<experts>.down_proj``; gpt-oss's in bf16: experts x in x out, the change transposed); a
+layout neither (Mixtral's w1/w2/w3 names, gpt-oss's MXFP4-quantized experts) is refused in
+one line naming ``export.merged: false``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ExpertPair:
     a: torch.Tensor
     b: torch.Tensor
     scale: float
+    transposed: bool = False  # the base stores the fused tensor experts x in x out (gpt-oss)
 
     def delta(self, experts: int) -> torch.Tensor:
         """Each expert's change, experts x out x in."""
@@ -70,17 +72,17 @@ def expert_pairs(lora: dict[str, torch.Tensor], config: dict, scale_of,
             raise DataError(f"adapter tensor {key_a} {tuple(a.shape)} fits neither the "
                             f"experts' gate and up ({h} -> {2 * width}) nor their down "
                             "projection")  # fmt: skip
-        pair = ExpertPair(module_of(key_a), kind, a, b, scale_of(kind))
-        for name in base_tensors(pair, experts, width, shapes, config.get("model_type")):
+        transposed = config.get("model_type") in TRANSPOSED
+        pair = ExpertPair(module_of(key_a), kind, a, b, scale_of(kind), transposed)
+        for name in base_tensors(pair, experts, shapes):
             found[name] = pair
     return found
 
 
-def base_tensors(pair: ExpertPair, experts: int, width: int, shapes: dict, model_type
-                 ) -> list[str]:  # fmt: skip
+def base_tensors(pair: ExpertPair, experts: int, shapes: dict) -> list[str]:
     """The base tensors ``pair`` changes; refused where the base stores them otherwise."""
     fused = f"{pair.module}.{'gate_up_proj' if pair.kind == 'gate_up' else 'down_proj'}"
-    if fused in shapes and model_type not in TRANSPOSED:
+    if fused in shapes:
         return [fused]
     names = ("gate_proj", "up_proj") if pair.kind == "gate_up" else ("down_proj",)
     per_expert = [f"{pair.module}.{e}.{n}.weight" for e in range(experts) for n in names]
@@ -101,8 +103,8 @@ def expert_delta(name: str, pair: ExpertPair, experts: int, cache: dict) -> torc
         cache[id(pair)] = (pair, pair.delta(experts))
     delta = cache[id(pair)][1]
     match = re.search(r"\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
-    if match is None:  # the fused tensor itself
-        return delta
+    if match is None:  # the fused tensor itself, as the base stores it
+        return delta.transpose(1, 2) if pair.transposed else delta
     e, which = int(match.group(1)), match.group(2)
     half = delta.shape[1] // 2
     return {"gate_proj": delta[e, :half], "up_proj": delta[e, half:], "down_proj": delta[e]}[which]

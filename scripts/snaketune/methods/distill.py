@@ -146,7 +146,7 @@ def trainer_class(block: Mapping[str, Any], router: Router | None):
             if self.model.training:
                 self.record(ce, kl, n)
                 if router is not None:
-                    loss = loss + router.term(outputs)
+                    loss = loss + router.term(outputs, inputs.get("attention_mask"))
                     router.record(self, outputs, inputs)
             return (loss, outputs) if return_outputs else loss
 

@@ -57,7 +57,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
                                             num_items_in_batch)  # fmt: skip
             loss, outputs = Trainer.compute_loss(self, model, inputs, True, num_items_in_batch)
             if self.model.training:
-                loss = loss + router.term(outputs)
+                loss = loss + router.term(outputs, inputs.get("attention_mask"))
                 router.record(self, outputs, inputs)
             return (loss, outputs) if return_outputs else loss
 

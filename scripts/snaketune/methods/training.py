@@ -189,7 +189,16 @@ class Router:
         if not top_k or not hasattr(config, "output_router_logits"):
             return None
         setting = run.get("router_aux_loss_coef", "auto")
-        coef = getattr(config, "router_aux_loss_coef", 0.0) if setting == "auto" else setting
+        coef = getattr(config, "router_aux_loss_coef", None) if setting == "auto" else setting
+        if coef is None:  # DeepSeek-V3, GLM-4.5: a bias on the router balances the experts
+            import logging
+
+            logging.getLogger(__name__).info(
+                "model_type %s balances its experts without an auxiliary loss: no balance "
+                "term added to the loss (router_aux_loss_coef sets one)",
+                config.model_type,
+            )
+            coef = 0.0
         config.output_router_logits = True
         for module in model.modules():  # the causal LM reads its coefficient at build time
             if hasattr(module, "router_aux_loss_coef"):
@@ -199,16 +208,29 @@ class Router:
         experts = experts_of(config.to_dict())
         return cls(float(coef), int(experts), int(top_k), run["gradient_accumulation_steps"])
 
-    def term(self, outputs):
-        """What one micro batch adds to the loss the trainer returns."""
-        return self.coef * outputs.aux_loss / self.accumulation
+    def aux(self, outputs, mask=None):
+        """The micro batch's auxiliary loss: the model's own, or, for a family whose model
+        computes none (it balances its experts otherwise), the same Switch Transformer
+        load-balancing loss over its router logits, by transformers' function."""
+        if outputs.aux_loss is not None:
+            return outputs.aux_loss
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        return load_balancing_loss_func(outputs.router_logits, self.experts, self.top_k, mask)
+
+    def term(self, outputs, mask=None):
+        """What one micro batch adds to the loss the trainer returns (nothing where the
+        coefficient is 0)."""
+        if not self.coef:
+            return 0.0
+        return self.coef * self.aux(outputs, mask) / self.accumulation
 
     def load(self, outputs, mask=None):
         """Routing choices per expert over the micro batch's tokens (padding left out) and
         every MoE layer."""
         import torch
 
-        counts = torch.zeros(self.experts, device=outputs.aux_loss.device)
+        counts = torch.zeros(self.experts, device=outputs.logits.device)
         keep = None if mask is None else mask.reshape(-1).bool()
         for logits in outputs.router_logits or ():
             chosen = logits.topk(self.top_k, dim=-1).indices
@@ -221,7 +243,8 @@ class Router:
         """The micro batch's auxiliary loss (mean over ranks) and expert load (summed over
         ranks: the busiest expert's share over an even share, 1.0 balanced) into the
         trainer's metrics, which TRL's log averages over the step's micro batches."""
-        aux = trainer.accelerator.gather(outputs.aux_loss.detach().float().reshape(1))
+        aux = self.aux(outputs, inputs.get("attention_mask"))
+        aux = trainer.accelerator.gather(aux.detach().float().reshape(1))
         counts = trainer.accelerator.gather(self.load(outputs, inputs.get("attention_mask"))[None])
         total = counts.reshape(-1, self.experts).sum(0)
         even = total.sum() / self.experts

@@ -195,7 +195,7 @@ def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
 def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
     """The attention kernel the run trains with (snaketune.data.packing); the model's config is
     read only for packing (never for GRPO: validation turns it off)."""
-    attention = resolve_attention(run["attn_implementation"])
+    attention = resolve_attention(run["attn_implementation"], model_dir)
     model_config = {}
     if run["packing"]:
         model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
