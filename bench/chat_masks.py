@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 tokenizer.apply_chat_template(row["messages"], tokenize=True)
             theirs = time.perf_counter() - start
-            method = renderer_for(model, None).method
+            spans_by = renderer_for(model, None).spans_by
             print(
-                f"{name:10} {method:12} {len(rows) / ours:12,.0f} {stats.tokens / ours:10,.0f} "
+                f"{name:10} {spans_by:12} {len(rows) / ours:12,.0f} {stats.tokens / ours:10,.0f} "
                 f"{len(rows) / theirs:27,.0f} {theirs / ours:6.2f}"
             )
     return 0

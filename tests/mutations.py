@@ -152,8 +152,8 @@ MUTATIONS = (
     Mutation(
         "router-accumulation", "the MoE router term is not divided by gradient accumulation",
         f"{LIB}/methods/training.py",
-        "        return self.coef * outputs.aux_loss / self.accumulation",
-        "        return self.coef * outputs.aux_loss",
+        "        return self.coef * self.aux(outputs, mask) / self.accumulation",
+        "        return self.coef * self.aux(outputs, mask)",
         ("tests/test_moe.py::test_the_router_term_is_the_coefficient_times_the_mean_of_a_step_s_micro_batches",),
     ),
     Mutation(

@@ -378,7 +378,7 @@ JOBS = [
     Case("vocab-smaller-than-token-ids", "model", tiny_copy("smallvocab", small_vocab),
          "error: models.smallvocab: the tokenizer makes token id", "tokenize_dataset"),
     Case("model-cannot-take-packed-sequences", "model", tiny_copy("nopack", as_bloom),
-         "error: runs.nopack.packing: nopack cannot train on packed sequences with sdpa "
+         "error: runs.nopack.packing: nopack cannot train on packed sequences with eager "
          "attention (BloomForCausalLM takes no position_ids, so positions cannot restart per "
          "example); set packing: false", "shard_dataset"),
     Case("model-without-tokenizer", "model", tiny_copy("notok", no_tokenizer),

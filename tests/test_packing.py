@@ -282,3 +282,19 @@ def test_a_model_that_cannot_pack_is_refused_with_the_fix(tmp_path):
         "attention (BloomForCausalLM takes no position_ids, so positions cannot restart per "
         "example); set packing: false"
     )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "want"),
+    [("llama", "sdpa"), ("gpt_oss", "eager"), ("bloom", "eager"), (None, "sdpa")],
+)
+def test_auto_attention_takes_what_the_models_class_supports(tmp_path, model_type, want):
+    """``attn_implementation: auto`` on a CPU: sdpa where the class has it, else eager
+    (gpt-oss's attention sinks, bloom's ALiBi); sdpa for a model not known here."""
+    from snaketune.data.kernels import expected_attention, resolve_attention
+
+    if model_type is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert resolve_attention("auto", tmp_path) == want
+    assert expected_attention("auto", tmp_path) == want
+    assert resolve_attention("eager", tmp_path) == "eager"  # a user's choice is kept

@@ -20,7 +20,7 @@ from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Source
 from snaketune.data.tokenization import tokenize
 
-METHOD = {"smollm3": "generation", "llama3": "prefix"}  # the rest: "full"
+SPANS_BY = {"smollm3": "generation", "llama3": "prefix"}  # the rest: "full"
 ARITH = make_arith(64, 8)
 CORPUS = [f"{r['question']} {r['answer']}" for r in ARITH["train"]] + [
     "Answer with the sum. Add the two numbers."
@@ -91,7 +91,7 @@ def test_each_familys_template_trains_the_assistant_turns_as_transformers_render
     if FAMILIES[name].thinking:  # the last turn's reasoning is trained
         assert "Add the two numbers." in reasoned[-1], reasoned
     template = (TEMPLATES / FAMILIES[name].template).read_text()
-    assert ChatRenderer(tokenizer, template).method == METHOD.get(name, "full")
+    assert ChatRenderer(tokenizer, template).spans_by == SPANS_BY.get(name, "full")
 
 
 def test_marked_templates_use_their_generation_marks(families):
@@ -102,7 +102,7 @@ def test_marked_templates_use_their_generation_marks(families):
     tokenizer = AutoTokenizer.from_pretrained(families / "qwen3.5")
     template = (TEMPLATES / "qwen3_5_think_training.jinja").read_text()
     renderer = ChatRenderer(tokenizer, template)
-    assert renderer.method == "generation"
+    assert renderer.spans_by == "generation"
     turns = (("user", "2 + 3?"), ("assistant", "5", "add"), ("user", "1 + 1?"), ("assistant", "2"))
     text, spans = renderer.spans(turns)
     messages = [

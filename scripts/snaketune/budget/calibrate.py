@@ -13,6 +13,13 @@ from typing import Any
 CALIBRATION = "_calibration"  # the calibration copy of run <run> is run <run>_calibration
 
 
+def same_shape(a: Any, b: Any) -> bool:
+    """Two model shapes alike in their config's fields (counted on a built model or not)."""
+    import dataclasses
+
+    return dataclasses.replace(a, counted=None) == dataclasses.replace(b, counted=None)
+
+
 def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
                 ) -> dict[str, Any] | None:  # fmt: skip
     """The newest finished run under ``workdir``/results like this one (the same model
@@ -41,7 +48,7 @@ def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
         seg = record.get("segments") or {}
         if other == name or not seg.get("train_s") or record.get("device") is None:
             continue
-        same = (shape_of(model) == shape and method_of(spec) is method_of(run)
+        same = (same_shape(shape_of(model), shape) and method_of(spec) is method_of(run)
                 and method_of(spec).adapter_of(spec) == kind
                 and (record["device"] == "cpu") == (gpu is None)
                 and spec.get("gpu", gpu) == gpu)  # fmt: skip

@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 # reasoning (a row's ``reasoning_content`` or ``thinking``)
 Turn = tuple[str, ...]
 
-# How a template's assistant spans are found (``ChatRenderer.method``), in the words the
+# How a template's assistant spans are found (``ChatRenderer.spans_by``), in the words the
 # tokenize log and ``snaketune validate`` use.
-METHODS = {
+SPANS_BY = {
     "generation": "the template's {% generation %} marks",
     "prefix": "renders of the conversation's prefixes (the template is prefix-stable)",
     "full": "each assistant message's span in the one full render (the template renders "
@@ -73,7 +73,7 @@ class ChatRenderer:
 
     The spans come from the template's ``{% generation %}`` marks where it has them, from
     renders of the conversation's prefixes where it is prefix-stable, else from the one
-    full render (``METHODS``; ``method`` says which, probed once per template).
+    full render (``SPANS_BY``; ``spans_by`` says which, probed once per template).
 
     Rendering every row through jinja costs more than encoding it. For a prefix-stable
     template that inserts message contents verbatim between fixed pieces of markup, the
@@ -112,7 +112,7 @@ class ChatRenderer:
             i for i, token in decoder.items() if getattr(token, "special", False)
         }
         self.full_rows = 0  # rows of a prefix-stable template found by the full render
-        self.method = self._method()
+        self.spans_by = self._spans_by()
 
     def render(
         self, turns: list[Turn] | tuple[Turn, ...], add_generation_prompt: bool = False
@@ -193,9 +193,9 @@ class ChatRenderer:
 
     def spans(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans [start, end) of its assistant turns."""
-        if self.method == "generation":
+        if self.spans_by == "generation":
             return self.spans_marked(turns)
-        if self.method == "full":
+        if self.spans_by == "full":
             return self.spans_full(turns)
         layout = None if _reasons(turns) else self._layout(tuple(t[0] for t in turns))
         if layout is not None:
@@ -208,7 +208,7 @@ class ChatRenderer:
 
     def check(self, turns: tuple[Turn, ...]) -> None:
         """Compare the fast path with jinja on one real conversation (a spot check per batch)."""
-        if self.method != "prefix" or _reasons(turns):
+        if self.spans_by != "prefix" or _reasons(turns):
             return
         roles = tuple(t[0] for t in turns)
         layout = self._layout(roles)
@@ -220,8 +220,8 @@ class ChatRenderer:
 
     # ------------------------------------------------------------ templates not prefix-stable
 
-    def _method(self) -> str:
-        """How this template's assistant spans are found (a key of METHODS)."""
+    def _spans_by(self) -> str:
+        """How this template's assistant spans are found (a key of SPANS_BY)."""
         if _GENERATION_MARK.search(self.template):
             return "generation"
         for probe in _PROBE_CONVERSATIONS:
@@ -234,8 +234,8 @@ class ChatRenderer:
         return "prefix"
 
     def describe(self) -> str:
-        """The method in words, for the tokenize log and ``snaketune validate``."""
-        line = f"assistant tokens found by {METHODS[self.method]}"
+        """How the spans are found, in words, for the tokenize log and ``snaketune validate``."""
+        line = f"assistant tokens found by {SPANS_BY[self.spans_by]}"
         if self.full_rows:
             line += (
                 f"; {self.full_rows} rows rendered unlike their prefixes, found by the full render"
