@@ -88,6 +88,19 @@ def test_bad_sweeps_are_one_line_before_any_job(sweep, select_rule, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("metric", ["heldout_kl", "teacher_loss", "chrf", "stop_rate"])
+def test_every_figure_the_evaluation_describes_selects_a_sweep(metric):
+    """The selectable figures are the evaluation's own description of its figures
+    (snaketune.evaluation.figures), each in its direction: distillation's headline,
+    heldout_kl, selects the member with the lowest."""
+    config = validate_config(demo_with(GRID, sweep_select={"metric": metric}), ROOT)
+    selects = [r["sweep_of"]["select"] for r in config["runs"].values() if "sweep_of" in r]
+    lower = metric in ("heldout_kl", "teacher_loss")
+    assert selects and all(
+        s == {"metric": metric, "mode": "min" if lower else "max"} for s in selects
+    )
+
+
 def test_the_best_member_by_any_figure_and_either_direction():
     members = {
         "a": {"values": {"lr": 1}, "figures": {"exact_match": 0.5, "loss": 1.2,

@@ -48,24 +48,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from snaketune.core.errors import ConfigError
+from snaketune.evaluation.figures import DESCRIBED
 from snaketune.plan.runspec import merged
 
 MAX_NAME = 64
-EVAL_FIGURES = (
-    "exact_match",
-    "math_verify",
-    "chrf",
-    "normalized_match",
-    "loss",
-    "perplexity",
-    "stop_rate",
-    "preference_accuracy",
-    "reward_margin",
-    "likelihood_accuracy",
-)
+# the figures an evaluation reports: its one description of them (snaketune.evaluation.figures)
+EVAL_FIGURES = tuple(DESCRIBED)
 # the best held-out figure each member saw while training (eval_steps; snaketune.core.heldout)
 HELDOUT_FIGURES = ("heldout_loss_best", "heldout_exact_match_best")
-LOWER_IS_BETTER = ("loss", "perplexity", "train_loss", "heldout_loss_best")
+LOWER_IS_BETTER = (
+    *(key for key, figure in DESCRIBED.items() if not figure.higher_is_better),
+    "train_loss",
+    "heldout_loss_best",
+)
 AUTO = "auto"  # the first figure of the members' headline (snaketune.evaluation.figures)
 
 
