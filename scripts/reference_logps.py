@@ -95,7 +95,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the reference model's directory")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the run")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="devices per node")
-    parser.add_argument("--batch-pairs", type=int, default=8, help="pairs per forward pass")
+    parser.add_argument(
+        "--batch-pairs",
+        "--batch",
+        type=int,
+        default=8,
+        dest="batch_pairs",
+        help="pairs per forward pass",
+    )
+    parser.add_argument(
+        "--sharded",
+        type=int,
+        default=0,
+        choices=[0],
+        help="every scoring stage's flag (snaketune.budget.scoring); the "
+        "reference model is never sharded over the workers: 0",
+    )
     parser.add_argument("--precision", default="auto", help="the run's precision")
     parser.add_argument("--attn-implementation", default="auto", help="the run's attention")
     parser.add_argument("--quantize", default="none", choices=["none", "4bit"],

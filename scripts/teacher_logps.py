@@ -98,7 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=32, help="log-probs kept per token")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the run")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="devices per node")
-    parser.add_argument("--batch-rows", type=int, default=8, help="rows per forward pass")
+    parser.add_argument(
+        "--batch-rows",
+        "--batch",
+        type=int,
+        default=8,
+        dest="batch_rows",
+        help="rows per forward pass",
+    )
     parser.add_argument("--precision", default="auto", help="the run's precision")
     parser.add_argument("--attn-implementation", default="auto", help="the run's attention")
     parser.add_argument("--out", required=True, help="the top-k parquet to write")

@@ -246,6 +246,36 @@ def test_cluster_profiles_dry_run_with_resources_per_stage(profile, tmp_path):
     assert "gres=gpu:1" in resources["evaluate"]
 
 
+@pytest.mark.parametrize("profile", ["tupi", "leonardo", "slurm"])
+def test_every_registered_scoring_stage_has_its_resources_in_each_cluster_profile(profile):
+    """A scoring stage (snaketune.budget.scoring) runs on the GPUs of the run it serves and
+    loads a whole model: each cluster profile gives each registered stage CPUs and memory
+    of its own (the rule's 16 GB default is less than loading an 8B takes)."""
+    import yaml
+
+    from snaketune.budget.scoring import STAGES
+
+    given = yaml.safe_load((ROOT / "profiles" / profile / "config.yaml").read_text())
+    per_rule = given["set-resources"]
+    for stage in STAGES:
+        assert {"cpus_per_task", "mem_mb"} <= set(per_rule.get(stage.name) or {}), stage.name
+        assert per_rule[stage.name] == per_rule["reference_logps"], stage.name  # as the first
+
+
+def test_the_scoring_stages_share_one_rule_body():
+    """Every registered scoring stage is a rule of workflow/rules/scoring.smk, the first
+    written out and each other one `use`d from it (its own inputs, output, log)."""
+    from snaketune.budget.scoring import STAGES
+
+    text = (ROOT / "workflow/rules/scoring.smk").read_text()
+    first, *others = STAGES
+    assert text.count("\nrule ") == 1 and f"\nrule {first.name}:" in text
+    for stage in others:
+        assert f"use rule {first.name} as {stage.name} with:" in text
+        assert f'"results/{stage.name}/{{ref}}/{stage.output}"' in text
+    assert f'"results/{first.name}/{{ref}}/{first.output}"' in text
+
+
 def test_single_node_train_runs_its_own_srun_step(tmp_path):
     """One node too: the `mpi` key is there (the job-step plugin then runs the shell
     unwrapped, the launcher starts the srun step, so SLURM's --signal reaches only the

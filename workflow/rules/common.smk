@@ -7,7 +7,7 @@ from pathlib import Path
 from snaketune.methods import scorers
 from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
-from snaketune.budget import fit, slurmfit, teacherplan
+from snaketune.budget import fit, scoring, slurmfit
 from snaketune.plan import stages, targets
 from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
@@ -18,10 +18,9 @@ from snaketune.plan.sweep import sweeps_of
 SCRIPTS = Path(workflow.basedir) / "scripts"
 # {sweep: [members]} of the runs with `sweep` (expanded by validate_config)
 SWEEPS = sweeps_of(config["runs"])
-# {key: the first run that reads it} of the DPO runs' precomputed reference log-probs
-REFERENCES = stages.reference_jobs(config)
-# {key: {run, eval_set}} of the distillation runs' teacher top-k log-probs
-TEACHERS = teachers.teacher_jobs(config)
+# {key: (stage, job)} of the scoring stages the runs need (snaketune.budget.scoring: a DPO
+# run's precomputed reference log-probs, a distillation run's teacher top-k)
+SCORING = scoring.jobs(config)
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
@@ -172,102 +171,61 @@ def train_gres(wildcards):
     return f"gpu:{run_of(wildcards)['gpus_per_node']}"
 
 
-# ----------------------------------------------------------------------------- reference
+# ----------------------------------------------------------------------------- scoring stages
 
 
-def reference_inputs(wildcards):
-    """What reference_logps scores: the tokenized pairs of the first run that reads it,
-    with the model that run starts from."""
-    run = REFERENCES[wildcards.ref]
-    return {"tokenized": stages.tokenized(config, run), "model": model_of(run)}
+def scoring_inputs(wildcards):
+    """What a scoring stage's job reads (snaketune.budget.scoring: its record's inputs)."""
+    stage, job = SCORING[wildcards.ref]
+    return stage.inputs(config, job, model_of, reward_run)
 
 
-def reference_run(wildcards):
-    return config["runs"][REFERENCES[wildcards.ref]]
+def scoring_run(wildcards):
+    return config["runs"][SCORING[wildcards.ref][1]["run"]]
 
 
-def reference_nodes(wildcards):
-    return reference_run(wildcards)["nodes"]
+def scoring_nodes(wildcards):
+    return scoring_run(wildcards)["nodes"]
 
 
-def reference_threads(wildcards):
-    return reference_run(wildcards)["nodes"] * reference_run(wildcards)["gpus_per_node"]
+def scoring_threads(wildcards):
+    return scoring_run(wildcards)["nodes"] * scoring_run(wildcards)["gpus_per_node"]
 
 
-def reference_mpi(wildcards):
-    return slurmfit.train_mpi(reference_run(wildcards))
+def scoring_mpi(wildcards):
+    return slurmfit.train_mpi(scoring_run(wildcards))
 
 
-def reference_gres(wildcards):
-    return f"gpu:{reference_run(wildcards)['gpus_per_node']}"
+def scoring_gres(wildcards):
+    return f"gpu:{scoring_run(wildcards)['gpus_per_node']}"
 
 
-def reference_gpus(wildcards):
-    return reference_run(wildcards)["gpus_per_node"]
+def scoring_gpus(wildcards):
+    return scoring_run(wildcards)["gpus_per_node"]
 
 
-def reference_batch(wildcards):
-    return reference_run(wildcards)["micro_batch_size"]
+def scoring_batch(wildcards):
+    return scoring_run(wildcards)["micro_batch_size"]
 
 
-def reference_timeout(wildcards):
-    return reference_run(wildcards)["timeout_minutes"]
+def scoring_sharded(wildcards):
+    """1 where the model does not fit one of the run's GPUs (the stage's plan)."""
+    stage, _ = SCORING[wildcards.ref]
+    return int(stage.sharded(config, scoring_run(wildcards)))
 
 
-def reference_settings(wildcards):
-    """What the log-probs depend on besides the inputs (also in the output's key)."""
-    return stages.reference_settings(reference_run(wildcards))
+def scoring_timeout(wildcards):
+    return scoring_run(wildcards)["timeout_minutes"]
 
 
-# ----------------------------------------------------------------------------- teacher
+def scoring_settings(wildcards):
+    """What the output depends on besides the inputs (also in the output's key)."""
+    return SCORING[wildcards.ref][0].settings(scoring_run(wildcards))
 
 
-def teacher_inputs(wildcards):
-    """What teacher_logps scores: a run's tokenized rows (train or eval set), with its
-    teacher's model and the student's (whose tokenizer made the rows)."""
-    return teachers.teacher_inputs(config, TEACHERS[wildcards.ref], reward_run)
-
-
-def teacher_run(wildcards):
-    return config["runs"][TEACHERS[wildcards.ref]["run"]]
-
-
-def teacher_nodes(wildcards):
-    return teacher_run(wildcards)["nodes"]
-
-
-def teacher_threads(wildcards):
-    return teacher_run(wildcards)["nodes"] * teacher_run(wildcards)["gpus_per_node"]
-
-
-def teacher_mpi(wildcards):
-    return slurmfit.train_mpi(teacher_run(wildcards))
-
-
-def teacher_gres(wildcards):
-    return f"gpu:{teacher_run(wildcards)['gpus_per_node']}"
-
-
-def teacher_gpus(wildcards):
-    return teacher_run(wildcards)["gpus_per_node"]
-
-
-def teacher_batch(wildcards):
-    return teacher_run(wildcards)["micro_batch_size"]
-
-
-def teacher_sharded(wildcards):
-    """1 where the teacher does not fit one of the run's GPUs (snaketune.budget.teacherplan)."""
-    return int(teacherplan.sharded(config, teacher_run(wildcards)))
-
-
-def teacher_timeout(wildcards):
-    return teacher_run(wildcards)["timeout_minutes"]
-
-
-def teacher_settings(wildcards):
-    """What the top-k depends on besides the inputs (also in the output's key)."""
-    return teachers.teacher_settings(teacher_run(wildcards))
+def scoring_input_flags(wildcards):
+    """The job's further inputs (a teacher's student model) as its script's flags."""
+    return scoring.input_flags(scoring_inputs(wildcards))
 
 
 # ----------------------------------------------------------------------------- export

@@ -82,7 +82,7 @@ def teacher_inputs(
     return {
         "tokenized": stages.tokenized(config, job["run"], job["eval_set"]),
         "model": teacher_model(config, teacher_of(r), resolve),
-        "student": f"resources/models/{r['model']}",
+        "student_model": f"resources/models/{r['model']}",
     }
 
 
