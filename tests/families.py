@@ -102,36 +102,12 @@ def template_tokens(template: str) -> tuple[list[str], list[str]]:
 
 
 def build_tokenizer(template: str, corpus: list[str]):
-    """A byte-level BPE tokenizer (digits split) that holds ``template``'s markup tokens,
-    with the template as its chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The demo's byte-level BPE tokenizer (snaketune.app.fixtures: digits split) holding
+    ``template``'s markup tokens, with the template as its chat template."""
+    from snaketune.app.fixtures import build_tokenizer as bpe
 
     special, plain = template_tokens(template)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=[PAD, BOS, EOS, *special],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        chat_template=template,
-        model_max_length=4096,
-    )
+    return bpe(corpus, 600, template, (BOS, EOS, PAD, special), plain)
 
 
 def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:

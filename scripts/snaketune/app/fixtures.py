@@ -40,7 +40,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 PAD, BOS, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, BOS, EOS]
 
 NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Mark", "Albert", "Ken", "Alexis", "Tina"]
 ITEMS = ["clips", "apples", "books", "pencils", "marbles", "cookies", "stamps", "shells"]
@@ -203,12 +202,21 @@ def _corpus(*datasets: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int):
+def build_tokenizer(
+    corpus: list[str],
+    vocab_size: int,
+    chat_template: str = CHAT_TEMPLATE,
+    special: tuple[str, str, str, list[str]] = (BOS, EOS, PAD, []),
+    plain: list[str] | None = None,
+):
     """A byte-level BPE tokenizer (fast) with pad/eos tokens and a chat template. Numbers are
     split into single digits (as Llama 3's and Qwen's tokenizers do), so arithmetic is
-    learnable digit by digit."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    learnable digit by digit. ``special``: bos, eos, pad and further special tokens (a
+    family's template markup); ``plain``: added tokens that are not special (``<think>``)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    bos, eos, pad, more = special
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -220,17 +228,19 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(dict.fromkeys([pad, bos, eos, *more])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    if plain:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        chat_template=CHAT_TEMPLATE,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        chat_template=chat_template,
         model_max_length=2048,
     )
 
