@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from snaketune.app.fixtures import make_arith
     from snaketune.data.conversations import Source
-    from snaketune.data.peek import renderer_for
     from snaketune.data.tokenization import tokenize
+    from snaketune.data.tokens import renderer_for
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4000, help="chat rows per family")

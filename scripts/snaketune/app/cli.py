@@ -201,8 +201,9 @@ def _template_lines(config: dict, workdir: Path, row: int | None, only: str | No
     with ``row``, that row of each run's dataset with its trained tokens marked."""
     from snaketune.core.errors import DataError
     from snaketune.data.formats import components
-    from snaketune.data.peek import renderer_for, show_row
+    from snaketune.data.peek import show_row
     from snaketune.data.sources import model_folder
+    from snaketune.data.tokens import renderer_for
     from snaketune.plan.stages import chat_template
 
     lines, renderers = [], {}

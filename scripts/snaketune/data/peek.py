@@ -125,18 +125,6 @@ def check_dataset(name: str, spec: dict[str, Any], path: Path, local: bool) -> s
     return None if table is None else check_rows(name, spec, table)
 
 
-def renderer_for(model_dir: Path, template: str | None):
-    """The ChatRenderer tokenize builds for a model (its tokenizer, ``template`` or its own,
-    its stop token)."""
-    from snaketune.data.chat import ChatRenderer
-    from snaketune.data.tokens import load_tokenizer, stop_ids
-
-    tokenizer = load_tokenizer(model_dir)
-    stops = stop_ids(model_dir)
-    stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
-    return ChatRenderer(tokenizer, template, stop=stop)
-
-
 def show_row(renderer, name: str, spec: dict[str, Any], path: Path, local: bool, row: int) -> str:
     """Row ``row`` of dataset ``name`` as tokenize makes it: the rendered text with the
     tokens trained on between « and » (a preference row: its chosen side)."""

@@ -43,8 +43,8 @@ from snaketune.data.kinds import Kind, kind_of_formats
 from snaketune.data.tokens import (
     end_of_turn_id,
     first_token_at,
-    load_tokenizer,
     model_vocab_size,
+    renderer_for,
     stop_ids,
 )
 
@@ -275,10 +275,8 @@ def tokenize(
     Errors about the tokenizer start with ``models.<model_name>``.
     """
     try:
-        tokenizer = load_tokenizer(model_dir)
-        stops = stop_ids(model_dir)
-        stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
-        renderer = ChatRenderer(tokenizer, chat_template, stop=stop)
+        renderer = renderer_for(model_dir, chat_template)
+        tokenizer = renderer.tokenizer
     except DataError as exc:
         raise DataError(f"models.{model_name}: {exc}") from None
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)

@@ -14,6 +14,15 @@ from snaketune.core.errors import DataError
 from snaketune.data.chat import ChatRenderer, _sentinel
 
 
+def renderer_for(model_dir: Path, template: str | None):
+    """The ChatRenderer tokenize builds for a model (its tokenizer, ``template`` or its own,
+    its stop token)."""
+    tokenizer = load_tokenizer(model_dir)
+    stops = stop_ids(model_dir)
+    stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
+    return ChatRenderer(tokenizer, template, stop=stop)
+
+
 def end_of_turn_id(tokenizer, renderer: ChatRenderer) -> int | None:
     """The special token the chat template closes an assistant turn with (Qwen's and the
     demo's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the first special token of the markup
