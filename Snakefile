@@ -12,7 +12,8 @@ from snakemake.utils import min_version
 from snaketune.core.errors import UserError, labelled
 from snaketune.budget.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.app.summary import report_line
-from snaketune.train.attempts import one_start_per_job, stopped_since
+from snaketune.train.attempts import one_start_per_job
+from snaketune.train.attemptlog import stopped_since
 
 min_version("9.0")
 

@@ -48,7 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from snaketune.train.agents import free_port
+    from snaketune.train.commands import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with mp.Manager() as manager:

@@ -9,7 +9,7 @@ process: the held-out loss pass over a batch (snaketune.evaluation.evaluate.held
 and greedy generation of the batch with the KV cache (forced to its full max_new_tokens),
 under PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` (the CPU
 counterpart of ``torch.cuda.max_memory_allocated``: the largest sum of live tensors). The
-plan: snaketune.budget.stageplan.eval_bytes for the same settings at 4 bytes a weight, its
+plan: snaketune.budget.evalplan.eval_bytes for the same settings at 4 bytes a weight, its
 margin (fragmentation, CUDA context) set aside, a logit at the 12 bytes the loss pass
 costs on a CPU (on a GPU the plan counts w + 4). Each phase is measured alone, so the table
 says which of the two the plan's "larger of loss pass and generation" picks.
@@ -64,8 +64,8 @@ def measure(sizes: dict) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from snaketune.budget.evalplan import eval_bytes
     from snaketune.budget.memplan import Shape
-    from snaketune.budget.stageplan import eval_bytes
     from snaketune.evaluation.evaluate import heldout_loss
 
     torch.manual_seed(0)
@@ -121,8 +121,8 @@ def measure_gpu(kind: str = "llama") -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from snaketune.budget.evalplan import eval_bytes
     from snaketune.budget.memplan import Shape
-    from snaketune.budget.stageplan import eval_bytes
     from snaketune.evaluation.evaluate import heldout_loss
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ def torchrun_failure(*failures: tuple[int, int, int]) -> str:
 
 
 def test_the_killed_rank_is_read_from_torchruns_report():
-    from snaketune.train.attempts import root_cause
+    from snaketune.train.attemptlog import root_cause
 
     text = "step 12/192 ...\n" + torchrun_failure((1, 4242, -9)) + "\nmore"
     assert root_cause(text).startswith("rank 1 on ")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ENV, ROOT
 
+from snaketune.budget.evalplan import eval_gib, eval_layout
 from snaketune.budget.memplan import Shape
-from snaketune.budget.stageplan import eval_gib, eval_layout
 from snaketune.evaluation.sharded import Share
 
 # Llama-3.1-70B's config.json (the fields the plan reads)

@@ -86,7 +86,7 @@ def test_few_steps_and_a_warmup_over_the_whole_run_are_warned_about(tmp_path, ro
 
 
 def test_fewer_examples_than_one_step_is_refused_before_queueing(tmp_path):
-    from snaketune.budget.checks import check_steps
+    from snaketune.budget.planlines import check_steps
 
     config = config_with(tmp_path, 20)
     (line,) = check_steps(config, {"x": None}, tmp_path)
@@ -317,7 +317,7 @@ def test_calibrate_writes_a_short_copy_of_the_run_from_its_base_model(tmp_path, 
 
 
 def test_a_train_stage_over_its_time_limit_says_its_continuations(tmp_path, capsys):
-    from snaketune.budget.checks import check_steps
+    from snaketune.budget.planlines import check_steps
 
     config = config_with(tmp_path, 100_000, gpu="a100-80gb", max_continuations=3)
     from snaketune.plan.stages import tokenized

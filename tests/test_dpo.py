@@ -1176,7 +1176,7 @@ def test_publish_dry_run_of_the_dpo_model(dpo_chain):
 
 
 def test_reference_key_is_shared_by_what_it_depends_on_only():
-    from snaketune.plan.stages import reference_jobs, reference_key
+    from snaketune.plan.trainjob import reference_jobs, reference_key
 
     config = dpo_config()
     config["runs"]["q"] = {**copy.deepcopy(config["runs"]["p"]), "dpo": {"beta": 0.5},

@@ -30,8 +30,10 @@ from snaketune.app.plots import training_svg
 from snaketune.app.summary import summary_row
 from snaketune.core.heldout import split_rows
 from snaketune.data.batches import PlanBatches
-from snaketune.methods.grpo import correctness, format_reward, group_batches, step_fields
-from snaketune.plan import stages
+from snaketune.methods.rewards import correctness, format_reward
+from snaketune.methods.rollout_trainer import group_batches
+from snaketune.methods.rollouts import step_fields
+from snaketune.plan import stages, trainjob
 from snaketune.plan.config import load_yaml, validate_config
 
 OVERLAY = ROOT / "config" / "grpo_demo.yaml"
@@ -48,7 +50,7 @@ def rl_spec(w, workdir, *drop: str) -> dict:
     included), for a training started in ``workdir``, which gets the chain's resources/
     (the source dataset the user's reward function reads its columns from)."""
     run = chain_config()["runs"]["rl_demo"]
-    spec = {k: v for k, v in json.loads(stages.train_spec(run)).items() if k not in drop}
+    spec = {k: v for k, v in json.loads(trainjob.train_spec(run)).items() if k not in drop}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "resources").symlink_to(w / "resources")
     return spec

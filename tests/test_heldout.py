@@ -74,16 +74,16 @@ def test_eval_steps_without_an_eval_set_gets_one_line():
 def test_a_run_without_eval_steps_trains_with_the_same_spec():
     """eval_at_start's default must not change the train rule's params of existing runs
     (Snakemake would retrain them)."""
-    from snaketune.plan import stages
+    from snaketune.plan import trainjob
 
     config = validate_config(demo_config(), ROOT)
-    spec = json.loads(stages.train_spec(config["runs"]["demo"]))
+    spec = json.loads(trainjob.train_spec(config["runs"]["demo"]))
     assert "eval_at_start" not in spec and "heldout" not in spec
-    assert stages.train_extras(config, "demo") == {}
+    assert trainjob.train_extras(config, "demo") == {}
     config = validate_config(demo_config(eval_steps=50), ROOT)
-    extras = stages.train_extras(config, "demo")
+    extras = trainjob.train_extras(config, "demo")
     assert extras["heldout"].startswith("results/tokenized/arith_test__")
-    spec = json.loads(stages.train_spec(config["runs"]["demo"], **extras))
+    spec = json.loads(trainjob.train_spec(config["runs"]["demo"], **extras))
     assert spec["heldout"]["path"] == extras["heldout"] and spec["heldout"]["metric"] == "auto"
 
 
@@ -205,7 +205,8 @@ def test_heldout_rows_every_n_steps_and_the_best_checkpoint_exported(demo, heldo
     from safetensors.torch import load_file
 
     from snaketune.core.rows import pad_id
-    from snaketune.evaluation.evaluate import generate, heldout_loss, load_examples, score
+    from snaketune.evaluation.evaluate import heldout_loss, load_examples, score
+    from snaketune.evaluation.generation import generate
 
     work, out, spec = heldout_run
     rows = read_jsonl(out / "metrics.jsonl")

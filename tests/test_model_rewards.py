@@ -19,7 +19,7 @@ from conftest import ROOT
 
 from snaketune.core.errors import ConfigError
 from snaketune.methods import model_rewards
-from snaketune.plan import stages
+from snaketune.plan import trainjob
 from snaketune.plan.config import load_yaml, validate_config
 
 
@@ -61,10 +61,10 @@ def test_the_train_job_reads_the_reward_run_s_final_model_and_how_to_score_with_
     where it is, its chat template (the tokenizer's: None), its max_length and the dataset
     settings the prompts' turns are read with. A run without one gets neither."""
     config = validate_config(chain({"correctness": 1.0, "model:rm_demo": 0.5}), ROOT)
-    extras = stages.train_extras(config, "rl_demo")
+    extras = trainjob.train_extras(config, "rl_demo")
     assert extras["reward_models"] == ["results/rm_demo/hf"]
-    models = stages.reward_models(config, "rl_demo")
-    spec = json.loads(stages.train_spec(config["runs"]["rl_demo"], **{**extras,
+    models = trainjob.reward_models(config, "rl_demo")
+    spec = json.loads(trainjob.train_spec(config["runs"]["rl_demo"], **{**extras,
                                                                       "reward_models": models}))  # fmt: skip
     block = spec["grpo"]["reward_models"]
     assert block["models"] == {"rm_demo": {"path": "results/rm_demo/hf", "chat_template": None,
@@ -72,13 +72,13 @@ def test_the_train_job_reads_the_reward_run_s_final_model_and_how_to_score_with_
     assert block["sources"] == {"arith": config["datasets"]["arith"]}
     assert spec["grpo"]["reward_model_normalization"] == "raw"
     # a sweep's best member, as the workflow resolves it
-    picked = stages.train_extras(config, "rl_demo", lambda name: "demo")
+    picked = trainjob.train_extras(config, "rl_demo", lambda name: "demo")
     assert picked["reward_models"] == ["results/demo/merged_model"]
-    assert "reward_models" not in stages.train_extras(config, "sft_demo")
-    assert stages.reward_models(config, "sft_demo") is None
+    assert "reward_models" not in trainjob.train_extras(config, "sft_demo")
+    assert trainjob.reward_models(config, "sft_demo") is None
     # a GRPO run without one: its spec (and so its trained outputs) as before the setting
     plain = validate_config(chain({"correctness": 1.0}), ROOT)
-    grpo = json.loads(stages.train_spec(plain["runs"]["rl_demo"]))["grpo"]
+    grpo = json.loads(trainjob.train_spec(plain["runs"]["rl_demo"]))["grpo"]
     assert "reward_models" not in grpo and "reward_model_normalization" not in grpo
 
 

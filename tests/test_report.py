@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from snaketune.app.report import pretty
+from snaketune.app.comparison import pretty
 from snaketune.app.summary import lm_eval_columns
 from snaketune.evaluation.lmeval import collect, with_base
 

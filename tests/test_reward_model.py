@@ -151,7 +151,7 @@ def test_a_reward_run_scores_its_own_start_and_shares_no_base_evaluation():
 def test_a_reward_models_evaluations_are_planned_on_one_gpu_whatever_eval_asks():
     """evaluate.py scores a reward model in one process: the plan (the evaluate jobs'
     resources) says so, not the eval block's 2 x 2."""
-    from snaketune.budget.stageplan import eval_layout
+    from snaketune.budget.evalplan import eval_layout
 
     config = reward_config(eval={"max_new_tokens": 16, "batch_size": 64, "nodes": 2,
                                  "gpus_per_node": 2})  # fmt: skip

@@ -20,8 +20,9 @@ from conftest import ROOT
 from snaketune.app.summary import extra_columns, reward_quarters
 from snaketune.core.errors import ConfigError
 from snaketune.methods import rewards
-from snaketune.methods.grpo import correctness, step_fields
-from snaketune.plan import stages
+from snaketune.methods.rewards import correctness
+from snaketune.methods.rollouts import step_fields
+from snaketune.plan import trainjob
 from snaketune.plan.config import load_yaml, validate_config
 
 DEMO_KEY = "config/rewards/arith.py:sum_from_question"
@@ -81,13 +82,13 @@ def test_a_good_function_and_the_demo_s_validate_and_their_code_is_in_the_train_
     config = validate_config(chain({"correctness": 1.0, "mine.py:short": 0.1, DEMO_KEY: 0.5}),
                              ROOT)  # fmt: skip
     run = config["runs"]["rl_demo"]
-    spec = json.loads(stages.train_spec(run))
+    spec = json.loads(trainjob.train_spec(run))
     assert set(spec["code_sha256"]) == {"mine.py:short", DEMO_KEY}  # the demo's: from the project
     before = spec["code_sha256"]["mine.py:short"]
     write(tmp_path, "mine.py", GOOD.replace("/ 10", "/ 20"))  # the code changed: the spec too
-    assert json.loads(stages.train_spec(run))["code_sha256"]["mine.py:short"] != before
+    assert json.loads(trainjob.train_spec(run))["code_sha256"]["mine.py:short"] != before
     builtin = validate_config(chain({"correctness": 1.0}), ROOT)["runs"]["rl_demo"]
-    assert "code_sha256" not in json.loads(stages.train_spec(builtin))  # runs as before
+    assert "code_sha256" not in json.loads(trainjob.train_spec(builtin))  # runs as before
 
 
 def _functions(tmp_path, text: str):

@@ -134,7 +134,8 @@ def test_the_end_line_summary_and_card_lead_with_the_headline(tmp_path):
 
 
 def test_the_report_shows_the_reference_text_and_marks_only_what_a_checker_decides():
-    from snaketune.app.report import comparison_table, samples_table
+    from snaketune.app.comparison import comparison_table
+    from snaketune.app.report import samples_table
 
     text = [{"prompt": "What is the capital of Peru?", "reference": "The capital of Peru is Lima.",
              "reference_answer": None, "correct": False, "generation": "Lima.", "chrf": 21.5,
@@ -233,7 +234,8 @@ def test_an_edited_metric_reruns_the_evaluation_only(tmp_path, monkeypatch):
     import yaml
 
     from snaketune.plan.config import validate_config
-    from snaketune.plan.stages import run_eval_args, train_spec
+    from snaketune.plan.stages import run_eval_args
+    from snaketune.plan.trainjob import train_spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.py").write_text(METRIC)

@@ -131,7 +131,7 @@ def test_shared_optimizer_step_counters_are_untied():
 def moments(checkpoint: Path, tmp: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Each parameter's fp32 weights and Adam moments in a checkpoint (a copy is turned
     into a universal checkpoint, which holds them whole whatever the rank count)."""
-    from snaketune.plan.topology import make_universal
+    from snaketune.train.resume import make_universal
 
     copy = tmp / checkpoint.name
     shutil.copytree(checkpoint, copy)
@@ -311,7 +311,7 @@ def _job(tmp_path: Path, **spec) -> object:
 
 def test_checkpoints_are_continued_on_a_new_topology_and_set_aside_on_new_math(tmp_path, caplog):
     from snaketune.core.checkpoints import mark_complete
-    from snaketune.train.launch import prepare_checkpoints
+    from snaketune.train.resume import prepare_checkpoints
 
     first = _job(tmp_path)
     prepare_checkpoints(first)

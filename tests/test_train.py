@@ -43,7 +43,7 @@ def _last_step(metrics: Path) -> int:
 def _workers(workdir: Path) -> list[psutil.Process]:
     """The training's ranks in ``workdir`` (not their torchrun agents, whose command line
     holds the worker's too: after the PIDs wrap, an agent can have the highest PID)."""
-    from snaketune.train.agents import AGENT
+    from snaketune.train.commands import AGENT
 
     found = []
     for p in psutil.process_iter(["cmdline", "cwd"]):

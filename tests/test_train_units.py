@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from snaketune.core.checkpoints import COMPLETE, newest_complete, prune, truncate_metrics
 from snaketune.data.batches import PlanBatches
 from snaketune.evaluation.model import resolve_precision
-from snaketune.train.agents import RENDEZVOUS, local_commands, slurm_command, supervise
+from snaketune.train.agents import supervise
+from snaketune.train.commands import RENDEZVOUS, local_commands, slurm_command
 
 
 def test_plan_batches_run_each_planned_micro_batch_once_per_epoch():
@@ -184,7 +185,7 @@ def test_preflight_names_the_node_that_does_not_share_the_run_dir(tmp_path, monk
     import threading
 
     from snaketune.core.errors import UserError
-    from snaketune.train.agents import free_port
+    from snaketune.train.commands import free_port
     from snaketune.train.preflight import check_port, gather, node_check
 
     port = free_port()
@@ -472,16 +473,16 @@ def test_torchrun_is_given_only_the_options_it_takes(monkeypatch):
     the first GPU check)."""
     from torch.distributed.run import get_args_parser
 
-    from snaketune.train import agents
+    from snaketune.train import commands
 
     known = get_args_parser()._option_string_actions  # torchrun's own parser
-    args = agents.torchrun_args(2, 4, "head:29500", "run", 90)
+    args = commands.torchrun_args(2, 4, "head:29500", "run", 90)
     assert all(a in known for a in args if a.startswith("--")), args
     for option in ("--shutdown-timeout", "--nnodes", "--no-such-option"):
-        assert agents.torchrun_knows(option) == (option in known), option
+        assert commands.torchrun_knows(option) == (option in known), option
     assert args[args.index("--shutdown-timeout") + 1] == "90"
-    monkeypatch.setattr(agents, "torchrun_knows", lambda option: False)
-    older = agents.torchrun_args(2, 4, "head:29500", "run", 90)
+    monkeypatch.setattr(commands, "torchrun_knows", lambda option: False)
+    older = commands.torchrun_args(2, 4, "head:29500", "run", 90)
     assert "--shutdown-timeout" not in older and older == args[: args.index("--shutdown-timeout")]
 
 
@@ -490,7 +491,7 @@ def test_the_progress_line_reads_a_live_file_whose_last_line_is_being_written(tm
     metrics while the callback appends to them: a torn last line is left for the next
     read, not an error (one killed the progress thread of the demo under the CI tier's
     load: no ETA line)."""
-    from snaketune.train.attempts import live_progress
+    from snaketune.train.attemptlog import live_progress
 
     live = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "loss": 1.0 / s, "max_steps": 10, "tokens_per_s": 100.0,

@@ -8,7 +8,7 @@ from snaketune.methods import scorers
 from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
 from snaketune.budget import fit, scoring, slurmfit
-from snaketune.plan import stages, targets
+from snaketune.plan import stages, targets, trainjob
 from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
@@ -130,8 +130,8 @@ def run_deepspeed(wildcards):
 
 def run_spec(wildcards):
     extras = train_extras(wildcards)
-    extras["reward_models"] = stages.reward_models(config, wildcards.run, reward_run)
-    return stages.train_spec(run_of(wildcards), **extras)
+    extras["reward_models"] = trainjob.reward_models(config, wildcards.run, reward_run)
+    return trainjob.train_spec(run_of(wildcards), **extras)
 
 
 def train_extras(wildcards):
@@ -139,7 +139,7 @@ def train_extras(wildcards):
     reference log-probs (rule reference_logps), the eval set it scores while training
     (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards), a
     distillation run's teacher top-k (rule teacher_logps)."""
-    extras = stages.train_extras(config, wildcards.run, reward_run)
+    extras = trainjob.train_extras(config, wildcards.run, reward_run)
     if teacher := teachers.teacher_path(config, wildcards.run):
         extras["teacher"] = teacher
     return extras
@@ -151,7 +151,7 @@ def reward_run(name):
 
 
 def train_flags(wildcards):
-    return stages.train_flags(config)
+    return trainjob.train_flags(config)
 
 
 def train_threads(wildcards):

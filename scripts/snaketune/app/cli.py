@@ -85,18 +85,22 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU memory in GiB")
     pla.add_argument("--json", action="store_true", help="one JSON list, a dict per run")
     pla.add_argument(
-        "--model-config", action="append", default=[], metavar="NAME=PATH",
+        "--model-config",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
         help="plan model NAME from this config.json (or the folder holding it), e.g. a Hub "
         "model's on a login node without its weights; repeatable",
-    )  # fmt: skip
+    )
     sta = sub.add_parser(
         "status",
         help="where the pipeline in a directory is: each run's stages, a training's step and "
         "ETA, failures, headline figures",
     )
     sta.add_argument("directory", nargs="?", default=".", help="its working directory")
-    sta.add_argument("--watch", type=float, metavar="SECONDS",
-                     help="print it again every SECONDS until Ctrl-C")  # fmt: skip
+    sta.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="print it again every SECONDS until Ctrl-C"
+    )
     cal = sub.add_parser(
         "calibrate",
         help="write the config of a short run that calibrates a run's time estimate, and the "
@@ -167,9 +171,9 @@ def _status(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from snaketune.budget.checks import at_parse
     from snaketune.plan.schema import load_yaml
-    from snaketune.plan.stages import reference_runs
     from snaketune.plan.sweep import sweeps_of
     from snaketune.plan.teacher import teacher_jobs
+    from snaketune.plan.trainjob import reference_runs
 
     config = load_yaml(args.config)
     parsed = at_parse(config, Path(args.root), [args.config])
@@ -188,11 +192,13 @@ def _validate(args: argparse.Namespace) -> int:
     for line in _template_lines(config, Path.cwd(), args.show_row, args.run):
         print(line, file=sys.stderr)
     read = parsed.datasets_read
-    print(f"validate: {args.config} passed: the schema and the cross-key checks of "
-          f"{len(config['runs'])} run(s), local paths, the working directory, the first rows "
-          f"of {len(read)} dataset(s){' (' + ', '.join(read) + ')' if read else ''}; memory, "
-          "disk and SLURM partitions are checked by a dry run (snakemake -n)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"validate: {args.config} passed: the schema and the cross-key checks of "
+        f"{len(config['runs'])} run(s), local paths, the working directory, the first rows "
+        f"of {len(read)} dataset(s){' (' + ', '.join(read) + ')' if read else ''}; memory, "
+        "disk and SLURM partitions are checked by a dry run (snakemake -n)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -244,7 +250,8 @@ def _plan(args: argparse.Namespace) -> int:
         format_shared,
         shared_filesystems,
     )
-    from snaketune.budget.fit import model_configs, plan_config
+    from snaketune.budget.fit import plan_config
+    from snaketune.budget.modelfiles import model_configs
     from snaketune.budget.stagecost import format_costs, format_pipeline
     from snaketune.budget.stageplan import format_stages
     from snaketune.plan.config import load_config
@@ -266,8 +273,9 @@ def _plan(args: argparse.Namespace) -> int:
             for line in format_steps(plan["run"], plan["steps"]):
                 print(line)
             run = config["runs"][plan["run"]]
-            print(format_estimate(plan["run"], plan["estimate"],
-                                  run["nodes"] * run["gpus_per_node"]))  # fmt: skip
+            print(
+                format_estimate(plan["run"], plan["estimate"], run["nodes"] * run["gpus_per_node"])
+            )
             for line in format_costs(plan["run"], plan["costs"]):
                 print(line)
             for line in format_stages(plan["run"], plan["stages"]):
@@ -277,9 +285,14 @@ def _plan(args: argparse.Namespace) -> int:
             print(format_shared(group))
         for line in format_pipeline([plan["costs"] for plan in plans]):
             print(line)
-    bad = [p for p in plans if p["fits"] is False or not p["disk"]["fits"]
-           or "problem" in p["steps"]
-           or any(s.get("fits") is False for s in p["stages"].values())]  # fmt: skip
+    bad = [
+        p
+        for p in plans
+        if p["fits"] is False
+        or not p["disk"]["fits"]
+        or "problem" in p["steps"]
+        or any(s.get("fits") is False for s in p["stages"].values())
+    ]
     return 1 if bad or any(not g["fits"] for g in shared) else 0
 
 
@@ -302,8 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in lineage(args.artefact, check=args.verify, problems=problems):
                 print(line)
             if problems:
-                print(f"error: {len(problems)} file(s) differ from their provenance: "
-                      f"{'; '.join(problems)}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"error: {len(problems)} file(s) differ from their provenance: "
+                    f"{'; '.join(problems)}",
+                    file=sys.stderr,
+                )
                 return 1
             return 0
         from snaketune.app.fixtures import make_fixtures

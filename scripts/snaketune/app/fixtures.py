@@ -152,8 +152,13 @@ def make_arith_pairs(arith: dict[str, list[dict]], seed: int = 2718) -> dict[str
         pairs = []
         for row in rows:
             right = int(row["answer"].removeprefix("#### "))
-            pairs.append({"question": row["question"], "chosen": row["answer"],
-                          "rejected": f"#### {near_miss(right, rng)}"})  # fmt: skip
+            pairs.append(
+                {
+                    "question": row["question"],
+                    "chosen": row["answer"],
+                    "rejected": f"#### {near_miss(right, rng)}",
+                }
+            )
         out[f"pairs-{split}"] = pairs
     return out
 
@@ -171,8 +176,10 @@ def _chain_problem(rng: random.Random, steps: int) -> dict[str, str]:
     for b in buys:
         lines.append(f"She has {have} + {b} = <<{have}+{b}={have + b}>>{have + b} {item}.")
         have += b
-    return {"question": f"{q} How many {item} does she have now?",
-            "answer": "\n".join(lines) + f"\n#### {have}"}  # fmt: skip
+    return {
+        "question": f"{q} How many {item} does she have now?",
+        "answer": "\n".join(lines) + f"\n#### {have}",
+    }
 
 
 def make_gsm8k_pairs(rows: int, seed: int = 1618) -> list[dict]:
@@ -186,8 +193,7 @@ def make_gsm8k_pairs(rows: int, seed: int = 1618) -> list[dict]:
         row = _chain_problem(rng, rng.randint(1, 8))
         work, final = row["answer"].rsplit("\n#### ", 1)
         wrong = near_miss(int(final), rng)
-        rejected = rng.choice([f"{work}\n#### {wrong}", work.split("\n")[0],
-                               f"#### {wrong}"])  # fmt: skip
+        rejected = rng.choice([f"{work}\n#### {wrong}", work.split("\n")[0], f"#### {wrong}"])
         pairs.append({"question": row["question"], "chosen": row["answer"], "rejected": rejected})
     return pairs
 
@@ -300,8 +306,10 @@ def make_fixtures(out: str | Path, sizes: FixtureSizes | None = None) -> dict[st
     data_dir, arith_dir, model_dir = out / "gsm8k-demo", out / "arith-demo", out / "tiny-llama"
     with atomic_paths(data_dir, arith_dir, model_dir) as (data_tmp, arith_tmp, model_tmp):
         gsm8k = {**splits, "pairs-train": make_gsm8k_pairs(256)}
-        for directory, dataset in ((data_tmp, gsm8k),
-                                   (arith_tmp, {**arith, **make_arith_pairs(arith)})):  # fmt: skip
+        for directory, dataset in (
+            (data_tmp, gsm8k),
+            (arith_tmp, {**arith, **make_arith_pairs(arith)}),
+        ):
             directory.mkdir()
             for split, rows in dataset.items():
                 _write_jsonl(directory / f"{split}.jsonl", rows)
@@ -372,9 +380,20 @@ def run_train_stage(
 
     root = Path(root)
     deepspeed = root / "config" / "deepspeed" / f"{preset}.json"
-    cmd = [sys.executable, str(root / "scripts" / "train.py"), "--run-spec", json.dumps(spec),
-           "--shards", str(shards), "--model", str(model), "--deepspeed", str(deepspeed),
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(root / "scripts" / "train.py"),
+        "--run-spec",
+        json.dumps(spec),
+        "--shards",
+        str(shards),
+        "--model",
+        str(model),
+        "--deepspeed",
+        str(deepspeed),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env or dict(os.environ))
     if proc.returncode != 0:
         raise RuntimeError(f"train stage failed ({proc.returncode}):\n{proc.stdout[-4000:]}")

@@ -27,19 +27,30 @@ def figure(width_in: float, height_in: float, cols: int):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True,
-                         "grid.alpha": 0.3, "svg.hashsalt": "snaketune"})  # fmt: skip
+    plt.rcParams.update(
+        {
+            "svg.fonttype": "none",
+            "font.size": 9,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "svg.hashsalt": "snaketune",
+        }
+    )
     # constrained: each panel's labels (a second axis at its right included) keep clear of
     # the next panel's
-    return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False,
-                        layout="constrained")  # fmt: skip
+    return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False, layout="constrained")
 
 
 PANELS = ("loss", "reward", "preference")  # a method's first panel (snaketune.methods: plot)
 
 
-def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | None,
-                 exported: int | None = None, panel: str = "loss") -> str:  # fmt: skip
+def training_svg(
+    metrics: list[dict[str, Any]],
+    title: str,
+    eval_loss: float | None,
+    exported: int | None = None,
+    panel: str = "loss",
+) -> str:
     """The method's first ``panel``: training loss (with the held-out loss where measured),
     a GRPO run's rewards or a DPO or reward model run's preference figures; learning rate;
     tokens/s; against the optimizer step, side by side, with ticks and units. Held-out
@@ -48,8 +59,13 @@ def training_svg(metrics: list[dict[str, Any]], title: str, eval_loss: float | N
     return svg_of(training_figure(metrics, title, eval_loss, exported, panel))
 
 
-def training_figure(metrics: list[dict[str, Any]], title: str, eval_loss: float | None,
-                    exported: int | None = None, panel: str = "loss"):  # fmt: skip
+def training_figure(
+    metrics: list[dict[str, Any]],
+    title: str,
+    eval_loss: float | None,
+    exported: int | None = None,
+    panel: str = "loss",
+):
     """The matplotlib figure of ``training_svg``."""
     metrics, held = split_rows(metrics)
     steps = [m["step"] for m in metrics]
@@ -69,16 +85,25 @@ def training_figure(metrics: list[dict[str, Any]], title: str, eval_loss: float 
         _heldout_points(loss, held, "loss", twin=False)
     if exported is not None:
         loss.axvline(exported, color="tab:gray", linestyle=":", linewidth=1.5)
-        loss.annotate(f"exported: step {exported}", (exported, 0.02), fontsize=7,
-                      xycoords=("data", "axes fraction"), rotation=90, ha="right")  # fmt: skip
+        loss.annotate(
+            f"exported: step {exported}",
+            (exported, 0.02),
+            fontsize=7,
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            ha="right",
+        )
     lr.plot(steps, [m.get("lr", float("nan")) for m in metrics], color="tab:green")
     lr.set(title="learning rate", xlabel="optimizer step", ylabel="learning rate")
     lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     speed = [(m["step"], m["tokens_per_s"]) for m in metrics[1:] if "tokens_per_s" in m]
     if speed:
         tps.plot(*zip(*speed, strict=True), color="tab:purple")
-    tps.set(title="throughput (first step left out)", xlabel="optimizer step",
-            ylabel="real tokens / s (all ranks)")  # fmt: skip
+    tps.set(
+        title="throughput (first step left out)",
+        xlabel="optimizer step",
+        ylabel="real tokens / s (all ranks)",
+    )
     for ax in axes[0]:
         ax.xaxis.get_major_locator().set_params(integer=True)
     return fig
@@ -92,8 +117,13 @@ def _heldout_points(ax, held: list[dict[str, Any]], figure: str, twin: bool) -> 
         return
     target = ax.twinx() if twin else ax
     name = figure.replace("_", " ")
-    (line,) = target.plot(*zip(*points, strict=True), "s--", color="tab:orange", markersize=4,
-                          label=f"held-out {name} (while training)")  # fmt: skip
+    (line,) = target.plot(
+        *zip(*points, strict=True),
+        "s--",
+        color="tab:orange",
+        markersize=4,
+        label=f"held-out {name} (while training)",
+    )
     line.set_gid(f"heldout_{figure}")
     if twin:
         target.set_ylabel(f"held-out {name}")
@@ -121,8 +151,12 @@ def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
     from snaketune.app.summary import reward_names
 
     for name in sorted(reward_names(metrics)):
-        ax.plot(steps, [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],
-                linewidth=1, label=name)  # fmt: skip
+        ax.plot(
+            steps,
+            [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],
+            linewidth=1,
+            label=name,
+        )
     ax.set(xlabel="optimizer step", ylabel="mean reward per completion")
     ax.legend(fontsize=8)
 
@@ -132,22 +166,36 @@ def _preference_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> No
     the right axis) the reward accuracy of each step's pairs."""
     (line,) = ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
     line.set_gid("loss")
-    for key, color in (("reward_chosen", "tab:green"), ("reward_rejected", "tab:red"),
-                       ("reward_margin", "tab:orange")):  # fmt: skip
-        ax.plot(steps, [m.get(key, float("nan")) for m in metrics], linewidth=1, color=color,
-                label=key.replace("_", " "))  # fmt: skip
+    for key, color in (
+        ("reward_chosen", "tab:green"),
+        ("reward_rejected", "tab:red"),
+        ("reward_margin", "tab:orange"),
+    ):
+        ax.plot(
+            steps,
+            [m.get(key, float("nan")) for m in metrics],
+            linewidth=1,
+            color=color,
+            label=key.replace("_", " "),
+        )
     ax.set(xlabel="optimizer step", ylabel="loss; reward (beta x log-ratio)")
     right = ax.twinx()
-    right.plot(steps, [m.get("reward_accuracy", float("nan")) for m in metrics], ":",
-               color="tab:gray", label="reward accuracy")  # fmt: skip
+    right.plot(
+        steps,
+        [m.get("reward_accuracy", float("nan")) for m in metrics],
+        ":",
+        color="tab:gray",
+        label="reward accuracy",
+    )
     right.set(ylabel="reward accuracy", ylim=(0, 1.05))
     right.grid(False)
     lines = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=7)
 
 
-def sweep_svg(curves: dict[str, list[dict[str, Any]]], evals: dict[str, float], best: str,
-              title: str) -> str:  # fmt: skip
+def sweep_svg(
+    curves: dict[str, list[dict[str, Any]]], evals: dict[str, float], best: str, title: str
+) -> str:
     """Every member's training loss against the step, overlaid; its held-out loss (where
     measured) as a marker of the same colour at its last step; the best member bold."""
     fig, axes = figure(11.5, 3.6, 1)
@@ -155,9 +203,13 @@ def sweep_svg(curves: dict[str, list[dict[str, Any]]], evals: dict[str, float], 
     for i, (member, metrics) in enumerate(curves.items()):
         steps = [m["step"] for m in metrics]
         color = f"C{i % 10}"
-        (line,) = ax.plot(steps, [m.get("loss") for m in metrics], color=color,
-                          linewidth=2.2 if member == best else 1.0,
-                          label=member + (" (best)" if member == best else ""))  # fmt: skip
+        (line,) = ax.plot(
+            steps,
+            [m.get("loss") for m in metrics],
+            color=color,
+            linewidth=2.2 if member == best else 1.0,
+            label=member + (" (best)" if member == best else ""),
+        )
         line.set_gid(f"sweep-loss-{i}")
         if member in evals and steps:
             ax.plot([steps[-1]], [evals[member]], "D", color=color)

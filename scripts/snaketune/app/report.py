@@ -5,96 +5,15 @@ members compared."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
-from snaketune.app.plots import figure, svg_of
-from snaketune.app.summary import lm_eval_figures
+from snaketune.app.comparison import (
+    comparison_svg,
+    comparison_table,
+    pretty,
+)
 from snaketune.core import heldout
 from snaketune.methods import method_named
-
-
-def pretty(value: Any, percent: bool = False) -> str:
-    """A number as a person reads it: 0.7656 -> 76.6% (``percent``), 6.31459 -> 6.31,
-    552.575 -> 553, 26290.8 -> 26,291, 0.000123 -> 1.23e-04."""
-    if value is None or value == "":
-        return "–"
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return str(value)
-    if percent:
-        return f"{100 * value:.1f}%"
-    if isinstance(value, int) or float(value).is_integer():
-        return f"{int(value):,}"
-    size = abs(value)
-    if size >= 100:
-        return f"{value:,.0f}"
-    if size >= 1:
-        return f"{value:.3g}" if size < 10 else f"{value:.1f}"
-    if size >= 1e-3:
-        return f"{value:.3f}"
-    return f"{value:.2e}"
-
-
-class Comparison(NamedTuple):
-    """One metric of an evaluation, base against tuned."""
-
-    label: str
-    base: Any
-    tuned: Any
-    gain: Any
-    percent: bool  # shown as a share (76.6%)
-    higher_is_better: bool
-    stderr: float | None = None
-    headline: bool = False  # one of the figures the run leads with
-
-
-def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
-    """Every figure the evaluation measured (metrics.json's ``figures``: its headline
-    first, snaketune.evaluation.figures), then each lm-eval figure (with its stderr)."""
-    from snaketune.evaluation.figures import described
-
-    lead = set(ev.get("headline") or ())
-    rows = []
-    for key, f in (ev.get("figures") or {}).items():
-        d = described(key)
-        rows.append(Comparison(d.label, f.get("base"), f["value"], f.get("gain"), d.percent,
-                               d.higher_is_better, None, key in lead))  # fmt: skip
-    for label, f in lm_eval_figures(ev):
-        rows.append(Comparison(f"lm-eval {label}", f.get("base"), f["value"], f.get("gain"),
-                               False, True, f.get("stderr")))  # fmt: skip
-    return rows
-
-
-def comparison_svg(ev: dict[str, Any], title: str) -> str | None:
-    """Base and tuned side by side, one pair of bars per accuracy-like metric (0-1)."""
-    pairs = [
-        (r.label, r.base, r.tuned)
-        for r in comparison_rows(ev)
-        if r.percent and r.base is not None and 0 <= r.base <= 1 and 0 <= r.tuned <= 1
-    ]
-    if not pairs:
-        return None
-    import textwrap
-
-    fig, axes = figure(min(11.5, 2.0 + 2.0 * len(pairs)), 3.0, 1)
-    ax = axes[0][0]
-    xs = range(len(pairs))
-    for offset, which, name, color in (
-        (-0.2, 1, "base", "tab:gray"),
-        (0.2, 2, "tuned", "tab:blue"),
-    ):
-        values = [p[which] for p in pairs]
-        bars = ax.bar([x + offset for x in xs], values, 0.4, label=name, color=color)
-        ax.bar_label(bars, labels=[f"{100 * v:.0f}%" for v in values], fontsize=8)
-    ax.set_xticks(list(xs), [textwrap.fill(lab, 22) for lab, _, _ in pairs], fontsize=8)
-    ax.set(ylim=(0, 1.1), ylabel="accuracy (share of examples)", title=title)
-    ax.legend(fontsize=8)
-    return svg_of(fig)
-
 
 STYLE = (
     "body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;"
@@ -115,47 +34,22 @@ STYLE = (
 )
 # the summary table's columns: (summary.tsv column, label, shown as a share); `results` is
 # each run's headline figures, base beside tuned (headline_cell)
-SUMMARY = [("run", "run (model)", False), ("method", "method", False),
-           ("nodes_x_devices", "nodes × devices", False), ("steps", "steps", False),
-           ("final_loss", "final train loss", False),
-           ("results", "results (base → tuned)", False),
-           ("tokens_per_s", "tokens/s", False), ("padding", "padding", True),
-           ("mfu", "MFU", True),
-           ("expert_load_last_quarter", "expert load (busiest / even)", False),
-           ("aux_loss_last_quarter", "router aux loss", False),
-           ("wall_time_s", "wall time (s)", False), ("gpu_hours", "GPU-hours", False)]  # fmt: skip
+SUMMARY = [
+    ("run", "run (model)", False),
+    ("method", "method", False),
+    ("nodes_x_devices", "nodes × devices", False),
+    ("steps", "steps", False),
+    ("final_loss", "final train loss", False),
+    ("results", "results (base → tuned)", False),
+    ("tokens_per_s", "tokens/s", False),
+    ("padding", "padding", True),
+    ("mfu", "MFU", True),
+    ("expert_load_last_quarter", "expert load (busiest / even)", False),
+    ("aux_loss_last_quarter", "router aux loss", False),
+    ("wall_time_s", "wall time (s)", False),
+    ("gpu_hours", "GPU-hours", False),
+]
 ROUTER = ("expert_load_last_quarter", "aux_loss_last_quarter")
-
-
-def _gain(value: Any, percent: bool, higher_better: bool) -> str:
-    from html import escape
-
-    if value is None:
-        return "<td class='num'>–</td>"
-    good = (value > 0) == higher_better if value else None
-    cls = "" if good is None else (" gain-pos" if good else " gain-neg")
-    sign = "+" if value > 0 else ""
-    text = f"{sign}{100 * value:.1f} pt" if percent else f"{sign}{pretty(value)}"
-    return f"<td class='num{cls}'>{escape(text)}</td>"
-
-
-def comparison_table(ev: dict[str, Any]) -> str:
-    from html import escape
-
-    trs = []
-    for r in comparison_rows(ev):
-        shown = pretty(r.tuned, r.percent)
-        shown += f" ± {pretty(r.stderr)}" if r.stderr is not None else ""
-        label = f"<b>{escape(r.label)}</b>" if r.headline else escape(r.label)
-        trs.append(
-            f"<tr><td>{label}</td><td class='num'>{escape(pretty(r.base, r.percent))}"
-            f"</td><td class='num'>{escape(shown)}</td>"
-            f"{_gain(r.gain, r.percent, r.higher_is_better)}</tr>"
-        )
-    return (
-        "<table class='comparison'><tr><th>metric</th><th>base model</th><th>tuned</th>"
-        f"<th>gain</th></tr>{''.join(trs)}</table>"
-    )
 
 
 def scores_table(samples: list[dict[str, Any]], n: int) -> str:
@@ -166,20 +60,29 @@ def scores_table(samples: list[dict[str, Any]], n: int) -> str:
         f"<tr class='{'right' if ok else 'wrong'}'><td class='mark'>"
         f"{'✓ right' if ok else '✗ wrong'}</td><td>{s['example_id']}</td>"
         f"<td>{s['chosen_score']:.4g}</td><td>{s['rejected_score']:.4g}</td></tr>"
-        for s in samples[:n] for ok in [s["chosen_score"] > s["rejected_score"]]
-    )  # fmt: skip
-    return (f"<p>First {min(n, len(samples))} of {len(samples)} held-out pairs ({right} ranked "
-            "right: the chosen response scored higher).</p><table class='samples'><tr><th>"
-            "</th><th>pair</th><th>chosen score</th><th>rejected score</th></tr>"
-            f"{trs}</table>")  # fmt: skip
+        for s in samples[:n]
+        for ok in [s["chosen_score"] > s["rejected_score"]]
+    )
+    return (
+        f"<p>First {min(n, len(samples))} of {len(samples)} held-out pairs ({right} ranked "
+        "right: the chosen response scored higher).</p><table class='samples'><tr><th>"
+        "</th><th>pair</th><th>chosen score</th><th>rejected score</th></tr>"
+        f"{trs}</table>"
+    )
 
 
 def sample_scores(s: dict[str, Any]) -> str:
     """A generation's own figures: chrF, normalized match, the user's metrics."""
-    figures = {"chrF": s.get("chrf"), "normalized match": s.get("normalized_match"),
-               **(s.get("scores") or {})}  # fmt: skip
-    shown = {k: ("yes" if v else "no") if isinstance(v, bool) else pretty(v)
-             for k, v in figures.items() if v is not None}  # fmt: skip
+    figures = {
+        "chrF": s.get("chrf"),
+        "normalized match": s.get("normalized_match"),
+        **(s.get("scores") or {}),
+    }
+    shown = {
+        k: ("yes" if v else "no") if isinstance(v, bool) else pretty(v)
+        for k, v in figures.items()
+        if v is not None
+    }
     return "; ".join(f"{k} {v}" for k, v in shown.items())
 
 
@@ -204,9 +107,12 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
             f"<td><pre>{escape(str(s.get('reference', '')))}</pre></td>"
             f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
         )
-    said = (f"{right} of {len(checked)} answered right: the mark is exact match on the number "
-            "after ####" if checked else "the references have no final answer to check, so "
-            "each sample shows its scores")  # fmt: skip
+    said = (
+        f"{right} of {len(checked)} answered right: the mark is exact match on the number "
+        "after ####"
+        if checked
+        else "the references have no final answer to check, so each sample shows its scores"
+    )
     return (
         f"<p>First {min(n, len(samples))} of {len(samples)} held-out examples ({said}).</p>"
         "<table class='samples'><col style='width:13%'><col style='width:29%'>"
@@ -223,12 +129,20 @@ def sweep_section(sweep: str, best: dict[str, Any], rows: list[dict[str, str]], 
     keys = list(best["members"][0]["values"])
     by_run = {r["run"]: r for r in rows}
     metric = best["metric"]
-    cols = [("exact_match", "exact match", True), ("eval_loss", "held-out loss", False),
-            ("stop_rate", "stop rate", True), ("tokens_per_s", "tokens/s", False),
-            ("gpu_hours", "GPU-hours", False)]  # fmt: skip
-    head = ("<tr><th></th><th>member</th>" + "".join(f"<th>{escape(k)}</th>" for k in keys)
-            + f"<th>{escape(metric)} ({best['mode']})</th>"
-            + "".join(f"<th>{escape(label)}</th>" for _, label, _ in cols) + "</tr>")  # fmt: skip
+    cols = [
+        ("exact_match", "exact match", True),
+        ("eval_loss", "held-out loss", False),
+        ("stop_rate", "stop rate", True),
+        ("tokens_per_s", "tokens/s", False),
+        ("gpu_hours", "GPU-hours", False),
+    ]
+    head = (
+        "<tr><th></th><th>member</th>"
+        + "".join(f"<th>{escape(k)}</th>" for k in keys)
+        + f"<th>{escape(metric)} ({best['mode']})</th>"
+        + "".join(f"<th>{escape(label)}</th>" for _, label, _ in cols)
+        + "</tr>"
+    )
     trs = []
     for m in best["members"]:
         row, mark = by_run.get(m["run"], {}), m["run"] == best["best"]
@@ -237,15 +151,18 @@ def sweep_section(sweep: str, best: dict[str, Any], rows: list[dict[str, str]], 
             f"</td><td>{escape(m['run'])}</td>"
             + "".join(f"<td class='num'>{escape(str(m['values'][k]))}</td>" for k in keys)
             + f"<td class='num'>{escape(pretty(m[metric]))}</td>"
-            + "".join(f"<td class='num'>{escape(pretty(row.get(k), pct))}</td>"
-                      for k, _, pct in cols)
+            + "".join(
+                f"<td class='num'>{escape(pretty(row.get(k), pct))}</td>" for k, _, pct in cols
+            )
             + "</tr>"
-        )  # fmt: skip
-    return (f'<section id="sweep-{escape(sweep)}"><h2>Sweep {escape(sweep)}</h2>'
-            f"<p>{len(best['members'])} members; best by {escape(metric)} ({best['mode']}): "
-            f"<b>{escape(best['best'])}</b> (results/{escape(sweep)}/best.json)</p>"
-            f"<div class='wide'><table class='sweep'>{head}{''.join(trs)}</table></div>{svg}"
-            "</section>")  # fmt: skip
+        )
+    return (
+        f'<section id="sweep-{escape(sweep)}"><h2>Sweep {escape(sweep)}</h2>'
+        f"<p>{len(best['members'])} members; best by {escape(metric)} ({best['mode']}): "
+        f"<b>{escape(best['best'])}</b> (results/{escape(sweep)}/best.json)</p>"
+        f"<div class='wide'><table class='sweep'>{head}{''.join(trs)}</table></div>{svg}"
+        "</section>"
+    )
 
 
 def attempts_table(attempts: list[dict[str, Any]]) -> str:
@@ -259,16 +176,19 @@ def attempts_table(attempts: list[dict[str, Any]]) -> str:
         f"<tr><td class='num'>{a['attempt']}</td>"
         f"<td>{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(a.get('began', 0)))}</td>"
         f"<td>{escape(str(a.get('host', '')))}"
-        + (f" (SLURM job {escape(str(a['job']))})" if a.get("job") else "") + "</td>"
+        + (f" (SLURM job {escape(str(a['job']))})" if a.get("job") else "")
+        + "</td>"
         f"<td class='num'>{escape(str(a.get('exit', '-')))}</td>"
         f"<td>{escape(str(a.get('reason', '')))}</td>"
         f"<td><code>train/{escape(str(a.get('log', '')))}</code></td></tr>"
         for a in attempts
-    )  # fmt: skip
-    return (f"<details{' open' if failed else ''}><summary>Training attempts: {len(attempts)}"
-            f"{f', {failed} ended early or failed' if failed else ''}</summary><table>"
-            "<tr><th>#</th><th>began</th><th>host</th><th>exit</th><th>reason</th>"
-            f"<th>log</th></tr>{rows}</table></details>")  # fmt: skip
+    )
+    return (
+        f"<details{' open' if failed else ''}><summary>Training attempts: {len(attempts)}"
+        f"{f', {failed} ended early or failed' if failed else ''}</summary><table>"
+        "<tr><th>#</th><th>began</th><th>host</th><th>exit</th><th>reason</th>"
+        f"<th>log</th></tr>{rows}</table></details>"
+    )
 
 
 def estimate_said(row: dict[str, str]) -> str | None:
@@ -290,9 +210,9 @@ def worse_than_start(row: dict[str, str]) -> str | None:
         return None
     (key,) = [k for k in row if k.startswith("start_heldout_")]
     metric = key.removeprefix("start_heldout_")
-    return heldout.worse_than_start(metric, float(row[key]),
-                                    float(row[f"exported_heldout_{metric}"]),
-                                    int(row["exported_step"]))  # fmt: skip
+    return heldout.worse_than_start(
+        metric, float(row[key]), float(row[f"exported_heldout_{metric}"]), int(row["exported_step"])
+    )
 
 
 def headline_cell(row: dict[str, str]) -> str:
@@ -314,8 +234,9 @@ def summary_cell(row: dict[str, str], key: str, percent: bool) -> str:
     from html import escape
 
     if key == "run":
-        return (f"<td class='name'>{escape(row['run'])}<br><small>{escape(row['model'])}"
-                "</small></td>")  # fmt: skip
+        return (
+            f"<td class='name'>{escape(row['run'])}<br><small>{escape(row['model'])}</small></td>"
+        )
     if key == "method":
         return f"<td class='name'>{escape(row[key])}</td>"
     if key == "results":
@@ -323,11 +244,16 @@ def summary_cell(row: dict[str, str], key: str, percent: bool) -> str:
     return f"<td class='num'>{escape(pretty(row.get(key), percent))}</td>"
 
 
-def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
-                 evals: dict[str, dict[str, Any]], samples: dict[str, list[dict[str, Any]]],
-                 lineages: dict[str, tuple[str, str, str]] | None = None,
-                 n_samples: int = 8, sweeps: list[str] | None = None,
-                 attempts: dict[str, list[dict[str, Any]]] | None = None) -> str:  # fmt: skip
+def summary_html(
+    rows: list[dict[str, str]],
+    plots: dict[str, str],
+    evals: dict[str, dict[str, Any]],
+    samples: dict[str, list[dict[str, Any]]],
+    lineages: dict[str, tuple[str, str, str]] | None = None,
+    n_samples: int = 8,
+    sweeps: list[str] | None = None,
+    attempts: dict[str, list[dict[str, Any]]] | None = None,
+) -> str:
     """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
     run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
     and its provenance link and lineage."""
@@ -336,40 +262,19 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
     # a mixture of experts' router columns only where a run has them
     columns = [c for c in SUMMARY if c[0] not in ROUTER or any(r.get(c[0]) for r in rows)]
     head = "".join(f"<th class='{key}'>{escape(label)}</th>" for key, label, _ in columns)
-    body = "".join("<tr>" + "".join(summary_cell(row, key, pct) for key, _, pct in columns)
-                   + "</tr>" for row in rows)  # fmt: skip
-    sections = []
+    body = "".join(
+        "<tr>" + "".join(summary_cell(row, key, pct) for key, _, pct in columns) + "</tr>"
+        for row in rows
+    )
     by_run = {row["run"]: row for row in rows}
-    for run, svg in plots.items():
-        parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>',
-                 "<h3>Training</h3>", svg]  # fmt: skip
-        said = estimate_said(by_run.get(run, {}))
-        if said:
-            parts.append(f"<p class='estimate'>{escape(said)}</p>")
-        warning = worse_than_start(by_run.get(run, {}))
-        if warning:
-            parts.append(f'<p class="warn">{escape(warning)}</p>')
-        for line in filter(None, (by_run.get(run, {}).get("warnings") or "").split(" | ")):
-            parts.append(f'<p class="warn">Training warned: {escape(line)}</p>')
-        ev = evals.get(run)
-        if ev is not None:
-            parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))
-            chart = comparison_svg(ev, f"{run}: base versus tuned")
-            parts.append(chart or "")
-        if lineages and run in lineages:
-            href, artefact, text = lineages[run]
-            parts.append(
-                f'<p class="lineage"><a href="{escape(href)}">provenance</a> '
-                f"(<code>snaketune lineage {escape(artefact)}</code>)</p>"
-                f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
-            )
-        if attempts and attempts.get(run):
-            parts.append(attempts_table(attempts[run]))
-        if samples.get(run):
-            pairs = not method_named(by_run[run]["method"]).generates if run in by_run else False
-            table = (scores_table if pairs else samples_table)(samples[run], n_samples)
-            parts.append("<h3>Samples</h3>" + table)
-        sections.append("".join(parts) + "</section>")
+    sections = [
+        run_section(run, svg, by_run.get(run, {}), evals.get(run))
+        + lineage_html(run, lineages)
+        + (attempts_table(attempts[run]) if attempts and attempts.get(run) else "")
+        + samples_html(by_run.get(run, {}), samples.get(run), n_samples)
+        + "</section>"
+        for run, svg in plots.items()
+    ]
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
@@ -378,4 +283,46 @@ def summary_html(rows: list[dict[str, str]], plots: dict[str, str],
         f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
         f"{''.join(sweeps or [])}"
         f"{''.join(sections)}</body></html>\n"
+    )
+
+
+def run_section(run: str, svg: str, row: dict[str, str], ev: dict[str, Any] | None) -> str:
+    """A run's section, opened: its training plots, the estimate and warnings, base versus
+    tuned."""
+    from html import escape
+
+    parts = [f'<section id="run-{escape(run)}"><h2>{escape(run)}</h2>', "<h3>Training</h3>", svg]
+    said = estimate_said(row)
+    if said:
+        parts.append(f"<p class='estimate'>{escape(said)}</p>")
+    warning = worse_than_start(row)
+    if warning:
+        parts.append(f'<p class="warn">{escape(warning)}</p>')
+    for line in filter(None, (row.get("warnings") or "").split(" | ")):
+        parts.append(f'<p class="warn">Training warned: {escape(line)}</p>')
+    if ev is not None:
+        parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))
+        parts.append(comparison_svg(ev, f"{run}: base versus tuned") or "")
+    return "".join(parts)
+
+
+def samples_html(row: dict[str, str], samples: list[dict[str, Any]] | None, n: int) -> str:
+    """The run's samples marked right or wrong (a scoring model's: its scored pairs)."""
+    if not samples:
+        return ""
+    pairs = not method_named(row["method"]).generates if row else False
+    return "<h3>Samples</h3>" + (scores_table if pairs else samples_table)(samples, n)
+
+
+def lineage_html(run: str, lineages: dict[str, tuple[str, str, str]] | None) -> str:
+    """The run's provenance link and its lineage, folded."""
+    from html import escape
+
+    if not lineages or run not in lineages:
+        return ""
+    href, artefact, text = lineages[run]
+    return (
+        f'<p class="lineage"><a href="{escape(href)}">provenance</a> '
+        f"(<code>snaketune lineage {escape(artefact)}</code>)</p>"
+        f"<details><summary>lineage</summary><pre>{escape(text)}</pre></details>"
     )

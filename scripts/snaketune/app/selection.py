@@ -11,8 +11,11 @@ from snaketune.core.errors import ConfigError
 from snaketune.plan.sweep import AUTO, EVAL_FIGURES
 
 
-def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,
-            held: list[dict[str, Any]] | None = None) -> dict[str, float]:  # fmt: skip
+def figures(
+    metrics: Mapping[str, Any] | None,
+    train_loss: float | None,
+    held: list[dict[str, Any]] | None = None,
+) -> dict[str, float]:
     """Every figure a member can be selected on (``held``: its held-out rows while
     training, whose best figures count too)."""
     from snaketune.app.summary import lm_eval_columns
@@ -21,15 +24,23 @@ def figures(metrics: Mapping[str, Any] | None, train_loss: float | None,
     if train_loss is not None:
         out["train_loss"] = train_loss
     for key, best in (("loss", min), ("exact_match", max)):
-        seen = [r[f"heldout_{key}"] for r in held or () if r.get("step", 0) > 0
-                and f"heldout_{key}" in r]  # fmt: skip
+        seen = [
+            r[f"heldout_{key}"]
+            for r in held or ()
+            if r.get("step", 0) > 0 and f"heldout_{key}" in r
+        ]
         if seen:
             out[f"heldout_{key}_best"] = best(seen)
     if metrics:
         out.update({k: metrics[k] for k in EVAL_FIGURES if metrics.get(k) is not None})
         out.update({k: f["value"] for k, f in (metrics.get("figures") or {}).items()})
-        out.update({k: v for k, v in lm_eval_columns(metrics).items()
-                    if not k.startswith(("base_", "gain_")) and v is not None})  # fmt: skip
+        out.update(
+            {
+                k: v
+                for k, v in lm_eval_columns(metrics).items()
+                if not k.startswith(("base_", "gain_")) and v is not None
+            }
+        )
     return out
 
 
@@ -74,9 +85,7 @@ def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) ->
         "value": scored[best],
         "values": members[best]["values"],
         "figures": members[best]["figures"],
-        "members": [
-            {"run": m, "values": members[m]["values"], metric: scored[m]} for m in members
-        ],  # fmt: skip
+        "members": [{"run": m, "values": members[m]["values"], metric: scored[m]} for m in members],
     }
     if why:
         out["metric_chosen"] = f"sweep_select auto: {metric} ({why})"
@@ -86,8 +95,11 @@ def select(members: Mapping[str, Mapping[str, Any]], rule: Mapping[str, str]) ->
     return out
 
 
-def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any],
-                curves: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+def best_member(
+    specs: Mapping[str, Mapping[str, Any]],
+    evals: Mapping[str, Any],
+    curves: Mapping[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
     """best.json of one sweep from its members' run configs, eval metrics (where they have
     them) and training metrics rows: what select_sweep writes and the report shows."""
     info = {}
@@ -95,7 +107,9 @@ def best_member(specs: Mapping[str, Mapping[str, Any]], evals: Mapping[str, Any]
         losses = [r["loss"] for r in curves[name] if r.get("loss") is not None]
         last = losses[-1] if losses else None
         held = [r for r in curves[name] if "heldout_loss" in r]
-        info[name] = {"values": spec["sweep_of"]["values"],
-                      "figures": figures(evals.get(name), last, held),
-                      "headline": (evals.get(name) or {}).get("headline")}  # fmt: skip
+        info[name] = {
+            "values": spec["sweep_of"]["values"],
+            "figures": figures(evals.get(name), last, held),
+            "headline": (evals.get(name) or {}).get("headline"),
+        }
     return select(info, next(iter(specs.values()))["sweep_of"]["select"])

@@ -32,8 +32,9 @@ def slurm_jobs(runs: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
     if shutil.which("squeue") is None:
         return {}
     try:
-        out = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%T|%k"], capture_output=True,
-                             text=True, timeout=20).stdout  # fmt: skip
+        out = subprocess.run(
+            ["squeue", "--me", "-h", "-o", "%i|%T|%k"], capture_output=True, text=True, timeout=20
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     found = {}
@@ -43,8 +44,11 @@ def slurm_jobs(runs: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
         if not match:
             continue
         wildcards = match["wildcards"]
-        run = max((r for r in runs if wildcards == r or wildcards.startswith(r + "_")),
-                  key=len, default=None)  # fmt: skip
+        run = max(
+            (r for r in runs if wildcards == r or wildcards.startswith(r + "_")),
+            key=len,
+            default=None,
+        )
         if run is not None:
             found[(match["rule"], run)] = (job, state.lower())
     return found
@@ -70,7 +74,7 @@ def started_outputs(workdir: Path) -> tuple[list[str], bool]:
 def train_state(folder: Path) -> str | None:
     """A train job that has started: running (its step, loss, tokens/s, ETA and attempt),
     or how its last attempt ended; None: never started."""
-    from snaketune.train.attempts import live_progress, read_attempts
+    from snaketune.train.attemptlog import live_progress, read_attempts
 
     attempts = read_attempts(folder)
     if not attempts:
@@ -100,8 +104,9 @@ def headline(metrics: Path) -> str:
     return ", ".join(parts) or "evaluated"
 
 
-def run_status(run_dir: Path, queued: dict[tuple[str, str], tuple[str, str]],
-               started: tuple[list[str], bool]) -> list[str]:  # fmt: skip
+def run_status(
+    run_dir: Path, queued: dict[tuple[str, str], tuple[str, str]], started: tuple[list[str], bool]
+) -> list[str]:
     """The lines of one run: a line per stage, then its warnings."""
     from snaketune.train.vitals import read
 
@@ -109,8 +114,9 @@ def run_status(run_dir: Path, queued: dict[tuple[str, str], tuple[str, str]],
     lines = [f"run {run}"]
     for stage, outputs in STAGES:
         done = next((o for o in outputs if (run_dir / o).exists()), None)
-        making = any(p.startswith(f"results/{run}/{o.split('/')[0]}") for o in outputs
-                     for p in started[0])  # fmt: skip
+        making = any(
+            p.startswith(f"results/{run}/{o.split('/')[0]}") for o in outputs for p in started[0]
+        )
         state = None
         if done and stage == "evaluate":
             state = f"done: {headline(run_dir / done)}"

@@ -15,18 +15,50 @@ from snaketune.budget.cost import estimate_columns
 from snaketune.core.heldout import split_rows
 from snaketune.train.vitals import read as read_warnings
 
-COLUMNS = ["run", "sweep", "model", "method", "nodes_x_devices", "steps", "final_loss",
-           "reward_first_quarter", "reward_last_quarter",
-           "reward_accuracy_last_quarter", "reward_margin_last_quarter", "tokens_per_s",
-           "padding", "mfu", "headline", "eval_loss", "perplexity", "exact_match",
-           "base_exact_match", "gain_exact_match", "math_verify", "base_math_verify",
-           "gain_math_verify", "stop_rate", "base_stop_rate", "preference_accuracy",
-           "gain_preference_accuracy",
-           "reward_margin", "likelihood_accuracy", "base_likelihood_accuracy",
-           "gain_loss", "wall_time_s", "jobs", "outside_training_s", "gpu_hours",
-           "estimated_train_wall_s", "estimate_error", "estimate_basis",
-           "allreduce_busbw_gbps", "aux_loss_last_quarter", "expert_load_last_quarter",
-           "warnings"]  # fmt: skip
+COLUMNS = [
+    "run",
+    "sweep",
+    "model",
+    "method",
+    "nodes_x_devices",
+    "steps",
+    "final_loss",
+    "reward_first_quarter",
+    "reward_last_quarter",
+    "reward_accuracy_last_quarter",
+    "reward_margin_last_quarter",
+    "tokens_per_s",
+    "padding",
+    "mfu",
+    "headline",
+    "eval_loss",
+    "perplexity",
+    "exact_match",
+    "base_exact_match",
+    "gain_exact_match",
+    "math_verify",
+    "base_math_verify",
+    "gain_math_verify",
+    "stop_rate",
+    "base_stop_rate",
+    "preference_accuracy",
+    "gain_preference_accuracy",
+    "reward_margin",
+    "likelihood_accuracy",
+    "base_likelihood_accuracy",
+    "gain_loss",
+    "wall_time_s",
+    "jobs",
+    "outside_training_s",
+    "gpu_hours",
+    "estimated_train_wall_s",
+    "estimate_error",
+    "estimate_basis",
+    "allreduce_busbw_gbps",
+    "aux_loss_last_quarter",
+    "expert_load_last_quarter",
+    "warnings",
+]
 
 
 def _fmt(value: Any) -> str:
@@ -61,8 +93,14 @@ def quarters(values: list[float]) -> tuple[float, float]:
 
 def reward_names(metrics: list[dict[str, Any]]) -> list[str]:
     """The rewards a GRPO run logged on its own (``reward_<key>_mean``), first seen first."""
-    return list(dict.fromkeys(k[len("reward_") : -len("_mean")] for m in metrics for k in m
-                              if k.startswith("reward_") and k.endswith("_mean")))  # fmt: skip
+    return list(
+        dict.fromkeys(
+            k[len("reward_") : -len("_mean")]
+            for m in metrics
+            for k in m
+            if k.startswith("reward_") and k.endswith("_mean")
+        )
+    )
 
 
 def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
@@ -83,8 +121,7 @@ def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
     rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
     if not rewards:
         return {}
-    out = dict(zip(("reward_first_quarter", "reward_last_quarter"), quarters(rewards),
-                   strict=True))  # fmt: skip
+    out = dict(zip(("reward_first_quarter", "reward_last_quarter"), quarters(rewards), strict=True))
     for name in reward_names(metrics):
         key = f"reward_{name}_mean"
         first, last = quarters([m[key] for m in metrics if m.get(key) is not None])
@@ -98,9 +135,11 @@ def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
     rows = [m for m in metrics if m.get("reward_margin") is not None]
     if not rows:
         return {}
-    return {f"{key}_last_quarter": quarters([m[key] for m in rows])[1]
-            for key in ("reward_accuracy", "reward_margin")
-            if all(m.get(key) is not None for m in rows)}  # fmt: skip
+    return {
+        f"{key}_last_quarter": quarters([m[key] for m in rows])[1]
+        for key in ("reward_accuracy", "reward_margin")
+        if all(m.get(key) is not None for m in rows)
+    }
 
 
 def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[str, Any]:
@@ -108,8 +147,11 @@ def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[s
     was exported from with its figure (export.checkpoint: best)."""
     if not held:
         return {}
-    out = {f"heldout_{k}_last": held[-1][f"heldout_{k}"] for k in ("loss", "exact_match")
-           if f"heldout_{k}" in held[-1]}  # fmt: skip
+    out = {
+        f"heldout_{k}_last": held[-1][f"heldout_{k}"]
+        for k in ("loss", "exact_match")
+        if f"heldout_{k}" in held[-1]
+    }
     if exported:
         out["exported_step"] = exported["step"]
         if "metric" in exported:
@@ -120,14 +162,21 @@ def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[s
     return out
 
 
-def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: Path | None,
-                train_benchmark: Path | None) -> dict[str, str]:  # fmt: skip
+def summary_row(
+    run: str,
+    spec: dict[str, Any],
+    train_dir: Path,
+    eval_metrics: Path | None,
+    train_benchmark: Path | None,
+) -> dict[str, str]:
     from snaketune.core.io import read_jsonl
 
     metrics, held = split_rows(read_jsonl(train_dir / "metrics.jsonl"))
     provenance = json.loads((train_dir / "provenance.json").read_text())
     row: dict[str, Any] = {
-        "run": run, "model": spec["model"], "method": spec["method"],
+        "run": run,
+        "model": spec["model"],
+        "method": spec["method"],
         "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
         "steps": metrics[-1]["step"] if metrics else 0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
@@ -136,7 +185,7 @@ def summary_row(run: str, spec: dict[str, Any], train_dir: Path, eval_metrics: P
         **throughput(metrics),
         **router_quarter(metrics),
         **heldout_columns(held, provenance.get("exported")),
-    }  # fmt: skip
+    }
     if eval_metrics is not None:
         ev = json.loads(eval_metrics.read_text())
         row.update(figure_columns(ev))  # what the evaluation measured, base beside tuned
@@ -262,8 +311,10 @@ def headline(summary_tsv: Path, html: Path) -> str:
         rows = list(csv.DictReader(fh, delimiter="\t"))
     parts = [f"report: {html}"]
     for r in rows:
-        figures = [f"{d.short} {value}" + (f" (base {base})" if base else "")
-                   for d, value, base in headline_figures(r)]  # fmt: skip
+        figures = [
+            f"{d.short} {value}" + (f" (base {base})" if base else "")
+            for d, value, base in headline_figures(r)
+        ]
         if not figures and r.get("final_loss"):
             figures.append(f"final loss {r['final_loss']}")
         parts.append(f"{r['run']}: {', '.join(figures)}")

@@ -90,8 +90,9 @@ class LogHandler(LogHandlerBase):
         self.stream = sys.stdout if s.stdout else sys.stderr
         self.full = bool(s.printshellcmds or s.verbose or s.debug_dag)
         quiet = set(s.quiet or ())
-        self.default_filter = DefaultFilter(quiet, s.debug_dag, s.verbose, s.dryrun,
-                                            s.printshellcmds)  # fmt: skip
+        self.default_filter = DefaultFilter(
+            quiet, s.debug_dag, s.verbose, s.dryrun, s.printshellcmds
+        )
         self.default = DefaultFormatter(quiet, s.show_failed_logs)
         self.jobs: dict[int, tuple[str, dict[str, Any]]] = {}  # job id: rule, wildcards
         self.finished: list[int] = []
@@ -127,23 +128,34 @@ class LogHandler(LogHandlerBase):
             self.jobs[record.jobid] = (record.rule_name, record.wildcards)
             if record.rule_name == "all":
                 return []
-            return [f"{now} started {job_title(record.rule_name, record.wildcards)}, "
-                    f"job {record.jobid}"]  # fmt: skip
+            return [
+                f"{now} started {job_title(record.rule_name, record.wildcards)}, job {record.jobid}"
+            ]
         if event == "job_finished":
             self.finished.append(record.job_id)
             return []
         if event == "progress":
             done, self.finished = self.finished, []
-            return [f"{now} finished {job_title(*self.jobs[j])}, {record.done} of "
-                    f"{record.total - self.targets} jobs done"
-                    for j in done if self.jobs.get(j, ("all",))[0] != "all"]  # fmt: skip
+            return [
+                f"{now} finished {job_title(*self.jobs[j])}, {record.done} of "
+                f"{record.total - self.targets} jobs done"
+                for j in done
+                if self.jobs.get(j, ("all",))[0] != "all"
+            ]
         if event == "job_error":
             return self.error_lines(now, record)
         if event == "run_info" and isinstance(getattr(record, "stats", None), dict):
             self.targets = record.stats.get("all", 0)
             return [stats_line(record.stats)]
-        if event in ("job_started", "shellcmd", "resources_info", "debug_dag", "rulegraph",
-                     "workflow_started", "group_info"):  # fmt: skip
+        if event in (
+            "job_started",
+            "shellcmd",
+            "resources_info",
+            "debug_dag",
+            "rulegraph",
+            "workflow_started",
+            "group_info",
+        ):
             return []
         if event in ("group_error",):
             return [self.default.format(record)]
@@ -159,6 +171,8 @@ class LogHandler(LogHandlerBase):
         logs = list(record.log or [])
         where = f"; log: {', '.join(logs)}" if logs else ""
         aux = "".join(f"; {k}: {v}" for k, v in (record.aux or {}).items())
-        head = (f"{now} Error in rule {record.rule_name}: {wildcards + ', ' if wildcards else ''}"
-                f"job {record.jobid}{where}{aux}")  # fmt: skip
+        head = (
+            f"{now} Error in rule {record.rule_name}: {wildcards + ', ' if wildcards else ''}"
+            f"job {record.jobid}{where}{aux}"
+        )
         return [head, *(log_excerpt(logs) if self.common_settings.show_failed_logs else [])]

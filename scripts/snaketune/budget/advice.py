@@ -24,25 +24,48 @@ def changes(s: Setup) -> list[tuple[str, Setup]]:
     m = s.micro_batch_size
     while m > 1:
         m //= 2
-        out.append((f"micro_batch_size: {m} (raise gradient_accumulation_steps to keep the "
-                    "global batch)", replace(s, micro_batch_size=m)))  # fmt: skip
+        out.append(
+            (
+                f"micro_batch_size: {m} (raise gradient_accumulation_steps to keep the "
+                "global batch)",
+                replace(s, micro_batch_size=m),
+            )
+        )
     if not s.gradient_checkpointing:
         out.append(("gradient_checkpointing: true", replace(s, gradient_checkpointing=True)))
     if s.stage < 3:
         out.append(("deepspeed: zero3", replace(s, stage=3)))
-        out.append(("deepspeed: zero3 with gradient_checkpointing: true",
-                    replace(s, stage=3, gradient_checkpointing=True)))  # fmt: skip
+        out.append(
+            (
+                "deepspeed: zero3 with gradient_checkpointing: true",
+                replace(s, stage=3, gradient_checkpointing=True),
+            )
+        )
     if s.adapter == "lora" and not s.quantized:
         out.append(("lora.quantize: 4bit (QLoRA)", replace(s, quantized=True)))
-        out.append(("lora.quantize: 4bit with gradient_checkpointing: true",
-                    replace(s, quantized=True, gradient_checkpointing=True)))  # fmt: skip
+        out.append(
+            (
+                "lora.quantize: 4bit with gradient_checkpointing: true",
+                replace(s, quantized=True, gradient_checkpointing=True),
+            )
+        )
         both = replace(s, quantized=True, stage=3, gradient_checkpointing=True)
-        out.append(("lora.quantize: 4bit with deepspeed: zero3 and gradient_checkpointing: "
-                    "true", both))  # fmt: skip
+        out.append(
+            ("lora.quantize: 4bit with deepspeed: zero3 and gradient_checkpointing: true", both)
+        )
     if not (s.offload_optimizer and s.offload_params) and not s.quantized:
-        out.append(("deepspeed: zero3_offload (optimizer and weights in CPU memory)",
-                    replace(s, stage=3, offload_optimizer=True, offload_params=True,
-                            gradient_checkpointing=True)))  # fmt: skip
+        out.append(
+            (
+                "deepspeed: zero3_offload (optimizer and weights in CPU memory)",
+                replace(
+                    s,
+                    stage=3,
+                    offload_optimizer=True,
+                    offload_params=True,
+                    gradient_checkpointing=True,
+                ),
+            )
+        )
     nodes = s.nodes
     while nodes < 64:
         nodes *= 2
@@ -64,9 +87,14 @@ def _groups(s: Setup) -> list[list[tuple[float, str, dict[str, Any]]]]:
     micro, m, halvings = [], s.micro_batch_size, 0
     while m > 1:
         m, halvings = m // 2, halvings + 1
-        micro.append((1 + 0.1 * halvings, f"micro_batch_size: {m} (raise "
-                      "gradient_accumulation_steps to keep the global batch)",
-                      {"micro_batch_size": m}))  # fmt: skip
+        micro.append(
+            (
+                1 + 0.1 * halvings,
+                f"micro_batch_size: {m} (raise "
+                "gradient_accumulation_steps to keep the global batch)",
+                {"micro_batch_size": m},
+            )
+        )
     groups = [micro]
     if not s.gradient_checkpointing:
         groups.append([(2, "gradient_checkpointing: true", {"gradient_checkpointing": True})])
@@ -74,8 +102,13 @@ def _groups(s: Setup) -> list[list[tuple[float, str, dict[str, Any]]]]:
     if s.stage < 3:
         zero.append((3, "deepspeed: zero3", {"stage": 3}))
     if not (s.offload_optimizer and s.offload_params) and not s.quantized:
-        zero.append((6, "deepspeed: zero3_offload (optimizer and weights in CPU memory)",
-                     {"stage": 3, "offload_optimizer": True, "offload_params": True}))  # fmt: skip
+        zero.append(
+            (
+                6,
+                "deepspeed: zero3_offload (optimizer and weights in CPU memory)",
+                {"stage": 3, "offload_optimizer": True, "offload_params": True},
+            )
+        )
     groups.append(zero)
     if s.adapter == "lora" and not s.quantized:
         groups.append([(4, "lora.quantize: 4bit (QLoRA)", {"quantized": True})])
@@ -87,8 +120,9 @@ def _groups(s: Setup) -> list[list[tuple[float, str, dict[str, Any]]]]:
     return [g for g in groups if g]
 
 
-def cheapest_combination(shape: Shape, s: Setup, gpu_gib: float,
-                         most: int = 3) -> tuple[list[str], float] | None:  # fmt: skip
+def cheapest_combination(
+    shape: Shape, s: Setup, gpu_gib: float, most: int = 3
+) -> tuple[list[str], float] | None:
     """The cheapest set of at most ``most`` changes (``_groups``) that together fit
     ``gpu_gib``: (their words, the total GiB per GPU then); None when none does."""
     from itertools import combinations, product
@@ -133,8 +167,10 @@ def plan_run(shape: Shape, s: Setup, gpu_gib: float | None) -> dict[str, Any]:
                 out["suggestion"] = NOTHING_FITS
             else:
                 what, total = together
-                out["suggestion"] = (f"no single change fits; together: {'; '.join(what)} "
-                                     f"(then {total:.1f} GiB per GPU)")  # fmt: skip
+                out["suggestion"] = (
+                    f"no single change fits; together: {'; '.join(what)} "
+                    f"(then {total:.1f} GiB per GPU)"
+                )
     return out
 
 
@@ -142,8 +178,16 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     """One line: the run, the per-GPU total and its parts, against what the GPU has; what
     it leaves out, if anything."""
     g = plan["per_gpu_gib"]
-    names = ("weights", "gradients", "optimizer", "activations", "reference", "reward_models",
-             "vllm", "margin")  # fmt: skip
+    names = (
+        "weights",
+        "gradients",
+        "optimizer",
+        "activations",
+        "reference",
+        "reward_models",
+        "vllm",
+        "margin",
+    )
     labels = {"reference": "reference copy", "reward_models": "reward models", "vllm": "vLLM"}
     if plan.get("quantized"):
         labels["weights"] = "weights (4-bit base)"
@@ -152,10 +196,14 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
     verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
     moe = ""
     if plan.get("experts"):
-        moe = (f" [a mixture of {plan['experts']} experts: {plan['params'] / 1e9:.1f}B weights, "
-               f"{plan['active_params'] / 1e9:.1f}B active per token]")  # fmt: skip
-    line = (f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
-            f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node{moe}")  # fmt: skip
+        moe = (
+            f" [a mixture of {plan['experts']} experts: {plan['params'] / 1e9:.1f}B weights, "
+            f"{plan['active_params'] / 1e9:.1f}B active per token]"
+        )
+    line = (
+        f"{run}: {g['total']:.1f} GiB per GPU ({parts}) against {against}: {verdict}; "
+        f"CPU {plan['cpu_gib_per_node']:.1f} GiB per node{moe}"
+    )
     if plan["suggestion"]:
         line += f"; cheapest change that fits: {plan['suggestion']}"
     if plan.get("not_counted"):

@@ -20,8 +20,9 @@ def same_shape(a: Any, b: Any) -> bool:
     return dataclasses.replace(a, counted=None) == dataclasses.replace(b, counted=None)
 
 
-def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
-                ) -> dict[str, Any] | None:  # fmt: skip
+def calibration(
+    config: dict[str, Any], name: str, workdir: Path, shape: Any
+) -> dict[str, Any] | None:
     """The newest finished run under ``workdir``/results like this one (the same model
     shape, method, adapter and device kind; not the run itself): its measured tokens/s
     (over all its devices) and its train job's time outside the steps (start-up, saving,
@@ -41,17 +42,21 @@ def calibration(config: dict[str, Any], name: str, workdir: Path, shape: Any
             record = json.loads(prov.read_text())
             spec = json.loads((prov.parent / "run_config.json").read_text())
             manifest = json.loads((prov.parent.parent / "shards/manifest.json").read_text())
-            model = json.loads((workdir / "resources/models" / spec["model"] / "config.json")
-                               .read_text())  # fmt: skip
+            model = json.loads(
+                (workdir / "resources/models" / spec["model"] / "config.json").read_text()
+            )
         except (OSError, ValueError, KeyError):
             continue
         seg = record.get("segments") or {}
         if other == name or not seg.get("train_s") or record.get("device") is None:
             continue
-        same = (same_shape(shape_of(model), shape) and method_of(spec) is method_of(run)
-                and method_of(spec).adapter_of(spec) == kind
-                and (record["device"] == "cpu") == (gpu is None)
-                and spec.get("gpu", gpu) == gpu)  # fmt: skip
+        same = (
+            same_shape(shape_of(model), shape)
+            and method_of(spec) is method_of(run)
+            and method_of(spec).adapter_of(spec) == kind
+            and (record["device"] == "cpu") == (gpu is None)
+            and spec.get("gpu", gpu) == gpu
+        )
         if not same:
             continue
         rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
@@ -88,8 +93,7 @@ def benchmark_seconds(path: Path) -> float:
         return float(next(csv.DictReader(fh, delimiter="\t"))["s"])
 
 
-def stage_seconds(workdir: Path, run: str, rules: tuple[str, ...] = RUN_STAGES
-                  ) -> dict[str, float]:  # fmt: skip
+def stage_seconds(workdir: Path, run: str, rules: tuple[str, ...] = RUN_STAGES) -> dict[str, float]:
     """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
     out: dict[str, float] = {}
     for rule in rules:

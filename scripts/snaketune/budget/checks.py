@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget.planlines import check_steps
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
 
 # What rule make_fixtures makes (workflow/rules/fixtures.smk; tests/test_config.py checks
@@ -140,7 +141,7 @@ def unreadable_models(
 ) -> tuple[list[str], dict[str, list[str]]]:
     """Split ``runs`` into those whose model's config.json can be read now and, by reason,
     those whose cannot (a Hub model not downloaded yet on an offline machine)."""
-    from snaketune.budget.fit import locate_config_json
+    from snaketune.budget.modelfiles import locate_config_json
 
     ready, waiting = [], {}
     for name in runs:
@@ -166,7 +167,8 @@ def before_queueing(
     together), lm-eval tasks lm-eval does not know, SLURM jobs their partition cannot take.
     Notes (what fits, what could not be checked and why) go to stderr."""
     from snaketune.budget.diskplan import check_disk_runs
-    from snaketune.budget.fit import check_runs, download_advice, readable_shape
+    from snaketune.budget.fit import check_runs, readable_shape
+    from snaketune.budget.modelfiles import download_advice
     from snaketune.evaluation.lmeval import check_tasks
     from snaketune.plan.stages import base_evaluations
 
@@ -174,22 +176,30 @@ def before_queueing(
     runs, waiting = unreadable_models(config, training, workdir)
     for why, names in waiting.items():
         hub = config["models"][config["runs"][names[0]]["model"]]["source"] == "hub"
-        print(f"plans: not checked yet: run(s) {', '.join(names)} ({why}); memory and disk "
-              "are checked when the workflow runs once the model is there"
-              + (f"; to check them now, {download_advice()}" if hub else ""),
-              file=sys.stderr)  # fmt: skip
-    mem_mb = {job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs
-              if job.rule == "train"}  # fmt: skip
+        print(
+            f"plans: not checked yet: run(s) {', '.join(names)} ({why}); memory and disk "
+            "are checked when the workflow runs once the model is there"
+            + (f"; to check them now, {download_advice()}" if hub else ""),
+            file=sys.stderr,
+        )
+    mem_mb = {
+        job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs if job.rule == "train"
+    }
     bases = base_evaluations(config) if any(j.rule == "evaluate_base" for j in jobs) else {}
     stage_mem = {
-        (job.rule, job.wildcards.get("run") or bases[job.wildcards["key"]]["run"]):
-        job.resources.get("mem_mb") for job in jobs if job.rule in PLANNED_JOBS
-    }  # fmt: skip
+        (
+            job.rule,
+            job.wildcards.get("run") or bases[job.wildcards["key"]]["run"],
+        ): job.resources.get("mem_mb")
+        for job in jobs
+        if job.rule in PLANNED_JOBS
+    }
     found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb, stage_mem)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
-    runtime = {job.wildcards["run"]: job.resources.get("runtime") for job in jobs
-               if job.rule == "train"}  # fmt: skip
+    runtime = {
+        job.wildcards["run"]: job.resources.get("runtime") for job in jobs if job.rule == "train"
+    }
     shapes = {name: readable_shape(config, config["runs"][name], workdir) for name in training}
     found += check_steps(config, shapes, workdir, runtime, record)
     for name in training:  # what changed since a run's last training, by key
@@ -236,8 +246,11 @@ def check_partitions(jobs: list[Job]) -> list[str]:
     asked = [(job.rule, job.resources) for job in jobs]
     leads = check_signal_leads(asked)
     if shutil.which("sinfo") is None:
-        print("slurm: partitions not checked: sinfo not found (not a SLURM login node); "
-              "they are checked when the workflow runs there", file=sys.stderr)  # fmt: skip
+        print(
+            "slurm: partitions not checked: sinfo not found (not a SLURM login node); "
+            "they are checked when the workflow runs there",
+            file=sys.stderr,
+        )
         return leads
     return leads + check_jobs(asked, [job.wildcards.get("run") for job in jobs])
 
@@ -260,8 +273,15 @@ def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None
         refuse([problem], dry_run)
     # a dry run runs every job locally; whether a rule is local on the cluster is its own
     local_rules = {r.name for r in workflow.rules if r.norun} | set(workflow._localrules)
-    jobs = [Job(job.rule.name, dict(job.wildcards_dict), dict(job.resources.items()),
-                job.rule.name in local_rules) for job in workflow.dag.needrun_jobs()]  # fmt: skip
+    jobs = [
+        Job(
+            job.rule.name,
+            dict(job.wildcards_dict),
+            dict(job.resources.items()),
+            job.rule.name in local_rules,
+        )
+        for job in workflow.dag.needrun_jobs()
+    ]
     local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
     found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local, not dry_run)
     if found:
@@ -275,8 +295,7 @@ def refuse(found: list[str], dry_run: bool) -> None:
     for line in found:
         print(f"error: {line}", file=sys.stderr)
     what = "a dry run" if dry_run else "queueing"
-    print(f"error: {len(found)} problem(s) found before {what}; nothing was run",
-          file=sys.stderr)  # fmt: skip
+    print(f"error: {len(found)} problem(s) found before {what}; nothing was run", file=sys.stderr)
     sys.exit(1)
 
 
@@ -304,64 +323,6 @@ def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.loggi
     logging.getLogger(logger_name).addFilter(_OnceTheJobsAreKnown(callback, dry_run))
 
 
-def check_steps(config: dict[str, Any], shapes: dict[str, Any], workdir: Path,
-                runtime: dict[str, float] | None = None, record: bool = False
-                ) -> list[str]:  # fmt: skip
-    """The check before queueing, of each run of ``shapes`` (its model's Shape, None where
-    its config.json cannot be read yet): its steps, warnings and train estimate on stderr;
-    a line per run the shard stage would refuse, or whose estimate needs more continuations
-    of its train job (``runtime``: its time limit in minutes, by run) than
-    max_continuations allows. ``record`` (a real run, not a dry one): each estimate is kept
-    in results/<run>/estimate.json, which the summary and the report compare with what the
-    run took."""
-    import math
-
-    from snaketune.budget.cost import (
-        ESTIMATE,
-        duration,
-        estimate,
-        format_estimate,
-        format_steps,
-        keep,
-        steps_of,
-    )
-    from snaketune.budget.stagecost import costs_of, format_costs, format_pipeline
-
-    found, costs = [], []
-    for name, shape in shapes.items():
-        run = config["runs"][name]
-        s = steps_of(config, name, workdir)
-        if "problem" in s:
-            found.append(s["problem"])
-            continue
-        lines = format_steps(name, s)
-        if shape is not None:
-            e = estimate(config, name, workdir, shape, s)
-            lines.append(format_estimate(name, e, run["nodes"] * run["gpus_per_node"]))
-            costs.append(costs_of(config, name, shape, s, e, workdir))
-            lines += format_costs(name, costs[-1])
-            if record and "wall_s" in e:
-                keep(workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]})
-            limit = (runtime or {}).get(name)
-            if limit and "wall_s" in e and e["wall_s"] > limit * 60:
-                jobs = math.ceil(e["wall_s"] / (limit * 60))
-                line = (f"runs.{name}: the train estimate ({duration(e['wall_s'])}) is over "
-                        f"its job's time limit ({limit:g} min): about {jobs} jobs, "
-                        f"{jobs - 1} continuation(s)")  # fmt: skip
-                if jobs - 1 > run["max_continuations"]:
-                    found.append(f"{line}, more than max_continuations "
-                                 f"({run['max_continuations']}); raise it, or the job's "
-                                 "runtime, or train fewer steps")  # fmt: skip
-                    continue
-                lines.append(f"{name}: {line.split(': ', 1)[1]} (max_continuations "
-                             f"{run['max_continuations']})")  # fmt: skip
-        for line in lines:
-            print(f"plan: {line}", file=sys.stderr)
-    for line in format_pipeline(costs):
-        print(f"plan: {line}", file=sys.stderr)
-    return found
-
-
 MAX_CHANGES = 12  # keys named per run (a new run's whole spec is no news)
 EXTRAS = ("heldout", "reference_logps", "teacher_logps", "reward_models")  # paths, not keys
 UNSET = object()
@@ -373,7 +334,7 @@ def changed_settings(config: dict[str, Any], name: str, workdir: Path) -> list[s
     Snakemake retrains it, in the config's words (its own reason is the spec's whole diff)."""
     import json
 
-    from snaketune.plan.stages import train_spec
+    from snaketune.plan.trainjob import train_spec
 
     path = workdir / "results" / name / "train/run_config.json"
     if not path.is_file():

@@ -76,9 +76,13 @@ def per_step(run: dict[str, Any]) -> int:
     from snaketune.methods import method_of
 
     micro = run["micro_batch_size"] // method_of(run).rows_per_example(run)
-    return Layout(run["nodes"], run["gpus_per_node"], max(1, micro),
-                  run["gradient_accumulation_steps"],
-                  run.get("sequence_parallel", 1)).global_batch  # fmt: skip
+    return Layout(
+        run["nodes"],
+        run["gpus_per_node"],
+        max(1, micro),
+        run["gradient_accumulation_steps"],
+        run.get("sequence_parallel", 1),
+    ).global_batch
 
 
 def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> dict[str, Any]:
@@ -86,18 +90,24 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
     (``problem``: the shard stage would refuse it; ``warnings``)."""
     run = config["runs"][name]
     examples, basis = examples_of(config, name, workdir)
-    out: dict[str, Any] = {"examples": examples, "basis": basis, "per_step": per_step(run),
-                           "warnings": []}  # fmt: skip
+    out: dict[str, Any] = {
+        "examples": examples,
+        "basis": basis,
+        "per_step": per_step(run),
+        "warnings": [],
+    }
     if examples is None:
         out["basis"] = "not counted yet: the dataset is not downloaded"
         return out
     epoch = examples // out["per_step"]
     out["steps_per_epoch"] = epoch
     if epoch == 0:
-        out["problem"] = (f"runs.{name}: {examples} examples ({basis}), fewer than one "
-                          f"optimizer step takes ({out['per_step']}: micro_batch_size x "
-                          "gradient_accumulation_steps x data-parallel GPUs); lower one of "
-                          "these or add data")  # fmt: skip
+        out["problem"] = (
+            f"runs.{name}: {examples} examples ({basis}), fewer than one "
+            f"optimizer step takes ({out['per_step']}: micro_batch_size x "
+            "gradient_accumulation_steps x data-parallel GPUs); lower one of "
+            "these or add data"
+        )
         return out
     total = run["max_steps"] if "max_steps" in run else math.ceil(run["epochs"] * epoch)
     out.update(steps=total, epochs=total / epoch)
@@ -107,12 +117,16 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
             f"{out['per_step']} a step): each epoch is a single update"
         )
     if total < FEW:
-        out["warnings"].append(f"{total} optimizer step(s) in all: fewer than {FEW}; the "
-                               "learning-rate schedule and warmup mean little over so few "
-                               "updates (more epochs or data, or a smaller batch)")  # fmt: skip
+        out["warnings"].append(
+            f"{total} optimizer step(s) in all: fewer than {FEW}; the "
+            "learning-rate schedule and warmup mean little over so few "
+            "updates (more epochs or data, or a smaller batch)"
+        )
     if run.get("warmup_ratio", 0) > 0 and math.ceil(run["warmup_ratio"] * total) >= total:
-        out["warnings"].append(f"warmup_ratio {run['warmup_ratio']} of {total} steps is the "
-                               "whole run: the learning rate never reaches its peak")  # fmt: skip
+        out["warnings"].append(
+            f"warmup_ratio {run['warmup_ratio']} of {total} steps is the "
+            "whole run: the learning rate never reaches its peak"
+        )
     return out
 
 
@@ -148,9 +162,11 @@ def format_steps(name: str, s: dict[str, Any]) -> list[str]:
         return [f"{name}: steps: {s['basis']}"]
     if "problem" in s:
         return [f"{name}: steps: {s['problem']}"]
-    lines = [f"{name}: {s['steps']:,} optimizer steps ({s['steps_per_epoch']:,} per epoch x "
-             f"{s['epochs']:.3g} epochs; {s['examples']:,} examples, {s['basis']}; "
-             f"{s['per_step']} a step)"]  # fmt: skip
+    lines = [
+        f"{name}: {s['steps']:,} optimizer steps ({s['steps_per_epoch']:,} per epoch x "
+        f"{s['epochs']:.3g} epochs; {s['examples']:,} examples, {s['basis']}; "
+        f"{s['per_step']} a step)"
+    ]
     lines += [f"{name}: warning: {w}" for w in s["warnings"]]
     return lines
 
@@ -158,8 +174,9 @@ def format_steps(name: str, s: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- time
 
 
-def tokens_per_step(config: dict[str, Any], name: str, workdir: Path, per: int
-                    ) -> tuple[float, float] | None:  # fmt: skip
+def tokens_per_step(
+    config: dict[str, Any], name: str, workdir: Path, per: int
+) -> tuple[float, float] | None:
     """Real tokens of one optimizer step and the sum of its examples' squared lengths (the
     attention's share of the FLOPs), from the tokenized set's lengths (None before it)."""
     import pyarrow.parquet as pq
@@ -176,14 +193,14 @@ def tokens_per_step(config: dict[str, Any], name: str, workdir: Path, per: int
     return mean * per, square * per
 
 
-def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
-             steps: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def estimate(
+    config: dict[str, Any], name: str, workdir: Path, shape: Any, steps: dict[str, Any]
+) -> dict[str, Any]:
     """The train stage's estimated seconds (``train_s``: the steps; ``wall_s``: with the
     time outside them where a calibration measured it) and GPU-hours, and its ``basis``:
     calibrated from a finished run like it (``calibration``), else for a GPU run its FLOPs
     at an assumed MFU; none for a CPU run without a calibration."""
     from snaketune.budget.calibrate import calibration, stage_seconds
-    from snaketune.core.throughput import peak_tflops, step_flops
     from snaketune.data.kinds import kind_named
     from snaketune.methods import method_of
 
@@ -201,33 +218,25 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
             step_s = cal["step_s"] * steps["per_step"] / cal["per_step"] / scale
         else:
             step_s = measured[0] / (cal["tokens_per_s"] * scale)
-        out = {"train_s": steps["steps"] * step_s, "outside_s": cal["outside_s"],
-               "basis": f"calibrated from run {cal['run']}"}  # fmt: skip
+        out = {
+            "train_s": steps["steps"] * step_s,
+            "outside_s": cal["outside_s"],
+            "basis": f"calibrated from run {cal['run']}",
+        }
     elif gpu is None:
         return {
             "basis": "no estimate: no finished run of this model and method on this "
             "machine to calibrate from (a short run calibrates it: max_steps: 20)"
         }
     elif generates:
-        return {"basis": "no estimate: its generation time is measured, not derived from "
-                "FLOPs; a short run calibrates it (max_steps: 5)"}  # fmt: skip
+        return {
+            "basis": "no estimate: its generation time is measured, not derived from "
+            "FLOPs; a short run calibrates it (max_steps: 5)"
+        }
     else:
-        bound = measured is None  # before tokenization: every example max_length tokens
-        if bound:  # each sequence of an example (a pair's two sides) at max_length
-            seqs = steps["per_step"] * method.memory(run, True).get("sequences_per_example", 1)
-            measured = (run["max_length"] * seqs, run["max_length"] ** 2 * seqs)
-        kind = method.adapter_of(run)
-        peak, mfu = peak_tflops(str(gpu).upper()), ASSUMED_MFU[kind]
-        if peak is None:
-            return {"basis": f"no estimate: no peak FLOP/s known for GPU {gpu}"}
-        n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
-        flops = step_flops(n, measured[0], measured[1], shape.layers, shape.hidden,
-                           kind == "lora")  # fmt: skip
-        out = {"train_s": steps["steps"] * flops / (devices * peak * 1e12 * mfu),
-               "outside_s": None, "basis": f"assumed MFU {mfu:.0%} of {gpu}'s {peak:g} "
-               "TFLOP/s a GPU, not calibrated (a short run calibrates it)"
-               + ("; every example taken at max_length: at most, until the data is tokenized"
-                  if bound else "")}  # fmt: skip
+        out = from_flops(run, shape, steps, measured, gpu, devices)
+        if "train_s" not in out:
+            return out
     out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
     out["gpu_hours"] = out["wall_s"] * devices / 3600 if gpu is not None else None
     if cal is not None:  # the other stages of the run, as the calibration's took
@@ -236,15 +245,58 @@ def estimate(config: dict[str, Any], name: str, workdir: Path, shape: Any,
     return out
 
 
+def from_flops(
+    run: dict[str, Any],
+    shape: Any,
+    steps: dict[str, Any],
+    measured: tuple[float, float] | None,
+    gpu: str,
+    devices: int,
+) -> dict[str, Any]:
+    """The train stage's seconds from its FLOPs at the MFU assumed for its kind (LoRA or
+    full); ``measured``: its tokens and squared tokens per step (None before tokenization:
+    every example at max_length)."""
+    from snaketune.core.throughput import peak_tflops, step_flops
+    from snaketune.methods import method_of
+
+    method = method_of(run)
+    bound = measured is None  # before tokenization: every example max_length tokens
+    if bound:  # each sequence of an example (a pair's two sides) at max_length
+        seqs = steps["per_step"] * method.memory(run, True).get("sequences_per_example", 1)
+        measured = (run["max_length"] * seqs, run["max_length"] ** 2 * seqs)
+    kind = method.adapter_of(run)
+    peak, mfu = peak_tflops(str(gpu).upper()), ASSUMED_MFU[kind]
+    if peak is None:
+        return {"basis": f"no estimate: no peak FLOP/s known for GPU {gpu}"}
+    n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
+    flops = step_flops(n, measured[0], measured[1], shape.layers, shape.hidden, kind == "lora")
+    return {
+        "train_s": steps["steps"] * flops / (devices * peak * 1e12 * mfu),
+        "outside_s": None,
+        "basis": f"assumed MFU {mfu:.0%} of {gpu}'s {peak:g} "
+        "TFLOP/s a GPU, not calibrated (a short run calibrates it)"
+        + (
+            "; every example taken at max_length: at most, until the data is tokenized"
+            if bound
+            else ""
+        ),
+    }
+
+
 def format_estimate(name: str, e: dict[str, Any], devices: int) -> str:
     """The plan's line of a run's train stage estimate."""
     if "wall_s" not in e:
         return f"{name}: train time: {e['basis']}"
-    outside = (f", {e['outside_s']:.0f} s of it start-up and saving" if e["outside_s"]
-               else ", start-up and saving not counted (a calibration measures them)")  # fmt: skip
+    outside = (
+        f", {e['outside_s']:.0f} s of it start-up and saving"
+        if e["outside_s"]
+        else ", start-up and saving not counted (a calibration measures them)"
+    )
     hours = f", {e['gpu_hours']:.2f} GPU-hours" if e["gpu_hours"] is not None else ""
-    return (f"{name}: train about {duration(e['wall_s'])} on {devices} device(s){outside}"
-            f"{hours} ({e['basis']})")  # fmt: skip
+    return (
+        f"{name}: train about {duration(e['wall_s'])} on {devices} device(s){outside}"
+        f"{hours} ({e['basis']})"
+    )
 
 
 def duration(seconds: float) -> str:

@@ -44,8 +44,14 @@ log = logging.getLogger(__name__)
 SMALL_FILES = 32 * 2**20  # tokenizer, RNG, scheduler, trainer state when not measured
 OPTIMIZER_BYTES = 12  # fp32 master weights and Adam's two moments, per trained parameter
 HEADROOM = 1.10  # a save goes ahead only with this much more free space than it needs
-TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab*", "merges.txt", "special_tokens_map.json",
-                   "chat_template*")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "*.model",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "chat_template*",
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,9 @@ def trained_params(shape: Shape, s: Setup) -> int:
     return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
 
 
-def checkpoint_size(shape: Shape, s: Setup, gathered: bool = True, small: float = SMALL_FILES
-                    ) -> CheckpointSize:  # fmt: skip
+def checkpoint_size(
+    shape: Shape, s: Setup, gathered: bool = True, small: float = SMALL_FILES
+) -> CheckpointSize:
     """One checkpoint's bytes; ``gathered``: ZeRO-3 saves the 16-bit model beside its
     partitions (stage3_gather_16bit_weights_on_model_save)."""
     w, t = s.bytes_per_weight, trained_params(shape, s)
@@ -84,8 +91,14 @@ def checkpoint_size(shape: Shape, s: Setup, gathered: bool = True, small: float 
     return CheckpointSize(model, module, OPTIMIZER_BYTES * t, small)
 
 
-def run_need(shape: Shape, s: Setup, keep: int, optimizer: str, gathered: bool = True,
-             small: float = SMALL_FILES) -> dict[str, float]:  # fmt: skip
+def run_need(
+    shape: Shape,
+    s: Setup,
+    keep: int,
+    optimizer: str,
+    gathered: bool = True,
+    small: float = SMALL_FILES,
+) -> dict[str, float]:
     """Bytes a run needs on its results filesystem at most, by part."""
     one = checkpoint_size(shape, s, gathered, small)
     if optimizer == "last":
@@ -138,9 +151,15 @@ def gib(n: float) -> str:
 
 
 def plan_disk(
-    shape: Shape, s: Setup, run: dict[str, Any], deepspeed: dict[str, Any], run_dir: Path,
-    model_dir: Path, download: float = 0.0, extra: dict[str, float] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    shape: Shape,
+    s: Setup,
+    run: dict[str, Any],
+    deepspeed: dict[str, Any],
+    run_dir: Path,
+    model_dir: Path,
+    download: float = 0.0,
+    extra: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """A run's disk plan: what it needs, what its filesystem has free (plus what the run
     already holds there, which it replaces), and whether it fits. ``download``: the bytes
     of its base model's download still to come, counted where it lands on the same
@@ -177,13 +196,15 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
     where = plan["path"]
     have = plan["free_bytes"] + plan["held_bytes"]
     held = f" (+{gib(plan['held_bytes'])} the run already holds)" if plan["held_bytes"] else ""
-    line = (f"{name}: needs {gib(n['total'])} on {where} ({plan['save_total_limit']} kept "
-            f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
-            f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
-            f"{gib(n['final'])}; exports {gib(n['exports'])}"
-            f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}"
-            f"{'; teacher top-k ' + gib(n['teacher_logps']) if n.get('teacher_logps') else ''}), "
-            f"{gib(plan['free_bytes'])} free{held}")  # fmt: skip
+    line = (
+        f"{name}: needs {gib(n['total'])} on {where} ({plan['save_total_limit']} kept "
+        f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
+        f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
+        f"{gib(n['final'])}; exports {gib(n['exports'])}"
+        f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}"
+        f"{'; teacher top-k ' + gib(n['teacher_logps']) if n.get('teacher_logps') else ''}), "
+        f"{gib(plan['free_bytes'])} free{held}"
+    )
     if plan["fits"]:
         return f"{line}: fits"
     fixes = []
@@ -192,15 +213,16 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
     if plan["optimizer"] != "last":
         fixes.append("set checkpoints.optimizer: last")
     fixes.append("put results/ on a larger filesystem (e.g. a symlink to scratch)")
-    return (f"{line}: does NOT fit, {gib(n['total'] - have)} short; "
-            f"{', '.join(fixes)}")  # fmt: skip
+    return f"{line}: does NOT fit, {gib(n['total'] - have)} short; {', '.join(fixes)}"
 
 
-def disk_plan_of(config: dict[str, Any], name: str, root: Path, basedir: Path,
-                 on_gpu: bool = True) -> dict[str, Any] | None:  # fmt: skip
+def disk_plan_of(
+    config: dict[str, Any], name: str, root: Path, basedir: Path, on_gpu: bool = True
+) -> dict[str, Any] | None:
     """The disk plan of run ``name`` of a validated config (precision auto: bf16 on GPU,
     fp32 on CPU); None when the model's config.json cannot be read yet."""
-    from snaketune.budget.fit import find_config_json, setup_of, shape_and_deepspeed
+    from snaketune.budget.fit import setup_of, shape_and_deepspeed
+    from snaketune.budget.modelfiles import find_config_json
     from snaketune.budget.stagecost import weights_in
 
     run = config["runs"][name]
@@ -234,37 +256,47 @@ def shared_filesystems(plans: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
         if len(names) < 2:
             continue
         need = sum(plans[n]["need_bytes"]["total"] for n in names)
-        downloads = {plans[n].get("model"): plans[n]["need_bytes"].get("download", 0)
-                     for n in names}  # fmt: skip
+        downloads = {
+            plans[n].get("model"): plans[n]["need_bytes"].get("download", 0) for n in names
+        }
         need -= sum(plans[n]["need_bytes"].get("download", 0) for n in names)
         need += sum(downloads.values())  # a model shared by runs is downloaded once
         held = sum(plans[n]["held_bytes"] for n in names)
         free = min(plans[n]["free_bytes"] for n in names)
-        out.append({
-            "runs": sorted(names),
-            "path": os.path.commonpath([plans[n]["path"] for n in names]),
-            "need_bytes": need, "free_bytes": free, "held_bytes": held,
-            "fits": need <= free + held,
-        })  # fmt: skip
+        out.append(
+            {
+                "runs": sorted(names),
+                "path": os.path.commonpath([plans[n]["path"] for n in names]),
+                "need_bytes": need,
+                "free_bytes": free,
+                "held_bytes": held,
+                "fits": need <= free + held,
+            }
+        )
     return out
 
 
 def format_shared(group: dict[str, Any]) -> str:
     """One line: the runs on one filesystem, their need together, and whether it fits."""
     held = f" (+{gib(group['held_bytes'])} they already hold)" if group["held_bytes"] else ""
-    line = (f"{len(group['runs'])} runs write to the filesystem of {group['path']} "
-            f"({', '.join(group['runs'])}): {gib(group['need_bytes'])} together, "
-            f"{gib(group['free_bytes'])} free{held}")  # fmt: skip
+    line = (
+        f"{len(group['runs'])} runs write to the filesystem of {group['path']} "
+        f"({', '.join(group['runs'])}): {gib(group['need_bytes'])} together, "
+        f"{gib(group['free_bytes'])} free{held}"
+    )
     if group["fits"]:
         return f"{line}: fits"
     short = group["need_bytes"] - group["free_bytes"] - group["held_bytes"]
-    return (f"{line}: does NOT fit, {gib(short)} short; train fewer of them at once (ask for "
-            "some runs' outputs, or fewer sweep values), lower save_total_limit, or put "
-            "results/ on a larger filesystem")  # fmt: skip
+    return (
+        f"{line}: does NOT fit, {gib(short)} short; train fewer of them at once (ask for "
+        "some runs' outputs, or fewer sweep values), lower save_total_limit, or put "
+        "results/ on a larger filesystem"
+    )
 
 
-def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir: Path,
-                    on_gpu: bool) -> list[str]:  # fmt: skip
+def check_disk_runs(
+    config: dict[str, Any], runs: list[str], root: Path, basedir: Path, on_gpu: bool
+) -> list[str]:
     """The workflow's check before anything is queued: a line per run whose checkpoints and
     exports do not fit on its results filesystem, and a line per filesystem that the runs
     writing to it do not fit on together (runs skipped, with a line, while the model's
@@ -281,8 +313,11 @@ def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir
             print(f"disk plan: {name}: not checked ({exc})", file=sys.stderr)
             continue
         if plan is None:
-            print(f"disk plan: {name}: checked by the train job (the model's config.json is "
-                  "not there yet)", file=sys.stderr)  # fmt: skip
+            print(
+                f"disk plan: {name}: checked by the train job (the model's config.json is "
+                "not there yet)",
+                file=sys.stderr,
+            )
             continue
         plans[name] = plan
         line = format_disk(name, plan)
@@ -298,8 +333,9 @@ def check_disk_runs(config: dict[str, Any], runs: list[str], root: Path, basedir
     return found
 
 
-def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_dir: Path,
-                   on_gpu: bool) -> dict[str, Any] | None:  # fmt: skip
+def check_job_disk(
+    spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_dir: Path, on_gpu: bool
+) -> dict[str, Any] | None:
     """The train job's check before it starts any worker: UserError (one line) when the
     run does not fit; its plan when it does; None (with a log line) for a model whose
     config.json the estimate cannot read."""
@@ -318,28 +354,3 @@ def check_job_disk(spec: dict[str, Any], model_dir: Path, deepspeed: Path, run_d
     if not plan["fits"]:
         raise UserError(f"disk: {format_disk(run_dir.name, plan)}")
     return plan
-
-
-class DiskGuard:
-    """Before each save: is there room for one more checkpoint? Its size is the newest
-    complete checkpoint's (``first_guess`` before there is one)."""
-
-    def __init__(self, ckpt_dir: Path, first_guess: float):
-        self.ckpt_dir, self.first_guess = ckpt_dir, first_guess
-
-    def need(self) -> tuple[float, str]:
-        from snaketune.core.checkpoints import newest_complete
-
-        newest = newest_complete(self.ckpt_dir)
-        if newest is None:
-            return self.first_guess, "estimated"
-        return float(folder_bytes(newest)), f"the size of {newest.name}"
-
-    def short(self) -> str | None:
-        """None when the next checkpoint fits; else what is short, in words."""
-        need, how = self.need()
-        free = free_bytes(self.ckpt_dir)
-        if free >= HEADROOM * need:
-            return None
-        return (f"{self.ckpt_dir} has {gib(free)} free, the next checkpoint needs about "
-                f"{gib(need)} ({how})")  # fmt: skip

@@ -14,12 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget.advice import format_plan, plan_run
+from snaketune.budget.evalplan import EvalLayout, eval_layout
 from snaketune.budget.memplan import CONTEXT_GIB, GIB, Setup, Shape, estimate, gpu_memory
 from snaketune.budget.modelcount import shape_of
+from snaketune.budget.modelfiles import (
+    download_advice,
+    find_config_json,
+    locate_config_json,
+    model_dir_of,
+)
 from snaketune.budget.stageplan import (
-    EvalLayout,
     cpu_mb,
-    eval_layout,
     format_stages,
     stage_memory,
     stage_plans,
@@ -27,7 +32,6 @@ from snaketune.budget.stageplan import (
 )
 from snaketune.core.errors import UserError
 from snaketune.data import sequence
-from snaketune.data.sources import hub_config_json, model_folder
 from snaketune.plan.runspec import RunSpec
 
 
@@ -103,20 +107,6 @@ def machine_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
-def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Path:
-    """Where the run's model (its config.json) is: resources/models/<name> once downloaded,
-    else a local model's own path."""
-    return model_folder(config, run["model"], root)
-
-
-def download_advice(config_path: str | Path | None = None) -> str:
-    """How to get a Hub model's config.json before planning, with commands that work."""
-    cfg = f" --configfile {config_path}" if config_path else " --configfile <your config>"
-    return (f"download it first (snakemake --profile <profile>{cfg} --until download_model), "
-            "or plan from a folder holding its config.json alone (set the model to source: "
-            "local, path: that folder; config.json is all the plan reads)")  # fmt: skip
-
-
 def plan_config(
     config: dict[str, Any],
     workdir: Path,
@@ -150,8 +140,13 @@ def plan_config(
     return plans
 
 
-def check_cpu_run(shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any],
-                  machine_gib: float, reward_params: int = 0) -> dict[str, Any]:  # fmt: skip
+def check_cpu_run(
+    shape: Shape,
+    run: dict[str, Any],
+    deepspeed: dict[str, Any],
+    machine_gib: float,
+    reward_params: int = 0,
+) -> dict[str, Any]:
     """A run on this machine's CPU (every emulated node here): all its processes' memory
     against the machine's (``reward_params``: its reward models', reward_model_params)."""
     s = replace(setup_of(run, deepspeed, on_gpu=False), reward_model_params=reward_params)
@@ -164,11 +159,13 @@ def check_cpu_run(shape: Shape, run: dict[str, Any], deepspeed: dict[str, Any],
     return out
 
 
-def run_setup(config: dict[str, Any], run: dict[str, Any], deepspeed: dict[str, Any],
-              workdir: Path) -> Setup:  # fmt: skip
+def run_setup(
+    config: dict[str, Any], run: dict[str, Any], deepspeed: dict[str, Any], workdir: Path
+) -> Setup:
     """A run's Setup (setup_of) with the reward models it scores with counted."""
-    return replace(setup_of(run, deepspeed),
-                   reward_model_params=reward_model_params(config, run, workdir))  # fmt: skip
+    return replace(
+        setup_of(run, deepspeed), reward_model_params=reward_model_params(config, run, workdir)
+    )
 
 
 def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
@@ -179,64 +176,20 @@ def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Pa
 
     total = 0
     for name in reward_runs(run):
-        path = find_config_json(config, config["runs"][settings_run(config["runs"], name)],
-                                workdir)  # fmt: skip
+        path = find_config_json(config, config["runs"][settings_run(config["runs"], name)], workdir)
         total += _shape(str(path)).params if path is not None else 0
     return total
 
 
-# a model's config.json given on `snaketune plan`'s command line (--model-config NAME=PATH):
-# the plan reads it, nothing else does
-PLANNED_FROM = "planned_from_config_json"
-
-
-def model_configs(config: dict[str, Any], given: list[str]) -> None:
-    """Put each ``NAME=PATH`` (a config.json, or a folder holding one) into the config's
-    model NAME for the plan to read (in place); one line naming a bad entry."""
-    for entry in given:
-        name, _, path = entry.partition("=")
-        where = f"--model-config {entry}"
-        if name not in config["models"]:
-            known = ", ".join(sorted(config["models"]))
-            raise UserError(f"{where}: the config has no model {name!r} (models: {known})")
-        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-        if not file.is_file():
-            raise UserError(f"{where}: {file} is not a file; give a model's config.json (or "
-                            "the folder holding it)")  # fmt: skip
-        config["models"][name][PLANNED_FROM] = str(file)
-
-
-def find_config_json(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Path | None:
-    """The run's model config.json where it can be read now (``locate_config_json``)."""
-    return locate_config_json(config, run, workdir)[0]
-
-
-def locate_config_json(
-    config: dict[str, Any], run: dict[str, Any], workdir: Path
-) -> tuple[Path | None, str]:
-    """The run's model config.json where it can be read now: the downloaded model, a local
-    model's path, or (a hub model not yet downloaded) config.json alone from the Hub's cache
-    or the Hub. (None, why) when it cannot be read yet; the Hub is asked at most once per
-    model and process, and not at all when it is unreachable. ``snaketune plan
-    --model-config NAME=PATH`` names one to plan from instead (``PLANNED_FROM``)."""
-    spec = config["models"][run["model"]]
-    if PLANNED_FROM in spec:
-        return Path(spec[PLANNED_FROM]), ""
-    local = model_dir_of(config, run, workdir) / "config.json"
-    if local.is_file():
-        return local, ""
-    if spec.get("source") != "hub":
-        return None, f"{local.parent} is not there yet (a job makes it)"
-    found, why = hub_config_json(spec["id"], spec.get("revision"))
-    if found is None:
-        return None, f"it is not downloaded yet and {why}"
-    return found, ""
-
-
 def check_runs(
-    config: dict[str, Any], runs: list[str], workdir: Path, basedir: Path, local: bool,
-    mem_mb: dict[str, Any] | None = None, stage_mem: dict[tuple[str, str], Any] | None = None,
-) -> list[str]:  # fmt: skip
+    config: dict[str, Any],
+    runs: list[str],
+    workdir: Path,
+    basedir: Path,
+    local: bool,
+    mem_mb: dict[str, Any] | None = None,
+    stage_mem: dict[tuple[str, str], Any] | None = None,
+) -> list[str]:
     """The workflow's check before anything is queued: a line per run that cannot fit.
 
     Against ``gpu`` (the run's or the config's); without it, a run whose jobs run on this
@@ -260,12 +213,7 @@ def check_runs(
             say(f"{name}: skipped for now (the model's config.json is not there yet)")
             continue
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        if run.get("router_aux_loss_coef", "auto") != "auto" and not shape.moe:
-            found.append(f"runs.{name}.router_aux_loss_coef: model {run['model']} is not a "
-                         "mixture of experts (its config.json names no experts); drop the "
-                         "key")  # fmt: skip
-        split = sequence.check_model(f"runs.{name}", run, shape.heads, shape.kv_heads)
-        found += [split] if split else []
+        found += model_problems(name, run, shape)
         gpu, setup = run.get("gpu", config.get("gpu")), run_setup(config, run, deepspeed, workdir)
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))
@@ -274,15 +222,15 @@ def check_runs(
             plan = plan_run(shape, setup, gpu_memory(gpu))
             line = format_plan(name, plan)
         elif local:
-            plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib(),
-                                 setup.reward_model_params)  # fmt: skip
-            verdict = "fits" if plan["fits"] else "does NOT fit"
-            line = (f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
-                    f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "
-                    f"machine's {plan['machine_gib']:.1f} GiB: {verdict}")  # fmt: skip
+            plan = check_cpu_run(
+                shape, run, deepspeed, machine_memory_gib(), setup.reward_model_params
+            )
+            line = cpu_line(name, plan)
         else:
-            say(f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
-                "`config: [gpu=h100-80gb]` in the profile)")  # fmt: skip
+            say(
+                f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "
+                "`config: [gpu=h100-80gb]` in the profile)"
+            )
             found += later
             continue
         if plan["fits"] is not False:
@@ -295,8 +243,15 @@ def check_runs(
     return found
 
 
-def stage_checks(config: dict[str, Any], name: str, shape: Shape, setup: Setup, local: bool,
-                 stage_mem: dict[tuple[str, str], Any], say) -> list[str]:  # fmt: skip
+def stage_checks(
+    config: dict[str, Any],
+    name: str,
+    shape: Shape,
+    setup: Setup,
+    local: bool,
+    stage_mem: dict[tuple[str, str], Any],
+    say,
+) -> list[str]:
     """The plans of run ``name``'s other stages, said; a line per stage that cannot fit its
     GPUs, or (queued jobs) whose job asks less memory than it needs."""
     run = config["runs"][name]
@@ -318,10 +273,12 @@ def job_memory(name: str, plan: dict[str, Any], mem_mb: float) -> list[str]:
     need = plan["cpu_gib_per_node"]
     if need * 1024 <= mem_mb:
         return []
-    return [f"runs.{name}: its train job asks {mem_mb:g} MB of memory per node (mem_mb), but "
-            f"{need:.1f} GiB per node are needed ({plan['cpu_why']}); raise set-resources "
-            f"train: mem_mb to at least {math.ceil(need * 1.1 * 1024)} in the profile (with "
-            "10% to spare), or lower gpus_per_node"]  # fmt: skip
+    return [
+        f"runs.{name}: its train job asks {mem_mb:g} MB of memory per node (mem_mb), but "
+        f"{need:.1f} GiB per node are needed ({plan['cpu_why']}); raise set-resources "
+        f"train: mem_mb to at least {math.ceil(need * 1.1 * 1024)} in the profile (with "
+        "10% to spare), or lower gpus_per_node"
+    ]
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -334,8 +291,9 @@ def _shape(path: str) -> Shape:
     return shape_of(json.loads(Path(path).read_text()), path)
 
 
-def run_eval_layout(config: dict[str, Any], name: str, workdir: Path = Path("."),
-                    final: bool = False) -> EvalLayout:  # fmt: skip
+def run_eval_layout(
+    config: dict[str, Any], name: str, workdir: Path = Path("."), final: bool = False
+) -> EvalLayout:
     """``eval_layout`` of run ``name`` of a validated config: its model's config.json where
     it can be read now (snaketune.budget.fit.locate_config_json), its `gpu` (or the config's)."""
     run = config["runs"][name]
@@ -356,8 +314,9 @@ def readable_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -
         return None
 
 
-def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: bool = False
-                    ) -> tuple[int, int]:  # fmt: skip
+def eval_job_layout(
+    config: dict[str, Any], run: str, job_side: bool, final: bool = False
+) -> tuple[int, int]:
     """(nodes, GPUs per node) of an evaluate job of ``run``: its plan's layout
     (snaketune.budget.stageplan), or inside a SLURM job what the job was given (the layout
     decided when it was queued: config.json may have been downloaded since)."""
@@ -369,8 +328,9 @@ def eval_job_layout(config: dict[str, Any], run: str, job_side: bool, final: boo
     return layout.nodes, layout.gpus_per_node
 
 
-def planned_mem_mb(config: dict[str, Any], name: str, stage: str, floor: int,
-                   workdir: Path = Path(".")) -> int:  # fmt: skip
+def planned_mem_mb(
+    config: dict[str, Any], name: str, stage: str, floor: int, workdir: Path = Path(".")
+) -> int:
     """The memory (mem_mb, per node) a job of ``stage`` for run ``name`` asks by default: its
     stage's plan (snaketune.budget.stageplan) with a tenth to spare, and at least ``floor``;
     ``floor`` while the model's config.json cannot be read (a profile's set-resources
@@ -382,3 +342,27 @@ def planned_mem_mb(config: dict[str, Any], name: str, stage: str, floor: int,
     stages = stage_plans(config, name, shape, gpu_memory(run.get("gpu", config.get("gpu"))))
     need = cpu_mb(stages.get(stage, {}))
     return floor if need is None else max(floor, math.ceil(need * 1.1))
+
+
+def model_problems(name: str, run: dict[str, Any], shape: Shape) -> list[str]:
+    """What the run's settings ask of its model that the model is not: a router's loss on a
+    dense model, a sequence split its attention heads do not divide."""
+    found = []
+    if run.get("router_aux_loss_coef", "auto") != "auto" and not shape.moe:
+        found.append(
+            f"runs.{name}.router_aux_loss_coef: model {run['model']} is not a "
+            "mixture of experts (its config.json names no experts); drop the "
+            "key"
+        )
+    split = sequence.check_model(f"runs.{name}", run, shape.heads, shape.kv_heads)
+    return found + ([split] if split else [])
+
+
+def cpu_line(name: str, plan: dict[str, Any]) -> str:
+    """The verdict of a CPU run (no GPU type set) against this machine's memory."""
+    verdict = "fits" if plan["fits"] else "does NOT fit"
+    return (
+        f"{name}: no GPU type set (config key gpu): a CPU run, {plan['processes']} "
+        f"process(es) x {plan['per_gpu_gib']['total']:.2f} GiB against this "
+        f"machine's {plan['machine_gib']:.1f} GiB: {verdict}"
+    )

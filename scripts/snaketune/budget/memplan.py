@@ -230,12 +230,16 @@ def cpu_why(shape: Shape, s: Setup) -> str:
     if s.offload_optimizer or s.offload_params:
         return "the states offloaded to CPU memory, DeepSpeed's buffers included"
     if s.quantized:
-        return (f"a 4-bit base streams onto the GPUs: the largest layer at a time in each of "
-                f"{s.gpus_per_node} process(es)")  # fmt: skip
+        return (
+            f"a 4-bit base streams onto the GPUs: the largest layer at a time in each of "
+            f"{s.gpus_per_node} process(es)"
+        )
     if shape.saved_bytes == s.bytes_per_weight:
-        return (f"the checkpoint, saved in the run's precision, stays memory-mapped (shared, "
-                f"reclaimable) until moved to the GPUs: the largest layer at a time in each of "
-                f"{s.gpus_per_node} process(es)")  # fmt: skip
+        return (
+            f"the checkpoint, saved in the run's precision, stays memory-mapped (shared, "
+            f"reclaimable) until moved to the GPUs: the largest layer at a time in each of "
+            f"{s.gpus_per_node} process(es)"
+        )
     return (
         f"each of {s.gpus_per_node} process(es) converts the whole model to "
         f"{s.bytes_per_weight} bytes a weight before DeepSpeed moves it to its GPU"

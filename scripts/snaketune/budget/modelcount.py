@@ -22,7 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from snaketune.core.modelshape import Counted, Shape, stacked_params
+from snaketune.core.configfields import Counted, stacked_params
+from snaketune.core.modelshape import Shape
 
 
 def shape_of(cfg: dict[str, Any], where: str = "config.json") -> Shape:

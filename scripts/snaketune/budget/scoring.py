@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from snaketune.plan import stages
+from snaketune.plan import stages, trainjob
 from snaketune.plan import teacher as teachers
 
 
@@ -40,7 +40,7 @@ class ScoringStage:
 
 
 def _reference_jobs(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {key: {"run": run} for key, run in stages.reference_jobs(config).items()}
+    return {key: {"run": run} for key, run in trainjob.reference_jobs(config).items()}
 
 
 def _reference_inputs(
@@ -62,7 +62,7 @@ REFERENCE = ScoringStage(
     output="logps.parquet",
     jobs=_reference_jobs,
     inputs=_reference_inputs,
-    settings=stages.reference_settings,
+    settings=trainjob.reference_settings,
     sharded=lambda config, run: False,
 )
 TEACHER = ScoringStage(

@@ -133,8 +133,9 @@ def _label(rule: str, runs: list[str]) -> tuple[str, str]:
     return f"rule {rule} (runs {', '.join(runs)})", "each run's "
 
 
-def problems(rule: str, resources: dict[str, Any], part: Partition,
-             runs: list[str] = ()) -> list[str]:  # fmt: skip
+def problems(
+    rule: str, resources: dict[str, Any], part: Partition, runs: list[str] = ()
+) -> list[str]:
     """One line per resource the job asks that no node or limit of the partition gives;
     the jobs of ``runs`` (a rule per run) are named."""
     ask = asks(resources)
@@ -157,8 +158,11 @@ def problems(rule: str, resources: dict[str, Any], part: Partition,
                 f"{label}: asks {ask[res]:g} {what[res]}, the largest node of partition "
                 f"{part.name} has {big[res]:g}; lower {fix}"
             )
-    fitting = [n for n in part.nodes if n.cpus >= ask["cpus"] and n.mem_mb >= ask["mem_mb"]
-               and n.gpus >= ask["gpus"]]  # fmt: skip
+    fitting = [
+        n
+        for n in part.nodes
+        if n.cpus >= ask["cpus"] and n.mem_mb >= ask["mem_mb"] and n.gpus >= ask["gpus"]
+    ]
     node_limit = min(len(part.nodes), part.max_nodes or len(part.nodes))
     if not out and ask["nodes"] > min(len(fitting), node_limit):
         out.append(
@@ -199,12 +203,17 @@ def check_jobs(jobs: list[tuple[str, dict[str, Any]]], runs: list[str | None] = 
             except (LookupError, subprocess.SubprocessError, OSError, ValueError) as exc:
                 unreadable[part_name] = (str(exc), [rule])
                 continue
-        found += [p for p in problems(rule, resources, partitions[part_name], sorted(named))
-                  if p not in found]  # fmt: skip
+        found += [
+            p
+            for p in problems(rule, resources, partitions[part_name], sorted(named))
+            if p not in found
+        ]
     for part_name, (why, rules) in unreadable.items():
         names = ", ".join(dict.fromkeys(rules))
-        found.append(f"partition {part_name or '(default)'} (rules {names}): cannot read it: "
-                     f"{why}; check slurm_partition in the profile")  # fmt: skip
+        found.append(
+            f"partition {part_name or '(default)'} (rules {names}): cannot read it: "
+            f"{why}; check slurm_partition in the profile"
+        )
     return found
 
 
@@ -231,11 +240,13 @@ def check_signal_leads(jobs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         if lead is None or not isinstance(runtime, (int, float)) or lead[1] * 2 <= runtime * 60:
             continue
         sig, seconds = lead
-        line = (f"{rule}: slurm_extra's --signal={sig}@{seconds} comes {seconds} s before the "
-                f"end of a {runtime:g}-minute job, more than half of it: every job would stop "
-                f"after its first step; lower the lead to at most {int(runtime * 30)} s (e.g. "
-                f"--signal={sig}@{int(runtime * 30)} in the profile's set-resources, with "
-                "stop_margin_seconds to match) or raise the rule's runtime")  # fmt: skip
+        line = (
+            f"{rule}: slurm_extra's --signal={sig}@{seconds} comes {seconds} s before the "
+            f"end of a {runtime:g}-minute job, more than half of it: every job would stop "
+            f"after its first step; lower the lead to at most {int(runtime * 30)} s (e.g. "
+            f"--signal={sig}@{int(runtime * 30)} in the profile's set-resources, with "
+            "stop_margin_seconds to match) or raise the rule's runtime"
+        )
         if line not in found:
             found.append(line)
     return found

@@ -18,8 +18,14 @@ DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem
 TOKENIZE_TOKENS_S = 200_000.0  # one process of a fast (Rust) tokenizer
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
 FORWARD_MFU = 0.35  # a forward pass without gradients (the reference log-probs)
-HBM_TB_S = {"H200": 4.8, "H100": 3.35, "A100 80GB": 2.04, "A100 64GB": 1.64, "A100": 1.55,
-            "L40S": 0.864}  # fmt: skip
+HBM_TB_S = {
+    "H200": 4.8,
+    "H100": 3.35,
+    "A100 80GB": 2.04,
+    "A100 64GB": 1.64,
+    "A100": 1.55,
+    "L40S": 0.864,
+}
 MB = 1e6
 # a run's own stages in the order it goes through them
 ORDER = (
@@ -115,8 +121,8 @@ def assumed_stages(
 ) -> dict[str, dict[str, Any]]:
     """A GPU run's own stages besides training, from its model's bytes and FLOPs at the
     assumed rates. ``tokens``: one optimizer step's tokens (a bound before tokenization)."""
+    from snaketune.budget.evalplan import eval_layout
     from snaketune.budget.memplan import gpu_memory
-    from snaketune.budget.stageplan import eval_layout
     from snaketune.core.throughput import peak_tflops
     from snaketune.methods import method_of
     from snaketune.plan.runspec import RunSpec, merged
@@ -195,8 +201,8 @@ def calibrated_stages(
     config: dict[str, Any], name: str, measured: dict[str, float], source: str
 ) -> dict[str, dict[str, Any]]:
     """A run's own stages as the calibration run's took (``measured``: rule -> seconds)."""
+    from snaketune.budget.evalplan import eval_layout
     from snaketune.budget.memplan import gpu_memory
-    from snaketune.budget.stageplan import eval_layout
     from snaketune.methods import method_of
     from snaketune.plan.runspec import merged
 
@@ -365,6 +371,8 @@ def format_pipeline(costs: list[dict[str, Any]]) -> list[str]:
     if any(every):
         line = format_total("pipeline: every run and stage", total(every))
         blind = sum(1 for c in costs if "train" not in c["stages"])  # no train estimate
-        lines.append(line + (f"; {blind} run(s) not estimated (their train time and stages)"
-                             if blind else ""))  # fmt: skip
+        lines.append(
+            line
+            + (f"; {blind} run(s) not estimated (their train time and stages)" if blind else "")
+        )
     return lines

@@ -44,8 +44,13 @@ def newest_complete(directory: Path) -> Path | None:
 
 
 # What Trainer writes of the model into a checkpoint (a reduced checkpoint keeps these).
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
-               "pytorch_model.bin", "pytorch_model.bin.index.json")  # fmt: skip
+MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def reduce_to_weights(path: Path) -> None:
@@ -86,8 +91,9 @@ def best_checkpoint(directory: Path, metric: str, greater: bool) -> Path | None:
     return best
 
 
-def prune(directory: Path, keep: int, optimizer: str = "all",
-          best: tuple[str, bool] | None = None) -> None:  # fmt: skip
+def prune(
+    directory: Path, keep: int, optimizer: str = "all", best: tuple[str, bool] | None = None
+) -> None:
     """Keep the newest ``keep`` complete checkpoints; drop older and half-written ones. With
     ``optimizer`` last, every kept one but the newest is reduced to its model weights. With
     ``best`` (a held-out metric and whether greater is better), the checkpoint best by it

@@ -7,6 +7,7 @@ every other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 
 class UserError(Exception):
@@ -29,6 +30,32 @@ class ConfigProblems(ConfigError):
     def __init__(self, lines: list[str], other: list[str] | None = None):
         self.lines, self.other = list(lines), list(other or [])
         super().__init__("; ".join(self.lines + self.other))
+
+
+def require(cond: bool, message: str) -> None:
+    """A check: ``message`` as a ConfigError where ``cond`` does not hold."""
+    if not cond:
+        raise ConfigError(message)
+
+
+class Collect:
+    """Runs checks of independent entries, keeping each one's problem, so that one pass
+    names every bad entry (``raise_all`` at the end)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def check(self, func: Any, *args: Any) -> None:
+        try:
+            func(*args)
+        except ConfigProblems as exc:
+            self.lines += exc.lines
+        except ConfigError as exc:
+            self.lines.append(str(exc))
+
+    def raise_all(self) -> None:
+        if self.lines:
+            raise ConfigProblems(self.lines)
 
 
 def error_lines(error: UserError) -> list[str]:

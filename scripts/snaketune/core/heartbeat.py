@@ -62,8 +62,13 @@ class Heartbeat:
 
     def write(self) -> None:
         self.beats += 1
-        record = {**self.fixed, "step": self.step, "phase": self.phase, "moves": self.moves,
-                  "beats": self.beats}  # fmt: skip
+        record = {
+            **self.fixed,
+            "step": self.step,
+            "phase": self.phase,
+            "moves": self.moves,
+            "beats": self.beats,
+        }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
@@ -94,8 +99,7 @@ class Heartbeat:
 # two ranks seen moving at the same poll stands further on.
 # A worker whose share is done (the reference stage's workers end one by one): never named.
 DONE = "done"
-PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs",
-          DONE)  # fmt: skip
+PHASES = ("start", "data", "forward", "backward", "optimizer", "save", "step end", "outputs", DONE)
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,11 @@ class StallWatch:
         # A rank stopped whole: its file stopped while another rank's is still rewritten (a
         # rank done training stops writing on purpose)
         writing = {r for r, s in self.seen.items() if now - s.beat < self.limit_s}
-        frozen = [r for r, s in self.seen.items()
-                  if r not in writing and s.record["phase"] not in ("outputs", DONE)]  # fmt: skip
+        frozen = [
+            r
+            for r, s in self.seen.items()
+            if r not in writing and s.record["phase"] not in ("outputs", DONE)
+        ]
         if frozen and writing:
             rank = min(frozen, key=lambda r: self.seen[r].beat)
             return self._line(rank, now, len(self.seen) - len(frozen))
@@ -170,18 +177,21 @@ class StallWatch:
         if now - behind.moved < self.limit_s:
             return None
         ahead = [
-            r for r, s in self.seen.items()
+            r
+            for r, s in self.seen.items()
             if r != rank and (s.moved > behind.moved or s.position > behind.position)
-        ]  # fmt: skip
+        ]
         return self._line(rank, now, len(ahead)) if ahead else None
 
     def _line(self, rank: int, now: float, waiting: int) -> str:
         seen = self.seen[rank]
         record = seen.record
         wait = f"{waiting} ranks wait" if waiting != 1 else "1 rank waits"
-        return (f"rank {rank} on {record['host']} (pid {record['pid']}) made no progress for "
-                f"{now - seen.moved:.0f} s in step {record['step']} ({record['phase']}); "
-                f"{wait} for it")  # fmt: skip
+        return (
+            f"rank {rank} on {record['host']} (pid {record['pid']}) made no progress for "
+            f"{now - seen.moved:.0f} s in step {record['step']} ({record['phase']}); "
+            f"{wait} for it"
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):

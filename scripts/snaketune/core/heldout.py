@@ -45,18 +45,24 @@ def check_run(where: str, run: Mapping[str, Any]) -> str | None:
     best = (run.get("export") or {}).get("checkpoint", "last") == "best"
     if steps is None:
         if best:
-            return (f"{where}.export.checkpoint: best needs held-out figures while training; "
-                    "set eval_steps (and eval_dataset), or checkpoint: last")  # fmt: skip
+            return (
+                f"{where}.export.checkpoint: best needs held-out figures while training; "
+                "set eval_steps (and eval_dataset), or checkpoint: last"
+            )
         if "early_stopping" in run:
             return f"{where}.early_stopping: needs eval_steps (and eval_dataset); set eval_steps"
         return None
     if "eval_dataset" not in run:
-        return (f"{where}.eval_steps: nothing to evaluate on; set eval_dataset to a held-out "
-                "dataset, or drop eval_steps")  # fmt: skip
+        return (
+            f"{where}.eval_steps: nothing to evaluate on; set eval_dataset to a held-out "
+            "dataset, or drop eval_steps"
+        )
     if best and steps % run["save_steps"]:
-        return (f"{where}.export.checkpoint: best needs a checkpoint at every evaluation: "
-                f"eval_steps ({steps}) must be a multiple of save_steps "
-                f"({run['save_steps']})")  # fmt: skip
+        return (
+            f"{where}.export.checkpoint: best needs a checkpoint at every evaluation: "
+            f"eval_steps ({steps}) must be a multiple of save_steps "
+            f"({run['save_steps']})"
+        )
     return None
 
 
@@ -64,10 +70,15 @@ def spec_of(run: Mapping[str, Any], eval_tokenized: str) -> dict[str, Any]:
     """What the training job needs to evaluate (its run spec's ``heldout``)."""
     ev, export = run["eval"], run["export"]
     # the metric as written: `auto` is the method's own (snaketune.methods, heldout_metric)
-    spec = {"path": eval_tokenized, "metric": export["metric"],
-            "checkpoint": export["checkpoint"], "limit": ev.get("during_training_limit"),
-            "batch_size": ev["batch_size"], "answers": bool(ev["during_training_answers"]),
-            "max_new_tokens": ev["max_new_tokens"]}  # fmt: skip
+    spec = {
+        "path": eval_tokenized,
+        "metric": export["metric"],
+        "checkpoint": export["checkpoint"],
+        "limit": ev.get("during_training_limit"),
+        "batch_size": ev["batch_size"],
+        "answers": bool(ev["during_training_answers"]),
+        "max_new_tokens": ev["max_new_tokens"],
+    }
     if ev.get("gather_for_generation", "auto") != "auto":  # the default is left unsaid
         spec["gather_for_generation"] = ev["gather_for_generation"]
     return spec

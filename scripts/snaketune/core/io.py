@@ -24,9 +24,20 @@ CHUNK = 1 << 20
 # path contains this text kills itself with SIGKILL first (all data written, nothing renamed).
 FAULT_ENV = "SNAKETUNE_KILL_BEFORE_PUBLISH"
 STACK = (
-    "snaketune", "torch", "transformers", "tokenizers", "peft", "trl", "deepspeed",
-    "safetensors", "datasets", "pyarrow", "pandas", "huggingface_hub", "snakemake",
-)  # fmt: skip
+    "snaketune",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "trl",
+    "deepspeed",
+    "safetensors",
+    "datasets",
+    "pyarrow",
+    "pandas",
+    "huggingface_hub",
+    "snakemake",
+)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -158,8 +169,12 @@ def write_json(path: str | Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", "utf-8")
 
 
-def write_outputs(out_dir: Path, metrics: dict[str, Any], samples: list[dict[str, Any]],
-                  finish: Callable[[Path, dict[str, Any]], None] | None) -> None:  # fmt: skip
+def write_outputs(
+    out_dir: Path,
+    metrics: dict[str, Any],
+    samples: list[dict[str, Any]],
+    finish: Callable[[Path, dict[str, Any]], None] | None,
+) -> None:
     """An evaluation's directory, written as one: ``metrics.json`` and ``samples.jsonl``,
     ``finish(tmp, metrics)`` run on the complete directory before it is renamed into place."""
     with atomic_path(out_dir) as tmp:

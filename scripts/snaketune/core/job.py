@@ -30,14 +30,19 @@ def staged(out: Path, name: str) -> Path:
     return out / f".{name}.staged"
 
 
-def write_segment(ckpt_dir: Path, reason: str, step: int, train_s: float, save_s: float,
-                  disk: str | None = None) -> None:  # fmt: skip
+def write_segment(
+    ckpt_dir: Path, reason: str, step: int, train_s: float, save_s: float, disk: str | None = None
+) -> None:
     """How this job's training ended (rank 0): ``reason`` done, time, signal, health or
     disk (with what was short), the step, and the seconds spent training and saving."""
     from snaketune.core.io import write_json
 
-    record: dict[str, Any] = {"reason": reason, "step": step, "train_s": round(train_s, 3),
-                              "save_s": round(save_s, 3)}  # fmt: skip
+    record: dict[str, Any] = {
+        "reason": reason,
+        "step": step,
+        "train_s": round(train_s, 3),
+        "save_s": round(save_s, 3),
+    }
     if disk is not None:
         record["disk"] = disk
     write_json(ckpt_dir / SEGMENT, record)
@@ -116,10 +121,13 @@ class Handoff:
             value = env.get(HANDOFF_ENV[key])
             return float(value) if value else None
 
-        return cls(deadline=number("deadline"), stop_margin_s=number("stop_margin_s") or 0.0,
-                   save_s=number("save_s"),
-                   load_universal=env.get(HANDOFF_ENV["load_universal"]) == "1",
-                   checkpoint_bytes=int(number("checkpoint_bytes") or 0))  # fmt: skip
+        return cls(
+            deadline=number("deadline"),
+            stop_margin_s=number("stop_margin_s") or 0.0,
+            save_s=number("save_s"),
+            load_universal=env.get(HANDOFF_ENV["load_universal"]) == "1",
+            checkpoint_bytes=int(number("checkpoint_bytes") or 0),
+        )
 
 
 @dataclass(frozen=True)

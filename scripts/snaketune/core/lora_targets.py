@@ -32,7 +32,8 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from snaketune.core.modelshape import MLP, stacked_params
+from snaketune.core.configfields import stacked_params
+from snaketune.core.modelshape import MLP
 
 ADAPTERS = "adapters.json"  # in the checkpoints folder: what carries adapters (``describe``)
 
@@ -75,8 +76,11 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
                 modules.append(name)
             elif router:
                 parameters.add(f"{suffix(name)}.weight")
-        elif (isinstance(module, torch.nn.Linear) and module is not output
-              and (every or name.rsplit(".", 1)[-1] in names)):  # fmt: skip
+        elif (
+            isinstance(module, torch.nn.Linear)
+            and module is not output
+            and (every or name.rsplit(".", 1)[-1] in names)
+        ):
             modules.append(name)
     mlp = set(MLP) if every else names & set(MLP)
     for name, stacked in experts.items():
@@ -88,9 +92,12 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
     if not experts:  # a vision-language model's language model: its linears, as named
         return {"target_modules": modules}
     r, alpha = lora["r"], lora["alpha"]
-    return {"target_modules": modules, "target_parameters": sorted(parameters),
-            "rank_pattern": {r".*\.gate_up_proj": 2 * r},
-            "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha}}  # fmt: skip
+    return {
+        "target_modules": modules,
+        "target_parameters": sorted(parameters),
+        "rank_pattern": {r".*\.gate_up_proj": 2 * r},
+        "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha},
+    }
 
 
 def language_outside(model, language):
@@ -131,9 +138,11 @@ def run_dropout(model, p: float) -> str | None:
     if not getattr(config, "target_parameters", None) or config.lora_dropout == p:
         return None
     given, left = dropout_where_supported(model, p)
-    return (f"lora.dropout {p} on the {given} adapted linear layers; none on the {left} "
-            "adapted fused-expert parameters (peft's adapter on an expert parameter has no "
-            "dropout; docs/moe.md)")  # fmt: skip
+    return (
+        f"lora.dropout {p} on the {given} adapted linear layers; none on the {left} "
+        "adapted fused-expert parameters (peft's adapter on an expert parameter has no "
+        "dropout; docs/moe.md)"
+    )
 
 
 def suffix(name: str) -> str:

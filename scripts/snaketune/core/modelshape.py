@@ -23,6 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from snaketune.core.configfields import (
+    Counted,
+    attention_fields,
+    moe_fields,
+)
 from snaketune.core.errors import UserError
 
 # config.json's dtype (torch_dtype before transformers 5): the bytes of a saved weight
@@ -30,96 +35,6 @@ SAVED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss",
-             "olmoe")  # fmt: skip
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-@dataclass(frozen=True)
-class Counted:
-    """A model as transformers builds it from its config.json (on the meta device)."""
-
-    params: int  # every parameter (tied ones once)
-    linear: int  # the language model's nn.Linear weights (what a 4-bit base quantizes)
-    largest: int  # the largest single module's own parameters (ZeRO-3's gathering unit)
-    expert_layers: int  # modules holding fused experts (3-D parameters)
-    expert_params: int  # one routed expert's parameters
-    # the language model's nn.Linear modules by name: (name, in, out, how many)
-    linears: tuple[tuple[str, int, int, int], ...] = ()
-    # each fused expert parameter: (name, experts, in, out, how many layers)
-    stacked: tuple[tuple[str, int, int, int, int], ...] = ()
-    towers: int = 0  # parameters outside the language model (vision, audio, projector)
-
-
-def stacked_params(module) -> list[tuple[str, Any]]:
-    """A module's fused experts' parameters (3-D: one slice an expert), with their names;
-    none for any other module (a convolution's 3-D kernel: Qwen3.5's linear attention)."""
-    if not type(module).__name__.endswith("Experts"):
-        return []
-    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
-
-
-def experts_of(cfg: dict[str, Any]) -> int:
-    """Routed experts per MoE layer named by a config (its config.json or ``to_dict()``; 0:
-    a dense model)."""
-    return next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
-
-
-def moe_fields(cfg: dict[str, Any], where: str, counted: Counted | None = None) -> dict[str, Any]:
-    """The experts of a mixture of experts' config.json (nothing for a dense model); of a
-    family the formulas do not know, from the model transformers builds (``counted``)."""
-    kind = cfg.get("model_type")
-    experts = experts_of(cfg)
-    if not experts:
-        return {}
-    if kind not in MOE_TYPES and counted is not None and counted.expert_layers:
-        width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-        shared = cfg.get("shared_expert_intermediate_size") or 0
-        shared = shared or (cfg.get("n_shared_experts") or 0) * width
-        top_k = cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 1
-        return {
-            "experts": experts,
-            "experts_per_token": top_k,
-            "expert_intermediate": width,
-            "moe_layers": counted.expert_layers,
-            "shared_intermediate": shared,
-        }
-    if kind not in MOE_TYPES:
-        raise UserError(
-            f"{where}: cannot plan memory for model_type {kind!r}: a mixture of experts the "
-            f"plan does not count (it counts {', '.join(MOE_TYPES)}); set skip_memory_check: "
-            "true on the run to go without"
-        )
-    layers, deepseek = cfg["num_hidden_layers"], kind.startswith("deepseek")
-    if kind in ("qwen3_moe", "qwen2_moe"):
-        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    else:
-        moe_layers = layers - (cfg.get("first_k_dense_replace") or 0 if deepseek else 0)
-    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    shared = cfg.get("shared_expert_intermediate_size") or 0
-    if deepseek:
-        shared = (cfg.get("n_shared_experts") or 0) * width
-    return {"experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
-            "expert_intermediate": width, "moe_layers": moe_layers,
-            "shared_intermediate": shared, "shared_gate": kind == "qwen2_moe",
-            "biases": kind == "gpt_oss"}  # fmt: skip
-
-
-def attention_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """What sets an attention block's parameters apart from Llama's."""
-    kind, heads = cfg.get("model_type"), cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv = cfg.get("num_key_value_heads") or heads
-    out: dict[str, Any] = {}
-    if kind in ("qwen3", "qwen3_moe"):  # an RMSNorm over each head's queries and keys
-        out["qk_norm"] = 2 * head_dim
-    elif kind == "olmoe":  # over all queries and all keys
-        out["qk_norm"] = (heads + kv) * head_dim
-    if kind in ("deepseek_v2", "deepseek_v3"):
-        out["mla"] = (cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
-                      cfg["qk_rope_head_dim"], cfg["v_head_dim"])  # fmt: skip
-    return out
 
 
 @dataclass(frozen=True)
@@ -195,11 +110,17 @@ class Shape:
         if self.mla is not None:
             q_rank, kv_rank, nope, rope, v = self.mla
             qk = heads * (nope + rope)
-            q = {"q_a_proj": (h, q_rank), "q_b_proj": (q_rank, qk)} if q_rank else {
-                "q_proj": (h, qk)}  # fmt: skip
-            return {**q, "kv_a_proj_with_mqa": (h, kv_rank + rope),
-                    "kv_b_proj": (kv_rank, heads * (nope + v)),
-                    "o_proj": (heads * v, h)}  # fmt: skip
+            q = (
+                {"q_a_proj": (h, q_rank), "q_b_proj": (q_rank, qk)}
+                if q_rank
+                else {"q_proj": (h, qk)}
+            )
+            return {
+                **q,
+                "kv_a_proj_with_mqa": (h, kv_rank + rope),
+                "kv_b_proj": (kv_rank, heads * (nope + v)),
+                "o_proj": (heads * v, h),
+            }
         kv, q = self.kv_heads * self.head_dim, heads * self.head_dim
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
 
@@ -254,11 +175,19 @@ class Shape:
         if self.counted is not None:
             return self.counted.params
         dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
-        moe = self.moe_layers * (self.experts * self.expert_params + self.router_params
-                                 + 3 * self.hidden * self.shared_intermediate)  # fmt: skip
+        moe = self.moe_layers * (
+            self.experts * self.expert_params
+            + self.router_params
+            + 3 * self.hidden * self.shared_intermediate
+        )
         embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * self.attention_params + dense + \
-            moe + self.hidden  # fmt: skip
+        return (
+            embed * (1 if self.tied else 2)
+            + self.layers * self.attention_params
+            + dense
+            + moe
+            + self.hidden
+        )
 
     @property
     def active_params(self) -> int:
@@ -304,10 +233,12 @@ class Shape:
         if self.counted is not None:
             return self.counted.linear
         dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
-        shared = self.moe_layers * (3 * self.hidden * self.shared_intermediate
-                                    + self.hidden * self.shared_gate)  # fmt: skip
-        return self.layers * sum(i * o for i, o in self.attention_shapes().values()) + dense + \
-            shared  # fmt: skip
+        shared = self.moe_layers * (
+            3 * self.hidden * self.shared_intermediate + self.hidden * self.shared_gate
+        )
+        return (
+            self.layers * sum(i * o for i, o in self.attention_shapes().values()) + dense + shared
+        )
 
     @property
     def largest_layer(self) -> int:
@@ -318,8 +249,9 @@ class Shape:
         linears = [i * o for i, o in self.linear_shapes().values()]
         return max(self.vocab * self.hidden, self.experts * self.expert_params, *linears)
 
-    def lora_params(self, r: int, targets: str | list[str], saved: Sequence[str] = (),
-                    router: bool = False) -> int:  # fmt: skip
+    def lora_params(
+        self, r: int, targets: str | list[str], saved: Sequence[str] = (), router: bool = False
+    ) -> int:
         """Trainable parameters: the adapters over ``targets`` (LINEARS' names: an attention
         block's own names for DeepSeek's), ``router`` adapted too, and the modules of ``saved``
         (modules_to_save, trained in full). On an MoE layer's fused experts an adapter of
@@ -333,10 +265,13 @@ class Shape:
         names = set(LINEARS) | set(attention) if every else set(targets)
         count = self.layers * sum(r * (i + o) for n, (i, o) in attention.items() if n in names)
         mlp = [n for n in MLP if n in names]
-        for width, layers in ((self.intermediate, self.layers - self.moe_layers),
-                              (self.shared_intermediate, self.moe_layers)):  # fmt: skip
-            count += layers * sum(r * (i + o) for n, (i, o) in self.mlp_shapes(width).items()
-                                  if n in mlp and width)  # fmt: skip
+        for width, layers in (
+            (self.intermediate, self.layers - self.moe_layers),
+            (self.shared_intermediate, self.moe_layers),
+        ):
+            count += layers * sum(
+                r * (i + o) for n, (i, o) in self.mlp_shapes(width).items() if n in mlp and width
+            )
         if self.moe:
             count += self.moe_layers * self.expert_adapters(r, mlp, router)
         if not every and "embed_tokens" in targets:  # A (r, vocab), B (dim, r)

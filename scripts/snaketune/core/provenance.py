@@ -40,12 +40,18 @@ def workflow_commit(root: Path = WORKFLOW_DIR) -> dict[str, Any]:
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
         status = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None, "note": "not a git checkout"}
     return {"commit": commit, "dirty": bool(status.strip())}
@@ -197,8 +203,9 @@ def evaluations_of(root: Path, artefact: Path) -> Iterator[str]:
             figures = ""
             if metrics.is_file():
                 m = json.loads(metrics.read_text())
-                figures = ": " + ", ".join(f"{k} {f['value']:.4g}" for k, f in
-                                           list((m.get("figures") or {}).items())[:3])  # fmt: skip
+                figures = ": " + ", ".join(
+                    f"{k} {f['value']:.4g}" for k, f in list((m.get("figures") or {}).items())[:3]
+                )
             yield f"evaluated in {ev.parent.relative_to(root)}{figures}"
 
 

@@ -78,9 +78,14 @@ def settings(quantization: Mapping[str, Any] | None, precision: str) -> dict[str
     compute = quantization["compute_dtype"]
     if compute == "auto" or (compute != "fp32" and not torch.cuda.is_available()):
         compute = precision
-    return {"bits": 4, "quant_type": quantization["quant_type"],
-            "double_quant": bool(quantization["double_quant"]), "blocksize": BLOCKSIZE,
-            "load_dtype": precision, "compute_dtype": compute}  # fmt: skip
+    return {
+        "bits": 4,
+        "quant_type": quantization["quant_type"],
+        "double_quant": bool(quantization["double_quant"]),
+        "blocksize": BLOCKSIZE,
+        "load_dtype": precision,
+        "compute_dtype": compute,
+    }
 
 
 def bnb_config(q: dict[str, Any]):
@@ -89,10 +94,13 @@ def bnb_config(q: dict[str, Any]):
     from transformers import BitsAndBytesConfig
 
     compute = dtype_of(q["compute_dtype"])
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q["quant_type"],
-                              bnb_4bit_use_double_quant=q["double_quant"],
-                              bnb_4bit_compute_dtype=compute,
-                              bnb_4bit_quant_storage=compute)  # fmt: skip
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q["quant_type"],
+        bnb_4bit_use_double_quant=q["double_quant"],
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=compute,
+    )
 
 
 def record(model, q: dict[str, Any]) -> dict[str, Any]:
@@ -160,10 +168,12 @@ def as_trained(tensor: torch.Tensor, rec: dict[str, Any]) -> torch.Tensor:
 
     load, compute = dtype_of(rec["load_dtype"]), dtype_of(rec["compute_dtype"])
     packed, state = bf.quantize_4bit(
-        tensor.to(load).contiguous(), blocksize=rec["blocksize"],
-        compress_statistics=rec["double_quant"], quant_type=rec["quant_type"],
+        tensor.to(load).contiguous(),
+        blocksize=rec["blocksize"],
+        compress_statistics=rec["double_quant"],
+        quant_type=rec["quant_type"],
         quant_storage=compute,
-    )  # fmt: skip
+    )
     return bf.dequantize_4bit(packed, state).to(compute)
 
 

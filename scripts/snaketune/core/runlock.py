@@ -184,8 +184,10 @@ class RunLock:
             if not waited:
                 log.warning(
                     "run lock %s is held by %s: waiting up to %.0fs",
-                    self.path, describe(holder), self.wait_s,
-                )  # fmt: skip
+                    self.path,
+                    describe(holder),
+                    self.wait_s,
+                )
                 waited = True
             time.sleep(self.poll_s)
         self._stop.clear()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snaketune.core.modelshape import stacked_params
+from snaketune.core.configfields import stacked_params
 
 
 class Counted:

@@ -97,5 +97,10 @@ def planned_loader(table, batch_sampler, collate_fn) -> DataLoader:
     place of Trainer's own sampler over a shared dataset)."""
     import torch
 
-    return DataLoader(table, batch_sampler=batch_sampler, collate_fn=collate_fn,
-                      num_workers=0, pin_memory=torch.cuda.is_available())  # fmt: skip
+    return DataLoader(
+        table,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_fn,
+        num_workers=0,
+        pin_memory=torch.cuda.is_available(),
+    )

@@ -204,8 +204,9 @@ def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple
     return tuple(turns)
 
 
-def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict,
-          i: int, row: int) -> Pair:  # fmt: skip
+def _pair(
+    source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict, i: int, row: int
+) -> Pair:
     """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a
     prompt message list with assistant turns; or whole conversations sharing their prompt."""
     name = source.name
@@ -220,8 +221,7 @@ def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: 
         rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
     if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
         shared = 0
-        while (shared < min(len(chosen), len(rejected)) - 1
-               and chosen[shared] == rejected[shared]):  # fmt: skip
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     else:
@@ -246,8 +246,7 @@ def _pair(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: 
 # blank line).
 HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ?")
 # How a preference dataset without a prompt column may hold its pairs (its message names it).
-WHOLE_FORMS = ("lists of {role, content} messages, or text in the 'Human: ... Assistant: ...' "
-               "form")  # fmt: skip
+WHOLE_FORMS = "lists of {role, content} messages, or text in the 'Human: ... Assistant: ...' form"
 
 
 def hh_turns(text: str) -> tuple[Turn, ...] | None:

@@ -28,8 +28,18 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
 # column holds whole conversations in chosen and rejected that share their prompt turns).
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}
 # Keys of a single (non-mixture) dataset: where its rows come from and how they read.
-SINGLE_DATASET_KEYS = ("id", "path", "subset", "split", "revision", "file_format", "format",
-                       "columns", "system_prompt", "filters")  # fmt: skip
+SINGLE_DATASET_KEYS = (
+    "id",
+    "path",
+    "subset",
+    "split",
+    "revision",
+    "file_format",
+    "format",
+    "columns",
+    "system_prompt",
+    "filters",
+)
 
 
 def components(config: dict[str, Any], dataset: str) -> list[dict[str, Any]]:

@@ -146,13 +146,23 @@ def segment_attention(
             cuts = [0, length]
         if cuts[0] != 0:
             cuts.insert(0, 0)
-        rows.append(torch.cat([
-            F.scaled_dot_product_attention(
-                query[r : r + 1, :, a:b], key[r : r + 1, :, a:b], value[r : r + 1, :, a:b],
-                dropout_p=dropout, is_causal=True, scale=scaling,
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        query[r : r + 1, :, a:b],
+                        key[r : r + 1, :, a:b],
+                        value[r : r + 1, :, a:b],
+                        dropout_p=dropout,
+                        is_causal=True,
+                        scale=scaling,
+                    )
+                    for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+                    if b > a
+                ],
+                dim=2,
             )
-            for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a
-        ], dim=2))  # fmt: skip
+        )
     return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 

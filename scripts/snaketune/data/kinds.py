@@ -84,25 +84,49 @@ class Kind:
 
 
 KINDS = {
-    "rows": Kind("rows", "conversations", ROW_FORMATS, evaluates_on=ROW_FORMATS,
-                 needs="a dataset of rows (format prompt_response, alpaca or messages)",
-                 stores=ROW_FORMATS),
-    "prompts": Kind("prompts", "prompts", ROW_FORMATS, evaluates_on=ROW_FORMATS,
-                    needs="a dataset of prompts (format prompt_response, alpaca or "
-                    "messages; their responses are the reference answers)", generates=True),
-    "pairs": Kind("pairs", "pairs", ("preference",), needs="a dataset of format preference "
-                  "(prompt, chosen, rejected)", stores=("preference",),
-                  columns=("rejected_input_ids", "rejected_labels"), sequences=2,
-                  balances_tokens=True,
-                  module="snaketune.data.pairs", heldout="snaketune.evaluation.preference"),
+    "rows": Kind(
+        "rows",
+        "conversations",
+        ROW_FORMATS,
+        evaluates_on=ROW_FORMATS,
+        needs="a dataset of rows (format prompt_response, alpaca or messages)",
+        stores=ROW_FORMATS,
+    ),
+    "prompts": Kind(
+        "prompts",
+        "prompts",
+        ROW_FORMATS,
+        evaluates_on=ROW_FORMATS,
+        needs="a dataset of prompts (format prompt_response, alpaca or "
+        "messages; their responses are the reference answers)",
+        generates=True,
+    ),
+    "pairs": Kind(
+        "pairs",
+        "pairs",
+        ("preference",),
+        needs="a dataset of format preference (prompt, chosen, rejected)",
+        stores=("preference",),
+        columns=("rejected_input_ids", "rejected_labels"),
+        sequences=2,
+        balances_tokens=True,
+        module="snaketune.data.pairs",
+        heldout="snaketune.evaluation.preference",
+    ),
     # single responses, each desirable or not (KTO): a labelled set's, or a preference set's
     # (its chosen responses desirable, its rejected ones not: snaketune.data.labelled)
-    "labelled": Kind("labelled", "labelled responses", ("labelled", "preference"),
-                     needs="a dataset of format labelled (prompt, completion, label) or "
-                     "preference (each chosen response desirable, each rejected one not)",
-                     stores=("labelled",), columns=("desirable",), balances_tokens=True,
-                     module="snaketune.data.labelled"),
-}  # fmt: skip
+    "labelled": Kind(
+        "labelled",
+        "labelled responses",
+        ("labelled", "preference"),
+        needs="a dataset of format labelled (prompt, completion, label) or "
+        "preference (each chosen response desirable, each rejected one not)",
+        stores=("labelled",),
+        columns=("desirable",),
+        balances_tokens=True,
+        module="snaketune.data.labelled",
+    ),
+}
 
 
 def kind_named(name: str) -> Kind:
@@ -118,8 +142,10 @@ def kind_of_formats(formats: Iterable[str]) -> Kind:
     """The one kind the datasets of ``formats`` (a mixture's) are tokenized as."""
     kinds = {kind_of_format(f).name for f in formats}
     if len(kinds) != 1:
-        raise ConfigError(f"the datasets mix kinds of data ({', '.join(sorted(kinds))}); "
-                          "a mixture's components are of one kind")  # fmt: skip
+        raise ConfigError(
+            f"the datasets mix kinds of data ({', '.join(sorted(kinds))}); "
+            "a mixture's components are of one kind"
+        )
     return KINDS[kinds.pop()]
 
 
@@ -138,19 +164,25 @@ def mixes_kinds(formats: Iterable[str | None]) -> str | None:
         kinds.setdefault(kind_of_format(fmt).noun, set()).add(fmt)
     if len(kinds) < 2:
         return None
-    return (f"mixes {' and '.join(sorted(kinds))} ("
-            + "; ".join(", ".join(sorted(f)) for _, f in sorted(kinds.items()))
-            + "); a mixture's components are of one kind of data, the one its run's method "
-            "trains on")  # fmt: skip
+    return (
+        f"mixes {' and '.join(sorted(kinds))} ("
+        + "; ".join(", ".join(sorted(f)) for _, f in sorted(kinds.items()))
+        + "); a mixture's components are of one kind of data, the one its run's method "
+        "trains on"
+    )
 
 
 def unread(where: str, part: str, fmt: str, method: str, kind: Kind, readers: list[str]) -> str:
     """The line for a dataset ``part`` of a format that ``method`` (on ``kind``) does not
     read: the data its kind needs, or the methods (``readers``) that read this one."""
     if not kind_of_format(fmt).columns:  # rows: what every kind of data has
-        return (f"{where}: {part!r} (format {fmt}) has no {kind.noun} to tune on; method "
-                f"{method} needs {kind.needs}")  # fmt: skip
+        return (
+            f"{where}: {part!r} (format {fmt}) has no {kind.noun} to tune on; method "
+            f"{method} needs {kind.needs}"
+        )
     named = f"method{'s' if len(readers) > 1 else ''} {', '.join(readers)}"
-    return (f"{where}: {part!r} is a {fmt} dataset ({kind_of_format(fmt).noun}), which only "
-            f"{named} train and evaluate on; set method: {' or '.join(readers)} or use a "
-            "dataset of another format")  # fmt: skip
+    return (
+        f"{where}: {part!r} is a {fmt} dataset ({kind_of_format(fmt).noun}), which only "
+        f"{named} train and evaluate on; set method: {' or '.join(readers)} or use a "
+        "dataset of another format"
+    )

@@ -52,19 +52,24 @@ class Labelled:
         return (*self.prompt, *self.completion, ("\x1d", str(self.desirable)))
 
 
-def read_row(source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict,
-             i: int, row: int) -> Labelled:  # fmt: skip
+def read_row(
+    source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict, i: int, row: int
+) -> Labelled:
     """One row of a ``labelled`` dataset: a prompt and a completion, text or messages, and
     a boolean label."""
     name, label, raw = source.name, data[cols["label"]][i], data[cols["prompt"]][i]
     if not isinstance(label, bool):
-        raise DataError(f"datasets.{name} row {row}: column {cols['label']!r} must be true "
-                        f"or false (got {label!r:.40}); clean the data or filter the row "
-                        "out")  # fmt: skip
+        raise DataError(
+            f"datasets.{name} row {row}: column {cols['label']!r} must be true "
+            f"or false (got {label!r:.40}); clean the data or filter the row "
+            "out"
+        )
     completion = _turns(data[cols["completion"]][i], name, row, cols["completion"], "assistant")
     if any(turn[0] != "assistant" for turn in completion):
-        raise DataError(f"datasets.{name} row {row}: a completion is assistant turns only; "
-                        "clean the data or filter the row out")  # fmt: skip
+        raise DataError(
+            f"datasets.{name} row {row}: a completion is assistant turns only; "
+            "clean the data or filter the row out"
+        )
     prompt = _turns(raw, name, row, cols["prompt"], "user")
     return Labelled((*(system if isinstance(raw, str) else ()), *prompt), completion, label)
 
@@ -88,13 +93,29 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return items, texts, spans
 
 
-def label(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
-          overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
+def label(
+    items: Items,
+    texts: list[str],
+    spans: list,
+    encodings: list,
+    max_length: int,
+    overlong: str,
+    stats: Stats,
+    *,
+    schema: pa.Schema,
+) -> pa.Table:
     """The supervised rows' labels and length policy, and each kept row's label."""
     from snaketune.data.tokenization import label_batch
 
-    table = label_batch([(i, row.hashed()) for i, row in items], texts, spans, encodings,
-                        max_length, overlong, stats)  # fmt: skip
+    table = label_batch(
+        [(i, row.hashed()) for i, row in items],
+        texts,
+        spans,
+        encodings,
+        max_length,
+        overlong,
+        stats,
+    )
     desirable = {i: row.desirable for i, row in items}
     kept = [desirable[i] for i in table.column("example_id").to_pylist()]
     return table.append_column(schema.field("desirable"), pa.array(kept, pa.bool_()))
@@ -127,8 +148,9 @@ def _padded(seqs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[
     return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
 
 
-def batch(examples: list[dict[str, Any]], pad_token_id: int,
-          partners: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def batch(
+    examples: list[dict[str, Any]], pad_token_id: int, partners: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Labelled responses as KTOTrainer reads them and, given each example's ``partners``,
     their KL sequences: a labelled set's rows in order; a preference set's pairs as their
     chosen sides (desirable), then their rejected sides (undesirable)."""

@@ -132,6 +132,5 @@ class Collator(Counted):
             batch = self._trl(plain)
             if self.layout == "varlen":
                 batch["use_cache"] = False
-        self.add([len(e["input_ids"]) for e in examples], batch["input_ids"].numel(),
-                 len(examples))  # fmt: skip
+        self.add([len(e["input_ids"]) for e in examples], batch["input_ids"].numel(), len(examples))
         return batch

@@ -31,8 +31,10 @@ from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Pair, Stats, text_sha
 from snaketune.data.tokens import first_token_at
 
-PAIR_COLUMNS = (("rejected_input_ids", pa.list_(pa.int32())),
-                ("rejected_labels", pa.list_(pa.int32())))  # fmt: skip
+PAIR_COLUMNS = (
+    ("rejected_input_ids", pa.list_(pa.int32())),
+    ("rejected_labels", pa.list_(pa.int32())),
+)
 
 
 def schema(base: pa.Schema) -> pa.Schema:
@@ -44,9 +46,11 @@ def schema(base: pa.Schema) -> pa.Schema:
 
 
 def dropped(stats: Stats) -> str:
-    return (f"preference pairs dropped: {stats.dropped_identical_pair} with identical sides, "
-            f"{stats.dropped_empty_pair} with an empty side, {stats.dropped_prompt_mismatch} "
-            "whose prompt tokens differ between the sides")  # fmt: skip
+    return (
+        f"preference pairs dropped: {stats.dropped_identical_pair} with identical sides, "
+        f"{stats.dropped_empty_pair} with an empty side, {stats.dropped_prompt_mismatch} "
+        "whose prompt tokens differ between the sides"
+    )
 
 
 def batch(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
@@ -108,8 +112,27 @@ def _side(ids: list[int], spans, enc, text: str) -> np.ndarray:
     return labels
 
 
-def label(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
-          overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
+def counted(stats: Stats, sides: list) -> None:
+    """A kept pair's sides (ids, labels) counted into the tokenize stats."""
+    (c_ids, c_labels), (r_ids, r_labels) = sides
+    stats.rows += 1
+    stats.tokens += len(c_ids) + len(r_ids)
+    stats.label_tokens += int((c_labels != IGNORE_INDEX).sum() + (r_labels != IGNORE_INDEX).sum())
+    stats.max_tokens = max(stats.max_tokens, len(c_ids), len(r_ids))
+    stats.max_token_id = max(stats.max_token_id, int(c_ids.max()), int(r_ids.max()))
+
+
+def label(
+    items: Items,
+    texts: list[str],
+    spans: list,
+    encodings: list,
+    max_length: int,
+    overlong: str,
+    stats: Stats,
+    *,
+    schema: pa.Schema,
+) -> pa.Table:
     """Labels and length policy of one encoded batch of pairs; the pairs kept, as a table."""
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}
@@ -141,16 +164,16 @@ def label(items: Items, texts: list[str], spans: list, encodings: list, max_leng
             continue
         if stats.end_of_turn_id is not None and stats.end_of_turn_id not in c_labels:
             stats.rows_without_end_of_turn += 1
-        stats.rows += 1
-        stats.tokens += len(c_ids) + len(r_ids)
-        stats.label_tokens += int(
-            (c_labels != IGNORE_INDEX).sum() + (r_labels != IGNORE_INDEX).sum()
-        )
-        stats.max_tokens = max(stats.max_tokens, len(c_ids), len(r_ids))
-        stats.max_token_id = max(stats.max_token_id, int(c_ids.max()), int(r_ids.max()))
-        values = {"example_id": example_id, "input_ids": c_ids, "labels": c_labels,
-                  "length": len(c_ids) + len(r_ids), "text_sha": text_sha(pair),
-                  "rejected_input_ids": r_ids, "rejected_labels": r_labels}  # fmt: skip
+        counted(stats, sides)
+        values = {
+            "example_id": example_id,
+            "input_ids": c_ids,
+            "labels": c_labels,
+            "length": len(c_ids) + len(r_ids),
+            "text_sha": text_sha(pair),
+            "rejected_input_ids": r_ids,
+            "rejected_labels": r_labels,
+        }
         for name, value in values.items():
             rows[name].append(value)
     return pa.Table.from_pydict(rows, schema=schema)

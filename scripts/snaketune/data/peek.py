@@ -120,8 +120,10 @@ def check_dataset(name: str, spec: dict[str, Any], path: Path, local: bool) -> s
         row = jsonl_row_problem(path) if fmt == "jsonl" and path.exists() else None
         if row is not None:
             return f"{where}: {path}: {row} (pyarrow: {reason})"
-        return (f"{where}: {path}: cannot read as {fmt} ({reason}); fix the file, or set "
-                "file_format if the extension misleads")  # fmt: skip
+        return (
+            f"{where}: {path}: cannot read as {fmt} ({reason}); fix the file, or set "
+            "file_format if the extension misleads"
+        )
     return None if table is None else check_rows(name, spec, table)
 
 

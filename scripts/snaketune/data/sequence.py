@@ -56,9 +56,11 @@ def check_run(where: str, run: dict[str, Any], splits: bool) -> str | None:
         return None
     key = f"{where}.sequence_parallel"
     if not splits:
-        return (f"{key}: {n} splits supervised fine-tuning's sequences (method lora or full); "
-                f"method {run['method']} scores whole sequences (pairs, rollouts) that the "
-                "split would cut: remove the key")  # fmt: skip
+        return (
+            f"{key}: {n} splits supervised fine-tuning's sequences (method lora or full); "
+            f"method {run['method']} scores whole sequences (pairs, rollouts) that the "
+            "split would cut: remove the key"
+        )
     if not run.get("packing"):
         return (
             f"{key}: {n} needs packing: true (each micro batch one row, split along the "
@@ -117,9 +119,13 @@ def register(model, run: dict[str, Any], kernel: str) -> None:
 
     try:
         UlyssesSPAttentionHF.register_with_transformers(
-            model, kernel, size(run), micro_batch_size=1, seq_length_is_variable=True,
+            model,
+            kernel,
+            size(run),
+            micro_batch_size=1,
+            seq_length_is_variable=True,
             disable_in_eval=True,
-        )  # fmt: skip
+        )
     except ValueError as exc:  # heads that do not divide (the plan checks it first)
         raise UserError(f"sequence_parallel: {size(run)}: {exc}") from None
 
@@ -144,13 +150,14 @@ def split(batch: dict[str, Any], n: int, rank: int, pad_id: int) -> dict[str, An
     full = {
         "input_ids": padded(ids, pad_id),
         "position_ids": padded(positions, torch.arange(pad)[None]),  # a segment of its own
-        "shift_labels": torch.nn.functional.pad(
-            padded(labels, -100)[:, 1:], (0, 1), value=-100
-        ),  # fmt: skip
+        "shift_labels": torch.nn.functional.pad(padded(labels, -100)[:, 1:], (0, 1), value=-100),
     }
     chunk = full["input_ids"].shape[1] // n
-    out = {k: v for k, v in batch.items() if k not in (*SPLIT_KEYS, *ROW_KEYS, "labels",
-                                                       "attention_mask")}  # fmt: skip
+    out = {
+        k: v
+        for k, v in batch.items()
+        if k not in (*SPLIT_KEYS, *ROW_KEYS, "labels", "attention_mask")
+    }
     for key, tensor in full.items():
         out[key] = tensor[:, chunk * rank : chunk * (rank + 1)].contiguous()
     out["labels"] = out["shift_labels"]

@@ -240,8 +240,9 @@ class Written:
     ids: list[str]
 
 
-def write_nodes(tokenized: str | Path, out_dir: Path, p: Plan, node: np.ndarray,
-                nodes: int) -> Written:  # fmt: skip
+def write_nodes(
+    tokenized: str | Path, out_dir: Path, p: Plan, node: np.ndarray, nodes: int
+) -> Written:
     """Stream the tokenized rows into each node's parquet, with the plan's columns."""
     pf = pq.ParquetFile(tokenized)
     paths = [out_dir / f"node-{k}.parquet" for k in range(nodes)]
@@ -313,9 +314,18 @@ def shard(
             for k, path in enumerate(paths)
         ],
     }
-    log.info("%d examples -> %d nodes x %d rows (%d steps/epoch of %d); %d left over for "
-             "balance; tokens per rank and step: worst max/mean %.3f (step %d), mean %.3f%s",
-             n_rows, layout.nodes, rows[0], p.steps, layout.global_batch, len(leftover),
-             balance["worst_max_over_mean"], balance["worst_step"], balance["mean_max_over_mean"],
-             "" if packing else " (packing off: random split)")  # fmt: skip
+    log.info(
+        "%d examples -> %d nodes x %d rows (%d steps/epoch of %d); %d left over for "
+        "balance; tokens per rank and step: worst max/mean %.3f (step %d), mean %.3f%s",
+        n_rows,
+        layout.nodes,
+        rows[0],
+        p.steps,
+        layout.global_batch,
+        len(leftover),
+        balance["worst_max_over_mean"],
+        balance["worst_step"],
+        balance["mean_max_over_mean"],
+        "" if packing else " (packing off: random split)",
+    )
     return manifest

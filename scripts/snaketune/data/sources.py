@@ -98,8 +98,9 @@ def download_model(name: str, spec: dict[str, Any], out: str | Path) -> None:
             )
             extra = {"id": spec["id"], "revision": revision, "commit": commit}
         files = sha256_tree(tmp)
-        prov = _provenance("model", name, spec, out, files, source=spec["source"], files=files,
-                           **extra)  # fmt: skip
+        prov = _provenance(
+            "model", name, spec, out, files, source=spec["source"], files=files, **extra
+        )
         write_provenance(tmp / NAME, prov)
 
 
@@ -147,11 +148,19 @@ def iter_local_batches(path: Path, fmt: str):
     yield from dataset.to_batches(batch_size=BATCH_ROWS)
 
 
-KINDS = {list: "a list", dict: "an object", str: "a string", bool: "true or false",
-         int: "a number", float: "a number"}  # fmt: skip
+KINDS = {
+    list: "a list",
+    dict: "an object",
+    str: "a string",
+    bool: "true or false",
+    int: "a number",
+    float: "a number",
+}
 # what a field of a format must hold, where a row gives it another kind
-SHAPES = {"messages": 'a list of turns, e.g. [{"role": "user", "content": "..."}, '
-          '{"role": "assistant", "content": "..."}]'}  # fmt: skip
+SHAPES = {
+    "messages": 'a list of turns, e.g. [{"role": "user", "content": "..."}, '
+    '{"role": "assistant", "content": "..."}]'
+}
 
 
 def jsonl_row_problem(path: Path) -> str | None:
@@ -180,8 +189,10 @@ def jsonl_row_problem(path: Path) -> str | None:
                     seen = first.setdefault(field, (kind, row))
                     if seen[0] != kind:
                         want = SHAPES.get(field, seen[0])
-                        return (f"row {row} (line {number}): `{field}` is {kind}; it must be "
-                                f"{want}, as in row {seen[1]}")  # fmt: skip
+                        return (
+                            f"row {row} (line {number}): `{field}` is {kind}; it must be "
+                            f"{want}, as in row {seen[1]}"
+                        )
                 row += 1
     return None
 
@@ -282,8 +293,17 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
                 f"datasets.{name}: the dataset has no rows; check the path, split or file"
             )
         outputs = {"data.parquet": sha256_file(tmp)}
-        prov = _provenance("dataset", name, spec, out_dir, outputs, source=spec["source"],
-                           rows=rows, output=outputs, **extra)  # fmt: skip
+        prov = _provenance(
+            "dataset",
+            name,
+            spec,
+            out_dir,
+            outputs,
+            source=spec["source"],
+            rows=rows,
+            output=outputs,
+            **extra,
+        )
         write_provenance(tmp_prov, prov)
     log.info("dataset %s: %d rows -> %s", name, rows, data)
     return data
@@ -296,8 +316,9 @@ def hub_config_json(repo_id: str, revision: str | None) -> tuple[Path | None, st
     from huggingface_hub import constants, hf_hub_download
 
     try:
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision,
-                                    local_files_only=True)), ""  # fmt: skip
+        return Path(
+            hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True)
+        ), ""
     except Exception:  # not in the cache
         pass
     if constants.HF_HUB_OFFLINE:

@@ -79,8 +79,9 @@ def render_batch(
     return texts, spans
 
 
-def labelled_tokens(encodings: list, spans: list[list[tuple[int, int]]], texts: list[str],
-                    row_start: np.ndarray) -> np.ndarray:  # fmt: skip
+def labelled_tokens(
+    encodings: list, spans: list[list[tuple[int, int]]], texts: list[str], row_start: np.ndarray
+) -> np.ndarray:
     """Per token of the batch's rows laid end to end: inside an assistant span (trained)."""
     # +1 where an assistant span starts, -1 where it ends: a running sum > 0 is inside one.
     delta = np.zeros(int(row_start[-1]) + 1, np.int32)
@@ -95,8 +96,15 @@ def labelled_tokens(encodings: list, spans: list[list[tuple[int, int]]], texts: 
     return np.cumsum(delta[:-1]) > 0
 
 
-def keep_rows(items: Items, lengths: np.ndarray, row_start: np.ndarray, labelled: np.ndarray,
-              max_length: int, overlong: str, stats: Stats):  # fmt: skip
+def keep_rows(
+    items: Items,
+    lengths: np.ndarray,
+    row_start: np.ndarray,
+    labelled: np.ndarray,
+    max_length: int,
+    overlong: str,
+    stats: Stats,
+):
     """The length policy and rows with no response: (rows kept, tokens kept, each token's
     row), counted in ``stats``."""
     n = len(items)
@@ -144,13 +152,15 @@ def label_batch(
     np.cumsum(lengths, out=row_start[1:])
     flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(row_start[-1]))
     labelled = labelled_tokens(encodings, spans, texts, row_start)
-    keep_row, keep_tok, row_of = keep_rows(items, lengths, row_start, labelled, max_length,
-                                           overlong, stats)  # fmt: skip
+    keep_row, keep_tok, row_of = keep_rows(
+        items, lengths, row_start, labelled, max_length, overlong, stats
+    )
 
     n_labels = np.bincount(row_of[labelled & keep_tok], minlength=n)
     if stats.end_of_turn_id is not None:  # kept rows whose labels never close a turn
-        ends = np.bincount(row_of[labelled & keep_tok & (flat == stats.end_of_turn_id)],
-                           minlength=n)  # fmt: skip
+        ends = np.bincount(
+            row_of[labelled & keep_tok & (flat == stats.end_of_turn_id)], minlength=n
+        )
         stats.rows_without_end_of_turn += int((keep_row & (ends == 0)).sum())
     kept_lengths = np.minimum(lengths, max_length)[keep_row]
     if kept_lengths.size:
@@ -187,8 +197,17 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return (items, *render_batch(renderer, items))
 
 
-def label(items: Items, texts: list[str], spans: list, encodings: list, max_length: int,
-          overlong: str, stats: Stats, *, schema: pa.Schema) -> pa.Table:  # fmt: skip
+def label(
+    items: Items,
+    texts: list[str],
+    spans: list,
+    encodings: list,
+    max_length: int,
+    overlong: str,
+    stats: Stats,
+    *,
+    schema: pa.Schema,
+) -> pa.Table:
     return label_batch(items, texts, spans, encodings, max_length, overlong, stats)
 
 
@@ -209,20 +228,27 @@ def check_end_of_turn(stats: Stats, model_dir: str | Path, model_name: str) -> N
         log.warning(
             "%d of %d examples' assistant turns do not end with %s (cut by max_length with "
             "overlong: truncate): the model learns less of when to stop; raise max_length or "
-            "set overlong: drop", stats.rows_without_end_of_turn, stats.rows, stats.end_of_turn,
-        )  # fmt: skip
+            "set overlong: drop",
+            stats.rows_without_end_of_turn,
+            stats.rows,
+            stats.end_of_turn,
+        )
     if not stats.model_stops_at_end_of_turn:
         log.warning(
             "models.%s: the chat template ends an assistant turn with %s (id %d), but the "
             "model's generation_config stops only on %s: a tuned model would run on to "
             "max_new_tokens; the exported models get %d added to eos_token_id",
-            model_name, stats.end_of_turn, stats.end_of_turn_id, stop_ids(model_dir),
+            model_name,
+            stats.end_of_turn,
             stats.end_of_turn_id,
-        )  # fmt: skip
+            stop_ids(model_dir),
+            stats.end_of_turn_id,
+        )
 
 
-def check_result(stats: Stats, max_length: int, overlong: str, model_dir: str | Path,
-                 model_name: str) -> None:  # fmt: skip
+def check_result(
+    stats: Stats, max_length: int, overlong: str, model_dir: str | Path, model_name: str
+) -> None:
     """After the pass, one line (DataError) for a result training cannot use: overlong
     examples under ``overlong: error``, nothing left, token ids past the model's
     vocabulary."""
@@ -252,9 +278,13 @@ def check_result(stats: Stats, max_length: int, overlong: str, model_dir: str | 
 def _log_result(stats: Stats, kind: Kind) -> None:
     log.info(
         "tokenized %d %s -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
-        stats.conversations, kind.noun, stats.rows, stats.tokens, stats.dropped_overlong,
+        stats.conversations,
+        kind.noun,
+        stats.rows,
+        stats.tokens,
+        stats.dropped_overlong,
         stats.truncated,
-    )  # fmt: skip
+    )
     if line := kind.impl().dropped(stats):
         log.info("%s", line)
 

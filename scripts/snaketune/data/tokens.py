@@ -68,13 +68,18 @@ def add_end_of_turn(model_dir: Path) -> str | None:
     if end is None or end in ids:
         return None
     path = model_dir / "generation_config.json"
-    config = (GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-              if path.is_file() else GenerationConfig())  # fmt: skip
+    config = (
+        GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        if path.is_file()
+        else GenerationConfig()
+    )
     config.eos_token_id = [*ids, end]
     config.save_pretrained(model_dir)
     name = tokenizer.convert_ids_to_tokens(end)
-    return (f"generation_config eos_token_id {ids} -> {[*ids, end]}: {name}, which the chat "
-            "template ends an assistant turn with, now stops generation")  # fmt: skip
+    return (
+        f"generation_config eos_token_id {ids} -> {[*ids, end]}: {name}, which the chat "
+        "template ends an assistant turn with, now stops generation"
+    )
 
 
 def load_tokenizer(model_dir: str | Path):

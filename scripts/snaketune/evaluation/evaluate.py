@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +21,11 @@ import torch
 
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
-from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, prompt_length
+from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer
 from snaketune.data.kinds import kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
+from snaketune.evaluation.generation import generate, stop_ids_of
 from snaketune.evaluation.model import DTYPES, padded_logits, resolve_precision
 from snaketune.evaluation.sharded import DUMMY, ONE, Share, load_sharded
 
@@ -62,8 +61,9 @@ def nll_sums(model, batch: list[dict], pad_id: int) -> tuple[float, int]:
     return nll.item(), int((shift_labels != IGNORE_INDEX).sum())
 
 
-def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int,
-                 share: Share = ONE) -> dict[str, float]:  # fmt: skip
+def heldout_loss(
+    model, rows: list[dict], batch_size: int, pad_id: int, share: Share = ONE
+) -> dict[str, float]:
     """Mean negative log-likelihood per response token, and its perplexity (over every
     rank's share: each rank runs as many forward passes)."""
     from snaketune.core.collective import gather_combined
@@ -80,66 +80,9 @@ def heldout_loss(model, rows: list[dict], batch_size: int, pad_id: int,
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "response_tokens": count}
 
 
-def stop_ids_of(model, tokenizer) -> list[int]:
-    """What plain ``generate`` stops on: the model's generation_config eos_token_id (the
-    tokenizer's eos when it has none)."""
-    ids = model.generation_config.eos_token_id
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids)
-
-
-def generate(
-    model, tokenizer, rows: list[dict], batch_size: int, max_new_tokens: int,
-    calls: int | None = None,
-) -> tuple[list[str], list[bool]]:  # fmt: skip
-    """Greedy continuations of each example's prompt (the tokens before its first label), in
-    batches with left padding and the KV cache, stopping where the model's generation_config
-    stops (as any application loading the model does); a progress line per batch. Returns
-    the texts and, for each, whether it ended on a stop id (not at ``max_new_tokens``).
-
-    ``calls``: a sharded model's ranks generate together (``synced_gpus``), each making
-    this many generate calls (the ones past its own rows on a dummy prompt, kept nowhere)."""
-    prompts = [r["input_ids"][: prompt_length(r["labels"])] for r in rows]
-    pad = pad_id(tokenizer)
-    stops = stop_ids_of(model, tokenizer)
-    out: list[str] = []
-    stopped: list[bool] = []
-    began = time.monotonic()
-    for i in range(0, len(prompts), batch_size):
-        new = greedy(model, prompts[i : i + batch_size], pad, stops, max_new_tokens, calls)
-        out += tokenizer.batch_decode(new, skip_special_tokens=True)
-        stopped += torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
-        rate = len(out) / max(time.monotonic() - began, 1e-9)
-        log.info(
-            "generated %d/%d examples, %.1f examples/s, ETA %s", len(out), len(prompts), rate,
-            timedelta(seconds=int((len(prompts) - len(out)) / rate)),
-        )  # fmt: skip
-    for _ in range(max((calls or 0) - math.ceil(len(prompts) / batch_size), 0)):
-        greedy(model, [[pad]], pad, stops, max_new_tokens, calls)  # in step with the others
-    return out, stopped
-
-
-def greedy(model, batch: list[list[int]], pad: int, stops: list[int], max_new_tokens: int,
-           calls: int | None) -> torch.Tensor:  # fmt: skip
-    """The new tokens of one generate call on ``batch`` (left padded, so every continuation
-    starts at the same column); ``calls`` set: synchronised with the other ranks."""
-    n = max(len(p) for p in batch)
-    ids = torch.full((len(batch), n), pad)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for j, p in enumerate(batch):
-        ids[j, n - len(p) :] = torch.tensor(p)
-        mask[j, n - len(p) :] = 1
-    synced = {} if calls is None else {"synced_gpus": True}
-    with torch.no_grad():
-        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                             eos_token_id=stops, **synced)  # fmt: skip
-    return gen[:, n:].cpu()
-
-
-def score(rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
-          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+def score(
+    rows: list[dict], generations: list[str], stopped: list[bool], tokenizer
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Each generation against its reference with the figures that fit the references
     (snaketune.evaluation.figures: numeric answers, free text or both): the samples, and the
     figures over all of them (``exact_match`` and ``math_verify`` always: the held-out pass
@@ -157,12 +100,20 @@ def score(rows: list[dict], generations: list[str], stopped: list[bool], tokeniz
         final = final_answer(text)
         mv = math_verify_match(want or last_boxed(reference), final)  # GSM8K or MATH
         verified += mv
-        samples.append({
-            "example_id": r["example_id"], "prompt": tokenizer.decode(prompt),
-            "reference": reference, "generation": text, "parsed_answer": got,
-            "reference_answer": want, "correct": ok, "final_answer": final,
-            "math_verify": mv, "stopped": ended,
-        })  # fmt: skip
+        samples.append(
+            {
+                "example_id": r["example_id"],
+                "prompt": tokenizer.decode(prompt),
+                "reference": reference,
+                "generation": text,
+                "parsed_answer": got,
+                "reference_answer": want,
+                "correct": ok,
+                "final_answer": final,
+                "math_verify": mv,
+                "stopped": ended,
+            }
+        )
     fmt = answer_format([s["reference"] for s in samples])
     figures = {
         "format": fmt,
@@ -195,11 +146,19 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
     mine, theirs = metrics.get("preference"), base_metrics.get("preference")
     if mine and theirs:
         # the starting model's implicit rewards against itself are all 0
-        start = {"likelihood_accuracy": theirs["likelihood_accuracy"],
-                 "preference_accuracy": 0.0, "reward_margin": 0.0}  # fmt: skip
+        start = {
+            "likelihood_accuracy": theirs["likelihood_accuracy"],
+            "preference_accuracy": 0.0,
+            "reward_margin": 0.0,
+        }
         metrics["base"]["preference"] = start
-        metrics["gain"].update({f"preference_{k}" if k != "preference_accuracy" else k:
-                                mine[k] - v for k, v in start.items() if k in mine})  # fmt: skip
+        metrics["gain"].update(
+            {
+                f"preference_{k}" if k != "preference_accuracy" else k: mine[k] - v
+                for k, v in start.items()
+                if k in mine
+            }
+        )
 
 
 def recorded_scores(eval_tokenized: Path, base_metrics: Path | None) -> dict[str, Any] | None:
@@ -231,12 +190,13 @@ def scored(
 
         metrics.update(heldout_kl(model, rows, teacher, batch_size, pad, share))
     calls = share.batches(len(rows), batch_size) if share.world > 1 else None
-    texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens,
-                              calls)  # fmt: skip
+    texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
     if (own := kind_of_columns(rows[0]).scorer()) is not None:
-        mine = [(*m, lp) for m, lp in zip(mine, own.logps(model, rows, batch_size, pad, share),
-                                          strict=True)]  # fmt: skip
+        mine = [
+            (*m, lp)
+            for m, lp in zip(mine, own.logps(model, rows, batch_size, pad, share), strict=True)
+        ]
     every = share.in_order(mine)
     if every is None:
         return {}, []
@@ -263,9 +223,11 @@ def load_model(model_dir: Path, share: Share = ONE, base: Path | None = None):
     quantized = base is not None and qlora.read_record(model_dir) is not None
     if share.world > 1:
         if quantized:
-            raise UserError(f"{model_dir}: the adapter of a 4-bit run is evaluated on its 4-bit "
-                            "base on one GPU (it holds the model that GPU would hold); set "
-                            "eval.nodes and eval.gpus_per_node to 1 for this run")  # fmt: skip
+            raise UserError(
+                f"{model_dir}: the adapter of a 4-bit run is evaluated on its 4-bit "
+                "base on one GPU (it holds the model that GPU would hold); set "
+                "eval.nodes and eval.gpus_per_node to 1 for this run"
+            )
         return load_sharded(model_dir, dtype, base)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -342,9 +304,8 @@ def evaluate(
         metrics["lm_eval"] = with_base(tasks, (base_metrics or {}).get("lm_eval"))
     if share.rank != 0:  # rank 0 writes
         return None
-    metrics.update({"stop_ids": stop_ids_of(model, tokenizer), "examples": len(rows),
-                    "model": str(model_dir), "max_new_tokens": max_new_tokens,
-                    "processes": share.world})  # fmt: skip
+    metrics.update(stop_ids=stop_ids_of(model, tokenizer), examples=len(rows))
+    metrics.update(model=str(model_dir), max_new_tokens=max_new_tokens, processes=share.world)
     if (own := kind_of_columns(rows[0]).scorer()) is not None:
         metrics.update(own.figures(samples, base_pairs, beta))
     if base_metrics is not None:
@@ -352,10 +313,17 @@ def evaluate(
     user = user_scores(samples, metrics) if user_scores is not None else []
     describe(metrics, first, user)
     write_outputs(out_dir, metrics, samples, finish)
-    log.info("%s; stop ids %s; %d examples", ", ".join(
-        f"{k} {v['value']:.4g}" + (f" (base {v['base']:.4g})" if "base" in v else "")
-        for k, v in metrics["figures"].items()), metrics["stop_ids"], len(rows))  # fmt: skip
+    log.info("%s", said(metrics))
     return metrics
+
+
+def said(metrics: dict[str, Any]) -> str:
+    """The evaluation's line: each figure (with the base's), the stop ids, the examples."""
+    figures = ", ".join(
+        f"{k} {v['value']:.4g}" + (f" (base {v['base']:.4g})" if "base" in v else "")
+        for k, v in metrics["figures"].items()
+    )
+    return f"{figures}; stop ids {metrics['stop_ids']}; {metrics['examples']} examples"
 
 
 def describe(metrics: dict[str, Any], first: Sequence[str], user: Sequence[str]) -> None:

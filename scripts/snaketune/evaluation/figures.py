@@ -40,12 +40,18 @@ from snaketune.evaluation.answers import last_boxed, parse_answer
 
 SHORT_WORDS = 12  # references of at most this many words (median): normalized_match too
 FORMATS = ("numeric", "text", "mixed")
-FAMILY = {"numeric": ("exact_match", "math_verify"), "text": ("chrf", "normalized_match"),
-          "mixed": ("exact_match", "math_verify", "chrf", "normalized_match")}  # fmt: skip
+FAMILY = {
+    "numeric": ("exact_match", "math_verify"),
+    "text": ("chrf", "normalized_match"),
+    "mixed": ("exact_match", "math_verify", "chrf", "normalized_match"),
+}
 # the data's figures in a headline: numeric answers lead with exact match, free text with
 # the held-out loss (steadier than any overlap score of a small model's generations)
-LEADING = {"numeric": ("exact_match", "math_verify", "loss"), "text": ("loss", "chrf"),
-           "mixed": ("exact_match", "chrf", "loss")}  # fmt: skip
+LEADING = {
+    "numeric": ("exact_match", "math_verify", "loss"),
+    "text": ("loss", "chrf"),
+    "mixed": ("exact_match", "chrf", "loss"),
+}
 GENERATED = ("loss", "perplexity", "stop_rate")  # every generating evaluation's
 
 
@@ -63,22 +69,26 @@ DESCRIBED = {
     "exact_match": Described("exact match (#### number)", True, True, "exact_match"),
     "math_verify": Described("math_verify accuracy", True, True, "math_verify"),
     "chrf": Described("chrF (overlap with the reference, 0-100)", False, True, "chrF"),
-    "normalized_match": Described("normalized exact match (short references)", True, True,
-                                  "normalized_match"),
+    "normalized_match": Described(
+        "normalized exact match (short references)", True, True, "normalized_match"
+    ),
     "loss": Described("held-out loss (nats/token)", False, False, "eval loss"),
     "perplexity": Described("perplexity", False, False, "perplexity"),
     "stop_rate": Described("stop rate (ends on a stop id)", True, True, "stop_rate"),
-    "preference_accuracy": Described("preference accuracy (chosen ranked first)", True, True,
-                                     "preference_accuracy"),
-    "reward_margin": Described("reward margin (chosen - rejected)", False, True,
-                               "reward_margin"),
-    "likelihood_accuracy": Described("chosen more likely than rejected", True, True,
-                                     "likelihood_accuracy"),
-    "heldout_kl": Described("KL to the teacher (nats/token, held out)", False, False,
-                            "kl_to_teacher"),
-    "teacher_loss": Described("the teacher's held-out loss (nats/token)", False, False,
-                              "teacher loss"),
-}  # fmt: skip
+    "preference_accuracy": Described(
+        "preference accuracy (chosen ranked first)", True, True, "preference_accuracy"
+    ),
+    "reward_margin": Described("reward margin (chosen - rejected)", False, True, "reward_margin"),
+    "likelihood_accuracy": Described(
+        "chosen more likely than rejected", True, True, "likelihood_accuracy"
+    ),
+    "heldout_kl": Described(
+        "KL to the teacher (nats/token, held out)", False, False, "kl_to_teacher"
+    ),
+    "teacher_loss": Described(
+        "the teacher's held-out loss (nats/token)", False, False, "teacher loss"
+    ),
+}
 
 
 def described(key: str) -> Described:
@@ -116,8 +126,9 @@ def short_references(references: Sequence[str]) -> bool:
     return bool(references) and median(len(r.split()) for r in references) <= SHORT_WORDS
 
 
-def text_scores(references: Sequence[str], generations: Sequence[str]
-                ) -> tuple[list[dict[str, Any]], dict[str, float]]:  # fmt: skip
+def text_scores(
+    references: Sequence[str], generations: Sequence[str]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Free-text figures: each example's sentence chrF (and normalized match where the
     references are short), and over all of them the corpus chrF (and the share matched)."""
     from sacrebleu.metrics import CHRF
@@ -145,8 +156,9 @@ def value_of(metrics: Mapping[str, Any] | None, key: str) -> Any:
     return (metrics.get("preference") or {}).get(key)
 
 
-def headline(method_headline: Sequence[str], fmt: str | None, user: Sequence[str],
-             generates: bool = True) -> list[str]:  # fmt: skip
+def headline(
+    method_headline: Sequence[str], fmt: str | None, user: Sequence[str], generates: bool = True
+) -> list[str]:
     """A run's headline figures, in order: its method's, its data's with the held-out loss
     (where it generates), the user's metrics."""
     keys = list(method_headline)
@@ -177,6 +189,11 @@ def shown(metrics: Mapping[str, Any], first: Sequence[str]) -> list[str]:
     """Every figure an evaluation shows: ``first`` (its headline), then its data's family,
     the generation figures and the pairs' (what it has of them)."""
     fmt = metrics.get("format")
-    rest = [*(FAMILY[fmt] if fmt else ()), *GENERATED, "preference_accuracy", "reward_margin",
-            "likelihood_accuracy"]  # fmt: skip
+    rest = [
+        *(FAMILY[fmt] if fmt else ()),
+        *GENERATED,
+        "preference_accuracy",
+        "reward_margin",
+        "likelihood_accuracy",
+    ]
     return list(dict.fromkeys([*first, *rest]))

@@ -75,12 +75,17 @@ def load(model_dir: Path, head: str, seed: int | None = None, **kwargs: Any):
     if new_head or text.pad_token_id is None:
         text.pad_token_id = pad_id_of(model_dir)
         if text.pad_token_id in eos_ids(text):
-            log.info("%s: the pad id is the eos id (%d): a sequence ending in it is scored at "
-                     "the token before it, in training and wherever the model is loaded",
-                     model_dir, text.pad_token_id)  # fmt: skip
+            log.info(
+                "%s: the pad id is the eos id (%d): a sequence ending in it is scored at "
+                "the token before it, in training and wherever the model is loaded",
+                model_dir,
+                text.pad_token_id,
+            )
     if text.pad_token_id is None:
-        raise ValueError(f"{model_dir}: a score head needs a pad token id (where the score is "
-                         "read); its tokenizer has neither a pad nor an eos token")  # fmt: skip
+        raise ValueError(
+            f"{model_dir}: a score head needs a pad token id (where the score is "
+            "read); its tokenizer has neither a pad nor an eos token"
+        )
     return model
 
 
@@ -116,8 +121,9 @@ def added_shapes(head: str, model_config: dict[str, Any]) -> dict[str, tuple[int
 def as_scorer(config, pad_token_id: int):
     """A causal model's config turned into its reward model's (in place): the sequence
     classifier's class, one label, the pad id the score is read at."""
-    config.architectures = [a.replace("ForCausalLM", SCORE_ARCHITECTURE)
-                            for a in (config.architectures or [])]  # fmt: skip
+    config.architectures = [
+        a.replace("ForCausalLM", SCORE_ARCHITECTURE) for a in (config.architectures or [])
+    ]
     config.num_labels = 1
     config.get_text_config().pad_token_id = pad_token_id
     return config

@@ -52,8 +52,10 @@ class HeldOut:
 
     def describe(self, seconds: float, step_seconds: float | None) -> str:
         cost = f", about {seconds / step_seconds:.1f} training steps" if step_seconds else ""
-        return (f"held-out pass: {self.examples} examples ({self.kind}: {self.metric}) on "
-                f"{self.world} ranks took {seconds:.1f} s{cost}")  # fmt: skip
+        return (
+            f"held-out pass: {self.examples} examples ({self.kind}: {self.metric}) on "
+            f"{self.world} ranks took {seconds:.1f} s{cost}"
+        )
 
     def run(self, model, generation_model=None, synced: bool = False) -> dict[str, float]:
         """The pass's figures, summed over every rank (a collective: all ranks call it), with
@@ -66,23 +68,32 @@ class HeldOut:
         from snaketune.evaluation.evaluate import heldout_loss
 
         began = time.monotonic()
-        figures: dict[str, float] = heldout_loss(model, self.rows, self.batch_size, self.pad,
-                                                 self.share)  # fmt: skip
+        figures: dict[str, float] = heldout_loss(
+            model, self.rows, self.batch_size, self.pad, self.share
+        )
         if self.kind == "answers":  # and greedy generations, checked as evaluate does
-            from snaketune.evaluation.evaluate import generate, score
+            from snaketune.evaluation.evaluate import score
+            from snaketune.evaluation.generation import generate
 
             with torch.no_grad():
-                texts, stopped = generate(generation_model or model, self.tokenizer, self.mine,
-                                          self.batch_size, self.max_new_tokens,
-                                          self.batches if synced else None)  # fmt: skip
+                texts, stopped = generate(
+                    generation_model or model,
+                    self.tokenizer,
+                    self.mine,
+                    self.batch_size,
+                    self.max_new_tokens,
+                    self.batches if synced else None,
+                )
             got = {"exact_match": 0.0, "math_verify": 0.0}
             if self.mine:
                 got = score(self.mine, texts, stopped, self.tokenizer)[1]
             n = len(self.mine)
-            correct, verified = gather_combined([got["exact_match"] * n, got["math_verify"] * n],
-                                                ("sum", "sum"))  # fmt: skip
-            figures.update({"exact_match": correct / self.examples,
-                            "math_verify": verified / self.examples})  # fmt: skip
+            correct, verified = gather_combined(
+                [got["exact_match"] * n, got["math_verify"] * n], ("sum", "sum")
+            )
+            figures.update(
+                {"exact_match": correct / self.examples, "math_verify": verified / self.examples}
+            )
         figures.update({"examples": self.examples, "seconds": time.monotonic() - began})
         return figures
 
@@ -134,23 +145,27 @@ def install(trainer, heldout: HeldOut) -> None:
             model.train(training)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in figures.items()}
         Trainer.log(self, metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
-                                                         metrics)  # fmt: skip
+        self.control = self.callback_handler.on_evaluate(
+            self.args, self.state, self.control, metrics
+        )
         return metrics
 
     trainer.evaluate = types.MethodType(evaluate, trainer)
 
 
-def trainer_arguments(heldout: HeldOut | None, run: Mapping[str, Any], start_step: int
-                      ) -> dict[str, Any]:  # fmt: skip
+def trainer_arguments(
+    heldout: HeldOut | None, run: Mapping[str, Any], start_step: int
+) -> dict[str, Any]:
     """transformers' settings for it: the best metric (``state.best_metric`` and
     ``best_global_step``, kept in every checkpoint) and the pass before the first step."""
     if heldout is None:
         return {}
-    return {"metric_for_best_model": f"eval_{heldout.metric}",
-            "greater_is_better": greater_is_better(heldout.metric),
-            "eval_on_start": bool(run["eval_at_start"]) and start_step == 0,
-            "per_device_eval_batch_size": heldout.batch_size}  # fmt: skip
+    return {
+        "metric_for_best_model": f"eval_{heldout.metric}",
+        "greater_is_better": greater_is_better(heldout.metric),
+        "eval_on_start": bool(run["eval_at_start"]) and start_step == 0,
+        "per_device_eval_batch_size": heldout.batch_size,
+    }
 
 
 class Schedule:
@@ -158,8 +173,7 @@ class Schedule:
     from the held-out history transformers keeps (``state.log_history``, restored with a
     checkpoint, so a resumed run counts the same)."""
 
-    def __init__(self, eval_steps: int, metric: str, early: Mapping[str, Any] | None,
-                 rank: int):  # fmt: skip
+    def __init__(self, eval_steps: int, metric: str, early: Mapping[str, Any] | None, rank: int):
         self.eval_steps, self.metric, self.rank = eval_steps, metric, rank
         self.patience = early["patience"] if early else None
         self.min_delta = float(early.get("min_delta", 0.0)) if early else 0.0
@@ -179,8 +193,9 @@ class Schedule:
             if key not in row or row.get("step", 0) == 0:
                 continue
             value = row[key]
-            better = best is None or (value - best > self.min_delta if greater
-                                      else best - value > self.min_delta)  # fmt: skip
+            better = best is None or (
+                value - best > self.min_delta if greater else best - value > self.min_delta
+            )
             if better:
                 best, at, since = value, row["step"], 0
             else:
@@ -218,7 +233,8 @@ def callback(schedule: Schedule, heldout: HeldOut):
                 schedule.stopped = (
                     f"early stopping at step {state.global_step}: held-out {schedule.metric} "
                     f"has not improved by more than {schedule.min_delta:g} for {since} "
-                    f"evaluations (best {best:.4f} at step {at})")  # fmt: skip
+                    f"evaluations (best {best:.4f} at step {at})"
+                )
                 control.should_training_stop = True
                 control.should_save = True  # the run ends as finished, from this step
             self._last = time.monotonic()  # the pass is not a step

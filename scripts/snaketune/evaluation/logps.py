@@ -41,8 +41,13 @@ log = logging.getLogger(__name__)
 SCORED = ("input_ids", "attention_mask", "completion_mask")  # what a scored batch feeds
 
 CHUNK_PAIRS = 256  # pairs per part file: what a rerun after a kill may compute again
-SCHEMA = pa.schema([("example_id", pa.string()), ("ref_chosen_logps", pa.float32()),
-                    ("ref_rejected_logps", pa.float32())])  # fmt: skip
+SCHEMA = pa.schema(
+    [
+        ("example_id", pa.string()),
+        ("ref_chosen_logps", pa.float32()),
+        ("ref_rejected_logps", pa.float32()),
+    ]
+)
 
 
 def sequence_logps(model, batch: dict[str, Any], sides: int = 2):
@@ -53,13 +58,19 @@ def sequence_logps(model, batch: dict[str, Any], sides: int = 2):
 
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    labels=labels, fused_lm_head=True, use_cache=False)  # fmt: skip
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=labels,
+            fused_lm_head=True,
+            use_cache=False,
+        )
     return [x.float() for x in out.log_probs.sum(dim=1).chunk(sides, dim=0)]
 
 
-def load_scorer(model_dir: str | Path, precision: str, attention: str, device,
-                quantize: dict | None = None):  # fmt: skip
+def load_scorer(
+    model_dir: str | Path, precision: str, attention: str, device, quantize: dict | None = None
+):
     """The reference model, in eval mode on ``device``, with TRL's fused LM head; with
     ``quantize`` its base in 4 bits, as the DPO run's policy starts (snaketune.core.qlora)."""
     from trl.trainer.utils import add_fused_lm_head
@@ -85,11 +96,19 @@ def part_path(parts: Path, chunk: int) -> Path:
     return parts / f"part-{chunk:06d}.parquet"
 
 
-def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, worker: int,
-                  workers: int, batch_pairs: int, precision: str, attention: str,
-                  quantize: dict | None = None,
-                  on_batch: Callable[[int], None] | None = None,
-                  chunk_pairs: int = CHUNK_PAIRS) -> int:  # fmt: skip
+def compute_parts(
+    tokenized: str | Path,
+    model_dir: str | Path,
+    parts: Path,
+    worker: int,
+    workers: int,
+    batch_pairs: int,
+    precision: str,
+    attention: str,
+    quantize: dict | None = None,
+    on_batch: Callable[[int], None] | None = None,
+    chunk_pairs: int = CHUNK_PAIRS,
+) -> int:
     """Worker ``worker`` of ``workers``: compute its chunks that have no part file yet;
     returns how many it computed. ``on_batch(chunk)`` is called before each forward pass
     (the worker's heartbeat)."""
@@ -104,8 +123,9 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
     ]
     if not todo:
         return 0
-    device = torch.device(f"cuda:{worker % torch.cuda.device_count()}" if torch.cuda.is_available()
-                          else "cpu")  # fmt: skip
+    device = torch.device(
+        f"cuda:{worker % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    )
     from transformers import AutoTokenizer
 
     pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
@@ -122,9 +142,11 @@ def compute_parts(tokenized: str | Path, model_dir: str | Path, parts: Path, wor
             logps = sequence_logps(model, {k: batch[k].to(device) for k in SCORED}, kind.sequences)
             for side, lp in zip(sides, logps, strict=True):
                 side.append(lp.cpu().numpy())
-        part = pa.Table.from_arrays([pa.array([r["example_id"] for r in rows], pa.string())]
-                                    + [pa.array(np.concatenate(x), pa.float32()) for x in sides],
-                                    schema=schema)  # fmt: skip
+        part = pa.Table.from_arrays(
+            [pa.array([r["example_id"] for r in rows], pa.string())]
+            + [pa.array(np.concatenate(x), pa.float32()) for x in sides],
+            schema=schema,
+        )
         with atomic_path(part_path(parts, c)) as tmp:
             pq.write_table(part, tmp)
         log.info("worker %d/%d: chunk %d (%d pairs) done", worker, workers, c, len(rows))
@@ -143,9 +165,11 @@ def merge(
     n = chunks(tokenized, chunk_pairs)
     missing = [c for c in range(n) if not part_path(parts, c).exists()]
     if missing:
-        raise RuntimeError(f"{what}: {len(missing)} of {n} chunks missing "
-                           f"(first: {missing[0]}); a worker failed, see its lines "
-                           "above")  # fmt: skip
+        raise RuntimeError(
+            f"{what}: {len(missing)} of {n} chunks missing "
+            f"(first: {missing[0]}); a worker failed, see its lines "
+            "above"
+        )
     table = pa.concat_tables([pq.read_table(part_path(parts, c)) for c in range(n)])
     ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id")
     if not table.column("example_id").equals(ids):
@@ -160,8 +184,11 @@ def merge(
 def schema_of(kind: Kind) -> pa.Schema:
     """The reference log-probs' columns for tokenized data of ``kind``: a pair's two sides,
     or one response's."""
-    return SCHEMA if kind.sequences == 2 else pa.schema([("example_id", pa.string()),
-                                                         ("ref_logps", pa.float32())])  # fmt: skip
+    return (
+        SCHEMA
+        if kind.sequences == 2
+        else pa.schema([("example_id", pa.string()), ("ref_logps", pa.float32())])
+    )
 
 
 def read_reference(path: str | Path) -> dict[str, tuple[float, ...]]:
@@ -169,8 +196,7 @@ def read_reference(path: str | Path) -> dict[str, tuple[float, ...]]:
     response's: its one)."""
     table = pq.read_table(path)
     sides = [table.column(name).to_pylist() for name in table.column_names[1:]]
-    return dict(zip(table.column("example_id").to_pylist(), zip(*sides, strict=True),
-                    strict=True))  # fmt: skip
+    return dict(zip(table.column("example_id").to_pylist(), zip(*sides, strict=True), strict=True))
 
 
 def threads_per_worker(workers: int) -> int:

@@ -32,10 +32,16 @@ def resolve_precision(preference: str) -> str:
     return "fp32"
 
 
-def build_model(model_dir: Path, precision: str, attention: str,
-                quantize: dict[str, Any] | None = None, checkpointing: bool = False,
-                device: str | None = None, head: str = "lm",
-                seed: int | None = None):  # fmt: skip
+def build_model(
+    model_dir: Path,
+    precision: str,
+    attention: str,
+    quantize: dict[str, Any] | None = None,
+    checkpointing: bool = False,
+    device: str | None = None,
+    head: str = "lm",
+    seed: int | None = None,
+):
     """The base model for training (no KV cache: training never reads one, and with one
     transformers would not see packed sequences). With ``quantize`` (snaketune.core.qlora's
     settings) its linear layers are loaded in 4 bits on this process's device and the model
@@ -53,17 +59,25 @@ def build_model(model_dir: Path, precision: str, attention: str,
             gpu = torch.cuda.is_available()
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
         extra = {"quantization_config": bnb_config(quantize), "device_map": {"": device}}
-    model = heads.load(model_dir, head, seed, dtype=dtype, attn_implementation=attention,
-                       local_files_only=True, **extra)  # fmt: skip
+    model = heads.load(
+        model_dir,
+        head,
+        seed,
+        dtype=dtype,
+        attn_implementation=attention,
+        local_files_only=True,
+        **extra,
+    )
     model.config.use_cache = False
     if quantize is not None:
         from peft import prepare_model_for_kbit_training
 
         exact_on_cpu(model)
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=checkpointing,
+            model,
+            use_gradient_checkpointing=checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
-        )  # fmt: skip
+        )
     return model
 
 
@@ -95,8 +109,9 @@ def flops_model(run: dict[str, Any], model, world_size: int, lora: bool) -> Flop
             "MFU: peak FLOP/s of %s unknown; set gpu_peak_tflops in the run to report it",
             torch.cuda.get_device_name(),
         )
-    return FlopsModel(matmul_params(model), cfg.num_hidden_layers, cfg.hidden_size,
-                      lora, world_size, peak)  # fmt: skip
+    return FlopsModel(
+        matmul_params(model), cfg.num_hidden_layers, cfg.hidden_size, lora, world_size, peak
+    )
 
 
 def load_deepspeed(path: Path, load_universal: bool = False) -> dict[str, Any]:

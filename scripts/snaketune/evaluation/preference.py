@@ -15,8 +15,9 @@ from typing import Any
 from snaketune.evaluation.sharded import ONE, Share, whole_output_layer
 
 
-def logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
-               ) -> list[tuple[float, float]]:  # fmt: skip
+def logps(
+    model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
+) -> list[tuple[float, float]]:
     """Each of this rank's held-out pairs' summed log-probs of its chosen and its rejected
     response (every rank runs as many batches: one short of pairs repeats a pair)."""
     from trl.trainer.utils import add_fused_lm_head
@@ -30,8 +31,9 @@ def logps(model, rows: list[dict], batch_size: int, pad: int, share: Share = ONE
         part = mine[b * batch_size : (b + 1) * batch_size]
         batch = pair_batch(part or rows[:1], pad)
         with whole_output_layer(model, share.world > 1):
-            chosen, rejected = sequence_logps(model, {k: v.to(model.device)
-                                                      for k, v in batch.items()})  # fmt: skip
+            chosen, rejected = sequence_logps(
+                model, {k: v.to(model.device) for k, v in batch.items()}
+            )
         if part:
             out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     return out
@@ -42,14 +44,16 @@ def sample_fields(scores: tuple[float, float]) -> dict[str, float]:
     return {"chosen_logp": scores[0], "rejected_logp": scores[1]}
 
 
-def figures(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
-            beta: float | None) -> dict[str, Any]:  # fmt: skip
+def figures(
+    samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None, beta: float | None
+) -> dict[str, Any]:
     """The metrics' own part for held-out pairs."""
     return {"preference": preference(samples, base, beta)}
 
 
-def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None,
-               beta: float | None) -> dict[str, Any]:  # fmt: skip
+def preference(
+    samples: list[dict[str, Any]], base: dict[str, tuple[float, float]] | None, beta: float | None
+) -> dict[str, Any]:
     """Figures of the held-out pairs: how often the model finds the chosen response more
     likely than the rejected (likelihood_accuracy); and, against the model it started from
     (``base``: example id -> its log-probs) with the run's ``beta``, the implicit reward
@@ -69,13 +73,15 @@ def preference(samples: list[dict[str, Any]], base: dict[str, tuple[float, float
         chosen.append(beta * (s["chosen_logp"] - c0))
         rejected.append(beta * (s["rejected_logp"] - r0))
         margins.append(chosen[-1] - rejected[-1])
-    figures.update({
-        "beta": beta,
-        "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
-        "reward_margin": sum(margins) / len(margins),
-        "reward_chosen": sum(chosen) / len(chosen),
-        "reward_rejected": sum(rejected) / len(rejected),
-    })  # fmt: skip
+    figures.update(
+        {
+            "beta": beta,
+            "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
+            "reward_margin": sum(margins) / len(margins),
+            "reward_chosen": sum(chosen) / len(chosen),
+            "reward_rejected": sum(rejected) / len(rejected),
+        }
+    )
     return figures
 
 
@@ -85,7 +91,9 @@ def recorded(samples: Path) -> dict[str, tuple[float, float]] | None:
     if not samples.is_file():
         return None
     try:
-        return {s["example_id"]: (s["chosen_logp"], s["rejected_logp"])
-                for s in map(json.loads, samples.read_text().splitlines())} or None  # fmt: skip
+        return {
+            s["example_id"]: (s["chosen_logp"], s["rejected_logp"])
+            for s in map(json.loads, samples.read_text().splitlines())
+        } or None
     except KeyError:
         return None

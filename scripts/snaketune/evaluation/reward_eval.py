@@ -57,8 +57,10 @@ def pair_scores(model, rows: list[dict], batch_size: int, pad: int) -> list[tupl
     for i in range(0, len(rows), batch_size):
         batch = pair_batch(rows[i : i + batch_size], pad)
         with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits  # fmt: skip
+            logits = model(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+            ).logits
         chosen, rejected = logits.float().squeeze(-1).cpu().chunk(2)
         out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     return out
@@ -88,13 +90,19 @@ def against_start(metrics: dict[str, Any], start: dict[str, Any]) -> None:
     }
 
 
-def evaluate_reward(model_dir: Path, eval_tokenized: Path, train_tokenized: Path | None,
-                    out_dir: Path, limit: int | None, batch_size: int, seed: int,
-                    base_metrics: dict[str, Any] | None = None,
-                    finish: Callable[[Path, dict[str, Any]], None] | None = None,
-                    adapter_base: Path | None = None,
-                    first: tuple[str, ...] = ("preference_accuracy",),
-                    ) -> dict[str, Any]:  # fmt: skip
+def evaluate_reward(
+    model_dir: Path,
+    eval_tokenized: Path,
+    train_tokenized: Path | None,
+    out_dir: Path,
+    limit: int | None,
+    batch_size: int,
+    seed: int,
+    base_metrics: dict[str, Any] | None = None,
+    finish: Callable[[Path, dict[str, Any]], None] | None = None,
+    adapter_base: Path | None = None,
+    first: tuple[str, ...] = ("preference_accuracy",),
+) -> dict[str, Any]:
     """Write ``metrics.json`` and ``samples.jsonl`` (each pair's two scores) under
     ``out_dir``; return the metrics. ``base_metrics``: the starting model's, for the gain;
     ``first``: the method's headline figures."""
@@ -107,21 +115,30 @@ def evaluate_reward(model_dir: Path, eval_tokenized: Path, train_tokenized: Path
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
     if not kind_named("pairs").holds(rows[0]):
-        raise DataError(f"{eval_tokenized}: a reward model is scored on preference pairs; "
-                        "give the run a `preference` eval_dataset")  # fmt: skip
+        raise DataError(
+            f"{eval_tokenized}: a reward model is scored on preference pairs; "
+            "give the run a `preference` eval_dataset"
+        )
     tokenizer, model = load_reward_model(model_dir, seed, adapter_base)
     scores = pair_scores(model, rows, batch_size, pad_id(tokenizer))
-    metrics: dict[str, Any] = {"head": "score", "examples": len(rows), "model": str(model_dir),
-                               "preference": figures(scores), "processes": 1,
-                               "format": None}  # fmt: skip
+    metrics: dict[str, Any] = {
+        "head": "score",
+        "examples": len(rows),
+        "model": str(model_dir),
+        "preference": figures(scores),
+        "processes": 1,
+        "format": None,
+    }
     if base_metrics is not None:
         against_start(metrics, base_metrics)
     from snaketune.evaluation import figures as shown
 
     metrics["headline"] = shown.headline(first, None, (), generates=False)  # the method's
     metrics["figures"] = shown.table(metrics, shown.shown(metrics, metrics["headline"]))
-    samples = [{"example_id": r["example_id"], "chosen_score": c, "rejected_score": s}
-               for r, (c, s) in zip(rows, scores, strict=True)]  # fmt: skip
+    samples = [
+        {"example_id": r["example_id"], "chosen_score": c, "rejected_score": s}
+        for r, (c, s) in zip(rows, scores, strict=True)
+    ]
     write_outputs(out_dir, metrics, samples, finish)
     p = metrics["preference"]
     log.info(

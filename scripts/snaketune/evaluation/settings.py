@@ -15,9 +15,12 @@ def shared_eval(run: dict[str, Any]) -> dict[str, Any] | None:
     return None if ev is None else {k: v for k, v in ev.items() if k != "metrics"}
 
 
-def eval_args(settings: dict[str, Any], method: str | None = None,
-              own: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None
-              ) -> str:  # fmt: skip
+def eval_args(
+    settings: dict[str, Any],
+    method: str | None = None,
+    own: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> str:
     """evaluate.py options for eval settings: a run's (``method``, its name; ``own``, its
     method's settings, snaketune.methods' ``eval_settings``; ``metrics``, the user's
     metrics, snaketune.methods.scorers.spec) or a base model's (none of them)."""

@@ -73,11 +73,14 @@ def zero3_config(dtype) -> dict[str, Any]:
 
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
-    }  # fmt: skip
+    }
 
 
 def load_sharded(model_dir: Path, dtype, base: Path | None = None):
@@ -93,8 +96,9 @@ def load_sharded(model_dir: Path, dtype, base: Path | None = None):
     config = zero3_config(dtype)
     keep = HfDeepSpeedConfig(config)  # from_pretrained under zero.Init: shards from the start
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(base or model_dir, dtype=dtype,
-                                                 local_files_only=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        base or model_dir, dtype=dtype, local_files_only=True
+    )
     if base is not None:
         from snaketune.core.lora_targets import load_adapter
 
@@ -147,5 +151,6 @@ def decide_gather(trainer, run) -> bool:
     shards; sets its ds3_gather_for_generation."""
     if is_sharded(trainer.model):
         trainer.args.ds3_gather_for_generation = gather_for_generation(
-            run.get("gather_for_generation", "auto"), trainer.model)  # fmt: skip
+            run.get("gather_for_generation", "auto"), trainer.model
+        )
     return True

@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from snaketune.core import qlora
+from snaketune.core.configfields import experts_of
 from snaketune.core.errors import DataError
 from snaketune.core.io import atomic_path
-from snaketune.core.modelshape import experts_of
 from snaketune.evaluation import heads
 from snaketune.export.convert import (
     PROCESSOR_FILES,
@@ -168,9 +168,14 @@ def gate_base(base_model: Path, head: str, dtype: torch.dtype, quantized: dict |
     dequantized to the compute dtype, as training did (snaketune.core.qlora.exact_on_cpu)."""
     if quantized is None:
         return heads.load(base_model, head, dtype=dtype, local_files_only=True)
-    base = heads.load(base_model, head, dtype=qlora.dtype_of(quantized["load_dtype"]),
-                      quantization_config=qlora.bnb_config(quantized), device_map={"": "cpu"},
-                      local_files_only=True)  # fmt: skip
+    base = heads.load(
+        base_model,
+        head,
+        dtype=qlora.dtype_of(quantized["load_dtype"]),
+        quantization_config=qlora.bnb_config(quantized),
+        device_map={"": "cpu"},
+        local_files_only=True,
+    )
     qlora.exact_on_cpu(base)
     loaded = qlora.record(base, quantized)["modules"]
     if sorted(loaded) != sorted(quantized["modules"]):
@@ -222,17 +227,25 @@ class Adapter:
         experts = expert_pairs(lora, model_config, lambda kind: pair_scale(config, kind), shapes)
         pairs = {}
         for key, a in lora.items():
-            if (".lora_A." in key or key.endswith(".lora_embedding_A")) and \
-                    not module_of(key).endswith("experts"):  # fmt: skip
+            if (".lora_A." in key or key.endswith(".lora_embedding_A")) and not module_of(
+                key
+            ).endswith("experts"):
                 b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
                 pairs[adapter_target(key)] = (key, a, b)
         whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
-        return cls(pairs, whole, lora_scale(config), experts, experts_of(model_config),
-                   heads.adapter_head(config))  # fmt: skip
+        return cls(
+            pairs,
+            whole,
+            lora_scale(config),
+            experts,
+            experts_of(model_config),
+            heads.adapter_head(config),
+        )
 
 
-def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
-                   change: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def merged_tensors(
+    refs: dict, adapter: Adapter, quantized: dict | None, change: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's tensors (``refs``, read one at a time) with the adapter merged in: a
     4-bit run's quantized tensors as that run computed with them, a tensor trained in full
     replaced, a LoRA pair's update added. ``change`` counts the merged tensors and their
@@ -263,8 +276,9 @@ def merged_tensors(refs: dict, adapter: Adapter, quantized: dict | None,
         yield name, t
 
 
-def write_config(config, dtype: torch.dtype, head: str, adapter: Path, base_model: Path,
-                 tmp: Path) -> str | None:  # fmt: skip
+def write_config(
+    config, dtype: torch.dtype, head: str, adapter: Path, base_model: Path, tmp: Path
+) -> str | None:
     """The merged model's config (a reward model's: the sequence classifier the adapter
     was trained as), tokenizer and generation config; what stop_at_end_of_turn did."""
     config.dtype = str(dtype).removeprefix("torch.")
@@ -276,6 +290,18 @@ def write_config(config, dtype: torch.dtype, head: str, adapter: Path, base_mode
         return None
     copy_files(("generation_config.json", *PROCESSOR_FILES), base_model, tmp)
     return stop_at_end_of_turn(tmp)
+
+
+def unchanged(adapter: Path) -> DataError:
+    """An adapter whose every B @ A is zero: the line, with its training's warning."""
+    from snaketune.train.vitals import read
+
+    warned = list(read(Path(adapter).parent / "train").values())
+    cause = f" Its training warned: {warned[0]}" if warned else " Was the adapter trained?"
+    return DataError(
+        f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
+        f"model would equal the base.{cause}"
+    )
 
 
 def merge_lora(
@@ -313,20 +339,17 @@ def merge_lora(
         plan += [(name, tuple(t.shape), t.dtype) for name, t in lora.added(refs).items()]
         write_shards(plan, merged, tmp, parse_size(max_shard_size), dtype)
         if change["max_abs"] == 0.0:
-            from snaketune.train.vitals import read
-
-            warned = list(read(Path(adapter).parent / "train").values())
-            cause = (f" Its training warned: {warned[0]}" if warned
-                     else " Was the adapter trained?")  # fmt: skip
-            raise DataError(
-                f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "
-                f"model would equal the base.{cause}"
-            )
+            raise unchanged(adapter)
         stops = write_config(base_config.result(), dtype, lora.head, adapter, base_model, tmp)
         # The reference is the training job's probe logits: base + this adapter, as
         # convert_checkpoint's gate verified with peft, so no second model is loaded here.
-        diff = gate_written(tmp, dtype, parse_size(max_shard_size), load_file(str(probe)),
-                            f"{out} (vs base + adapter)")  # fmt: skip
+        diff = gate_written(
+            tmp,
+            dtype,
+            parse_size(max_shard_size),
+            load_file(str(probe)),
+            f"{out} (vs base + adapter)",
+        )
         report = {
             "merged_tensors": change["merged"],
             "max_weight_change": change["max_abs"],

@@ -126,14 +126,7 @@ def write_shards(
     )
     stream = iter(tensors)
     for file, entries in zip(names, shards, strict=True):
-        header: dict = {"__metadata__": {"format": "pt"}}
-        pos = 0
-        for name, shape, kind, nbytes in entries:
-            header[name] = {"dtype": ST_NAMES[kind], "shape": list(shape),
-                            "data_offsets": [pos, pos + nbytes]}  # fmt: skip
-            pos += nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+        head = shard_header(entries)
         with open(out / file, "wb") as fh:
             fh.write(struct.pack("<Q", len(head)) + head)
             for name, shape, kind, _ in entries:
@@ -151,6 +144,22 @@ def write_shards(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return weight_map
+
+
+def shard_header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> bytes:
+    """A safetensors file's header for ``entries`` (name, shape, dtype, bytes) in order,
+    padded to 8 bytes as safetensors writes it."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for name, shape, kind, nbytes in entries:
+        header[name] = {
+            "dtype": ST_NAMES[kind],
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes],
+        }
+        pos += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return head + b" " * (-len(head) % 8)
 
 
 def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -172,9 +181,13 @@ def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, 
     trim_heap()
     scratch = model_dir / ".offload"
     model = heads.auto_class(heads.head_of(model_dir), model_dir).from_pretrained(
-        model_dir, dtype=dtype, device_map="auto", max_memory={"cpu": budget},
-        offload_folder=str(scratch), local_files_only=True,
-    )  # fmt: skip
+        model_dir,
+        dtype=dtype,
+        device_map="auto",
+        max_memory={"cpu": budget},
+        offload_folder=str(scratch),
+        local_files_only=True,
+    )
     diff = gate(probe_logits(model, probe), probe, dtype, what)
     del model
     shutil.rmtree(scratch, ignore_errors=True)
@@ -247,8 +260,13 @@ def stop_at_end_of_turn(model_dir: Path) -> str | None:
 
 def conversion_report(kind: str, ckpt: ZeroCheckpoint, tensors: int, diff: float) -> dict:
     """What convert_checkpoint prints and records: the checkpoint's shape and the gate."""
-    return {"kind": kind, "zero_stage": ckpt.stage, "ranks": ckpt.world, "tensors": tensors,
-            "max_logit_diff": diff}  # fmt: skip
+    return {
+        "kind": kind,
+        "zero_stage": ckpt.stage,
+        "ranks": ckpt.world,
+        "tensors": tensors,
+        "max_logit_diff": diff,
+    }
 
 
 def convert_full(

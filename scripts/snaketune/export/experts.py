@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from snaketune.core.configfields import experts_of
 from snaketune.core.errors import DataError
-from snaketune.core.modelshape import experts_of
 
 TRANSPOSED = ("gpt_oss",)  # its fused experts are stored experts x in x out
 
@@ -53,8 +53,9 @@ def module_of(key: str) -> str:
     return key.replace(".base_layer", "")
 
 
-def expert_pairs(lora: dict[str, torch.Tensor], config: dict, scale_of,
-                 shapes: dict[str, tuple[int, ...]]) -> dict[str, ExpertPair]:  # fmt: skip
+def expert_pairs(
+    lora: dict[str, torch.Tensor], config: dict, scale_of, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, ExpertPair]:
     """The adapter's pairs on fused experts, by the base tensor each changes (``shapes``:
     the base checkpoint's), each checked against it; ``scale_of(kind)``: a pair's scale."""
     experts = experts_of(config)
@@ -69,9 +70,11 @@ def expert_pairs(lora: dict[str, torch.Tensor], config: dict, scale_of,
         b = lora[key_a.replace(".lora_A", ".lora_B")]
         kind = {(h, 2 * width): "gate_up", (width, h): "down"}.get((a.shape[1], b.shape[0]))
         if kind is None or a.shape[0] % experts:
-            raise DataError(f"adapter tensor {key_a} {tuple(a.shape)} fits neither the "
-                            f"experts' gate and up ({h} -> {2 * width}) nor their down "
-                            "projection")  # fmt: skip
+            raise DataError(
+                f"adapter tensor {key_a} {tuple(a.shape)} fits neither the "
+                f"experts' gate and up ({h} -> {2 * width}) nor their down "
+                "projection"
+            )
         transposed = config.get("model_type") in TRANSPOSED
         pair = ExpertPair(module_of(key_a), kind, a, b, scale_of(kind), transposed)
         for name in base_tensors(pair, experts, shapes):
@@ -115,8 +118,20 @@ def pair_scale(adapter_config: dict, kind: str) -> float:
     config's rank and alpha patterns where one names the stacked gate and up."""
     r, alpha = adapter_config["r"], adapter_config["lora_alpha"]
     if kind == "gate_up":
-        r = next((v for k, v in (adapter_config.get("rank_pattern") or {}).items()
-                  if k.endswith("gate_up_proj")), r)  # fmt: skip
-        alpha = next((v for k, v in (adapter_config.get("alpha_pattern") or {}).items()
-                      if k.endswith("gate_up_proj")), alpha)  # fmt: skip
+        r = next(
+            (
+                v
+                for k, v in (adapter_config.get("rank_pattern") or {}).items()
+                if k.endswith("gate_up_proj")
+            ),
+            r,
+        )
+        alpha = next(
+            (
+                v
+                for k, v in (adapter_config.get("alpha_pattern") or {}).items()
+                if k.endswith("gate_up_proj")
+            ),
+            alpha,
+        )
     return alpha / r**0.5 if adapter_config.get("use_rslora") else alpha / r

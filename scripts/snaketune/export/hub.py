@@ -28,14 +28,38 @@ log = logging.getLogger(__name__)
 
 # What the Hub repo gets from the final model's directory (no training state, no provenance
 # with local paths and host names: its sha256 is in the card).
-MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json",
-               "generation_config.json", "tokenizer*", "special_tokens_map.json",
-               "chat_template.jinja", "vocab.json", "merges.txt", "*.model")  # fmt: skip
+MODEL_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "adapter_config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "*.model",
+)
 # Run keys shown as hyperparameters in the card (and the run's method block, as its method
 # shows it).
-CARD_KEYS = ("method", "learning_rate", "lr_scheduler", "warmup_ratio", "epochs", "max_steps",
-             "micro_batch_size", "gradient_accumulation_steps", "nodes", "gpus_per_node",
-             "max_length", "packing", "deepspeed", "seed", "lora")  # fmt: skip
+CARD_KEYS = (
+    "method",
+    "learning_rate",
+    "lr_scheduler",
+    "warmup_ratio",
+    "epochs",
+    "max_steps",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "nodes",
+    "gpus_per_node",
+    "max_length",
+    "packing",
+    "deepspeed",
+    "seed",
+    "lora",
+)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -75,12 +99,19 @@ def eval_results(metrics: dict[str, Any], dataset: str, generates: bool = True):
     kind = "text-generation" if generates else "text-classification"
 
     def result(metric: str, value: float, name: str, task: str = dataset) -> EvalResult:
-        return EvalResult(task_type=kind, dataset_type=task, dataset_name=task,
-                          metric_type=metric, metric_value=float(value),
-                          metric_name=name)  # fmt: skip
+        return EvalResult(
+            task_type=kind,
+            dataset_type=task,
+            dataset_name=task,
+            metric_type=metric,
+            metric_value=float(value),
+            metric_name=name,
+        )
 
-    out = [result(key, f["value"], described(key).label)
-           for key, f in (metrics.get("figures") or {}).items()]  # fmt: skip
+    out = [
+        result(key, f["value"], described(key).label)
+        for key, f in (metrics.get("figures") or {}).items()
+    ]
     for task, figures in (metrics.get("lm_eval") or {}).items():
         for key, figure in figures.items():
             if figure.get("value") is not None:
@@ -92,14 +123,21 @@ def exported_lines(exported: dict[str, Any] | None) -> list[str]:
     """The card's word on which training step the weights are (export.checkpoint: best)."""
     if not exported or exported.get("checkpoint") != "best":
         return []
-    lines = ["## Checkpoint", "",
-             f"The weights of step {exported['step']} of {exported['last_step']}: the "
-             f"{exported['reason']}, {exported['value']:.4g}, of the checkpoints evaluated "
-             "on the held-out set while training.", ""]  # fmt: skip
+    lines = [
+        "## Checkpoint",
+        "",
+        f"The weights of step {exported['step']} of {exported['last_step']}: the "
+        f"{exported['reason']}, {exported['value']:.4g}, of the checkpoints evaluated "
+        "on the held-out set while training.",
+        "",
+    ]
     if exported.get("worse_than_start"):
-        lines[-1:] = [f"**Worse than before training:** the held-out {exported['metric']} of "
-                      f"the model before training was {exported['start_value']:.4g}; no "
-                      "evaluated checkpoint reached it.", ""]  # fmt: skip
+        lines[-1:] = [
+            f"**Worse than before training:** the held-out {exported['metric']} of "
+            f"the model before training was {exported['start_value']:.4g}; no "
+            "evaluated checkpoint reached it.",
+            "",
+        ]
     return lines
 
 
@@ -147,12 +185,81 @@ def scoring_lines(repo_id: str) -> list[str]:
     ]
 
 
-def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: dict[str, Any],
-              provenance_sha: str, license_: str, repo_id: str) -> str:  # fmt: skip
+def card_text(
+    run: str,
+    spec: dict[str, Any],
+    sources: dict[str, Any],
+    metrics: dict[str, Any],
+    provenance_sha: str,
+    license_: str,
+    repo_id: str,
+) -> str:
     """The model card: metadata (license, base model, datasets, model-index) and a body."""
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
+
+    data = card_data(spec, sources, metrics, license_, repo_id)
+    method = method_of(spec)
+    hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
+    if method.block in spec:
+        hyper[method.block] = method.card_block(spec[method.block])
+    rows = "\n".join(
+        f"| {r.dataset_name} | {r.metric_name} | {r.metric_value:.4g} |"
+        for r in (data.eval_results or [])
+    )
+    base, adapter = sources["base"], sources.get("adapter", False)
+    continuing = f", continuing run `{spec['init_from']}`" if spec.get("init_from") else ""
+    body = [
+        f"# {repo_id}",
+        "",
+        f"Fine-tuned with [snaketune](https://github.com/) (run `{run}`, "
+        f"method `{spec['method']}`{continuing}).",
+        "",
+        "## Base model",
+        "",
+        pinned(base),
+        "",
+        "## Training data",
+        "",
+        *[f"- {pinned(d)}" for d in sources["datasets"]],
+        "",
+        "## Hyperparameters",
+        "",
+        "```json",
+        json.dumps(hyper, indent=2, sort_keys=True),
+        "```",
+        "",
+        *exported_lines(sources.get("exported")),
+        *(loading_lines(repo_id, base.get("id")) if adapter else []),
+        *(scoring_lines(repo_id) if not method.generates else []),
+        "## Evaluation",
+        "",
+        "| dataset | metric | value |",
+        "|---|---|---|",
+        rows or "| - | - | - |",
+        "",
+        "## Provenance",
+        "",
+        f"sha256 of the model's provenance record (provenance.json): `{provenance_sha}`",
+        "",
+        f"License: {license_}",
+        "",
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)).content
+
+
+def card_data(
+    spec: dict[str, Any],
+    sources: dict[str, Any],
+    metrics: dict[str, Any],
+    license_: str,
+    repo_id: str,
+):
+    """The card's metadata: license, base model, datasets (those pinned to a Hub commit),
+    tags, pipeline and library (a reward model's, an adapter's), the model-index."""
+    from huggingface_hub import ModelCardData
 
     base, datasets = sources["base"], sources["datasets"]
+    method = method_of(spec)
     data = ModelCardData(
         license=license_,
         base_model=base.get("id") if base.get("commit") else None,
@@ -160,49 +267,34 @@ def card_text(run: str, spec: dict[str, Any], sources: dict[str, Any], metrics: 
         tags=["snaketune", spec["method"], "trl"],
         library_name="transformers",
         model_name=repo_id,
-        eval_results=eval_results(metrics, spec.get("eval_dataset", "eval"),
-                                  method_of(spec).generates) or None,
-    )  # fmt: skip
-    method = method_of(spec)
+        eval_results=eval_results(metrics, spec.get("eval_dataset", "eval"), method.generates)
+        or None,
+    )
     if not method.generates:  # a reward model
         data.pipeline_tag, data.tags = "text-classification", [*data.tags, "reward-model"]
-    adapter = sources.get("adapter", False)
-    if adapter:  # the adapter alone (export.merged: false): peft loads it on its base
+    if sources.get("adapter", False):  # the adapter alone (export.merged: false)
         data.library_name, data.tags = "peft", [*data.tags, "lora"]
-        data.base_model = base.get("id")
-    hyper = {k: spec[k] for k in CARD_KEYS if k in spec}
-    if method.block in spec:
-        hyper[method.block] = method.card_block(spec[method.block])
-    rows = "\n".join(f"| {r.dataset_name} | {r.metric_name} | {r.metric_value:.4g} |"
-                     for r in (data.eval_results or []))  # fmt: skip
-
-    def pinned(s: dict[str, Any]) -> str:
-        if s.get("commit"):
-            return f"`{s['id']}` at commit `{s['commit']}`"
-        digests = ", ".join(s.get("local_sha256", {}).values())
-        return f"`{s.get('id')}` (local file, sha256 {digests})"
-
-    body = "\n".join([
-        f"# {repo_id}", "",
-        f"Fine-tuned with [snaketune](https://github.com/) (run `{run}`, method `{spec['method']}`"
-        + (f", continuing run `{spec['init_from']}`" if spec.get("init_from") else "") + ").", "",
-        "## Base model", "", pinned(base), "",
-        "## Training data", "", *[f"- {pinned(d)}" for d in datasets], "",
-        "## Hyperparameters", "", "```json", json.dumps(hyper, indent=2, sort_keys=True), "```", "",
-        *exported_lines(sources.get("exported")),
-        *(loading_lines(repo_id, base.get("id")) if adapter else []),
-        *(scoring_lines(repo_id) if not method.generates else []),
-        "## Evaluation", "",
-        "| dataset | metric | value |", "|---|---|---|", rows or "| - | - | - |", "",
-        "## Provenance", "",
-        f"sha256 of the model's provenance record (provenance.json): `{provenance_sha}`", "",
-        f"License: {license_}", "",
-    ])  # fmt: skip
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}").content
+        data.base_model = base.get("id")  # peft loads it on its base
+    return data
 
 
-def build_folder(run: str, spec: dict[str, Any], model_dir: Path, metrics_path: Path | None,
-                 resources: Path, settings: dict[str, Any], out: Path) -> Path:  # fmt: skip
+def pinned(s: dict[str, Any]) -> str:
+    """A source as the card names it: its Hub id at its commit, or a local file's digests."""
+    if s.get("commit"):
+        return f"`{s['id']}` at commit `{s['commit']}`"
+    digests = ", ".join(s.get("local_sha256", {}).values())
+    return f"`{s.get('id')}` (local file, sha256 {digests})"
+
+
+def build_folder(
+    run: str,
+    spec: dict[str, Any],
+    model_dir: Path,
+    metrics_path: Path | None,
+    resources: Path,
+    settings: dict[str, Any],
+    out: Path,
+) -> Path:
     """Write the folder to upload (model, tokenizer, README.md) to ``out``."""
     base = _read_json(resources / "models" / spec["model"] / "provenance.json")
     datasets = []
@@ -228,8 +320,11 @@ def build_folder(run: str, spec: dict[str, Any], model_dir: Path, metrics_path: 
                 copied.append(f.name)
     if not any(name.endswith(".safetensors") for name in copied):
         raise UserError(f"{model_dir}: no safetensors weights to publish")
-    sources = {"base": source_of(base), "datasets": datasets,
-               "adapter": (out / "adapter_config.json").is_file()}  # fmt: skip
+    sources = {
+        "base": source_of(base),
+        "datasets": datasets,
+        "adapter": (out / "adapter_config.json").is_file(),
+    }
     if sources["adapter"]:  # the base named as the Hub knows it, not a local path
         adapter_config = json.loads((out / "adapter_config.json").read_text())
         adapter_config["base_model_name_or_path"] = sources["base"].get("id")
@@ -237,8 +332,9 @@ def build_folder(run: str, spec: dict[str, Any], model_dir: Path, metrics_path: 
     train = model_dir.parent / "train" / "provenance.json"  # which step was exported, and why
     if train.is_file():
         sources["exported"] = _read_json(train).get("exported")
-    (out / "README.md").write_text(card_text(run, spec, sources, metrics, provenance_sha,
-                                             license_, settings["repo_id"]))  # fmt: skip
+    (out / "README.md").write_text(
+        card_text(run, spec, sources, metrics, provenance_sha, license_, settings["repo_id"])
+    )
     log.info("publish %s: %s (%d files)", run, out, len(copied) + 1)
     return out
 
@@ -255,6 +351,10 @@ def upload(folder: Path, repo_id: str, private: bool) -> dict[str, Any]:
         )
     api = HfApi()
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                             commit_message="snaketune: publish")  # fmt: skip
+    info = api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        repo_type="model",
+        commit_message="snaketune: publish",
+    )
     return {"url": f"https://huggingface.co/{repo_id}", "commit": getattr(info, "oid", None)}

@@ -296,9 +296,18 @@ def _read_span(parts: list[TensorRef], bounds: list[int], start: int, count: int
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 
 

@@ -56,10 +56,12 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     run = schema["properties"]["runs"]["additionalProperties"]["properties"]
     every = methods()
     run["method"] = {
-        "description": run["method"]["description"] + " "
-        + "; ".join(f"`{name}`: {m.summary}" for name, m in every.items()) + ".",
+        "description": run["method"]["description"]
+        + " "
+        + "; ".join(f"`{name}`: {m.summary}" for name, m in every.items())
+        + ".",
         "enum": list(every),
-    }  # fmt: skip
+    }
     for m in every.values():
         if m.block is not None:
             run[m.block] = yaml.safe_load(m.schema)

@@ -53,8 +53,12 @@ class PairCollator(Counted):
 
     layout = "padded pairs"
 
-    def __init__(self, pad_token_id: int, reference: dict[str, tuple[float, float]] | None,
-                 ids_log: Path | None):  # fmt: skip
+    def __init__(
+        self,
+        pad_token_id: int,
+        reference: dict[str, tuple[float, float]] | None,
+        ids_log: Path | None,
+    ):
         super().__init__()
         self.pad_token_id, self.reference = pad_token_id, reference
         self._ids_log = IdsLog(ids_log)
@@ -71,13 +75,15 @@ class PairCollator(Counted):
             ref = [self.reference[i] for i in ids]
             batch["ref_chosen_logps"] = torch.tensor([c for c, _ in ref], dtype=torch.float32)
             batch["ref_rejected_logps"] = torch.tensor([r for _, r in ref], dtype=torch.float32)
-        self.add(batch["attention_mask"].sum(dim=1).tolist(), batch["input_ids"].numel(),
-                 len(examples))  # fmt: skip
+        self.add(
+            batch["attention_mask"].sum(dim=1).tolist(), batch["input_ids"].numel(), len(examples)
+        )
         return batch
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     """This rank's planned pairs, with the precomputed reference log-probs of each."""
     from snaketune.data.batches import Data
     from snaketune.evaluation.logps import read_reference
@@ -87,8 +93,10 @@ def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: st
         reference = read_reference(run["dpo"]["reference_logps"])
         missing = [i for i in table["example_id"] if i not in reference]
         if missing:
-            raise RuntimeError(f"{len(missing)} planned pairs have no reference log-probs "
-                               f"(first: {missing[0]}); rerun rule reference_logps")  # fmt: skip
+            raise RuntimeError(
+                f"{len(missing)} planned pairs have no reference log-probs "
+                f"(first: {missing[0]}); rerun rule reference_logps"
+            )
     return Data(table, batches, PairCollator(pad_id(tokenizer), reference, ids_log))
 
 
@@ -113,10 +121,16 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     """TRL's DPOTrainer on the planned pairs, with the shared settings of training_args."""
     dpo = ctx.run["dpo"]
     return pair_trainer(
-        ctx, model, data, callbacks, beta=dpo["beta"], loss_type=losses(dpo),
-        loss_weights=dpo.get("loss_weights"), label_smoothing=dpo["label_smoothing"],
+        ctx,
+        model,
+        data,
+        callbacks,
+        beta=dpo["beta"],
+        loss_type=losses(dpo),
+        loss_weights=dpo.get("loss_weights"),
+        label_smoothing=dpo["label_smoothing"],
         precompute_ref_log_probs=dpo["reference"] == "precomputed",
-    )  # fmt: skip
+    )
 
 
 def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config):
@@ -129,20 +143,29 @@ def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config)
     from trl.trainer import dpo_trainer
 
     args = training_args(
-        ctx, DPOConfig, **dpo_config, max_length=None, model_init_kwargs=None,
+        ctx,
+        DPOConfig,
+        **dpo_config,
+        max_length=None,
+        model_init_kwargs=None,
         # a mixture of experts: TRL's DPO adds coefficient x the router's loss per micro
         # batch (auto: the model's own coefficient; docs/moe.md)
         router_aux_loss_coef=trl_coef(ctx.run, model),
-    )  # fmt: skip
+    )
     # TRL hashes every weight to key its own cache of precomputed log-probs; the stage's
     # content key replaces that cache, so the hash (minutes on a large model) is skipped.
     with mock.patch.object(dpo_trainer, "hash_module", lambda module: None), exact_targets():
         return trainer_class()(
-            model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
-            data_collator=data.collator, peft_config=peft_config(ctx.run, model),
+            model=model,
+            args=args,
+            train_dataset=data.table,
+            processing_class=ctx.tokenizer,
+            data_collator=data.collator,
+            peft_config=peft_config(ctx.run, model),
             callbacks=callbacks,
-            planned=data, run=ctx.run,
-        )  # fmt: skip
+            planned=data,
+            run=ctx.run,
+        )
 
 
 # TRL's log keys -> metrics.jsonl keys.
@@ -165,9 +188,11 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
     dpo = run["dpo"]
-    return (f"DPO: {manifest['global_batch']} pairs per step; loss {'+'.join(losses(dpo))}, "
-            f"beta {dpo['beta']}; reference {dpo['reference']}; padded pairs (TRL 1.16's "
-            "DPOTrainer has no padding-free path)")  # fmt: skip
+    return (
+        f"DPO: {manifest['global_batch']} pairs per step; loss {'+'.join(losses(dpo))}, "
+        f"beta {dpo['beta']}; reference {dpo['reference']}; padded pairs (TRL 1.16's "
+        "DPOTrainer has no padding-free path)"
+    )
 
 
 def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
@@ -175,12 +200,16 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     dpo = run["dpo"]
     weights = dpo.get("loss_weights")
     if weights is not None and len(weights) != len(losses(dpo)):
-        raise ConfigError(f"{where}.dpo.loss_weights: {len(weights)} weights for "
-                          f"{len(losses(dpo))} loss types; give one weight per loss in "
-                          "loss_type")  # fmt: skip
+        raise ConfigError(
+            f"{where}.dpo.loss_weights: {len(weights)} weights for "
+            f"{len(losses(dpo))} loss types; give one weight per loss in "
+            "loss_type"
+        )
     if "exo_pair" in losses(dpo) and not dpo["label_smoothing"] > 0:
-        raise ConfigError(f"{where}.dpo.label_smoothing: loss exo_pair needs label_smoothing "
-                          "> 0 (the EXO paper uses 1e-3)")  # fmt: skip
+        raise ConfigError(
+            f"{where}.dpo.label_smoothing: loss exo_pair needs label_smoothing "
+            "> 0 (the EXO paper uses 1e-3)"
+        )
 
 
 # runs.<run>.dpo: its keys and defaults (snaketune.methods.compose_schema puts it into the
@@ -262,7 +291,7 @@ METHOD = Method(
     memory=lambda run, on_gpu: {
         "sequences_per_example": 2,
         "reference": run["dpo"]["reference"] == "live",
-    },  # fmt: skip
+    },
     reference_stage=lambda run: run["dpo"]["reference"] == "precomputed",
     eval_settings=lambda run: {"beta": run["dpo"]["beta"]},
     headline=("preference_accuracy",),

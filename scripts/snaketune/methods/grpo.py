@@ -3,26 +3,25 @@
 Each completion's advantage is its reward against its group's, normalised by the group's
 spread; the KL term against the starting model (beta) enters the loss per token. What it
 shares with RLOO (the planned prompts, the rollouts, the rewards, the block's common keys)
-is snaketune.methods.rollouts.
+is snaketune.methods.rollouts (the trainer: snaketune.methods.rollout_trainer).
 """
 
 from __future__ import annotations
 
-from snaketune.methods import rollouts
-from snaketune.methods.rewards import correctness, format_reward  # noqa: F401 (the built-ins)
-from snaketune.methods.rollouts import group_batches, step_fields  # noqa: F401 (tests use them)
+from snaketune.methods import rollout_trainer, rollouts
 from snaketune.methods.training import Context
 
 BLOCK = "grpo"
 
 
 def trainer(ctx: Context, model, data, callbacks: list):
-    """TRL's GRPOTrainer on the planned prompts (snaketune.methods.rollouts.planned)."""
+    """TRL's GRPOTrainer on the planned prompts (snaketune.methods.rollout_trainer.planned)."""
     from trl import GRPOConfig, GRPOTrainer
 
     loss_type = ctx.run[BLOCK]["loss_type"]
-    return rollouts.planned(GRPOTrainer, ctx, model, data, callbacks, BLOCK, GRPOConfig,
-                            loss_type=loss_type)  # fmt: skip
+    return rollout_trainer.planned(
+        GRPOTrainer, ctx, model, data, callbacks, BLOCK, GRPOConfig, loss_type=loss_type
+    )
 
 
 # runs.<run>.grpo: its keys and defaults (snaketune.methods.compose_schema puts it into the

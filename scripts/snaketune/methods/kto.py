@@ -60,8 +60,13 @@ class KTOCollator(Counted):
 
     layout = "padded labelled responses"
 
-    def __init__(self, table, pad_token_id: int, reference: dict[str, tuple[float, ...]] | None,
-                 ids_log: Path | None):  # fmt: skip
+    def __init__(
+        self,
+        table,
+        pad_token_id: int,
+        reference: dict[str, tuple[float, ...]] | None,
+        ids_log: Path | None,
+    ):
         super().__init__()
         self.table, self.pad_token_id, self.reference = table, pad_token_id, reference
         ids = [] if table is None else table["example_id"]
@@ -81,10 +86,10 @@ class KTOCollator(Counted):
         out = batch(examples, self.pad_token_id, [self.partner(i) for i in ids])
         if self.reference is not None:  # in the batch's order: by side, then by example
             ref = [self.reference[i] for i in ids]
-            out["ref_logps"] = torch.tensor([r[side] for side in range(len(ref[0])) for r in ref],
-                                            dtype=torch.float32)  # fmt: skip
-        self.add(out["attention_mask"].sum(dim=1).tolist(), out["input_ids"].numel(),
-                 len(examples))  # fmt: skip
+            out["ref_logps"] = torch.tensor(
+                [r[side] for side in range(len(ref[0])) for r in ref], dtype=torch.float32
+            )
+        self.add(out["attention_mask"].sum(dim=1).tolist(), out["input_ids"].numel(), len(examples))
         return out
 
 
@@ -96,8 +101,9 @@ def reference(run: Mapping[str, Any]) -> str:
     return setting
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     """This rank's planned examples (labelled responses, or pairs), with the precomputed
     reference log-probs of each response."""
     from snaketune.data.batches import Data
@@ -108,8 +114,10 @@ def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: st
         logps = read_reference(run["kto"]["reference_logps"])
         missing = [i for i in table["example_id"] if i not in logps]
         if missing:
-            raise RuntimeError(f"{len(missing)} planned examples have no reference log-probs "
-                               f"(first: {missing[0]}); rerun rule reference_logps")  # fmt: skip
+            raise RuntimeError(
+                f"{len(missing)} planned examples have no reference log-probs "
+                f"(first: {missing[0]}); rerun rule reference_logps"
+            )
     return Data(table, batches, KTOCollator(table, pad_id(tokenizer), logps, ids_log))
 
 
@@ -139,9 +147,13 @@ def trainer_class():
             if self.precompute_ref_logps and "ref_KL_logps" not in inputs:
                 batch = {k: v.to(self.accelerator.device) for k, v in inputs.items()}
                 unwrapped = self.accelerator.unwrap_model(self.model)
-                with torch.no_grad(), kto_trainer.disable_gradient_checkpointing(
-                    self.model, self.args.gradient_checkpointing_kwargs
-                ), kto_trainer.use_adapter(unwrapped, adapter_name=None):  # fmt: skip
+                with (
+                    torch.no_grad(),
+                    kto_trainer.disable_gradient_checkpointing(
+                        self.model, self.args.gradient_checkpointing_kwargs
+                    ),
+                    kto_trainer.use_adapter(unwrapped, adapter_name=None),
+                ):
                     inputs = {**batch, "ref_KL_logps": self._compute_kl_logps(self.model, batch)}
             return super()._compute_loss(model, inputs, return_outputs)
 
@@ -157,20 +169,31 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
 
     kto = ctx.run["kto"]
     args = training_args(
-        ctx, KTOConfig, beta=kto["beta"], desirable_weight=kto["desirable_weight"],
-        undesirable_weight=kto["undesirable_weight"], max_length=None, model_init_kwargs=None,
+        ctx,
+        KTOConfig,
+        beta=kto["beta"],
+        desirable_weight=kto["desirable_weight"],
+        undesirable_weight=kto["undesirable_weight"],
+        max_length=None,
+        model_init_kwargs=None,
         precompute_ref_log_probs=reference(ctx.run) == "precomputed",
         router_aux_loss_coef=trl_coef(ctx.run, model),
-    )  # fmt: skip
+    )
     # the responses of a device's micro batch: n pairs are 2n (TRL refuses fewer than 2 per
     # device; its KL sequences here need no second example: snaketune.data.labelled)
     args.per_device_train_batch_size = 2 * ctx.run["micro_batch_size"]
     with mock.patch.object(kto_trainer, "hash_module", lambda module: None), exact_targets():
         return trainer_class()(
-            model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
-            data_collator=data.collator, peft_config=peft_config(ctx.run, model),
-            callbacks=callbacks, planned=data, run=ctx.run,
-        )  # fmt: skip
+            model=model,
+            args=args,
+            train_dataset=data.table,
+            processing_class=ctx.tokenizer,
+            data_collator=data.collator,
+            peft_config=peft_config(ctx.run, model),
+            callbacks=callbacks,
+            planned=data,
+            run=ctx.run,
+        )
 
 
 # TRL's log keys -> metrics.jsonl keys.
@@ -193,20 +216,24 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
     kto = run["kto"]
-    return (f"KTO: {manifest['global_batch']} examples per step (a labelled response, or a "
-            f"pair: a desirable and an undesirable one); beta {kto['beta']}, weights "
-            f"{kto['desirable_weight']} / "
-            f"{kto['undesirable_weight']}; reference {reference(run)}; padded")  # fmt: skip
+    return (
+        f"KTO: {manifest['global_batch']} examples per step (a labelled response, or a "
+        f"pair: a desirable and an undesirable one); beta {kto['beta']}, weights "
+        f"{kto['desirable_weight']} / "
+        f"{kto['undesirable_weight']}; reference {reference(run)}; padded"
+    )
 
 
 def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
     """A precomputed reference needs an adapter: the KL sequences' reference is the base
     with the adapter off (``auto`` picks live without one)."""
     if run["kto"]["reference"] == "precomputed" and METHOD.adapter_of(run) != "lora":
-        raise ConfigError(f"{where}.kto.reference: precomputed needs a LoRA run (its KL "
-                          "term's reference is the base with the adapter off, each step); "
-                          "set reference: live (a frozen copy of the start, counted in the "
-                          "memory plan) or add a `lora` block")  # fmt: skip
+        raise ConfigError(
+            f"{where}.kto.reference: precomputed needs a LoRA run (its KL "
+            "term's reference is the base with the adapter off, each step); "
+            "set reference: live (a frozen copy of the start, counted in the "
+            "memory plan) or add a `lora` block"
+        )
 
 
 # runs.<run>.kto: its keys and defaults (snaketune.methods.compose_schema puts it into the
@@ -273,7 +300,7 @@ METHOD = Method(
     memory=lambda run, on_gpu: {
         "sequences_per_example": 2,
         "reference": reference(run) == "live",
-    },  # fmt: skip
+    },
     reference_stage=lambda run: reference(run) == "precomputed",
     eval_settings=lambda run: {"beta": run["kto"]["beta"]},
     headline=("preference_accuracy",),

@@ -4,7 +4,7 @@ of such a sweep).
 
 Where the config is read (``check``): the run exists, trains a reward model and is not the
 GRPO run itself. The workflow makes the reward run's final model an input of the GRPO run's
-train job (``stages.train_extras``) and puts what scoring needs into the job's spec
+train job (``trainjob.train_extras``) and puts what scoring needs into the job's spec
 (``spec``): the model's folder, the reward run's chat template file (None: its tokenizer's)
 and max_length, and the dataset settings the prompts' turns are read with.
 
@@ -48,8 +48,9 @@ def reward_runs(run: Mapping[str, Any]) -> list[str]:
     return model_runs(run.get(block, {}).get("rewards", {})) if block else []
 
 
-def check(where: str, rewards: Mapping[str, Any], config: Mapping[str, Any],
-          block: str = "grpo.rewards") -> None:  # fmt: skip
+def check(
+    where: str, rewards: Mapping[str, Any], config: Mapping[str, Any], block: str = "grpo.rewards"
+) -> None:
     """One line for the first ``model:<run>`` key that cannot be scored with: no such run
     (or sweep), a run that trains no reward model, the run itself."""
     from snaketune.methods import REGISTRY, method_named
@@ -86,9 +87,14 @@ def settings_run(runs: Mapping[str, Any], name: str) -> str:
     return members[0] if members else name
 
 
-def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
-         template: Callable[[str], dict[str, str] | None], names: list[str] | None = None,
-         dataset: str = "dataset") -> dict[str, Any] | None:  # fmt: skip
+def spec(
+    config: Mapping[str, Any],
+    run: str,
+    final_model: Callable[[str], str],
+    template: Callable[[str], dict[str, str] | None],
+    names: list[str] | None = None,
+    dataset: str = "dataset",
+) -> dict[str, Any] | None:
     """What a GRPO run's train job needs to score with its reward models (None: it has
     none): per reward run, its final model's folder (``final_model``), its chat template
     (``template``: path and sha256 of the model's configured file, or None) and
@@ -104,8 +110,11 @@ def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
     models = {}
     for name in names:
         rm = config["runs"][settings_run(config["runs"], name)]
-        models[name] = {"path": final_model(name), "chat_template": template(rm["model"]),
-                        "max_length": rm["max_length"]}  # fmt: skip
+        models[name] = {
+            "path": final_model(name),
+            "chat_template": template(rm["model"]),
+            "max_length": rm["max_length"],
+        }
     sources = {c["name"]: config["datasets"][c["name"]] for c in components(config, r[dataset])}
     return {"models": models, "sources": sources}
 
@@ -123,8 +132,9 @@ def in_spec(block: dict[str, Any], settings: dict[str, Any] | None) -> dict[str,
 # ----------------------------------------------------------------------------- the job
 
 
-def prompt_turns(sources: Mapping[str, Any], example_ids: list[str],
-                 datasets: Path = DATASETS) -> dict[str, tuple]:  # fmt: skip
+def prompt_turns(
+    sources: Mapping[str, Any], example_ids: list[str], datasets: Path = DATASETS
+) -> dict[str, tuple]:
     """Each example's prompt as turns (every turn before its last assistant turn: the
     system prompt, the user's; a preference row's prompt), from its row of the downloaded
     dataset, by example id ("<dataset>:<row>[:<copy>]")."""
@@ -133,8 +143,9 @@ def prompt_turns(sources: Mapping[str, Any], example_ids: list[str],
     turns: dict[tuple[str, int], tuple] = {}
     for name, (order, table) in source_rows(example_ids, datasets).items():
         source = Source(name, datasets / name / "data.parquet", sources[name])
-        for row, conv in zip(order, conversations(source, table.to_batches()[0], order),
-                             strict=True):  # fmt: skip
+        for row, conv in zip(
+            order, conversations(source, table.to_batches()[0], order), strict=True
+        ):
             if isinstance(conv, Pair):  # a preference row: the turns before its responses
                 turns[(name, row)] = tuple(conv.prompt)
                 continue
@@ -147,8 +158,16 @@ class ModelReward:
     """A reward function (as TRL calls one) that scores prompt + completion with a reward
     model, loaded once."""
 
-    def __init__(self, key: str, settings: Mapping[str, Any], prompts: dict[str, tuple],
-                 normalization: str, group: int, dtype, device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: str,
+        settings: Mapping[str, Any],
+        prompts: dict[str, tuple],
+        normalization: str,
+        group: int,
+        dtype,
+        device,
+    ) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -160,8 +179,13 @@ class ModelReward:
         template = settings["chat_template"]
         text = Path(template["path"]).read_text() if template else None
         self.renderer = ChatRenderer(self.tokenizer, text)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, local_files_only=True).to(device).eval()  # fmt: skip
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=dtype, local_files_only=True
+            )
+            .to(device)
+            .eval()
+        )
         self.model.requires_grad_(False)
         self.pad = self.model.config.get_text_config().pad_token_id
         self.max_length = int(settings["max_length"])
@@ -170,8 +194,10 @@ class ModelReward:
 
     def texts(self, example_ids: list[str], completions: list[str]) -> list[str]:
         """Each completion after its prompt's turns, in the reward model's chat template."""
-        return [self.renderer.render((*self.prompts[e], ("assistant", c)))
-                for e, c in zip(example_ids, completions, strict=True)]  # fmt: skip
+        return [
+            self.renderer.render((*self.prompts[e], ("assistant", c)))
+            for e, c in zip(example_ids, completions, strict=True)
+        ]
 
     def scores(self, texts: list[str]) -> list[float]:
         """The reward model's score of each text alone (batched, right-padded)."""
@@ -188,8 +214,9 @@ class ModelReward:
                 input_ids[j, : len(x)] = torch.as_tensor(x, dtype=torch.long)
                 mask[j, : len(x)] = 1
             with torch.inference_mode():
-                logits = self.model(input_ids=input_ids.to(self.device),
-                                    attention_mask=mask.to(self.device)).logits  # fmt: skip
+                logits = self.model(
+                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)
+                ).logits
             out += logits[:, 0].float().cpu().tolist()
         return out
 
@@ -210,8 +237,9 @@ def normalized(values: list[float], group: int) -> list[float]:
     return out
 
 
-def scorers(block: Mapping[str, Any], example_ids: list[str], dtype,
-            local_rank: int) -> dict[str, ModelReward]:  # fmt: skip
+def scorers(
+    block: Mapping[str, Any], example_ids: list[str], dtype, local_rank: int
+) -> dict[str, ModelReward]:
     """This rank's reward-model rewards of a rollout method's ``block``, by key (none
     without ``model:`` keys), on its GPU (else the CPU)."""
     import torch
@@ -223,6 +251,15 @@ def scorers(block: Mapping[str, Any], example_ids: list[str], dtype,
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     prompts = prompt_turns(settings["sources"], example_ids)
-    return {k: ModelReward(k, settings["models"][run], prompts,
-                           block["reward_model_normalization"], block["num_generations"],
-                           dtype, device) for k, run in runs.items()}  # fmt: skip
+    return {
+        k: ModelReward(
+            k,
+            settings["models"][run],
+            prompts,
+            block["reward_model_normalization"],
+            block["num_generations"],
+            dtype,
+            device,
+        )
+        for k, run in runs.items()
+    }

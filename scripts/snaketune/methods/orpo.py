@@ -70,15 +70,17 @@ class ORPOCollator(Counted):
                 ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
                 labels[i, : len(seq)] = torch.as_tensor(lab, dtype=torch.long)
                 mask[i, : len(seq)] = 1
-            batch.update({f"{side}_input_ids": ids, f"{side}_attention_mask": mask,
-                          f"{side}_labels": labels})  # fmt: skip
+            batch.update(
+                {f"{side}_input_ids": ids, f"{side}_attention_mask": mask, f"{side}_labels": labels}
+            )
             self.add(mask.sum(dim=1).tolist(), ids.numel(), 0)
         self.samples += len(examples)
         return batch
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     from snaketune.data.batches import Data
 
     return Data(table, batches, ORPOCollator(pad_id(tokenizer), ids_log))
@@ -109,11 +111,16 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     args = training_args(ctx, ORPOConfig, beta=ctx.run["orpo"]["lambda"])
     with exact_targets():
         built = trainer_class()(
-            model=model, args=args, train_dataset=data.table.select([]),
-            processing_class=ctx.tokenizer, data_collator=data.collator,
-            peft_config=peft_config(ctx.run, model), callbacks=callbacks, planned=data,
+            model=model,
+            args=args,
+            train_dataset=data.table.select([]),
+            processing_class=ctx.tokenizer,
+            data_collator=data.collator,
+            peft_config=peft_config(ctx.run, model),
+            callbacks=callbacks,
+            planned=data,
             run=ctx.run,
-        )  # fmt: skip
+        )
     built.train_dataset = data.table
     return built
 
@@ -138,8 +145,10 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
 
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
-    return (f"ORPO: {manifest['global_batch']} pairs per step; lambda {run['orpo']['lambda']}; "
-            "no reference (trl.experimental's ORPOTrainer); padded pairs")  # fmt: skip
+    return (
+        f"ORPO: {manifest['global_batch']} pairs per step; lambda {run['orpo']['lambda']}; "
+        "no reference (trl.experimental's ORPOTrainer); padded pairs"
+    )
 
 
 # runs.<run>.orpo: its keys and defaults (snaketune.methods.compose_schema puts it into the
@@ -183,7 +192,7 @@ METHOD = Method(
         "sequences_per_example": 2,
         "reference": False,
         "fused_loss": False,
-    },  # fmt: skip
+    },
     headline=("likelihood_accuracy",),
     plot="preference",
 )

@@ -38,8 +38,7 @@ class ScorePairCollator(PairCollator):
     """Planned pairs as the reward model reads them: both sides' ids and attention mask
     (and each pair's margin)."""
 
-    def __init__(self, pad_token_id: int, margins: dict[str, float] | None,
-                 ids_log: Path | None):  # fmt: skip
+    def __init__(self, pad_token_id: int, margins: dict[str, float] | None, ids_log: Path | None):
         super().__init__(pad_token_id, None, ids_log)
         self.margins = margins
 
@@ -49,8 +48,9 @@ class ScorePairCollator(PairCollator):
         batch = super().__call__(examples)
         del batch["completion_mask"]  # the score is of the whole sequence
         if self.margins is not None:
-            batch["margin"] = torch.tensor([self.margins[e["example_id"]] for e in examples],
-                                           dtype=torch.float32)  # fmt: skip
+            batch["margin"] = torch.tensor(
+                [self.margins[e["example_id"]] for e in examples], dtype=torch.float32
+            )
         return batch
 
 
@@ -65,20 +65,25 @@ def margins_of(column: str, example_ids: list[str]) -> dict[str, float]:
     out = {}
     for example_id, row in rows.items():
         if column not in row:
-            raise DataError(f"reward.margin: the dataset of {example_id.split(':')[0]!r} has no "
-                            f"column {column!r} (its columns: {', '.join(sorted(row))}); name "
-                            "its margin column or set reward.margin: null")  # fmt: skip
+            raise DataError(
+                f"reward.margin: the dataset of {example_id.split(':')[0]!r} has no "
+                f"column {column!r} (its columns: {', '.join(sorted(row))}); name "
+                "its margin column or set reward.margin: null"
+            )
         value = row[column]
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or not math.isfinite(value):
-            raise DataError(f"reward.margin: pair {example_id} has margin {value!r}; each pair "
-                            f"needs a finite number in column {column!r}")  # fmt: skip
+            raise DataError(
+                f"reward.margin: pair {example_id} has margin {value!r}; each pair "
+                f"needs a finite number in column {column!r}"
+            )
         out[example_id] = float(value)
     return out
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     """This rank's planned pairs (and their margins)."""
     from snaketune.data.batches import Data
 
@@ -112,10 +117,16 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     )
     with exact_targets():
         return trainer_class()(
-            model=model, args=args, train_dataset=data.table, processing_class=ctx.tokenizer,
-            data_collator=data.collator, peft_config=peft_config(ctx.run, model),
-            callbacks=callbacks, planned=data, run=ctx.run,
-        )  # fmt: skip
+            model=model,
+            args=args,
+            train_dataset=data.table,
+            processing_class=ctx.tokenizer,
+            data_collator=data.collator,
+            peft_config=peft_config(ctx.run, model),
+            callbacks=callbacks,
+            planned=data,
+            run=ctx.run,
+        )
 
 
 # TRL's log keys -> metrics.jsonl keys.
@@ -138,9 +149,11 @@ def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
     block = run["reward"]
     margin = f"margin column {block['margin']!r}" if block["margin"] else "no margin"
     centre = block["center_rewards_coefficient"]
-    return (f"reward model: {manifest['global_batch']} pairs per step, the score read at each "
-            f"side's last real token; {margin}; centring "
-            f"{centre if centre is not None else 'off'}")  # fmt: skip
+    return (
+        f"reward model: {manifest['global_batch']} pairs per step, the score read at each "
+        f"side's last real token; {margin}; centring "
+        f"{centre if centre is not None else 'off'}"
+    )
 
 
 def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
@@ -150,14 +163,18 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     from snaketune.core.errors import ConfigError
 
     if run.get("eval_steps"):
-        raise ConfigError(f"{where}.eval_steps: a reward model is not scored while it trains "
-                          "(the held-out pass scores next-token losses); leave eval_steps "
-                          "out: its evaluate stage scores the held-out pairs")  # fmt: skip
+        raise ConfigError(
+            f"{where}.eval_steps: a reward model is not scored while it trains "
+            "(the held-out pass scores next-token losses); leave eval_steps "
+            "out: its evaluate stage scores the held-out pairs"
+        )
     saved = (run.get("lora") or {}).get("modules_to_save") or []
     if "lm_head" in saved:
-        raise ConfigError(f"{where}.lora.modules_to_save: a reward model has no lm_head (its "
-                          "score head replaces it, trained whole by itself); leave lm_head "
-                          "out")  # fmt: skip
+        raise ConfigError(
+            f"{where}.lora.modules_to_save: a reward model has no lm_head (its "
+            "score head replaces it, trained whole by itself); leave lm_head "
+            "out"
+        )
 
 
 # runs.<run>.reward: its keys and defaults (snaketune.methods.compose_schema puts it into

@@ -46,8 +46,19 @@ MODEL_KEY = re.compile(r"^model:(?P<run>[^:/\s]+)$")  # a reward run's model: mo
 PROJECT = Path(__file__).resolve().parents[3]  # the workflow's directory (scripts/..)
 # keywords TRL and snaketune pass besides the dataset's columns (a column of these names is
 # not passed under it)
-PASSED = ("prompts", "completions", "completion_ids", "answer", "example_id", "prompt_ids",
-          "step", "micro", "trainer_state", "log_extra", "log_metric")  # fmt: skip
+PASSED = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "answer",
+    "example_id",
+    "prompt_ids",
+    "step",
+    "micro",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
 
 
 class RewardError(RuntimeError):
@@ -171,8 +182,10 @@ def report(ckpt_dir: Path, exc: RewardError, step: int) -> None:
 
     where = ckpt_dir / "health"
     where.mkdir(parents=True, exist_ok=True)
-    line = (f"{exc} (step {step + 1}); fix the function (docs/rewards.md) and run snakemake "
-            "again (a changed reward file trains the run from the start)")  # fmt: skip
+    line = (
+        f"{exc} (step {step + 1}); fix the function (docs/rewards.md) and run snakemake "
+        "again (a changed reward file trains the run from the start)"
+    )
     tmp = where / f".fatal-{os.getpid()}"
     tmp.write_text(json.dumps({"line": line, "step": step, "messages": [str(exc)]}))
     tmp.replace(where / "fatal.json")
@@ -229,8 +242,10 @@ def _user(key: str) -> Callable[..., list[float | None]]:
 def _first_failing(func, prompts, completions, kwargs) -> int | None:
     """The index of the first completion the function raises on alone."""
     for i in range(len(completions)):
-        one = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == len(completions) else v)
-               for k, v in kwargs.items()}  # fmt: skip
+        one = {
+            k: (v[i : i + 1] if isinstance(v, list) and len(v) == len(completions) else v)
+            for k, v in kwargs.items()
+        }
         try:
             func(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **one)
         except Exception:
@@ -238,8 +253,10 @@ def _first_failing(func, prompts, completions, kwargs) -> int | None:
     return None
 
 
-def functions(weights: Mapping[str, float], models: Mapping[str, Callable] | None = None,
-              ) -> tuple[list[Callable], list[float]]:  # fmt: skip
+def functions(
+    weights: Mapping[str, float],
+    models: Mapping[str, Callable] | None = None,
+) -> tuple[list[Callable], list[float]]:
     """The run's reward functions (named by their keys, for TRL's logs) and weights;
     ``models``: the reward models' scorers by key (model_rewards.scorers)."""
     funcs, values = [], []

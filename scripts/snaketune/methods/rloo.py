@@ -18,19 +18,20 @@ common keys) is snaketune.methods.rollouts.
 
 from __future__ import annotations
 
-from snaketune.methods import rollouts
+from snaketune.methods import rollout_trainer, rollouts
 from snaketune.methods.training import Context
 
 BLOCK = "rloo"
 
 
 def trainer(ctx: Context, model, data, callbacks: list):
-    """TRL's RLOOTrainer on the planned prompts (snaketune.methods.rollouts.planned)."""
+    """TRL's RLOOTrainer on the planned prompts (snaketune.methods.rollout_trainer.planned)."""
     from trl import RLOOConfig, RLOOTrainer
 
     normalize = ctx.run[BLOCK]["normalize_advantages"]
-    return rollouts.planned(RLOOTrainer, ctx, model, data, callbacks, BLOCK, RLOOConfig,
-                            normalize_advantages=normalize)  # fmt: skip
+    return rollout_trainer.planned(
+        RLOOTrainer, ctx, model, data, callbacks, BLOCK, RLOOConfig, normalize_advantages=normalize
+    )
 
 
 # runs.<run>.rloo: its keys and defaults (snaketune.methods.compose_schema puts it into the

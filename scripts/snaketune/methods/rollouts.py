@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
-from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
 from snaketune.methods import model_rewards, rewards
 from snaketune.methods.common import Method
-from snaketune.methods.training import Context, peft_config
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data
@@ -47,10 +45,16 @@ def prompt_rows(table, tokenizer):
         ids.append(prompt)
         prompts.append(tokenizer.decode(prompt))
         answers.append(tokenizer.decode(answer, skip_special_tokens=True).strip())
-    return datasets.Dataset.from_dict({
-        "example_id": list(table["example_id"]), "prompt": prompts, "prompt_ids": ids,
-        "answer": answers, "step": list(table["step"]), "micro": list(table["micro"]),
-    })  # fmt: skip
+    return datasets.Dataset.from_dict(
+        {
+            "example_id": list(table["example_id"]),
+            "prompt": prompts,
+            "prompt_ids": ids,
+            "answer": answers,
+            "step": list(table["step"]),
+            "micro": list(table["micro"]),
+        }
+    )
 
 
 class RolloutCounter(Counted):
@@ -76,151 +80,29 @@ class RolloutCounter(Counted):
         per completion its example id, prompt and completion tokens, and each reward
         function's value, None where it gave none)."""
         if self.rollouts is not None:
-            ids = {k: [row[m.bool()].tolist() for row, m in zip(out[f"{k}_ids"], out[f"{k}_mask"],
-                                                                strict=True)]
-                   for k in ("prompt", "completion")}  # fmt: skip
-            line = {"step": step, "example_ids": [x["example_id"] for x in inputs],
-                    "prompt_ids": ids["prompt"], "completion_ids": ids["completion"],
-                    "rewards": rewards}  # fmt: skip
+            ids = {
+                k: [
+                    row[m.bool()].tolist()
+                    for row, m in zip(out[f"{k}_ids"], out[f"{k}_mask"], strict=True)
+                ]
+                for k in ("prompt", "completion")
+            }
+            line = {
+                "step": step,
+                "example_ids": [x["example_id"] for x in inputs],
+                "prompt_ids": ids["prompt"],
+                "completion_ids": ids["completion"],
+                "rewards": rewards,
+            }
             with open(self.rollouts, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
 
 
-def data(run: dict[str, Any], table, batches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(run: dict[str, Any], table, batches, tokenizer, kernel: str, ids_log: Path | None) -> Data:
     """This rank's planned prompts with their reference answers, counted per rollout."""
     from snaketune.data.batches import Data
 
     return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
-
-
-def group_batches(batches, generations: int):
-    """A sampler over rollout rows from a PlanBatches: per step, the step's prompts (all its
-    micro batches), each repeated ``generations`` times in a row, given ``accumulation``
-    times (TRL generates on the first and trains each pass on a slice of it)."""
-    import numpy as np
-    from torch.utils.data import Sampler
-
-    class GroupBatches(Sampler[list[int]]):
-        def __iter__(self):
-            epoch, batches.epoch = batches.epoch, batches.epoch + 1
-            for s in batches.order(epoch):
-                rows = [i for micro in batches.batches[s] for i in micro]
-                batch = list(np.repeat(rows, generations).tolist())
-                for _ in range(batches.accumulation):
-                    yield batch
-
-        def __len__(self) -> int:
-            return len(batches)
-
-    return GroupBatches()
-
-
-def reward_setup(ctx: Context, table, block: str) -> tuple[list, list[float], dict[str, dict]]:
-    """The run's reward functions and weights (its reward models loaded on this rank's
-    device), and for the user's functions the source rows' other columns by example id
-    (their keywords); refuses code changed since the workflow planned the job (its digest
-    is in the spec)."""
-    from snaketune.core.qlora import dtype_of
-
-    run = ctx.run
-    named = run[block]["rewards"]
-    if "code_sha256" in run and run["code_sha256"] != rewards.digests(named):
-        raise rewards.RewardError(
-            "a reward function's file changed after the workflow planned this job; run "
-            "snakemake again (the run retrains with the new code)"
-        )
-    models = model_rewards.scorers(run[block], list(table["example_id"]),
-                                   dtype_of(ctx.precision), ctx.env.local_rank)  # fmt: skip
-    funcs, weights = rewards.functions(named, models)
-    users = rewards.user_keys(named)
-    columns = rewards.source_columns(list(table["example_id"])) if users else {}
-    return funcs, weights, columns
-
-
-def use_vllm(setting: bool | str) -> bool:
-    """vLLM for the rollouts: asked for (true), or auto where it is installed on a GPU."""
-    if setting == "auto":
-        import torch
-
-        from snaketune.data.kernels import installed
-
-        return torch.cuda.is_available() and installed("vllm")
-    return bool(setting)
-
-
-def shared_args(ctx: Context, block: str, weights: list[float]) -> dict[str, Any]:
-    """The TRL config arguments every rollout method's block sets alike."""
-    b = ctx.run[block]
-    return dict(
-        num_generations=b["num_generations"], max_completion_length=b["max_completion_length"],
-        temperature=b["temperature"], top_p=b["top_p"], beta=b["beta"], epsilon=b["epsilon"],
-        num_iterations=b["num_iterations"], reward_weights=weights,
-        steps_per_generation=ctx.run["gradient_accumulation_steps"],
-        use_vllm=use_vllm(b["use_vllm"]), vllm_mode="colocate",
-        vllm_gpu_memory_utilization=b["vllm_gpu_memory_utilization"],
-        shuffle_dataset=False, log_completions=False, model_init_kwargs=None,
-    )  # fmt: skip
-
-
-def planned(base, ctx: Context, model, data: Data, callbacks: list, block: str, config_cls,
-            **method_args):  # fmt: skip
-    """TRL's rollout trainer ``base`` (GRPOTrainer, RLOOTrainer) on this rank's planned
-    prompts: its config ``config_cls`` from the shared settings (training_args) and the
-    block's, the prompts' own tokens, each step's rollouts counted."""
-    from torch.utils.data import DataLoader
-
-    from snaketune.data.batches import planned_loader
-    from snaketune.methods.training import training_args
-
-    funcs, weights, columns = reward_setup(ctx, data.table, block)
-    args = training_args(ctx, config_cls, **shared_args(ctx, block, weights), **method_args)
-    counter: RolloutCounter = data.collator
-    prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
-    sampler = group_batches(data.batches, ctx.run[block]["num_generations"])
-    decided: list[bool] = []
-
-    scored: list = []  # the last _calculate_rewards' values (every rank's rows)
-
-    class Planned(base):
-        def get_train_dataloader(self) -> DataLoader:
-            # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
-            return planned_loader(data.table, sampler, list)
-
-        def _tokenize_prompts(self, prompts: list):
-            # the tokens tokenize wrote (chat template applied), not a re-encoding of them
-            return [list(prompt_ids[p]) for p in prompts], None, {}
-
-        def _generate_and_score_completions(self, inputs):
-            if not decided:  # ZeRO-3: the whole model per GPU, or generate on the shards
-                from snaketune.evaluation.sharded import decide_gather
-
-                decided.append(decide_gather(self, ctx.run))
-            rewards.add_columns(inputs, columns)
-            try:
-                out = super()._generate_and_score_completions(inputs)
-            except rewards.RewardError as exc:  # the launcher's one line (health/fatal.json)
-                rewards.report(ctx.ckpt_dir, exc, self.state.global_step)
-                raise
-            if self.model.training:
-                counter.count(out["prompt_mask"], out["completion_mask"])
-                counter.ids_log.write([x["example_id"] for x in inputs[:: self.num_generations]])
-                mine = scored[-1][self.accelerator.process_index * len(inputs) :][: len(inputs)]
-                values = {name: [None if v != v else v for v in mine[:, i].tolist()]
-                          for i, name in enumerate(self.reward_func_names)}  # fmt: skip
-                counter.record(self.state.global_step + 1, inputs, out, values)
-            return out
-
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            scored[:] = [super()._calculate_rewards(inputs, prompts, completions,
-                                                    completion_ids_list)]  # fmt: skip
-            return scored[0]
-
-    Planned.__name__ = f"Planned{base.__name__}"
-    with exact_targets():
-        return Planned(model=model, reward_funcs=funcs, args=args, train_dataset=data.table,
-                       processing_class=ctx.tokenizer, peft_config=peft_config(ctx.run, model),
-                       callbacks=callbacks)  # fmt: skip
 
 
 # TRL's log keys -> metrics.jsonl keys (reward functions' keys are added by name).
@@ -248,12 +130,15 @@ def describe(name: str, block: str, run: dict[str, Any], manifest: dict[str, Any
     """The start-up line: prompts, generations and completions per step, the rewards."""
     g = run[block]["num_generations"]
     named = ", ".join(f"{k} x {v}" for k, v in run[block]["rewards"].items())
-    return (f"{name}: {manifest['global_batch']} prompts per step x {g} generations = "
-            f"{manifest['global_batch'] * g} completions; {named}")  # fmt: skip
+    return (
+        f"{name}: {manifest['global_batch']} prompts per step x {g} generations = "
+        f"{manifest['global_batch'] * g} completions; {named}"
+    )
 
 
-def check(block: str, name: str, where: str, run: Mapping[str, Any],
-          config: Mapping[str, Any]) -> None:  # fmt: skip
+def check(
+    block: str, name: str, where: str, run: Mapping[str, Any], config: Mapping[str, Any]
+) -> None:
     """Whole groups per device; prompts with reference answers; vLLM installed if asked."""
     from snaketune.data.formats import components
     from snaketune.data.kernels import installed
@@ -288,23 +173,36 @@ def memory(block: str, run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
     the KL term is on (beta > 0), vLLM's share of the GPU where it generates."""
     b = run[block]
     vllm = on_gpu and b["use_vllm"] in (True, "auto")
-    return {"completion_length": b["max_completion_length"], "reference": b["beta"] > 0,
-            "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0}  # fmt: skip
+    return {
+        "completion_length": b["max_completion_length"],
+        "reference": b["beta"] > 0,
+        "vllm_share": b["vllm_gpu_memory_utilization"] if vllm else 0.0,
+    }
 
 
 def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
     """A rollout method's Method (``name``: its config name and block; ``label``: how its
     lines and refusals name it): its trainer, schema and summary its own, the rest shared."""
     return Method(
-        name=name, block=name, trainer=trainer, schema=schema, summary=summary, plot="reward",
-        data=data, step_fields=step_fields, heldout_metric="exact_match", trains_on="prompts",
-        adapter="optional", starts_from_runs=True,
+        name=name,
+        block=name,
+        trainer=trainer,
+        schema=schema,
+        summary=summary,
+        plot="reward",
+        data=data,
+        step_fields=step_fields,
+        heldout_metric="exact_match",
+        trains_on="prompts",
+        adapter="optional",
+        starts_from_runs=True,
         packs=False,  # it plans prompts; its rollouts are padded batches
         rows_per_example=lambda run: run[name]["num_generations"],
-        describe=partial(describe, label, name), check=partial(check, name, label),
+        describe=partial(describe, label, name),
+        check=partial(check, name, label),
         memory=partial(memory, name),
         code=lambda run: rewards.digests(run[name]["rewards"]),  # the user's reward code
-    )  # fmt: skip
+    )
 
 
 # The block keys every rollout method has (snaketune.methods.grpo and .rloo add theirs: the

@@ -44,16 +44,22 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     if not keys:
         return
     if not method_of(run).generates:
-        raise ConfigError(f"{where}.{BLOCK}: a {run['method']} run generates nothing to score; "
-                          "drop eval.metrics, or put them on a run that generates")  # fmt: skip
+        raise ConfigError(
+            f"{where}.{BLOCK}: a {run['method']} run generates nothing to score; "
+            "drop eval.metrics, or put them on a run that generates"
+        )
     if "eval_dataset" not in run:
         raise ConfigError(f"{where}.{BLOCK}: nothing is evaluated; set eval_dataset")
     rewards.check(where, keys, BLOCK)
     model_rewards.check(where, keys, config, BLOCK)
 
 
-def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
-         template: Callable[[str], dict[str, str] | None]) -> dict[str, Any] | None:  # fmt: skip
+def spec(
+    config: Mapping[str, Any],
+    run: str,
+    final_model: Callable[[str], str],
+    template: Callable[[str], dict[str, str] | None],
+) -> dict[str, Any] | None:
     """What the evaluate stage needs to score a run's metrics (None: it has none): the
     keys, each file's sha256 (an edit reruns the evaluation), and for ``model:`` keys
     each reward model's folder, template and max_length with the eval set's sources."""
@@ -66,8 +72,9 @@ def spec(config: Mapping[str, Any], run: str, final_model: Callable[[str], str],
     out: dict[str, Any] = {"keys": keys, "code_sha256": rewards.digests(keys)}
     names = model_rewards.model_runs(keys)
     if names:
-        out["scoring"] = model_rewards.spec(config, run, final_model, template, names,
-                                            "eval_dataset")  # fmt: skip
+        out["scoring"] = model_rewards.spec(
+            config, run, final_model, template, names, "eval_dataset"
+        )
     return out
 
 
@@ -91,9 +98,13 @@ def score(settings: Mapping[str, Any], samples: list[dict[str, Any]]) -> dict[st
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         prompts = model_rewards.prompt_turns(scoring["sources"], ids)
         dtype = DTYPES[resolve_precision("auto")]
-        models = {k: model_rewards.ModelReward(k, scoring["models"][m["run"]], prompts, "raw",
-                                               1, dtype, device)
-                  for k in keys if (m := rewards.MODEL_KEY.match(k))}  # fmt: skip
+        models = {
+            k: model_rewards.ModelReward(
+                k, scoring["models"][m["run"]], prompts, "raw", 1, dtype, device
+            )
+            for k in keys
+            if (m := rewards.MODEL_KEY.match(k))
+        }
     funcs, _ = rewards.functions(dict.fromkeys(keys, 1.0), models)
     inputs = [{"example_id": i} for i in ids]
     rewards.add_columns(inputs, rewards.source_columns(ids) if rewards.user_keys(keys) else {})
@@ -101,12 +112,17 @@ def score(settings: Mapping[str, Any], samples: list[dict[str, Any]]) -> dict[st
     out = {}
     for key, func in zip(keys, funcs, strict=True):
         try:
-            out[key] = func(prompts=[s["prompt"] for s in samples],
-                            completions=[s["generation"] for s in samples],
-                            answer=[s["reference"] for s in samples], **columns)  # fmt: skip
+            out[key] = func(
+                prompts=[s["prompt"] for s in samples],
+                completions=[s["generation"] for s in samples],
+                answer=[s["reference"] for s in samples],
+                **columns,
+            )
         except rewards.RewardError as exc:
-            raise UserError(f"{BLOCK}: {exc} (scoring the evaluation's generations); fix the "
-                            "function and run snakemake again") from None  # fmt: skip
+            raise UserError(
+                f"{BLOCK}: {exc} (scoring the evaluation's generations); fix the "
+                "function and run snakemake again"
+            ) from None
     return out
 
 
@@ -115,8 +131,9 @@ def mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def scorer(settings: Mapping[str, Any] | None, base_samples: Path | None
-           ) -> Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None:  # fmt: skip
+def scorer(
+    settings: Mapping[str, Any] | None, base_samples: Path | None
+) -> Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None:
     """The evaluate stage's ``user_scores``: scores the tuned model's samples (each gets
     ``scores``) and the base model's (``base_samples``, where the base generated), puts
     each metric's mean into the metrics and their ``base``; returns the keys."""
@@ -131,9 +148,11 @@ def scorer(settings: Mapping[str, Any] | None, base_samples: Path | None
         theirs = []
         if base_samples is not None and base_samples.is_file():
             wanted = {s["example_id"] for s in samples}
-            theirs = [s for line in base_samples.read_text().splitlines()
-                      if (s := json.loads(line)).get("example_id") in wanted
-                      and "generation" in s]  # fmt: skip
+            theirs = [
+                s
+                for line in base_samples.read_text().splitlines()
+                if (s := json.loads(line)).get("example_id") in wanted and "generation" in s
+            ]
         if theirs and "base" in metrics:
             before = score(settings, theirs)
             metrics["base"].update({k: mean(v) for k, v in before.items()})

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     """This rank's rows as planned, collated in the run's layout (packed or padded)."""
     from snaketune.core.rows import pad_id
     from snaketune.data.batches import Data
@@ -41,9 +42,13 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
     from trl import SFTConfig, SFTTrainer
 
     args = training_args(
-        ctx, SFTConfig, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
-        packing=False, model_init_kwargs=None,
-    )  # fmt: skip
+        ctx,
+        SFTConfig,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        max_length=None,
+        packing=False,
+        model_init_kwargs=None,
+    )
 
     router = Router.prepare(model, ctx.run)  # a mixture of experts: its balance
 
@@ -53,8 +58,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
         # per micro batch; on the CPU benchmark that alone cost a fifth of the throughput.
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if router is None:
-                return Trainer.compute_loss(self, model, inputs, return_outputs,
-                                            num_items_in_batch)  # fmt: skip
+                return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
             loss, outputs = Trainer.compute_loss(self, model, inputs, True, num_items_in_batch)
             if self.model.training:
                 loss = loss + router.term(outputs, inputs.get("attention_mask"))
@@ -67,10 +71,15 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             return planned_loader(data.table, data.batches, data.collator)
 
     with exact_targets():
-        return PlannedSFTTrainer(model=model, args=args, train_dataset=data.table,
-                                 processing_class=ctx.tokenizer, data_collator=data.collator,
-                                 peft_config=peft_config(ctx.run, model),
-                                 callbacks=callbacks)  # fmt: skip
+        return PlannedSFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.table,
+            processing_class=ctx.tokenizer,
+            data_collator=data.collator,
+            peft_config=peft_config(ctx.run, model),
+            callbacks=callbacks,
+        )
 
 
 # Method lora: an adapter on rows; method full: every weight.

@@ -52,8 +52,9 @@ class SimPOCollator(PairCollator):
         return batch
 
 
-def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str,
-         ids_log: Path | None) -> Data:  # fmt: skip
+def data(
+    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+) -> Data:
     from snaketune.data.batches import Data
 
     simpo = run["simpo"]
@@ -64,9 +65,17 @@ def data(run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: st
 def trainer(ctx: Context, model, data: Data, callbacks: list):
     """The DPO trainer with its length-normalised sigmoid loss (see the module's docstring)."""
     beta = ctx.run["simpo"]["beta"]
-    return pair_trainer(ctx, model, data, callbacks, beta=beta, loss_type=["sigmoid_norm"],
-                        loss_weights=None, label_smoothing=0.0,
-                        precompute_ref_log_probs=True)  # fmt: skip
+    return pair_trainer(
+        ctx,
+        model,
+        data,
+        callbacks,
+        beta=beta,
+        loss_type=["sigmoid_norm"],
+        loss_weights=None,
+        label_smoothing=0.0,
+        precompute_ref_log_probs=True,
+    )
 
 
 def step_fields(logs: dict[str, Any]) -> dict[str, float]:
@@ -77,9 +86,11 @@ def step_fields(logs: dict[str, Any]) -> dict[str, float]:
 
 def describe(run: dict[str, Any], manifest: dict[str, Any]) -> str:
     simpo = run["simpo"]
-    return (f"SimPO: {manifest['global_batch']} pairs per step; beta {simpo['beta']}, gamma "
-            f"{simpo['gamma']}; no reference (TRL's DPOTrainer, sigmoid_norm loss with "
-            "SimPO's margin); padded pairs")  # fmt: skip
+    return (
+        f"SimPO: {manifest['global_batch']} pairs per step; beta {simpo['beta']}, gamma "
+        f"{simpo['gamma']}; no reference (TRL's DPOTrainer, sigmoid_norm loss with "
+        "SimPO's margin); padded pairs"
+    )
 
 
 # runs.<run>.simpo: its keys and defaults (snaketune.methods.compose_schema puts it into the

@@ -106,9 +106,14 @@ def peft_config(run: dict[str, Any], model):
     # peft refuses any dropout in a config with adapters on fused experts' parameters: the
     # config says none, and made_ready puts the run's dropout on the other adapters
     dropout = 0.0 if targets.get("target_parameters") else lora["dropout"]
-    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=dropout,
-                      task_type=task, modules_to_save=lora["modules_to_save"] or None,
-                      **targets)  # fmt: skip
+    return LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=dropout,
+        task_type=task,
+        modules_to_save=lora["modules_to_save"] or None,
+        **targets,
+    )
 
 
 class PlannedPairs:
@@ -203,7 +208,7 @@ class Router:
         for module in model.modules():  # the causal LM reads its coefficient at build time
             if hasattr(module, "router_aux_loss_coef"):
                 module.router_aux_loss_coef = 0.0
-        from snaketune.core.modelshape import experts_of
+        from snaketune.core.configfields import experts_of
 
         experts = experts_of(config.to_dict())
         return cls(float(coef), int(experts), int(top_k), run["gradient_accumulation_steps"])

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from snaketune.core.errors import ConfigError, ConfigProblems
+from snaketune.core.errors import Collect, ConfigError, require
 from snaketune.core.heldout import check_run as check_heldout
 from snaketune.data import sequence
 from snaketune.data.formats import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components
@@ -33,42 +33,17 @@ from snaketune.plan.schema import (
 PRESET_DIR = Path("config/deepspeed")
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-class _Collect:
-    """Runs checks of independent entries, keeping each one's problem, so that one pass
-    names every bad entry (``raise_all`` at the end)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def check(self, func: Any, *args: Any) -> None:
-        try:
-            func(*args)
-        except ConfigProblems as exc:
-            self.lines += exc.lines
-        except ConfigError as exc:
-            self.lines.append(str(exc))
-
-    def raise_all(self) -> None:
-        if self.lines:
-            raise ConfigProblems(self.lines)
-
-
 def _check_source(kind: str, name: str, spec: Mapping[str, Any], hub_keys: set[str]) -> None:
     where = f"{kind}.{name}"
     src = spec["source"]
     if src == "hub":
-        _require("id" in spec, f"{where}: source hub needs an `id` (e.g. org/name)")
-        _require(
+        require("id" in spec, f"{where}: source hub needs an `id` (e.g. org/name)")
+        require(
             "path" not in spec,
             f"{where}.path: only for source local; remove it or set source: local",
         )
     elif src == "local":
-        _require("path" in spec, f"{where}: source local needs a `path`")
+        require("path" in spec, f"{where}: source local needs a `path`")
         for key in sorted(hub_keys & set(spec)):
             raise ConfigError(f"{where}.{key}: only for source hub; remove it or set source: hub")
 
@@ -76,50 +51,50 @@ def _check_source(kind: str, name: str, spec: Mapping[str, Any], hub_keys: set[s
 def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, Any]) -> None:
     where = f"datasets.{name}"
     if spec["source"] == "mixture":
-        _require("mixture" in spec, f"{where}: source mixture needs a `mixture` list of datasets")
+        require("mixture" in spec, f"{where}: source mixture needs a `mixture` list of datasets")
         for key in SINGLE_DATASET_KEYS:
-            _require(
+            require(
                 key not in spec, f"{where}.{key}: not used by a mixture (its components set it)"
             )
         for i, comp in enumerate(spec["mixture"]):
             other = comp["dataset"]
-            _require(
+            require(
                 other in datasets,
                 f"{where}.mixture.{i}.dataset: unknown dataset {other!r} "
                 f"(defined: {', '.join(sorted(datasets))})",
             )
-            _require(
+            require(
                 datasets[other].get("source") != "mixture",
                 f"{where}.mixture.{i}.dataset: {other!r} is itself a mixture; list its components",
             )
         mixed = mixes_kinds([datasets[c["dataset"]].get("format") for c in spec["mixture"]])
-        _require(mixed is None, f"{where}.mixture: {mixed}")
+        require(mixed is None, f"{where}.mixture: {mixed}")
         return
-    _require("mixture" not in spec, f"{where}.mixture: only for source mixture")
-    _require("seed" not in spec, f"{where}.seed: only for source mixture")
+    require("mixture" not in spec, f"{where}.mixture: only for source mixture")
+    require("seed" not in spec, f"{where}.seed: only for source mixture")
     _check_source("datasets", name, spec, {"id", "subset", "split", "revision"})
-    _require(
+    require(
         "file_format" not in spec or spec["source"] == "local",
         f"{where}.file_format: only for source local",
     )
-    _require(
+    require(
         "format" in spec,
         f"{where}: missing required key 'format' (one of {sorted(FORMAT_FIELDS)})",
     )
     fields = FORMAT_FIELDS[spec["format"]]
     for key in spec.get("columns", {}):
-        _require(
+        require(
             key in fields,
             f"{where}.columns.{key}: not a field of format {spec['format']!r} "
             f"(fields: {', '.join(fields)})",
         )
-    _require(
+    require(
         spec["format"] != "messages" or "system_prompt" not in spec,
         f"{where}.system_prompt: not used by format messages (put a system turn in the data)",
     )
     for i, flt in enumerate(spec.get("filters", [])):
         listy = isinstance(flt["value"], list)
-        _require(
+        require(
             listy == (flt["op"] in ("in", "not_in")),
             f"{where}.filters.{i}.value: op {flt['op']!r} needs "
             f"{'a list' if not listy else 'a single value'}",
@@ -137,7 +112,7 @@ def _check_deepspeed(run: str, value: str, root: Path) -> None:
     presets = sorted(p.stem for p in (root / PRESET_DIR).glob("*.json"))
     path = resolve_deepspeed(value, root)
     where = f"runs.{run}.deepspeed"
-    _require(
+    require(
         path.is_file(),
         f"{where}: {value!r} is neither a preset ({', '.join(presets)}) nor an existing JSON file",
     )
@@ -145,7 +120,7 @@ def _check_deepspeed(run: str, value: str, root: Path) -> None:
         ds = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: {path} is not valid JSON ({exc})") from exc
-    _require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
+    require(isinstance(ds, dict), f"{where}: {path} must hold a JSON object")
 
 
 def _named(names: list[str]) -> str:
@@ -158,71 +133,84 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
     trains on), then the method's own checks."""
     where, method, every = f"runs.{name}", method_of(run), methods()
     split = sequence.check_run(where, run, method.splits_sequences)
-    _require(split is None, split or "")
+    require(split is None, split or "")
     for block in {m.block for m in every.values() if m.block and m.block != method.block}:
         owners = [n for n, m in every.items() if m.block == block]
-        _require(block not in run, f"{where}.{block}: only for {_named(owners)}; remove it or "
-                 f"set method: {owners[0]}")  # fmt: skip
+        require(
+            block not in run,
+            f"{where}.{block}: only for {_named(owners)}; remove it or set method: {owners[0]}",
+        )
     adapters = [n for n, m in every.items() if m.adapter == "lora"]
-    _require(method.adapter != "full" or "lora" not in run,
-             f"{where}.lora: only for method {adapters[0]} (or "
-             f"{', '.join(n for n, m in every.items() if m.adapter == 'optional')}); remove it "
-             f"or set method: {adapters[0]}")  # fmt: skip
-    _require(method.adapter_of(run) == "lora" or run["export"]["merged"],
-             f"{where}.export.merged: false keeps a LoRA run's adapter as its model; this run "
-             "trains every weight (its converted model is the model): remove the key")  # fmt: skip
+    require(
+        method.adapter != "full" or "lora" not in run,
+        f"{where}.lora: only for method {adapters[0]} (or "
+        f"{', '.join(n for n, m in every.items() if m.adapter == 'optional')}); remove it "
+        f"or set method: {adapters[0]}",
+    )
+    require(
+        method.adapter_of(run) == "lora" or run["export"]["merged"],
+        f"{where}.export.merged: false keeps a LoRA run's adapter as its model; this run "
+        "trains every weight (its converted model is the model): remove the key",
+    )
     starters = [n for n, m in every.items() if m.starts_from_runs]
-    _require("init_from" not in run or method.starts_from_runs,
-             f"{where}.init_from: only for {_named(starters)} (a run of method "
-             f"{run['method']} starts from `model`)")  # fmt: skip
+    require(
+        "init_from" not in run or method.starts_from_runs,
+        f"{where}.init_from: only for {_named(starters)} (a run of method "
+        f"{run['method']} starts from `model`)",
+    )
     kind = kind_named(method.trains_on)
     for key in ("dataset", "eval_dataset"):
         allowed = kind.formats if key == "dataset" else kind.evaluates_on
         for part in (c["name"] for c in components(cfg, run[key])) if key in run else ():
             fmt = cfg["datasets"][part]["format"]
             readers = [n for n, m in every.items() if fmt in kind_named(m.trains_on).formats]
-            _require(allowed is None or fmt in allowed,
-                     unread(f"{where}.{key}", part, fmt, run["method"], kind, readers))  # fmt: skip
+            require(
+                allowed is None or fmt in allowed,
+                unread(f"{where}.{key}", part, fmt, run["method"], kind, readers),
+            )
     method.check(where, run, cfg)
     scorers.check(where, run, cfg)  # the run's own eval metrics
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
     where = f"runs.{name}"
-    for key, section in (("model", "models"), ("dataset", "datasets"),
-                         ("eval_dataset", "datasets")):  # fmt: skip
+    for key, section in (
+        ("model", "models"),
+        ("dataset", "datasets"),
+        ("eval_dataset", "datasets"),
+    ):
         if key in run:
-            _require(
+            require(
                 run[key] in cfg[section],
                 f"{where}.{key}: unknown {section[:-1]} {run[key]!r} "
                 f"(defined: {', '.join(sorted(cfg[section]))})",
             )
-    _require(
+    require(
         ("epochs" in run) != ("max_steps" in run),
         f"{where}: give exactly one of `epochs` and `max_steps`",
     )
-    _require(
+    require(
         run.get("eval_dataset") != run["dataset"],
         f"{where}.eval_dataset: must differ from the training dataset {run['dataset']!r} "
         "(evaluate on held-out data)",
     )
     _check_quantize(name, run, root)
     problem = check_heldout(where, run)
-    _require(problem is None, problem or "")
+    require(problem is None, problem or "")
     _check_method(name, run, cfg)
     lm_eval = run.get("eval", {}).get("lm_eval")
     if lm_eval and "include_path" in lm_eval:
         from snaketune.evaluation.lmeval import resolve_include_path
 
         found = resolve_include_path(lm_eval["include_path"], root)
-        _require(
+        require(
             found is not None,
             f"{where}.eval.lm_eval.include_path: {lm_eval['include_path']} is not a directory "
             f"(looked in {Path.cwd()} and {root}); point it at your task YAMLs",
         )
         lm_eval["include_path"] = str(found)
     targets = (run.get("lora") or {}).get("target_modules")
-    _require(
+    require(
         not (isinstance(targets, list) and "lm_head" in targets),
         f"{where}.lora.target_modules: lm_head cannot take a LoRA adapter (TRL computes the "
         "loss from its weight, so the adapter would never train); move it to "
@@ -241,7 +229,7 @@ def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
     where = f"runs.{name}.lora.quantize"
     if not RunSpec.of(run).quantized:
         return
-    _require(
+    require(
         method_of(run).adapter != "full",
         f"{where}: a 4-bit base is frozen, so only an adapter can train on it; a full "
         "fine-tune needs the weights in full precision (set method: lora, or drop quantize)",
@@ -249,22 +237,25 @@ def _check_quantize(name: str, run: Mapping[str, Any], root: Path) -> None:
     _check_deepspeed(name, run["deepspeed"], root)
     ds = json.loads(resolve_deepspeed(run["deepspeed"], root).read_text(encoding="utf-8"))
     zero = ds.get("zero_optimization") or {}
-    offloaded = [k for k in ("offload_optimizer", "offload_param")
-                 if (zero.get(k) or {}).get("device", "none") != "none"]  # fmt: skip
-    _require(
+    offloaded = [
+        k
+        for k in ("offload_optimizer", "offload_param")
+        if (zero.get(k) or {}).get("device", "none") != "none"
+    ]
+    require(
         not offloaded,
         f"{where}: 4bit with DeepSpeed offload ({run['deepspeed']}: "
         f"{', '.join(offloaded)}) is not supported; a 4-bit base needs none: use deepspeed: "
         "zero2, or zero3 to shard the 4-bit base too",
     )
     missing = missing_bitsandbytes()
-    _require(missing is None, f"{where}: {missing}")
+    require(missing is None, f"{where}: {missing}")
 
 
 def _check_model(name: str, spec: Mapping[str, Any]) -> None:
     _check_source("models", name, spec, {"id", "revision"})
     template = spec.get("chat_template")
-    _require(
+    require(
         template is None or Path(template).is_file(),
         f"models.{name}.chat_template: file {template!r} not found "
         "(relative paths start from the working directory)",
@@ -286,7 +277,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     schema = compose_schema(load_schema(root))  # each method's keys put in
     expand_sweeps(config, schema)  # a run with `sweep` becomes its members
     problems = schema_problems(config, schema)
-    found = _Collect()
+    found = Collect()
     found.lines += [line for _, line in problems]
     if not isinstance(config, dict) or not all(
         isinstance(config.get(k), dict) for k in ("models", "datasets", "runs")
@@ -321,7 +312,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     return config
 
 
-def _fill_defaults(config: dict[str, Any], schema: Mapping[str, Any], found: _Collect) -> None:
+def _fill_defaults(config: dict[str, Any], schema: Mapping[str, Any], found: Collect) -> None:
     """The schema again, filling the defaults of blocks just put in (a problem it names
     again is not repeated)."""
     found.lines += [line for _, line in schema_problems(config, schema) if line not in found.lines]
@@ -329,9 +320,12 @@ def _fill_defaults(config: dict[str, Any], schema: Mapping[str, Any], found: _Co
 
 def _mixtures_of(config: Mapping[str, Any], bad: set[tuple]) -> list[str]:
     """The mixtures that take a component the schema refused."""
-    return [name for name, spec in config["datasets"].items()
-            if isinstance(spec, dict) and any(("datasets", c.get("dataset")) in bad
-                                              for c in spec.get("mixture") or ())]  # fmt: skip
+    return [
+        name
+        for name, spec in config["datasets"].items()
+        if isinstance(spec, dict)
+        and any(("datasets", c.get("dataset")) in bad for c in spec.get("mixture") or ())
+    ]
 
 
 def _usable(name: str, run: Any, bad: set[tuple], config: Mapping[str, Any]) -> bool:
@@ -351,7 +345,7 @@ def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None
     Run where the jobs will run (the working directory); relative paths start there.
     """
     made = {str(Path(p)) for p in producible}
-    found = _Collect()
+    found = Collect()
     for kind in ("models", "datasets"):
         for name, spec in (config.get(kind) or {}).items():
             if (
@@ -368,18 +362,18 @@ def check_local_sources(config: Mapping[str, Any], producible: set[str]) -> None
 
 def _check_local_path(kind: str, name: str, path: Path) -> None:
     where = f"{kind}.{name}.path"
-    _require(
+    require(
         path.exists(),
         f"{where}: {path} does not exist (relative paths start from {Path.cwd()}); fix the path",
     )
     if kind == "models":
-        _require(
+        require(
             (path / "config.json").is_file(),
             f"{where}: {path} has no config.json; point it at a Hugging Face model "
             "directory (config.json, tokenizer files, weights)",
         )
     elif path.is_file():
-        _require(
+        require(
             path.stat().st_size > 0,
             f"{where}: {path} is empty (0 bytes); give a file with at least one row",
         )

@@ -142,8 +142,11 @@ def unknown_keys(error: jsonschema.ValidationError) -> list[str]:
 def _rank(error: jsonschema.ValidationError) -> tuple:
     """Shallowest first; at equal depth an unknown key first (a typo also explains the
     required key it leaves missing), then document order."""
-    return (len(error.absolute_path), error.validator != "additionalProperties",
-            [str(p) for p in error.absolute_path])  # fmt: skip
+    return (
+        len(error.absolute_path),
+        error.validator != "additionalProperties",
+        [str(p) for p in error.absolute_path],
+    )
 
 
 def first_error(errors: Iterator[jsonschema.ValidationError]) -> jsonschema.ValidationError | None:

@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import ConfigError
-from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
 from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
 from snaketune.evaluation.settings import eval_args, shared_eval
-from snaketune.methods import method_of, model_rewards
+from snaketune.methods import method_of
 from snaketune.plan.runspec import RunSpec
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
@@ -210,7 +209,7 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
             f" --seed {r['seed']}"
             # only where set: a run without it keeps its params (no rerun of its shards)
             + (f" --sequence-parallel {sp}" if (sp := r.get("sequence_parallel", 1)) > 1 else "")
-        ),  # fmt: skip
+        ),
         "packing": "--packing" if RunSpec.of(r).balances_tokens else "--no-packing",
         "attention": r["attn_implementation"],
     }
@@ -230,130 +229,6 @@ def shards_of(config: dict[str, Any], sweeps: dict[str, list[str]], run: str) ->
 
 
 # ----------------------------------------------------------------------------- train
-
-# Run keys later stages read; left out of the train rule's params so that changing them
-# does not retrain.
-NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "publish",
-                "sweep_of")  # fmt: skip
-
-
-def train_spec(
-    run: dict[str, Any],
-    reference: str | None = None,
-    heldout: str | None = None,
-    reward_models: dict[str, Any] | None = None,
-    teacher: str | None = None,
-) -> str:
-    """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
-    precomputed reference gets the path of its log-probs (``reference``), a distillation run
-    its teacher's top-k (``teacher``: snaketune.plan.teacher), a run with
-    eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
-    eval and export keys that matter to it), a GRPO run what it scores with its reward
-    models (``reward_models``: below)."""
-    spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
-    if "eval_steps" not in run:  # a default that means nothing here: no params change
-        spec.pop("eval_at_start", None)
-    if spec.get("sequence_parallel") == 1:  # the default: runs made before it keep their params
-        del spec["sequence_parallel"]
-    code = method_of(run).code(run)
-    if code:  # the user's functions: a change retrains, provenance records them
-        spec["code_sha256"] = code
-    block = method_of(run).block  # what a method's job reads beside its settings goes there
-    if reference is not None:
-        spec[block] = {**spec[block], "reference_logps": reference}
-    if teacher is not None:
-        spec[block] = {**spec[block], "teacher_logps": teacher}
-    if heldout is not None:
-        spec["heldout"] = held_out_spec(run, heldout)
-    if block in spec:  # a GRPO run's reward models (reward_models below)
-        spec[block] = model_rewards.in_spec(spec[block], reward_models)
-    gather = run["eval"].get("gather_for_generation", "auto")
-    if gather != "auto":  # GRPO's completions under ZeRO-3 (the default left unsaid)
-        spec["gather_for_generation"] = gather
-    return as_json(spec)
-
-
-def train_extras(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str,
-                 ) -> dict[str, Any]:  # fmt: skip
-    """What a run's training reads besides its shards and model, by name: ``reference``
-    (a DPO run's precomputed log-probs), ``heldout`` (the eval set of a run with
-    eval_steps), ``reward_models`` (a GRPO run's: reward_models' folders)."""
-    out: dict[str, Any] = {}
-    reference = reference_path(config, run)
-    if reference:
-        out["reference"] = reference
-    if config["runs"][run].get("eval_steps"):
-        out["heldout"] = tokenized(config, run, eval_set=True)
-    if models := reward_models(config, run, resolve):
-        out["reward_models"] = [m["path"] for m in models["models"].values()]
-    return out
-
-
-def reward_models(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str):
-    """What a GRPO run's job scores with each reward model it names (model_rewards.spec):
-    the final model of the run (``resolve``: a sweep's best member), its chat template."""
-    return model_rewards.spec(config, run, lambda name: final_model(config, resolve(name)),
-                              lambda model: chat_template(config, model))  # fmt: skip
-
-
-def reference_key(config: dict[str, Any], run: str) -> str | None:
-    """The reference log-probs a DPO run with a precomputed reference reads, by what they
-    depend on: the model it starts from (a base model, or the final model of the run or
-    sweep it starts from), its tokenized pairs, the precision, the attention kernel and a
-    4-bit base's quantization.
-    Runs and sweep members that share these share one reference_logps job. None for others."""
-    r = config["runs"][run]
-    spec = RunSpec.of(r)
-    if not spec.reference_stage:
-        return None
-    start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
-    what = {**start, "tokenized": tokenize_key(run_tokenize_spec(config, run)),
-            "precision": r["precision"],
-            "attn_implementation": r["attn_implementation"]}  # fmt: skip
-    if spec.quantized:  # a 4-bit base scores differently
-        what["quantize"] = dict(spec.quantization)
-    return f"{next(iter(start.values()))}__{digest(what)[:12]}"
-
-
-def reference_path(config: dict[str, Any], run: str) -> str | None:
-    key = reference_key(config, run)
-    return f"results/reference_logps/{key}/logps.parquet" if key else None
-
-
-def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
-    """Every reference_logps job the runs need: key -> the runs that read it."""
-    jobs: dict[str, list[str]] = {}
-    for run in config["runs"]:
-        key = reference_key(config, run)
-        if key is not None:
-            jobs.setdefault(key, []).append(run)
-    return jobs
-
-
-def reference_jobs(config: dict[str, Any]) -> dict[str, str]:
-    """Every reference_logps job the runs need: key -> the first run that reads it."""
-    return {key: runs[0] for key, runs in reference_runs(config).items()}
-
-
-def train_flags(config: dict[str, Any]) -> str:
-    """The train job's optional flags: the all-reduce floor (preflight.min_busbw_gbps)."""
-    floor = config["preflight"].get("min_busbw_gbps")
-    return f"--min-busbw {floor}" if floor else ""
-
-
-def reference_settings(run: dict[str, Any]) -> str:
-    """What a run's reference log-probs depend on besides the inputs (also in the
-    output's key), as the stage's flags."""
-    settings = f"--precision {run['precision']} --attn-implementation {run['attn_implementation']}"
-    quantization = RunSpec.of(run).quantization
-    if quantization is not None:  # the policy's 4-bit base, adapter off
-        settings += (
-            f" --quantize {quantization['quantize']}"
-            f" --quant-type {quantization['quant_type']}"
-            f" --double-quant {str(quantization['double_quant']).lower()}"
-            f" --compute-dtype {quantization['compute_dtype']}"
-        )
-    return settings
 
 
 def flag_of(inputs: Any, key: str) -> str:

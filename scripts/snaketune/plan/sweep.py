@@ -47,7 +47,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from snaketune.core.errors import ConfigError
+from snaketune.core.errors import ConfigError, require
 from snaketune.evaluation.figures import DESCRIBED
 from snaketune.plan.runspec import merged
 
@@ -84,8 +84,11 @@ def check_path(path: str, schema: Mapping[str, Any], where: str) -> None:
         if part not in props or part in ("sweep", "sweep_select", "sweep_of"):
             keys = [k for k in props if k not in ("sweep", "sweep_select", "sweep_of")]
             close = difflib.get_close_matches(part, keys, n=1)
-            hint = f"did you mean {'.'.join([*done, close[0]])}?" if close else (
-                f"keys there: {', '.join(sorted(keys))}")  # fmt: skip
+            hint = (
+                f"did you mean {'.'.join([*done, close[0]])}?"
+                if close
+                else (f"keys there: {', '.join(sorted(keys))}")
+            )
             raise ConfigError(f"{where}.sweep: a run has no key {path!r}; {hint}")
         done.append(part)
         node = _resolve(props[part], schema)
@@ -106,8 +109,10 @@ def _value_text(value: Any) -> str:
 def member_name(run: str, values: list[tuple[str, Any]]) -> str:
     """The member's name (the rule is in the module's docstring)."""
     lasts = [p.rsplit(".", 1)[-1] for p, _ in values]
-    keys = [p.replace(".", "_") if lasts.count(last) > 1 else last
-            for (p, _), last in zip(values, lasts, strict=True)]  # fmt: skip
+    keys = [
+        p.replace(".", "_") if lasts.count(last) > 1 else last
+        for (p, _), last in zip(values, lasts, strict=True)
+    ]
     name = run + "".join(f"-{k}_{_value_text(v)}" for k, (_, v) in zip(keys, values, strict=True))
     if len(name) > MAX_NAME:
         name = f"{name[:55]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
@@ -149,19 +154,23 @@ def check_metric(metric: str, run: Mapping[str, Any], where: str) -> None:
     )
 
 
-def _check_sweep(where: str, run: Mapping[str, Any], schema: Mapping[str, Any],
-                 limit: int) -> dict[str, str]:  # fmt: skip
+def _check_sweep(
+    where: str, run: Mapping[str, Any], schema: Mapping[str, Any], limit: int
+) -> dict[str, str]:
     """A sweep's keys, values and member count (one line, ConfigError, for the first
     problem); its selection rule, defaults filled."""
     sweep = run["sweep"]
     if not isinstance(sweep, dict) or not sweep:
-        raise ConfigError(f"{where}.sweep: give key paths with lists of values, e.g. "
-                          "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}")  # fmt: skip
+        raise ConfigError(
+            f"{where}.sweep: give key paths with lists of values, e.g. "
+            "{learning_rate: [1.0e-4, 3.0e-4], lora.r: [8, 16]}"
+        )
     for path, values in sweep.items():
         check_path(str(path), schema, where)
         if not isinstance(values, list) or not values:
-            raise ConfigError(f"{where}.sweep.{path}: give a non-empty list of values "
-                              f"(got {values!r})")  # fmt: skip
+            raise ConfigError(
+                f"{where}.sweep.{path}: give a non-empty list of values (got {values!r})"
+            )
     count = 1
     for values in sweep.values():
         count *= len(values)
@@ -209,8 +218,10 @@ def expand_sweeps(config: dict[str, Any], schema: Mapping[str, Any]) -> dict[str
             values = list(zip(sweep, combo, strict=True))
             member = member_name(name, values)
             if member in runs or member in expanded:
-                raise ConfigError(f"{where}.sweep: member {member} has the name of another "
-                                  "run; rename one of them")  # fmt: skip
+                raise ConfigError(
+                    f"{where}.sweep: member {member} has the name of another "
+                    "run; rename one of them"
+                )
             spec = copy.deepcopy(base)
             for path, value in values:
                 _set(spec, path, value)
@@ -231,11 +242,6 @@ def sweeps_of(runs: Mapping[str, Any]) -> dict[str, list[str]]:
         if "sweep_of" in run:
             out.setdefault(run["sweep_of"]["run"], []).append(name)
     return out
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 def init_parents(config: Mapping[str, Any], name: str) -> list[str]:
@@ -276,15 +282,16 @@ def _chain(name: str, runs: Mapping[str, Any], sweeps: Mapping[str, list[str]]) 
     """``name`` and the runs (or sweeps) it starts from, in order, to the one with a model."""
     where, run = f"runs.{name}", runs[name]
     if "init_from" not in run:
-        _require("model" in run, f"{where}: missing required key 'model'")
+        require("model" in run, f"{where}: missing required key 'model'")
         return [name]
-    _require("model" not in run,
-             f"{where}: give one of `model` and `init_from`, not both (init_from's model "
-             "is the base)")  # fmt: skip
+    require(
+        "model" not in run,
+        f"{where}: give one of `model` and `init_from`, not both (init_from's model is the base)",
+    )
     chain, current = [name], run
     while "init_from" in current:
         where, parent = f"runs.{chain[-1]}", current["init_from"]
-        _require(
+        require(
             parent in runs or parent in sweeps,
             f"{where}.init_from: unknown run or sweep {parent!r} (defined: "
             f"{', '.join(sorted([*runs, *sweeps]))})",
@@ -302,15 +309,18 @@ def _chain(name: str, runs: Mapping[str, Any], sweeps: Mapping[str, list[str]]) 
         members = [runs[m] for m in sweeps.get(parent, [parent])]
         for key, what in (("model", "base model"), ("method", "method")):
             values = {str(m.get(key)) for m in members if "init_from" not in m}
-            _require(
+            require(
                 len(values) <= 1,
                 f"{where}.init_from: the members of sweep {parent!r} differ in their {what} "
                 f"({', '.join(sorted(values))}); start from one member, or sweep a key "
                 "that keeps it",
             )
         kept = [m for m in sweeps.get(parent, [parent]) if not merged(runs[m])]
-        _require(not kept, f"{where}.init_from: {parent!r} keeps no merged model "
-                 "(export.merged: false): a run starts from a whole model; set export.merged: "
-                 f"true on {kept[0] if kept else parent!r}")  # fmt: skip
+        require(
+            not kept,
+            f"{where}.init_from: {parent!r} keeps no merged model "
+            "(export.merged: false): a run starts from a whole model; set export.merged: "
+            f"true on {kept[0] if kept else parent!r}",
+        )
         current = members[0]
     return chain

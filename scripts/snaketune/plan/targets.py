@@ -118,8 +118,11 @@ def until_problem(config: dict[str, Any], until: set[str]) -> str | None:
     targets = until_targets(config, until)
     if not targets:
         return None
-    chains = ", ".join(f"{name} from {run['init_from']}" for name, run in config["runs"].items()
-                       if "init_from" in run)  # fmt: skip
+    chains = ", ".join(
+        f"{name} from {run['init_from']}"
+        for name, run in config["runs"].items()
+        if "init_from" in run
+    )
     return (
         f"--until {' '.join(sorted(until))}: runs here start from others ({chains}), and a "
         "later run trains from the earlier one's final model, past that boundary "

@@ -10,7 +10,8 @@ is split across ranks: a run may continue with another ``sequence_parallel`` as 
 node count (its loss is the mean over the global batch's label tokens either way), and the
 global batch it keeps counts data-parallel ranks (devices / sequence_parallel).
 
-The launcher stamps the checkpoints folder with both (``fingerprint``). A rerun whose math
+The launcher stamps the checkpoints folder with both (``stamp``; snaketune.train.resume
+keeps, sets aside and converts the checkpoints). A rerun whose math
 is the same continues from the newest complete checkpoint whatever its topology; when the
 checkpoint was written by another number of data-parallel ranks, its ZeRO states are first
 turned into a DeepSpeed universal checkpoint (``deepspeed.checkpoint.ds_to_universal``)
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,13 @@ from snaketune.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TOPOLOGY = ("nodes", "gpus_per_node", "micro_batch_size", "gradient_accumulation_steps",
-            "sequence_parallel")  # fmt: skip
+TOPOLOGY = (
+    "nodes",
+    "gpus_per_node",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "sequence_parallel",
+)
 # Run keys that say how a run is operated, not what it computes: changing them keeps (and
 # continues from) the checkpoints.
 OPERATIONAL = (
@@ -55,7 +60,6 @@ OPERATIONAL = (
     "heldout",
 )
 STAMP = "fingerprint"
-UNIVERSAL = "latest_universal"
 
 
 def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) -> dict[str, Any]:
@@ -67,8 +71,9 @@ def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) ->
     math["plan"] = manifest.get("plan_sha256") or manifest.get("shards")
     math["deepspeed_config"] = deepspeed_sha
     # sequence_parallel only when above 1, as in a train spec (stamps of earlier runs stay)
-    topology = {k: spec[k] for k in TOPOLOGY
-                if k in spec and (k != "sequence_parallel" or spec[k] > 1)}  # fmt: skip
+    topology = {
+        k: spec[k] for k in TOPOLOGY if k in spec and (k != "sequence_parallel" or spec[k] > 1)
+    }
     return {"math": math, "topology": topology, "origin": topology}
 
 
@@ -93,63 +98,9 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
 def describe(topology: dict[str, Any]) -> str:
     n, g = topology["nodes"], topology["gpus_per_node"]
     split = topology.get("sequence_parallel", 1)
-    return (f"{n} node{'s' if n != 1 else ''} x {g} GPU{'s' if g != 1 else ''}"
-            + (f" (sequence_parallel {split})" if split > 1 else ""))  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def zero_files(checkpoint: Path) -> list[Path]:
-    """The per-rank ZeRO optimizer files of a checkpoint-<step> folder (its global_step*/)."""
-    tags = [p for p in checkpoint.glob("global_step*") if p.is_dir() and p.name[-1].isdigit()]
-    return sorted(f for t in tags for f in t.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
-
-
-def checkpoint_ranks(checkpoint: Path) -> int | None:
-    """How many data-parallel ranks wrote a checkpoint (None: no ZeRO states in it)."""
-    return len(zero_files(checkpoint)) or None
-
-
-def tag_of(checkpoint: Path) -> str:
-    latest = checkpoint / "latest"
-    if latest.is_file():
-        return latest.read_text().strip()
-    tags = sorted(p.name for p in checkpoint.glob("global_step*") if p.name[-1].isdigit())
-    if not tags:
-        raise ConfigError(f"{checkpoint} holds no DeepSpeed checkpoint (global_step*)")
-    return tags[-1]
-
-
-def make_universal(checkpoint: Path, workers: int = 1) -> Path:
-    """The universal form of a checkpoint's ZeRO states (made once, beside them, published
-    whole by a rename): ``<checkpoint>/<tag>_universal`` and ``<checkpoint>/latest_universal``."""
-    from types import SimpleNamespace
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    tag = tag_of(checkpoint)
-    done = checkpoint / f"{tag}_universal"
-    if (checkpoint / UNIVERSAL).is_file() and done.is_dir():
-        return done
-    work = checkpoint / ".universal-tmp"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    args = SimpleNamespace(
-        input_folder=str(checkpoint / tag),
-        output_folder=str(work / done.name),
-        num_extract_workers=workers,
-        num_merge_workers=workers,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,
+    return f"{n} node{'s' if n != 1 else ''} x {g} GPU{'s' if g != 1 else ''}" + (
+        f" (sequence_parallel {split})" if split > 1 else ""
     )
-    ds_to_universal(args)
-    shutil.rmtree(done, ignore_errors=True)
-    (work / done.name).rename(done)
-    (checkpoint / UNIVERSAL).write_text(done.name)
-    shutil.rmtree(work, ignore_errors=True)
-    return done
 
 
 # ----------------------------------------------------------------------------- config time
@@ -176,9 +127,13 @@ def adapt_accumulation(config: dict[str, Any], results: Path = Path("results")) 
             continue
         # in what the micro batch counts (completions for GRPO), from the stamp's topology,
         # over data-parallel ranks (the GPUs sharing a sequence read the same examples)
-        batch = (origin["micro_batch_size"] * origin["gradient_accumulation_steps"]
-                 * origin["nodes"] * origin["gpus_per_node"]
-                 // origin.get("sequence_parallel", 1))  # fmt: skip
+        batch = (
+            origin["micro_batch_size"]
+            * origin["gradient_accumulation_steps"]
+            * origin["nodes"]
+            * origin["gpus_per_node"]
+            // origin.get("sequence_parallel", 1)
+        )
         ranks = run["nodes"] * run["gpus_per_node"] // run.get("sequence_parallel", 1)
         per_pass = run["micro_batch_size"] * ranks
         if per_pass * run["gradient_accumulation_steps"] == batch:

@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -31,15 +30,23 @@ import time
 from pathlib import Path
 
 from snaketune.core.errors import UserError
-from snaketune.core.io import host_name, read_jsonl, written_rows
+from snaketune.core.io import host_name
 from snaketune.core.redact import redact, secret_values
-from snaketune.core.runlock import process_alive, start_time
+from snaketune.core.runlock import start_time
+from snaketune.train.attemptlog import (
+    LOGS,
+    RECORDS,
+    attempt_log,
+    describe,
+    live_progress,
+    logs_dir,
+    read_attempts,
+    root_cause,
+)
 from snaketune.train.segments import slurm_restarts
 
 log = logging.getLogger(__name__)
 
-LOGS = "logs"  # results/<run>/train/logs: attempt-<n>.log, attempts.jsonl
-RECORDS = "attempts.jsonl"
 # Set by the Snakefile in a Snakemake that runs a cluster job (remote mode): that job starts
 # the train rule once, its retries are the submitting Snakemake's (new jobs).
 ONE_START_PER_JOB = "SNAKETUNE_ONE_START_PER_JOB"
@@ -55,21 +62,16 @@ def one_start_per_job(job_side: bool) -> None:
         os.environ[ONE_START_PER_JOB] = "1"
 
 
-def logs_dir(out: Path) -> Path:
-    return out / LOGS
-
-
-def attempt_log(out: Path, number: int) -> Path:
-    return logs_dir(out) / f"attempt-{number}.log"
-
-
 def claim(out: Path) -> int:
     """The next attempt number, its log file created (O_EXCL: two jobs starting at once get
     two numbers)."""
     folder = logs_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
-    taken = [int(p.stem.split("-")[1]) for p in folder.glob("attempt-*.log")
-             if p.stem.split("-")[1].isdigit()]  # fmt: skip
+    taken = [
+        int(p.stem.split("-")[1])
+        for p in folder.glob("attempt-*.log")
+        if p.stem.split("-")[1].isdigit()
+    ]
     number = max(taken, default=0) + 1
     while True:
         try:
@@ -85,115 +87,6 @@ def _append(out: Path, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
     except OSError as exc:  # a full disk: the job's own outcome is what to report
         log.warning("could not record attempt %s in %s: %s", record["attempt"], RECORDS, exc)
-
-
-def last_line(path: Path) -> str:
-    """The last non-empty line of a log ('' when none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            tail = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
-
-
-def live_progress(live: Path) -> str | None:
-    """A training's newest step from its live metrics (``live``): step of steps, loss,
-    tokens/s and the ETA of this start; None before its first step."""
-    rows = [r for r in written_rows(live) if "loss" in r] if live.is_file() else []
-    if not rows:
-        return None
-    last = rows[-1]
-    total = last.get("max_steps")
-    loss = f"{last['loss']:.4f}" if last.get("loss") is not None else "-"
-    line = (f"step {last['step']}{f'/{total}' if total else ''}, loss {loss}, "
-            f"{last.get('tokens_per_s', 0):,.0f} tok/s")  # fmt: skip
-    start = len(rows) - 1  # this start's rows: elapsed_s counts from its own start
-    while start > 0 and rows[start - 1].get("elapsed_s", 0) < rows[start].get("elapsed_s", 0):
-        start -= 1
-    done = last["step"] - rows[start]["step"]
-    if total and done > 0:
-        left = (last["elapsed_s"] - rows[start]["elapsed_s"]) / done * (total - last["step"])
-        line += f", ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
-    return line
-
-
-def stopped_since(since: float, workdir: Path = Path(".")) -> list[str]:
-    """A line per run whose train job stopped or failed after ``since`` (epoch seconds):
-    its last attempt's reason and log, and how to resume (the workflow's last words on an
-    interrupted or failed invocation)."""
-    lines = []
-    for out in sorted((workdir / "results").glob(f"*/train/{LOGS}")):
-        attempts = read_attempts(out.parent)
-        last = attempts[-1] if attempts else {}
-        if last.get("exit", 0) != 0 and last.get("ended", 0) >= since:
-            lines.append(f"snaketune: run {out.parent.parent.name}: {last['reason']} (its log: "
-                         f"{out.parent / last['log']})")  # fmt: skip
-    return lines
-
-
-def read_attempts(out: Path) -> list[dict]:
-    """Every attempt of the run, oldest first: its start record merged with its end (exit,
-    reason). An attempt without an end is still running (its process is alive on this
-    host) or was killed before it could write one (its log's last line is the reason)."""
-    path = logs_dir(out) / RECORDS
-    merged: dict[int, dict] = {}
-    for record in read_jsonl(path) if path.is_file() else []:
-        merged.setdefault(record["attempt"], {}).update(record)
-    for number, attempt in merged.items():
-        if "exit" in attempt:
-            continue
-        here = attempt.get("host") == host_name()
-        if here and process_alive(attempt.get("pid", -1), attempt.get("pid_started")):
-            attempt["reason"] = "running"
-            continue
-        last = last_line(attempt_log(out, number))
-        attempt["reason"] = (
-            "ended without a record (the job was killed: SIGKILL, its node, or SLURM's "
-            "hard limit)" + (f"; its log's last line: {last}" if last else "")
-        )
-    return [merged[n] for n in sorted(merged)]
-
-
-ROOT_CAUSE = "Root Cause (first observed failure):"
-_FIELD = re.compile(r"^\s*(host|rank|exitcode|traceback)\s*: (.*)$")
-
-
-def root_cause(text: str) -> str | None:
-    """The failed rank torchrun's agents reported ('rank 1 on host-a: exitcode -9 (pid
-    123) SIGKILL'), preferring a failure that was not the stop the others were sent."""
-    causes = []
-    for block in text.split(ROOT_CAUSE)[1:]:
-        fields: dict[str, str] = {}
-        for line in block.splitlines()[1:12]:
-            found = _FIELD.match(line)
-            if found and found.group(1) not in fields:
-                fields[found.group(1)] = " ".join(found.group(2).split())
-        if "rank" in fields:
-            rank = fields["rank"].split(" (")[0]
-            cause = (
-                f"rank {rank} on {fields.get('host', '?')}: exitcode {fields.get('exitcode', '?')}"
-            )
-            trace = fields.get("traceback", "")
-            if trace and not trace.startswith("To enable traceback"):
-                cause += f": {trace}"
-            causes.append(cause)
-    stops = ("SIGTERM", "SIGINT")
-    first = [c for c in causes if not any(s in c for s in stops)] or causes
-    return first[0][:300] if first else None
-
-
-def describe(attempt: dict) -> str:
-    """One line: the attempt, its log, when and where, how it ended."""
-    where = attempt.get("host", "?")
-    if attempt.get("job"):
-        where += f", SLURM job {attempt['job']} run {attempt.get('restart', 0) + 1}"
-    began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(attempt.get("began", 0)))
-    ended = f"exit {attempt['exit']}" if "exit" in attempt else "no exit code"
-    return (f"attempt {attempt['attempt']} ({LOGS}/attempt-{attempt['attempt']}.log, "
-            f"{began}, {where}): {ended}: {attempt.get('reason') or '-'}")  # fmt: skip
 
 
 def _deaf() -> None:
@@ -221,8 +114,14 @@ class Attempt:
     reference log-probs): its number and log, the copy of everything the job prints into
     that log, and its start and end records."""
 
-    def __init__(self, out: Path, announce_fd: int | None = None, copy_output: bool = True,
-                 stage: str = "train", name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        out: Path,
+        announce_fd: int | None = None,
+        copy_output: bool = True,
+        stage: str = "train",
+        name: str | None = None,
+    ):
         # ``out``: the stage's output folder (results/<run>/train: the run is its parent);
         # ``stage`` and ``name``: the rule and what it works on, as the log names them
         self.out, self.stage = out, stage
@@ -241,12 +140,19 @@ class Attempt:
         if copy_output:
             self._copy_output()
         logging.getLogger().addHandler(self.last_warning)
-        _append(out, {
-            "attempt": self.number, "log": str(self.path.relative_to(out)),
-            "began": round(self.began, 3), "host": host_name(), "pid": os.getpid(),
-            "pid_started": start_time(os.getpid()), "job": os.environ.get("SLURM_JOB_ID"),
-            "restart": self.restart,
-        })  # fmt: skip
+        _append(
+            out,
+            {
+                "attempt": self.number,
+                "log": str(self.path.relative_to(out)),
+                "began": round(self.began, 3),
+                "host": host_name(),
+                "pid": os.getpid(),
+                "pid_started": start_time(os.getpid()),
+                "job": os.environ.get("SLURM_JOB_ID"),
+                "restart": self.restart,
+            },
+        )
         self._header()
 
     def refuse_second_start(self) -> None:
@@ -319,9 +225,13 @@ class Attempt:
         sys.stderr.flush()
         read, write = os.pipe()
         self._tee = subprocess.Popen(
-            [tee, "-a", str(self.path)], stdin=read, stdout=1, stderr=subprocess.DEVNULL,
-            preexec_fn=_deaf, start_new_session=True,
-        )  # fmt: skip
+            [tee, "-a", str(self.path)],
+            stdin=read,
+            stdout=1,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_deaf,
+            start_new_session=True,
+        )
         os.close(read)
         self._saved = (os.dup(1), os.dup(2))
         os.dup2(write, 1)
@@ -358,8 +268,9 @@ class Attempt:
         return None
 
     def _header(self) -> None:
-        log.info("%s attempt %d of %s; its full log: %s", self.stage, self.number, self.name,
-                 self.path)  # fmt: skip
+        log.info(
+            "%s attempt %d of %s; its full log: %s", self.stage, self.number, self.name, self.path
+        )
         if self.earlier:
             names = ", ".join(f"attempt-{a['attempt']}.log" for a in self.earlier[-LISTED:])
             log.info("earlier attempts' logs (in %s): %s", logs_dir(self.out), names)
@@ -379,22 +290,29 @@ class Attempt:
             self.say(f"{'' if code == 3 else 'failed: '}{reason} (its log: {self.path})")
         elif self._live is not None and (line := live_progress(self._live)):
             self.say(f"done: {line.split(', ETA')[0]}")
-        _append(self.out, {"attempt": self.number, "ended": round(time.time(), 3),
-                           "exit": code, "reason": reason})  # fmt: skip
+        _append(
+            self.out,
+            {
+                "attempt": self.number,
+                "ended": round(time.time(), 3),
+                "exit": code,
+                "reason": reason,
+            },
+        )
         attempts = read_attempts(self.out)
         lines = [describe(a) for a in attempts[-LISTED:]]
         skipped = len(attempts) - len(lines)
-        print(f"attempts of {self.name} (logs in {logs_dir(self.out)}"
-              + (f"; {skipped} older in {RECORDS}" if skipped else "") + "):",
-              *(f"  {line}" for line in lines), sep="\n", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"attempts of {self.name} (logs in {logs_dir(self.out)}"
+            + (f"; {skipped} older in {RECORDS}" if skipped else "")
+            + "):",
+            *(f"  {line}" for line in lines),
+            sep="\n",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def done(step: int | None) -> str:
     """The reason of an attempt that finished the run."""
     return f"done at step {step}"
-
-
-def summary(out: Path) -> list[dict]:
-    """The attempts as provenance.json and the report show them."""
-    keys = ("attempt", "log", "began", "ended", "host", "job", "restart", "exit", "reason")
-    return [{k: a[k] for k in keys if k in a} for a in read_attempts(out)]

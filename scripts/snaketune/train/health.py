@@ -234,8 +234,11 @@ class Watchdog:
         if self._ecc_baseline is None:  # errors from before the job: a warning, not fatal
             self._ecc_baseline = s.ecc_uncorrectable or 0
             if self._ecc_baseline:
-                log.warning("GPU %d reports %d uncorrectable ECC errors from before this job",
-                            self.index, self._ecc_baseline)  # fmt: skip
+                log.warning(
+                    "GPU %d reports %d uncorrectable ECC errors from before this job",
+                    self.index,
+                    self._ecc_baseline,
+                )
         self._hw_slow_run = self._hw_slow_run + 1 if "hw_slowdown" in s.throttle else 0
         level, problems = assess(s, self.limits, self._ecc_baseline, self._hw_slow_run)
         record = {
@@ -268,8 +271,9 @@ class Watchdog:
             self.fatal = f"{self.host} GPU {s.index} ({s.name}): {'; '.join(problems)}"
             log.error("GPU health: fatal: %s; stopping after a checkpoint", self.fatal)
             if self.webhook_url:
-                post_webhook(self.webhook_url, {**record, "event": "gpu_fatal",
-                                                "message": self.fatal})  # fmt: skip
+                post_webhook(
+                    self.webhook_url, {**record, "event": "gpu_fatal", "message": self.fatal}
+                )
         return record
 
     def _loop(self) -> None:
@@ -312,16 +316,22 @@ def start_watchdog(
     mine = visible[env.local_rank].strip() if len(visible) > env.local_rank else ""
     if torch.cuda.is_available() and mine.isdigit():  # NVML numbers GPUs physically
         index = int(mine)
-    limits = Limits(cfg["temperature_margin_c"], cfg["throttle_samples"],
-                    cfg["memory_warn_fraction"])  # fmt: skip
+    limits = Limits(
+        cfg["temperature_margin_c"], cfg["throttle_samples"], cfg["memory_warn_fraction"]
+    )
     records = ckpt_dir / "health" / f"node-{env.node_rank}-rank-{env.local_rank}.jsonl"
     webhook = os.environ.get(cfg["webhook_env"]) or None
     if env.rank == 0:
-        log.info("GPU health watchdog: every %gs (%s)%s", cfg["interval_seconds"], how,
-                 ", webhook set" if webhook else "")  # fmt: skip
+        log.info(
+            "GPU health watchdog: every %gs (%s)%s",
+            cfg["interval_seconds"],
+            how,
+            ", webhook set" if webhook else "",
+        )
     context = {"run": run, "node": env.node_rank, "rank": env.rank}
-    return Watchdog(reader, index, cfg["interval_seconds"], limits, records, webhook,
-                    context).start()  # fmt: skip
+    return Watchdog(
+        reader, index, cfg["interval_seconds"], limits, records, webhook, context
+    ).start()
 
 
 def report_unhealthy(
@@ -341,5 +351,6 @@ def report_unhealthy(
         (ckpt_dir / "health" / "fatal.json").write_text(
             json.dumps({"step": step, "messages": found}, indent=2) + "\n"
         )
-        log.error("GPU health: stopped at step %s after saving a checkpoint: %s", step,
-                  "; ".join(found))  # fmt: skip
+        log.error(
+            "GPU health: stopped at step %s after saving a checkpoint: %s", step, "; ".join(found)
+        )

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from snaketune.core.checkpoints import checkpoint_step, newest_complete
 from snaketune.core.errors import UserError, error_lines
 from snaketune.core.heartbeat import stall_verdict
-from snaketune.core.io import digest, publish, sha256_file, write_json
+from snaketune.core.io import publish, sha256_file, write_json
 from snaketune.core.job import SEGMENT, Handoff, Job, read_segment
 from snaketune.core.runlock import RunLock
 from snaketune.plan.runspec import RunSpec
@@ -27,6 +26,7 @@ from snaketune.train.agents import Workers, flight_recorder, flight_recorder_dir
 from snaketune.train.agents import start as start_agents
 from snaketune.train.network import RESULT as NETWORK
 from snaketune.train.network import read_result
+from snaketune.train.resume import needs_universal, prepare_checkpoints
 from snaketune.train.segments import (
     allocation_end,
     read_segments,
@@ -36,15 +36,6 @@ from snaketune.train.segments import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(job: Job) -> dict:
-    """What a checkpoint must match to be continued from, and the topology it ran on
-    (snaketune.plan.topology)."""
-    from snaketune.plan.topology import stamp
-
-    manifest = json.loads((job.shards / "manifest.json").read_text())
-    return stamp(job.spec, manifest, sha256_file(job.deepspeed))
 
 
 def check_job(job: Job) -> tuple[int, int]:
@@ -98,83 +89,48 @@ def check_disk(job: Job) -> int:
     from snaketune.budget.diskplan import check_job_disk, format_disk
     from snaketune.train.preflight import cuda_available
 
-    plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent,
-                          cuda_available())  # fmt: skip
+    plan = check_job_disk(job.spec, job.model, job.deepspeed, job.out.parent, cuda_available())
     if plan is None:
         return 0
     log.info("disk plan: %s", format_disk(job.out.parent.name, plan))
     return int(plan["need_bytes"]["checkpoint"])
 
 
-def prepare_checkpoints(job: Job) -> None:
-    """Keep the checkpoints a rerun continues from (same math, any topology); move those of
-    other settings aside, naming what changed."""
-    from snaketune.plan.topology import STAMP, changed_keys, describe, read_stamp
-
-    job.out.mkdir(parents=True, exist_ok=True)
-    name, now = job.out.parent.name, fingerprint(job)
-    old = read_stamp(job.ckpt) if job.ckpt.exists() else None
-    saved = newest_complete(job.ckpt) if job.ckpt.exists() else None
-    if job.ckpt.exists() and (old is None or old["math"] != now["math"]):
-        changed = changed_keys(old["math"], now["math"]) if old else ["no stamp of this version"]
-        aside = job.out / f"checkpoints.previous-{digest(old)[:8]}"
-        shutil.rmtree(aside, ignore_errors=True)
-        job.ckpt.rename(aside)
-        log.warning(
-            "run settings changed (%s): old checkpoints moved to %s; starting fresh",
-            ", ".join(changed[:6]) + (", ..." if len(changed) > 6 else ""),
-            aside,
-        )
-    elif old is not None:  # the same math: continue, on whatever topology
-        if saved is not None and old["topology"] != now["topology"]:
-            log.warning(
-                "continuing %s at step %d on %s (was %s), global batch %d unchanged",
-                name, checkpoint_step(saved), describe(now["topology"]),
-                describe(old["topology"]), now["math"]["global_batch"],
-            )  # fmt: skip
-        now["origin"] = old.get("origin", old["topology"])
-    job.ckpt.mkdir(exist_ok=True)
-    (job.ckpt / STAMP).write_text(json.dumps(now, sort_keys=True, default=str))
-    (job.ckpt / "health" / "fatal.json").unlink(missing_ok=True)  # from an earlier attempt
-
-
-def needs_universal(job: Job, ranks: int) -> bool:
-    """Whether the workers resume from a universal checkpoint: when the newest complete
-    checkpoint was written by another number of data-parallel ranks, its universal form
-    (made here, once) is what DeepSpeed loads."""
-    from snaketune.plan.topology import checkpoint_ranks, make_universal
-
-    saved = newest_complete(job.ckpt)
-    written = checkpoint_ranks(saved) if saved else None
-    if written is None or written == ranks:
-        return False
-    began = time.monotonic()
-    made = make_universal(saved)
-    log.info("%s: ZeRO states of %d ranks turned into %s for %d ranks (%.1f s)",
-             saved.name, written, made.name, ranks, time.monotonic() - began)  # fmt: skip
-    return True
-
-
-def start_workers(job: Job, nodes: int, gpus: int, deadline: float | None = None,
-                  checkpoint_bytes: int = 0) -> tuple[int, str | None]:  # fmt: skip
+def start_workers(
+    job: Job, nodes: int, gpus: int, deadline: float | None = None, checkpoint_bytes: int = 0
+) -> tuple[int, str | None]:
     """Run the workers to the end; (exit code, signal passed on to them, if any). With a
     ``deadline`` (epoch seconds) they stop ahead of it at a step end and save."""
     saves = [s["save_s"] for s in read_segments(job) if s.get("save_s")]
-    handoff = Handoff(deadline=deadline, stop_margin_s=job.stop_margin_s,
-                      save_s=saves[-1] if saves and deadline is not None else None,
-                      load_universal=needs_universal(job, nodes * gpus),
-                      checkpoint_bytes=checkpoint_bytes)  # fmt: skip
+    handoff = Handoff(
+        deadline=deadline,
+        stop_margin_s=job.stop_margin_s,
+        save_s=saves[-1] if saves and deadline is not None else None,
+        load_universal=needs_universal(job, nodes * gpus),
+        checkpoint_bytes=checkpoint_bytes,
+    )
     run = job.out.parent.name
     env = handoff.environ(worker_environment())
     env.update(flight_recorder(run))
     (job.ckpt / NETWORK).unlink(missing_ok=True)  # measured again by this job's workers
-    workers = Workers(job.worker_argv, nodes, gpus, f"snaketune-{run}", "train", job.out,
-                      job.ckpt, job.spec["timeout_minutes"] * 60, job.launcher)  # fmt: skip
+    workers = Workers(
+        job.worker_argv,
+        nodes,
+        gpus,
+        f"snaketune-{run}",
+        "train",
+        job.out,
+        job.ckpt,
+        job.spec["timeout_minutes"] * 60,
+        job.launcher,
+    )
     return start_agents(workers, env)
 
 
-DISK_FIXES = ("free space on it (lower save_total_limit, set checkpoints.optimizer: last, or "
-              "put results/ on a larger filesystem) and rerun to resume")  # fmt: skip
+DISK_FIXES = (
+    "free space on it (lower save_total_limit, set checkpoints.optimizer: last, or "
+    "put results/ on a larger filesystem) and rerun to resume"
+)
 
 
 def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = None) -> int | None:
@@ -195,17 +151,19 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
         # (on SLURM, a --signal that reached torchrun while it shut down).
         log.warning(
             "the workers finished and wrote every output, then the step exited with code %d%s; "
-            "publishing", code, f" ({signalled})" if signalled else "",
-        )  # fmt: skip
+            "publishing",
+            code,
+            f" ({signalled})" if signalled else "",
+        )
         return None
     if signalled:
         # The agents exit 1 on a forwarded signal whatever their workers did; report the stop.
         saved = newest_complete(job.ckpt)
         log.warning(
-            "stopped by %s; newest complete checkpoint: %s; run the same command again to "
-            "resume", "Ctrl-C (SIGINT)" if signalled == "SIGINT" else signalled,
+            "stopped by %s; newest complete checkpoint: %s; run the same command again to resume",
+            "Ctrl-C (SIGINT)" if signalled == "SIGINT" else signalled,
             saved.name if saved else "none",
-        )  # fmt: skip
+        )
         return STOPPED_EXIT_CODE
     if code == 0:
         return None
@@ -219,8 +177,8 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
 def explain_failure(job: Job) -> None:
     """Why the workers failed, when the job left the reason behind (one line, UserError):
     a slow network, a stalled rank, a failing GPU, a disk that filled during a save."""
-    from snaketune.budget.diskplan import DiskGuard
     from snaketune.core.checkpoints import drop_incomplete
+    from snaketune.train.resume import DiskGuard
 
     saved = newest_complete(job.ckpt)
     network = read_result(job.ckpt) or {}
@@ -271,7 +229,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     from snaketune.core.job import WORKER_OUTPUTS, staged
     from snaketune.core.lora_targets import read_description
     from snaketune.core.provenance import output_hashes, record
-    from snaketune.train import attempts
+    from snaketune.train import attemptlog, attempts
     from snaketune.train.preflight import cuda_available
 
     missing = [n for n in WORKER_OUTPUTS if not staged(job.out, n).exists()]
@@ -305,7 +263,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
             {**a, "exit": 0, "reason": attempts.done(segments[-1].get("to_step"))}
             if a["attempt"] == attempt
             else a
-            for a in attempts.summary(job.out)
+            for a in attemptlog.summary(job.out)
         ],
     )
     write_json(staged(job.out, "provenance.json"), prov)
@@ -316,8 +274,9 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
 # ----------------------------------------------------------------------------- continuation
 
 
-def train_segments(job: Job, nodes: int, gpus: int, attempt: int = 0,
-                   checkpoint_bytes: int = 0) -> int | str:  # fmt: skip
+def train_segments(
+    job: Job, nodes: int, gpus: int, attempt: int = 0, checkpoint_bytes: int = 0
+) -> int | str:
     """Run the workers until the run is done, failed, or (on SLURM) its job must go back to
     the queue: 0, an exit code, or "requeue". Off SLURM, a stop ahead of the time limit is
     followed at once by the next segment, with a fresh limit."""
@@ -377,8 +336,11 @@ def launch_job(job: Job, announce_fd: int | None = None) -> int:
     if result != "requeue":
         attempt.finish(result, done(step) if result == 0 else None)
         return result
-    attempt.finish(STOPPED_EXIT_CODE, f"stopped ahead of the time limit at step {step}; the "
-                   f"SLURM job goes back to the queue to continue")  # fmt: skip
+    attempt.finish(
+        STOPPED_EXIT_CODE,
+        f"stopped ahead of the time limit at step {step}; the "
+        f"SLURM job goes back to the queue to continue",
+    )
     if requeue_self():
         time.sleep(300)  # SLURM ends this run of the job now; the next one resumes
     return STOPPED_EXIT_CODE
@@ -388,9 +350,10 @@ def train_job(job: Job, attempt) -> int | str:
     """Check the job, take the run's lock, train (a resume said): 0, an exit code or "requeue"."""
     log.info(
         "train job started: host %s, PID %d%s",
-        socket.gethostname(), os.getpid(),
+        socket.gethostname(),
+        os.getpid(),
         f", SLURM job {os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else "",
-    )  # fmt: skip
+    )
     nodes, gpus = check_job(job)
     checkpoint_bytes = check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):

@@ -49,8 +49,9 @@ def allreduce_busbw(nbytes: int | None = None, iterations: int = ITERATIONS) -> 
     for _ in range(iterations):
         dist.all_reduce(x)
     sync()
-    took = torch.tensor([(time.perf_counter() - began) / iterations], dtype=torch.float64,
-                        device=device)  # fmt: skip
+    took = torch.tensor(
+        [(time.perf_counter() - began) / iterations], dtype=torch.float64, device=device
+    )
     dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's time
     seconds, n = float(took.item()), dist.get_world_size()
     algbw = nbytes / seconds / 1e9
@@ -68,12 +69,14 @@ def too_slow(result: dict, min_gbps: float | None) -> str | None:
     """The one line failing the job when the bus bandwidth is under ``min_gbps``."""
     if min_gbps is None or result["busbw_gbps"] >= min_gbps:
         return None
-    return (f"network: all-reduce bus bandwidth {result['busbw_gbps']:.2f} GB/s across "
-            f"{result['ranks']} ranks ({result['bytes'] // 2**20} MiB, {result['backend']}) is "
-            f"under preflight.min_busbw_gbps {min_gbps:g}: the nodes likely talk over TCP "
-            "sockets instead of InfiniBand; check NCCL_IB_DISABLE (unset it), "
-            "NCCL_SOCKET_IFNAME and NCCL_IB_HCA, and NCCL_DEBUG=INFO's transport "
-            "lines")  # fmt: skip
+    return (
+        f"network: all-reduce bus bandwidth {result['busbw_gbps']:.2f} GB/s across "
+        f"{result['ranks']} ranks ({result['bytes'] // 2**20} MiB, {result['backend']}) is "
+        f"under preflight.min_busbw_gbps {min_gbps:g}: the nodes likely talk over TCP "
+        "sockets instead of InfiniBand; check NCCL_IB_DISABLE (unset it), "
+        "NCCL_SOCKET_IFNAME and NCCL_IB_HCA, and NCCL_DEBUG=INFO's transport "
+        "lines"
+    )
 
 
 def read_result(ckpt_dir: Path) -> dict | None:

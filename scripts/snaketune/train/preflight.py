@@ -93,8 +93,9 @@ def check_port(head: str, port: int, node_id: int, nodes: int, timeout: float) -
             time.sleep(0.2)
 
 
-def node_check(run_dir: Path, gpus_per_node: int, head: str, port: int, nodes: int,
-               timeout: float = 60.0) -> dict:  # fmt: skip
+def node_check(
+    run_dir: Path, gpus_per_node: int, head: str, port: int, nodes: int, timeout: float = 60.0
+) -> dict:
     """This node's checks; written to ``run_dir/preflight/node-<id>.json``."""
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     host = host_name()

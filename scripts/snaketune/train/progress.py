@@ -23,21 +23,30 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from snaketune.budget.diskplan import DiskGuard
 from snaketune.core.checkpoints import mark_complete, prune
 from snaketune.core.collective import barrier, gather_combined
 from snaketune.core.heartbeat import Heartbeat
 from snaketune.core.job import Handoff
 from snaketune.core.throughput import FlopsModel, mfu, step_flops
 from snaketune.train.health import LEVEL, STATUS, Watchdog
+from snaketune.train.resume import DiskGuard
 from snaketune.train.vitals import Vitals
 
 log = logging.getLogger(__name__)
 
 # the per-rank numbers of a step: how each is combined across ranks
-FIELDS = (("flag", "max"), ("timeup", "max"), ("tokens", "sum"), ("padded", "sum"),
-          ("samples", "sum"), ("squares", "sum"), ("peak", "max"), ("status", "max"),
-          ("temp", "max"), ("disk", "max"))  # fmt: skip
+FIELDS = (
+    ("flag", "max"),
+    ("timeup", "max"),
+    ("tokens", "sum"),
+    ("padded", "sum"),
+    ("samples", "sum"),
+    ("squares", "sum"),
+    ("peak", "max"),
+    ("status", "max"),
+    ("temp", "max"),
+    ("disk", "max"),
+)
 
 
 class StopRequest:

@@ -30,8 +30,12 @@ def allocation_end(job: Job, started: float) -> float | None:
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id and shutil.which("squeue"):
         try:
-            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
-                                 text=True, timeout=60).stdout.strip()  # fmt: skip
+            out = subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%e"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout.strip()
             if out in ("UNLIMITED", "NONE"):
                 return None  # the job has no time limit
             return datetime.fromisoformat(out).timestamp()
@@ -56,8 +60,9 @@ def slurm_restarts() -> int:
     if not job_id:
         return 0
     try:
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                             text=True, timeout=60).stdout  # fmt: skip
+        out = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=60
+        ).stdout
     except (subprocess.SubprocessError, OSError):
         out = ""
     found = re.search(r"\bRestarts=(\d+)", out)
@@ -109,6 +114,7 @@ def requeue_self() -> bool:
     if proc.returncode != 0:
         log.error("scontrol requeue %s failed: %s", job_id, proc.stderr.strip())
         return False
-    log.warning("SLURM job %s requeued: it continues from the checkpoint when it starts again",
-                job_id)  # fmt: skip
+    log.warning(
+        "SLURM job %s requeued: it continues from the checkpoint when it starts again", job_id
+    )
     return True

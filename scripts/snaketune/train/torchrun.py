@@ -26,10 +26,12 @@ class StoreGoneAtShutdown(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if "has failed to shutdown the rendezvous" in text and "RendezvousConnection" in text:
-            record.msg = ("rendezvous: this node's agent is leaving after the first node's, "
-                          "whose agent held the rendezvous store and has ended: nothing to "
-                          "tell it (torchrun's RendezvousConnectionError at shutdown; not a "
-                          "failure)")  # fmt: skip
+            record.msg = (
+                "rendezvous: this node's agent is leaving after the first node's, "
+                "whose agent held the rendezvous store and has ended: nothing to "
+                "tell it (torchrun's RendezvousConnectionError at shutdown; not a "
+                "failure)"
+            )
             record.args = ()
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
@@ -44,8 +46,10 @@ def quiet_torchrun() -> int:
     try:
         main()
     except SignalException as exc:
-        print(f"torchrun agent (PID {os.getpid()}): stopped by {signal.Signals(exc.sigval).name}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"torchrun agent (PID {os.getpid()}): stopped by {signal.Signals(exc.sigval).name}",
+            file=sys.stderr,
+        )
         return 128 + int(exc.sigval)
     return 0
 

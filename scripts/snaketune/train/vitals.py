@@ -48,10 +48,15 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
         out["reward_std"] = (
             f"no learning signal: reward_std 0 in each of the first {WINDOW} steps: every "
             "completion of a prompt gets the same reward, so the advantages and the gradient "
-            "are zero; " + (f"{cut}; raise it" if clipped else "check the rewards on a few "
-            f"completions ({block}.rewards), raise {block}.temperature, or give prompts the "
-            "model can sometimes answer")
-        )  # fmt: skip
+            "are zero; "
+            + (
+                f"{cut}; raise it"
+                if clipped
+                else "check the rewards on a few "
+                f"completions ({block}.rewards), raise {block}.temperature, or give prompts the "
+                "model can sometimes answer"
+            )
+        )
     elif clipped:
         out["completion_clipped"] = f"{cut} in each of the first {WINDOW} steps; raise it"
     if "reward_std" not in out and _all(first, "grad_norm", lambda v: v == 0):
@@ -70,7 +75,7 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
         and method_of(run).heldout_metric == "loss"  # its loss tracks learning (not RL's)
         and _all(first, "loss", math.isfinite)
         and max(losses) - min(losses) <= 1e-6 * max(1.0, abs(losses[0]))
-    ):  # fmt: skip
+    ):
         out["loss_flat"] = (
             f"loss {losses[0]:.6g} in each of the first {WINDOW} steps, on different batches: "
             "the weights do not move or no example carries a label; check learning_rate, "
@@ -101,8 +106,10 @@ class Vitals:
         if new:
             with open(self.path, "a") as fh:
                 for name, line in new.items():
-                    fh.write(json.dumps({"step": record.get("step"), "check": name,
-                                         "warning": line}) + "\n")  # fmt: skip
+                    fh.write(
+                        json.dumps({"step": record.get("step"), "check": name, "warning": line})
+                        + "\n"
+                    )
         self.said |= set(new)
         return list(new.values())
 

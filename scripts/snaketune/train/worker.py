@@ -16,7 +16,8 @@
    health watchdog, the heartbeat, the disk guard;
 6. the method's trainer (snaketune.methods);
 7. train, resuming from the newest complete checkpoint;
-8. how it ended (``finish``): the outputs, or the exit code of a stop (snaketune.core.job).
+8. how it ended (snaketune.train.ending): the outputs, or the exit code of a stop
+   (snaketune.core.job).
 
 What every method shares:
 
@@ -43,29 +44,22 @@ from typing import Any
 
 import numpy as np
 
-from snaketune.budget.diskplan import DiskGuard
-from snaketune.core import heldout, qlora
+from snaketune.core import qlora
 from snaketune.core.checkpoints import (
-    best_checkpoint,
     checkpoint_step,
-    heldout_of,
     newest_complete,
     prune,
     truncate_metrics,
 )
-from snaketune.core.collective import any_rank, barrier, ragged_gather
+from snaketune.core.collective import barrier, ragged_gather
 from snaketune.core.errors import UserError
 from snaketune.core.heartbeat import FOLDER as HEARTBEATS
 from snaketune.core.heartbeat import Heartbeat
-from snaketune.core.io import host_name, read_jsonl, write_json
+from snaketune.core.io import host_name, write_json
 from snaketune.core.job import (
-    DISK_EXIT_CODE,
-    HEALTH_EXIT_CODE,
     NETWORK_EXIT_CODE,
-    STOPPED_EXIT_CODE,
     Handoff,
     WorkerEnv,
-    write_segment,
 )
 from snaketune.core.lora_targets import ADAPTERS, describe, run_dropout
 from snaketune.data import sequence
@@ -83,9 +77,10 @@ from snaketune.evaluation.model import (
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context
 from snaketune.plan.runspec import RunSpec, heldout_metric, kept_best
-from snaketune.train.health import report_unhealthy, start_watchdog
-from snaketune.train.outputs import probe_inputs, save_outputs
+from snaketune.train.ending import finish
+from snaketune.train.health import start_watchdog
 from snaketune.train.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
+from snaketune.train.resume import DiskGuard
 from snaketune.train.vitals import Vitals
 
 log = logging.getLogger(__name__)
@@ -104,8 +99,11 @@ def join(
     env = WorkerEnv.from_environ()
     manifest = json.loads((shards / "manifest.json").read_text())
     expected = manifest["nodes"] * manifest["gpus_per_node"]
-    if (env.world_size != expected or env.local_world_size != manifest["gpus_per_node"]
-            or manifest.get("sequence_parallel", 1) != sequence.size(run)):  # fmt: skip
+    if (
+        env.world_size != expected
+        or env.local_world_size != manifest["gpus_per_node"]
+        or manifest.get("sequence_parallel", 1) != sequence.size(run)
+    ):
         raise UserError(
             f"launched {env.world_size} processes ({env.local_world_size} per node) but the shards "
             f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']} (sequence_parallel "
@@ -140,29 +138,52 @@ def time_network(env: WorkerEnv, ckpt_dir: Path, min_busbw: float | None) -> dic
     problem = too_slow(network, min_busbw)
     if env.rank == 0:
         write_json(ckpt_dir / RESULT, {**network, "problem": problem})
-        log.info("network: all-reduce of %d MiB across %d ranks (%s): bus bandwidth %.2f "
-                 "GB/s", network["bytes"] // 2**20, network["ranks"], network["backend"],
-                 network["busbw_gbps"])  # fmt: skip
+        log.info(
+            "network: all-reduce of %d MiB across %d ranks (%s): bus bandwidth %.2f GB/s",
+            network["bytes"] // 2**20,
+            network["ranks"],
+            network["backend"],
+            network["busbw_gbps"],
+        )
     if problem:  # the launcher says it, once (snaketune.train.launch.outcome)
         raise SystemExit(NETWORK_EXIT_CODE)
     return network
 
 
-def rank_data(method: Method, run: dict[str, Any], manifest: dict[str, Any], shards: Path,
-              env: WorkerEnv, tokenizer, kernel: str, start_step: int,
-              ids_log: Path | None) -> Data:  # fmt: skip
+def rank_data(
+    method: Method,
+    run: dict[str, Any],
+    manifest: dict[str, Any],
+    shards: Path,
+    env: WorkerEnv,
+    tokenizer,
+    kernel: str,
+    start_step: int,
+    ids_log: Path | None,
+) -> Data:
     """This rank's planned rows and batches, as the method trains on them."""
     # a sequence-parallel group's GPUs read their data-parallel rank's rows
     table = read_rank_rows(shards, env.node_rank, env.rank // sequence.size(run))
     steps = manifest["steps_per_epoch"]
-    batches = PlanBatches(np.asarray(table["step"]), np.asarray(table["micro"]), steps,
-                          manifest["gradient_accumulation_steps"], run["seed"],
-                          start_epoch=start_step // steps)  # fmt: skip
+    batches = PlanBatches(
+        np.asarray(table["step"]),
+        np.asarray(table["micro"]),
+        steps,
+        manifest["gradient_accumulation_steps"],
+        run["seed"],
+        start_epoch=start_step // steps,
+    )
     return method.data(run, table, batches, tokenizer, kernel, ids_log)
 
 
-def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: str,
-              data: Data, resume: Path | None) -> None:  # fmt: skip
+def log_start(
+    method: Method,
+    ctx: Context,
+    manifest: dict[str, Any],
+    kernel: str,
+    data: Data,
+    resume: Path | None,
+) -> None:
     """Rank 0's start-up lines: what the method does, the global batch and the settings."""
     run, env = ctx.run, ctx.env
     line = method.describe(run, manifest)
@@ -172,22 +193,30 @@ def log_start(method: Method, ctx: Context, manifest: dict[str, Any], kernel: st
         "global batch %d = micro %d x %s x %d nodes x accumulation %d; %d steps per "
         "epoch; precision %s; %s; attention %s, %s batches%s; resuming from %s",
         manifest["global_batch"] * method.rows_per_example(run),
-        run["micro_batch_size"], sequence.devices(run, env.local_world_size),
-        env.world_size // env.local_world_size, run["gradient_accumulation_steps"],
-        manifest["steps_per_epoch"], ctx.precision, run["method"], kernel,
-        data.collator.layout, ", Liger kernels" if ctx.liger else "",
+        run["micro_batch_size"],
+        sequence.devices(run, env.local_world_size),
+        env.world_size // env.local_world_size,
+        run["gradient_accumulation_steps"],
+        manifest["steps_per_epoch"],
+        ctx.precision,
+        run["method"],
+        kernel,
+        data.collator.layout,
+        ", Liger kernels" if ctx.liger else "",
         resume.name if resume else "scratch",
-    )  # fmt: skip
+    )
 
 
-def held_out(run: dict[str, Any], env: WorkerEnv, tokenizer
-             ) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:  # fmt: skip
+def held_out(
+    run: dict[str, Any], env: WorkerEnv, tokenizer
+) -> tuple[heldout_pass.HeldOut | None, heldout_pass.Schedule | None]:
     """This rank's share of the eval set scored while training, and when (eval_steps)."""
     metric = heldout_metric(run)
     if metric is None:
         return None, None
-    scored = heldout_pass.HeldOut({**run["heldout"], "metric": metric}, run["seed"], env.rank,
-                                  env.world_size, tokenizer)  # fmt: skip
+    scored = heldout_pass.HeldOut(
+        {**run["heldout"], "metric": metric}, run["seed"], env.rank, env.world_size, tokenizer
+    )
     early = run.get("early_stopping")
     return scored, heldout_pass.Schedule(run["eval_steps"], metric, early, env.rank)
 
@@ -227,8 +256,9 @@ def made_ready(trainer, ctx: Context) -> None:
             log.info("%s", said)
         adapters = describe(trainer.model)  # the provenance reads it (snaketune.train.launch)
         write_json(ctx.ckpt_dir / ADAPTERS, adapters)
-        log.info("adapters: %s", ", ".join(f"{k} {v:,}" for k, v in
-                                          adapters["adapter_params"].items()))  # fmt: skip
+        log.info(
+            "adapters: %s", ", ".join(f"{k} {v:,}" for k, v in adapters["adapter_params"].items())
+        )
 
 
 def run_worker(
@@ -241,50 +271,36 @@ def run_worker(
     min_busbw: float | None = None,
 ) -> int:
     """Train one run; returns 0 when finished, or the exit code of a stop (snaketune.core.job)."""
-    from transformers import AutoTokenizer
-
     stop = StopRequest()
     stop.install()
     env, manifest, resume, network = join(run, shards, out, min_busbw)
     handoff = Handoff.from_environ()  # what the launcher handed this start of the workers
-    ckpt_dir, start_step = out / "checkpoints", checkpoint_step(resume) if resume else 0
-
+    start_step = checkpoint_step(resume) if resume else 0
     kernel = kernel_of(run, model_dir, out)
-    precision = resolve_precision(run["precision"])
-    spec = RunSpec.of(run)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    data = rank_data(spec.method, run, manifest, shards, env, tokenizer, kernel, start_step,
-                     ids_log)  # fmt: skip
-    quantize = qlora.settings(spec.quantization, precision)
-    model = build_model(model_dir, precision, kernel, quantize, run["gradient_checkpointing"],
-                        head=spec.method.head, seed=run["seed"])  # fmt: skip
-    quantized = qlora.record(model, quantize) if quantize else None
-    data = sequence.apply(run, env.rank, model, data, kernel, tokenizer)  # sequence_parallel
-    scored, schedule = held_out(run, env, tokenizer)
-    ctx = Context(run, env, model_dir, deepspeed, ckpt_dir, out, precision,
-                  resolve_liger(run["liger_kernel"]), tokenizer, quantized, scored,
-                  start_step, handoff.load_universal)  # fmt: skip
-
-    watchdog = start_watchdog(run["health"], env, ckpt_dir, out.parent.name)
+    ctx, model, data, schedule = prepare(
+        run,
+        env,
+        manifest,
+        (shards, model_dir, deepspeed, out),
+        kernel,
+        start_step,
+        handoff,
+        ids_log,
+    )
+    watchdog = start_watchdog(run["health"], env, ctx.ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
-    disk = DiskGuard(ckpt_dir, float(handoff.checkpoint_bytes)) if env.local_rank == 0 else None
-    vitals = Vitals(run, out, fresh=start_step == 0) if env.rank == 0 else None
-    callback = StepCallback(env.rank, data.collator, stop, ckpt_dir / "metrics.jsonl",
-                            run["save_total_limit"], start_step, watchdog,
-                            flops_model(run, model, env.world_size, spec.trains_lora),
-                            Deadline.handed(handoff),
-                            run["checkpoints"]["optimizer"], disk, network,
-                            spec.method.step_fields, kept_best(run), vitals)  # fmt: skip
+    disk = DiskGuard(ctx.ckpt_dir, float(handoff.checkpoint_bytes)) if env.local_rank == 0 else None
+    callback = step_callback(ctx, data, model, stop, (watchdog, disk, network), handoff)
     fixes = [UniversalLoadFix()] if handoff.load_universal else []
     # where this rank is, for the launcher's stall watch (snaketune.core.heartbeat)
-    beat = Heartbeat(ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
-
-    if scored is not None:
-        fixes.append(heldout_pass.callback(schedule, scored))
-    trainer = spec.method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
+    beat = Heartbeat(ctx.ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
+    if ctx.heldout is not None:
+        fixes.append(heldout_pass.callback(schedule, ctx.heldout))
+    method = RunSpec.of(run).method
+    trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     made_ready(trainer, ctx)
     if env.rank == 0:
-        log_start(spec.method, ctx, manifest, kernel, data, resume)
+        log_start(method, ctx, manifest, kernel, data, resume)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if watchdog is not None:
         watchdog.stop()
@@ -292,92 +308,81 @@ def run_worker(
     return finish(trainer, callback, ctx, disk, watchdog, stop, shards, schedule)
 
 
-def finish(trainer, callback: StepCallback, ctx: Context, disk: DiskGuard | None, watchdog,
-           stop: StopRequest, shards: Path,
-           schedule: heldout_pass.Schedule | None = None) -> int:  # fmt: skip
-    """How the training ended: the segment record for the launcher, then the outputs (0) or
-    the exit code of the stop, with its log line."""
-    env, ckpt_dir = ctx.env, ctx.ckpt_dir
-    # a stop asked at the last step leaves nothing to continue: the run is done
-    finished = trainer.state.global_step >= trainer.state.max_steps
-    if finished and callback.stopped_at is None:  # room for the outputs (~one checkpoint)?
-        short = disk.short() if disk is not None else None
-        if any_rank(short is not None):
-            callback.stopped_at, callback.stop_reason = trainer.state.global_step, "disk"
-            callback.disk_short = short
-    kept = callback.stopped_for_health or callback.stop_reason == "disk"
-    stopped = callback.stopped_at is not None and (kept or not finished)
-    if env.rank == 0 and stopped:  # how this job's training ended, for the launcher
-        write_segment(ckpt_dir, callback.stop_reason or "done", trainer.state.global_step,
-                      callback.deadline.train_s, callback.deadline.save_s,
-                      callback.disk_short if callback.stop_reason == "disk" else None)  # fmt: skip
-    if callback.stop_reason == "disk":
-        if env.rank == 0:
-            saved = newest_complete(ckpt_dir)
-            log.error("disk full: %s; stopped at step %d without saving; %s is complete and "
-                      "resumable", callback.disk_short, callback.stopped_at,
-                      saved.name if saved else "no checkpoint")  # fmt: skip
-        return DISK_EXIT_CODE
-    if callback.stopped_for_health:
-        report_unhealthy(watchdog, env, ckpt_dir, callback.stopped_at)
-        return HEALTH_EXIT_CODE
-    if stopped:
-        if env.rank == 0 and callback.stop_reason == "time":
-            log.warning(
-                "stopped at step %d ahead of the time limit (%s); checkpoint saved, the next "
-                "job continues from there", callback.stopped_at, stop.signal or "deadline",
-            )  # fmt: skip
-        elif env.rank == 0:
-            log.warning(
-                "stopped by %s at step %d; checkpoint saved, a rerun resumes there",
-                stop.signal or "a signal on another rank",
-                callback.stopped_at,
-            )
-        return STOPPED_EXIT_CODE
-    if schedule is not None and schedule.stopped and env.rank == 0:
-        log.info("%s; the run is finished", schedule.stopped)
-    records = {qlora.RECORD: ctx.quantized} if ctx.quantized else {}
-    exported = export_best(trainer, ctx)
-    if exported is not None:
-        records[heldout.EXPORTED] = exported
-    save_outputs(trainer, env, ctx.out, ckpt_dir / "metrics.jsonl", probe_inputs(shards),
-                 ctx.precision, records)  # fmt: skip
-    barrier()  # every rank's part of the outputs written: "done" means all of them are there
-    if env.rank == 0:
-        write_segment(ckpt_dir, "done", trainer.state.global_step, callback.deadline.train_s,
-                      callback.deadline.save_s)  # fmt: skip
-    return 0
+def prepare(
+    run: dict[str, Any],
+    env: WorkerEnv,
+    manifest: dict[str, Any],
+    paths: tuple[Path, Path, Path, Path],
+    kernel: str,
+    start_step: int,
+    handoff: Handoff,
+    ids_log: Path | None,
+) -> tuple[Context, Any, Data, heldout_pass.Schedule | None]:
+    """This rank's data, the model (its precision, 4-bit base, sequence-parallel split) and
+    the held-out pass, as the method's trainer receives them; ``paths``: the shards, the
+    model, the DeepSpeed config and the run's output folder."""
+    from transformers import AutoTokenizer
+
+    shards, model_dir, deepspeed, out = paths
+    precision = resolve_precision(run["precision"])
+    spec = RunSpec.of(run)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    data = rank_data(
+        spec.method, run, manifest, shards, env, tokenizer, kernel, start_step, ids_log
+    )
+    quantize = qlora.settings(spec.quantization, precision)
+    model = build_model(
+        model_dir,
+        precision,
+        kernel,
+        quantize,
+        run["gradient_checkpointing"],
+        head=spec.method.head,
+        seed=run["seed"],
+    )
+    quantized = qlora.record(model, quantize) if quantize else None
+    data = sequence.apply(run, env.rank, model, data, kernel, tokenizer)  # sequence_parallel
+    scored, schedule = held_out(run, env, tokenizer)
+    ctx = Context(
+        run,
+        env,
+        model_dir,
+        deepspeed,
+        out / "checkpoints",
+        out,
+        precision,
+        resolve_liger(run["liger_kernel"]),
+        tokenizer,
+        quantized,
+        scored,
+        start_step,
+        handoff.load_universal,
+    )
+    return ctx, model, data, schedule
 
 
-def export_best(trainer, ctx: Context) -> dict[str, Any] | None:
-    """With export.checkpoint: best, the best evaluated checkpoint's weights loaded back into
-    the engine (so every output is written from them); what was exported and why."""
-    best_of = kept_best(ctx.run)
-    if best_of is None:
-        return None
-    metric, greater = best_of
-    best = best_checkpoint(ctx.ckpt_dir, metric, greater)
-    step = trainer.state.global_step
-    if best is None:
-        if ctx.env.rank == 0:
-            log.warning("export.checkpoint: best, but no checkpoint was evaluated; exporting "
-                        "the last step's weights (step %d)", step)  # fmt: skip
-        return {"checkpoint": "last", "step": step, "reason": "no evaluated checkpoint"}
-    value = heldout_of(best)[metric]
-    if checkpoint_step(best) != step:
-        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-
-        deepspeed_load_checkpoint(trainer.model_wrapped, str(best), load_module_strict=False)
-    start = heldout.start_figure(read_jsonl(ctx.ckpt_dir / "metrics.jsonl"), metric)
-    worse = start is not None and (start > value if greater else start < value)
-    if ctx.env.rank == 0:
-        log.info("exporting %s: the best held-out %s, %.4f (the last step is %d)", best.name,
-                 metric, value, step)  # fmt: skip
-        if worse:
-            log.warning(heldout.worse_than_start(metric, start, value, checkpoint_step(best)))
-    out = {"checkpoint": "best", "step": checkpoint_step(best), "metric": metric,
-           "value": value, "last_step": step,
-           "reason": f"best held-out {metric} ({'highest' if greater else 'lowest'})"}  # fmt: skip
-    if start is not None:
-        out.update(start_value=start, worse_than_start=worse)
-    return out
+def step_callback(
+    ctx: Context, data: Data, model, stop: StopRequest, watches: tuple, handoff: Handoff
+) -> StepCallback:
+    """The step callback: metrics, stops, checkpoint marks, vitals; ``watches``: the GPU
+    health watchdog, the disk guard and the network figures it reports."""
+    run, env = ctx.run, ctx.env
+    watchdog, disk, network = watches
+    vitals = Vitals(run, ctx.out, fresh=ctx.start_step == 0) if env.rank == 0 else None
+    return StepCallback(
+        env.rank,
+        data.collator,
+        stop,
+        ctx.ckpt_dir / "metrics.jsonl",
+        run["save_total_limit"],
+        ctx.start_step,
+        watchdog,
+        flops_model(run, model, env.world_size, RunSpec.of(run).trains_lora),
+        Deadline.handed(handoff),
+        run["checkpoints"]["optimizer"],
+        disk,
+        network,
+        RunSpec.of(run).method.step_fields,
+        kept_best(run),
+        vitals,
+    )
