@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stage = "evaluate" if args.train else "evaluate_base"
         write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
-    if method is not None and not method.generates:  # it scores held-out pairs
+    if method is not None and not method.writes_text:  # it scores held-out pairs
         return reward(args, base, finish, sharded, method.headline)
     share, beat = Share.from_environ() if sharded else Share(), None
     if sharded:

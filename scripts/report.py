@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             exported = provenance.get("exported")
             attempts[name] = provenance.get("attempts") or []
             step = exported["step"] if exported and exported["checkpoint"] == "best" else None
-            panel = method_of(spec).plot  # the method's own first panel
+            panel = method_of(spec).panel  # the method's own first panel
             svgs[name] = training_svg(metrics, f"{name}: training", held_out, step, panel)
             (curves / f"{name}.svg").write_text(svgs[name])
             if "eval_dataset" in spec:

@@ -48,17 +48,9 @@ def test_no_method_is_named_outside_the_methods_package():
     literal (``"dpo"``, ``run["grpo"]``), in the library, its scripts or the workflow."""
     own = {name for name, m in methods().items() if m.adapter == "optional"}  # not lora/full:
     own |= {m.block for m in methods().values() if m.block}  # those are also adapter kinds
-    # a key of metrics.jsonl that a method's name shares: GRPO's per-step total reward (the
-    # report reads it; comparisons with a run's method are still caught by method_tests)
-    literals = own - {"reward"}
     found = []
     for path in outside_methods():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        found += [
-            f"{path.relative_to(ROOT)}:{line}: compares a method" for line in method_tests(tree)
-        ]
-        found += [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Constant) and n.value in literals]  # fmt: skip
+        found += named_in(path, own)
     named = re.compile(r"""["'](""" + "|".join(sorted(own)) + r""")["']|\["method"\]""")
     for path in WORKFLOW:
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -67,10 +59,25 @@ def test_no_method_is_named_outside_the_methods_package():
     assert found == [], "\n".join(found)
 
 
-def test_the_check_finds_a_method_named_in_code():
-    """The scan above catches the forms it looks for."""
+def named_in(path, own: set[str]) -> list[str]:
+    """A file's comparisons with a run's method and its literals naming one (a method's name
+    or block, wherever it stands: a key, a default, a comparison), with no exemption: a
+    metrics key a method's name shares (GRPO's total ``reward``) is the method's to read."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    found = [f"{where}:{line}: compares a method" for line in method_tests(tree)]
+    literals = (n for n in ast.walk(tree) if isinstance(n, ast.Constant))
+    return found + [f"{where}:{n.lineno}: {n.value!r}" for n in literals if n.value in own]
+
+
+def test_the_check_finds_a_method_named_in_code(tmp_path):
+    """The scan above catches the forms it looks for, the one that escaped the regex of old
+    (a metrics key read by a method's name: ``m.get("reward") is not None``) included."""
     code = 'if run["method"] == "dpo": pass\nif spec.get("method") in X: pass\nif s.method: pass'
     assert method_tests(ast.parse(code)) == [1, 2]
+    probe = tmp_path / "probe.py"
+    probe.write_text('rows = [m for m in metrics if m.get("reward") is not None]\n')
+    assert named_in(probe, {"reward", "grpo"}) == ["probe.py:1: 'reward'"]
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

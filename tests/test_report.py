@@ -52,13 +52,13 @@ def test_lm_eval_gain_over_base_and_summary_columns():
 
 def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
     from snaketune.app.plots import training_svg
-    from snaketune.app.summary import reward_quarters
     from snaketune.methods import method_named
+    from snaketune.methods.rollouts import reward_quarters
 
     metrics = [{"step": s, "loss": 0.01, "lr": 1e-3, "tokens_per_s": 100.0,
                 "reward": 0.1 * s, "reward_correctness_mean": 0.05 * s,
                 "reward_format_mean": 1.0} for s in range(1, 9)]  # fmt: skip
-    svg = training_svg(metrics, "rl", None, panel=method_named("grpo").plot)
+    svg = training_svg(metrics, "rl", None, panel=method_named("grpo").panel)
     assert 'id="reward"' in svg and 'id="loss"' not in svg
     assert "mean reward per completion" in svg and "correctness" in svg
     # the total's quarters, and each reward's by its key (steps 1-2 and 7-8 of 8)
@@ -75,7 +75,7 @@ def test_a_grpo_run_is_plotted_by_its_rewards_and_summarised_by_quarters():
 def test_a_preference_run_is_summarised_by_what_its_trainer_logs():
     """DPO logs reward accuracy and margin, KTO's trainer only the margin: the summary's
     last quarter has each run's own (steps 7-8 of 8), and no column it never logged."""
-    from snaketune.app.summary import preference_quarter
+    from snaketune.methods.outputs import preference_quarter
 
     dpo = [{"step": s, "loss": 0.5, "reward_accuracy": 0.1 * s, "reward_margin": 0.2 * s}
            for s in range(1, 9)]  # fmt: skip

@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT
 
-from snaketune.app.summary import extra_columns, reward_quarters
+from snaketune.app.summary import extra_columns
 from snaketune.core.errors import ConfigError
 from snaketune.methods import rewards
 from snaketune.methods.rewards import correctness
-from snaketune.methods.rollouts import step_fields
+from snaketune.methods.rollouts import reward_quarters, step_fields
 from snaketune.plan import trainjob
 from snaketune.plan.config import load_yaml, validate_config
 

@@ -228,4 +228,4 @@ def test_rloo_after_sft_reaches_evaluation_with_its_headline(grpo_chain):
     from snaketune.methods import method_named
 
     assert 'id="reward"' in training_svg(metrics, "rloo_demo", None,
-                                         panel=method_named("rloo").plot)  # fmt: skip
+                                         panel=method_named("rloo").panel)  # fmt: skip

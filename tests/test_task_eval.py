@@ -4,6 +4,7 @@ test of a run's kind by a proxy outside the methods and the data kinds."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import re
@@ -90,7 +91,7 @@ def test_the_headline_is_the_method_s_then_the_data_s_then_the_user_s():
     assert headline(dpo.headline, "text", ()) == ["preference_accuracy", "loss", "chrf"]
     assert headline(sft.headline, "numeric", ("m.py:f",)) == [
         "exact_match", "math_verify", "loss", "m.py:f"]  # fmt: skip
-    assert headline(rm.headline, None, (), rm.generates) == ["preference_accuracy",
+    assert headline(rm.headline, None, (), rm.writes_text) == ["preference_accuracy",
                                                              "reward_margin"]  # fmt: skip
 
 
@@ -262,7 +263,7 @@ def test_the_dpo_plot_s_panels_keep_their_axes_apart():
                 "reward_margin": 0.02 * s, "reward_accuracy": min(1.0, 0.1 * s)}
                for s in range(1, 21)]  # fmt: skip
     metrics += [{"step": s, "heldout_loss": 2.0 - 0.02 * s} for s in (10, 20)]
-    fig = training_figure(metrics, "chat_dpo: training", 1.5, None, method_named("dpo").plot)
+    fig = training_figure(metrics, "chat_dpo: training", 1.5, None, method_named("dpo").panel)
     fig.canvas.draw()  # the layout is made at drawing, as the SVG is
     renderer = fig.canvas.get_renderer()
     panels = fig.axes[:3]
@@ -281,47 +282,96 @@ def test_the_dpo_plot_s_panels_keep_their_axes_apart():
 # that owns what a model's head is.
 OWNERS = ("scripts/snaketune/methods/", "scripts/snaketune/data/",
           "scripts/snaketune/evaluation/heads.py")  # fmt: skip
-PROXIES = [
-    (re.compile(r"""head\s*[!=]=\s*["']score["']"""), "tests a head type"),
-    (re.compile(r"""\.get\(\s*["']head["']\s*\)"""), "reads a metrics file's head"),
-    (
-        re.compile(
-            r"""["'](reward|reward_margin|chosen_score|chosen_logp|preference_accuracy|"""
-            r"""likelihood_accuracy|rejected_input_ids)["']\s+(not\s+)?in\s"""
-        ),
-        "probes a key that only one method or data kind writes",
-    ),  # fmt: skip
-    (re.compile(r"reward[-_]seed|dpo[-_]beta"), "a switch named after one method"),
-]
+# keys only one method or data kind writes: probing for one (``"k" in m``) tells a kind
+ONE_KINDS_KEYS = {
+    "reward",
+    "reward_margin",
+    "chosen_score",
+    "chosen_logp",
+    "preference_accuracy",
+    "likelihood_accuracy",
+    "rejected_input_ids",
+}
+SWITCHES = re.compile(r"reward[-_]seed|dpo[-_]beta")  # a switch named after one method
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+
+
+def proxy_nodes(tree: ast.AST) -> list[tuple[int, str]]:
+    """The syntax tree's tests of a run's kind by a proxy: a head compared with "score", a
+    metrics file's head read (``.get("head")``), a key only one kind writes probed with
+    ``in``, a literal naming a switch after one method."""
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            sides = [n.left, *n.comparators]
+            if any(_name(x) == "head" for x in sides) and any(
+                isinstance(x, ast.Constant) and x.value == "score" for x in sides
+            ):
+                found.append((n.lineno, "tests a head type"))
+            if (
+                isinstance(n.left, ast.Constant)
+                and n.left.value in ONE_KINDS_KEYS
+                and any(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops)
+            ):
+                found.append((n.lineno, "probes a key that only one method or data kind writes"))
+        elif (
+            isinstance(n, ast.Call)
+            and _name(n.func) == "get"
+            and n.args
+            and isinstance(n.args[0], ast.Constant)
+            and n.args[0].value == "head"
+        ):
+            found.append((n.lineno, "reads a metrics file's head"))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and SWITCHES.search(n.value):
+            found.append((n.lineno, "a switch named after one method"))
+    return found
 
 
 def proxies(paths: list[Path]) -> list[str]:
+    """Python files read as syntax trees; the workflow's rules (Snakemake's language) line
+    by line for the same forms."""
     found = []
     for path in paths:
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            for pattern, why in PROXIES:
-                if pattern.search(line):
-                    found.append(f"{path.relative_to(ROOT)}:{i}: {why}: {line.strip()}")
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        if path.suffix == ".py":
+            found += [f"{where}:{i}: {why}" for i, why in proxy_nodes(ast.parse(text))]
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            code = line.split("#")[0]
+            if SWITCHES.search(code) or re.search(r"""head\s*[!=]=\s*["']score""", code):
+                found.append(f"{where}:{i}: {line.strip()}")
     return found
 
 
 def test_nothing_outside_the_methods_and_data_kinds_tests_a_run_s_kind_by_a_proxy():
-    paths = [p for p in [*ROOT.glob("scripts/**/*.py"), *ROOT.glob("workflow/**/*.smk"),
-                         ROOT / "Snakefile"]
-             if not str(p.relative_to(ROOT)).startswith(OWNERS)]  # fmt: skip
+    """Where a run's kind is asked directly is where it is defined: the methods, the data
+    kinds, and the module that owns what a model's head is; everywhere else asks them."""
+    paths = [
+        p
+        for p in [
+            *ROOT.glob("scripts/**/*.py"),
+            *ROOT.glob("workflow/**/*.smk"),
+            ROOT / "Snakefile",
+        ]
+        if not str(p.relative_to(ROOT)).startswith(OWNERS)
+    ]
     assert len(paths) > 60
     assert proxies(paths) == []
 
 
 def test_the_proxy_scan_finds_each_form(tmp_path):
-    probe = ROOT / "tests" / ".proxy_probe.py"
-    try:
-        probe.write_text('if ev.get("head") == "score":\n    pass\nif "reward_margin" in m[0]:\n'
-                         "    x = '--reward-seed'\nif head != 'score': pass\n")  # fmt: skip
-        found = proxies([probe])
-    finally:
-        probe.unlink()
-    assert [int(f.split(":")[1]) for f in found] == [1, 3, 4, 5], found
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        'if ev.get("head") == "score":\n    pass\nif "reward_margin" in m[0]:\n'
+        "    x = '--reward-seed'\nif head != 'score': pass\n"
+        'rows = [m for m in metrics if "reward" not in m]\n'
+    )
+    found = proxies([probe])
+    assert sorted({int(f.split(":")[1]) for f in found}) == [1, 3, 4, 5, 6], found
 
 
 # ------------------------------------------------------------ the chain, end to end

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from snaketune.core.heldout import split_rows
+from snaketune.methods.outputs import Panel
 
 
 def svg_of(fig) -> str:
@@ -41,18 +42,15 @@ def figure(width_in: float, height_in: float, cols: int):
     return plt.subplots(1, cols, figsize=(width_in, height_in), squeeze=False, layout="constrained")
 
 
-PANELS = ("loss", "reward", "preference")  # a method's first panel (snaketune.methods: plot)
-
-
 def training_svg(
     metrics: list[dict[str, Any]],
     title: str,
     eval_loss: float | None,
     exported: int | None = None,
-    panel: str = "loss",
+    panel: Panel | None = None,
 ) -> str:
-    """The method's first ``panel``: training loss (with the held-out loss where measured),
-    a GRPO run's rewards or a DPO or reward model run's preference figures; learning rate;
+    """The method's first ``panel`` (snaketune.methods.outputs.Panel; None: the training
+    loss, with the held-out loss where measured); learning rate;
     tokens/s; against the optimizer step, side by side, with ticks and units. Held-out
     passes while training (eval_steps) are points over the first panel, and ``exported``
     (export.checkpoint: best) marks the step the model was taken from."""
@@ -64,21 +62,18 @@ def training_figure(
     title: str,
     eval_loss: float | None,
     exported: int | None = None,
-    panel: str = "loss",
+    panel: Panel | None = None,
 ):
     """The matplotlib figure of ``training_svg``."""
     metrics, held = split_rows(metrics)
     steps = [m["step"] for m in metrics]
     fig, axes = figure(11.5, 3.0, 3)
     loss, lr, tps = axes[0]
-    if metrics and panel == "reward":
-        _reward_panel(loss, metrics, steps)
-        loss.set_title(f"{title}: reward")
-        _heldout_points(loss, held, "exact_match", twin=True)
-    elif metrics and panel == "preference":
-        _preference_panel(loss, metrics, steps)
-        loss.set_title(f"{title}: preference")
-        _heldout_points(loss, held, "loss", twin=False)  # a loss: the left axis's unit
+    if metrics and panel is not None:
+        method_panel(loss, panel, metrics, steps)
+        loss.set_title(f"{title}: {panel.title}")
+        # a loss on the panel's own axis; another figure on a second one
+        _heldout_points(loss, held, panel.heldout, twin=panel.heldout != "loss")
     else:
         _loss_panel(loss, metrics, steps, eval_loss)
         loss.set_title(f"{title}: loss")
@@ -144,50 +139,31 @@ def _loss_panel(ax, metrics: list[dict[str, Any]], steps: list[int], eval_loss) 
     ax.legend(fontsize=8)
 
 
-def _reward_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
-    """GRPO: the total (weighted) reward per completion and each reward's mean."""
-    (line,) = ax.plot(steps, [m["reward"] for m in metrics], color="tab:blue", label="total")
-    line.set_gid("reward")
-    from snaketune.app.summary import reward_names
-
-    for name in sorted(reward_names(metrics)):
-        ax.plot(
-            steps,
-            [m.get(f"reward_{name}_mean", float("nan")) for m in metrics],
-            linewidth=1,
-            label=name,
-        )
-    ax.set(xlabel="optimizer step", ylabel="mean reward per completion")
-    ax.legend(fontsize=8)
-
-
-def _preference_panel(ax, metrics: list[dict[str, Any]], steps: list[int]) -> None:
-    """DPO: the loss, the implicit rewards of chosen and rejected and their margin, and (on
-    the right axis) the reward accuracy of each step's pairs."""
-    (line,) = ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
-    line.set_gid("loss")
-    for key, color in (
-        ("reward_chosen", "tab:green"),
-        ("reward_rejected", "tab:red"),
-        ("reward_margin", "tab:orange"),
-    ):
-        ax.plot(
+def method_panel(ax, panel: Panel, metrics: list[dict[str, Any]], steps: list[int]) -> None:
+    """A method's own first panel: its series (the first marked for the tests by its key),
+    those found in the rows, and its right-axis series on 0 to 1."""
+    found = panel.more(metrics) if panel.more else []
+    series = [*panel.series, *((key, label, None) for key, label in found)]
+    for i, (key, label, color) in enumerate(series):
+        (line,) = ax.plot(
             steps,
             [m.get(key, float("nan")) for m in metrics],
-            linewidth=1,
             color=color,
-            label=key.replace("_", " "),
+            linewidth=1.5 if i == 0 else 1,
+            label=label,
         )
-    ax.set(xlabel="optimizer step", ylabel="loss; reward (beta x log-ratio)")
+        if i == 0:
+            line.set_gid(key)
+    ax.set(xlabel="optimizer step", ylabel=panel.ylabel)
+    if panel.right is None:
+        ax.legend(fontsize=8)
+        return
+    key, label = panel.right
     right = ax.twinx()
     right.plot(
-        steps,
-        [m.get("reward_accuracy", float("nan")) for m in metrics],
-        ":",
-        color="tab:gray",
-        label="reward accuracy",
+        steps, [m.get(key, float("nan")) for m in metrics], ":", color="tab:gray", label=label
     )
-    right.set(ylabel="reward accuracy", ylim=(0, 1.05))
+    right.set(ylabel=label, ylim=(0, 1.05))
     right.grid(False)
     lines = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=7)

@@ -310,7 +310,7 @@ def samples_html(row: dict[str, str], samples: list[dict[str, Any]] | None, n: i
     """The run's samples marked right or wrong (a scoring model's: its scored pairs)."""
     if not samples:
         return ""
-    pairs = not method_named(row["method"]).generates if row else False
+    pairs = not method_named(row["method"]).writes_text if row else False
     return "<h3>Samples</h3>" + (scores_table if pairs else samples_table)(samples, n)
 
 

@@ -13,7 +13,15 @@ from typing import Any
 from snaketune.budget.calibrate import benchmark_seconds
 from snaketune.budget.cost import estimate_columns
 from snaketune.core.heldout import split_rows
+from snaketune.methods import method_of, methods
+from snaketune.methods.outputs import quarters
 from snaketune.train.vitals import read as read_warnings
+
+
+def method_columns() -> list[str]:
+    """The methods' own columns (snaketune.methods.outputs), each once, in registry order."""
+    return list(dict.fromkeys(c for m in methods().values() for c in m.summary_columns))
+
 
 COLUMNS = [
     "run",
@@ -23,10 +31,7 @@ COLUMNS = [
     "nodes_x_devices",
     "steps",
     "final_loss",
-    "reward_first_quarter",
-    "reward_last_quarter",
-    "reward_accuracy_last_quarter",
-    "reward_margin_last_quarter",
+    *method_columns(),
     "tokens_per_s",
     "padding",
     "mfu",
@@ -84,25 +89,6 @@ def throughput(metrics: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def quarters(values: list[float]) -> tuple[float, float]:
-    """The mean of the first and of the last quarter of ``values`` (at least one each),
-    rounded as summary.tsv shows them."""
-    n = max(1, len(values) // 4)
-    return round(sum(values[:n]) / n, 4), round(sum(values[-n:]) / n, 4)
-
-
-def reward_names(metrics: list[dict[str, Any]]) -> list[str]:
-    """The rewards a GRPO run logged on its own (``reward_<key>_mean``), first seen first."""
-    return list(
-        dict.fromkeys(
-            k[len("reward_") : -len("_mean")]
-            for m in metrics
-            for k in m
-            if k.startswith("reward_") and k.endswith("_mean")
-        )
-    )
-
-
 def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """A mixture of experts' mean load-balancing loss and expert load (the busiest expert's
     share over an even one) over its last quarter of steps; nothing for a dense run."""
@@ -112,34 +98,6 @@ def router_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
         if values:
             out[f"{key}_last_quarter"] = quarters(values)[1]
     return out
-
-
-def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """A GRPO run's mean total reward over its first and last quarter of steps (at least
-    one step each), and each reward's by its key (``reward_last_quarter:<key>``); nothing
-    for a run without rewards."""
-    rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
-    if not rewards:
-        return {}
-    out = dict(zip(("reward_first_quarter", "reward_last_quarter"), quarters(rewards), strict=True))
-    for name in reward_names(metrics):
-        key = f"reward_{name}_mean"
-        first, last = quarters([m[key] for m in metrics if m.get(key) is not None])
-        out[f"reward_first_quarter:{name}"], out[f"reward_last_quarter:{name}"] = first, last
-    return out
-
-
-def preference_quarter(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """A preference run's mean reward accuracy and margin over its last quarter of steps
-    (what it logs of them: KTO's trainer has no reward accuracy)."""
-    rows = [m for m in metrics if m.get("reward_margin") is not None]
-    if not rows:
-        return {}
-    return {
-        f"{key}_last_quarter": quarters([m[key] for m in rows])[1]
-        for key in ("reward_accuracy", "reward_margin")
-        if all(m.get(key) is not None for m in rows)
-    }
 
 
 def heldout_columns(held: list[dict[str, Any]], exported: dict | None) -> dict[str, Any]:
@@ -180,8 +138,7 @@ def summary_row(
         "nodes_x_devices": f"{spec['nodes']}x{spec['gpus_per_node']}",
         "steps": metrics[-1]["step"] if metrics else 0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
-        **reward_quarters(metrics),
-        **preference_quarter(metrics),
+        **method_of(spec).summary_figures(metrics),  # the method's own
         **throughput(metrics),
         **router_quarter(metrics),
         **heldout_columns(held, provenance.get("exported")),
@@ -237,12 +194,14 @@ def figure_columns(ev: dict[str, Any]) -> dict[str, Any]:
 
 def extra_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The columns after the fixed ones: each swept key (``sweep:<path>``, first seen
-    first), each GRPO reward's quarters (``reward_first_quarter:<key>``), the held-out
+    first), a method's columns by name (a GRPO run's ``reward_first_quarter:<key>``), the held-out
     columns of runs evaluated while training, the evaluation's other figures (free text,
     the user's metrics: ``figure_columns``), then the lm-eval columns task by task."""
     seen = [c for row in rows for c in row if c not in COLUMNS]
     swept = list(dict.fromkeys(c for c in seen if c.startswith("sweep:")))
-    rewards = list(dict.fromkeys(c for c in seen if c.startswith("reward_") and ":" in c))
+    # a method's columns by name (a GRPO run's reward_last_quarter:<reward>)
+    owned = tuple(f"{c}:" for c in method_columns())
+    rewards = list(dict.fromkeys(c for c in seen if c.startswith(owned)))
     prefixes = ("heldout_", "exported_", "start_heldout_")
     held = list(dict.fromkeys(c for c in seen if c.startswith(prefixes)))
     lm = sorted({c for c in seen if "lm_eval:" in c}, key=_lm_eval_order)

@@ -206,7 +206,7 @@ def estimate(
 
     run = config["runs"][name]
     method = method_of(run)
-    generates = kind_named(method.trains_on).generates  # a step's time is its generation's
+    generates = kind_named(method.trains_on).generated_in_training  # a step's time: generating
     if "steps" not in steps:
         return {"basis": "no estimate: the steps are not counted yet"}
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))

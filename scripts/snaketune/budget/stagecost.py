@@ -89,7 +89,7 @@ def evaluate_seconds(
     gpus = layout.processes
     if examples is None:
         return stage(None, gpus, "not estimated: its eval set is not readable yet")
-    if not method_of(run).generates:  # a reward model: one forward pass per pair
+    if not method_of(run).writes_text:  # a reward model: one forward pass per pair
         return stage(
             load,
             gpus,

@@ -59,8 +59,9 @@ class Kind:
     # its examples are never packed and the shard plan balances each step's tokens across
     # the ranks (whole examples of several sequences)
     balances_tokens: bool = False
-    # its methods generate their own responses: a step's time is its generation's
-    generates: bool = False
+    # its responses are generated in training, by the model being trained (a prompt's
+    # rollouts): a step's time is its generation's, measured, not derived from FLOPs
+    generated_in_training: bool = False
     # its tokens' handling (see above): supervised rows' is tokenization's own
     module: str = "snaketune.data.tokenization"
     heldout: str | None = None  # the evaluation module of its own held-out figures
@@ -99,7 +100,7 @@ KINDS = {
         evaluates_on=ROW_FORMATS,
         needs="a dataset of prompts (format prompt_response, alpaca or "
         "messages; their responses are the reference answers)",
-        generates=True,
+        generated_in_training=True,
     ),
     "pairs": Kind(
         "pairs",

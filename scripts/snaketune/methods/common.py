@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snaketune.methods.outputs import Panel, no_figures, no_warnings
+
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
 
@@ -97,12 +99,20 @@ class Method:
     # its own figures, first in its headline (snaketune.evaluation.figures): the end line,
     # summary, report, card and a sweep's `auto` lead with them, then its data's
     headline: tuple[str, ...] = ()
-    # whether its model generates text: evaluation generates and scores (else it scores
-    # held-out pairs: a reward model), the card shows generation, merge checks generation
-    generates: bool = True
-    # its training plot's first panel (snaketune.app.plots.PANELS): `loss`, `reward`
-    # (rewards of its own generations) or `preference` (reward accuracy and margin)
-    plot: str = "loss"
+    # whether its model writes text (next-token logits): evaluation generates and scores,
+    # the card shows generation, the merge checks it; else the model scores what it reads
+    # (a reward model: held-out pairs scored, one forward pass each, a classification card)
+    writes_text: bool = True
+    # its training plot's first panel (snaketune.methods.outputs.Panel; None: the loss,
+    # with the held-out loss where measured)
+    panel: Panel | None = None
+    # (its metrics.jsonl rows) -> its own columns of summary.tsv, the fixed ones named in
+    # `summary_columns` (a GRPO run's reward by quarter; a preference run's margin)
+    summary_figures: Callable[[list[dict[str, Any]]], dict[str, Any]] = no_figures
+    summary_columns: tuple[str, ...] = ()
+    # (run, its first steps' rows) -> its own early warnings by name (snaketune.train.vitals:
+    # GRPO's rewards equal within every group, completions all cut)
+    vitals: Callable[[Mapping[str, Any], list[dict[str, Any]]], dict[str, str]] = no_warnings
     # (run) -> sha256 of the user's code the run calls, by the key naming it (GRPO's reward
     # functions): the train job's spec carries it (code_sha256), so changed code retrains
     code: Callable[[Mapping[str, Any]], dict[str, str]] = lambda run: {}

@@ -263,7 +263,7 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
 
         if teacher_run is run:
             raise ConfigError(f"{where}.{BLOCK}.teacher: a run cannot teach itself")
-        if not method_of(teacher_run).generates:
+        if not method_of(teacher_run).writes_text:
             raise ConfigError(
                 f"{where}.{BLOCK}.teacher: run {name} trains a reward model, "
                 "which has no next-token distribution to teach"

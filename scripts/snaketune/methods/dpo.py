@@ -35,6 +35,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
 from snaketune.methods.common import Method
+from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.training import (
     Context,
     PlannedPairs,
@@ -295,7 +296,9 @@ METHOD = Method(
     reference_stage=lambda run: run["dpo"]["reference"] == "precomputed",
     eval_settings=lambda run: {"beta": run["dpo"]["beta"]},
     headline=("preference_accuracy",),
-    plot="preference",
+    panel=PREFERENCE_PANEL,
+    summary_figures=preference_quarter,
+    summary_columns=PREFERENCE_COLUMNS,
     # the reference's log-probs file is a local path
     card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
 )

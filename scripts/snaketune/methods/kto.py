@@ -40,6 +40,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
 from snaketune.methods.common import Method
+from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
 from snaketune.methods.training import (
     Context,
     PlannedPairs,
@@ -306,4 +307,6 @@ METHOD = Method(
     headline=("preference_accuracy",),
     # the reference's log-probs file is a local path
     card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
+    summary_figures=preference_quarter,
+    summary_columns=PREFERENCE_COLUMNS,
 )

@@ -37,6 +37,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import IGNORE_INDEX, pad_id
 from snaketune.core.throughput import Counted
 from snaketune.methods.common import Method
+from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
@@ -194,5 +195,7 @@ METHOD = Method(
         "fused_loss": False,
     },
     headline=("likelihood_accuracy",),
-    plot="preference",
+    panel=PREFERENCE_PANEL,
+    summary_figures=preference_quarter,
+    summary_columns=PREFERENCE_COLUMNS,
 )

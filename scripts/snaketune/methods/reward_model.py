@@ -28,6 +28,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.dpo import PairCollator
+from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
@@ -223,7 +224,9 @@ METHOD = Method(
     head="score",
     eval_settings=lambda run: {"seed": run["seed"]},  # a causal model's new score head
     headline=("preference_accuracy", "reward_margin"),
-    generates=False,
-    plot="preference",
+    writes_text=False,
+    panel=PREFERENCE_PANEL,
+    summary_figures=preference_quarter,
+    summary_columns=PREFERENCE_COLUMNS,
     evaluates_start=True,
 )

@@ -27,6 +27,7 @@ from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
 from snaketune.methods import model_rewards, rewards
 from snaketune.methods.common import Method
+from snaketune.methods.outputs import WINDOW, Panel, holds, quarters
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data
@@ -180,6 +181,74 @@ def memory(block: str, run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
     }
 
 
+def reward_names(metrics: list[dict[str, Any]]) -> list[str]:
+    """The rewards a run logged on its own (``reward_<key>_mean``), first seen first."""
+    return list(
+        dict.fromkeys(
+            k[len("reward_") : -len("_mean")]
+            for m in metrics
+            for k in m
+            if k.startswith("reward_") and k.endswith("_mean")
+        )
+    )
+
+
+def reward_series(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each reward's mean per step, as the plot's series (key, label), by name."""
+    return [(f"reward_{name}_mean", name) for name in sorted(reward_names(metrics))]
+
+
+REWARD_PANEL = Panel(
+    title="reward",
+    ylabel="mean reward per completion",
+    series=(("reward", "total", "tab:blue"),),
+    more=reward_series,
+    heldout="exact_match",
+)
+
+
+def reward_quarters(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """The run's mean total reward over its first and last quarter of steps (at least one
+    step each), and each reward's by its key (``reward_last_quarter:<key>``); nothing for a
+    run that logged no reward."""
+    rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
+    if not rewards:
+        return {}
+    out = dict(zip(("reward_first_quarter", "reward_last_quarter"), quarters(rewards), strict=True))
+    for name in reward_names(metrics):
+        key = f"reward_{name}_mean"
+        first, last = quarters([m[key] for m in metrics if m.get(key) is not None])
+        out[f"reward_first_quarter:{name}"], out[f"reward_last_quarter:{name}"] = first, last
+    return out
+
+
+def vitals(block: str, run: Mapping[str, Any], first: list[dict[str, Any]]) -> dict[str, str]:
+    """The early warnings of a run that learns from its own generations (its first steps'
+    rows): rewards equal within every group (no advantage, no gradient), or completions all
+    cut at their maximum length."""
+    completion = run[block]["max_completion_length"]
+    clipped = holds(first, "completion_clipped", lambda v: v >= 0.99)
+    cut = (
+        f"every completion is cut at {block}.max_completion_length ({completion}) "
+        "(completion_clipped 1.0): its answers never finish"
+    )
+    if holds(first, "reward_std", lambda v: v == 0):
+        fix = (
+            f"{cut}; raise it"
+            if clipped
+            else f"check the rewards on a few completions ({block}.rewards), raise "
+            f"{block}.temperature, or give prompts the model can sometimes answer"
+        )
+        return {
+            "reward_std": f"no learning signal: reward_std 0 in each of the first {WINDOW} "
+            "steps: every completion of a prompt gets the same reward, so the advantages and "
+            f"the gradient are zero; {fix}"
+        }
+    if clipped:
+        return {"completion_clipped": f"{cut} in each of the first {WINDOW} steps; raise it"}
+    return {}
+
+
 def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
     """A rollout method's Method (``name``: its config name and block; ``label``: how its
     lines and refusals name it): its trainer, schema and summary its own, the rest shared."""
@@ -189,7 +258,10 @@ def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
         trainer=trainer,
         schema=schema,
         summary=summary,
-        plot="reward",
+        panel=REWARD_PANEL,
+        summary_figures=reward_quarters,
+        summary_columns=("reward_first_quarter", "reward_last_quarter"),
+        vitals=partial(vitals, name),
         data=data,
         step_fields=step_fields,
         heldout_metric="exact_match",

@@ -43,7 +43,7 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     keys = keys_of(run)
     if not keys:
         return
-    if not method_of(run).generates:
+    if not method_of(run).writes_text:
         raise ConfigError(
             f"{where}.{BLOCK}: a {run['method']} run generates nothing to score; "
             "drop eval.metrics, or put them on a run that generates"

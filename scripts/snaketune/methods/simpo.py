@@ -28,6 +28,7 @@ from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
 from snaketune.methods.dpo import PairCollator, pair_trainer
 from snaketune.methods.dpo import step_fields as dpo_step_fields
+from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
 from snaketune.methods.training import Context
 
 if TYPE_CHECKING:
@@ -137,4 +138,6 @@ METHOD = Method(
     packs=False,  # the DPO trainer's batches are padded
     memory=lambda run, on_gpu: {"sequences_per_example": 2, "reference": False},
     headline=("likelihood_accuracy",),
+    summary_figures=preference_quarter,
+    summary_columns=PREFERENCE_COLUMNS,
 )

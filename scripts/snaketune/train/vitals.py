@@ -15,14 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.methods import method_of
+from snaketune.methods.outputs import WINDOW, holds
 
-WINDOW = 5  # steps: a figure that holds over each of them is a run that cannot learn
 FILE = "warnings.jsonl"  # results/<run>/train/: one JSON line per warning
-
-
-def _all(rows: list[dict[str, Any]], key: str, test) -> bool:
-    values = [r.get(key) for r in rows]
-    return len(values) >= WINDOW and all(v is not None and test(v) for v in values)
 
 
 def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -37,43 +32,24 @@ def checks(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, str]:
             "and check that max_length leaves room for the answers"
         )
     first = rows[:WINDOW]
-    block = method_of(run).block  # the method's own keys (GRPO's: grpo.*)
-    completion = run.get(block, {}).get("max_completion_length")
-    clipped = _all(first, "completion_clipped", lambda v: v >= 0.99)
-    cut = (
-        f"every completion is cut at {block}.max_completion_length ({completion}) "
-        "(completion_clipped 1.0): its answers never finish"
-    )
-    if _all(first, "reward_std", lambda v: v == 0):
-        out["reward_std"] = (
-            f"no learning signal: reward_std 0 in each of the first {WINDOW} steps: every "
-            "completion of a prompt gets the same reward, so the advantages and the gradient "
-            "are zero; "
-            + (
-                f"{cut}; raise it"
-                if clipped
-                else "check the rewards on a few "
-                f"completions ({block}.rewards), raise {block}.temperature, or give prompts the "
-                "model can sometimes answer"
-            )
-        )
-    elif clipped:
-        out["completion_clipped"] = f"{cut} in each of the first {WINDOW} steps; raise it"
-    if "reward_std" not in out and _all(first, "grad_norm", lambda v: v == 0):
+    own = method_of(run).vitals(run, first)  # the method's own (GRPO: its rewards, its cut)
+    out.update(own)
+    if not own and holds(first, "grad_norm", lambda v: v == 0):
         out["grad_norm"] = (
             f"grad_norm 0 in each of the first {WINDOW} steps: nothing is trained; check "
             "that the trainable weights get a loss (lora.target_modules, the data's labels)"
         )
-    if _all(first, "lr", lambda v: v == 0):
+    if holds(first, "lr", lambda v: v == 0):
         out["lr"] = (
             f"learning rate 0 in each of the first {WINDOW} steps: the weights never move; "
             "check learning_rate and warmup_ratio"
         )
     losses = [r.get("loss") for r in first]
     if (
-        not out.keys() & {"reward_std", "loss", "grad_norm", "lr"}  # a cause named already
+        not own
+        and not out.keys() & {"loss", "grad_norm", "lr"}  # a cause named already
         and method_of(run).heldout_metric == "loss"  # its loss tracks learning (not RL's)
-        and _all(first, "loss", math.isfinite)
+        and holds(first, "loss", math.isfinite)
         and max(losses) - min(losses) <= 1e-6 * max(1.0, abs(losses[0]))
     ):
         out["loss_flat"] = (
