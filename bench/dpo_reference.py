@@ -62,7 +62,7 @@ def prepare(work: Path, pairs: int | None = None) -> dict[str, Path]:
     return {"model": paths["model"], "tokenized": work / "pairs.parquet", "shards": work / "shards"}
 
 
-def run_spec(method: str, steps: int, reference: str, logps: Path) -> dict:
+def run_spec(method: str, steps: int, reference: str) -> dict:
     from snaketune.plan.config import load_yaml, validate_config
 
     config = load_yaml(ROOT / "config" / "config.yaml")
@@ -76,7 +76,6 @@ def run_spec(method: str, steps: int, reference: str, logps: Path) -> dict:
     run["dpo"]["reference"] = reference
     config["runs"] = {"b": run}
     spec = validate_config(config, ROOT)["runs"]["b"]
-    spec["dpo"]["reference_logps"] = str(logps)
     return {k: v for k, v in spec.items() if k not in ("eval", "eval_dataset", "export")}
 
 
@@ -84,7 +83,8 @@ def train(work: Path, spec: dict, data: dict[str, Path]) -> tuple[float, list[di
     out = work / "train"
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--run-spec", json.dumps(spec),
            "--shards", str(data["shards"]), "--model", str(data["model"]),
-           "--deepspeed", str(ROOT / "config" / "deepspeed" / "zero2.json"), "--out", str(out)]  # fmt: skip
+           "--deepspeed", str(ROOT / "config" / "deepspeed" / "zero2.json"), "--out", str(out),
+           "--stage-input", f"reference_logps={data['logps']}"]  # fmt: skip
     began = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
     seconds = time.monotonic() - began
@@ -118,8 +118,8 @@ def main() -> int:
         losses = {}
         for reference in ("precomputed", "live"):
             (work / reference).mkdir()
-            spec = run_spec(args.method, args.steps, reference, logps)
-            seconds, rows = train(work / reference, spec, data)
+            spec = run_spec(args.method, args.steps, reference)
+            seconds, rows = train(work / reference, spec, {**data, "logps": logps})
             elapsed = [m["elapsed_s"] for m in rows]
             step_s = statistics.median(
                 b - a for a, b in zip(elapsed[1:-1], elapsed[2:], strict=True)

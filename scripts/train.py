@@ -5,11 +5,13 @@
         --out results/demo/train
 
 This launches the workers (see snaketune/train/launch.py and snaketune/train/agents.py): on a SLURM
-allocation one srun task per node, elsewhere N torchrun agents on this machine. Each
-worker is this script again, run by torchrun with --worker; by hand on a node:
+allocation one srun task per node, elsewhere N torchrun agents on this machine. The
+launcher writes the job as it resolved it to <out>/job.json (the run's settings, its
+inputs, its launch settings); each worker is this script again, run by torchrun with
+--worker and the path of that file, its one read of them. By hand on a node:
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
-        scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
+        scripts/train.py --worker --job results/demo/train/job.json
 
 Each start is an attempt with its own log, kept by every retry and requeue:
 <out>/logs/attempt-<n>.log (snaketune/train/attempts.py); the output's last lines list every
@@ -41,17 +43,21 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--run-spec", help="the run's config entry (defaults filled), as JSON")
     parser.add_argument(
-        "--run-spec", required=True, help="the run's config entry (defaults filled), as JSON"
+        "--shards", type=Path, help="shard directory (node-k.parquet, manifest.json)"
     )
+    parser.add_argument("--model", type=Path, help="base model directory")
+    parser.add_argument("--deepspeed", type=Path, help="DeepSpeed JSON (preset or file)")
+    parser.add_argument("--out", type=Path, help="results/<run>/train")
     parser.add_argument(
-        "--shards", required=True, type=Path, help="shard directory (node-k.parquet, manifest.json)"
+        "--stage-input",
+        action="append",
+        default=[],
+        metavar="STAGE=PATH",
+        help="a scoring stage's output the run's method reads (reference_logps=..., "
+        "teacher_logps=...)",
     )
-    parser.add_argument("--model", required=True, type=Path, help="base model directory")
-    parser.add_argument(
-        "--deepspeed", required=True, type=Path, help="DeepSpeed JSON (preset or file)"
-    )
-    parser.add_argument("--out", required=True, type=Path, help="results/<run>/train")
     parser.add_argument(
         "--launcher",
         choices=["auto", "local", "slurm"],
@@ -104,36 +110,70 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--worker", action="store_true", help="run as a torchrun worker (set by the launcher)"
     )
-    return parser.parse_args(argv)
+    parser.add_argument("--job", type=Path, help="a worker's job file (<out>/job.json)")
+    args = parser.parse_args(argv)
+    needed = ["job"] if args.worker else ["run_spec", "shards", "model", "deepspeed", "out"]
+    missing = [f"--{k.replace('_', '-')}" for k in needed if getattr(args, k) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
 
 
 def worker(args: argparse.Namespace) -> int:
+    from snaketune.core.job import Job
     from snaketune.core.qlora import hide_bitsandbytes
     from snaketune.plan.runspec import RunSpec
 
-    spec = json.loads(args.run_spec)
-    hide_bitsandbytes(RunSpec.of(spec).quantization is not None)  # before peft is imported
+    job = Job.read(args.job)  # the one read of the job's settings
+    hide_bitsandbytes(RunSpec.of(job.spec).quantization is not None)  # before peft is imported
     from snaketune.train.worker import run_worker
 
     ids_log = None
-    if args.log_example_ids:
-        args.log_example_ids.mkdir(parents=True, exist_ok=True)
-        ids_log = args.log_example_ids / f"rank-{os.environ.get('RANK', '0')}.txt"
-    return run_worker(spec, args.shards, args.model, args.deepspeed,
-                      args.out, ids_log, args.min_busbw)  # fmt: skip
+    if job.ids_dir:
+        job.ids_dir.mkdir(parents=True, exist_ok=True)
+        ids_log = job.ids_dir / f"rank-{os.environ.get('RANK', '0')}.txt"
+    return run_worker(job, ids_log)
 
 
-def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def stage_inputs(given: list[str]) -> dict[str, str]:
+    """``--stage-input NAME=PATH`` by stage name."""
+    from snaketune.budget.scoring import STAGES
+    from snaketune.core.errors import UserError
+
+    out = {}
+    for item in given:
+        name, _, path = item.partition("=")
+        if name not in {s.name for s in STAGES} or not path:
+            raise UserError(
+                f"--stage-input {item}: give STAGE=PATH, STAGE one of "
+                f"{', '.join(s.name for s in STAGES)}"
+            )
+        out[name] = path
+    return out
+
+
+def launch(args: argparse.Namespace) -> int:
     from snaketune.core.job import Job
     from snaketune.plan.schema import top_default
     from snaketune.train.launch import launch_job
 
     if args.stop_margin is None:
         args.stop_margin = top_default("stop_margin_seconds")
-    worker_argv = [str(Path(__file__).resolve()), "--worker", *argv]
-    job = Job(json.loads(args.run_spec), args.shards, args.model, args.deepspeed, args.out,
-              args.launcher, worker_argv, args.lock_wait, args.time_limit,
-              args.stop_margin)  # fmt: skip
+    job = Job(
+        json.loads(args.run_spec),
+        args.shards,
+        args.model,
+        args.deepspeed,
+        args.out,
+        args.launcher,
+        [str(Path(__file__).resolve()), "--worker", "--job", str(args.out / "job.json")],
+        args.lock_wait,
+        args.time_limit,
+        args.stop_margin,
+        inputs=stage_inputs(args.stage_input),
+        min_busbw=args.min_busbw,
+        ids_dir=args.log_example_ids,
+    )
     return launch_job(job, args.announce_fd)
 
 
@@ -142,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
         return worker(args)
-    return launch(args, argv)
+    return launch(args)
 
 
 if __name__ == "__main__":

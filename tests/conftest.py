@@ -464,12 +464,13 @@ def launch_train(workdir: Path, spec: dict, shards: Path, model: Path, preset: s
 
 
 def train_as_planned(workdir: Path, spec: dict, shards: Path, model: Path,
-                     plan: list[list[list[dict]]]) -> list[dict]:  # fmt: skip
+                     plan: list[list[list[dict]]], *extra: str) -> list[dict]:  # fmt: skip
     """Train ``spec`` (ZeRO-2) on ``shards`` to its max_steps, each rank logging the example
     ids it trains on; asserts it ends well, logs every step once and each rank trained the
-    rows ``plan`` (oracles.planned_steps) gave it, step by step. Returns its metrics."""
+    rows ``plan`` (oracles.planned_steps) gave it, step by step. Returns its metrics.
+    ``extra``: more arguments of scripts/train.py (a scoring stage's --stage-input)."""
     proc = launch_train(workdir, spec, shards, model, "zero2",
-                        "--log-example-ids", str(workdir / "ids"))  # fmt: skip
+                        "--log-example-ids", str(workdir / "ids"), *extra)  # fmt: skip
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     metrics = read_jsonl(workdir / "results/x/train/metrics.jsonl")
@@ -509,6 +510,20 @@ def pipeline_spec(pipeline_train: Path, workdir: Path) -> dict:
         if folder.is_dir():
             (workdir / "results" / folder.name).symlink_to(folder)
     return json.loads((pipeline_train / "run_config.json").read_text())
+
+
+def pipeline_inputs(pipeline_train: Path) -> list[str]:
+    """The scoring stages' outputs a pipeline's train job read (its job.json), as the
+    --stage-input arguments of scripts/train.py (paths relative to the pipeline's directory:
+    pipeline_spec links them)."""
+    job = json.loads((pipeline_train / "job.json").read_text())
+    stages = ("reference_logps", "teacher_logps")
+    return [
+        a
+        for k in stages
+        if k in job["inputs"]
+        for a in ("--stage-input", f"{k}={job['inputs'][k]}")
+    ]
 
 
 def kill_two_steps_on(proc: subprocess.Popen, live: Path, start: int, steps: int) -> bool:
@@ -563,11 +578,12 @@ def kill_and_resume(pipeline_train: Path, workdir: Path, spec: dict, shards: Pat
     assert not is_reduced(ckpt / f"checkpoint-{start}"), "run it with checkpoints.optimizer: all"
     shutil.rmtree(ckpt / f"checkpoint-{steps}")
     live = ckpt / "metrics.jsonl"  # the pipeline's rows, cut back to `start` on resuming
-    proc = launch_train(workdir, spec, shards, model, "zero2")
+    inputs = pipeline_inputs(pipeline_train)  # the scoring stages' outputs it read
+    proc = launch_train(workdir, spec, shards, model, "zero2", *inputs)
     reached = kill_two_steps_on(proc, live, start, steps)
     first = (workdir / "results/x/train/logs/attempt-1.log").read_text()  # as it was written
     assert f"resuming from checkpoint-{start}" in first and reached, first[-3000:]
-    out, _ = launch_train(workdir, spec, shards, model, "zero2").communicate(timeout=600)
+    out, _ = launch_train(workdir, spec, shards, model, "zero2", *inputs).communicate(timeout=600)
     assert f"resuming from checkpoint-{start}" in out, out[-3000:]
     resumed = read_jsonl(workdir / "results/x/train/metrics.jsonl")
     uninterrupted = read_jsonl(pipeline_train / "metrics.jsonl")

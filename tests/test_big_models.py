@@ -356,6 +356,36 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
     assert reference_plan(dpo_run(dpo={"reference": "live"}), shape, 79.6) == {}
 
 
+def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
+    """Every registered scoring stage's job has its memory checked before queueing
+    (checks.PLANNED_JOBS). The 70B DPO run's reference stage on 2 nodes x 8: each of a
+    node's 8 workers loads the model, a layer at a time from a bf16 checkpoint (mapped),
+    whole (converted to 2 bytes a weight) from an fp32 one; a profile's 240000 MB is refused
+    for the fp32 base, naming the stage and the key, and passes for the bf16 one."""
+    from snaketune.budget import checks, scoring
+    from snaketune.budget.stageplan import reference_plan, stage_memory
+    from snaketune.plan.config import validate_config
+
+    assert {s.name for s in scoring.STAGES} <= set(checks.PLANNED_JOBS)
+    run = {"model": "m", "dataset": "pairs", "method": "dpo", "deepspeed": "zero3",
+           "nodes": 2, "gpus_per_node": 8, "max_length": 1024, "micro_batch_size": 2,
+           "max_steps": 10, "learning_rate": 1e-6}  # fmt: skip
+    config = validate_config({"models": {"m": {"source": "hub", "id": "x"}},
+                              "datasets": {"pairs": {"source": "hub", "id": "y",
+                                                     "format": "preference"}},
+                              "runs": {"r": run}}, ROOT)  # fmt: skip
+    gib = 1024**3
+    for dtype, asked in (("bfloat16", []), ("float32", ["runs.r: its reference_logps job"])):
+        shape = Shape.from_config({**LLAMA_70B, "dtype": dtype})
+        plan = reference_plan(config["runs"]["r"], shape, 79.6)
+        held = shape.largest_layer if dtype == "bfloat16" else shape.params
+        assert plan["reference_logps"]["cpu_gib"] == round(8 * (0.35 + held * 2 / gib), 2)
+        lines = stage_memory("r", plan, {("reference_logps", "r"): 240000})
+        assert [line[: len(asked[0])] for line in lines] == asked if asked else lines == []
+        if asked:
+            assert "raise set-resources reference_logps: mem_mb to at least" in lines[0]
+
+
 def full_run(**change) -> dict:
     """A validated full fine-tune of a model "m" on a held-out set (change: its keys)."""
     from snaketune.plan.config import validate_config

@@ -29,6 +29,7 @@ from conftest import (
     ENV,
     ROOT,
     kill_and_resume,
+    pipeline_inputs,
     pipeline_spec,
     read_jsonl,
     snakemake,
@@ -252,7 +253,9 @@ def test_with_alpha_0_distillation_is_sft_step_for_step(distill_chain, tmp_path)
     spec = pipeline_spec(w / "results/student/train", tmp_path)
     spec["distill"] = {**spec["distill"], "alpha": 0.0}
     spec.update(max_steps=1, save_steps=1)
-    out = train(tmp_path, spec, w / "results/sft/shards", w / "resources/models/tiny", "zero2")
+    inputs = pipeline_inputs(w / "results/student/train")  # its teacher's top-k
+    out = train(tmp_path, spec, w / "results/sft/shards", w / "resources/models/tiny", "zero2",
+                *inputs)  # fmt: skip
     (got,) = read_jsonl(out / "metrics.jsonl")
     sft = read_jsonl(w / "results/sft/train/metrics.jsonl")[0]
     assert got["loss"] == pytest.approx(sft["loss"], rel=1e-6)

@@ -729,11 +729,12 @@ def test_dpo_on_two_nodes_with_unequal_pairs_per_rank_equals_the_oracle(
     spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
                 save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32")  # fmt: skip
     spec["dpo"] = {**spec["dpo"], "loss_type": "sigmoid", "loss_weights": None, "beta": 0.1,
-                   "reference": reference,
-                   "reference_logps": str(gsm8k_pairs / "ref/logps.parquet")}  # fmt: skip
+                   "reference": reference}  # fmt: skip
     spec.pop("eval", None)
     # each step logged once, each rank trained the pairs the plan gave it, step by step
-    metrics = train_as_planned(tmp_path, spec, gsm8k_pairs / "shards", tiny_model, plan)
+    ref = f"reference_logps={gsm8k_pairs / 'ref/logps.parquet'}"  # the stage's output
+    metrics = train_as_planned(tmp_path, spec, gsm8k_pairs / "shards", tiny_model, plan,
+                               "--stage-input", ref)  # fmt: skip
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ckpts = tmp_path / "results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):
@@ -799,11 +800,13 @@ def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle_and_resume_exactly(
     spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
                 save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32",
                 checkpoints={**spec["checkpoints"], "optimizer": "all"})  # fmt: skip
+    extra = []
     if method == "kto":  # a LoRA run's reference: the start's, as the stage gives it
-        spec[method]["reference_logps"] = str(gsm8k_pairs / "ref/logps.parquet")
+        extra = ["--stage-input", f"reference_logps={gsm8k_pairs / 'ref/logps.parquet'}"]
     spec.pop("eval", None)
     (tmp_path / "a").mkdir()
-    metrics = train_as_planned(tmp_path / "a", spec, gsm8k_pairs / "shards", tiny_model, plan)
+    metrics = train_as_planned(tmp_path / "a", spec, gsm8k_pairs / "shards", tiny_model, plan,
+                               *extra)  # fmt: skip
     ckpts = tmp_path / "a/results/x/train/checkpoints"
     for m, step in zip(metrics, plan, strict=True):
         k = m["step"]
@@ -888,10 +891,15 @@ CHAINED = {"simpo": ({"logp_chosen", "logp_rejected"}, "likelihood_accuracy"),
            "kto": ({"kl", "reward_chosen", "reward_rejected"}, "preference_accuracy")}  # fmt: skip
 
 
+def stage_inputs(w: Path, run: str) -> dict[str, str]:
+    """The scoring stages' outputs a run's train job read (its job.json names them)."""
+    job = json.loads((w / f"results/{run}/train/job.json").read_text())
+    return {k: v for k, v in job["inputs"].items() if k.endswith("_logps")}
+
+
 def dpo_reference(w: Path) -> Path:
-    """The reference log-probs the chain's DPO run read (its run config names them)."""
-    spec = json.loads((w / "results/dpo_demo/train/run_config.json").read_text())
-    return w / spec["dpo"]["reference_logps"]
+    """The reference log-probs the chain's DPO run read."""
+    return w / stage_inputs(w, "dpo_demo")["reference_logps"]
 
 
 @pytest.mark.slow
@@ -912,10 +920,10 @@ def test_simpo_orpo_and_kto_after_sft_reach_evaluation_with_their_headline(dpo_c
     metrics = read_jsonl(w / f"results/{run}/train/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 17))
     assert all({"loss", *figures} <= set(m) for m in metrics)
-    block = json.loads((w / f"results/{run}/train/run_config.json").read_text())[method]
-    assert ("reference_logps" in block) == (method == "kto")
+    read = stage_inputs(w, run)
+    assert ("reference_logps" in read) == (method == "kto")
     if run == "kto_labelled_demo":  # one reference log-prob per labelled response
-        table = pq.read_table(w / block["reference_logps"])
+        table = pq.read_table(w / read["reference_logps"])
         assert table.column_names == ["example_id", "ref_logps"] and table.num_rows > 256
     got = json.loads((w / f"results/{run}/eval/metrics.json").read_text())
     pref = got["preference"]
@@ -991,10 +999,10 @@ def test_the_reference_stage_ran_once_for_the_run_and_a_beta_sweep(dpo_chain):
     # overlay the sft_demo fixture trained it with, was not trained again
     assert len(started(out, "train")) == 7, out[-3000:]  # and simpo, orpo, kto(_labelled)
     ref = dpo_reference(w).parent
-    members = [json.loads((w / f"results/{m}/train/run_config.json").read_text())
-               for m in ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")]  # fmt: skip
-    kto = json.loads((w / "results/kto_demo/train/run_config.json").read_text())["kto"]
-    assert {m["dpo"]["reference_logps"] for m in members} | {kto["reference_logps"]} == {
+    names = ("dpo_demo", "dpo_sweep-beta_0p1", "dpo_sweep-beta_0p3")
+    members = [json.loads((w / f"results/{m}/train/run_config.json").read_text()) for m in names]
+    read = {stage_inputs(w, m)["reference_logps"] for m in (*names, "kto_demo")}
+    assert read == {
         f"results/reference_logps/{ref.name}/logps.parquet"
     }  # and the KTO run from the same start on the same pairs
     assert [m["dpo"]["beta"] for m in members] == [0.1, 0.1, 0.3]
@@ -1015,9 +1023,9 @@ def test_precomputed_and_live_references_give_the_same_losses_and_pairs_once(dpo
         work = tmp_path / how
         work.mkdir()
         spec = dpo_spec(max_steps=32, save_steps=100)
-        spec["dpo"] = {**spec["dpo"], "reference": how, "reference_logps": str(ref)}
+        spec["dpo"] = {**spec["dpo"], "reference": how}
         proc = launch_train(work, spec, shards, model, "zero2", "--log-example-ids",
-                            str(work / "ids"))  # fmt: skip
+                            str(work / "ids"), "--stage-input", f"reference_logps={ref}")  # fmt: skip
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
         runs[how] = read_jsonl(work / "results/x/train/metrics.jsonl")
@@ -1050,11 +1058,11 @@ def test_a_dpo_run_scores_its_held_out_pairs_while_training(dpo_chain, tmp_path)
     config = chain_config()
     spec = dpo_spec(max_steps=2, save_steps=100, eval_steps=2)
     ref = dpo_reference(w)
-    spec["dpo"] = {**spec["dpo"], "reference_logps": str(ref)}
     eval_set = w / stages.tokenized(config, "dpo_demo", eval_set=True)
     spec["heldout"] = spec_of(config["runs"]["dpo_demo"], str(eval_set))
     proc = launch_train(tmp_path, spec, w / "results/dpo_demo/shards",
-                        w / "results/sft_demo/merged_model", "zero2")  # fmt: skip
+                        w / "results/sft_demo/merged_model", "zero2",
+                        "--stage-input", f"reference_logps={ref}")  # fmt: skip
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-3000:]
     rows = read_jsonl(tmp_path / "results/x/train/metrics.jsonl")
@@ -1087,9 +1095,10 @@ def test_a_4bit_dpo_run_reads_a_4bit_reference(dpo_chain, tmp_path):
         spec = dpo_spec(max_steps=2, save_steps=100)
         spec["lora"] = {**spec["lora"], "quantize": "4bit", "quant_type": "nf4",
                         "double_quant": True, "compute_dtype": "auto"}  # fmt: skip
-        spec["dpo"] = {**spec["dpo"], "reference_logps": str(ref)}
         (tmp_path / name).mkdir()
-        proc = launch_train(tmp_path / name, spec, shards, model, "zero2")
+        proc = launch_train(
+            tmp_path / name, spec, shards, model, "zero2", "--stage-input", f"reference_logps={ref}"
+        )
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, log[-3000:]
         assert "4-bit base: 14 linear layers" in log

@@ -352,6 +352,74 @@ def test_status_says_a_failed_training_s_reason_its_warnings_and_an_interrupted_
     ]
 
 
+def test_status_lists_the_scoring_stages_jobs_and_the_runs_that_read_them(tmp_path, monkeypatch):
+    """`snaketune status` after the runs: each registered scoring stage's jobs under
+    results/<stage>/<key> (done; interrupted where Snakemake left it incomplete) and the runs
+    whose train job read each (their job.json)."""
+    from base64 import urlsafe_b64encode
+
+    from snaketune.app.status import status
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no squeue: off SLURM
+    done = tmp_path / "results/reference_logps/base__0123456789ab"
+    done.mkdir(parents=True)
+    (done / "logps.parquet").write_bytes(b"x")
+    (tmp_path / "results/teacher_logps/t__ba9876543210").mkdir(parents=True)
+    marks = tmp_path / ".snakemake/incomplete"
+    marks.mkdir(parents=True)
+    name = b"results/teacher_logps/t__ba9876543210/topk.parquet"
+    (marks / urlsafe_b64encode(name).decode()).write_text("")
+    for run in ("p", "q"):
+        (tmp_path / f"results/{run}/shards").mkdir(parents=True)
+        (tmp_path / f"results/{run}/train").mkdir()
+        inputs = {
+            "shards": "s",
+            "reference_logps": f"results/reference_logps/{done.name}/logps.parquet",
+        }
+        (tmp_path / f"results/{run}/train/job.json").write_text(json.dumps({"inputs": inputs}))
+    lines = status(tmp_path)
+    assert lines[-2:] == [
+        f"reference_logps {done.name}: done (read by p, q)",
+        "teacher_logps t__ba9876543210: interrupted (rerun to redo it)",
+    ], lines
+
+
+def test_the_run_s_settings_travel_in_one_job_file(tmp_path, monkeypatch):
+    """scripts/train.py's launcher resolves the job once and writes <out>/job.json (the
+    run's settings, its inputs with the scoring stages' outputs by stage name, its launch
+    settings); a worker's command line is that file's path and nothing else, and the
+    worker's one read of it gives back the same job."""
+    import importlib.util
+
+    from snaketune.core.errors import UserError
+    from snaketune.core.job import Job
+    from snaketune.train import launch as launcher
+
+    spec = importlib.util.spec_from_file_location("train_entry", ROOT / "scripts/train.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    seen = []
+    monkeypatch.setattr(launcher, "launch_job", lambda job, fd: seen.append(job) or 0)
+    out = tmp_path / "results/x/train"
+    argv = ["--run-spec", json.dumps({"method": "dpo", "dpo": {"beta": 0.1}}),
+            "--shards", "s", "--model", "m", "--deepspeed", "d.json", "--out", str(out),
+            "--stage-input", "reference_logps=results/reference_logps/k/logps.parquet",
+            "--min-busbw", "5", "--log-example-ids", str(tmp_path / "ids")]  # fmt: skip
+    assert entry.main(argv) == 0
+    (job,) = seen
+    assert job.worker_argv[1:] == ["--worker", "--job", str(out / "job.json")]
+    assert job.spec == {"method": "dpo", "dpo": {"beta": 0.1}}  # no stage output in its block
+    assert job.inputs == {"reference_logps": "results/reference_logps/k/logps.parquet"}
+    assert job.write() == out / "job.json"
+    assert Job.read(out / "job.json") == Job(**{**job.__dict__, "worker_argv": []})
+    args = entry.parse(job.worker_argv[1:])
+    assert args.worker and args.job == out / "job.json" and args.run_spec is None
+    with pytest.raises(SystemExit):  # a worker needs its job file
+        entry.parse(["--worker"])
+    with pytest.raises(UserError, match="--stage-input nope=x: give STAGE=PATH"):
+        entry.stage_inputs(["nope=x"])
+
+
 def test_allocation_end_from_squeue_or_the_runtime(monkeypatch, tmp_path):
     import subprocess as sp
     from datetime import datetime

@@ -129,20 +129,33 @@ def run_deepspeed(wildcards):
 
 
 def run_spec(wildcards):
-    extras = train_extras(wildcards)
-    extras["reward_models"] = trainjob.reward_models(config, wildcards.run, reward_run)
-    return trainjob.train_spec(run_of(wildcards), **extras)
+    extras = trainjob.train_extras(config, wildcards.run, reward_run)
+    return trainjob.train_spec(
+        run_of(wildcards),
+        heldout=extras.get("heldout"),
+        reward_models=trainjob.reward_models(config, wildcards.run, reward_run),
+    )
 
 
 def train_extras(wildcards):
     """What a run's training reads besides its shards and model: a DPO run's precomputed
     reference log-probs (rule reference_logps), the eval set it scores while training
     (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards), a
-    distillation run's teacher top-k (rule teacher_logps)."""
+    distillation run's teacher top-k (rule teacher_logps); the scoring stages' outputs
+    under their stage's name."""
     extras = trainjob.train_extras(config, wildcards.run, reward_run)
     if teacher := teachers.teacher_path(config, wildcards.run):
-        extras["teacher"] = teacher
+        extras["teacher_logps"] = teacher
     return extras
+
+
+def stage_inputs(wildcards, input):
+    """The train job's --stage-input flags: each scoring stage's output it reads."""
+    return " ".join(
+        f"--stage-input {name}={input[name]}"
+        for name in (stage.name for stage in scoring.STAGES)
+        if name in input.keys()  # noqa: SIM118 (a rule's input: a list with names)
+    )
 
 
 def reward_run(name):
@@ -172,6 +185,9 @@ def train_gres(wildcards):
 
 
 # ----------------------------------------------------------------------------- scoring stages
+
+# (stage, run) -> the mem_mb its plan asks (planned once per invocation)
+PLANNED_MEM = {}
 
 
 def scoring_inputs(wildcards):
@@ -221,6 +237,16 @@ def scoring_timeout(wildcards):
 def scoring_settings(wildcards):
     """What the output depends on besides the inputs (also in the output's key)."""
     return SCORING[wildcards.ref][0].settings(scoring_run(wildcards))
+
+
+def scoring_mem_mb(wildcards):
+    """Its stage's plan of CPU memory per node for the run it serves, a tenth to spare, at
+    least 16000 (a profile's set-resources replaces it; checked before queueing)."""
+    stage, job = SCORING[wildcards.ref]
+    key = (stage.name, job["run"])
+    if key not in PLANNED_MEM:
+        PLANNED_MEM[key] = fit.planned_mem_mb(config, job["run"], stage.name, 16000)
+    return PLANNED_MEM[key]
 
 
 def scoring_input_flags(wildcards):
@@ -279,9 +305,6 @@ def eval_resource(what, final=False):
 
 
 # (rule, run) -> the memory its jobs ask by default, decided once per process
-PLANNED_MEM = {}
-
-
 def planned_mem_mb(stage):
     """The memory (mem_mb, per node) a job of ``stage`` asks: its plan's figure, at least
     16000 (snaketune.budget.fit.planned_mem_mb); a profile's set-resources replaces it, and the

@@ -22,7 +22,7 @@ rule reference_logps:
         "../../envs/snaketune.yaml"
     threads: scoring_threads
     resources:
-        mem_mb=16000,
+        mem_mb=scoring_mem_mb,
         runtime=240,
         nodes=scoring_nodes,
         tasks=scoring_nodes,

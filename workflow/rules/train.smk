@@ -41,6 +41,7 @@ rule train:
         out="results/{run}/train",
         margin=config["stop_margin_seconds"],
         flags=train_flags,
+        stage_inputs=stage_inputs,
     # Every attempt (a retry, a requeue, the next invocation) also keeps its whole log in
     # results/{run}/train/logs/attempt-<n>.log; fd 3 (the job's own stderr) gets one line
     # naming it.
@@ -50,4 +51,5 @@ rule train:
         "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
         " --model {input.model} --deepspeed {input.deepspeed} --out {params.out}"
         " --time-limit {resources.runtime} --stop-margin {params.margin} {params.flags}"
+        " {params.stage_inputs}"
         " --announce-fd 3 3>&2 > {log} 2>&1"

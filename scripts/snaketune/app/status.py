@@ -4,7 +4,8 @@ Each run under results/ with its stages and their state: done, running (a train 
 step, loss, tokens/s, ETA and attempt), queued or running on SLURM (its job id, from
 squeue's comment, which the SLURM executor plugin sets to ``rule_<rule>_wildcards_<run>``),
 stopped or failed (the attempt's one-line reason), not started; the warnings of a run that
-cannot learn (snaketune.train.vitals); a finished run's headline figures.
+cannot learn (snaketune.train.vitals); a finished run's headline figures. Then each
+scoring stage's jobs (snaketune.budget.scoring), with the runs that read them.
 """
 
 from __future__ import annotations
@@ -143,4 +144,41 @@ def status(workdir: Path) -> list[str]:
     if not runs:
         return [f"no run has started under {results} yet"]
     queued, started = slurm_jobs([p.name for p in runs]), started_outputs(workdir)
-    return [line for p in runs for line in run_status(p, queued, started)]
+    lines = [line for p in runs for line in run_status(p, queued, started)]
+    return lines + scoring_status(results, runs, started)
+
+
+def scoring_status(results: Path, runs: list[Path], started: tuple[list[str], bool]) -> list[str]:
+    """The scoring stages' jobs (snaketune.budget.scoring's registry: the reference log-probs,
+    a teacher's top-k) under results/<stage>/<key>: done, running, queued on SLURM or
+    interrupted, and the runs whose train jobs read each (their job.json)."""
+    from snaketune.budget.scoring import STAGES
+
+    readers: dict[str, list[str]] = {}
+    for run in runs:
+        job = run / "train" / "job.json"
+        inputs = json.loads(job.read_text())["inputs"] if job.is_file() else {}
+        for stage in STAGES:
+            if stage.name in inputs:
+                readers.setdefault(inputs[stage.name], []).append(run.name)
+    lines = []
+    for stage in STAGES:
+        folders = sorted(p for p in (results / stage.name).glob("*") if p.is_dir())
+        queued = slurm_jobs([p.name for p in folders])
+        for folder in folders:
+            output = f"results/{stage.name}/{folder.name}/{stage.output}"
+            if (folder / stage.output).is_file():
+                state = "done"
+            elif (stage.name, folder.name) in queued:
+                job, slurm = queued[(stage.name, folder.name)]
+                state = f"{slurm} on SLURM (job {job})"
+            elif any(p.startswith(f"results/{stage.name}/{folder.name}/") for p in started[0]):
+                state = "running" if started[1] else "interrupted (rerun to redo it)"
+            else:
+                state = "-"
+            read = readers.get(output)
+            lines.append(
+                f"{stage.name} {folder.name}: {state}"
+                + (f" (read by {', '.join(read)})" if read else "")
+            )
+    return lines

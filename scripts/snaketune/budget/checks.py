@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget.planlines import check_steps
+from snaketune.budget.scoring import STAGES as SCORING_STAGES
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
 
 # What rule make_fixtures makes (workflow/rules/fixtures.smk; tests/test_config.py checks
@@ -170,7 +171,6 @@ def before_queueing(
     from snaketune.budget.fit import check_runs, readable_shape
     from snaketune.budget.modelfiles import download_advice
     from snaketune.evaluation.lmeval import check_tasks
-    from snaketune.plan.stages import base_evaluations
 
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
     runs, waiting = unreadable_models(config, training, workdir)
@@ -185,12 +185,8 @@ def before_queueing(
     mem_mb = {
         job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs if job.rule == "train"
     }
-    bases = base_evaluations(config) if any(j.rule == "evaluate_base" for j in jobs) else {}
     stage_mem = {
-        (
-            job.rule,
-            job.wildcards.get("run") or bases[job.wildcards["key"]]["run"],
-        ): job.resources.get("mem_mb")
+        (job.rule, run_of_job(job, config)): job.resources.get("mem_mb")
         for job in jobs
         if job.rule in PLANNED_JOBS
     }
@@ -219,8 +215,30 @@ def meant_for_slurm(jobs: list[Job]) -> bool:
     )
 
 
-# Jobs whose memory (mem_mb) is checked against their stage's plan before queueing
-PLANNED_JOBS = ("convert_checkpoint", "merge_lora", "evaluate", "evaluate_start", "evaluate_base")
+# Jobs whose memory (mem_mb) is checked against their stage's plan before queueing: the
+# conversions, the evaluations and every scoring stage (snaketune.budget.scoring)
+PLANNED_JOBS = (
+    "convert_checkpoint",
+    "merge_lora",
+    "evaluate",
+    "evaluate_start",
+    "evaluate_base",
+    *(stage.name for stage in SCORING_STAGES),
+)
+
+
+def run_of_job(job: Job, config: dict[str, Any]) -> str:
+    """The run a job's plan is of: its own, or the first run that reads a shared job's
+    output (a base model's evaluation, a scoring stage's key)."""
+    from snaketune.budget.scoring import jobs as scoring_jobs
+    from snaketune.plan.stages import base_evaluations
+
+    if "run" in job.wildcards:
+        return job.wildcards["run"]
+    key = next(iter(job.wildcards.values()))
+    if job.rule == "evaluate_base":
+        return base_evaluations(config)[key]["run"]
+    return scoring_jobs(config)[key][1]["run"]
 
 
 def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:

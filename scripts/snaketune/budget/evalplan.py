@@ -201,3 +201,19 @@ EVAL_FIX = (
 
 
 LIBRARIES_GIB = 0.35  # torch and transformers imported (bench/convert.py: ~330 MiB)
+
+
+def scoring_cpu_gib(
+    shape: Shape, per_node: int, sharded: bool, four_bit: bool
+) -> tuple[float, str]:
+    """CPU memory per node of a scoring stage's job (the reference or teacher log-probs), as
+    an evaluate job's (``eval_cpu_gib``): each of the node's workers imports the libraries
+    and loads the model; a checkpoint saved in bf16, a 4-bit base or a load sharded from the
+    start holds the largest layer at a time (the file memory-mapped), else the worker
+    converts the whole model to 2 bytes a weight."""
+    if sharded or four_bit or shape.saved_bytes == EVAL_BYTES:
+        held, why = shape.largest_layer, "the largest layer at a time (the checkpoint mapped)"
+    else:
+        held, why = shape.params, "the whole model converted to 2 bytes a weight"
+    gib = per_node * (LIBRARIES_GIB + held * EVAL_BYTES / GIB)
+    return round(gib, 2), f"{per_node} worker(s) loading: {why}"

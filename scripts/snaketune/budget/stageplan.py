@@ -16,6 +16,7 @@ from snaketune.budget.evalplan import (
     eval_four_bit,
     eval_layout,
     four_bit_base,
+    scoring_cpu_gib,
 )
 from snaketune.budget.memplan import (
     CONTEXT_GIB,
@@ -111,11 +112,14 @@ def reference_plan(
     tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
     passing = tokens * (4 * shape.hidden + shape.mlp_pass) * w
     total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], False, spec.quantized)
     return {
         "reference_logps": {
             "nodes": run["nodes"],
             "gpus_per_node": run["gpus_per_node"],
             "per_gpu_gib": total,
+            "cpu_gib": cpu_gib,
+            "cpu_why": cpu_why,
             "fits": None if gpu_gib is None else total <= gpu_gib,
             "sharded": False,
             "why": f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)",

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget.evalplan import EVAL_BYTES, scoring_cpu_gib
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
 from snaketune.budget.modelcount import shape_of
-
-EVAL_BYTES = 2  # the teacher's weights and logits on a GPU (bf16)
 
 
 def teacher_base(config: dict[str, Any], run: dict[str, Any]) -> str | None:
@@ -101,11 +100,14 @@ def memory_plan(
         if sharded
         else f"each worker holds the whole teacher ({weights / GIB:.1f} GiB)"
     )
+    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], sharded, False)
     return {
         "teacher_logps": {
             "nodes": run["nodes"],
             "gpus_per_node": run["gpus_per_node"],
             "per_gpu_gib": total,
+            "cpu_gib": cpu_gib,
+            "cpu_why": cpu_why,
             "fits": None if gpu_gib is None else total <= gpu_gib,
             "sharded": sharded,
             "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,17 @@ class Handoff:
         )
 
 
+# results/<run>/train/job.json: the train job as its launcher resolved it, written once per
+# start; every worker process reads it once (its only argument besides --worker).
+JOB_FILE = "job.json"
+
+
 @dataclass(frozen=True)
 class Job:
-    """One train job: the run's spec and where its inputs and outputs are."""
+    """One train job: the run's settings, its inputs (shards, model, DeepSpeed config and
+    the scoring stages' outputs it reads, by stage name: ``reference_logps``,
+    ``teacher_logps``) and its launch settings; written to ``<out>/job.json`` by the
+    launcher, read from there by every worker."""
 
     spec: dict
     shards: Path
@@ -140,13 +149,64 @@ class Job:
     deepspeed: Path
     out: Path
     launcher: str  # auto, local or slurm
-    worker_argv: list[str]  # the worker's command line (scripts/train.py --worker ...)
+    worker_argv: list[str]  # the worker's command line (scripts/train.py --worker --job ...)
     lock_wait_s: float = 180.0  # how long a second training of the run waits for the first
     time_limit_min: float | None = None  # the job's runtime (used where SLURM gives no end)
     # stop this long (plus a step and a save) before the end: scripts/train.py gives the
     # config's stop_margin_seconds
     stop_margin_s: float = 0.0
+    # the scoring stages' outputs the run's method reads, by stage name (not in its block)
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    min_busbw: float | None = None  # preflight.min_busbw_gbps: a slower fabric ends the job
+    ids_dir: Path | None = None  # each rank appends the example ids it trains on here
 
     @property
     def ckpt(self) -> Path:
         return self.out / "checkpoints"
+
+    @property
+    def file(self) -> Path:
+        return self.out / JOB_FILE
+
+    def write(self) -> Path:
+        """``<out>/job.json``, whole (renamed into place)."""
+        from snaketune.core.io import write_json
+
+        paths = ("shards", "model", "deepspeed", "out", "ids_dir")
+        record = {
+            "run": self.spec,
+            "inputs": {k: str(getattr(self, k)) for k in paths[:3]} | dict(self.inputs),
+            "out": str(self.out),
+            "launch": {
+                "launcher": self.launcher,
+                "lock_wait_s": self.lock_wait_s,
+                "time_limit_min": self.time_limit_min,
+                "stop_margin_s": self.stop_margin_s,
+                "min_busbw": self.min_busbw,
+                "ids_dir": str(self.ids_dir) if self.ids_dir else None,
+            },
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_json(self.file, record)
+        return self.file
+
+    @classmethod
+    def read(cls, path: Path) -> Job:
+        """The job a launcher wrote (a worker's one read of its settings)."""
+        record = json.loads(Path(path).read_text())
+        inputs, launch = dict(record["inputs"]), record["launch"]
+        return cls(
+            spec=record["run"],
+            shards=Path(inputs.pop("shards")),
+            model=Path(inputs.pop("model")),
+            deepspeed=Path(inputs.pop("deepspeed")),
+            out=Path(record["out"]),
+            launcher=launch["launcher"],
+            worker_argv=[],
+            lock_wait_s=launch["lock_wait_s"],
+            time_limit_min=launch["time_limit_min"],
+            stop_margin_s=launch["stop_margin_s"],
+            inputs=inputs,
+            min_busbw=launch["min_busbw"],
+            ids_dir=Path(launch["ids_dir"]) if launch["ids_dir"] else None,
+        )

@@ -46,8 +46,9 @@ class Method:
     """A training method: what the config side and the worker ask of it."""
 
     name: str
-    # (run, rows, batches, tokenizer, kernel, ids_log) -> Data: this rank's data
-    data: Callable[[dict, Any, PlanBatches, Any, str, Path | None], Data]
+    # (run, table, batches, tokenizer, kernel, ids_log, inputs) -> this rank's data; `inputs`:
+    # the scoring stages' outputs the job reads, by stage name (reference_logps, teacher_logps)
+    data: Callable[[dict, Any, PlanBatches, Any, str, Path | None, Mapping[str, str]], Data]
     # (ctx, model, data, callbacks) -> a Trainer
     trainer: Callable[..., Any]
     # the step's logs -> the method's own figures for metrics.jsonl

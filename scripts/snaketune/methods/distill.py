@@ -79,7 +79,13 @@ def teacher_collator(
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     """This rank's rows as planned, collated in the run's layout, with the teacher's top-k
     of each (the rank's examples only)."""
@@ -90,7 +96,7 @@ def data(
 
     block = run[BLOCK]
     ids = list(table["example_id"])
-    teacher = read_topk(block["teacher_logps"], ids, block["top_k"])
+    teacher = read_topk(inputs["teacher_logps"], ids, block["top_k"])  # rule teacher_logps
     missing = [i for i in ids if i not in teacher]
     if missing:
         raise RuntimeError(
@@ -354,6 +360,4 @@ METHOD = Method(
     # the KL to the teacher; the data's figures and held-out loss follow, the teacher's own
     # held-out loss beside them (snaketune.evaluation.figures)
     headline=("heldout_kl", "teacher_loss"),
-    # the teacher's top-k file is a local path
-    card_block=lambda block: {k: v for k, v in block.items() if k != "teacher_logps"},
 )

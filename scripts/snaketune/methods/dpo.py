@@ -83,7 +83,13 @@ class PairCollator(Counted):
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     """This rank's planned pairs, with the precomputed reference log-probs of each."""
     from snaketune.data.batches import Data
@@ -91,7 +97,7 @@ def data(
 
     reference = None
     if run["dpo"]["reference"] == "precomputed":
-        reference = read_reference(run["dpo"]["reference_logps"])
+        reference = read_reference(inputs["reference_logps"])  # rule reference_logps
         missing = [i for i in table["example_id"] if i not in reference]
         if missing:
             raise RuntimeError(
@@ -299,6 +305,4 @@ METHOD = Method(
     panel=PREFERENCE_PANEL,
     summary_figures=preference_quarter,
     summary_columns=PREFERENCE_COLUMNS,
-    # the reference's log-probs file is a local path
-    card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
 )

@@ -103,7 +103,13 @@ def reference(run: Mapping[str, Any]) -> str:
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     """This rank's planned examples (labelled responses, or pairs), with the precomputed
     reference log-probs of each response."""
@@ -112,7 +118,7 @@ def data(
 
     logps = None
     if reference(run) == "precomputed":
-        logps = read_reference(run["kto"]["reference_logps"])
+        logps = read_reference(inputs["reference_logps"])  # rule reference_logps
         missing = [i for i in table["example_id"] if i not in logps]
         if missing:
             raise RuntimeError(
@@ -305,8 +311,6 @@ METHOD = Method(
     reference_stage=lambda run: reference(run) == "precomputed",
     eval_settings=lambda run: {"beta": run["kto"]["beta"]},
     headline=("preference_accuracy",),
-    # the reference's log-probs file is a local path
-    card_block=lambda block: {k: v for k, v in block.items() if k != "reference_logps"},
     summary_figures=preference_quarter,
     summary_columns=PREFERENCE_COLUMNS,
 )

@@ -29,6 +29,7 @@ odds ratio. Its held-out figure is the likelihood accuracy of the eval pairs.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,13 @@ class ORPOCollator(Counted):
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     from snaketune.data.batches import Data
 

@@ -83,7 +83,13 @@ def margins_of(column: str, example_ids: list[str]) -> dict[str, float]:
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     """This rank's planned pairs (and their margins)."""
     from snaketune.data.batches import Data

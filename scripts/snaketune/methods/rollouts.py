@@ -99,7 +99,15 @@ class RolloutCounter(Counted):
                 f.write(json.dumps(line) + "\n")
 
 
-def data(run: dict[str, Any], table, batches, tokenizer, kernel: str, ids_log: Path | None) -> Data:
+def data(
+    run: dict[str, Any],
+    table,
+    batches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
+) -> Data:
     """This rank's planned prompts with their reference answers, counted per rollout."""
     from snaketune.data.batches import Data
 

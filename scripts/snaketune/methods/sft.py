@@ -4,6 +4,7 @@ planned micro batches, packed or padded (snaketune.data.packing), LoRA through p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,13 @@ if TYPE_CHECKING:
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     """This rank's rows as planned, collated in the run's layout (packed or padded)."""
     from snaketune.core.rows import pad_id

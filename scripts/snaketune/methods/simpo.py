@@ -21,6 +21,7 @@ logged. Its held-out figure is the likelihood accuracy of the eval pairs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,13 @@ class SimPOCollator(PairCollator):
 
 
 def data(
-    run: dict[str, Any], table, batches: PlanBatches, tokenizer, kernel: str, ids_log: Path | None
+    run: dict[str, Any],
+    table,
+    batches: PlanBatches,
+    tokenizer,
+    kernel: str,
+    ids_log: Path | None,
+    inputs: Mapping[str, str],
 ) -> Data:
     from snaketune.data.batches import Data
 

@@ -7,7 +7,8 @@ module that imports this one stays light for the config side."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ class Context:
     heldout: Any = None  # the held-out set scored while training (snaketune.core.heldout.HeldOut)
     start_step: int = 0  # the step this job resumes from (0: a new run)
     load_universal: bool = False  # it resumes from a universal checkpoint (snaketune.core.job)
+    # the scoring stages' outputs it reads, by stage name (reference_logps, teacher_logps)
+    inputs: Mapping[str, str] = field(default_factory=dict)
 
 
 def training_args(ctx: Context, config_class, **method_args):

@@ -28,17 +28,15 @@ NOT_TRAINING = ("eval", "eval_dataset", "export", "gpu", "skip_memory_check", "p
 
 def train_spec(
     run: dict[str, Any],
-    reference: str | None = None,
     heldout: str | None = None,
     reward_models: dict[str, Any] | None = None,
-    teacher: str | None = None,
 ) -> str:
-    """The run's settings the train job reads (--run-spec), as JSON; a DPO run with a
-    precomputed reference gets the path of its log-probs (``reference``), a distillation run
-    its teacher's top-k (``teacher``: snaketune.plan.teacher), a run with
-    eval_steps what it evaluates while training (``heldout``: its tokenized eval set; the
-    eval and export keys that matter to it), a GRPO run what it scores with its reward
-    models (``reward_models``: below)."""
+    """The run's settings the train job reads (--run-spec), as JSON: what retrains it when
+    it changes. A run with eval_steps gets what it evaluates while training (``heldout``: its
+    tokenized eval set; the eval and export keys that matter to it), a GRPO run what it
+    scores with its reward models (``reward_models``: below). The scoring stages' outputs
+    (a DPO run's reference log-probs, a distillation run's teacher top-k) are the job's
+    inputs (--stage-input), not settings: its method reads them from the job."""
     spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
     if "eval_steps" not in run:  # a default that means nothing here: no params change
         spec.pop("eval_at_start", None)
@@ -48,10 +46,6 @@ def train_spec(
     if code:  # the user's functions: a change retrains, provenance records them
         spec["code_sha256"] = code
     block = method_of(run).block  # what a method's job reads beside its settings goes there
-    if reference is not None:
-        spec[block] = {**spec[block], "reference_logps": reference}
-    if teacher is not None:
-        spec[block] = {**spec[block], "teacher_logps": teacher}
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
     if block in spec:  # a GRPO run's reward models (reward_models below)
@@ -67,13 +61,13 @@ def train_extras(
     run: str,
     resolve: Callable[[str], str] = str,
 ) -> dict[str, Any]:
-    """What a run's training reads besides its shards and model, by name: ``reference``
-    (a DPO run's precomputed log-probs), ``heldout`` (the eval set of a run with
-    eval_steps), ``reward_models`` (a GRPO run's: reward_models' folders)."""
+    """What a run's training reads besides its shards and model, by name: ``reference_logps``
+    (a DPO run's precomputed log-probs: the stage's name), ``heldout`` (the eval set of a
+    run with eval_steps), ``reward_models`` (a GRPO run's: reward_models' folders)."""
     out: dict[str, Any] = {}
     reference = reference_path(config, run)
     if reference:
-        out["reference"] = reference
+        out["reference_logps"] = reference
     if config["runs"][run].get("eval_steps"):
         out["heldout"] = tokenized(config, run, eval_set=True)
     if models := reward_models(config, run, resolve):

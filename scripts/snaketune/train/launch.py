@@ -358,6 +358,7 @@ def train_job(job: Job, attempt) -> int | str:
     checkpoint_bytes = check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
         prepare_checkpoints(job)
+        job.write()  # <out>/job.json: what every worker of this start reads, once
         if (resume := newest_complete(job.ckpt)) is not None:
             attempt.say(f"resuming from {resume.name}")
         return train_segments(job, nodes, gpus, attempt.number, checkpoint_bytes)

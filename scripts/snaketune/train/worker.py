@@ -1,7 +1,7 @@
 """The training worker: one process per device, started by torchrun (see snaketune.train.launch).
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        scripts/train.py --worker --run-spec ... --shards ... --model ... --deepspeed ... --out ...
+        scripts/train.py --worker --job results/<run>/train/job.json
 
 ``run_worker`` reads top to bottom, the same for every training method:
 
@@ -59,6 +59,7 @@ from snaketune.core.io import host_name, write_json
 from snaketune.core.job import (
     NETWORK_EXIT_CODE,
     Handoff,
+    Job,
     WorkerEnv,
 )
 from snaketune.core.lora_targets import ADAPTERS, describe, run_dropout
@@ -152,18 +153,19 @@ def time_network(env: WorkerEnv, ckpt_dir: Path, min_busbw: float | None) -> dic
 
 def rank_data(
     method: Method,
-    run: dict[str, Any],
+    job: Job,
     manifest: dict[str, Any],
-    shards: Path,
     env: WorkerEnv,
     tokenizer,
     kernel: str,
     start_step: int,
     ids_log: Path | None,
 ) -> Data:
-    """This rank's planned rows and batches, as the method trains on them."""
+    """This rank's planned rows and batches, as the method trains on them (with the scoring
+    stages' outputs it reads: ``job.inputs``)."""
+    run = job.spec
     # a sequence-parallel group's GPUs read their data-parallel rank's rows
-    table = read_rank_rows(shards, env.node_rank, env.rank // sequence.size(run))
+    table = read_rank_rows(job.shards, env.node_rank, env.rank // sequence.size(run))
     steps = manifest["steps_per_epoch"]
     batches = PlanBatches(
         np.asarray(table["step"]),
@@ -173,7 +175,7 @@ def rank_data(
         run["seed"],
         start_epoch=start_step // steps,
     )
-    return method.data(run, table, batches, tokenizer, kernel, ids_log)
+    return method.data(run, table, batches, tokenizer, kernel, ids_log, job.inputs)
 
 
 def log_start(
@@ -261,32 +263,17 @@ def made_ready(trainer, ctx: Context) -> None:
         )
 
 
-def run_worker(
-    run: dict[str, Any],
-    shards: Path,
-    model_dir: Path,
-    deepspeed: Path,
-    out: Path,
-    ids_log: Path | None = None,
-    min_busbw: float | None = None,
-) -> int:
-    """Train one run; returns 0 when finished, or the exit code of a stop (snaketune.core.job)."""
+def run_worker(job: Job, ids_log: Path | None = None) -> int:
+    """Train one run, as its job file says (``job``: read once, from <out>/job.json); returns
+    0 when finished, or the exit code of a stop (snaketune.core.job)."""
+    run, out = job.spec, job.out
     stop = StopRequest()
     stop.install()
-    env, manifest, resume, network = join(run, shards, out, min_busbw)
+    env, manifest, resume, network = join(run, job.shards, out, job.min_busbw)
     handoff = Handoff.from_environ()  # what the launcher handed this start of the workers
     start_step = checkpoint_step(resume) if resume else 0
-    kernel = kernel_of(run, model_dir, out)
-    ctx, model, data, schedule = prepare(
-        run,
-        env,
-        manifest,
-        (shards, model_dir, deepspeed, out),
-        kernel,
-        start_step,
-        handoff,
-        ids_log,
-    )
+    kernel = kernel_of(run, job.model, out)
+    ctx, model, data, schedule = prepare(job, env, manifest, kernel, start_step, handoff, ids_log)
     watchdog = start_watchdog(run["health"], env, ctx.ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
     disk = DiskGuard(ctx.ckpt_dir, float(handoff.checkpoint_bytes)) if env.local_rank == 0 else None
@@ -305,31 +292,27 @@ def run_worker(
     if watchdog is not None:
         watchdog.stop()
     beat.stop()
-    return finish(trainer, callback, ctx, disk, watchdog, stop, shards, schedule)
+    return finish(trainer, callback, ctx, disk, watchdog, stop, job.shards, schedule)
 
 
 def prepare(
-    run: dict[str, Any],
+    job: Job,
     env: WorkerEnv,
     manifest: dict[str, Any],
-    paths: tuple[Path, Path, Path, Path],
     kernel: str,
     start_step: int,
     handoff: Handoff,
     ids_log: Path | None,
 ) -> tuple[Context, Any, Data, heldout_pass.Schedule | None]:
     """This rank's data, the model (its precision, 4-bit base, sequence-parallel split) and
-    the held-out pass, as the method's trainer receives them; ``paths``: the shards, the
-    model, the DeepSpeed config and the run's output folder."""
+    the held-out pass, as the method's trainer receives them."""
     from transformers import AutoTokenizer
 
-    shards, model_dir, deepspeed, out = paths
+    run, model_dir, out = job.spec, job.model, job.out
     precision = resolve_precision(run["precision"])
     spec = RunSpec.of(run)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    data = rank_data(
-        spec.method, run, manifest, shards, env, tokenizer, kernel, start_step, ids_log
-    )
+    data = rank_data(spec.method, job, manifest, env, tokenizer, kernel, start_step, ids_log)
     quantize = qlora.settings(spec.quantization, precision)
     model = build_model(
         model_dir,
@@ -347,7 +330,7 @@ def prepare(
         run,
         env,
         model_dir,
-        deepspeed,
+        job.deepspeed,
         out / "checkpoints",
         out,
         precision,
@@ -357,6 +340,7 @@ def prepare(
         scored,
         start_step,
         handoff.load_universal,
+        job.inputs,
     )
     return ctx, model, data, schedule
 
