@@ -125,14 +125,15 @@ def worker(args: argparse.Namespace) -> int:
     from snaketune.plan.runspec import RunSpec
 
     job = Job.read(args.job)  # the one read of the job's settings
-    hide_bitsandbytes(RunSpec.of(job.spec).quantization is not None)  # before peft is imported
+    spec = RunSpec.of(job.spec)  # resolved once, passed on
+    hide_bitsandbytes(spec.quantization is not None)  # before peft is imported
     from snaketune.train.worker import run_worker
 
     ids_log = None
     if job.ids_dir:
         job.ids_dir.mkdir(parents=True, exist_ok=True)
         ids_log = job.ids_dir / f"rank-{os.environ.get('RANK', '0')}.txt"
-    return run_worker(job, ids_log)
+    return run_worker(job, spec, ids_log)
 
 
 def stage_inputs(given: list[str]) -> dict[str, str]:

@@ -263,9 +263,10 @@ def made_ready(trainer, ctx: Context) -> None:
         )
 
 
-def run_worker(job: Job, ids_log: Path | None = None) -> int:
-    """Train one run, as its job file says (``job``: read once, from <out>/job.json); returns
-    0 when finished, or the exit code of a stop (snaketune.core.job)."""
+def run_worker(job: Job, spec: RunSpec, ids_log: Path | None = None) -> int:
+    """Train one run, as its job file says (``job``: read once, from <out>/job.json; ``spec``:
+    its settings resolved once); returns 0 when finished, or the exit code of a stop
+    (snaketune.core.job)."""
     run, out = job.spec, job.out
     stop = StopRequest()
     stop.install()
@@ -273,17 +274,19 @@ def run_worker(job: Job, ids_log: Path | None = None) -> int:
     handoff = Handoff.from_environ()  # what the launcher handed this start of the workers
     start_step = checkpoint_step(resume) if resume else 0
     kernel = kernel_of(run, job.model, out)
-    ctx, model, data, schedule = prepare(job, env, manifest, kernel, start_step, handoff, ids_log)
+    ctx, model, data, schedule = prepare(
+        job, spec, env, manifest, kernel, start_step, handoff, ids_log
+    )
     watchdog = start_watchdog(run["health"], env, ctx.ckpt_dir, out.parent.name)
     # one process per node checks the room for each save (the node's view of the folder)
     disk = DiskGuard(ctx.ckpt_dir, float(handoff.checkpoint_bytes)) if env.local_rank == 0 else None
-    callback = step_callback(ctx, data, model, stop, (watchdog, disk, network), handoff)
+    callback = step_callback(ctx, spec, data, model, stop, (watchdog, disk, network), handoff)
     fixes = [UniversalLoadFix()] if handoff.load_universal else []
     # where this rank is, for the launcher's stall watch (snaketune.core.heartbeat)
     beat = Heartbeat(ctx.ckpt_dir / HEARTBEATS, env.rank, env.node_rank).start(model)
     if ctx.heldout is not None:
         fixes.append(heldout_pass.callback(schedule, ctx.heldout))
-    method = RunSpec.of(run).method
+    method = spec.method
     trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
     made_ready(trainer, ctx)
     if env.rank == 0:
@@ -297,6 +300,7 @@ def run_worker(job: Job, ids_log: Path | None = None) -> int:
 
 def prepare(
     job: Job,
+    spec: RunSpec,
     env: WorkerEnv,
     manifest: dict[str, Any],
     kernel: str,
@@ -310,7 +314,6 @@ def prepare(
 
     run, model_dir, out = job.spec, job.model, job.out
     precision = resolve_precision(run["precision"])
-    spec = RunSpec.of(run)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = rank_data(spec.method, job, manifest, env, tokenizer, kernel, start_step, ids_log)
     quantize = qlora.settings(spec.quantization, precision)
@@ -346,7 +349,13 @@ def prepare(
 
 
 def step_callback(
-    ctx: Context, data: Data, model, stop: StopRequest, watches: tuple, handoff: Handoff
+    ctx: Context,
+    spec: RunSpec,
+    data: Data,
+    model,
+    stop: StopRequest,
+    watches: tuple,
+    handoff: Handoff,
 ) -> StepCallback:
     """The step callback: metrics, stops, checkpoint marks, vitals; ``watches``: the GPU
     health watchdog, the disk guard and the network figures it reports."""
@@ -361,12 +370,12 @@ def step_callback(
         run["save_total_limit"],
         ctx.start_step,
         watchdog,
-        flops_model(run, model, env.world_size, RunSpec.of(run).trains_lora),
+        flops_model(run, model, env.world_size, spec.trains_lora),
         Deadline.handed(handoff),
         run["checkpoints"]["optimizer"],
         disk,
         network,
-        RunSpec.of(run).method.step_fields,
+        spec.method.step_fields,
         kept_best(run),
         vitals,
     )
