@@ -820,12 +820,12 @@ def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle_and_resume_exactly(
     for k in range(5, STEPS + 1):
         shutil.rmtree(b / f"results/x/train/checkpoints/checkpoint-{k}")
     live = b / "results/x/train/checkpoints/metrics.jsonl"
-    proc = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2")
+    proc = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2", *extra)
     reached = kill_two_steps_on(proc, live, 4, STEPS)  # no orphan worker
     first = (b / "results/x/train/logs/attempt-1.log").read_text()
     assert "resuming from checkpoint-4" in first and reached, first[-3000:]
-    out, _ = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2").communicate(
-        timeout=600)  # fmt: skip
+    out, _ = launch_train(b, spec, gsm8k_pairs / "shards", tiny_model, "zero2",
+                          *extra).communicate(timeout=600)  # fmt: skip
     assert re.search(r"resuming from checkpoint-[4-7]\b", out), out[-3000:]
     resumed = read_jsonl(b / "results/x/train/metrics.jsonl")
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))  # each step once

@@ -401,17 +401,21 @@ def test_the_run_s_settings_travel_in_one_job_file(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(launcher, "launch_job", lambda job, fd: seen.append(job) or 0)
     out = tmp_path / "results/x/train"
-    argv = ["--run-spec", json.dumps({"method": "dpo", "dpo": {"beta": 0.1}}),
+    run = {"method": "grpo", "grpo": {"rewards": {"correctness": 1.0, "/u/w.py:f": 0.5}}}
+    argv = ["--run-spec", json.dumps(run),
             "--shards", "s", "--model", "m", "--deepspeed", "d.json", "--out", str(out),
             "--stage-input", "reference_logps=results/reference_logps/k/logps.parquet",
             "--min-busbw", "5", "--log-example-ids", str(tmp_path / "ids")]  # fmt: skip
     assert entry.main(argv) == 0
     (job,) = seen
     assert job.worker_argv[1:] == ["--worker", "--job", str(out / "job.json")]
-    assert job.spec == {"method": "dpo", "dpo": {"beta": 0.1}}  # no stage output in its block
+    assert job.spec == run  # no stage output in its block
     assert job.inputs == {"reference_logps": "results/reference_logps/k/logps.parquet"}
     assert job.write() == out / "job.json"
-    assert Job.read(out / "job.json") == Job(**{**job.__dict__, "worker_argv": []})
+    read = Job.read(out / "job.json")
+    assert read == Job(**{**job.__dict__, "worker_argv": []})
+    # the settings' order kept: the trainer calls and logs a run's rewards in their order
+    assert list(read.spec["grpo"]["rewards"]) == ["correctness", "/u/w.py:f"]
     args = entry.parse(job.worker_argv[1:])
     assert args.worker and args.job == out / "job.json" and args.run_spec is None
     with pytest.raises(SystemExit):  # a worker needs its job file

@@ -170,7 +170,7 @@ class Job:
 
     def write(self) -> Path:
         """``<out>/job.json``, whole (renamed into place)."""
-        from snaketune.core.io import write_json
+        from snaketune.core.io import atomic_path
 
         paths = ("shards", "model", "deepspeed", "out", "ids_dir")
         record = {
@@ -187,7 +187,10 @@ class Job:
             },
         }
         self.out.mkdir(parents=True, exist_ok=True)
-        write_json(self.file, record)
+        # the settings' order kept (not sorted): the order of a run's rewards is the order
+        # its trainer calls and logs them
+        with atomic_path(self.file) as tmp:
+            tmp.write_text(json.dumps(record, indent=2) + "\n", "utf-8")
         return self.file
 
     @classmethod
