@@ -176,14 +176,14 @@ MUTATIONS = (
         f"{LIB}/methods/rloo.py",
         "RLOOConfig, normalize_advantages=normalize\n",
         "RLOOConfig, normalize_advantages=True\n",
-        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly",),
+        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle",),
     ),
     Mutation(
         "rollouts-other-rank", "the rollouts log records another rank's rewards",
         f"{LIB}/methods/rollout_trainer.py",
         "    mine = scored[at : at + len(inputs)]",
         "    mine = scored[: len(inputs)]",
-        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly",),
+        ("tests/test_rloo.py::test_rloo_on_two_nodes_equals_the_oracle",),
     ),
     Mutation(
         "teacher-position", "the teacher stage stores the distribution at the label's own position, not the one before",

@@ -767,35 +767,20 @@ def rank_partners(shards: Path) -> dict[str, dict]:
             for rows in by_rank.values() for k, r in enumerate(rows)}  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", [*sorted(REFERENCE_FREE), "kto"])
-def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle_and_resume_exactly(
-    gsm8k_pairs, tiny_model, tmp_path, method
-):
-    """LoRA SimPO, ORPO and KTO from a user's config (the method, its block's schema
-    defaults) on 2 nodes over pairs of varied lengths (the ranks get unequal pair counts in
-    several steps): every step's loss equals the method's loss of that step's pairs written
-    out from its paper under the previous step's saved adapter (oracles.simpo_loss,
-    orpo_loss; kto_loss with the reference stage's log-probs of the start and the KL
-    sequences' reference point over both ranks); each rank trained the pairs the plan gave
-    it. Then the run again from its checkpoint-4, its launcher killed two steps on (no
-    orphan), rerun: it resumes, logs each step once, and its losses are the uninterrupted
-    run's."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    partners = rank_partners(gsm8k_pairs / "shards")
-    defaults, oracle, figures = REFERENCE_FREE.get(method) or (
-        {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0, "reference": "auto"},
-        lambda model, ranks: kto_loss(model, base, [ranks], lambda p: partners[p["example_id"]],
-                                      0.1),
-        {"kl", "reward_chosen", "reward_rejected", "logp_chosen"})  # fmt: skip
+@pytest.fixture(scope="module", params=[*sorted(REFERENCE_FREE), "kto"])
+def two_node_pair_run(request, gsm8k_pairs, tiny_model, tmp_path_factory) -> dict:
+    """LoRA SimPO, ORPO or KTO from a user's config (the method, its block's schema defaults)
+    on 2 nodes over pairs of varied lengths (the ranks get unequal pair counts in several
+    steps), trained to STEPS with a checkpoint a step, each rank logging the pairs it
+    trained: what the oracle test reads, and the run the kill-and-resume test continues."""
+    method = request.param
     plan = planned_steps(gsm8k_pairs / "shards", STEPS)
     counts = [tuple(len(r) for r in step) for step in plan]
     assert sum(a != b for a, b in counts) >= 3, counts  # unequal pair counts per rank
     config = dpo_config(method=method)
     del config["runs"]["p"]["dpo"]
     spec = validate_config(config, ROOT)["runs"]["p"]
+    defaults = REFERENCE_FREE[method][0] if method in REFERENCE_FREE else KTO_DEFAULTS
     assert spec[method] == defaults  # the schema's
     spec.update(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=STEPS,
                 save_steps=1, save_total_limit=STEPS, learning_rate=3e-3, precision="fp32",
@@ -804,19 +789,56 @@ def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle_and_resume_exactly(
     if method == "kto":  # a LoRA run's reference: the start's, as the stage gives it
         extra = ["--stage-input", f"reference_logps={gsm8k_pairs / 'ref/logps.parquet'}"]
     spec.pop("eval", None)
-    (tmp_path / "a").mkdir()
-    metrics = train_as_planned(tmp_path / "a", spec, gsm8k_pairs / "shards", tiny_model, plan,
-                               *extra)  # fmt: skip
-    ckpts = tmp_path / "a/results/x/train/checkpoints"
-    for m, step in zip(metrics, plan, strict=True):
+    work = tmp_path_factory.mktemp(f"pair_method_{method}")
+    metrics = train_as_planned(work, spec, gsm8k_pairs / "shards", tiny_model, plan, *extra)
+    return {"method": method, "spec": spec, "plan": plan, "counts": counts, "extra": extra,
+            "metrics": metrics, "ckpts": work / "results/x/train/checkpoints"}  # fmt: skip
+
+
+KTO_DEFAULTS = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0,
+                "reference": "auto"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_simpo_orpo_and_kto_on_two_nodes_equal_the_oracle(
+    two_node_pair_run, gsm8k_pairs, tiny_model
+):
+    """Every step's loss of the 2-node run (two_node_pair_run) equals the method's loss of
+    that step's pairs written out from its paper under the previous step's saved adapter
+    (oracles.simpo_loss, orpo_loss; kto_loss with the reference stage's log-probs of the
+    start and the KL sequences' reference point over both ranks); each rank trained the
+    pairs the plan gave it (train_as_planned)."""
+    from transformers import AutoModelForCausalLM
+
+    run = two_node_pair_run
+    method = run["method"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    partners = rank_partners(gsm8k_pairs / "shards")
+    _, oracle, figures = REFERENCE_FREE.get(method) or (
+        KTO_DEFAULTS,
+        lambda model, ranks: kto_loss(model, base, [ranks], lambda p: partners[p["example_id"]],
+                                      0.1),
+        {"kl", "reward_chosen", "reward_rejected", "logp_chosen"})  # fmt: skip
+    for m, step in zip(run["metrics"], run["plan"], strict=True):
         k = m["step"]
-        want = oracle(model_before(k, base, tiny_model, ckpts), step)
-        assert m["loss"] == pytest.approx(want, rel=1e-4), (k, counts[k - 1])
+        want = oracle(model_before(k, base, tiny_model, run["ckpts"]), step)
+        assert m["loss"] == pytest.approx(want, rel=1e-4), (k, run["counts"][k - 1])
         assert figures <= set(m) and (method == "orpo") == ("reward_accuracy" in m), m
         assert method != "kto" or m["kl"] >= 0
 
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_simpo_orpo_and_kto_resume_exactly_after_a_kill(
+    two_node_pair_run, gsm8k_pairs, tiny_model, tmp_path
+):
+    """The 2-node run again from its checkpoint-4, its launcher killed two steps on (no
+    orphan), rerun: it resumes, logs each step once, and its losses are the uninterrupted
+    run's (each chain's own kill-and-resume: the extended tier)."""
+    run = two_node_pair_run
+    spec, extra, metrics = run["spec"], run["extra"], run["metrics"]
     b = tmp_path / "b"
-    shutil.copytree(ckpts, b / "results/x/train/checkpoints")
+    shutil.copytree(run["ckpts"], b / "results/x/train/checkpoints")
     for k in range(5, STEPS + 1):
         shutil.rmtree(b / f"results/x/train/checkpoints/checkpoint-{k}")
     live = b / "results/x/train/checkpoints/metrics.jsonl"

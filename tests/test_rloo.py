@@ -106,36 +106,40 @@ def test_the_rloo_block_s_defaults_and_its_checks():
         defaults_spec("rloo")
 
 
-@pytest.mark.slow
-def test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly(arith_prompts, tiny_model,
-                                                                 tmp_path):  # fmt: skip
-    """LoRA RLOO on 2 nodes over the arithmetic prompts (their lengths differ): each rank
-    trains the prompts the plan gave it; every step from the second (the first's adapter
-    is TRL's random init, which only checkpoint-1 shows) has the grad_norm of the oracle's
-    gradient (oracles.rloo_grad_norm) under the previous step's saved adapter with the base
-    as the reference (beta, the schema's 0.05: the KL enters once the adapter moves), a
-    loss of 0, and the reward the mean of the logged rewards; the user's function's values
-    are its own on the decoded completions, and the prompts are the tokens before each row's
-    first label. Then the run again from its checkpoint-3, its launcher killed two steps
-    on (no orphan), rerun: it resumes, logs each step once, and its rollouts and figures
-    are the uninterrupted run's."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    w = tmp_path / "a"
-    w.mkdir()
+@pytest.fixture(scope="module")
+def rloo_run(arith_prompts, tiny_model, tmp_path_factory) -> dict:
+    """LoRA RLOO on 2 nodes over the arithmetic prompts (their lengths differ), a checkpoint
+    a step, each rank logging its rollouts: what the oracle test reads, and the run the
+    kill-and-resume test continues."""
+    w = tmp_path_factory.mktemp("rloo_run")
     (w / "resources").symlink_to(arith_prompts / "resources")
     spec = rloo_spec(arith_prompts)
     plan = planned_steps(arith_prompts / "shards", STEPS)
     metrics = train_as_planned(w, spec, arith_prompts / "shards", tiny_model, plan)
     rollouts = rollouts_of(w / "ids", 2)
     assert sorted(rollouts) == list(range(1, STEPS + 1))
+    return {"spec": spec, "plan": plan, "metrics": metrics, "rollouts": rollouts,
+            "ckpts": w / "results/x/train/checkpoints"}  # fmt: skip
 
+
+@pytest.mark.slow
+def test_rloo_on_two_nodes_equals_the_oracle(rloo_run, arith_prompts, tiny_model):
+    """The 2-node RLOO run (rloo_run): each rank trains the prompts the plan gave it; every
+    step from the second (the first's adapter is TRL's random init, which only checkpoint-1
+    shows) has the grad_norm of the oracle's gradient (oracles.rloo_grad_norm) under the
+    previous step's saved adapter with the base as the reference (beta, the schema's 0.05:
+    the KL enters once the adapter moves), a loss of 0, and the reward the mean of the
+    logged rewards; the user's function's values are its own on the decoded completions,
+    and the prompts are the tokens before each row's first label."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec, plan, metrics = rloo_run["spec"], rloo_run["plan"], rloo_run["metrics"]
+    rollouts, ckpts = rloo_run["rollouts"], rloo_run["ckpts"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     rows = {r["example_id"]: r for r in pq.read_table(
         arith_prompts / "resources/datasets/arith.tok.parquet").to_pylist()}  # fmt: skip
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    ckpts = w / "results/x/train/checkpoints"
     names = list(rollouts[1][0]["rewards"])
     weights = dict(zip(names, rewards_of(arith_prompts).values(), strict=True))
     for m in metrics:
@@ -162,6 +166,14 @@ def test_rloo_on_two_nodes_equals_the_oracle_and_resumes_exactly(arith_prompts, 
         assert want > 0 and m["grad_norm"] == pytest.approx(want, rel=1e-4), (k, m)
     assert any(m["kl"] != 0 for m in metrics[1:]), metrics  # the KL term entered
 
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_killed_rloo_run_resumes_exactly(rloo_run, arith_prompts, tiny_model, tmp_path):
+    """The 2-node RLOO run again from its checkpoint-3, its launcher killed two steps on (no
+    orphan), rerun: it resumes, logs each step once, and its rollouts and figures are the
+    uninterrupted run's (each chain's own kill-and-resume: the extended tier)."""
+    spec, metrics, rollouts, ckpts = (rloo_run[k] for k in ("spec", "metrics", "rollouts", "ckpts"))
     b = tmp_path / "b"
     shutil.copytree(ckpts, b / "results/x/train/checkpoints")
     (b / "resources").symlink_to(arith_prompts / "resources")
