@@ -185,13 +185,21 @@ def eval_cpu_gib(
     the start (ZeRO-3: tensor by tensor) holds the largest layer at a time (the file stays
     memory-mapped: shared and reclaimable); else the process converts the whole model to 2
     bytes a weight before moving it to its GPU."""
-    per_node = layout.gpus_per_node
-    if four_bit or saved == EVAL_BYTES or layout.processes > 1:
+    mapped = four_bit or saved == EVAL_BYTES or layout.processes > 1
+    return loading_gib(shape, layout.gpus_per_node, mapped, "process(es)")
+
+
+def loading_gib(shape: Shape, per_node: int, mapped: bool, who: str) -> tuple[float, str]:
+    """CPU memory per node of ``per_node`` processes each importing the libraries and
+    loading the model: a layer at a time where the load is ``mapped`` (a checkpoint in the
+    GPUs' precision, a 4-bit base, a sharded load), else the whole model at 2 bytes a
+    weight; and why, naming them as ``who``."""
+    if mapped:
         held, why = shape.largest_layer, "the largest layer at a time (the checkpoint mapped)"
     else:
         held, why = shape.params, "the whole model converted to 2 bytes a weight"
     gib = per_node * (LIBRARIES_GIB + held * EVAL_BYTES / GIB)
-    return round(gib, 2), f"{per_node} process(es) loading: {why}"
+    return round(gib, 2), f"{per_node} {who} loading: {why}"
 
 
 EVAL_FIX = (
@@ -207,13 +215,7 @@ def scoring_cpu_gib(
     shape: Shape, per_node: int, sharded: bool, four_bit: bool
 ) -> tuple[float, str]:
     """CPU memory per node of a scoring stage's job (the reference or teacher log-probs), as
-    an evaluate job's (``eval_cpu_gib``): each of the node's workers imports the libraries
-    and loads the model; a checkpoint saved in bf16, a 4-bit base or a load sharded from the
-    start holds the largest layer at a time (the file memory-mapped), else the worker
-    converts the whole model to 2 bytes a weight."""
-    if sharded or four_bit or shape.saved_bytes == EVAL_BYTES:
-        held, why = shape.largest_layer, "the largest layer at a time (the checkpoint mapped)"
-    else:
-        held, why = shape.params, "the whole model converted to 2 bytes a weight"
-    gib = per_node * (LIBRARIES_GIB + held * EVAL_BYTES / GIB)
-    return round(gib, 2), f"{per_node} worker(s) loading: {why}"
+    an evaluate job's (``eval_cpu_gib``): its workers load the model a layer at a time from
+    a bf16 checkpoint, a 4-bit base or a sharded load, else whole."""
+    mapped = sharded or four_bit or shape.saved_bytes == EVAL_BYTES
+    return loading_gib(shape, per_node, mapped, "worker(s)")
