@@ -185,8 +185,9 @@ def before_queueing(
     mem_mb = {
         job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs if job.rule == "train"
     }
+    shared = shared_jobs(config, jobs)
     stage_mem = {
-        (job.rule, run_of_job(job, config)): job.resources.get("mem_mb")
+        (job.rule, planned_run(job, shared)): job.resources.get("mem_mb")
         for job in jobs
         if job.rule in PLANNED_JOBS
     }
@@ -227,18 +228,27 @@ PLANNED_JOBS = (
 )
 
 
-def run_of_job(job: Job, config: dict[str, Any]) -> str:
-    """The run a job's plan is of: its own, or the first run that reads a shared job's
-    output (a base model's evaluation, a scoring stage's key)."""
+def planned_run(job: Job, shared: dict[tuple[str, str], str]) -> str:
+    """The run a job's plan is of: its own, or a shared job's (``shared_jobs``)."""
+    if "run" in job.wildcards:
+        return job.wildcards["run"]
+    return shared[(job.rule, next(iter(job.wildcards.values())))]
+
+
+def shared_jobs(config: dict[str, Any], jobs: list[Job]) -> dict[tuple[str, str], str]:
+    """The run each shared job's plan is of, by (rule, key), computed once where such jobs
+    are among ``jobs``: the first run that reads a base model's evaluation or a scoring
+    stage's output."""
     from snaketune.budget.scoring import jobs as scoring_jobs
     from snaketune.plan.stages import base_evaluations
 
-    if "run" in job.wildcards:
-        return job.wildcards["run"]
-    key = next(iter(job.wildcards.values()))
-    if job.rule == "evaluate_base":
-        return base_evaluations(config)[key]["run"]
-    return scoring_jobs(config)[key][1]["run"]
+    rules = {job.rule for job in jobs}
+    found: dict[tuple[str, str], str] = {}
+    if "evaluate_base" in rules:
+        found |= {("evaluate_base", k): job["run"] for k, job in base_evaluations(config).items()}
+    if rules & {stage.name for stage in SCORING_STAGES}:
+        found |= {(stage.name, k): job["run"] for k, (stage, job) in scoring_jobs(config).items()}
+    return found
 
 
 def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:
