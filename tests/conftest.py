@@ -516,14 +516,11 @@ def pipeline_inputs(pipeline_train: Path) -> list[str]:
     """The scoring stages' outputs a pipeline's train job read (its job.json), as the
     --stage-input arguments of scripts/train.py (paths relative to the pipeline's directory:
     pipeline_spec links them)."""
+    from snaketune.budget.scoring import STAGES
+
     job = json.loads((pipeline_train / "job.json").read_text())
-    stages = ("reference_logps", "teacher_logps")
-    return [
-        a
-        for k in stages
-        if k in job["inputs"]
-        for a in ("--stage-input", f"{k}={job['inputs'][k]}")
-    ]
+    read = [s.name for s in STAGES if s.name in job["inputs"]]
+    return [a for k in read for a in ("--stage-input", f"{k}={job['inputs'][k]}")]
 
 
 def kill_two_steps_on(proc: subprocess.Popen, live: Path, start: int, steps: int) -> bool:

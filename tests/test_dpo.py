@@ -915,8 +915,10 @@ CHAINED = {"simpo": ({"logp_chosen", "logp_rejected"}, "likelihood_accuracy"),
 
 def stage_inputs(w: Path, run: str) -> dict[str, str]:
     """The scoring stages' outputs a run's train job read (its job.json names them)."""
+    from snaketune.budget.scoring import STAGES
+
     job = json.loads((w / f"results/{run}/train/job.json").read_text())
-    return {k: v for k, v in job["inputs"].items() if k.endswith("_logps")}
+    return {s.name: job["inputs"][s.name] for s in STAGES if s.name in job["inputs"]}
 
 
 def dpo_reference(w: Path) -> Path:
