@@ -143,12 +143,21 @@ def status(workdir: Path) -> list[str]:
     runs = sorted(p for p in found if (p / "shards").is_dir() or (p / "train").is_dir())
     if not runs:
         return [f"no run has started under {results} yet"]
-    queued, started = slurm_jobs([p.name for p in runs]), started_outputs(workdir)
+    from snaketune.budget.scoring import STAGES
+
+    keys = [p.name for s in STAGES for p in (results / s.name).glob("*") if p.is_dir()]
+    # one squeue for every run and scoring key (a key names no run: its own jobs)
+    queued, started = slurm_jobs([p.name for p in runs] + keys), started_outputs(workdir)
     lines = [line for p in runs for line in run_status(p, queued, started)]
-    return lines + scoring_status(results, runs, started)
+    return lines + scoring_status(results, runs, queued, started)
 
 
-def scoring_status(results: Path, runs: list[Path], started: tuple[list[str], bool]) -> list[str]:
+def scoring_status(
+    results: Path,
+    runs: list[Path],
+    queued: dict[tuple[str, str], tuple[str, str]],
+    started: tuple[list[str], bool],
+) -> list[str]:
     """The scoring stages' jobs (snaketune.budget.scoring's registry: the reference log-probs,
     a teacher's top-k) under results/<stage>/<key>: done, running, queued on SLURM or
     interrupted, and the runs whose train jobs read each (their job.json)."""
@@ -164,7 +173,6 @@ def scoring_status(results: Path, runs: list[Path], started: tuple[list[str], bo
     lines = []
     for stage in STAGES:
         folders = sorted(p for p in (results / stage.name).glob("*") if p.is_dir())
-        queued = slurm_jobs([p.name for p in folders])
         for folder in folders:
             output = f"results/{stage.name}/{folder.name}/{stage.output}"
             if (folder / stage.output).is_file():
