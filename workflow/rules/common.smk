@@ -243,10 +243,14 @@ def scoring_mem_mb(wildcards):
     """Its stage's plan of CPU memory per node for the run it serves, a tenth to spare, at
     least 16000 (a profile's set-resources replaces it; checked before queueing)."""
     stage, job = SCORING[wildcards.ref]
-    key = (stage.name, job["run"])
-    if key not in PLANNED_MEM:
-        PLANNED_MEM[key] = fit.planned_mem_mb(config, job["run"], stage.name, 16000)
-    return PLANNED_MEM[key]
+    return stage_mem_mb(stage.name, job["run"])
+
+
+def stage_mem_mb(stage, run):
+    """The mem_mb a job of ``stage`` for ``run`` asks (its plan, planned once)."""
+    if (stage, run) not in PLANNED_MEM:
+        PLANNED_MEM[stage, run] = fit.planned_mem_mb(config, run, stage, 16000)
+    return PLANNED_MEM[stage, run]
 
 
 def scoring_input_flags(wildcards):
@@ -311,10 +315,7 @@ def planned_mem_mb(stage):
     check before queueing compares either with the plan."""
 
     def mem_mb(wildcards):
-        key = (stage, eval_run(wildcards))
-        if key not in PLANNED_MEM:
-            PLANNED_MEM[key] = fit.planned_mem_mb(config, key[1], stage, 16000)
-        return PLANNED_MEM[key]
+        return stage_mem_mb(stage, eval_run(wildcards))
 
     return mem_mb
 
