@@ -284,6 +284,36 @@ def test_a_model_that_cannot_pack_is_refused_with_the_fix(tmp_path):
     )
 
 
+def test_a_familys_class_facts_are_kept_and_read_back_without_transformers(tmp_path, monkeypatch):
+    """The facts the checks read off a family's class equal the class's own (read here with
+    transformers directly); they are kept by model type, so the next process reads them
+    without importing the class; a torn file is read again from the class."""
+    import inspect
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketune.data import kernels
+
+    monkeypatch.setenv("SNAKETUNE_CACHE", str(tmp_path))
+    facts = kernels.class_facts({"model_type": "gpt_oss"})
+    cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model("gpt_oss"))]
+    assert facts == {
+        "name": cls.__name__,
+        "position_ids": "position_ids" in inspect.signature(cls.forward).parameters,
+        "sdpa": cls._supports_sdpa,
+        "flash_attention_2": cls._supports_flash_attn,
+        "masking_utils": "masking_utils" in inspect.getsource(inspect.getmodule(cls)),
+    }
+    assert facts["sdpa"] is False  # gpt-oss: attention sinks, no sdpa path
+    (kept,) = (tmp_path / "model-classes").glob("*.json")
+    calls = []
+    monkeypatch.setattr(kernels, "_class_facts", lambda t: calls.append(t) or {"torn": True})
+    assert kernels.class_facts({"model_type": "gpt_oss"}) == facts and not calls
+    kept.write_text('{"val')  # torn
+    assert kernels.class_facts({"model_type": "gpt_oss"}) == {"torn": True}
+    assert calls == ["gpt_oss"]
+
+
 @pytest.mark.parametrize(
     ("model_type", "want"),
     [("llama", "sdpa"), ("gpt_oss", "eager"), ("bloom", "eager"), (None, "sdpa")],

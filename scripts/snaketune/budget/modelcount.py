@@ -5,23 +5,19 @@ model's shape through ``shape_of``: a family no formula knows is counted exactly
 attention, latent attention, a vision-language model's towers, each expert); where
 transformers cannot build it (custom code), the formulas of snaketune.core.modelshape.
 Counting imports torch and transformers (about 5 s on a login node), so each count is kept
-in a small cache file keyed by the config.json and the installed transformers' version
-(``$SNAKETUNE_CACHE``, else ``$XDG_CACHE_HOME/snaketune``, else ``~/.cache/snaketune``):
-a config is counted once per machine (per home directory on a cluster), and the dry runs
-after it import neither.
+(snaketune.core.cache) by the config.json and the installed transformers' version: a config
+is counted once per machine (per home directory on a cluster), and the dry runs after it
+import neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
-import os
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
+from snaketune.core.cache import remembered, transformers_version
 from snaketune.core.configfields import Counted, stacked_params
 from snaketune.core.modelshape import Shape
 
@@ -49,36 +45,19 @@ def count(cfg: dict[str, Any]) -> Counted | None:
     """``cfg`` (a config.json) counted on the model transformers builds from it, with the
     class its ``architectures`` names (else the auto class of its kind); None where
     transformers cannot build it. Read from the cache when counted before."""
-    text = json.dumps(cfg, sort_keys=True)
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
+    if transformers_version() is None:
         return None
-    key = hashlib.sha256(f"{COUNT_VERSION}\0{version}\0{text}".encode()).hexdigest()[:32]
-    path = cache_dir() / "model-counts" / f"{key}.json"
-    if path.is_file():
-        try:
-            kept = json.loads(path.read_text(encoding="utf-8"))
-            return None if kept is None else _counted_from(kept)
-        except (OSError, ValueError, TypeError):
-            pass  # a torn or foreign file: counted again below
-    counted = _count(text)
+    text = json.dumps(cfg, sort_keys=True)
+
+    def counted() -> dict[str, Any] | None:
+        made = _count(text)
+        return None if made is None else dataclasses.asdict(made)
+
+    kept = remembered("model-counts", f"{COUNT_VERSION}\0{text}", counted)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(None if counted is None else dataclasses.asdict(counted)))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: counted each time
-    return counted
-
-
-def cache_dir() -> Path:
-    """Where snaketune keeps what it can compute again (the model counts)."""
-    if os.environ.get("SNAKETUNE_CACHE"):
-        return Path(os.environ["SNAKETUNE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "snaketune"
+        return None if kept is None else _counted_from(kept)
+    except TypeError:  # a foreign file's fields
+        return _count(text)
 
 
 def _counted_from(kept: dict[str, Any]) -> Counted:

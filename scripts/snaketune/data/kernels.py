@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snaketune.core.cache import remembered
 from snaketune.core.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -221,15 +222,35 @@ def register_segment_attention() -> None:
 # ----------------------------------------------------------------------------- model check
 
 
-def _causal_lm_class(config: dict[str, Any]):
+FACTS_VERSION = 1  # bump when _class_facts reads a class differently (part of the cache key)
+
+
+def class_facts(config: dict[str, Any]) -> dict[str, Any] | None:
+    """What the checks before training read off the causal-LM class of a config.json's
+    ``model_type`` in the installed transformers (None where it has none): its name, whether
+    its forward takes ``position_ids``, its sdpa and flash-attention support, and whether its
+    module builds masks with masking_utils. Importing the class costs torch and transformers
+    (about 5 s in a shard job that needs neither), so the facts are kept by model type and
+    transformers version (snaketune.core.cache)."""
+    model_type = config.get("model_type")
+    key = f"{FACTS_VERSION}\0{model_type}"
+    return remembered("model-classes", key, lambda: _class_facts(model_type))
+
+
+def _class_facts(model_type: str | None) -> dict[str, Any] | None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type = config.get("model_type")
     try:
-        cfg = AutoConfig.for_model(model_type)
-        return AutoModelForCausalLM._model_mapping[type(cfg)]
+        cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))]
     except (KeyError, ValueError):
         return None
+    return {
+        "name": cls.__name__,
+        "position_ids": "position_ids" in inspect.signature(cls.forward).parameters,
+        "sdpa": bool(getattr(cls, "_supports_sdpa", True)),
+        "flash_attention_2": bool(getattr(cls, "_supports_flash_attn", False)),
+        "masking_utils": "masking_utils" in inspect.getsource(inspect.getmodule(cls)),
+    }
 
 
 def packing_problem(config: dict[str, Any], attention: str) -> str | None:
@@ -244,12 +265,13 @@ def packing_problem(config: dict[str, Any], attention: str) -> str | None:
     - no linear-attention or state-space layers (``layer_types``): those mix examples of a
       row in their state, whatever the attention mask.
     """
-    cls = _causal_lm_class(config)
+    facts = class_facts(config)
     name = config.get("model_type", "?")
-    if cls is None:
+    if facts is None:
         return f"model type {name!r} has no causal-LM class in the installed transformers"
-    if "position_ids" not in inspect.signature(cls.forward).parameters:
-        return f"{cls.__name__} takes no position_ids, so positions cannot restart per example"
+    cls = facts["name"]
+    if not facts["position_ids"]:
+        return f"{cls} takes no position_ids, so positions cannot restart per example"
     text = config.get("text_config") or config  # a vision-language model's language model
     other = sorted(
         {
@@ -259,15 +281,14 @@ def packing_problem(config: dict[str, Any], attention: str) -> str | None:
         }
     )
     if other:
-        return f"{cls.__name__} has {', '.join(other)} layers, which carry state across examples"
+        return f"{cls} has {', '.join(other)} layers, which carry state across examples"
     if attention == "flash_attention_2":
-        if not getattr(cls, "_supports_flash_attn", False):
-            return f"{cls.__name__} does not support flash attention 2"
+        if not facts["flash_attention_2"]:
+            return f"{cls} does not support flash attention 2"
         return None
-    source = inspect.getsource(inspect.getmodule(cls))
-    if "masking_utils" not in source:
+    if not facts["masking_utils"]:
         return (
-            f"{cls.__name__} does not build its masks with transformers' masking_utils, so "
+            f"{cls} does not build its masks with transformers' masking_utils, so "
             f"{attention} attention would cross examples"
         )
     return None
@@ -303,13 +324,10 @@ def model_supports(model_dir: str | Path | None) -> set[str]:
     path = Path(model_dir) / "config.json" if model_dir is not None else None
     if path is None or not path.is_file():
         return every
-    cls = _causal_lm_class(json.loads(path.read_text(encoding="utf-8")))
-    if cls is None:
+    facts = class_facts(json.loads(path.read_text(encoding="utf-8")))
+    if facts is None:
         return every
-    found = {"eager"}
-    found |= {"sdpa"} if getattr(cls, "_supports_sdpa", True) else set()
-    found |= {"flash_attention_2"} if getattr(cls, "_supports_flash_attn", False) else set()
-    return found
+    return {"eager"} | {k for k in ("sdpa", "flash_attention_2") if facts[k]}
 
 
 # ----------------------------------------------------------------------------- collation
