@@ -11,7 +11,9 @@ What changes:
   and every other key kept;
 - each Hub dataset: a local file of the same format and columns (the demo's arithmetic
   questions and "#### N" answers as prompt/response, messages or alpaca rows), with rows
-  that each ``filters`` entry keeps and rows it drops; mixtures kept as written;
+  that each ``filters`` entry keeps and rows it drops; mixtures kept as written; a
+  vision-language example (a dataset with ``columns.images``): the tiny Gemma 3 and the
+  picture questions of tests/pictures.py;
 - each run: 2 emulated ranks (one per node), or one node of ``sequence_parallel`` ranks;
   4 steps of micro batches of at most 4 (GRPO: one question of at most 4 generations),
   accumulation at most 2, 128 tokens, a checkpoint every 2 steps, evaluation of 8 examples
@@ -129,16 +131,19 @@ def shrink(run: dict[str, Any]) -> None:
                    "max_new_tokens": min(run.get("eval", {}).get("max_new_tokens", 16), 16)}  # fmt: skip
 
 
-def miniature(example: Path, demo: Path, out: Path) -> Path:
+def miniature(example: Path, demo: Path | None, out: Path) -> Path:
     """``example`` in miniature in directory ``out`` (models, data, config.yaml, the
     repository's config/ linked as where users run snakemake); returns the config's path.
-    ``demo``: the finished demo (its tokenizer and arithmetic rows)."""
+    ``demo``: the finished demo (its tokenizer and arithmetic rows; a vision-language
+    example needs none)."""
     config = yaml.safe_load(example.read_text())
-    fixtures = demo / "resources/fixtures"
     out.mkdir(parents=True)
     (out / "config").symlink_to(ROOT / "config")
     (out / "rewards_mini.py").write_text(VARIED)
     sp = max((r.get("sequence_parallel", 1) for r in config["runs"].values()), default=1)
+    if any("images" in (d.get("columns") or {}) for d in config["datasets"].values()):
+        return pictures_miniature(config, out)
+    fixtures = demo / "resources/fixtures"
     for name, spec in config["models"].items():
         assert spec.get("id") in SHAPES, (
             f"{example.name}: model {name} ({spec.get('id')}): add its published config.json "
@@ -160,6 +165,34 @@ def miniature(example: Path, demo: Path, out: Path) -> Path:
         path.parent.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows_of(spec, source[split], split)))
         config["datasets"][name] = {"source": "local", "path": f"data/{name}.jsonl",
+                                    **{k: v for k, v in spec.items()
+                                       if k not in ("source", "id", "subset", "split", "revision")}}  # fmt: skip
+    for run in config["runs"].values():
+        shrink(run)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def pictures_miniature(config: dict[str, Any], out: Path) -> Path:
+    """A vision-language example in miniature: each model the tiny Gemma 3 of
+    tests/pictures.py (its own processor and Hub template), each Hub picture dataset the
+    colour questions there, under the example's column names; the runs shrunk."""
+    from pictures import build_vlm, make_picture_data
+
+    for name, spec in config["models"].items():
+        build_vlm(out / "models" / name)
+        config["models"][name] = {"source": "local", "path": f"models/{name}",
+                                  **{k: v for k, v in spec.items()
+                                     if k not in ("source", "id", "revision")}}  # fmt: skip
+    for name, spec in config["datasets"].items():
+        if spec["source"] != "hub":
+            continue
+        split = "test" if "test" in spec.get("split", "") else "train"
+        cols = spec.get("columns") or {}
+        make_picture_data(out / "data" / name, columns=(cols.get("messages", "messages"),
+                                                        cols["images"]))  # fmt: skip
+        config["datasets"][name] = {"source": "local", "path": f"data/{name}/{split}.jsonl",
                                     **{k: v for k, v in spec.items()
                                        if k not in ("source", "id", "subset", "split", "revision")}}  # fmt: skip
     for run in config["runs"].values():

@@ -118,9 +118,13 @@ class ChatRenderer:
         self, turns: list[Turn] | tuple[Turn, ...], add_generation_prompt: bool = False
     ) -> str:
         """The template's text for ``turns`` (what apply_chat_template(tokenize=False) gives)."""
+        return self.render_messages(messages_of(turns), add_generation_prompt)
+
+    def render_messages(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages`` as given (a content may be a list of parts)."""
         context = {
             **self._base,
-            "messages": messages_of(turns),
+            "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
         ctx = self._compiled.new_context(context, shared=True)

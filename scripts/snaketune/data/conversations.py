@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from snaketune.core.errors import DataError
 from snaketune.data.chat import Turn
 from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS, filter_mask, multiplicity
-from snaketune.data.kinds import kind_of_format
+from snaketune.data.kinds import fields_read, kind_of_source
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,24 @@ class Stats:
     rows_without_end_of_turn: int = 0
     model_stops_at_end_of_turn: bool | None = None
     masks: str = ""  # how the assistant tokens were found (ChatRenderer.describe)
+    pictures: int = 0  # a picture dataset's pictures kept, and their image tokens
+    image_tokens: int = 0
 
 
 def _column(spec: dict[str, Any], fieldname: str) -> str | list[str]:
-    return spec.get("columns", {}).get(fieldname, FORMAT_FIELDS[spec["format"]][fieldname])
+    return spec.get("columns", {}).get(fieldname, FORMAT_FIELDS[spec["format"]].get(fieldname))
+
+
+def fields_of(spec: dict[str, Any]) -> list[str]:
+    """The fields a dataset's rows are read by: its format's, and ``images`` where
+    ``columns.images`` names its pictures (snaketune.data.pictures)."""
+    return [*FORMAT_FIELDS[spec["format"]], *fields_read(spec)]
 
 
 def needed_columns(spec: dict[str, Any]) -> list[str]:
     """Raw columns a dataset's format and filters read."""
     cols: list[str] = []
-    for fieldname in FORMAT_FIELDS[spec["format"]]:
+    for fieldname in fields_of(spec):
         col = _column(spec, fieldname)
         cols.extend(col if isinstance(col, list) else [col])
     cols.extend(f["column"] for f in spec.get("filters", []))
@@ -114,14 +122,14 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     spec, name = source.spec, source.name
     fmt = spec["format"]
     system = (("system", spec["system_prompt"]),) if "system_prompt" in spec else ()
-    cols = {f: _column(spec, f) for f in FORMAT_FIELDS[fmt]}
+    cols = {f: _column(spec, f) for f in fields_of(spec)}
     data = {
         c: batch.column(c).to_pylist()
         for col in cols.values()
         for c in (col if isinstance(col, list) else [col])
         if c in batch.schema.names
     }
-    out, own = [], getattr(kind_of_format(fmt).impl(), "read_row", None)
+    out, own = [], getattr(kind_of_source(spec).impl(), "read_row", None)
     for i, row in enumerate(rows):
         if fmt == "preference":
             out.append(_pair(source, system, cols, data, i, row))

@@ -127,7 +127,19 @@ KINDS = {
         balances_tokens=True,
         module="snaketune.data.labelled",
     ),
+    # rows with pictures (TRL's vision layout: a messages dataset with columns.images), read
+    # and tokenized by their own module; the methods of rows train on them, padded
+    "pictures": Kind(
+        "pictures",
+        "picture conversations",
+        ("messages",),
+        evaluates_on=("messages",),
+        needs="a dataset of format messages with columns.images (pictures)",
+        columns=("images",),
+        module="snaketune.data.pictures",
+    ),
 }
+PICTURES = KINDS["pictures"]
 
 
 def kind_named(name: str) -> Kind:
@@ -137,6 +149,33 @@ def kind_named(name: str) -> Kind:
 def kind_of_format(fmt: str) -> Kind:
     """The kind a dataset of format ``fmt`` is tokenized as."""
     return next(k for k in KINDS.values() if fmt in k.stores)
+
+
+def kind_of_source(spec: dict) -> Kind:
+    """The kind a dataset (its config entry) is tokenized as: a messages dataset with
+    ``columns.images`` holds pictures; else its format's."""
+    if spec.get("format") in PICTURES.formats and PICTURES.holds(spec.get("columns") or {}):
+        return PICTURES
+    return kind_of_format(spec["format"])
+
+
+def own_fields(fmt: str) -> tuple[str, ...]:
+    """The fields a kind adds to dataset format ``fmt``'s (``columns.images`` of messages)."""
+    return PICTURES.columns if fmt in PICTURES.formats else ()
+
+
+def fields_read(spec: dict) -> tuple[str, ...]:
+    """The fields beyond its format's a dataset's kind reads (a picture set's pictures)."""
+    return PICTURES.columns if kind_of_source(spec) is PICTURES else ()
+
+
+def kind_of_sources(specs: Iterable[dict]) -> Kind:
+    """The one kind the datasets ``specs`` (a mixture's) are tokenized as: pictures where
+    any holds pictures (a text row is a picture row without pictures)."""
+    specs = list(specs)
+    if any(kind_of_source(s) is PICTURES for s in specs):
+        return PICTURES
+    return kind_of_formats(s["format"] for s in specs)
 
 
 def kind_of_formats(formats: Iterable[str]) -> Kind:
@@ -153,7 +192,7 @@ def kind_of_formats(formats: Iterable[str]) -> Kind:
 def kind_of_columns(columns: Iterable[str]) -> Kind:
     """The kind of a tokenized set, by its columns (or a row of it)."""
     names = set(columns)
-    own = [k for k in KINDS.values() if k.stores and k.holds(names)]
+    own = [k for k in KINDS.values() if (k.stores or k.columns) and k.holds(names)]
     return max(own, key=lambda k: len(k.columns))
 
 

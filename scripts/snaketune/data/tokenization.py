@@ -39,7 +39,7 @@ from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
-from snaketune.data.kinds import Kind, kind_of_formats
+from snaketune.data.kinds import Kind, kind_of_sources
 from snaketune.data.tokens import (
     end_of_turn_id,
     first_token_at,
@@ -316,7 +316,7 @@ def tokenize(
     if stats.end_of_turn_id is not None:
         stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
         stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
-    kind = kind_of_formats(s.spec["format"] for s in sources)
+    kind = kind_of_sources(s.spec for s in sources)
     table_schema = kind.impl().schema(OUTPUT_SCHEMA)
     label_of = functools.partial(kind.impl().label, schema=table_schema)
 

@@ -46,7 +46,8 @@ def generate(
     stopped: list[bool] = []
     began = time.monotonic()
     for i in range(0, len(prompts), batch_size):
-        new = greedy(model, prompts[i : i + batch_size], pad, stops, max_new_tokens, calls)
+        rows_i = rows[i : i + batch_size]
+        new = greedy(model, prompts[i : i + batch_size], pad, stops, max_new_tokens, calls, rows_i)
         out += tokenizer.batch_decode(new, skip_special_tokens=True)
         stopped += torch.isin(new, torch.tensor(stops)).any(dim=1).tolist()
         rate = len(out) / max(time.monotonic() - began, 1e-9)
@@ -69,9 +70,13 @@ def greedy(
     stops: list[int],
     max_new_tokens: int,
     calls: int | None,
+    rows: list[dict] = (),
 ) -> torch.Tensor:
     """The new tokens of one generate call on ``batch`` (left padded, so every continuation
-    starts at the same column); ``calls`` set: synchronised with the other ranks."""
+    starts at the same column); ``calls`` set: synchronised with the other ranks; ``rows``:
+    the batch's rows, whose pictures (a picture set's) go in beside their tokens."""
+    from snaketune.data.pictures import inputs_of
+
     n = max(len(p) for p in batch)
     ids = torch.full((len(batch), n), pad)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
@@ -79,6 +84,7 @@ def greedy(
         ids[j, n - len(p) :] = torch.tensor(p)
         mask[j, n - len(p) :] = 1
     synced = {} if calls is None else {"synced_gpus": True}
+    synced.update(inputs_of(model, list(rows), ids))
     with torch.no_grad():
         gen = model.generate(
             input_ids=ids.to(model.device),

@@ -166,8 +166,11 @@ def padded_logits(model, rows: list[dict], pad: int):
     for j, r in enumerate(rows):
         ids[j, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
         mask[j, : len(r["input_ids"])] = 1
+    from snaketune.data.pictures import inputs_of
+
     device = next(model.parameters()).device
+    pictures = inputs_of(model, rows, ids)  # a picture set's pictures (snaketune.data.pictures)
     with torch.no_grad():
         return model(
-            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, **pictures
         ).logits

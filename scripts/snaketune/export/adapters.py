@@ -35,6 +35,7 @@ from snaketune.export.convert import (
     gate,
     gate_written,
     load_model_config,
+    loaded_names,
     parse_size,
     probe_logits,
     stop_at_end_of_turn,
@@ -189,7 +190,9 @@ def gate_base(base_model: Path, head: str, dtype: torch.dtype, quantized: dict |
 def shapes_with_head(base_model: Path, head: str) -> dict[str, tuple[int, ...]]:
     """The base's tensor shapes, and those a reward model's score head adds to them."""
     config = json.loads((base_model / "config.json").read_text())
-    return {**base_shapes(base_model), **heads.added_shapes(head, config)}
+    names = loaded_names(base_model)  # the adapter names the modules as loaded
+    shapes = {names.get(k, k): v for k, v in base_shapes(base_model).items()}
+    return {**shapes, **heads.added_shapes(head, config)}
 
 
 def lora_scale(adapter_config: dict) -> float:
@@ -225,14 +228,20 @@ class Adapter:
         model_config = json.loads((base_model / "config.json").read_text())
         model_config = model_config.get("text_config", model_config)
         experts = expert_pairs(lora, model_config, lambda kind: pair_scale(config, kind), shapes)
+        saved = {v: k for k, v in loaded_names(base_model).items()}  # the merge's names
         pairs = {}
         for key, a in lora.items():
             if (".lora_A." in key or key.endswith(".lora_embedding_A")) and not module_of(
                 key
             ).endswith("experts"):
                 b = lora[re.sub(r"_A(\.weight)?$", r"_B\1", key)]
-                pairs[adapter_target(key)] = (key, a, b)
-        whole = {adapter_target(key): t for key, t in lora.items() if not is_lora(key)}
+                target = adapter_target(key)
+                pairs[saved.get(target, target)] = (key, a, b)
+        whole = {
+            saved.get(adapter_target(key), adapter_target(key)): t
+            for key, t in lora.items()
+            if not is_lora(key)
+        }
         return cls(
             pairs,
             whole,

@@ -174,6 +174,30 @@ def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def loaded_names(model_dir: Path) -> dict[str, str]:
+    """The checkpoint's tensor names that transformers loads under another name (a
+    vision-language model saved in its family's published layout: Gemma 3's
+    ``language_model.model.*`` is ``model.language_model.*`` once loaded), each to the
+    loaded name; empty for a model loaded under its checkpoint's names. The adapters name
+    the loaded modules; the merge writes the checkpoint's names."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    if not heads.is_vision_language(model_dir):
+        return {}
+    with torch.device("meta"):
+        model = heads.auto_class("lm", model_dir).from_config(AutoConfig.from_pretrained(model_dir))
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    state = model.state_dict()
+    out = {}
+    for key in base_shapes(model_dir):
+        new, _ = rename_source_key(key, renamings, [], model.base_model_prefix, state)
+        if new != key:
+            out[key] = new
+    return out
+
+
 def gate_written(model_dir: Path, dtype: torch.dtype, budget: int, probe: dict, what: str) -> float:
     """Load the model just written within about ``budget`` bytes (accelerate keeps the
     layers that do not fit on disk and loads each only for its forward pass) and gate its

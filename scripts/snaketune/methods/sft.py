@@ -36,8 +36,14 @@ def data(
     from snaketune.core.rows import pad_id
     from snaketune.data.batches import Data
     from snaketune.data.kernels import layout_for
+    from snaketune.data.kinds import PICTURES
     from snaketune.data.packing import Collator
 
+    if PICTURES.holds(table.column_names):  # padded, with the pictures' model inputs
+        from snaketune.data.pictures import PictureCollator
+
+        collator = PictureCollator(pad_id(tokenizer), run["max_length"], ids_log, tokenizer)
+        return Data(table, batches, collator)
     layout = layout_for(run["packing"], kernel)
     return Data(table, batches, Collator(layout, pad_id(tokenizer), run["max_length"], ids_log))
 
@@ -82,7 +88,8 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
             model=model,
             args=args,
             train_dataset=data.table,
-            processing_class=ctx.tokenizer,
+            # a picture set's processor (TRL's vision path), else the tokenizer
+            processing_class=getattr(data.collator, "processor", ctx.tokenizer),
             data_collator=data.collator,
             peft_config=peft_config(ctx.run, model),
             callbacks=callbacks,
@@ -99,6 +106,7 @@ LORA = Method(
     describe=lambda run, manifest: "",
     trains_on="rows",
     splits_sequences=True,
+    takes_pictures=True,
     adapter="lora",
     summary="supervised fine-tuning of a peft adapter",
 )

@@ -17,9 +17,9 @@ from typing import Any
 from snaketune.core.errors import Collect, ConfigError, require
 from snaketune.core.heldout import check_run as check_heldout
 from snaketune.data import sequence
-from snaketune.data.formats import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components
+from snaketune.data.formats import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components, has_pictures
 from snaketune.data.kernels import check_kernels_installed
-from snaketune.data.kinds import kind_named, mixes_kinds, unread
+from snaketune.data.kinds import kind_named, mixes_kinds, own_fields, unread
 from snaketune.methods import compose_schema, method_of, methods, scorers
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
@@ -81,7 +81,7 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
         "format" in spec,
         f"{where}: missing required key 'format' (one of {sorted(FORMAT_FIELDS)})",
     )
-    fields = FORMAT_FIELDS[spec["format"]]
+    fields = [*FORMAT_FIELDS[spec["format"]], *own_fields(spec["format"])]
     for key in spec.get("columns", {}):
         require(
             key in fields,
@@ -167,6 +167,12 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
             require(
                 allowed is None or fmt in allowed,
                 unread(f"{where}.{key}", part, fmt, run["method"], kind, readers),
+            )
+            pictures = [n for n, m in every.items() if m.takes_pictures]
+            require(
+                method.takes_pictures or not has_pictures(cfg, part),
+                f"{where}.{key}: {part!r} holds pictures (columns.images), which method "
+                f"{run['method']} does not train on; set method: {' or '.join(pictures)}",
             )
     method.check(where, run, cfg)
     scorers.check(where, run, cfg)  # the run's own eval metrics
@@ -298,8 +304,8 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     good = {n: r for n, r in config["runs"].items() if _usable(n, r, bad, config)}
     for run in good.values():
         method = method_of(run)
-        if not method.packs:
-            run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts
+        if not method.packs or has_pictures(config, run["dataset"]):
+            run["packing"] = False  # e.g. DPO's padded pairs, GRPO's rollouts, pictures
         if method.block and method.block not in run:
             run[method.block] = {}  # a method block left out: its defaults
     _fill_defaults(config, schema, found)

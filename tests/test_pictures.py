@@ -1,0 +1,276 @@
+"""Vision-language fine-tuning: picture questions (TRL's layout, tests/pictures.py) through
+every stage with a tiny Gemma 3 (its own processor and Hub template): tokenize with the
+processor, shards carrying the pictures, LoRA on 2 emulated nodes, conversion, merge,
+evaluation and the report; each figure checked against plain transformers on the raw rows.
+Bad pictures are named by row and column before anything trains (quick tier)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from conftest import BIN, ENV, ROOT, read_jsonl, snakemake
+from miniature import miniature
+from pictures import build_vlm, make_picture_data
+
+RUN = {
+    "model": "vlm",
+    "dataset": "pics",
+    "eval_dataset": "pics_test",
+    "method": "lora",
+    "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+    "deepspeed": "zero2",
+    "nodes": 2,
+    "gpus_per_node": 1,
+    "max_length": 128,
+    "micro_batch_size": 8,
+    "max_steps": 12,
+    "learning_rate": 5.0e-3,
+    "save_steps": 6,
+    "eval": {"max_new_tokens": 4, "batch_size": 16},
+}
+
+
+def picture_config(runs: dict | None = None) -> dict:
+    """The fixtures as a config: the tiny VLM, the picture sets, the run (packing left to
+    the schema: a picture set turns it off)."""
+    local = {"source": "local", "format": "messages", "columns": {"images": "images"}}
+    return {
+        "models": {"vlm": {"source": "local", "path": "resources/vlm"}},
+        "datasets": {
+            "pics": {**local, "path": "resources/pics/train.jsonl"},
+            "pics_test": {**local, "path": "resources/pics/test.jsonl"},
+        },
+        "runs": runs if runs is not None else {"see": RUN},
+    }
+
+
+def make_workdir(workdir: Path) -> Path:
+    build_vlm(workdir / "resources/vlm")
+    make_picture_data(workdir / "resources/pics")
+    (workdir / "config.yaml").write_text(yaml.safe_dump(picture_config()))
+    return workdir
+
+
+# The Gemma 3 example in miniature (tests/miniature.py): the tiny Gemma 3 and the colour
+# questions under the example's names, 2 emulated nodes, 4 steps, 8 eval examples.
+EXAMPLE = ROOT / "config/examples/gemma3-4b-vlm-lora-2x4.yaml"
+NAME, BASE, TRAIN, TEST = "gemma3_vqa", "gemma3_4b", "llava_mix", "llava_mix_test"
+EVALUATED = 8  # the miniature's eval.limit
+
+
+@pytest.fixture(scope="module")
+def picture_pipeline(tmp_path_factory) -> Path:
+    """The example in miniature through snakemake on the local profile, to the report."""
+    workdir = tmp_path_factory.mktemp("pictures") / "w"
+    path = miniature(EXAMPLE, None, workdir)
+    proc = snakemake("--configfile", str(path), "--directory", str(workdir))
+    (workdir / "snakemake.out").write_text(proc.stdout + proc.stderr)
+    return workdir
+
+
+def raw_rows(workdir: Path) -> list[dict]:
+    return read_jsonl(workdir / f"data/{TEST}/test.jsonl")[:EVALUATED]
+
+
+def pictures_of(workdir: Path, r: dict, blank: bool = False, data: str = TEST) -> list:
+    from PIL import Image
+
+    out = []
+    for name in r["images"]:
+        img = Image.open(workdir / "data" / data / name).convert("RGB")
+        out.append(Image.new("RGB", img.size, (128, 128, 128)) if blank else img)
+    return out
+
+
+def plain_heldout_loss(model_dir: Path, workdir: Path, blank: bool = False) -> tuple[float, int]:
+    """The held-out loss written out with plain transformers on the raw test rows: the
+    model's own processor renders each conversation (its template with the image part) and
+    expands its picture; the answer's tokens (what the conversation's render adds after the
+    generation prompt's: the answer, <end_of_turn> and the turn's newline) are scored, one
+    row at a time."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for r in raw_rows(workdir):
+        images = [pictures_of(workdir, r, blank)]
+        kw = {"images": images, "return_tensors": "pt", "add_special_tokens": False}
+        full = processor(text=[processor.apply_chat_template(r["messages"])], **kw)
+        prompt = processor(
+            text=[processor.apply_chat_template(r["messages"][:1], add_generation_prompt=True)],
+            **kw,
+        )["input_ids"][0]
+        ids = full["input_ids"][0]
+        assert torch.equal(ids[: len(prompt)], prompt)
+        with torch.no_grad():
+            logits = model(**full).logits[0].double()
+        logp = torch.log_softmax(logits[:-1], -1)
+        for t in range(len(prompt), len(ids)):
+            total -= logp[t - 1, ids[t]].item()
+            count += 1
+    return total / count, count
+
+
+@pytest.mark.slow
+def test_a_tiny_vlm_trains_on_pictures_and_its_heldout_loss_is_plain_transformers(
+    picture_pipeline,
+):
+    """LoRA on picture questions on 2 emulated nodes reaches evaluation; its held-out loss
+    equals the loss written out with plain transformers on the raw rows with the exported
+    model and its processor (1e-5), and the pictures reach the model: the evaluation's own
+    loss moves when the pictures are blanked."""
+    from transformers import AutoModelForImageTextToText
+
+    from snaketune.evaluation.evaluate import heldout_loss, load_examples
+
+    w = picture_pipeline
+    out = (w / "snakemake.out").read_text()
+    log = (w / f"logs/train/{NAME}.log").read_text()
+    assert "x 1 devices x 2 nodes" in log and "padded batches" in log, log[-2000:]
+    steps = read_jsonl(w / f"results/{NAME}/train/metrics.jsonl")
+    assert [m["step"] for m in steps] == list(range(1, 5)) and all(
+        math.isfinite(m["loss"]) for m in steps
+    )
+    metrics = json.loads((w / f"results/{NAME}/eval/metrics.json").read_text())
+    merged = w / f"results/{NAME}/merged_model"
+    want, tokens = plain_heldout_loss(merged, w)
+    assert metrics["loss"] == pytest.approx(want, abs=1e-5), (metrics["loss"], want)
+    assert metrics["response_tokens"] == tokens
+    assert metrics["base"]["loss"] == pytest.approx(plain_heldout_loss(w / f"models/{BASE}", w)[0],
+                                                    abs=1e-5)  # fmt: skip
+    # the pictures reach the model: the same rows with blank pictures score otherwise
+    tokenized = next((w / "results/tokenized").glob(f"{TEST}__*/data.parquet"))
+    rows = load_examples(tokenized, EVALUATED)
+    blank = pictures_of(w, raw_rows(w)[0], blank=True)[0]
+    import io
+
+    buf = io.BytesIO()
+    blank.save(buf, format="PNG")
+    blanked = [{**r, "images": [buf.getvalue()]} for r in rows]
+    model = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).eval()
+    pad = 0
+    ours = heldout_loss(model, rows, 16, pad)["loss"]
+    assert ours == pytest.approx(want, abs=1e-5)
+    assert abs(heldout_loss(model, blanked, 16, pad)["loss"] - ours) > 1e-3
+    assert plain_heldout_loss(merged, w, blank=True)[0] != pytest.approx(want, abs=1e-3)
+    assert f"{NAME}: eval loss" in out
+
+
+@pytest.mark.slow
+def test_the_tokens_are_the_processors_and_only_the_answer_is_trained(picture_pipeline):
+    """Each tokenized row is what the model's processor makes of the conversation and its
+    picture (the image part expanded into the picture's tokens), its labels exactly what
+    the model writes after the generation prompt (the answer, <end_of_turn> and the turn's
+    newline: a prefix-stable template's turn); the shards carry each row's picture bytes."""
+    from transformers import AutoProcessor
+
+    w = picture_pipeline
+    processor = AutoProcessor.from_pretrained(w / f"models/{BASE}")
+    tokenized = next((w / "results/tokenized").glob(f"{TRAIN}__*/data.parquet"))
+    table = pq.read_table(tokenized).to_pylist()
+    raw = read_jsonl(w / f"data/{TRAIN}/train.jsonl")
+    assert len(table) == len(raw)
+    for got in table[:8]:
+        r = raw[int(got["example_id"].split(":")[1])]
+        images = [pictures_of(w, r, data=TRAIN)]
+        text = processor.apply_chat_template(r["messages"])
+        ids = processor(text=[text], images=images, add_special_tokens=False)["input_ids"][0]
+        assert got["input_ids"] == list(ids)
+        answer = r["messages"][1]["content"][0]["text"]
+        trained = [t for t in got["labels"] if t != -100]
+        assert (
+            "".join(processor.tokenizer.convert_ids_to_tokens(trained))
+            == f"{answer}<end_of_turn>\n"
+        )
+        assert got["labels"][: -len(trained)] == [-100] * (len(got["labels"]) - len(trained))
+        assert got["images"] == [(w / f"data/{TRAIN}" / r["images"][0]).read_bytes()]
+    shards = [
+        pq.read_table(p) for p in sorted((w / f"results/{NAME}/shards").glob("node-*.parquet"))
+    ]
+    assert len(shards) == 2 and all("images" in s.column_names for s in shards)
+    stats = json.loads(next((w / "results/tokenized").glob(f"{TRAIN}__*/stats.json")).read_text())
+    assert stats["pictures"] == len(raw) and stats["image_tokens"] == 6 * len(raw)
+
+
+@pytest.mark.slow
+def test_the_export_is_the_bases_class_with_its_processor_and_generates_from_a_picture(
+    picture_pipeline,
+):
+    """The merged model is Gemma 3's vision-language class with the processor beside it:
+    plain transformers loads both and answers a question about a picture."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    w = picture_pipeline
+    merged = w / f"results/{NAME}/merged_model"
+    config = json.loads((merged / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForConditionalGeneration"]
+    processor = AutoProcessor.from_pretrained(merged)
+    model = AutoModelForImageTextToText.from_pretrained(merged)
+    r = raw_rows(w)[0]
+    prompt = processor.apply_chat_template(r["messages"][:1], add_generation_prompt=True)
+    batch = processor(text=[prompt], images=[pictures_of(w, r)], return_tensors="pt",
+                      add_special_tokens=False)  # fmt: skip
+    out = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > batch["input_ids"].shape[1]
+
+
+# ----------------------------------------------------------------------------- bad pictures
+
+
+@pytest.fixture(scope="module")
+def bad_workdir(tmp_path_factory) -> Path:
+    """The fixtures with a broken picture (the training set's row 2) and a row whose image
+    part has no picture (the test set's row 5)."""
+    w = make_workdir(tmp_path_factory.mktemp("bad_pictures"))
+    (w / "resources/pics/pictures/broken.png").write_bytes(b"\x89PNG\r\n not a picture")
+    for split, i, change in (("train", 2, {"images": ["pictures/broken.png"]}),
+                             ("test", 5, {"images": []})):  # fmt: skip
+        rows = read_jsonl(w / f"resources/pics/{split}.jsonl")
+        rows[i].update(change)
+        (w / f"resources/pics/{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+    return w
+
+
+def test_a_broken_picture_and_a_missing_one_are_named_by_row_and_column_before_training(
+    bad_workdir,
+):
+    """`snaketune validate` names the broken picture (dataset, row, column, picture) and the
+    row whose image parts have no picture, one line each; nothing is written."""
+    w = bad_workdir
+    proc = subprocess.run([str(BIN / "snaketune"), "validate", str(w / "config.yaml")], cwd=w,
+                          env=ENV, capture_output=True, text=True)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert ("datasets.pics row 2: column 'images' picture 0 does not decode as a picture "
+            "(cannot identify image file)") in out  # fmt: skip
+    assert ("datasets.pics_test row 5: 1 image part(s) in its messages but 0 picture(s) in column "
+            "'images'") in out  # fmt: skip
+    assert "Traceback" not in out
+    assert not (w / "results").exists()
+
+
+def test_pictures_for_a_method_that_does_not_train_on_them_are_refused(tmp_path):
+    """A picture set for DPO or GRPO: the config's check names the dataset and the methods
+    that train on pictures."""
+    from conftest import ROOT
+
+    from snaketune.core.errors import ConfigError
+    from snaketune.plan.config import validate_config
+
+    run = {**RUN, "method": "grpo"}
+    with pytest.raises(ConfigError) as info:
+        validate_config(picture_config({"see": run}), ROOT)
+    assert ("runs.see.dataset: 'pics' holds pictures (columns.images), which method grpo does "
+            "not train on; set method: lora or full") in str(info.value)  # fmt: skip
+    config = validate_config(picture_config(), ROOT)
+    assert config["runs"]["see"]["packing"] is False  # pictures are padded, not packed
