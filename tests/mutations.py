@@ -368,6 +368,20 @@ MUTATIONS = (
         "            coef = 0.001\n",
         ("tests/test_families.py::test_each_family_trains_on_its_own_template_and_exports_a_model_that_generates",),
     ),
+    Mutation(
+        "pictures-dropped", "a batch's pictures never reach the model (no pixel_values beside the image tokens)",
+        f"{LIB}/data/pictures.py",
+        "    if flat:\n        made = processor.image_processor(",
+        "    if not flat:\n        made = processor.image_processor(",
+        ("tests/test_pictures.py::test_a_tiny_vlm_trains_on_pictures_and_its_heldout_loss_is_plain_transformers",),
+    ),
+    Mutation(
+        "picture-labels-shifted", "the labels are not carried onto the processor's expanded tokens (kept at their unexpanded places)",
+        f"{LIB}/data/pictures.py",
+        "            out[j1:j2] = labels[i1:i2]\n",
+        "            out[i1:i2] = labels[i1:i2]\n",
+        ("tests/test_pictures.py::test_the_tokens_are_the_processors_and_only_the_answer_is_trained",),
+    ),
 )  # fmt: skip
 
 

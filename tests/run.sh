@@ -23,7 +23,7 @@
 #   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler, with the training,
 #     continuation, stall, export, disk, larger-than-one-GPU and mixture-of-experts tests;
 #   - SIDE: the GRPO, QLoRA and reward model chains and the atomic-output fault test;
-#   - CHAINS: sweeps, then the DPO chain;
+#   - CHAINS: sweeps, then the DPO chain, the families and the pictures;
 #   - the rest, the quick tier and the held-out passes among them.
 # SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
 # (conftest.CI_RUNS). SNAKETUNE_KEEP=DIR keeps the tier's logs there (tests/touched.py
@@ -94,7 +94,8 @@ SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test
        tests/test_examples.py tests/test_bench.py)
 SIDE=(tests/test_grpo.py tests/test_rloo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
       tests/test_sequence.py)
-CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py)
+CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py
+        tests/test_pictures.py)
 # pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure
 ran() { [ "$1" -eq 5 ] && echo 0 || echo "$1"; }
 pytest "${SLURM[@]}" -m "$marks" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &

@@ -75,8 +75,8 @@ def picture_pipeline(tmp_path_factory) -> Path:
     return workdir
 
 
-def raw_rows(workdir: Path) -> list[dict]:
-    return read_jsonl(workdir / f"data/{TEST}/test.jsonl")[:EVALUATED]
+def raw_rows(workdir: Path, limit: int | None = EVALUATED) -> list[dict]:
+    return read_jsonl(workdir / f"data/{TEST}/test.jsonl")[:limit]
 
 
 def pictures_of(workdir: Path, r: dict, blank: bool = False, data: str = TEST) -> list:
@@ -89,7 +89,9 @@ def pictures_of(workdir: Path, r: dict, blank: bool = False, data: str = TEST) -
     return out
 
 
-def plain_heldout_loss(model_dir: Path, workdir: Path, blank: bool = False) -> tuple[float, int]:
+def plain_heldout_loss(
+    model_dir: Path, workdir: Path, blank: bool = False, limit: int | None = EVALUATED
+) -> tuple[float, int]:
     """The held-out loss written out with plain transformers on the raw test rows: the
     model's own processor renders each conversation (its template with the image part) and
     expands its picture; the answer's tokens (what the conversation's render adds after the
@@ -100,7 +102,7 @@ def plain_heldout_loss(model_dir: Path, workdir: Path, blank: bool = False) -> t
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     total, count = 0.0, 0
-    for r in raw_rows(workdir):
+    for r in raw_rows(workdir, limit):
         images = [pictures_of(workdir, r, blank)]
         kw = {"images": images, "return_tensors": "pt", "add_special_tokens": False}
         full = processor(text=[processor.apply_chat_template(r["messages"])], **kw)
@@ -135,7 +137,7 @@ def test_a_tiny_vlm_trains_on_pictures_and_its_heldout_loss_is_plain_transformer
     out = (w / "snakemake.out").read_text()
     log = (w / f"logs/train/{NAME}.log").read_text()
     assert "x 1 devices x 2 nodes" in log and "padded batches" in log, log[-2000:]
-    steps = read_jsonl(w / f"results/{NAME}/train/metrics.jsonl")
+    steps = [m for m in read_jsonl(w / f"results/{NAME}/train/metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 5)) and all(
         math.isfinite(m["loss"]) for m in steps
     )
@@ -162,6 +164,12 @@ def test_a_tiny_vlm_trains_on_pictures_and_its_heldout_loss_is_plain_transformer
     assert abs(heldout_loss(model, blanked, 16, pad)["loss"] - ours) > 1e-3
     assert plain_heldout_loss(merged, w, blank=True)[0] != pytest.approx(want, abs=1e-3)
     assert f"{NAME}: eval loss" in out
+    # the held-out pass while training (eval_steps: before the first step too) scores the
+    # pictures as the evaluation does: every test row, the base's loss at step 0
+    (start,) = [m for m in read_jsonl(w / f"results/{NAME}/train/metrics.jsonl") if m["step"] == 0]
+    base = plain_heldout_loss(w / f"models/{BASE}", w, limit=None)
+    assert start["heldout_loss"] == pytest.approx(base[0], abs=1e-5)
+    assert start["heldout_response_tokens"] == base[1]
 
 
 @pytest.mark.slow
