@@ -137,6 +137,27 @@ SHAPES["meta-llama/Llama-3.1-70B-Instruct"] = {
     "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16",
 }  # fmt: skip
 SHAPES["meta-llama/Llama-3.2-1B-Instruct"] = SHAPES["meta-llama/Llama-3.2-1B"]
+# The vision-language examples' models (their published config.json fields, nested: the
+# text model's and the vision tower's), kept apart from SHAPES (the plan's tests of flat
+# language models): tests/test_docs.py plans every example.
+VLM_SHAPES = {
+    "google/gemma-3-4b-it": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "mm_tokens_per_image": 256, "dtype": "bfloat16",
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+            "vocab_size": 262208, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+            "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+            "patch_size": 14, "vision_use_head": False,
+        },
+    },
+}  # fmt: skip
 
 
 BIN = Path(sys.executable).parent

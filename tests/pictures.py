@@ -28,7 +28,7 @@ SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>
 def tokenizer():
     """A character-level tokenizer with Gemma 3's markup and image tokens (the processor
     reads ``boi_token``, ``eoi_token`` and ``image_token`` off it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL)}
@@ -36,6 +36,7 @@ def tokenizer():
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()  # characters joined back as they were
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",

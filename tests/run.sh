@@ -22,7 +22,8 @@
 # (the scheduler, a lock, a timeout) leave no core idle while another has work:
 #   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler, with the training,
 #     continuation, stall, export, disk, larger-than-one-GPU and mixture-of-experts tests;
-#   - SIDE: the GRPO, QLoRA and reward model chains and the atomic-output fault test;
+#   - SIDE: the GRPO, QLoRA and reward model chains, the atomic-output fault test and the
+#     bad inputs (their own demo copies);
 #   - CHAINS: sweeps, then the DPO chain, the families and the pictures;
 #   - the rest, the quick tier and the held-out passes among them.
 # SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
@@ -93,7 +94,7 @@ SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test
        tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py
        tests/test_examples.py tests/test_bench.py)
 SIDE=(tests/test_grpo.py tests/test_rloo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
-      tests/test_sequence.py)
+      tests/test_sequence.py tests/test_bad_inputs.py)
 CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py
         tests/test_pictures.py)
 # pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure

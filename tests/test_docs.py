@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, ENV, ROOT, SHAPES, stand_in_slurm
+from conftest import BIN, ENV, ROOT, SHAPES, VLM_SHAPES, stand_in_slurm
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # The newcomer's config: a chat LoRA sweep on 2 nodes, GRPO from its best member on its own
@@ -80,7 +80,7 @@ def places(tmp_path_factory, demo) -> dict[str, Path]:
         for name, spec in yaml.safe_load(example.read_text())["models"].items():
             (planned / "resources/models" / name).mkdir(parents=True, exist_ok=True)
             (planned / "resources/models" / name / "config.json").write_text(
-                json.dumps(SHAPES[spec["id"]])
+                json.dumps({**SHAPES, **VLM_SHAPES}[spec["id"]])
             )
     (planned / "config").symlink_to(ROOT / "config")  # documented paths are the repository's
     (base / "elsewhere").mkdir()

@@ -230,6 +230,32 @@ def test_the_export_is_the_bases_class_with_its_processor_and_generates_from_a_p
     assert out.shape[1] > batch["input_ids"].shape[1]
 
 
+@pytest.mark.slow
+def test_the_report_shows_each_samples_picture_beside_its_question(picture_pipeline):
+    """Each evaluated sample carries its picture, small (a JPEG data URI of at most 96 px a
+    side, the same picture: its mean colour within a few levels of the source's), and its
+    prompt says a picture's image tokens once with their count; the report shows them."""
+    import base64
+    import io
+
+    from PIL import Image, ImageStat
+
+    w = picture_pipeline
+    samples = read_jsonl(w / f"results/{NAME}/eval/samples.jsonl")
+    assert len(samples) == EVALUATED
+    for s, r in zip(samples, raw_rows(w), strict=True):
+        (uri,) = s["pictures"]
+        assert uri.startswith("data:image/jpeg;base64,")
+        small = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+        assert max(small.size) <= 96
+        source = pictures_of(w, r)[0]
+        for got, want in zip(ImageStat.Stat(small).mean, ImageStat.Stat(source).mean, strict=True):
+            assert abs(got - want) < 8, (got, want)
+        assert "<image_soft_token>×4" in s["prompt"] and "What colour is the shape?" in s["prompt"]
+    html = (w / "results/summary.html").read_text()
+    assert html.count("<img src='data:image/jpeg;base64,") >= 8
+
+
 # ----------------------------------------------------------------------------- bad pictures
 
 
@@ -282,3 +308,26 @@ def test_pictures_for_a_method_that_does_not_train_on_them_are_refused(tmp_path)
             "not train on; set method: lora or full") in str(info.value)  # fmt: skip
     config = validate_config(picture_config(), ROOT)
     assert config["runs"]["see"]["packing"] is False  # pictures are padded, not packed
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_full_fine_tune_on_pictures_exports_the_bases_class_and_evaluates(tmp_path):
+    """The example as a full fine-tune (every weight, the vision tower's too): it trains on
+    2 emulated nodes, converts to the base's class with its processor, and its held-out loss
+    is plain transformers' on the raw rows with that export."""
+    w = tmp_path / "w"
+    path = miniature(EXAMPLE, None, w)
+    config = yaml.safe_load(path.read_text())
+    run = config["runs"][NAME]
+    del run["lora"]
+    run.update(method="full", learning_rate=1e-3)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake("--configfile", str(path), "--directory", str(w))
+    export = w / f"results/{NAME}/hf"
+    assert json.loads((export / "config.json").read_text())["architectures"] == [
+        "Gemma3ForConditionalGeneration"
+    ]
+    metrics = json.loads((w / f"results/{NAME}/eval/metrics.json").read_text())
+    assert metrics["loss"] == pytest.approx(plain_heldout_loss(export, w)[0], abs=1e-5)
+    assert metrics["loss"] != pytest.approx(metrics["base"]["loss"], abs=1e-4)  # it trained

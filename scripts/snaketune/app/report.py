@@ -103,7 +103,7 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
             mark, cls = sample_scores(s), "scored"
         trs.append(
             f"<tr class='{cls}'><td class='mark'>{escape(mark)}</td>"
-            f"<td><pre>{escape(str(s.get('prompt', '')))}</pre></td>"
+            f"<td>{pictures_html(s)}<pre>{escape(str(s.get('prompt', '')))}</pre></td>"
             f"<td><pre>{escape(str(s.get('reference', '')))}</pre></td>"
             f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
         )
@@ -118,6 +118,17 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
         "<table class='samples'><col style='width:13%'><col style='width:29%'>"
         "<col style='width:23%'><col style='width:35%'><tr><th></th><th>prompt</th>"
         f"<th>reference</th><th>generation (tuned)</th></tr>{''.join(trs)}</table>"
+    )
+
+
+def pictures_html(sample: dict[str, Any]) -> str:
+    """A picture sample's thumbnails (data URIs the evaluation wrote), above its prompt."""
+    from html import escape
+
+    return "".join(
+        f"<img src='{escape(uri)}' alt='picture {i}' style='max-width:96px;margin:2px'>"
+        for i, uri in enumerate(sample.get("pictures") or [])
+        if str(uri).startswith("data:image/")
     )
 
 

@@ -87,10 +87,12 @@ def score(
     (snaketune.evaluation.figures: numeric answers, free text or both): the samples, and the
     figures over all of them (``exact_match`` and ``math_verify`` always: the held-out pass
     while training reads them)."""
+    from snaketune.data.pictures import COLUMN
     from snaketune.evaluation.figures import answer_format, text_scores
+    from snaketune.evaluation.thumbnails import SHOWN, shown, thumbnail
 
     samples, correct, verified, answers = [], 0, 0, 0
-    for r, text, ended in zip(rows, generations, stopped, strict=True):
+    for i, (r, text, ended) in enumerate(zip(rows, generations, stopped, strict=True)):
         prompt, answer = prompt_and_answer(r["input_ids"], r["labels"])
         reference = tokenizer.decode(answer, skip_special_tokens=True)
         want, got = parse_answer(reference), parse_answer(text)
@@ -103,7 +105,7 @@ def score(
         samples.append(
             {
                 "example_id": r["example_id"],
-                "prompt": tokenizer.decode(prompt),
+                "prompt": shown(tokenizer.decode(prompt)),
                 "reference": reference,
                 "generation": text,
                 "parsed_answer": got,
@@ -114,6 +116,8 @@ def score(
                 "stopped": ended,
             }
         )
+        if r.get(COLUMN) and i < SHOWN:  # a picture row: its pictures, small, for the report
+            samples[-1]["pictures"] = [thumbnail(p) for p in r[COLUMN]]
     fmt = answer_format([s["reference"] for s in samples])
     figures = {
         "format": fmt,

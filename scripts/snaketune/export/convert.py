@@ -180,12 +180,12 @@ def loaded_names(model_dir: Path) -> dict[str, str]:
     ``language_model.model.*`` is ``model.language_model.*`` once loaded), each to the
     loaded name; empty for a model loaded under its checkpoint's names. The adapters name
     the loaded modules; the merge writes the checkpoint's names."""
+    if not heads.is_vision_language(model_dir):
+        return {}  # imports nothing more (the merge's reader thread imports as it did)
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-    if not heads.is_vision_language(model_dir):
-        return {}
     with torch.device("meta"):
         model = heads.auto_class("lm", model_dir).from_config(AutoConfig.from_pretrained(model_dir))
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
