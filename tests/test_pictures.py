@@ -204,6 +204,8 @@ def test_the_tokens_are_the_processors_and_only_the_answer_is_trained(picture_pi
         pq.read_table(p) for p in sorted((w / f"results/{NAME}/shards").glob("node-*.parquet"))
     ]
     assert len(shards) == 2 and all("images" in s.column_names for s in shards)
+    log = (w / f"logs/shard_dataset/{NAME}.log").read_text()
+    assert "packing off for picture rows, which are padded, never packed" in log, log
     stats = json.loads(next((w / "results/tokenized").glob(f"{TRAIN}__*/stats.json")).read_text())
     assert stats["pictures"] == len(raw) and stats["image_tokens"] == 6 * len(raw)
 
@@ -331,3 +333,27 @@ def test_a_full_fine_tune_on_pictures_exports_the_bases_class_and_evaluates(tmp_
     metrics = json.loads((w / f"results/{NAME}/eval/metrics.json").read_text())
     assert metrics["loss"] == pytest.approx(plain_heldout_loss(export, w)[0], abs=1e-5)
     assert metrics["loss"] != pytest.approx(metrics["base"]["loss"], abs=1e-4)  # it trained
+
+
+def test_a_model_without_a_processor_for_pictures_is_named_before_training(
+    tmp_path, fixtures_dir, monkeypatch
+):
+    """Picture rows tokenized for a text model (the demo's tiny Llama, ChatML): one line
+    naming the model and why (its template prints nothing for a picture; the tokenize job
+    writes its outputs only once complete)."""
+    from snaketune.core.errors import DataError
+    from snaketune.data.conversations import Source
+    from snaketune.data.tokenization import tokenize
+
+    w = make_workdir(tmp_path)
+    monkeypatch.chdir(w)  # where the tokenize job runs: the pictures' paths are from there
+    data = w / "resources/pics/train.parquet"
+    import pyarrow.json as pj
+
+    pq.write_table(pj.read_json(w / "resources/pics/train.jsonl"), data)
+    spec = picture_config()["datasets"]["pics"]
+    with pytest.raises(DataError) as info:
+        tokenize([Source("pics", data, spec)], fixtures_dir / "tiny-llama", tmp_path / "t.parquet",
+                 128, model_name="tiny")  # fmt: skip
+    assert str(info.value).startswith(f"{fixtures_dir / 'tiny-llama'}: the chat template "
+                                      "prints nothing for an image part")  # fmt: skip

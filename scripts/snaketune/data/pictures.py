@@ -171,14 +171,20 @@ def image_text(renderer: ChatRenderer) -> str:
     the render of a user turn with an image part less the render without it."""
     probe = "\ue0f2"
     with_part = [{"type": "image"}, {"type": "text", "text": probe}]
-    a = renderer.render_messages([{"role": "user", "content": [{"type": "text", "text": probe}]}])
-    b = renderer.render_messages([{"role": "user", "content": with_part}])
-    pre = a[: a.index(probe)]
-    found = b[len(pre) : b.index(probe)] if b.startswith(pre) else ""
+    try:  # a text-only template may not take a list of parts at all
+        text_only = [{"type": "text", "text": probe}]
+        a = renderer.render_messages([{"role": "user", "content": text_only}])
+        b = renderer.render_messages([{"role": "user", "content": with_part}])
+        pre = a[: a.index(probe)]
+        found = b[len(pre) : b.index(probe)] if b.startswith(pre) else ""
+    except Exception:  # noqa: BLE001 -- jinja raises what the template's code raises
+        found = ""
     if not found:
         raise DataError(
-            "the chat template prints nothing for an image part: it is not a vision-language "
-            "model's template; use the model's own (`chat_template:` unset)"
+            f"{renderer.tokenizer.name_or_path}: the chat template prints nothing for an image "
+            "part: it is not a vision-language "
+            "model's template (a picture dataset needs a vision-language model and its own "
+            "template: `chat_template:` unset)"
         )
     return found
 

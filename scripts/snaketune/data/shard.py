@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
 from snaketune.core.io import digest, sha256_file
+from snaketune.data.kinds import PICTURES
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,9 @@ def write_nodes(
     return out
 
 
+PADDED = " for picture rows, which are padded, never packed"
+
+
 def shard(
     tokenized: str | Path, out_dir: str | Path, layout: Layout, seed: int, packing: bool = True
 ) -> dict[str, Any]:
@@ -283,6 +287,7 @@ def shard(
     n_rows = pq.ParquetFile(tokenized).metadata.num_rows
     lengths = pq.read_table(tokenized, columns=["length"]).column("length").to_numpy()
     lengths = lengths.astype(np.int64)
+    pictured = PICTURES.holds(pq.ParquetFile(tokenized).schema_arrow.names)
     p = plan(lengths, layout, seed, balance=packing)
     written = write_nodes(tokenized, out_dir, p, p.node(layout.data_ranks_per_node), layout.nodes)
     paths, rows, tokens, leftover = written.paths, written.rows, written.tokens, written.leftover
@@ -326,6 +331,6 @@ def shard(
         balance["worst_max_over_mean"],
         balance["worst_step"],
         balance["mean_max_over_mean"],
-        "" if packing else " (packing off: random split)",
+        "" if packing else f" (packing off{PADDED if pictured else ''}: random split)",
     )
     return manifest
