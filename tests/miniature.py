@@ -164,9 +164,18 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
         path = out / "data" / f"{name}.jsonl"
         path.parent.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows_of(spec, source[split], split)))
-        config["datasets"][name] = {"source": "local", "path": f"data/{name}.jsonl",
-                                    **{k: v for k, v in spec.items()
-                                       if k not in ("source", "id", "subset", "split", "revision")}}  # fmt: skip
+        config["datasets"][name] = local(spec, f"data/{name}.jsonl")
+    return shrunk(config, out)
+
+
+def local(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """A Hub dataset's entry as a local file's at ``path``, its other keys as written."""
+    hub = ("source", "id", "subset", "split", "revision")
+    return {"source": "local", "path": path, **{k: v for k, v in spec.items() if k not in hub}}
+
+
+def shrunk(config: dict[str, Any], out: Path) -> Path:
+    """``config`` with its runs shrunk, written as out/config.yaml; its path."""
     for run in config["runs"].values():
         shrink(run)
     path = out / "config.yaml"
@@ -192,14 +201,8 @@ def pictures_miniature(config: dict[str, Any], out: Path) -> Path:
         cols = spec.get("columns") or {}
         make_picture_data(out / "data" / name, columns=(cols.get("messages", "messages"),
                                                         cols["images"]))  # fmt: skip
-        config["datasets"][name] = {"source": "local", "path": f"data/{name}/{split}.jsonl",
-                                    **{k: v for k, v in spec.items()
-                                       if k not in ("source", "id", "subset", "split", "revision")}}  # fmt: skip
-    for run in config["runs"].values():
-        shrink(run)
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+        config["datasets"][name] = local(spec, f"data/{name}/{split}.jsonl")
+    return shrunk(config, out)
 
 
 def defaults_config(demo: Path, out: Path) -> Path:
