@@ -139,7 +139,10 @@ def read_row(source: Source, system: tuple, cols: dict[str, Any], data: dict, i:
             f"{where}: {parts} image part(s) in its messages but {len(values)} picture(s) in "
             f'column {col!r}; each {{"type": "image"}} part takes the next picture'
         )
-    base = Path(source.spec["path"]).parent if source.spec.get("source") == "local" else None
+    base = None  # a local file's pictures are named from its folder (or from the folder given)
+    if source.spec.get("source") == "local":
+        given = Path(source.spec["path"])
+        base = given if given.is_dir() else given.parent
     pictures = [
         picture_bytes(v, base, f"{where}: column {col!r} picture {k}") for k, v in enumerate(values)
     ]
