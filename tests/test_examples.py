@@ -25,7 +25,6 @@ from miniature import defaults_config, miniature
 # example: tests/test_pictures.py, in the CI tier), left out here.
 ELSEWHERE = {"gemma3-4b-vlm-lora-2x4"}
 EXAMPLES = sorted(e for e in (ROOT / "config/examples").glob("*.yaml") if e.stem not in ELSEWHERE)
-CI: set[str] = set()  # the CI tier's example in miniature is test_pictures.py's (ELSEWHERE)
 
 
 def exported(results: Path, run: str) -> tuple[Path, Path | None]:
@@ -102,12 +101,9 @@ def check_miniature(workdir: Path, config: dict) -> None:
     assert (results / "summary.html").is_file()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "example",
-    [pytest.param(e, id=e.stem, marks=() if e.stem in CI else pytest.mark.extended)
-     for e in EXAMPLES],
-)  # fmt: skip
+@pytest.mark.parametrize("example", [pytest.param(e, id=e.stem) for e in EXAMPLES])
 def test_each_example_runs_in_miniature(demo, example, tmp_path):
     import yaml
 

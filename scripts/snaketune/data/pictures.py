@@ -169,6 +169,7 @@ def processor_of(model_dir: str):
     return processor
 
 
+@functools.lru_cache(maxsize=4)  # one probe per renderer, not per batch
 def image_text(renderer: ChatRenderer) -> str:
     """What the chat template prints for one image part (before its processor expands it):
     the render of a user turn with an image part less the render without it."""

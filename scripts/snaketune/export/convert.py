@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -174,6 +175,7 @@ def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@functools.lru_cache(maxsize=4)  # the converter and the merge ask twice: one meta model
 def loaded_names(model_dir: Path) -> dict[str, str]:
     """The checkpoint's tensor names that transformers loads under another name (a
     vision-language model saved in its family's published layout: Gemma 3's
