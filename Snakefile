@@ -12,6 +12,7 @@ from snakemake.utils import min_version
 from snaketune.core.errors import UserError, labelled
 from snaketune.budget.checks import at_parse, check_workflow, in_dry_runs
 from snaketune.app.summary import report_line
+from snaketune.app.terminal import settled
 from snaketune.train.attempts import one_start_per_job
 from snaketune.train.attemptlog import stopped_since
 
@@ -68,21 +69,25 @@ include: "workflow/rules/sweep.smk"
 # runs about to train, lm-eval's task names; on SLURM, every job's resources against its
 # partition (snaketune.budget.checks.before_queueing).
 onstart:
+    settled()  # Snakemake's own lines first (its logger writes from a thread)
     check_workflow(config, workflow, dry_run=False)
 
 
 in_dry_runs(
-    lambda: check_workflow(config, workflow, dry_run=True), lambda: workflow.dryrun
+    lambda: (settled(), check_workflow(config, workflow, dry_run=True)),
+    lambda: workflow.dryrun,
 )
 
 
 # At the end of a successful pipeline: one line with the report's path and the results.
 onsuccess:
+    settled()
     report_line()
 
 
 # A train job stopped (Ctrl-C, scancel) or failed in this invocation: its one line, last.
 onerror:
+    settled()
     for line in stopped_since(STARTED):
         print(line, file=sys.stderr)
 

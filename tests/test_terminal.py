@@ -137,3 +137,42 @@ def test_the_demo_s_terminal_is_a_page_with_its_training_s_progress(demo):
     # the second node's agent, at the end, does not warn that the rendezvous failed
     (attempt,) = (demo / "results/demo/train/logs").glob("attempt-*.log")
     assert "has failed to shutdown the rendezvous" not in attempt.read_text()
+
+
+def test_a_line_of_the_workflow_waits_for_the_lines_snakemake_has_logged(capfd):
+    """Snakemake hands its logger plugin's records to a thread through a queue; the checks
+    before queueing print from the workflow. `settled` waits for the queue, so the job
+    count's line is whole before the plan's line (once they ran together on one line)."""
+    import logging.handlers
+    import queue
+    import sys
+    import time
+
+    from snaketune.app.terminal import settled
+
+    class Slow(logging.Handler):
+        def emit(self, rec):
+            time.sleep(0.3)  # a plugin busy with an earlier record
+            sys.stderr.write(rec.getMessage() + "\n")
+
+    q = queue.Queue(-1)
+    log = logging.getLogger("snaketune-test-settled")
+    log.propagate = False
+    log.addHandler(logging.handlers.QueueHandler(q))
+    listener = logging.handlers.QueueListener(q, Slow())
+    listener.start()
+    try:
+        log.warning("13 jobs: train 1, report 1")
+        settled("snaketune-test-settled")
+        print("plans: not checked yet", file=sys.stderr)
+    finally:
+        listener.stop()
+        log.handlers.clear()
+    assert capfd.readouterr().err.splitlines() == ["13 jobs: train 1, report 1",
+                                                   "plans: not checked yet"]  # fmt: skip
+    started = time.monotonic()  # a queue nobody reads any more is not waited on for ever
+    log.addHandler(logging.handlers.QueueHandler(q))
+    log.warning("after the listener stopped")
+    settled("snaketune-test-settled", wait_s=0.2)
+    log.handlers.clear()
+    assert time.monotonic() - started < 2

@@ -40,6 +40,20 @@ EXCERPT_LINES = 8  # a failed job's log lines shown
 ERROR_LINE = re.compile(r"^(config )?error: |^stopped |^Traceback|^\w*Error: ")
 
 
+def settled(logger_name: str = "snakemake.logging", wait_s: float = 5.0) -> None:
+    """Wait until the records logged so far are written: Snakemake hands its logger plugins'
+    records to a thread through a queue, so a line printed from the workflow itself (the
+    checks before queueing, the last lines) could land inside one of them. Bounded: a queue
+    whose thread has stopped is not waited on past ``wait_s``."""
+    queues = [h.queue for h in logging.getLogger(logger_name).handlers if hasattr(h, "queue")]
+    deadline = time.monotonic() + wait_s
+    while any(getattr(q, "unfinished_tasks", 0) for q in queues):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    sys.stderr.flush()
+
+
 def shown(wildcards: dict[str, Any] | None) -> str:
     """``run=demo``: the wildcards that tell a rule's jobs apart."""
     return ", ".join(f"{k}={v}" for k, v in (wildcards or {}).items())
@@ -109,8 +123,9 @@ class LogHandler(LogHandlerBase):
             lines = self.lines(record)
         except Exception:  # a record of a shape this does not know: its message, as it is
             lines = [record.getMessage()]
-        for line in lines:
-            print(line, file=self.stream, flush=True)
+        if lines:  # one write: a line and its newline never part around another writer's
+            self.stream.write("".join(f"{line}\n" for line in lines))
+            self.stream.flush()
 
     def lines(self, record: logging.LogRecord) -> list[str]:
         event = str(getattr(record, "event", "") or "")
