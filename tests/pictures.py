@@ -147,3 +147,33 @@ def make_picture_data(
             rows.append(row(colour, name, columns))
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def pair(colour: str, wrong: str, path: str) -> dict:
+    """A picture preference row in TRL's vision layout (``HuggingFaceH4/rlaif-v_formatted``):
+    the prompt's user turn holds the picture's part, the responses are assistant turns."""
+    return {
+        "prompt": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
+        ],
+        "chosen": [{"role": "assistant", "content": [{"type": "text", "text": colour}]}],
+        "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
+        "images": [path],
+    }
+
+
+def make_picture_pairs(out: Path, train: int = 48, test: int = 8, seed: int = 11) -> Path:
+    """train.jsonl and test.jsonl of picture pairs under ``out`` (the right colour chosen, a
+    wrong one rejected; responses of unequal lengths), their pictures under out/pictures/."""
+    rng = random.Random(seed)
+    (out / "pictures").mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", train), ("test", test)):
+        rows = []
+        for i in range(n):
+            colour = rng.choice(sorted(COLOURS))
+            wrong = rng.choice(sorted(set(COLOURS) - {colour}))
+            name = f"pictures/{split}-{i:04d}.png"
+            (out / name).write_bytes(picture(colour, rng))
+            rows.append(pair(colour, wrong, name))
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out

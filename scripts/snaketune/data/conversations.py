@@ -131,11 +131,11 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     }
     out, own = [], getattr(kind_of_source(spec).impl(), "read_row", None)
     for i, row in enumerate(rows):
-        if fmt == "preference":
-            out.append(_pair(source, system, cols, data, i, row))
-            continue
-        if own is not None:  # a format its data kind reads (a labelled response)
+        if own is not None:  # a format its data kind reads (a labelled response, pictures)
             out.append(own(source, system, cols, data, i, row))
+            continue
+        if fmt == "preference":
+            out.append(read_pair(source, system, cols, data, i, row))
             continue
         if fmt == "messages":
             msgs = data[cols["messages"]][i]
@@ -212,7 +212,7 @@ def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple
     return tuple(turns)
 
 
-def _pair(
+def read_pair(
     source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict, i: int, row: int
 ) -> Pair:
     """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a

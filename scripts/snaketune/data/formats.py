@@ -54,13 +54,14 @@ def components(config: dict[str, Any], dataset: str) -> list[dict[str, Any]]:
 def has_pictures(config: dict[str, Any], dataset: str) -> bool:
     """Whether ``dataset`` (or a component of its mixture) holds pictures (False for a
     dataset the config does not define: its own check names it)."""
-    from snaketune.data.kinds import PICTURES, kind_of_source
+    from snaketune.data.kinds import has_pictures as pictured
+    from snaketune.data.kinds import kind_of_source
 
     specs = config["datasets"]
     if not isinstance(specs.get(dataset), dict):
         return False
     parts = [specs.get(c["name"]) for c in components(config, dataset)]
-    return any(isinstance(p, dict) and kind_of_source(p) is PICTURES for p in parts)
+    return any(isinstance(p, dict) and pictured(kind_of_source(p)) for p in parts)
 
 
 # ----------------------------------------------------------------------------- filters, mixture

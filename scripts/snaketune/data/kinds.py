@@ -65,6 +65,9 @@ class Kind:
     # its tokens' handling (see above): supervised rows' is tokenization's own
     module: str = "snaketune.data.tokenization"
     heldout: str | None = None  # the evaluation module of its own held-out figures
+    # the kind of data its examples are with pictures (a data kind of its own, read when a
+    # dataset of its formats has columns.images); None where there is none
+    pictured: str | None = None
 
     def impl(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -92,6 +95,7 @@ KINDS = {
         evaluates_on=ROW_FORMATS,
         needs="a dataset of rows (format prompt_response, alpaca or messages)",
         stores=ROW_FORMATS,
+        pictured="pictures",
     ),
     "prompts": Kind(
         "prompts",
@@ -113,6 +117,7 @@ KINDS = {
         balances_tokens=True,
         module="snaketune.data.pairs",
         heldout="snaketune.evaluation.preference",
+        pictured="picture_pairs",
     ),
     # single responses, each desirable or not (KTO): a labelled set's, or a preference set's
     # (its chosen responses desirable, its rejected ones not: snaketune.data.labelled)
@@ -138,8 +143,23 @@ KINDS = {
         columns=("images",),
         module="snaketune.data.pictures",
     ),
+    # preference pairs whose prompts hold pictures (TRL's vision preference layout: a
+    # preference dataset with columns.images); DPO trains on them, padded
+    "picture_pairs": Kind(
+        "picture_pairs",
+        "picture pairs",
+        ("preference",),
+        needs="a dataset of format preference with columns.images (pictures)",
+        columns=("rejected_input_ids", "rejected_labels", "images"),
+        sequences=2,
+        balances_tokens=True,
+        module="snaketune.data.picture_pairs",
+        heldout="snaketune.evaluation.preference",
+    ),
 }
 PICTURES = KINDS["pictures"]
+PICTURE_PAIRS = KINDS["picture_pairs"]
+PICTURED = {k.pictured: k for k in KINDS.values() if k.pictured}  # name -> its text kind
 
 
 def kind_named(name: str) -> Kind:
@@ -152,30 +172,44 @@ def kind_of_format(fmt: str) -> Kind:
 
 
 def kind_of_source(spec: dict) -> Kind:
-    """The kind a dataset (its config entry) is tokenized as: a messages dataset with
-    ``columns.images`` holds pictures; else its format's."""
-    if spec.get("format") in PICTURES.formats and PICTURES.holds(spec.get("columns") or {}):
-        return PICTURES
-    return kind_of_format(spec["format"])
+    """The kind a dataset (its config entry) is tokenized as: its format's, or that kind's
+    with pictures where it has ``columns.images`` (a messages or preference dataset)."""
+    kind = kind_of_format(spec["format"])
+    pictured = KINDS.get(kind.pictured or "")
+    if (
+        pictured
+        and spec["format"] in pictured.formats
+        and PICTURES.holds(spec.get("columns") or {})
+    ):
+        return pictured
+    return kind
+
+
+def has_pictures(kind: Kind) -> bool:
+    """Whether examples of ``kind`` hold pictures."""
+    return kind.name in PICTURED
 
 
 def own_fields(fmt: str) -> tuple[str, ...]:
-    """The fields a kind adds to dataset format ``fmt``'s (``columns.images`` of messages)."""
-    return PICTURES.columns if fmt in PICTURES.formats else ()
+    """The fields a kind adds to dataset format ``fmt``'s (``columns.images`` of messages
+    and preference data)."""
+    pictured = kind_of_format(fmt).pictured
+    return PICTURES.columns if pictured and fmt in KINDS[pictured].formats else ()
 
 
 def fields_read(spec: dict) -> tuple[str, ...]:
     """The fields beyond its format's a dataset's kind reads (a picture set's pictures)."""
-    return PICTURES.columns if kind_of_source(spec) is PICTURES else ()
+    return PICTURES.columns if has_pictures(kind_of_source(spec)) else ()
 
 
 def kind_of_sources(specs: Iterable[dict]) -> Kind:
-    """The one kind the datasets ``specs`` (a mixture's) are tokenized as: pictures where
-    any holds pictures (a text row is a picture row without pictures)."""
+    """The one kind the datasets ``specs`` (a mixture's) are tokenized as: with pictures
+    where any holds pictures (a text example is a picture example without pictures)."""
     specs = list(specs)
-    if any(kind_of_source(s) is PICTURES for s in specs):
-        return PICTURES
-    return kind_of_formats(s["format"] for s in specs)
+    kind = kind_of_formats(s["format"] for s in specs)
+    if kind.pictured and any(has_pictures(kind_of_source(s)) for s in specs):
+        return KINDS[kind.pictured]
+    return kind
 
 
 def kind_of_formats(formats: Iterable[str]) -> Kind:

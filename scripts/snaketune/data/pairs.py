@@ -122,6 +122,61 @@ def counted(stats: Stats, sides: list) -> None:
     stats.max_token_id = max(stats.max_token_id, int(c_ids.max()), int(r_ids.max()))
 
 
+def encoded_sides(k: int, n: int, texts: list[str], spans: list, encodings: list) -> list:
+    """Pair ``k``'s (ids, labels) of each side, chosen then rejected, from a batch of ``n``
+    pairs' encodings (chosen sides first)."""
+    sides = []
+    for j in (k, k + n):
+        ids = encodings[j].ids
+        sides.append((np.asarray(ids, np.int32), _side(ids, spans[j], encodings[j], texts[j])))
+    return sides
+
+
+def kept_sides(
+    example_id: str, sides: list, max_length: int, overlong: str, stats: Stats, cut_ok=None
+) -> list | None:
+    """A pair's sides after the length policy (``overlong`` on the longer side; ``cut_ok(ids)``
+    whether a side may be cut at ``max_length``), counted; None (counted) where it goes."""
+    longest = max(len(ids) for ids, _ in sides)
+    stats.conversations += 1
+    if longest > max_length:
+        cuttable = cut_ok is None or all(cut_ok(ids) for ids, _ in sides)
+        if overlong == "truncate" and cuttable:
+            stats.truncated += 1
+            sides = [(ids[:max_length], labels[:max_length]) for ids, labels in sides]
+        else:
+            stats.dropped_overlong += 1
+            if longest > stats.longest_overlong[0]:
+                stats.longest_overlong = (longest, example_id)
+            return None
+    if any(not (labels != IGNORE_INDEX).any() for _, labels in sides):
+        stats.dropped_no_response += 1
+        return None
+    (c_ids, c_labels), (r_ids, r_labels) = sides
+    start = min(int(np.argmax(c_labels != IGNORE_INDEX)), int(np.argmax(r_labels != IGNORE_INDEX)))
+    if not np.array_equal(c_ids[:start], r_ids[:start]):
+        stats.dropped_prompt_mismatch += 1  # tokens merged across the prompt's end
+        return None
+    if stats.end_of_turn_id is not None and stats.end_of_turn_id not in c_labels:
+        stats.rows_without_end_of_turn += 1
+    counted(stats, sides)
+    return sides
+
+
+def pair_values(example_id: str, sides: list, sha: str) -> dict[str, Any]:
+    """A kept pair's row of the tokenized file (the pairs kind's columns)."""
+    (c_ids, c_labels), (r_ids, r_labels) = sides
+    return {
+        "example_id": example_id,
+        "input_ids": c_ids,
+        "labels": c_labels,
+        "length": len(c_ids) + len(r_ids),
+        "text_sha": sha,
+        "rejected_input_ids": r_ids,
+        "rejected_labels": r_labels,
+    }
+
+
 def label(
     items: Items,
     texts: list[str],
@@ -137,43 +192,10 @@ def label(
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}
     for k, (example_id, pair) in enumerate(items):
-        sides = []
-        for j in (k, k + n):
-            ids = encodings[j].ids
-            sides.append((np.asarray(ids, np.int32), _side(ids, spans[j], encodings[j], texts[j])))
-        longest = max(len(ids) for ids, _ in sides)
-        stats.conversations += 1
-        if longest > max_length:
-            if overlong == "truncate":
-                stats.truncated += 1
-                sides = [(ids[:max_length], labels[:max_length]) for ids, labels in sides]
-            else:
-                stats.dropped_overlong += 1
-                if longest > stats.longest_overlong[0]:
-                    stats.longest_overlong = (longest, example_id)
-                continue
-        if any(not (labels != IGNORE_INDEX).any() for _, labels in sides):
-            stats.dropped_no_response += 1
+        sides = encoded_sides(k, n, texts, spans, encodings)
+        sides = kept_sides(example_id, sides, max_length, overlong, stats)
+        if sides is None:
             continue
-        (c_ids, c_labels), (r_ids, r_labels) = sides
-        start = min(
-            int(np.argmax(c_labels != IGNORE_INDEX)), int(np.argmax(r_labels != IGNORE_INDEX))
-        )
-        if not np.array_equal(c_ids[:start], r_ids[:start]):
-            stats.dropped_prompt_mismatch += 1  # tokens merged across the prompt's end
-            continue
-        if stats.end_of_turn_id is not None and stats.end_of_turn_id not in c_labels:
-            stats.rows_without_end_of_turn += 1
-        counted(stats, sides)
-        values = {
-            "example_id": example_id,
-            "input_ids": c_ids,
-            "labels": c_labels,
-            "length": len(c_ids) + len(r_ids),
-            "text_sha": text_sha(pair),
-            "rejected_input_ids": r_ids,
-            "rejected_labels": r_labels,
-        }
-        for name, value in values.items():
+        for name, value in pair_values(example_id, sides, text_sha(pair)).items():
             rows[name].append(value)
     return pa.Table.from_pydict(rows, schema=schema)

@@ -131,6 +131,12 @@ def read_row(source: Source, system: tuple, cols: dict[str, Any], data: dict, i:
         raise DataError(
             f"{where}: no assistant turn to learn from; clean the data or filter it out"
         )
+    return Pictured((*system, *turns), pictures_of(source, col, data, i, where, parts))
+
+
+def pictures_of(source: Source, col: str, data: dict, i: int, where: str, parts: int) -> list:
+    """Row ``i``'s pictures of column ``col`` as bytes that decode, as many as its ``parts``
+    image parts; else one line naming the row (``where``) and the column."""
     values = data.get(col, [None] * (i + 1))[i] or []
     if not isinstance(values, list):
         values = [values]
@@ -143,10 +149,9 @@ def read_row(source: Source, system: tuple, cols: dict[str, Any], data: dict, i:
     if source.spec.get("source") == "local":
         given = Path(source.spec["path"])
         base = given if given.is_dir() else given.parent
-    pictures = [
+    return [
         picture_bytes(v, base, f"{where}: column {col!r} picture {k}") for k, v in enumerate(values)
     ]
-    return Pictured((*system, *turns), pictures)
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -195,12 +200,10 @@ def image_text(renderer: ChatRenderer) -> str:
 
 def render(renderer: ChatRenderer, items: Items, stats: Stats):
     """Each row's ``MARK``s as the template's image text, rendered as text rows are."""
-    image = image_text(renderer)
-    _PROCESSOR["dir"] = renderer.tokenizer.name_or_path
-    named = []
-    for key, conv in items:
-        turns = tuple((t[0], t[1].replace(MARK, image), *t[2:]) for t in conv)
-        named.append((key, Pictured(turns, getattr(conv, "pictures", ()))))
+    named = [
+        (key, Pictured(marked(renderer, conv), getattr(conv, "pictures", ())))
+        for key, conv in items
+    ]
     return (named, *render_batch(renderer, named))
 
 
@@ -244,7 +247,7 @@ def label(
 ) -> pa.Table:
     """The rows with their pictures' image tokens, labels carried over, the length policy on
     the expanded length (a row is cut only after its last image token)."""
-    processor = processor_of(_PROCESSOR["dir"])
+    processor = batch_processor()
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     mask = labelled_tokens(encodings, spans, texts, starts)
@@ -255,13 +258,7 @@ def label(
     for i, (key, conv) in enumerate(items):
         plain = encodings[i].ids
         labels = np.where(mask[starts[i] : starts[i + 1]], plain, IGNORE_INDEX).astype(np.int32)
-        full = expanded(processor, texts[i], conv.pictures)
-        carried = carried_labels(plain, labels, full)
-        if carried is None:
-            raise DataError(
-                f"{key}: the processor's picture tokens changed the response's tokens; the "
-                "chat template and the processor disagree (use the model's own template)"
-            )
+        full, carried = expanded_side(processor, key, plain, labels, texts[i], conv.pictures)
         stats.conversations += 1
         kept = _policy(key, full, carried, image_ids, max_length, overlong, stats)
         if kept is None:
@@ -274,11 +271,7 @@ def label(
         stats.max_token_id = max(stats.max_token_id, int(max(ids)))
         stats.pictures += len(conv.pictures)
         stats.image_tokens += sum(t in image_ids for t in ids)
-        sha = text_sha(conv)
-        if conv.pictures:  # the pictures are part of the example
-            sha = hashlib.sha256(
-                (sha + "".join(_digest(p) for p in conv.pictures)).encode()
-            ).hexdigest()[:16]
+        sha = pictured_sha(text_sha(conv), conv.pictures)
         for name, value in zip(
             columns, (key, ids, labs.tolist(), len(ids), sha, list(conv.pictures)), strict=True
         ):
@@ -286,8 +279,37 @@ def label(
     return pa.Table.from_pydict(columns, schema=schema)
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def expanded_side(processor, key: str, plain: list[int], labels: np.ndarray, text: str, pictures):
+    """A rendered sequence's tokens with its pictures' image tokens (``expanded``), and its
+    labels carried over; a labelled token the expansion changed is one line naming ``key``."""
+    full = expanded(processor, text, pictures)
+    carried = carried_labels(plain, labels, full)
+    if carried is None:
+        raise DataError(
+            f"{key}: the processor's picture tokens changed the response's tokens; the "
+            "chat template and the processor disagree (use the model's own template)"
+        )
+    return full, carried
+
+
+def pictured_sha(sha: str, pictures) -> str:
+    """An example's text hash with its pictures' (the pictures are part of the example)."""
+    if not pictures:
+        return sha
+    blob = sha + "".join(hashlib.sha256(p).hexdigest() for p in pictures)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def batch_processor():
+    """The processor of the model the last ``render`` read (what ``label`` expands with)."""
+    return processor_of(_PROCESSOR["dir"])
+
+
+def marked(renderer: ChatRenderer, turns: tuple) -> tuple:
+    """Turns with each ``MARK`` as the template's image text."""
+    image = image_text(renderer)
+    _PROCESSOR["dir"] = renderer.tokenizer.name_or_path
+    return tuple((t[0], t[1].replace(MARK, image), *t[2:]) for t in turns)
 
 
 def _image_ids(processor) -> list[int]:
@@ -365,11 +387,12 @@ def model_inputs(processor, pictures: list[list[bytes]], ids) -> dict[str, Any]:
 
 def inputs_of(model, rows: list[dict], ids) -> dict[str, Any]:
     """The pictures' model inputs of evaluation ``rows`` (a picture set's; {} for text rows)
-    beside their padded tokens ``ids``, with the processor saved beside ``model``'s weights
-    (an export's, or an adapter's base)."""
+    beside their padded tokens ``ids`` (a row's sequences: one, or a pair's two sides), with
+    the processor saved beside ``model``'s weights (an export's, or an adapter's base)."""
     if not rows or COLUMN not in rows[0]:
         return {}
     processor = processor_of(model.config._name_or_path)
     device = next(model.parameters()).device
-    made = model_inputs(processor, [r[COLUMN] for r in rows], ids)
+    sides = len(ids) // len(rows)  # a pair's rows are its chosen sides, then its rejected
+    made = model_inputs(processor, [r[COLUMN] for r in rows] * sides, ids)
     return {k: v.to(device) for k, v in made.items()}

@@ -57,14 +57,9 @@ def sequence_logps(model, batch: dict[str, Any], sides: int = 2):
     import torch
 
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    inputs = {k: v for k, v in batch.items() if k != "completion_mask"}  # and pictures' inputs
     with torch.no_grad():
-        out = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            labels=labels,
-            fused_lm_head=True,
-            use_cache=False,
-        )
+        out = model(**inputs, labels=labels, fused_lm_head=True, use_cache=False)
     return [x.float() for x in out.log_probs.sum(dim=1).chunk(sides, dim=0)]
 
 
@@ -115,6 +110,7 @@ def compute_parts(
     import torch
 
     from snaketune.core.rows import pad_id
+    from snaketune.data.pictures import inputs_of
 
     todo = [
         c
@@ -138,8 +134,11 @@ def compute_parts(
         for at in range(0, len(rows), batch_pairs):
             if on_batch is not None:
                 on_batch(c)
-            batch = kind.impl().batch(rows[at : at + batch_pairs], pad)
-            logps = sequence_logps(model, {k: batch[k].to(device) for k in SCORED}, kind.sequences)
+            part = rows[at : at + batch_pairs]
+            batch = kind.impl().batch(part, pad)
+            scored = {k: batch[k].to(device) for k in SCORED}
+            scored.update(inputs_of(model, part, batch["input_ids"]))  # a picture set's
+            logps = sequence_logps(model, scored, kind.sequences)
             for side, lp in zip(sides, logps, strict=True):
                 side.append(lp.cpu().numpy())
         part = pa.Table.from_arrays(

@@ -23,6 +23,7 @@ def logps(
     from trl.trainer.utils import add_fused_lm_head
 
     from snaketune.data.pairs import pair_batch
+    from snaketune.data.pictures import inputs_of
     from snaketune.evaluation.logps import sequence_logps
 
     add_fused_lm_head(model)  # the log-probs as DPO training computes them
@@ -30,10 +31,10 @@ def logps(
     for b in range(share.batches(len(rows), batch_size)):
         part = mine[b * batch_size : (b + 1) * batch_size]
         batch = pair_batch(part or rows[:1], pad)
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        batch.update(inputs_of(model, part or rows[:1], batch["input_ids"]))  # pictures'
         with whole_output_layer(model, share.world > 1):
-            chosen, rejected = sequence_logps(
-                model, {k: v.to(model.device) for k, v in batch.items()}
-            )
+            chosen, rejected = sequence_logps(model, batch)
         if part:
             out += list(zip(chosen.tolist(), rejected.tolist(), strict=True))
     return out

@@ -77,8 +77,9 @@ class Method:
     starts_from_runs: bool = False
     # whether its rows may be packed (packing: false is forced where not)
     packs: bool = True
-    # whether it trains on rows with pictures (a messages dataset with columns.images:
-    # snaketune.data.pictures), its collator building the pictures' model inputs
+    # whether it trains on its kind's examples with pictures (a dataset with columns.images:
+    # snaketune.data.pictures, snaketune.data.picture_pairs), its collator building the
+    # pictures' model inputs
     takes_pictures: bool = False
     # whether its sequences may be split across GPUs (sequence_parallel): not where it
     # scores whole sequences (pairs, rollouts)

@@ -59,10 +59,13 @@ class PairCollator(Counted):
         pad_token_id: int,
         reference: dict[str, tuple[float, float]] | None,
         ids_log: Path | None,
+        extra=None,
     ):
         super().__init__()
         self.pad_token_id, self.reference = pad_token_id, reference
         self._ids_log = IdsLog(ids_log)
+        # what the data's kind adds to a batch (picture pairs: the pictures' model inputs)
+        self.extra = extra
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
@@ -72,6 +75,8 @@ class PairCollator(Counted):
         ids = [e["example_id"] for e in examples]
         self._ids_log.write(ids)
         batch = pair_batch(examples, self.pad_token_id)
+        if self.extra is not None:
+            batch.update(self.extra(examples, batch["input_ids"]))
         if self.reference is not None:
             ref = [self.reference[i] for i in ids]
             batch["ref_chosen_logps"] = torch.tensor([c for c, _ in ref], dtype=torch.float32)
@@ -104,7 +109,22 @@ def data(
                 f"{len(missing)} planned pairs have no reference log-probs "
                 f"(first: {missing[0]}); rerun rule reference_logps"
             )
-    return Data(table, batches, PairCollator(pad_id(tokenizer), reference, ids_log))
+    return Data(
+        table,
+        batches,
+        PairCollator(pad_id(tokenizer), reference, ids_log, extra_of(table, tokenizer)),
+    )
+
+
+def extra_of(table, tokenizer):
+    """What the data's kind adds to a pair batch (None: nothing): picture pairs' pictures."""
+    from snaketune.data.kinds import PICTURE_PAIRS
+
+    if not PICTURE_PAIRS.holds(table.column_names):
+        return None
+    from snaketune.data.picture_pairs import extra_inputs
+
+    return extra_inputs(tokenizer)
 
 
 def losses(dpo: dict[str, Any]) -> list[str]:
@@ -149,6 +169,8 @@ def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config)
     from trl import DPOConfig
     from trl.trainer import dpo_trainer
 
+    from snaketune.data.picture_pairs import trainer_table
+
     args = training_args(
         ctx,
         DPOConfig,
@@ -165,7 +187,7 @@ def pair_trainer(ctx: Context, model, data: Data, callbacks: list, **dpo_config)
         return trainer_class()(
             model=model,
             args=args,
-            train_dataset=data.table,
+            train_dataset=trainer_table(data.table),
             processing_class=ctx.tokenizer,
             data_collator=data.collator,
             peft_config=peft_config(ctx.run, model),
@@ -292,6 +314,7 @@ METHOD = Method(
     schema=SCHEMA,
     starts_from_runs=True,
     packs=False,  # TRL's DPO batches are padded (see above)
+    takes_pictures=True,  # picture pairs (snaketune.data.picture_pairs): TRL's vision DPO
     check=check,
     # a micro batch of n pairs is 2n sequences; a live reference of a full fine-tune is a
     # second model (LoRA's is the base with the adapter off)

@@ -168,7 +168,7 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
                 allowed is None or fmt in allowed,
                 unread(f"{where}.{key}", part, fmt, run["method"], kind, readers),
             )
-            pictures = [n for n, m in every.items() if m.takes_pictures]
+            pictures = [n for n in readers if every[n].takes_pictures]
             require(
                 method.takes_pictures or not has_pictures(cfg, part),
                 f"{where}.{key}: {part!r} holds pictures (columns.images), which method "
