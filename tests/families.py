@@ -48,8 +48,17 @@ class Family:
     fields: dict[str, Any] = field(default_factory=dict)
     thinking: bool = False  # the template renders a row's reasoning
     # a vision-language family's image processor (its PIL build: torchvision, which the
-    # full processors need, has no CPU build here), saved beside the model
+    # full processors need, has no CPU build here), saved beside the model, and its settings
+    # for the tiny vision tower
     processor: str | None = None
+    image_settings: dict[str, Any] = field(default_factory=dict)
+    # the tokenizer's model-specific tokens its processor reads (Gemma 4's boi/eoi/image)
+    model_tokens: dict[str, str] = field(default_factory=dict)
+    # config.json's picture token ids, by the token they name
+    token_ids: dict[str, str] = field(default_factory=dict)
+    # the family's whole processor and its video processor (which needs torchvision)
+    processor_class: str | None = None
+    video_processor: str | None = None
 
     @property
     def vlm(self) -> bool:
@@ -61,14 +70,30 @@ FAMILIES = {
         "text_config": {**TEXT, **LINEAR},
         "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                           "out_hidden_size": 64, "patch_size": 4, "num_position_embeddings": 64}},
-        thinking=True, processor="Qwen2VLImageProcessorPil"),
+        thinking=True, processor="Qwen2VLImageProcessorPil",
+        image_settings={"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2,
+                        "min_pixels": 16 * 16, "max_pixels": 32 * 32},
+        token_ids={"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                   "vision_start_token_id": "<|vision_start|>",
+                   "vision_end_token_id": "<|vision_end|>"},
+        processor_class="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor"),
     "gemma4": Family("gemma4", "gemma4_v5.jinja", ("<turn|>",), {
         "text_config": {**TEXT, "layer_types": ["sliding_attention", "full_attention"],
                         "sliding_window": 16, "hidden_size_per_layer_input": 8,
                         "global_head_dim": 16},
         "vision_config": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                           "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16},
-        "audio_config": None}, thinking=True, processor="Gemma4ImageProcessorPil"),
+        "audio_config": None}, thinking=True, processor="Gemma4ImageProcessorPil",
+        image_settings={"patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3},
+        # as Gemma 4's tokenizer_config.json names them (its processor reads the audio ones
+        # even for pictures)
+        model_tokens={"image_token": "<|image|>", "boi_token": "<|image>",
+                      "eoi_token": "<image|>", "video_token": "<|video|>",
+                      "audio_token": "<|audio|>", "boa_token": "<|audio>",
+                      "eoa_token": "<audio|>"},
+        token_ids={"image_token_id": "<|image|>", "boi_token_id": "<|image>",
+                   "eoi_token_id": "<image|>", "video_token_id": "<|video|>"},
+        processor_class="Gemma4Processor", video_processor="Gemma4VideoProcessor"),
     "gpt-oss": Family("gpt_oss", "gptoss.jinja", ("<|return|>", "<|call|>"), {
         **TEXT, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"]}, thinking=True),
@@ -119,6 +144,8 @@ def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
     family = FAMILIES[name]
     template = (TEMPLATES / family.template).read_text(encoding="utf-8")
     tokenizer = build_tokenizer(template, corpus)
+    if family.model_tokens:
+        tokenizer = with_model_tokens(tokenizer, family.model_tokens)
     vocab = len(tokenizer)
     fields = json.loads(json.dumps(family.fields))
     ids = {
@@ -128,6 +155,7 @@ def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
     }
     text = fields["text_config"] if family.vlm else fields
     text.update(vocab_size=vocab, initializer_range=0.1, **ids)
+    fields.update({k: tokenizer.convert_tokens_to_ids(t) for k, t in family.token_ids.items()})
     if "vocab_size_per_layer_input" in AutoConfig.for_model(family.model_type).to_dict().get(
         "text_config", {}
     ):
@@ -152,8 +180,61 @@ def build(name: str, corpus: list[str], out: Path, seed: int = 0) -> Path:
     if family.processor:
         import transformers
 
-        getattr(transformers, family.processor)().save_pretrained(out)
+        getattr(transformers, family.processor)(**family.image_settings).save_pretrained(out)
     return out
+
+
+def with_model_tokens(tokenizer, tokens: dict[str, str]):
+    """``tokenizer`` holding ``tokens`` (special, added where missing) as its model-specific
+    tokens (``tokenizer.boi_token``...), as a family's published tokenizer does."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = tokenizer.backend_tokenizer
+    backend.add_special_tokens([t for t in tokens.values() if t not in tokenizer.get_vocab()])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        chat_template=tokenizer.chat_template,
+        model_max_length=tokenizer.model_max_length,
+        model_specific_special_tokens=tokens,
+    )
+
+
+def processor(name: str, model_dir: Path, video: bool = True):
+    """Family ``name``'s whole processor for the model saved at ``model_dir`` (its image
+    processor and tokenizer, the template), with its video processor (torchvision: a GPU
+    machine's) or, ``video`` false, without one (``no_video_check`` must be in force)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    family = FAMILIES[name]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    parts = {
+        "image_processor": getattr(transformers, family.processor).from_pretrained(model_dir),
+        "tokenizer": tokenizer,
+        "video_processor": getattr(transformers, family.video_processor)() if video else None,
+    }
+    if family.processor_class == "Gemma4Processor":  # its audio part: numpy only
+        parts["feature_extractor"] = transformers.Gemma4AudioFeatureExtractor()
+    return getattr(transformers, family.processor_class)(
+        **parts, chat_template=tokenizer.chat_template
+    )
+
+
+def no_video_check(monkeypatch) -> None:
+    """Let a processor be made without its video processor (whose class needs torchvision,
+    which has no CPU build here): transformers checks each part's class, even an absent
+    one's."""
+    from transformers import processing_utils
+
+    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+    monkeypatch.setattr(
+        processing_utils.ProcessorMixin,
+        "check_argument_for_proper_class",
+        lambda self, name, arg: None if arg is None else check(self, name, arg),
+    )
 
 
 def chat_rows(questions: list[dict], reasoning: bool) -> list[dict]:

@@ -382,6 +382,27 @@ MUTATIONS = (
         "            out[i1:i2] = labels[i1:i2]\n",
         ("tests/test_pictures.py::test_the_tokens_are_the_processors_and_only_the_answer_is_trained",),
     ),
+    Mutation(
+        "vision-never-adapted", "lora.adapt_vision: true leaves the vision tower without adapters",
+        f"{LIB}/core/lora_targets.py",
+        "            if vision and linear and targeted(name, every, names):",
+        "            if False and linear and targeted(name, every, names):",
+        ("tests/test_pictures.py::test_lora_adapts_the_language_model_alone_unless_adapt_vision_says_so",),
+    ),
+    Mutation(
+        "picture-reference-blind", "the reference stage scores picture pairs without their pictures (image tokens with no pixels)",
+        f"{LIB}/evaluation/logps.py",
+        "            scored.update(inputs_of(model, part, batch[\"input_ids\"]))",
+        "            scored.update({})",
+        ("tests/test_pictures.py::test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does",),
+    ),
+    Mutation(
+        "picture-pairs-rejected-blind", "a picture pair's rejected side is collated without the prompt's pictures",
+        f"{LIB}/data/picture_pairs.py",
+        "        return pictures.model_inputs(processor, rows * 2, ids)",
+        "        return pictures.model_inputs(processor, rows + [[] for _ in rows], ids)",
+        ("tests/test_pictures.py::test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does",),
+    ),
 )  # fmt: skip
 
 

@@ -47,7 +47,8 @@ def test_defaults_are_filled(demo):
     del demo["runs"]["demo"]["lora"]
     run = validate_config(demo, ROOT)["runs"]["demo"]
     assert run["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear",
-                           "modules_to_save": [], "adapt_router": False, "quantize": "none",
+                           "modules_to_save": [], "adapt_router": False, "adapt_vision": False,
+                           "quantize": "none",
                            "quant_type": "nf4",
                            "double_quant": True, "compute_dtype": "auto"}  # fmt: skip
     assert run["lr_scheduler"] == "cosine" and run["timeout_minutes"] == 10

@@ -230,6 +230,14 @@ def test_the_export_is_the_bases_class_with_its_processor_and_generates_from_a_p
                       add_special_tokens=False)  # fmt: skip
     out = model.generate(**batch, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > batch["input_ids"].shape[1]
+    # LoRA by default left the vision tower and the projector as published; the language
+    # model's weights changed
+    base = AutoModelForImageTextToText.from_pretrained(w / f"models/{BASE}").state_dict()
+    merged_sd = model.state_dict()
+    for name, value in base.items():
+        same = torch.equal(merged_sd[name], value)
+        assert same or "language_model" in name, name
+    assert not all(torch.equal(merged_sd[n], v) for n, v in base.items() if "language_model" in n)
 
 
 @pytest.mark.slow
@@ -335,6 +343,29 @@ def test_a_full_fine_tune_on_pictures_exports_the_bases_class_and_evaluates(tmp_
     assert metrics["loss"] != pytest.approx(metrics["base"]["loss"], abs=1e-4)  # it trained
 
 
+@pytest.mark.extended
+@pytest.mark.slow
+def test_lora_on_the_vision_tower_too_trains_merges_and_evaluates(tmp_path):
+    """The example with lora.adapt_vision: the vision tower's linears carry adapters too;
+    the merged model's tower differs from the base's, and its held-out loss is plain
+    transformers' on the raw rows with that merged model."""
+    from transformers import AutoModelForImageTextToText
+
+    w = tmp_path / "w"
+    path = miniature(EXAMPLE, None, w)
+    config = yaml.safe_load(path.read_text())
+    config["runs"][NAME]["lora"]["adapt_vision"] = True
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake("--configfile", str(path), "--directory", str(w))
+    merged = w / f"results/{NAME}/merged_model"
+    metrics = json.loads((w / f"results/{NAME}/eval/metrics.json").read_text())
+    assert metrics["loss"] == pytest.approx(plain_heldout_loss(merged, w)[0], abs=1e-5)
+    base = AutoModelForImageTextToText.from_pretrained(w / f"models/{BASE}").state_dict()
+    tuned = AutoModelForImageTextToText.from_pretrained(merged).state_dict()
+    tower = [n for n in base if "vision_tower" in n and n.endswith("q_proj.weight")]
+    assert tower and not any(torch.equal(base[n], tuned[n]) for n in tower)
+
+
 def test_a_model_without_a_processor_for_pictures_is_named_before_training(
     tmp_path, fixtures_dir, monkeypatch
 ):
@@ -357,3 +388,259 @@ def test_a_model_without_a_processor_for_pictures_is_named_before_training(
                  128, model_name="tiny")  # fmt: skip
     assert str(info.value).startswith(f"{fixtures_dir / 'tiny-llama'}: the chat template "
                                       "prints nothing for an image part")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- DPO on pictures
+
+PAIR_RUN = {
+    "model": "vlm",
+    "dataset": "pp",
+    "eval_dataset": "pp_test",
+    "method": "dpo",
+    "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+    "deepspeed": "zero2",
+    "nodes": 2,
+    "gpus_per_node": 1,
+    "max_length": 128,
+    "micro_batch_size": 4,
+    "max_steps": 4,
+    "learning_rate": 5.0e-3,
+    "save_steps": 4,
+    "eval": {"max_new_tokens": 4, "batch_size": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def picture_dpo(tmp_path_factory) -> Path:
+    """DPO (LoRA, the reference precomputed by its stage) on picture pairs in TRL's vision
+    preference layout, 2 emulated nodes, through snakemake to the report."""
+    from pictures import make_picture_pairs
+
+    w = tmp_path_factory.mktemp("picture-dpo") / "w"
+    build_vlm(w / "resources/vlm")
+    make_picture_pairs(w / "resources/pairs")
+    local = {"source": "local", "format": "preference", "columns": {"images": "images"}}
+    config = {
+        "models": {"vlm": {"source": "local", "path": "resources/vlm"}},
+        "datasets": {
+            "pp": {**local, "path": "resources/pairs/train.jsonl"},
+            "pp_test": {**local, "path": "resources/pairs/test.jsonl"},
+        },
+        "runs": {"see": PAIR_RUN},
+    }
+    (w / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w))
+    (w / "snakemake.out").write_text(proc.stdout + proc.stderr)
+    return w
+
+
+def plain_pair_logps(model_dir: Path, w: Path, split: str, blank: bool = False) -> list:
+    """Each raw pair's summed log-probs of its chosen and its rejected response, written out
+    with plain transformers: the processor renders prompt + response with the model's
+    template and expands the picture; the response's tokens are what follows the render of
+    the prompt with its generation prompt."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for r in read_jsonl(w / f"resources/pairs/{split}.jsonl"):
+        img = Image.open(w / "resources/pairs" / r["images"][0]).convert("RGB")
+        if blank:
+            img = Image.new("RGB", img.size, (128, 128, 128))
+        kw = {"images": [[img]], "return_tensors": "pt", "add_special_tokens": False}
+        text = processor.apply_chat_template(r["prompt"], add_generation_prompt=True)
+        prompt = processor(text=[text], **kw)["input_ids"][0]
+        sides = []
+        for side in ("chosen", "rejected"):
+            full = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
+            ids = full["input_ids"][0]
+            assert torch.equal(ids[: len(prompt)], prompt)
+            with torch.no_grad():
+                logp = torch.log_softmax(model(**full).logits[0].double()[:-1], -1)
+            sides.append(sum(logp[t - 1, ids[t]].item() for t in range(len(prompt), len(ids))))
+        out.append(tuple(sides))
+    return out
+
+
+@pytest.mark.slow
+def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo):
+    """DPO on picture pairs on 2 emulated nodes reaches evaluation; every tokenized side is
+    the processor's own tokens with only the response labelled; the reference stage's
+    log-probs of every training pair and the evaluation's of every held-out pair are plain
+    transformers' with the picture (the base's; the merged model's), and blanking the
+    pictures moves them (the pictures reach the model); the first step's policy, still the
+    reference, gives implicit rewards of 0 (training passes the pictures as the stage did)."""
+    from transformers import AutoProcessor
+
+    w = picture_dpo
+    tokenized = next((w / "results/tokenized").glob("pp__*/data.parquet"))
+    rows = pq.read_table(tokenized).to_pylist()
+    raw = {f"pp:{i}": r for i, r in enumerate(read_jsonl(w / "resources/pairs/train.jsonl"))}
+    processor = AutoProcessor.from_pretrained(w / "resources/vlm")
+    from PIL import Image
+
+    for row in rows[:6]:
+        r = raw[row["example_id"]]
+        kw = {"images": [[Image.open(w / "resources/pairs" / r["images"][0]).convert("RGB")]],
+              "add_special_tokens": False}  # fmt: skip
+        prompt = processor(text=[processor.apply_chat_template(r["prompt"], add_generation_prompt=True)], **kw)["input_ids"][0]  # fmt: skip
+        for side, ids, labels in (("chosen", "input_ids", "labels"),
+                                  ("rejected", "rejected_input_ids", "rejected_labels")):  # fmt: skip
+            want = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
+            want = list(want["input_ids"][0])
+            assert row[ids] == want
+            assert row[labels] == [-100] * len(prompt) + want[len(prompt) :]
+    assert len(rows) == 48 and all(len(r["images"]) == 1 for r in rows)
+
+    ref = pq.read_table(next((w / "results/reference_logps").glob("*/logps.parquet"))).to_pylist()
+    base = plain_pair_logps(w / "resources/vlm", w, "train")
+    for r in ref:
+        c, j = base[int(r["example_id"].split(":")[1])]
+        assert (r["ref_chosen_logps"], r["ref_rejected_logps"]) == (
+            pytest.approx(c, abs=1e-4), pytest.approx(j, abs=1e-4)), r  # fmt: skip
+    blanked = plain_pair_logps(w / "resources/vlm", w, "test", blank=True)
+    seen = plain_pair_logps(w / "resources/vlm", w, "test")
+    flat = [(a, b) for x, y in zip(blanked, seen, strict=True) for a, b in zip(x, y, strict=True)]
+    assert max(abs(a - b) for a, b in flat) > 1e-3
+
+    steps = [m for m in read_jsonl(w / "results/see/train/metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[0]["reward_chosen"] == pytest.approx(0, abs=1e-5)
+    assert steps[0]["reward_rejected"] == pytest.approx(0, abs=1e-5)
+    assert steps[-1]["reward_margin"] != pytest.approx(0, abs=1e-5)  # it trained
+
+    merged = w / "results/see/merged_model"
+    tuned = plain_pair_logps(merged, w, "test")
+    samples = read_jsonl(w / "results/see/eval/samples.jsonl")
+    assert len(samples) == 8
+    for s in samples:
+        c, j = tuned[int(s["example_id"].split(":")[1])]
+        assert (s["chosen_logp"], s["rejected_logp"]) == (
+            pytest.approx(c, abs=1e-4), pytest.approx(j, abs=1e-4)), s  # fmt: skip
+        assert s["pictures"][0].startswith("data:image/jpeg;base64,")
+    assert json.loads((merged / "config.json").read_text())["architectures"] == [
+        "Gemma3ForConditionalGeneration"
+    ]
+    assert "see: preference_accuracy" in (w / "snakemake.out").read_text()
+
+
+def test_picture_pairs_for_a_pair_method_other_than_dpo_are_refused():
+    """KTO reads preference sets too, but not their pictures: refused, naming DPO."""
+    from snaketune.core.errors import ConfigError
+    from snaketune.plan.config import validate_config
+
+    local = {"source": "local", "format": "preference", "columns": {"images": "images"}}
+    config = {
+        "models": {"vlm": {"source": "local", "path": "resources/vlm"}},
+        "datasets": {"pp": {**local, "path": "resources/pairs/train.jsonl"}},
+        "runs": {"see": {**PAIR_RUN, "method": "kto", "eval_dataset": None}},
+    }
+    del config["runs"]["see"]["eval_dataset"]
+    with pytest.raises(ConfigError) as info:
+        validate_config(config, ROOT)
+    assert ("runs.see.dataset: 'pp' holds pictures (columns.images), which method kto does "
+            "not train on; set method: dpo") in str(info.value)  # fmt: skip
+
+
+def test_lora_adapts_the_language_model_alone_unless_adapt_vision_says_so(tmp_path):
+    """The adapters of `all-linear` go on the language model's linears; with
+    lora.adapt_vision the vision tower's linears too (never the output layer); the plan's
+    trainable parameters equal peft's count either way."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from snaketune.budget.modelcount import shape_of
+    from snaketune.core.lora_targets import exact_targets, resolve
+
+    base = AutoModelForImageTextToText.from_pretrained(build_vlm(tmp_path / "vlm"))
+    cfg = json.loads((tmp_path / "vlm/config.json").read_text())
+    for vision in (False, True):
+        lora = {"r": 4, "alpha": 8, "target_modules": "all-linear", "adapt_vision": vision}
+        targets = resolve(base, lora)["target_modules"]
+        assert any("vision_tower" in t for t in targets) is vision, targets
+        assert all("language_model" in t or "vision_tower" in t for t in targets), targets
+        with exact_targets():
+            model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8,
+                                                                   target_modules=targets))  # fmt: skip
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        tower = sum(p.numel() for n, p in model.named_parameters()
+                    if p.requires_grad and "vision_tower" in n)  # fmt: skip
+        assert (tower > 0) is vision
+        planned = shape_of(cfg).lora_params(4, "all-linear", (), False, vision)
+        assert planned == trainable, (vision, planned, trainable)
+
+
+def test_the_disk_plan_counts_the_pictures_the_tokenized_files_and_shards_will_hold(tmp_path):
+    """A local picture set, downloaded: its pictures (the files its rows name, summed here
+    from the folder) count once for the training set's tokenized file, once for its shards
+    and once for the held-out set's tokenized file, each until it is written; a text run
+    counts none."""
+    import pyarrow as pa
+
+    from snaketune.budget.diskplan import format_disk
+    from snaketune.budget.pictureplan import picture_bytes
+
+    w = tmp_path
+    make_picture_data(w / "resources/pics")
+    config = picture_config()
+    raw = {}
+    for name, split in (("pics", "train"), ("pics_test", "test")):
+        rows = [
+            json.loads(x) for x in (w / f"resources/pics/{split}.jsonl").read_text().splitlines()
+        ]
+        out = w / f"resources/datasets/{name}/data.parquet"
+        out.parent.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows), out)
+        files = sum(
+            p.stat().st_size for p in (w / "resources/pics/pictures").glob(f"{split}-*.png")
+        )
+        raw[name] = out.stat().st_size + files
+    assert picture_bytes(config, "see", w) == pytest.approx(2 * raw["pics"] + raw["pics_test"])
+    (w / "results/see/shards").mkdir(parents=True)
+    assert picture_bytes(config, "see", w) == pytest.approx(raw["pics"] + raw["pics_test"])
+    (w / "results/tokenized/pics__vlm__0123/data.parquet").parent.mkdir(parents=True)
+    (w / "results/tokenized/pics__vlm__0123/data.parquet").write_bytes(b"")
+    assert picture_bytes(config, "see", w) == pytest.approx(raw["pics_test"])
+    text = {**config, "datasets": {k: {**v, "columns": {}} for k, v in config["datasets"].items()}}
+    assert picture_bytes(text, "see", tmp_path / "nothing") == 0
+    plan = {"need_bytes": {"total": 3 * 2**30, "checkpoint": 1, "checkpoints": 1, "final": 1,
+                           "exports": 1, "pictures": 2**30},
+            "path": "/x", "free_bytes": 2**40, "held_bytes": 0, "save_total_limit": 2,
+            "optimizer": "last", "fits": True}  # fmt: skip
+    assert "; pictures in tokenized data and shards 1.00 GiB)" in format_disk("see", plan)
+
+
+@pytest.mark.slow
+def test_the_disk_plans_pictures_are_what_tokenize_and_shard_wrote(picture_pipeline):
+    """What the disk plan counts for the training set's pictures, once per file (its
+    downloaded parquet and the pictures its rows name), against the tokenized file and the
+    shards the pipeline wrote: each within 25% (the files hold the tokens too)."""
+    from snaketune.budget.pictureplan import downloaded_bytes
+
+    w = picture_pipeline
+    config = yaml.safe_load((w / "config.yaml").read_text())
+    planned = downloaded_bytes(config, TRAIN, w)
+    tokenized = next((w / "results/tokenized").glob(f"{TRAIN}__*/data.parquet")).stat().st_size
+    shards = sum(p.stat().st_size for p in (w / f"results/{NAME}/shards").glob("*.parquet"))
+    assert tokenized == pytest.approx(planned, rel=0.25), (planned, tokenized)
+    assert shards == pytest.approx(planned, rel=0.25), (planned, shards)
+
+
+def test_adapt_vision_left_at_its_default_changes_no_run_s_settings():
+    """lora.adapt_vision came after runs were trained: at its default it is not in the
+    train job's settings (no LoRA run retrains for it); set, it is."""
+    import copy
+
+    from snaketune.plan.config import validate_config
+    from snaketune.plan.trainjob import train_spec
+
+    run = validate_config(picture_config(), ROOT)["runs"]["see"]
+    assert run["lora"]["adapt_vision"] is False
+    assert "adapt_vision" not in train_spec(run)
+    on = copy.deepcopy(run)
+    on["lora"]["adapt_vision"] = True
+    assert json.loads(train_spec(on))["lora"]["adapt_vision"] is True

@@ -76,7 +76,7 @@ class CheckpointSize:
 def trained_params(shape: Shape, s: Setup) -> int:
     if s.adapter == "full":
         return shape.params
-    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
+    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router, s.lora_vision)
 
 
 def checkpoint_size(
@@ -190,6 +190,14 @@ def plan_disk(
     }
 
 
+# what else a run writes to its results filesystem, when it does: the plan's key, its words
+OTHER_NEEDS = (
+    ("download", "the base model download"),
+    ("teacher_logps", "teacher top-k"),
+    ("pictures", "pictures in tokenized data and shards"),
+)
+
+
 def format_disk(name: str, plan: dict[str, Any]) -> str:
     """One line: need (and its parts), free space, and the fixes when it does not fit."""
     n = plan["need_bytes"]
@@ -201,8 +209,8 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
         f"checkpoints of {gib(n['checkpoint'])}, optimizer states in {plan['optimizer']}: "
         f"{gib(n['checkpoints'])} while saving; final checkpoint and model "
         f"{gib(n['final'])}; exports {gib(n['exports'])}"
-        f"{'; the base model download ' + gib(n['download']) if n.get('download') else ''}"
-        f"{'; teacher top-k ' + gib(n['teacher_logps']) if n.get('teacher_logps') else ''}), "
+        + "".join(f"; {what} {gib(n[key])}" for key, what in OTHER_NEEDS if n.get(key))
+        + "), "
         f"{gib(plan['free_bytes'])} free{held}"
     )
     if plan["fits"]:
@@ -223,6 +231,7 @@ def disk_plan_of(
     fp32 on CPU); None when the model's config.json cannot be read yet."""
     from snaketune.budget.fit import setup_of, shape_and_deepspeed
     from snaketune.budget.modelfiles import find_config_json
+    from snaketune.budget.pictureplan import picture_bytes
     from snaketune.budget.stagecost import weights_in
 
     run = config["runs"][name]
@@ -237,6 +246,9 @@ def disk_plan_of(
     if same and not weights_in(models / run["model"]):
         download = shape.params * (shape.saved_bytes or 2)
     extra = {}
+    pictures = picture_bytes(config, name, root)  # snaketune.budget.pictureplan
+    if pictures:
+        extra["pictures"] = pictures
     if method_of(run).teacher(run) is not None:  # its teacher's top-k (rule teacher_logps)
         from snaketune.budget.teacherplan import disk_bytes
 

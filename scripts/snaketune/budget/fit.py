@@ -71,6 +71,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         lora_targets=lora.get("target_modules", "all-linear"),
         lora_saved=tuple(lora.get("modules_to_save", ())),
         lora_router=bool(lora.get("adapt_router", False)),
+        lora_vision=bool(lora.get("adapt_vision", False)),
         completion_length=extra.get("completion_length", 0),
         reference=not spec.trains_lora and extra.get("reference", False),
         vllm_share=extra.get("vllm_share", 0.0),

@@ -112,6 +112,7 @@ class Setup:
     lora_targets: Any = "all-linear"
     lora_saved: tuple[str, ...] = ()
     lora_router: bool = False  # a mixture of experts' routers adapted too (lora.adapt_router)
+    lora_vision: bool = False  # a vision-language model's towers adapted too (lora.adapt_vision)
     completion_length: int = 0  # GRPO: max_completion_length (0: not GRPO)
     # a frozen copy of the model: GRPO full fine-tuning with beta > 0, DPO full fine-tuning
     # with reference: live
@@ -135,7 +136,7 @@ class Setup:
 
 def trained_params(shape: Shape, s: Setup) -> int:
     """T: a LoRA run's adapter parameters (and modules_to_save)."""
-    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router)
+    return shape.lora_params(s.lora_r, s.lora_targets, s.lora_saved, s.lora_router, s.lora_vision)
 
 
 def stored_weights(shape: Shape, s: Setup) -> float:

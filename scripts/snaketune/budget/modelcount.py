@@ -38,7 +38,7 @@ _NOT_BUILT = (
 )
 
 
-COUNT_VERSION = 1  # bump when counted_of counts differently (part of the cache key)
+COUNT_VERSION = 2  # bump when counted_of counts differently (part of the cache key)
 
 
 def count(cfg: dict[str, Any]) -> Counted | None:
@@ -118,6 +118,16 @@ def counted_of(model) -> Counted:
                 stacked[key] = stacked.get(key, 0) + 1
     if output is not None:
         largest = max(largest, sum(p.numel() for p in output.parameters(recurse=False)))
+    within = {id(m) for m in language.modules()}
+    towers: dict[tuple[str, int, int], int] = {}
+    for name, module in model.named_modules():  # a vision-language model's towers
+        if (
+            id(module) not in within
+            and isinstance(module, torch.nn.Linear)
+            and module is not output
+        ):
+            key = (name.rsplit(".", 1)[-1], module.in_features, module.out_features)
+            towers[key] = towers.get(key, 0) + 1
     return Counted(
         params=sum(p.numel() for p in params),
         linear=sum(i * o * k for (_, i, o), k in linears.items()),
@@ -127,4 +137,5 @@ def counted_of(model) -> Counted:
         linears=tuple((n, i, o, k) for (n, i, o), k in sorted(linears.items())),
         stacked=tuple((n, e, a, b, k) for (n, e, a, b), k in sorted(stacked.items())),
         towers=sum(p.numel() for p in params if id(p) not in inside),
+        tower_linears=tuple((n, i, o, k) for (n, i, o), k in sorted(towers.items())),
     )

@@ -28,6 +28,8 @@ class Counted:
     # each fused expert parameter: (name, experts, in, out, how many layers)
     stacked: tuple[tuple[str, int, int, int, int], ...] = ()
     towers: int = 0  # parameters outside the language model (vision, audio, projector)
+    # the towers' nn.Linear modules by name, as ``linears`` (lora.adapt_vision's targets)
+    tower_linears: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def stacked_params(module) -> list[tuple[str, Any]]:

@@ -19,8 +19,10 @@ for the plan):
   ``lora.adapt_router: true``: adapting the router moves which experts a token reaches.
 
 On a vision-language model (Qwen3.5, Gemma 4, whole) the adapters go on its language model
-alone (peft's ``all-linear`` would also adapt the vision tower): its nn.Linear modules are
-listed by name, the vision tower and projector stay as they are.
+alone by default (peft's ``all-linear`` would also adapt the vision tower): its nn.Linear
+modules are listed by name, the vision tower and projector stay as they are; with
+``lora.adapt_vision: true`` the towers' targeted nn.Linear modules (the vision encoder's
+attention and MLP, a projector's linears) are listed too.
 
 peft's translation is switched off while the adapters are made or loaded
 (``exact_targets``), so what it builds is what is listed here.
@@ -64,12 +66,16 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
     if not experts and not towers:
         return {"target_modules": targets}
     every, router = targets == "all-linear", bool(lora.get("adapt_router", False))
+    vision = bool(lora.get("adapt_vision", False))
     names = set(targets) if not every else set()
     output = model.get_output_embeddings()
     inside = {id(m) for m in language.modules()}
     modules, parameters = [], set()
     for name, module in model.named_modules():
-        if id(module) not in inside:  # a vision-language model's towers: not adapted
+        if id(module) not in inside:  # a vision-language model's towers: adapted by a key
+            linear = isinstance(module, torch.nn.Linear) and module is not output
+            if vision and linear and targeted(name, every, names):
+                modules.append(name)
             continue
         if is_router(name, module):
             if router and isinstance(module, torch.nn.Linear):
@@ -79,7 +85,7 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
         elif (
             isinstance(module, torch.nn.Linear)
             and module is not output
-            and (every or name.rsplit(".", 1)[-1] in names)
+            and targeted(name, every, names)
         ):
             modules.append(name)
     mlp = set(MLP) if every else names & set(MLP)
@@ -98,6 +104,12 @@ def resolve(model, lora: Mapping[str, Any]) -> dict[str, Any]:
         "rank_pattern": {r".*\.gate_up_proj": 2 * r},
         "alpha_pattern": {r".*\.gate_up_proj": 2 * alpha},
     }
+
+
+def targeted(name: str, every: bool, names: set[str]) -> bool:
+    """Whether the nn.Linear ``name`` is a target (``every``: all-linear; else by its own
+    name, the last part of its path)."""
+    return every or name.rsplit(".", 1)[-1] in names
 
 
 def language_outside(model, language):

@@ -250,16 +250,28 @@ class Shape:
         return max(self.vocab * self.hidden, self.experts * self.expert_params, *linears)
 
     def lora_params(
-        self, r: int, targets: str | list[str], saved: Sequence[str] = (), router: bool = False
+        self,
+        r: int,
+        targets: str | list[str],
+        saved: Sequence[str] = (),
+        router: bool = False,
+        vision: bool = False,
     ) -> int:
         """Trainable parameters: the adapters over ``targets`` (LINEARS' names: an attention
-        block's own names for DeepSeek's), ``router`` adapted too, and the modules of ``saved``
+        block's own names for DeepSeek's), ``router`` adapted too, a vision-language model's
+        towers' linears with ``vision`` (lora.adapt_vision), and the modules of ``saved``
         (modules_to_save, trained in full). On an MoE layer's fused experts an adapter of
         rank r·experts is their stack of one rank-r adapter per expert (peft's ParamWrapper),
         gate and up together at rank 2r, as two rank-r adapters would be."""
         every = targets == "all-linear"
         if self.counted is not None:
             count = self.counted_adapters(r, targets, router)
+            if vision:
+                count += sum(
+                    r * (i + o) * k
+                    for n, i, o, k in self.counted.tower_linears
+                    if every or n in set(targets)
+                )
             return count + self.vocab * self.hidden * len(set(saved) & {"lm_head", "embed_tokens"})
         attention = self.attention_shapes()
         names = set(LINEARS) | set(attention) if every else set(targets)

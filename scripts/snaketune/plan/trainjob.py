@@ -42,6 +42,8 @@ def train_spec(
         spec.pop("eval_at_start", None)
     if spec.get("sequence_parallel") == 1:  # the default: runs made before it keep their params
         del spec["sequence_parallel"]
+    if isinstance(spec.get("lora"), dict) and spec["lora"].get("adapt_vision") is False:
+        spec["lora"] = {k: v for k, v in spec["lora"].items() if k != "adapt_vision"}  # as above
     code = method_of(run).code(run)
     if code:  # the user's functions: a change retrains, provenance records them
         spec["code_sha256"] = code
