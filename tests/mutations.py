@@ -349,16 +349,16 @@ MUTATIONS = (
     ),
     Mutation(
         "prompted-markup", "a template that is not prefix-stable: the markup the model writes after the generation prompt (an opened thought block's end, a channel header) is left untrained",
-        f"{LIB}/data/chat.py",
-        "            if before <= prompted <= start:\n",
-        "            if False:\n",
+        f"{LIB}/data/fullrender.py",
+        "        if before <= prompted <= start:\n",
+        "        if False:\n",
         ("tests/test_templates.py::test_each_familys_template_trains_the_assistant_turns_as_transformers_renders_them",),
     ),
     Mutation(
         "end-of-turn", "a template that is not prefix-stable: the end-of-turn token after an assistant message is left untrained",
-        f"{LIB}/data/chat.py",
-        "                return end + stop\n",
-        "                return end\n",
+        f"{LIB}/data/fullrender.py",
+        "            return end + stop\n",
+        "            return end\n",
         ("tests/test_templates.py::test_each_familys_template_trains_the_assistant_turns_as_transformers_renders_them",),
     ),
     Mutation(
@@ -381,6 +381,20 @@ MUTATIONS = (
         "            out[j1:j2] = labels[i1:i2]\n",
         "            out[i1:i2] = labels[i1:i2]\n",
         ("tests/test_pictures.py::test_the_tokens_are_the_processors_and_only_the_answer_is_trained",),
+    ),
+    Mutation(
+        "tool-results-trained", "a tool's result in a chat row is trained like an assistant turn (the full-render path)",
+        f"{LIB}/data/fullrender.py",
+        '        if turn[0] != "assistant":',
+        '        if turn[0] not in ("assistant", "tool"):',
+        ("tests/test_toolcalls.py::test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are_not",),
+    ),
+    Mutation(
+        "tool-call-found-by-name", "a call's place in a render found by its function's name (Gemma 4 prints it again in the tool's result)",
+        f"{LIB}/data/toolcalls.py",
+        '    calls[-1]["function"]["arguments"][f"{before}{after}"] = ""',
+        '    calls[-1]["function"]["name"] = f"{before}{calls[-1][\'function\'][\'name\']}{after}"',
+        ("tests/test_toolcalls.py::test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are_not",),
     ),
     Mutation(
         "vision-never-adapted", "lora.adapt_vision: true leaves the vision tower without adapters",

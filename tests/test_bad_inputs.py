@@ -336,7 +336,7 @@ FIRST_ROWS = [
     Case("messages-bad-role", "data",
          dataset("bad_role", [{"messages": [{"role": "bot", "content": "x"}]}] + MESSAGES,
                  format="messages", columns={}),
-         "error: datasets.bad_role row 0: each turn needs role system, user or assistant"),
+         "error: datasets.bad_role row 0: each turn needs role system, user, assistant or tool"),
     Case("messages-no-assistant", "data",
          dataset("bad_noasst", MESSAGES + [{"messages": [{"role": "user", "content": "x"}]}],
                  format="messages", columns={}),

@@ -287,7 +287,7 @@ def test_output_is_identical_across_runs(tmp_path, tiny_model):
         (
             {"format": "messages"},
             [{"messages": [{"role": "robot", "content": "x"}]}],
-            "datasets.bad row 0: each turn needs role system, user or assistant",
+            "datasets.bad row 0: each turn needs role system, user, assistant or tool",
         ),
         (
             {"format": "messages"},

@@ -7,6 +7,7 @@ unlike the last: Qwen3.5's, Gemma 4's, gpt-oss's, GLM-4.5's).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -16,8 +17,9 @@ log = logging.getLogger(__name__)
 
 
 # (role, content), or (role, content, reasoning) for an assistant turn that carries its
-# reasoning (a row's ``reasoning_content`` or ``thinking``)
-Turn = tuple[str, ...]
+# reasoning (a row's ``reasoning_content`` or ``thinking``), or (role, content, reasoning or
+# None, calls) for one that calls tools (calls: JSON, snaketune.data.toolcalls)
+Turn = tuple[str | None, ...]
 
 # How a template's assistant spans are found (``ChatRenderer.spans_by``), in the words the
 # tokenize log and ``snaketune validate`` use.
@@ -28,11 +30,6 @@ SPANS_BY = {
     "earlier turns differently from the last one, so prefixes cannot be used)",
 }
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# Characters put around a message's content to find where the render holds it (private use).
-_MARK_OPEN, _MARK_CLOSE = "\ue010", "\ue011"
-# A message's own mark beside them (private use too): message j is chr(_TAG + j).
-_TAG, _MAX_MARKED = 0xE100, 0x400
-_MARKS = re.compile("\ue010[\ue100-\ue4ff]|[\ue100-\ue4ff]\ue011")
 
 
 def messages_of(turns: list[Turn] | tuple[Turn, ...]) -> list[dict[str, str]]:
@@ -44,19 +41,10 @@ def messages_of(turns: list[Turn] | tuple[Turn, ...]) -> list[dict[str, str]]:
         message = {"role": turn[0], "content": turn[1]}
         if len(turn) > 2 and turn[2] is not None:
             message["reasoning_content"] = message["thinking"] = turn[2]
+        if len(turn) > 3 and turn[3] is not None:
+            message["tool_calls"] = json.loads(turn[3])
         out.append(message)
     return out
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo
 
 
 # Contents used to check that a template inserts message contents verbatim: padding,
@@ -112,6 +100,7 @@ class ChatRenderer:
             i for i, token in decoder.items() if getattr(token, "special", False)
         }
         self.full_rows = 0  # rows of a prefix-stable template found by the full render
+        self.tools: list[dict] | None = None  # the tools of the row being rendered
         self.spans_by = self._spans_by()
 
     def render(
@@ -127,6 +116,8 @@ class ChatRenderer:
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
+        if self.tools:  # the row's tools, while its spans are found (``spans``)
+            context["tools"] = self.tools
         ctx = self._compiled.new_context(context, shared=True)
         return self._compiled.environment.concat(self._compiled.root_render_func(ctx))
 
@@ -196,7 +187,21 @@ class ChatRenderer:
         return "".join(parts), spans
 
     def spans(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans [start, end) of its assistant turns."""
+        """The rendered text and the character spans [start, end) of its assistant turns
+        (with the conversation's tools where it has them: snaketune.data.toolcalls)."""
+        if any(len(t) > 3 and t[3] is not None for t in turns) and not self.renders_calls():
+            raise DataError(
+                f"{self.tokenizer.name_or_path}: the chat template prints nothing for an "
+                "assistant turn's tool_calls, so its calls would not be trained; use a "
+                "template that renders tool calls (`chat_template:`)"
+            )
+        self.tools = getattr(turns, "tools", None)
+        try:
+            return self._spans(turns)
+        finally:
+            self.tools = None
+
+    def _spans(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         if self.spans_by == "generation":
             return self.spans_marked(turns)
         if self.spans_by == "full":
@@ -209,6 +214,17 @@ class ChatRenderer:
         except DataError:  # this row renders unlike its prefixes (its reasoning, say)
             self.full_rows += 1
             return self.spans_full(turns)
+
+    def renders_calls(self) -> bool:
+        """Whether the template prints an assistant turn's tool calls (probed once)."""
+        if not hasattr(self, "_renders_calls"):
+            call = '[{"type": "function", "function": {"name": "probe_fn", "arguments": {}}}]'
+            turns = (("user", "U"), ("assistant", "", None, call))
+            try:
+                self._renders_calls = "probe_fn" in self.render(turns)
+            except Exception:  # noqa: BLE001 -- jinja raises what the template's code raises
+                self._renders_calls = False
+        return self._renders_calls
 
     def check(self, turns: tuple[Turn, ...]) -> None:
         """Compare the fast path with jinja on one real conversation (a spot check per batch)."""
@@ -259,6 +275,7 @@ class ChatRenderer:
 
         texts, indices = render_jinja_template(
             [messages_of(turns)],
+            tools=self.tools,
             chat_template=self.template,
             return_assistant_tokens_mask=True,
             **self._special_map,
@@ -273,98 +290,18 @@ class ChatRenderer:
         return texts[0], spans
 
     def spans_full(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
-        """Text and assistant spans from the one full render. Each message's place in it is
-        where the render changes when that message's text changes; an assistant span starts
-        where the generation prompt for it stops matching the render (the markup the model is
-        prompted with is not trained, what it writes after is: an opened thought block's end,
-        a channel header) and ends with the first special token after the message (its end
-        of turn, or the next turn's opening token where a template closes none: GLM)."""
-        text = self.render(turns)
-        regions = self._marked_regions(turns, text) or {}
+        """Text and assistant spans from the one full render (snaketune.data.fullrender)."""
+        from snaketune.data.fullrender import spans_full
 
-        def region(j: int) -> tuple[int, int] | None:
-            if j not in regions:
-                regions[j] = self._region(turns, j, text)
-            return regions[j]
-
-        spans = []
-        for i, turn in enumerate(turns):
-            if turn[0] != "assistant":
-                continue
-            own = region(i)
-            if own is None:  # the render leaves the message out: nothing to learn
-                spans.append((len(text), len(text)))
-                continue
-            start, end = own
-            before = next((r[1] for j in range(i - 1, -1, -1) if (r := region(j))), 0)
-            prompted = _common_prefix(self.render(turns[:i], add_generation_prompt=True), text)
-            if before <= prompted <= start:
-                start = prompted
-            limit = next((r[0] for j in range(i + 1, len(turns)) if (r := region(j))), len(text))
-            closed = self._end_of_turn(text, end, limit)
-            if closed == end == len(text) and self.stop:  # nothing closes the last turn
-                text, closed = text + self.stop, len(text) + len(self.stop)
-                self.stopped_rows += 1
-            spans.append((start, closed))
-        return text, spans
-
-    def _marked_regions(self, turns: tuple[Turn, ...], text: str) -> dict | None:
-        """Every message's region of ``text`` from one render with each message's texts
-        between marks of its own: where the template inserts them verbatim (the render less
-        the marks is ``text``), a message's region runs from its first mark to its last
-        (None: the render leaves it out); None where the template changed them (the regions
-        are then found one message at a time, ``_region``)."""
-        if len(turns) > _MAX_MARKED:
-            return None
-        marked = tuple(
-            tuple(
-                value
-                if k == 0 or value is None
-                else f"{_MARK_OPEN}{chr(_TAG + j)}{value}{chr(_TAG + j)}{_MARK_CLOSE}"
-                for k, value in enumerate(turn)
-            )
-            for j, turn in enumerate(turns)
-        )
-        render = self.render(marked)
-        if _MARKS.sub("", render) != text:
-            return None
-        regions: dict[int, tuple[int, int] | None] = dict.fromkeys(range(len(turns)))
-        for k, found in enumerate(_MARKS.finditer(render)):
-            mark, at = found.group(), found.start() - 2 * k  # its place in ``text``
-            j = ord(mark[1] if mark[0] == _MARK_OPEN else mark[0]) - _TAG
-            start, end = regions[j] or (at, at)
-            regions[j] = (min(start, at), max(end, at))
-        return regions
-
-    def _region(self, turns: tuple[Turn, ...], j: int, text: str) -> tuple[int, int] | None:
-        """[start, end) of ``text`` that holds message ``j`` (its reasoning and content)."""
-        turn = turns[j]
-        changed = tuple(
-            value if k == 0 or value is None else f"{_MARK_OPEN}{value}{_MARK_CLOSE}"
-            for k, value in enumerate(turn)
-        )
-        other = self.render((*turns[:j], changed, *turns[j + 1 :]))
-        if other == text:
-            return None
-        start = _common_prefix(text, other)
-        end = len(text) - _common_prefix(text[::-1], other[::-1])
-        return start, max(start, end)
-
-    def _end_of_turn(self, text: str, end: int, limit: int) -> int:
-        """``end`` moved past the first special token in ``text[end:limit]`` (unchanged when
-        there is none)."""
-        piece = text[end:limit]
-        if not piece:
-            return end
-        encoding = self.tokenizer.backend_tokenizer.encode(piece, add_special_tokens=False)
-        for token, (_, stop) in zip(encoding.ids, encoding.offsets, strict=True):
-            if token in self._special_ids:
-                return end + stop
-        return end
+        return spans_full(self, turns)
 
 
 def _reasons(turns: tuple[Turn, ...]) -> bool:
-    return any(len(t) > 2 and t[2] is not None for t in turns)
+    """Whether a turn carries more than its text (reasoning, tool calls): the fast path
+    builds rows from contents alone."""
+    return any(len(t) > 2 and any(v is not None for v in t[2:]) for t in turns) or bool(
+        getattr(turns, "tools", None)
+    )
 
 
 # Conversations the template is probed with: two exchanges with a system turn, without and

@@ -6,6 +6,7 @@ mixture weight, with the counts of what happened to them (``Stats``).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from snaketune.core.errors import DataError
+from snaketune.data import toolcalls
 from snaketune.data.chat import Turn
 from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS, filter_mask, multiplicity
 from snaketune.data.kinds import fields_read, kind_of_source
@@ -138,27 +140,8 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
             out.append(read_pair(source, system, cols, data, i, row))
             continue
         if fmt == "messages":
-            msgs = data[cols["messages"]][i]
-            if not isinstance(msgs, list) or not msgs:
-                raise DataError(
-                    f"datasets.{name} row {row}: `messages` must be a non-empty list of turns; "
-                    "clean the data or filter the row out"
-                )
-            turns = []
-            for m in msgs:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                    raise DataError(
-                        f"datasets.{name} row {row}: each turn needs role system, user or "
-                        "assistant "
-                        f"and text content (got {m!r:.80}); clean the data or filter the row out"
-                    )
-                turns.append(_turn(m, name, row))
-            if not any(turn[0] == "assistant" for turn in turns):
-                raise DataError(
-                    f"datasets.{name} row {row}: no assistant turn to learn from; "
-                    "clean the data or filter the row out"
-                )
-            out.append(tuple(turns))
+            tools = data[cols["tools"]][i] if cols.get("tools") in data else None
+            out.append(message_turns(data[cols["messages"]][i], tools, name, row))
             continue
         if fmt == "prompt_response":
             pcols = cols["prompt"] if isinstance(cols["prompt"], list) else [cols["prompt"]]
@@ -176,6 +159,37 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
             response = _text(data[cols["output"]][i], name, row, cols["output"])
         out.append((*system, ("user", prompt), ("assistant", response)))
     return out
+
+
+def message_turns(msgs: Any, tools: Any, name: str, row: int) -> tuple[Turn, ...]:
+    """A messages row as turns (tool calls and results read and checked:
+    snaketune.data.toolcalls), a Tooled conversation where the row declares tools."""
+    where = f"datasets.{name} row {row}"
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(
+            f"{where}: `messages` must be a non-empty list of turns; clean the data or filter "
+            "the row out"
+        )
+    turns = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in toolcalls.ROLES:
+            raise DataError(
+                f"{where}: each turn needs role system, user, assistant or tool and text content "
+                f"(got {m!r:.80}); clean the data or filter the row out"
+            )
+        calls = toolcalls.calls_of(m, f"{where} turn {j}") if m["role"] == "assistant" else None
+        if calls is None:
+            turns.append(_turn(m, name, row))
+            continue
+        turn = _turn({**m, "content": m.get("content") or ""}, name, row)
+        turns.append((*turn, None, calls) if len(turn) == 2 else (*turn, calls))
+    if not any(turn[0] == "assistant" for turn in turns):
+        raise DataError(
+            f"{where}: no assistant turn to learn from; clean the data or filter the row out"
+        )
+    declared = toolcalls.tools_of(tools, where)
+    toolcalls.check_calls(tuple(turns), declared, where)
+    return toolcalls.Tooled(turns, declared) if declared else tuple(turns)
 
 
 # Where a row's message keeps its reasoning (TRL's and transformers' names).
@@ -288,8 +302,9 @@ def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
     """Template-independent hash of a conversation (roles and contents), or of a pair."""
     if isinstance(turns, Pair):
         turns = (*turns.prompt, *turns.chosen, ("\x1d", ""), *turns.rejected)
-
-    blob = "\x1e".join(["\x1f".join(turn) for turn in turns])
+    tools = getattr(turns, "tools", None)  # a row's tools are part of it
+    tail = [json.dumps(tools, sort_keys=True)] if tools else []
+    blob = "\x1e".join(["\x1f".join(v or "" for v in turn) for turn in turns] + tail)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 

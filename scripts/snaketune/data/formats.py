@@ -20,13 +20,14 @@ from snaketune.core.errors import DataError
 FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "prompt_response": {"prompt": "prompt", "response": "response"},
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "messages": {"messages": "messages"},
+    "messages": {"messages": "messages", "tools": "tools"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
     "labelled": {"prompt": "prompt", "completion": "completion", "label": "label"},
 }
 # Fields that may be missing or empty, by format (a preference dataset without a prompt
-# column holds whole conversations in chosen and rejected that share their prompt turns).
-OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}
+# column holds whole conversations in chosen and rejected that share their prompt turns; a
+# messages dataset's tools: snaketune.data.toolcalls).
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}}
 # Keys of a single (non-mixture) dataset: where its rows come from and how they read.
 SINGLE_DATASET_KEYS = (
     "id",

@@ -1,0 +1,154 @@
+"""Tool calls in chat data (snaketune.data.toolcalls): rows in the Hub's function-calling
+layout tokenized with real templates (Qwen3.5's and Gemma 4's, not prefix-stable; Llama 3.2's,
+Gemma 4's), their masks checked against transformers' own renders of the
+same messages; each bad row named by row and turn."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from families import FAMILIES, build
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]  # fmt: skip
+USER = "What is twelve plus thirty?"
+RESULT = '{"result": 42}'
+ANSWER = "The sum is 42."
+
+
+def tool_row(arguments=None, name="add", content="") -> dict:
+    call = {"type": "function", "function": {"name": name,
+                                             "arguments": arguments or {"a": 12, "b": 30}}}  # fmt: skip
+    return {
+        "messages": [
+            {"role": "user", "content": USER},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "content": RESULT},
+            {"role": "assistant", "content": ANSWER},
+        ],
+        "tools": json.dumps(TOOLS),
+    }
+
+
+def tokenized(rows, model_dir, tmp_path, columns=None):
+    from snaketune.data.conversations import Source
+    from snaketune.data.tokenization import tokenize
+
+    data = tmp_path / "tools.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    spec = {"source": "local", "path": str(data), "format": "messages", "columns": columns or {}}
+    out = tmp_path / "tokenized.parquet"
+    tokenize([Source("calls", data, spec)], model_dir, out, 4096, model_name="m")
+    return pq.read_table(out).to_pylist()
+
+
+def trained_runs(row, tokenizer) -> list[str]:
+    """The labelled tokens of a tokenized row, as the texts of their runs."""
+    runs, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"], strict=True):
+        if label != -100:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    return [tokenizer.decode(r) for r in runs]
+
+
+CORPUS = [USER, RESULT, ANSWER, "add a b integer result sum"] * 8
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "llama3", "gemma4"])
+def test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are_not(
+    family, tmp_path
+):
+    """The assistant's call (its function and arguments as the template prints them) and its
+    answer are trained; the tool's result and the user's text are not. Each trained run is
+    what transformers' apply_chat_template of the same messages and tools adds for that
+    assistant turn after the generation prompt (a prefix-stable template: every turn; Qwen3.5,
+    which renders earlier turns otherwise: the last turn, and the call's turn as the one
+    full render holds it)."""
+    from transformers import AutoTokenizer
+
+    model_dir = build(family, CORPUS, tmp_path / family)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    row = tool_row()
+    (ours,) = tokenized([row], model_dir, tmp_path)
+    msgs = row["messages"]
+
+    def render(messages, gen=False):
+        return tok.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                       add_generation_prompt=gen)  # fmt: skip
+
+    full = render(msgs)
+    assert tok.decode(ours["input_ids"]) == full
+    runs = trained_runs(ours, tok)
+    assert len(runs) == 2, runs
+    call_run, answer_run = runs
+    assert all(USER not in r and '"result"' not in r for r in runs), runs
+    assert "add" in call_run and "12" in call_run and "30" in call_run, call_run
+    last = full[len(render(msgs[:3], gen=True)) :].rstrip("\n")  # the newline after: prompt
+    assert full.startswith(render(msgs[:3], gen=True))
+    prompted, through = render(msgs[:1], gen=True), render(msgs[:2])
+    assert answer_run == last, (answer_run, last)
+    if full.startswith(through):  # the call's turn as its prefixes say
+        assert call_run == through[len(prompted) :].rstrip("\n")
+    else:  # the call's turn as the one full render holds it, through its end of turn
+        assert call_run in full and call_run.endswith(FAMILIES[family].stops[0]), call_run
+
+
+def test_a_row_without_tools_and_a_text_row_read_as_before(tmp_path):
+    """A messages row with no tools column (and no calls) tokenizes as it did: same text, its
+    one answer trained; a row with calls but no tools declared is read (nothing to check
+    the calls against)."""
+    from transformers import AutoTokenizer
+
+    model_dir = build("qwen3.5", CORPUS, tmp_path / "q")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    plain = {"messages": [{"role": "user", "content": USER},
+                          {"role": "assistant", "content": ANSWER}]}  # fmt: skip
+    (row,) = tokenized([plain], model_dir, tmp_path)
+    assert tok.decode(row["input_ids"]) == tok.apply_chat_template(
+        plain["messages"], tokenize=False
+    )
+    undeclared = {"messages": tool_row()["messages"]}
+    (row,) = tokenized([undeclared], model_dir, tmp_path)
+    assert len(trained_runs(row, tok)) == 2
+
+
+@pytest.mark.parametrize(
+    "row, line",
+    [
+        (tool_row(name="multiply"), "row 0 turn 1: a call to tool 'multiply', which the row's "
+                                    "tools do not declare (declared: add)"),
+        (tool_row(arguments="{a: 12"), "row 0 turn 1 call 0 (add): arguments are not JSON"),
+        ({"messages": [{"role": "user", "content": USER}, {"role": "tool", "content": RESULT},
+                       {"role": "assistant", "content": ANSWER}]},
+         "row 0 turn 1: a tool turn with no call before it"),
+        ({**tool_row(), "tools": "[{"}, "row 0: column 'tools' is not JSON"),
+    ],
+)  # fmt: skip
+def test_a_bad_tool_row_is_one_line_naming_its_row_and_turn(row, line, tmp_path):
+    from snaketune.core.errors import DataError
+    from snaketune.data.conversations import message_turns
+
+    with pytest.raises(DataError) as info:
+        message_turns(row["messages"], row.get("tools"), "calls", 0)
+    assert f"datasets.calls {line}" in str(info.value)
+
+
+def test_a_template_that_prints_no_tool_calls_is_refused_naming_the_model(tmp_path):
+    """SmolLM3's template renders an assistant turn's content only: its calls would not be
+    trained, so the row is refused, naming the model and the fix."""
+    from snaketune.core.errors import DataError
+
+    model_dir = build("smollm3", CORPUS, tmp_path / "s")
+    with pytest.raises(DataError) as info:
+        tokenized([tool_row()], model_dir, tmp_path)
+    assert "the chat template prints nothing for an assistant turn's tool_calls" in str(info.value)
