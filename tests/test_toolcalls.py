@@ -152,3 +152,24 @@ def test_a_template_that_prints_no_tool_calls_is_refused_naming_the_model(tmp_pa
     with pytest.raises(DataError) as info:
         tokenized([tool_row()], model_dir, tmp_path)
     assert "the chat template prints nothing for an assistant turn's tool_calls" in str(info.value)
+
+
+def test_validate_shows_a_tool_rows_trained_tokens_with_its_tools(tmp_path):
+    """`snaketune validate my.yaml --show-row 0` on a tool-call row (snaketune.data.peek):
+    the row rendered with its tools, its call and answer between « and », its tool result
+    outside."""
+    from transformers import AutoTokenizer
+
+    from snaketune.data.chat import ChatRenderer
+    from snaketune.data.peek import show_row
+
+    model_dir = build("qwen3.5", CORPUS, tmp_path / "q")
+    data = tmp_path / "calls.jsonl"
+    data.write_text(json.dumps(tool_row()) + "\n")
+    spec = {"source": "local", "path": str(data), "format": "messages"}
+    shown = show_row(ChatRenderer(AutoTokenizer.from_pretrained(model_dir)), "calls", spec,
+                     data, True, 0)  # fmt: skip
+    assert "# Tools" in shown and '"name": "add"' in shown, shown
+    trained = [part.split("»")[0] for part in shown.split("«")[1:]]
+    assert len(trained) == 2 and "<function=add>" in trained[0] and ANSWER in trained[1], trained
+    assert all('"result"' not in t for t in trained)

@@ -146,7 +146,8 @@ def show_row(renderer, name: str, spec: dict[str, Any], path: Path, local: bool,
     (item,) = conversations(Source(name, Path(), spec), batch, [row])
     turns = (*item.prompt, *item.chosen) if isinstance(item, Pair) else item
     turns = (*item.prompt, *item.completion) if hasattr(item, "completion") else turns
-    text, spans = renderer.spans(tuple(turns))
+    # a conversation's own tuple (its tools, snaketune.data.toolcalls, ride on it)
+    text, spans = renderer.spans(turns if isinstance(turns, tuple) else tuple(turns))
     encoding = renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
     trained = labelled_tokens([encoding], [spans], [text], np.array([0, len(encoding.ids)]))
     out, inside = [], False
