@@ -136,15 +136,22 @@ def make_picture_data(
     columns: tuple[str, str] = ("messages", "images"),
 ) -> Path:
     """train.jsonl and test.jsonl under ``out``, their pictures under out/pictures/."""
+
+    def draw(rng: random.Random, name: str) -> dict:
+        colour = rng.choice(sorted(COLOURS))
+        (out / name).write_bytes(picture(colour, rng))
+        return row(colour, name, columns)
+
+    return write_sets(out, (("train", train), ("test", test)), seed, draw)
+
+
+def write_sets(out: Path, sizes, seed: int, draw) -> Path:
+    """Each split of ``sizes`` ((split, rows)) as out/<split>.jsonl, its rows made by
+    ``draw(rng, picture name)`` (which writes the picture under out/pictures/)."""
     rng = random.Random(seed)
     (out / "pictures").mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", train), ("test", test)):
-        rows = []
-        for i in range(n):
-            colour = rng.choice(sorted(COLOURS))
-            name = f"pictures/{split}-{i:04d}.png"
-            (out / name).write_bytes(picture(colour, rng))
-            rows.append(row(colour, name, columns))
+    for split, n in sizes:
+        rows = [draw(rng, f"pictures/{split}-{i:04d}.png") for i in range(n)]
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -165,15 +172,11 @@ def pair(colour: str, wrong: str, path: str) -> dict:
 def make_picture_pairs(out: Path, train: int = 48, test: int = 8, seed: int = 11) -> Path:
     """train.jsonl and test.jsonl of picture pairs under ``out`` (the right colour chosen, a
     wrong one rejected; responses of unequal lengths), their pictures under out/pictures/."""
-    rng = random.Random(seed)
-    (out / "pictures").mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", train), ("test", test)):
-        rows = []
-        for i in range(n):
-            colour = rng.choice(sorted(COLOURS))
-            wrong = rng.choice(sorted(set(COLOURS) - {colour}))
-            name = f"pictures/{split}-{i:04d}.png"
-            (out / name).write_bytes(picture(colour, rng))
-            rows.append(pair(colour, wrong, name))
-        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+
+    def draw(rng: random.Random, name: str) -> dict:
+        colour = rng.choice(sorted(COLOURS))
+        wrong = rng.choice(sorted(set(COLOURS) - {colour}))
+        (out / name).write_bytes(picture(colour, rng))
+        return pair(colour, wrong, name)
+
+    return write_sets(out, (("train", train), ("test", test)), seed, draw)

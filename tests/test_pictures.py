@@ -393,18 +393,12 @@ def test_a_model_without_a_processor_for_pictures_is_named_before_training(
 # ----------------------------------------------------------------------------- DPO on pictures
 
 PAIR_RUN = {
-    "model": "vlm",
+    **RUN,
     "dataset": "pp",
     "eval_dataset": "pp_test",
     "method": "dpo",
-    "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
-    "deepspeed": "zero2",
-    "nodes": 2,
-    "gpus_per_node": 1,
-    "max_length": 128,
     "micro_batch_size": 4,
     "max_steps": 4,
-    "learning_rate": 5.0e-3,
     "save_steps": 4,
     "eval": {"max_new_tokens": 4, "batch_size": 8},
 }

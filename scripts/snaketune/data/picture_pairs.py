@@ -45,7 +45,7 @@ def _marked_messages(value: Any, where: str) -> Any:
         if not isinstance(m, dict) or isinstance(m.get("content"), str):
             out.append(m)
             continue
-        text, images = pictures._text_of(m.get("content"), f"{where} message {j}")
+        text, images = pictures.parts_text(m.get("content"), f"{where} message {j}")
         if images and m.get("role") != "user":
             raise DataError(
                 f"{where} message {j}: pictures belong in user turns, not {m.get('role')}"
@@ -97,7 +97,7 @@ def label(
     """The pairs with their pictures' image tokens on both sides, labels carried over, the
     length policy on the expanded lengths (a side is cut only after its last image token)."""
     processor = pictures.batch_processor()
-    image_ids = set(pictures._image_ids(processor))
+    image_ids = set(pictures.image_ids_of(processor))
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}
     for k, (key, pair) in enumerate(items):

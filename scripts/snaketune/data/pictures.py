@@ -90,7 +90,7 @@ def picture_bytes(value: Any, base: Path | None, where: str) -> bytes:
     return data
 
 
-def _text_of(content: Any, where: str) -> tuple[str, int]:
+def parts_text(content: Any, where: str) -> tuple[str, int]:
     """A message's content as text with ``MARK`` for each image part, and the parts' count."""
     if isinstance(content, str):
         return content, 0
@@ -122,7 +122,7 @@ def read_row(source: Source, system: tuple, cols: dict[str, Any], data: dict, i:
             raise DataError(
                 f"{where}: each turn needs role system, user or assistant (got {m!r:.60})"
             )
-        text, n = _text_of(m.get("content"), f"{where} turn {j}")
+        text, n = parts_text(m.get("content"), f"{where} turn {j}")
         if n and m["role"] != "user":
             raise DataError(f"{where} turn {j}: pictures belong in user turns, not {m['role']}")
         turns.append((m["role"], text))
@@ -251,7 +251,7 @@ def label(
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     mask = labelled_tokens(encodings, spans, texts, starts)
-    image_ids = set(_image_ids(processor))
+    image_ids = set(image_ids_of(processor))
     columns: dict[str, list] = {
         k: [] for k in ("example_id", "input_ids", "labels", "length", "text_sha", COLUMN)
     }
@@ -312,7 +312,7 @@ def marked(renderer: ChatRenderer, turns: tuple) -> tuple:
     return tuple((t[0], t[1].replace(MARK, image), *t[2:]) for t in turns)
 
 
-def _image_ids(processor) -> list[int]:
+def image_ids_of(processor) -> list[int]:
     """The token ids a picture expands into (its image tokens and their markers)."""
     tok = processor.tokenizer
     names = [getattr(tok, k, None) for k in ("image_token", "boi_token", "eoi_token")]
