@@ -397,6 +397,13 @@ MUTATIONS = (
         ("tests/test_toolcalls.py::test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are_not",),
     ),
     Mutation(
+        "hung-tool-blocks", "a tool that hangs holds its rank until it returns (no time limit in effect)",
+        f"{LIB}/methods/toolrunner.py",
+        "        if not self._conn.poll(self.timeout_s):",
+        "        if not self._conn.poll(self.timeout_s * 40):",
+        ("tests/test_toolrunner.py::test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived",),
+    ),
+    Mutation(
         "vision-never-adapted", "lora.adapt_vision: true leaves the vision tower without adapters",
         f"{LIB}/core/lora_targets.py",
         "            if vision and linear and targeted(name, every, names):",

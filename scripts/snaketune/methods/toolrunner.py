@@ -1,0 +1,141 @@
+"""A user's tools (``file.py:function``, as a user's rewards are named) run for a rank's
+rollouts, each call in a child process of the rank's own, so that no tool can take a rank
+down: a call that raises comes back as the tool's text (``ToolFailed``, its type and
+message), one that runs past ``timeout_s`` is ended with its process (a new one is started
+for the next call), one whose process dies (a crash, ``os._exit``) likewise, and what a tool
+returns or prints beyond ``max_chars`` is cut. Each kind is counted (``Counts``).
+
+``functions()`` gives each tool as a function with the user's own name, signature and
+docstring (what TRL's GRPOTrainer reads to describe the tool to the model) that calls the
+runner. Built for GRPO with tools (issue 75); the trainer does not take them yet
+(docs/agents.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import json
+import multiprocessing
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from snaketune.core.errors import UserError
+
+
+class ToolFailed(RuntimeError):
+    """A tool call that gave no result: its text is what the model is told."""
+
+
+@dataclass
+class Counts:
+    """Calls, and those that raised, ran past the time limit, killed their process, or
+    were cut to ``max_chars``."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    died: int = 0
+    cut: int = 0
+
+
+def _serve(conn, keys: list[str], max_chars: int) -> None:
+    """The child's loop: load the tools, then answer (name, kwargs) with (status, text, cut)
+    until told None; what a tool prints is kept (to ``max_chars``) after its result."""
+    from snaketune.methods.rewards import _load
+
+    tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        name, kwargs = message
+        printed, real = io.StringIO(), (sys.stdout, sys.stderr)
+        sys.stdout = sys.stderr = printed
+        try:
+            out = tools[name](**kwargs)
+            text, status = out if isinstance(out, str) else json.dumps(out, default=str), "ok"
+        except Exception as exc:  # noqa: BLE001 -- the tool's own failure, told to the model
+            text, status = f"{type(exc).__name__}: {exc}", "error"
+        finally:
+            sys.stdout, sys.stderr = real
+        extra = printed.getvalue()
+        if extra:
+            text = f"{text}\n[printed] {extra}"
+        conn.send((status, text[:max_chars], len(text) > max_chars))
+
+
+class ToolRunner:
+    """The tools ``keys`` served by a child process of this one (``close`` ends it)."""
+
+    def __init__(self, keys: list[str], timeout_s: float = 10.0, max_chars: int = 8192):
+        self.keys, self.timeout_s, self.max_chars = list(keys), timeout_s, max_chars
+        self.counts = Counts()
+        self._process = self._conn = None
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a rank's threads
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child, self.keys, self.max_chars), daemon=True
+        )
+        self._process.start()
+        child.close()
+
+    def _end(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+        self._process = self._conn = None
+
+    def call(self, name: str, kwargs: dict[str, Any]) -> str:
+        """Tool ``name``'s result as text; ``ToolFailed`` with the text the model is told."""
+        if self._process is None or not self._process.is_alive():
+            self._end()
+            self._start()
+        self.counts.calls += 1
+        self._conn.send((name, kwargs))
+        if not self._conn.poll(self.timeout_s):
+            self._end()
+            self.counts.timeouts += 1
+            raise ToolFailed(f"{name} did not finish within {self.timeout_s:g} s")
+        try:
+            status, text, cut = self._conn.recv()
+        except EOFError:
+            self._end()
+            self.counts.died += 1
+            raise ToolFailed(f"{name}'s process ended without a result") from None
+        self.counts.cut += bool(cut)
+        if status == "error":
+            self.counts.errors += 1
+            raise ToolFailed(text)
+        return text
+
+    def close(self) -> None:
+        """End the child process (a rank's last call)."""
+        if self._conn is not None and self._process is not None and self._process.is_alive():
+            self._conn.send(None)
+            self._process.join(timeout=5)
+        self._end()
+
+    def functions(self) -> list[Callable[..., str]]:
+        """Each tool as a function with the user's name, signature and docstring."""
+        from snaketune.methods.rewards import _load
+
+        out = []
+        for key in self.keys:
+            original = _load(key)
+            if not callable(original):
+                raise UserError(f"tools: {key} names no function")
+            name = key.rsplit(":", 1)[1]
+
+            @functools.wraps(original)
+            def call(*args, _name=name, _original=original, **kwargs):
+                bound = inspect.signature(_original).bind(*args, **kwargs)
+                return self.call(_name, dict(bound.arguments))
+
+            out.append(call)
+        return out

@@ -1,0 +1,126 @@
+"""A user's tools run in a child process of the rank (snaketune.methods.toolrunner): a tool
+that raises, one that hangs past its limit, one that prints and returns megabytes and one
+that kills its process each come back as text the model is told, counted, and the next call
+goes on; the functions the trainer is handed describe the tools as the user wrote them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+TOOLS = '''
+import os
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def boom(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError(f"no {x}")
+
+
+def hang(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def chatty(n: int) -> str:
+    """Prints and returns a lot.
+
+    Args:
+        n: How many characters.
+    """
+    print("y" * n)
+    return "x" * n
+
+
+def die(code: int) -> str:
+    """Ends its process.
+
+    Args:
+        code: The exit code.
+    """
+    os._exit(code)
+'''
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch):
+    from snaketune.methods.toolrunner import ToolRunner
+
+    (tmp_path / "my_tools.py").write_text(TOOLS)
+    monkeypatch.chdir(tmp_path)  # user keys are found from the working directory
+    keys = [f"my_tools.py:{n}" for n in ("add", "boom", "hang", "chatty", "die")]
+    made = ToolRunner(keys, timeout_s=1.5, max_chars=1000)
+    yield made
+    made.close()
+
+
+def test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived(runner):
+    from snaketune.methods.toolrunner import ToolFailed
+
+    assert runner.call("add", {"a": 12, "b": 30}) == "42"
+    first = runner._process.pid
+    with pytest.raises(ToolFailed, match="ValueError: no 7"):
+        runner.call("boom", {"x": 7})
+    began = time.monotonic()
+    with pytest.raises(ToolFailed, match="did not finish within 1.5 s"):
+        runner.call("hang", {"seconds": 30})
+    assert time.monotonic() - began < 10
+    out = runner.call("chatty", {"n": 5_000_000})
+    assert len(out) == 1000 and out == "x" * 1000  # its result first, cut; the prints dropped
+    with pytest.raises(ToolFailed, match="process ended without a result"):
+        runner.call("die", {"code": 3})
+    assert runner.call("add", {"a": 1, "b": 2}) == "3"  # a new process after each death
+    assert runner._process.pid != first
+    c = runner.counts
+    assert (c.calls, c.errors, c.timeouts, c.died, c.cut) == (6, 1, 1, 1, 1)
+
+
+def test_the_hung_tools_process_is_gone_and_close_leaves_no_process(runner):
+    import psutil
+
+    from snaketune.methods.toolrunner import ToolFailed
+
+    runner.call("add", {"a": 1, "b": 1})
+    hung = runner._process.pid
+    with pytest.raises(ToolFailed):
+        runner.call("hang", {"seconds": 30})
+    assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+    runner.call("add", {"a": 1, "b": 1})
+    alive = runner._process.pid
+    runner.close()
+    assert not psutil.pid_exists(alive) or psutil.Process(alive).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_functions_describe_the_tools_as_the_user_wrote_them(runner):
+    """transformers' schema of each function the trainer gets is the user's function's
+    (TRL shows the model the tools from it), and calling it runs the tool in the child."""
+    from transformers.utils import get_json_schema
+
+    from snaketune.methods.rewards import _load
+
+    functions = runner.functions()
+    assert [f.__name__ for f in functions] == ["add", "boom", "hang", "chatty", "die"]
+    for f in functions:
+        assert get_json_schema(f) == get_json_schema(_load(f"my_tools.py:{f.__name__}"))
+    assert functions[0](a=2, b=3) == "5" and runner.counts.calls == 1
