@@ -173,3 +173,83 @@ def test_validate_shows_a_tool_rows_trained_tokens_with_its_tools(tmp_path):
     trained = [part.split("»")[0] for part in shown.split("«")[1:]]
     assert len(trained) == 2 and "<function=add>" in trained[0] and ANSWER in trained[1], trained
     assert all('"result"' not in t for t in trained)
+
+
+def arithmetic_rows(n: int, seed: int) -> list[dict]:
+    """Tool-call rows of sums (a call to add, its result, the answer); about a third answer
+    without the tool, so rows differ in length and shape."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        row = tool_row(arguments={"a": a, "b": b})
+        msgs = row["messages"]
+        msgs[0]["content"] = f"What is {a} plus {b}?"
+        msgs[2]["content"] = json.dumps({"result": a + b})
+        msgs[3]["content"] = f"The sum is {a + b}."
+        if rng.random() < 0.3:
+            row["messages"] = [msgs[0], {"role": "assistant", "content": f"{a + b}"}]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.slow
+def test_lora_on_tool_call_rows_trains_on_two_nodes_and_evaluates(tmp_path):
+    """Tool-call rows through the whole pipeline (tokenize, shard, LoRA on 2 emulated nodes,
+    export, evaluation, report) on a tiny Qwen3.5 with its Hub template: every trained
+    stretch of a tool row holds the call or the answer, never a tool's result; the held-out
+    prompts carry the tools' block; the held-out loss is plain transformers' NLL over the
+    tokenized rows' labels with the merged model."""
+    import torch
+    import yaml
+    from conftest import read_jsonl, snakemake
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    w = tmp_path / "w"
+    build("qwen3.5", CORPUS, w / "models/q")
+    (w / "data").mkdir()
+    for split, n, seed in (("train", 64, 0), ("test", 8, 1)):
+        rows = arithmetic_rows(n, seed)
+        (w / f"data/{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    local = {"source": "local", "format": "messages"}
+    config = {
+        "models": {"q": {"source": "local", "path": "models/q"}},
+        "datasets": {"calls": {**local, "path": "data/train.jsonl"},
+                     "calls_test": {**local, "path": "data/test.jsonl"}},
+        "runs": {"sft": {"model": "q", "dataset": "calls", "eval_dataset": "calls_test",
+                         "method": "lora", "nodes": 2, "gpus_per_node": 1, "max_length": 2048,
+                         "micro_batch_size": 4, "max_steps": 4, "learning_rate": 1e-3,
+                         "save_steps": 4, "packing": False,
+                         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+                         "eval": {"max_new_tokens": 4, "batch_size": 8}}},
+    }  # fmt: skip
+    (w / "config.yaml").write_text(yaml.safe_dump(config))
+    snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w))
+    tok = AutoTokenizer.from_pretrained(w / "models/q")
+    train = pq.read_table(next((w / "results/tokenized").glob("calls__*/data.parquet")))
+    with_calls = 0
+    for row in train.to_pylist():
+        runs = trained_runs(row, tok)
+        assert runs and all('"result"' not in r for r in runs), runs
+        with_calls += any("<function=add>" in r for r in runs)
+    assert 0 < with_calls < train.num_rows
+    steps = [m for m in read_jsonl(w / "results/sft/train/metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    samples = read_jsonl(w / "results/sft/eval/samples.jsonl")
+    assert samples and all("# Tools" in s["prompt"] for s in samples)
+    merged = w / "results/sft/merged_model"
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    test = pq.read_table(next((w / "results/tokenized").glob("calls_test__*/data.parquet")))
+    total = count = 0.0
+    for row in test.to_pylist():
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double()[:-1], -1)
+        for t, label in enumerate(row["labels"][1:], start=1):
+            if label != -100:
+                total -= logp[t - 1, label].item()
+                count += 1
+    metrics = json.loads((w / "results/sft/eval/metrics.json").read_text())
+    assert metrics["loss"] == pytest.approx(total / count, abs=1e-5)
