@@ -221,3 +221,34 @@ def test_the_plan_counts_each_family_as_transformers_builds_it(family, tmp_path)
     assert shape.lora_params(4, "all-linear") == trainable
     tower = [n for n, p in adapted.named_parameters() if "lora_" in n and "visual" in n]
     assert not tower  # a vision-language model's vision tower is not adapted
+
+
+def test_packing_a_model_no_attention_can_pack_is_refused_before_anything_runs(tmp_path):
+    """Qwen3.5's linear-attention layers carry state across packed examples: a run that
+    packs it (the schema's default) is refused by the dry run's check, before tokenize, with
+    the key and the fix (it had been refused by the shard job, after tokenizing)."""
+    build("qwen3.5", ["What is 1 plus 2? 3"] * 8, tmp_path / "models/q")
+    (tmp_path / "data").mkdir()
+    row = {"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}
+    (tmp_path / "data/train.jsonl").write_text(json.dumps(row) + "\n")
+    run = {"model": "q", "dataset": "d", "method": "lora", "nodes": 1, "gpus_per_node": 1,
+           "max_length": 256, "micro_batch_size": 1, "max_steps": 1, "learning_rate": 1e-4,
+           "lora": {"r": 4, "alpha": 8, "dropout": 0.0}}  # fmt: skip
+    config = {
+        "models": {"q": {"source": "local", "path": "models/q"}},
+        "datasets": {"d": {"source": "local", "path": "data/train.jsonl", "format": "messages"}},
+        "runs": {"sft": run},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake("-n", "--configfile", str(tmp_path / "config.yaml"), "--directory",
+                     str(tmp_path), check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("error: runs.sft.packing: model q cannot train on packed sequences "
+            "(Qwen3_5ForCausalLM has linear_attention layers") in out, out[-3000:]  # fmt: skip
+    assert "set packing: false" in out and not (tmp_path / "results").exists()
+    config["runs"]["sft"]["packing"] = False
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake("-n", "--configfile", str(tmp_path / "config.yaml"), "--directory",
+                     str(tmp_path), check=False)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]  # not packed: planned

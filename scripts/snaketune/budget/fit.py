@@ -214,7 +214,7 @@ def check_runs(
             say(f"{name}: skipped for now (the model's config.json is not there yet)")
             continue
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
-        found += model_problems(name, run, shape)
+        found += model_problems(name, run, shape, path)
         gpu, setup = run.get("gpu", config.get("gpu")), run_setup(config, run, deepspeed, workdir)
         if not local and (mem_mb or {}).get(name):
             found += job_memory(name, plan_run(shape, setup, None), float(mem_mb[name]))
@@ -345,10 +345,22 @@ def planned_mem_mb(
     return floor if need is None else max(floor, math.ceil(need * 1.1))
 
 
-def model_problems(name: str, run: dict[str, Any], shape: Shape) -> list[str]:
+def model_problems(
+    name: str, run: dict[str, Any], shape: Shape, config_json: Path | None = None
+) -> list[str]:
     """What the run's settings ask of its model that the model is not: a router's loss on a
-    dense model, a sequence split its attention heads do not divide."""
+    dense model, a sequence split its attention heads do not divide, packing where no
+    attention implementation can pack it (linear attention, no position ids)."""
     found = []
+    if run.get("packing") and config_json is not None:
+        from snaketune.data.kernels import unpackable
+
+        why = unpackable(json.loads(config_json.read_text()))
+        if why:
+            found.append(
+                f"runs.{name}.packing: model {run['model']} cannot train on packed "
+                f"sequences ({why}); set packing: false"
+            )
     if run.get("router_aux_loss_coef", "auto") != "auto" and not shape.moe:
         found.append(
             f"runs.{name}.router_aux_loss_coef: model {run['model']} is not a "

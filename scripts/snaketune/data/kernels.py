@@ -294,6 +294,14 @@ def packing_problem(config: dict[str, Any], attention: str) -> str | None:
     return None
 
 
+def unpackable(config: dict[str, Any]) -> str | None:
+    """Why no attention implementation can pack a model (its config.json as a dict), or
+    None: what the checks before queueing refuse (which kernel a GPU node will pick is not
+    known there; the train job checks the one it picks)."""
+    problems = [packing_problem(config, a) for a in ("sdpa", "flash_attention_2")]
+    return problems[0] if all(problems) else None
+
+
 def check_packing(model_dir: str | Path, attention: str, where: str) -> dict[str, Any]:
     """Refuse packing for a model that cannot take packed sequences, with the fix; else
     return the model's config.json (as a dict) it read, for :func:`training_kernel`."""
