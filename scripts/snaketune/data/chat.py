@@ -101,6 +101,7 @@ class ChatRenderer:
         }
         self.full_rows = 0  # rows of a prefix-stable template found by the full render
         self.tools: list[dict] | None = None  # the tools of the row being rendered
+        self._renders_calls: bool | None = None  # probed on the first row with calls
         self.spans_by = self._spans_by()
 
     def render(
@@ -217,7 +218,7 @@ class ChatRenderer:
 
     def renders_calls(self) -> bool:
         """Whether the template prints an assistant turn's tool calls (probed once)."""
-        if not hasattr(self, "_renders_calls"):
+        if self._renders_calls is None:
             call = '[{"type": "function", "function": {"name": "probe_fn", "arguments": {}}}]'
             turns = (("user", "U"), ("assistant", "", None, call))
             try:

@@ -100,6 +100,7 @@ def label(
     image_ids = set(pictures.image_ids_of(processor))
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}
+    cut_ok = _cut_after_pictures(image_ids, max_length)
     for k, (key, pair) in enumerate(items):
         sides = []
         for (ids, labels), j in zip(
@@ -109,7 +110,6 @@ def label(
                 processor, key, ids.tolist(), labels, texts[j], pair.pictures
             )
             sides.append((np.asarray(full, np.int32), carried))
-        cut_ok = _cut_after_pictures(image_ids, max_length)
         sides = pairs.kept_sides(key, sides, max_length, overlong, stats, cut_ok)
         if sides is None:
             continue
