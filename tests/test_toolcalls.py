@@ -103,6 +103,25 @@ def test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are
         assert call_run in full and call_run.endswith(FAMILIES[family].stops[0]), call_run
 
 
+def test_calls_with_other_arguments_read_through_parquet_keep_their_own(tmp_path):
+    """A JSON-lines file of calls with different argument names becomes one Arrow struct
+    (each call gets every name, null where it had none): each call renders with its own."""
+    from transformers import AutoTokenizer
+
+    model_dir = build("llama3", CORPUS, tmp_path / "llama3")
+    tools = TOOLS + [{"type": "function", "function": {"name": "ping", "description": "Ping.",
+                                                       "parameters": {"type": "object",
+                                                                      "properties": {}}}}]  # fmt: skip
+    rows = [tool_row(), tool_row(arguments={}, name="ping")]
+    rows[1]["messages"][1]["tool_calls"][0]["function"]["arguments"] = {}
+    for r in rows:
+        r["tools"] = json.dumps(tools)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [tok.decode(r["input_ids"]) for r in tokenized(rows, model_dir, tmp_path)]
+    assert '"parameters": {"a": 12, "b": 30}' in texts[0]
+    assert '"parameters": {}' in texts[1] and "null" not in texts[1]
+
+
 def test_a_row_without_tools_and_a_text_row_read_as_before(tmp_path):
     """A messages row with no tools column (and no calls) tokenizes as it did: same text, its
     one answer trained; a row with calls but no tools declared is read (nothing to check

@@ -134,6 +134,7 @@ def run_spec(wildcards):
         run_of(wildcards),
         heldout=extras.get("heldout"),
         reward_models=trainjob.reward_models(config, wildcards.run, reward_run),
+        prompt_sources=trainjob.prompt_sources(config, wildcards.run),
     )
 
 

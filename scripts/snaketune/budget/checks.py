@@ -352,7 +352,8 @@ def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.loggi
 
 
 MAX_CHANGES = 12  # keys named per run (a new run's whole spec is no news)
-EXTRAS = ("heldout", "reference_logps", "teacher_logps", "reward_models")  # paths, not keys
+# paths and sources, not keys
+EXTRAS = ("heldout", "reference_logps", "teacher_logps", "reward_models", "prompt_sources")
 UNSET = object()
 
 

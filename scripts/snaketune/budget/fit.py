@@ -350,7 +350,8 @@ def model_problems(
 ) -> list[str]:
     """What the run's settings ask of its model that the model is not: a router's loss on a
     dense model, a sequence split its attention heads do not divide, packing where no
-    attention implementation can pack it (linear attention, no position ids)."""
+    attention implementation can pack it (linear attention, no position ids), tools where
+    its chat template's calls cannot be parsed."""
     found = []
     if run.get("packing") and config_json is not None:
         from snaketune.data.kernels import unpackable
@@ -360,6 +361,15 @@ def model_problems(
             found.append(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
                 f"sequences ({why}); set packing: false"
+            )
+    if run.get("grpo", {}).get("tools") and config_json is not None:
+        from snaketune.methods.tooluse import template_problem
+
+        why = template_problem(config_json.parent)
+        if why:
+            found.append(
+                f"runs.{name}.grpo.tools: model {run['model']} cannot call tools here ({why}); "
+                "start from a model of such a family"
             )
     if run.get("router_aux_loss_coef", "auto") != "auto" and not shape.moe:
         found.append(

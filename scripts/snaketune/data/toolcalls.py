@@ -75,7 +75,9 @@ def calls_of(message: dict, where: str) -> str | None:
         if not isinstance(name, str) or not name:
             raise DataError(f"{where} call {k}: a call needs a function name (got {call!r:.60})")
         arguments = inner.get("arguments", {})
-        if isinstance(arguments, str):
+        if isinstance(arguments, dict):  # an Arrow struct: the keys other calls have, as null
+            arguments = {key: v for key, v in arguments.items() if v is not None}
+        elif isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:

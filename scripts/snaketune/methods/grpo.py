@@ -8,7 +8,7 @@ is snaketune.methods.rollouts (the trainer: snaketune.methods.rollout_trainer).
 
 from __future__ import annotations
 
-from snaketune.methods import rollout_trainer, rollouts
+from snaketune.methods import rollout_trainer, rollouts, tooluse
 from snaketune.methods.training import Context
 
 BLOCK = "grpo"
@@ -53,6 +53,7 @@ properties:
     default: dapo
 """
     + rollouts.SHARED_SCHEMA
+    + tooluse.SCHEMA
 )
 
 METHOD = rollouts.method(

@@ -65,18 +65,27 @@ class RewardError(RuntimeError):
     """A user's reward function failed on a step: the one line says where."""
 
 
-def correctness(completions: list[str], answer: list[str], **_) -> list[float]:
+def text_of(completion: Any) -> str:
+    """A completion's final text: the last assistant message's of a trajectory (a list of
+    messages: GRPO with tools), or the completion itself (plain text)."""
+    if isinstance(completion, str):
+        return completion
+    said = [m.get("content") or "" for m in completion if m.get("role") == "assistant"]
+    return said[-1] if said else ""
+
+
+def correctness(completions: list, answer: list[str], **_) -> list[float]:
     """1.0 where the completion's final answer equals the reference answer (math-verify)."""
     out = []
     for completion, reference in zip(completions, answer, strict=True):
         want = parse_answer(reference) or final_answer(reference)
-        out.append(1.0 if math_verify_match(want, final_answer(completion)) else 0.0)
+        out.append(1.0 if math_verify_match(want, final_answer(text_of(completion))) else 0.0)
     return out
 
 
-def format_reward(completions: list[str], **_) -> list[float]:
+def format_reward(completions: list, **_) -> list[float]:
     """1.0 where the completion ends with a "#### <number>" line."""
-    return [1.0 if _FORMAT.search(c.strip()) else 0.0 for c in completions]
+    return [1.0 if _FORMAT.search(text_of(c).strip()) else 0.0 for c in completions]
 
 
 BUILTIN: dict[str, Callable[..., list[float]]] = {

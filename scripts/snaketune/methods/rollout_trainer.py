@@ -5,14 +5,19 @@ rollouts counted and their rewards recorded (snaketune.methods.rollouts counts t
 
 from __future__ import annotations
 
+import atexit
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.lora_targets import exact_targets
-from snaketune.methods import model_rewards, rewards
+from snaketune.methods import model_rewards, rewards, rollouts
+from snaketune.methods.tooluse import Tools
 from snaketune.methods.training import Context, peft_config
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data
+
+
+TRAJECTORIES = "trajectories.jsonl"  # GRPO with tools: a trajectory per step (the train dir)
 
 
 def group_batches(batches, generations: int):
@@ -46,9 +51,9 @@ def reward_setup(ctx: Context, table, block: str) -> tuple[list, list[float], di
 
     run = ctx.run
     named = run[block]["rewards"]
-    if "code_sha256" in run and run["code_sha256"] != rewards.digests(named):
+    if "code_sha256" in run and run["code_sha256"] != rollouts.code(block, run):
         raise rewards.RewardError(
-            "a reward function's file changed after the workflow planned this job; run "
+            "a reward function's or tool's file changed after the workflow planned this job; run "
             "snakemake again (the run retrains with the new code)"
         )
     models = model_rewards.scorers(
@@ -98,13 +103,14 @@ def planned(
 ):
     """TRL's rollout trainer ``base`` (GRPOTrainer, RLOOTrainer) on this rank's planned
     prompts: its config ``config_cls`` from the shared settings (training_args) and the
-    block's, the prompts' own tokens, each step's rollouts counted."""
-    from torch.utils.data import DataLoader
-
+    block's, the prompts' own tokens (with tools: their conversations, which TRL renders
+    with the tools' block), each step's rollouts counted."""
     from snaketune.data.batches import planned_loader
     from snaketune.methods.training import training_args
 
     funcs, weights, columns = reward_setup(ctx, data.table, block)
+    tools = Tools(ctx.run, block, data.table) if ctx.run[block].get("tools") else None
+    method_args.update(tools.config_args if tools else {})
     args = training_args(ctx, config_cls, **shared_args(ctx, block, weights), **method_args)
     counter = data.collator  # a RolloutCounter (snaketune.methods.rollouts)
     prompt_ids = dict(zip(data.table["prompt"], data.table["prompt_ids"], strict=True))
@@ -113,11 +119,13 @@ def planned(
     scored: list = []  # the last _calculate_rewards' values (every rank's rows)
 
     class Planned(base):
-        def get_train_dataloader(self) -> DataLoader:
+        def get_train_dataloader(self):
             # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
-            return planned_loader(data.table, sampler, list)
+            return planned_loader(tools.table if tools else data.table, sampler, list)
 
         def _tokenize_prompts(self, prompts: list):
+            if tools:  # conversations: TRL renders them with the tools
+                return super()._tokenize_prompts(prompts)
             # the tokens tokenize wrote (chat template applied), not a re-encoding of them
             return [list(prompt_ids[p]) for p in prompts], None, {}
 
@@ -132,26 +140,49 @@ def planned(
             except rewards.RewardError as exc:  # the launcher's one line (health/fatal.json)
                 rewards.report(ctx.ckpt_dir, exc, self.state.global_step)
                 raise
+            if tools:
+                tools.figures(self)
             if self.model.training:
                 count_rollouts(self, counter, inputs, out, scored[-1])
+                if tools:
+                    tools.record(self, inputs, out, ctx.out / TRAJECTORIES)
             return out
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            if tools:
+                tools.observe(completions)
             scored[:] = [
                 super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             ]
             return scored[0]
 
     Planned.__name__ = f"Planned{base.__name__}"
+    return build(Planned, ctx, model, data.table, funcs, args, callbacks, tools)
+
+
+def build(cls, ctx: Context, model, table, funcs, args, callbacks: list, tools):
+    """The trainer ``cls`` made (LoRA targets as the run names them); with ``tools``, their
+    functions given to it and their process ended when training ends."""
+    from transformers import TrainerCallback
+
+    if tools:
+
+        class EndTools(TrainerCallback):
+            def on_train_end(self, *_, **__):
+                tools.close()
+
+        atexit.register(tools.close)
+        callbacks = [*callbacks, EndTools()]
     with exact_targets():
-        return Planned(
+        return cls(
             model=model,
             reward_funcs=funcs,
             args=args,
-            train_dataset=data.table,
+            train_dataset=tools.table if tools else table,
             processing_class=ctx.tokenizer,
             peft_config=peft_config(ctx.run, model),
             callbacks=callbacks,
+            **(tools.trainer_args if tools else {}),
         )
 
 

@@ -25,7 +25,7 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
-from snaketune.methods import model_rewards, rewards
+from snaketune.methods import model_rewards, rewards, tooluse
 from snaketune.methods.common import Method
 from snaketune.methods.outputs import WINDOW, Panel, holds, quarters
 
@@ -121,6 +121,14 @@ LOG_KEYS = {
     "kl": "kl",
     "completions/mean_length": "completion_length",
     "completions/clipped_ratio": "completion_clipped",
+    # GRPO with tools (snaketune.methods.tooluse): calls per completion, the share that
+    # failed, the runner's timeouts, dead processes and cut outputs, assistant turns
+    "tools/call_frequency": "tool_calls",
+    "tools/failure_frequency": "tool_failures",
+    "tools/timeouts": "tool_timeouts",
+    "tools/died": "tool_died",
+    "tools/cut": "tool_cut",
+    "tools/turns": "tool_turns",
 }
 
 
@@ -168,6 +176,7 @@ def check(
                 "the answer) or alpaca"
             )
     rewards.check(where, b["rewards"], f"{block}.rewards")
+    tooluse.check(where, b)
     model_rewards.check(where, b["rewards"], config, f"{block}.rewards")
     if b["use_vllm"] is True and not installed("vllm"):
         raise ConfigError(
@@ -281,8 +290,13 @@ def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
         describe=partial(describe, label, name),
         check=partial(check, name, label),
         memory=partial(memory, name),
-        code=lambda run: rewards.digests(run[name]["rewards"]),  # the user's reward code
+        code=partial(code, name),
     )
+
+
+def code(block: str, run: Mapping[str, Any]) -> dict[str, str]:
+    """The user's code a rollout run calls (its reward functions, its tools), by key."""
+    return {**rewards.digests(run[block]["rewards"]), **tooluse.digests(run[block])}
 
 
 # The block keys every rollout method has (snaketune.methods.grpo and .rloo add theirs: the

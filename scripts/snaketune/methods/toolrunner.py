@@ -7,8 +7,7 @@ returns or prints beyond ``max_chars`` is cut. Each kind is counted (``Counts``)
 
 ``functions()`` gives each tool as a function with the user's own name, signature and
 docstring (what TRL's GRPOTrainer reads to describe the tool to the model) that calls the
-runner. Built for GRPO with tools (issue 75); the trainer does not take them yet
-(docs/agents.md).
+runner: GRPO with tools (snaketune.methods.tooluse) hands them to TRL's GRPOTrainer.
 """
 
 from __future__ import annotations
@@ -49,7 +48,10 @@ def _serve(conn, keys: list[str], max_chars: int) -> None:
 
     tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the rank is gone: so is its tool process
+            return
         if message is None:
             return
         name, kwargs = message

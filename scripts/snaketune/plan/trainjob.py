@@ -10,7 +10,7 @@ from typing import Any
 
 from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
-from snaketune.methods import method_of, model_rewards
+from snaketune.methods import method_of, model_rewards, tooluse
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import (
     as_json,
@@ -30,11 +30,13 @@ def train_spec(
     run: dict[str, Any],
     heldout: str | None = None,
     reward_models: dict[str, Any] | None = None,
+    prompt_sources: dict[str, Any] | None = None,
 ) -> str:
     """The run's settings the train job reads (--run-spec), as JSON: what retrains it when
     it changes. A run with eval_steps gets what it evaluates while training (``heldout``: its
     tokenized eval set; the eval and export keys that matter to it), a GRPO run what it
-    scores with its reward models (``reward_models``: below). The scoring stages' outputs
+    scores with its reward models (``reward_models``: below), a GRPO run with tools how
+    its prompts read as conversations (``prompt_sources``: below). The scoring stages' outputs
     (a DPO run's reference log-probs, a distillation run's teacher top-k) are the job's
     inputs (--stage-input), not settings: its method reads them from the job."""
     spec = {k: v for k, v in run.items() if k not in NOT_TRAINING}
@@ -50,8 +52,10 @@ def train_spec(
     block = method_of(run).block  # what a method's job reads beside its settings goes there
     if heldout is not None:
         spec["heldout"] = held_out_spec(run, heldout)
-    if block in spec:  # a GRPO run's reward models (reward_models below)
-        spec[block] = model_rewards.in_spec(spec[block], reward_models)
+    if block in spec:  # a GRPO run's reward models (reward_models below), its tools
+        spec[block] = tooluse.in_spec(model_rewards.in_spec(spec[block], reward_models))
+    if prompt_sources:
+        spec["prompt_sources"] = prompt_sources
     gather = run["eval"].get("gather_for_generation", "auto")
     if gather != "auto":  # GRPO's completions under ZeRO-3 (the default left unsaid)
         spec["gather_for_generation"] = gather
@@ -75,6 +79,23 @@ def train_extras(
     if models := reward_models(config, run, resolve):
         out["reward_models"] = [m["path"] for m in models["models"].values()]
     return out
+
+
+def prompt_sources(config: dict[str, Any], run: str) -> dict[str, Any] | None:
+    """A GRPO run with tools: how each of its datasets' rows read as conversations (their
+    format, columns and system prompt), by dataset; its job rebuilds each prompt's messages
+    from its source row. None for any other run."""
+    from snaketune.data.formats import components
+
+    r = config["runs"][run]
+    block = method_of(r).block
+    if not block or not r.get(block, {}).get("tools"):
+        return None
+    keys = ("format", "columns", "system_prompt")
+    return {
+        c["name"]: {k: v for k, v in config["datasets"][c["name"]].items() if k in keys}
+        for c in components(config, r["dataset"])
+    }
 
 
 def reward_models(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str):

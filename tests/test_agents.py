@@ -1,0 +1,269 @@
+"""GRPO with tools (snaketune.methods.tooluse): a tiny Llama 3.2 (its Hub template) taught
+the call format by SFT on tool-call transcripts, then trained with GRPO calling the user's
+tools: one that adds, one that raises, one that hangs past its limit, one that prints a
+megabyte. The run goes on; each failure is counted; the rewards see whole trajectories; the
+tools' results are not trained on; no tool process outlives the run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+
+import pytest
+from families import build
+
+TOOLS_PY = '''\
+import json, os, time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def boom() -> str:
+    """A tool that fails."""
+    raise ValueError("boom")
+
+
+def hang() -> str:
+    """A tool that never answers."""
+    time.sleep(600)
+    return "late"
+
+
+def loud() -> str:
+    """A tool that prints a megabyte."""
+    print("x" * 1_000_000)
+    return "y" * 1_000_000
+
+
+def finished(prompts, completions, answer, **kwargs):
+    """1.0 where the trajectory's last assistant text holds the reference answer; each
+    trajectory recorded as the reward saw it (seen.jsonl)."""
+    with open("seen.jsonl", "a") as f:
+        for p, c in zip(prompts, completions):
+            f.write(json.dumps({"prompt": p, "completion": c}, default=str) + "\\n")
+    said = [[m.get("content") or "" for m in c if m["role"] == "assistant"] for c in completions]
+    return [1.0 if s and a in s[-1] else 0.0 for s, a in zip(said, answer)]
+'''
+# (prompt, tool, arguments, what the tool says, the answer): the transcripts SFT learns
+ASKS = [
+    ("Use add on 2 and 3.", "add", {"a": 2, "b": 3}, "5", "The answer is 5."),
+    ("Use boom.", "boom", {}, "ValueError: boom", "The tool failed."),
+    ("Use hang.", "hang", {}, "hang did not finish within 2 s", "The tool failed."),
+    ("Use loud.", "loud", {}, "y" * 40, "Done."),
+]
+ANSWERS = {"add": "5", "boom": "failed", "hang": "failed", "loud": "Done"}
+
+
+def schemas(path) -> list[dict]:
+    """The tools' JSON schemas, as TRL describes them to the model."""
+    import importlib.util
+
+    from transformers.utils import get_json_schema
+
+    spec = importlib.util.spec_from_file_location("agent_tools", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [get_json_schema(getattr(module, n)) for n in ("add", "boom", "hang", "loud")]
+
+
+def transcripts(tools: list[dict], n: int) -> list[dict]:
+    """``n`` tool-call transcripts, the asks in turn (rows of unequal lengths)."""
+    rows = []
+    for i in range(n):
+        prompt, name, args, said, answer = ASKS[i % len(ASKS)]
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        rows.append({"messages": [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": said},
+            {"role": "assistant", "content": answer},
+        ], "tools": json.dumps(tools)})  # fmt: skip
+    return rows
+
+
+def spawned_children() -> set[int]:
+    """The multiprocessing spawn children on this machine (tool processes among them)."""
+    out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+@pytest.mark.slow
+def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_path):
+    import yaml
+    from conftest import read_jsonl, snakemake
+
+    w = tmp_path / "w"
+    (w / "data").mkdir(parents=True)
+    (w / "tools.py").write_text(TOOLS_PY)
+    tools = schemas(w / "tools.py")
+    rows = transcripts(tools, 64)
+    corpus = [json.dumps(r) for r in rows[:8]] * 4
+    build("llama3", corpus, w / "models/llama")
+    (w / "data/calls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asks = [{"prompt": p, "response": ANSWERS[t]} for p, t, *_ in ASKS] * 4
+    (w / "data/asks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in asks))
+    keys = [f"tools.py:{n}" for n in ("add", "boom", "hang", "loud")]
+    config = {
+        "models": {"llama": {"source": "local", "path": "models/llama"}},
+        "datasets": {
+            "calls": {"source": "local", "path": "data/calls.jsonl", "format": "messages"},
+            "asks": {"source": "local", "path": "data/asks.jsonl", "format": "prompt_response"},
+        },
+        "runs": {
+            "sft": {"model": "llama", "dataset": "calls", "method": "full", "max_length": 2048,
+                    "nodes": 1, "gpus_per_node": 1,
+                    "micro_batch_size": 4, "max_steps": 90, "learning_rate": 3e-3,
+                    "warmup_ratio": 0.0, "save_steps": 90, "packing": False},
+            "agent": {"init_from": "sft", "dataset": "asks", "method": "grpo",
+                      "nodes": 2, "gpus_per_node": 1, "micro_batch_size": 4, "max_length": 2048,
+                      "max_steps": 2, "learning_rate": 1e-4, "save_steps": 2,
+                      "grpo": {"num_generations": 2, "max_completion_length": 256,
+                               "temperature": 0.5, "rewards": {"tools.py:finished": 1.0},
+                               "tools": keys, "max_tool_calls": 2, "tool_timeout_s": 2,
+                               "tool_max_chars": 200}},
+        },
+    }  # fmt: skip
+    (w / "config.yaml").write_text(yaml.safe_dump(config))
+    before = spawned_children()
+    snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w),
+              "results/agent/train/metrics.jsonl")  # fmt: skip
+    assert not spawned_children() - before  # no tool process outlived its rank
+
+    steps = [m for m in read_jsonl(w / "results/agent/train/metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    total = {k: sum(m[k] for m in steps) for k in ("tool_timeouts", "tool_cut", "tool_calls")}
+    assert all(0 <= m["tool_failures"] <= 1 and m["tool_turns"] >= 1 for m in steps), steps
+    # what the rewards saw: whole trajectories, each tool's result as the runner gave it
+    seen = read_jsonl(w / "seen.jsonl")
+    results: dict[str, list[str]] = {}
+    asked = {p for p, *_ in ASKS}
+    for s in seen:
+        assert len(s["prompt"]) == 1 and s["prompt"][0]["role"] == "user"
+        assert s["prompt"][0]["content"] in asked  # the source row's prompt, as messages
+        assert isinstance(s["completion"], list) and s["completion"][0]["role"] == "assistant"
+        calls = {}
+        for m in s["completion"]:
+            for c in m.get("tool_calls") or []:
+                calls[c["function"]["name"]] = c["function"]["arguments"]
+            if m["role"] == "tool":
+                results.setdefault(m["name"], []).append(m["content"])
+    assert {"add", "boom", "hang", "loud"} <= set(results), results.keys()
+    assert any(r == "5" for r in results["add"])
+    assert all("ValueError: boom" in r for r in results["boom"])
+    assert all("did not finish within 2 s" in r for r in results["hang"])
+    assert all(len(r) <= 200 for r in results["loud"])
+    assert total["tool_timeouts"] >= 1 and total["tool_cut"] >= 1 and total["tool_calls"] > 0
+    # the loss's masks: the tools' results untrained, the model's calls trained
+    for line in read_jsonl(w / "results/agent/train/trajectories.jsonl"):
+        for run in line["runs"]:
+            said = [r for rs in results.values() for r in rs if len(r) > 4 and r in run["text"]]
+            assert not (said and run["trained"]), run
+        if any(m["role"] == "tool" for m in line["completion"]):
+            assert any(r["trained"] for r in line["runs"])
+            assert any(not r["trained"] for r in line["runs"])
+
+
+@pytest.mark.parametrize(
+    ("source", "key", "line"),
+    [
+        ("def add(a: int, b: int) -> int:\n    return a + b\n", "t.py:add",
+         "cannot be told what it takes"),
+        ("x = 1\n", "t.py:add", "has no function add"),
+        ("", "nowhere.py:add", "is not a function of yours"),
+        ("raise SystemExit(3)\n", "t.py:add", "importing it failed (SystemExit: 3)"),
+    ],
+)  # fmt: skip
+def test_a_tool_that_cannot_be_used_is_one_line_naming_it(source, key, line, tmp_path,
+                                                          monkeypatch):  # fmt: skip
+    from snaketune.core.errors import ConfigError
+    from snaketune.methods import tooluse
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text(source)
+    with pytest.raises(ConfigError) as err:
+        tooluse.check("runs.agent", {"tools": [key], "rewards": {"correctness": 1.0}})
+    assert str(err.value).startswith(f"runs.agent.grpo.tools: {key!r}") and line in str(err.value)
+
+
+def test_two_tools_of_one_name_and_a_reward_model_beside_tools_are_refused(tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    from snaketune.core.errors import ConfigError
+    from snaketune.methods import tooluse
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    (tmp_path / "more.py").write_text(TOOLS_PY)
+    block = {"tools": ["tools.py:add", "more.py:add"], "rewards": {"correctness": 1.0}}
+    with pytest.raises(ConfigError, match="two tools named add; rename one"):
+        tooluse.check("runs.agent", block)
+    block = {"tools": ["tools.py:add"], "rewards": {"model:rm": 1.0}}
+    with pytest.raises(ConfigError, match="a reward model scores text"):
+        tooluse.check("runs.agent", block)
+    tooluse.check("runs.agent", {"tools": ["tools.py:add", "tools.py:boom"],
+                                 "rewards": {"tools.py:finished": 1.0}})  # fmt: skip
+
+
+def test_a_grpo_run_without_tools_keeps_its_spec_and_a_tool_s_file_is_in_it(tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """The tool keys' defaults leave a GRPO run's train spec as it was (it does not
+    retrain after an upgrade); a tool's file is in the spec's code digests."""
+    from snaketune.plan import trainjob
+    from snaketune.plan.config import validate_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    config = {
+        "models": {"m": {"source": "local", "path": "m"}},
+        "datasets": {"asks": {"source": "local", "path": "a.jsonl", "format": "prompt_response",
+                              "system_prompt": "Be brief."}},
+        "runs": {"rl": {"model": "m", "dataset": "asks", "method": "grpo", "nodes": 1,
+                        "gpus_per_node": 1, "max_length": 512, "micro_batch_size": 8,
+                        "learning_rate": 1e-5, "max_steps": 4}},
+    }  # fmt: skip
+    run = validate_config(copy.deepcopy(config))["runs"]["rl"]
+    spec = json.loads(trainjob.train_spec(run))
+    assert not set(spec["grpo"]) & {"tools", "max_tool_calls", "tool_timeout_s"}
+    assert "code_sha256" not in spec and "prompt_sources" not in spec
+    config["runs"]["rl"]["grpo"] = {"tools": ["tools.py:add"]}
+    loaded = validate_config(config)
+    sources = trainjob.prompt_sources(loaded, "rl")
+    assert sources == {"asks": {"format": "prompt_response", "system_prompt": "Be brief."}}
+    assert sources["asks"]["system_prompt"] == "Be brief."
+    spec = json.loads(trainjob.train_spec(loaded["runs"]["rl"], prompt_sources=sources))
+    assert spec["grpo"]["tools"] == ["tools.py:add"] and spec["prompt_sources"] == sources
+    assert "tool tools.py:add" in spec["code_sha256"]
+
+
+@pytest.mark.parametrize(("family", "parses"), [("llama3", True), ("qwen3.5", True),
+                                                ("smollm3", False)])  # fmt: skip
+def test_a_model_whose_template_s_calls_cannot_be_parsed_is_named_before_queueing(
+    family, parses, tmp_path
+):
+    from snaketune.methods.tooluse import template_problem
+
+    model_dir = build(family, ["What is 2 plus 3?"] * 4, tmp_path / family)
+    problem = template_problem(model_dir)
+    assert (problem is None) == parses, problem
+    assert template_problem(tmp_path) is None  # no model there yet: the train job checks
+
+
+def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
+    from snaketune.methods.rewards import correctness, format_reward
+
+    trajectory = [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                                                             "function": {"name": "add"}}]},
+        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "It is\n#### 42"},
+    ]  # fmt: skip
+    assert correctness([trajectory, trajectory[:2]], ["42", "42"]) == [1.0, 0.0]
+    assert format_reward([trajectory, "#### 7", trajectory[:1]]) == [1.0, 1.0, 0.0]
