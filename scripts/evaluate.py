@@ -106,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a distilled model's teacher's top-k log-probs of the eval set (rule "
         "teacher_logps): the held-out KL to the teacher too",
     )
+    parser.add_argument(
+        "--tools", type=json.loads, default=None,
+        help="a run with tools: its tools and their settings as JSON (the tool loop runs on "
+        "each held-out prompt: snaketune.methods.tooluse.ToolLoop)",
+    )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes the model is sharded over")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each node")
     parser.add_argument("--timeout-minutes", type=float, default=None,
@@ -137,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"teacher_topk": args.teacher_topk} if args.teacher_topk else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
-    config.update({k: getattr(args, k) for k in ("method", "beta", "seed", "metrics")
+    config.update({k: getattr(args, k) for k in ("method", "beta", "seed", "metrics", "tools")
                    if getattr(args, k) is not None})  # fmt: skip
     from snaketune.methods import method_named
 
@@ -147,6 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         stage = "evaluate" if args.train else "evaluate_base"
         write_provenance(tmp / NAME, record(stage, args.out, config, inputs, output_hashes(tmp)))
 
+    if args.tools and sharded:
+        print(
+            "evaluate: a run with tools is evaluated on one process; set eval.nodes and "
+            "eval.gpus_per_node to 1 for it",
+            file=sys.stderr,
+        )
+        return 2
     if method is not None and not method.writes_text:  # it scores held-out pairs
         return reward(args, base, finish, sharded, method.headline)
     share, beat = Share.from_environ() if sharded else Share(), None
@@ -179,11 +191,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.base_metrics.with_name("samples.jsonl") if args.base_metrics else None,
         ),
         args.teacher_topk,
+        tool_loop(args.tools),
     )
     if metrics is None:  # not rank 0
         return 0
     print(json.dumps({k: v["value"] for k, v in metrics["figures"].items()}))
     return 0
+
+
+def tool_loop(settings: dict | None):
+    """The evaluation's generation of a run with tools (None: plain generation)."""
+    if not settings:
+        return None
+    from snaketune.methods.tooluse import ToolLoop
+
+    return ToolLoop(settings)
 
 
 def reward(args: argparse.Namespace, base: dict | None, finish, sharded: bool,

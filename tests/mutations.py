@@ -404,6 +404,13 @@ MUTATIONS = (
         ("tests/test_toolrunner.py::test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived",),
     ),
     Mutation(
+        "grpo-tool-limits-ignored", "GRPO's tool runner ignores grpo.tool_timeout_s and tool_max_chars",
+        f"{LIB}/methods/tooluse.py",
+        '        self.runner = ToolRunner(b["tools"], b["tool_timeout_s"], b["tool_max_chars"])',
+        '        self.runner = ToolRunner(b["tools"])',
+        ("tests/test_agents.py::test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them",),
+    ),
+    Mutation(
         "vision-never-adapted", "lora.adapt_vision: true leaves the vision tower without adapters",
         f"{LIB}/core/lora_targets.py",
         "            if vision and linear and targeted(name, every, names):",

@@ -111,19 +111,26 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
     (w / "data/calls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     asks = [{"prompt": p, "response": ANSWERS[t]} for p, t, *_ in ASKS] * 4
     (w / "data/asks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in asks))
+    held = [("Use add on 2 and 3, please.", "5"), ("Use boom, please.", "failed"),
+            ("Use loud, please.", "Done")]  # fmt: skip
+    (w / "data/held.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "response": a}) + "\n" for p, a in held)
+    )
     keys = [f"tools.py:{n}" for n in ("add", "boom", "hang", "loud")]
     config = {
         "models": {"llama": {"source": "local", "path": "models/llama"}},
         "datasets": {
             "calls": {"source": "local", "path": "data/calls.jsonl", "format": "messages"},
             "asks": {"source": "local", "path": "data/asks.jsonl", "format": "prompt_response"},
+            "held": {"source": "local", "path": "data/held.jsonl", "format": "prompt_response"},
         },
         "runs": {
             "sft": {"model": "llama", "dataset": "calls", "method": "full", "max_length": 2048,
                     "nodes": 1, "gpus_per_node": 1,
                     "micro_batch_size": 4, "max_steps": 90, "learning_rate": 3e-3,
                     "warmup_ratio": 0.0, "save_steps": 90, "packing": False},
-            "agent": {"init_from": "sft", "dataset": "asks", "method": "grpo",
+            "agent": {"init_from": "sft", "dataset": "asks", "eval_dataset": "held",
+                      "method": "grpo", "eval": {"max_new_tokens": 48, "batch_size": 2},
                       "nodes": 2, "gpus_per_node": 1, "micro_batch_size": 4, "max_length": 2048,
                       "max_steps": 2, "learning_rate": 1e-4, "save_steps": 2,
                       "grpo": {"num_generations": 2, "max_completion_length": 256,
@@ -134,8 +141,7 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
     }  # fmt: skip
     (w / "config.yaml").write_text(yaml.safe_dump(config))
     before = spawned_children()
-    snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w),
-              "results/agent/train/metrics.jsonl")  # fmt: skip
+    snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w))
     assert not spawned_children() - before  # no tool process outlived its rank
 
     steps = [m for m in read_jsonl(w / "results/agent/train/metrics.jsonl") if "loss" in m]
@@ -170,6 +176,54 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
         if any(m["role"] == "tool" for m in line["completion"]):
             assert any(r["trained"] for r in line["runs"])
             assert any(not r["trained"] for r in line["runs"])
+    check_agent_evaluation(w, held)
+
+
+def check_agent_evaluation(w, held) -> None:
+    """The evaluation of the agent and of the model it started from ran the tool loop on
+    each held-out prompt: each trajectory's first answer is plain transformers' greedy
+    generation from the prompt rendered with the tools, parsed by the template's own
+    parser; each tool turn is what the tool gives; the report shows the trajectories."""
+    import importlib.util
+
+    import torch
+    from conftest import read_jsonl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    spec = importlib.util.spec_from_file_location("agent_tools_eval", w / "tools.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    functions = [getattr(module, n) for n in ("add", "boom", "hang", "loud")]
+    for stage, model_dir in (("eval", "agent/hf"), ("start_eval", "sft/hf")):  # full runs
+        metrics = json.loads((w / f"results/agent/{stage}/metrics.json").read_text())
+        samples = read_jsonl(w / f"results/agent/{stage}/samples.jsonl")
+        assert [s["reference"] for s in samples] == [a for _, a in held]
+        assert set(metrics["tools"]) >= {"calls_per_sample", "failures", "turns_per_sample"}
+        path = w / "results" / model_dir
+        tok = add_response_schema(AutoTokenizer.from_pretrained(path))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for (prompt, _), sample in zip(held, samples, strict=True):
+            chat = [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(chat, tools=functions, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)  # fmt: skip
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)
+            first = parse_response(tok, out[0, len(ids) :].tolist(), prefix=ids, tools=functions)
+            trajectory = sample["trajectory"]
+            assert trajectory[0].get("tool_calls") == first.get("tool_calls"), (trajectory, first)
+            for call, result in zip(first.get("tool_calls") or [], trajectory[1:], strict=False):
+                name, args = call["function"]["name"], call["function"]["arguments"]
+                if name == "add":
+                    assert result["content"] == str(module.add(**args))
+                elif name == "boom":
+                    assert "boom" in result["content"]
+            assert sample["generation"] == next(
+                m.get("content") or "" for m in reversed(trajectory) if m["role"] == "assistant"
+            )
+    assert metrics["tools"]["calls_per_sample"] > 0
+    report = (w / "results/summary.html").read_text()  # the report: each run, its samples
+    assert "-&gt; add(" in report or "-&gt; boom(" in report
 
 
 @pytest.mark.parametrize(

@@ -362,11 +362,13 @@ def eval_metrics(run):
 
 
 def start_eval_settings(wildcards):
-    return stages.run_eval_args(run_of(wildcards))
+    tools = trainjob.eval_tools_args(config, wildcards.run)
+    return stages.run_eval_args(run_of(wildcards)) + tools
 
 
 def run_eval_settings(wildcards):
-    return stages.run_eval_args(run_of(wildcards), eval_metrics(wildcards.run))
+    tools = trainjob.eval_tools_args(config, wildcards.run)
+    return stages.run_eval_args(run_of(wildcards), eval_metrics(wildcards.run)) + tools
 
 
 def eval_metric_inputs(wildcards):

@@ -105,7 +105,8 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
             f"<tr class='{cls}'><td class='mark'>{escape(mark)}</td>"
             f"<td>{pictures_html(s)}<pre>{escape(str(s.get('prompt', '')))}</pre></td>"
             f"<td><pre>{escape(str(s.get('reference', '')))}</pre></td>"
-            f"<td><pre>{escape(str(s.get('generation', '')))}</pre></td></tr>"
+            f"<td><pre>{escape(str(s.get('trajectory_text') or s.get('generation', '')))}"
+            "</pre></td></tr>"
         )
     said = (
         f"{right} of {len(checked)} answered right: the mark is exact match on the number "

@@ -147,6 +147,8 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
         "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
         "loss": base_metrics["loss"] - metrics["loss"],
     }
+    if "tools" in metrics and "tools" in base_metrics:  # an agent's calls, base and tuned
+        metrics["base"]["tools"] = base_metrics["tools"]
     mine, theirs = metrics.get("preference"), base_metrics.get("preference")
     if mine and theirs:
         # the starting model's implicit rewards against itself are all 0
@@ -182,11 +184,14 @@ def scored(
     max_new_tokens: int,
     share: Share,
     teacher: Path | None = None,
+    generator: Callable | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The loss, the generations scored and what the rows' kind scores of its own (a pair's
     log-probs), every rank on its share; the figures and samples of all of them, in the
     eval set's order, on rank 0 (empty on the others). ``teacher``: a teacher's top-k of the
-    rows (snaketune.evaluation.topk), the held-out KL to it too."""
+    rows (snaketune.evaluation.topk), the held-out KL to it too. ``generator``: what
+    generates in place of ``generate`` (a run with tools: snaketune.methods.tooluse.ToolLoop,
+    whose ``finish(samples, metrics)`` adds its own)."""
     pad = pad_id(tokenizer)
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad, share)
     if teacher is not None:
@@ -194,7 +199,8 @@ def scored(
 
         metrics.update(heldout_kl(model, rows, teacher, batch_size, pad, share))
     calls = share.batches(len(rows), batch_size) if share.world > 1 else None
-    texts, stopped = generate(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)
+    gen = generator or generate
+    texts, stopped = gen(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
     if (own := kind_of_columns(rows[0]).scorer()) is not None:
         mine = [
@@ -206,6 +212,8 @@ def scored(
         return {}, []
     samples, figures = score(rows, [e[0] for e in every], [e[1] for e in every], tokenizer)
     metrics.update(figures)
+    if hasattr(gen, "finish"):
+        gen.finish(samples, metrics)
     for sample, e in zip(samples, every, strict=True):
         if len(e) == 3:
             sample.update(own.sample_fields(e[2]))
@@ -281,6 +289,7 @@ def evaluate(
     first: Sequence[str] = (),
     user_scores: Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None = None,
     teacher: Path | None = None,
+    generator: Callable | None = None,
 ) -> dict[str, Any] | None:
     """Write ``metrics.json`` and ``samples.jsonl`` under ``out_dir``; return the metrics.
     With ``share`` of several processes every one calls this: the model is sharded over them
@@ -293,14 +302,16 @@ def evaluate(
     figures (against ``base_pairs``, the starting model's, with ``beta``). ``first``: its
     method's headline; ``user_scores(samples, metrics)`` adds the user's metrics
     (snaketune.methods.scorers), returns their keys; ``teacher``: the teacher's top-k of
-    the eval set (a distilled model's held-out KL to it)."""
+    the eval set (a distilled model's held-out KL to it); ``generator``: as ``scored``'s."""
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)
     rows = load_examples(eval_tokenized, limit)
     tokenizer, model, _keep = load_model(model_dir, share, adapter_base)
     if on_loaded is not None:
         on_loaded(model)
-    metrics, samples = scored(model, tokenizer, rows, batch_size, max_new_tokens, share, teacher)
+    metrics, samples = scored(
+        model, tokenizer, rows, batch_size, max_new_tokens, share, teacher, generator
+    )
     if lm_eval:  # every rank runs the same requests (a sharded model's passes are collective)
         from snaketune.evaluation.lmeval import run_tasks, with_base
 

@@ -108,6 +108,13 @@ def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, d
     return jobs
 
 
+def own_start(run: dict[str, Any]) -> bool:
+    """Whether a run's start is scored as the run is and by no other run: its method says so
+    (a reward model's new head), or it calls tools (its start is evaluated with them)."""
+    block = method_of(run).block
+    return method_of(run).evaluates_start or bool(block and run.get(block, {}).get("tools"))
+
+
 def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
     """Whether a run with an eval set scores the model it starts from itself (rule
     evaluate_start): where its method says so (a reward model's new head); with
@@ -116,7 +123,7 @@ def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
     from snaketune.plan.sweep import init_parents
 
     r = config["runs"][run]
-    if "eval_dataset" in r and method_of(r).evaluates_start:  # e.g. a reward model's new head
+    if "eval_dataset" in r and own_start(r):  # a reward model's new head, an agent's tools
         return True
     if "init_from" not in r or "eval_dataset" not in r:
         return False
@@ -141,7 +148,7 @@ def base_evaluations(config: dict[str, Any], root: Path = Path(".")) -> dict[str
     evals: dict[str, dict[str, Any]] = {}
     for run, r in config["runs"].items():
         # its base: the init run's evaluation, or its own start's (rule evaluate_start)
-        if "eval_dataset" not in r or "init_from" in r or method_of(r).evaluates_start:
+        if "eval_dataset" not in r or "init_from" in r or own_start(r):
             continue
         key = tokenize_key(run_eval_tokenize_spec(config, run, root))
         first = evals.setdefault(key, {"run": run, **shared_eval(r)})

@@ -81,21 +81,44 @@ def train_extras(
     return out
 
 
-def prompt_sources(config: dict[str, Any], run: str) -> dict[str, Any] | None:
-    """A GRPO run with tools: how each of its datasets' rows read as conversations (their
-    format, columns and system prompt), by dataset; its job rebuilds each prompt's messages
-    from its source row. None for any other run."""
+def prompt_sources(
+    config: dict[str, Any], run: str, dataset: str = "dataset"
+) -> dict[str, Any] | None:
+    """A GRPO run with tools: how each of its datasets' rows (``dataset``: its training set,
+    or ``eval_dataset``) read as conversations (their format, columns and system prompt), by
+    dataset; its job rebuilds each prompt's messages from its source row. None for any other
+    run."""
     from snaketune.data.formats import components
 
     r = config["runs"][run]
-    block = method_of(r).block
-    if not block or not r.get(block, {}).get("tools"):
+    if not tools_of(r):
         return None
     keys = ("format", "columns", "system_prompt")
     return {
         c["name"]: {k: v for k, v in config["datasets"][c["name"]].items() if k in keys}
-        for c in components(config, r["dataset"])
+        for c in components(config, r[dataset])
     }
+
+
+def tools_of(run: dict[str, Any]) -> list[str]:
+    """The tools a run calls (a GRPO run's ``grpo.tools``; none for any other)."""
+    block = method_of(run).block
+    return list(run.get(block, {}).get("tools") or []) if block else []
+
+
+def eval_tools_args(config: dict[str, Any], run: str) -> str:
+    """evaluate.py's ``--tools`` of a run with tools (its evaluation and its start's run the
+    tool loop: the tools, their settings, their files' digests, the eval set's sources);
+    empty for any other run."""
+    import shlex
+
+    r = config["runs"][run]
+    if not tools_of(r) or "eval_dataset" not in r:
+        return ""
+    b = r[method_of(r).block]
+    settings = {k: b[k] for k in tooluse.KEYS}
+    settings.update(sources=prompt_sources(config, run, "eval_dataset"), code=tooluse.digests(b))
+    return " --tools " + shlex.quote(as_json(settings))
 
 
 def reward_models(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str):
