@@ -203,7 +203,7 @@ def tool_loop(settings: dict | None):
     """The evaluation's generation of a run with tools (None: plain generation)."""
     if not settings:
         return None
-    from snaketune.methods.tooluse import ToolLoop
+    from snaketune.methods.toolloop import ToolLoop
 
     return ToolLoop(settings)
 

@@ -44,6 +44,18 @@ def loud() -> str:
     return "y" * 1_000_000
 
 
+class Ledger:
+    """An environment (its state one rollout's): its reset records what it is given."""
+
+    def reset(self, **kwargs):
+        with open("resets.jsonl", "a") as f:
+            f.write(json.dumps(sorted(kwargs)) + "\\n")
+        self.calls = 0
+
+    def get_reward(self) -> float:
+        return 0.5
+
+
 def finished(prompts, completions, answer, **kwargs):
     """1.0 where the trajectory's last assistant text holds the reference answer; each
     trajectory recorded as the reward saw it (seen.jsonl)."""
@@ -135,7 +147,8 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
                       "max_steps": 2, "learning_rate": 1e-4, "save_steps": 2,
                       "grpo": {"num_generations": 2, "max_completion_length": 256,
                                "temperature": 0.5, "rewards": {"tools.py:finished": 1.0},
-                               "tools": keys, "max_tool_calls": 2, "tool_timeout_s": 2,
+                               "tools": keys, "environment": "tools.py:Ledger",
+                               "max_tool_calls": 2, "tool_timeout_s": 2,
                                "tool_max_chars": 200}},
         },
     }  # fmt: skip
@@ -148,6 +161,12 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
     assert [m["step"] for m in steps] == [1, 2]
     total = {k: sum(m[k] for m in steps) for k in ("tool_timeouts", "tool_cut", "tool_calls")}
     assert all(0 <= m["tool_failures"] <= 1 and m["tool_turns"] >= 1 for m in steps), steps
+    # the environment: an instance per rollout, reset with the row, its own reward scored
+    # (a step whose hung tool ended the process has none: every instance went with it)
+    ledger = [m["reward_Ledger_mean"] for m in steps]
+    assert 0.5 in ledger and set(ledger) <= {0.5, None}, ledger
+    resets = [set(json.loads(line)) for line in (w / "resets.jsonl").read_text().splitlines()]
+    assert len(resets) >= 16 and all({"prompt", "answer", "example_id"} <= r for r in resets)
     # what the rewards saw: whole trajectories, each tool's result as the runner gave it
     seen = read_jsonl(w / "seen.jsonl")
     results: dict[str, list[str]] = {}
@@ -321,3 +340,27 @@ def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
     ]  # fmt: skip
     assert correctness([trajectory, trajectory[:2]], ["42", "42"]) == [1.0, 0.0]
     assert format_reward([trajectory, "#### 7", trajectory[:1]]) == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("source", "line"),
+    [
+        ("class Shop:\n    def buy(self, item: str) -> str:\n        return item\n",
+         "not a class with a reset(self, **kwargs) method"),
+        ("class Shop:\n    def reset(self, **kw):\n        pass\n\n"
+         "    def buy(self, item):\n        return item\n", "its method buy cannot be told"),
+        ("Shop = 3\n", "not a class with a reset"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_cannot_be_used_is_one_line_naming_it(source, line, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    from snaketune.core.errors import ConfigError
+    from snaketune.methods import tooluse
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shop.py").write_text(source)
+    block = {"tools": [], "environment": "shop.py:Shop", "rewards": {"correctness": 1.0}}
+    with pytest.raises(ConfigError) as err:
+        tooluse.check("runs.agent", block)
+    assert str(err.value).startswith("runs.agent.grpo.environment: 'shop.py:Shop'")
+    assert line in str(err.value)

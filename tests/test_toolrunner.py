@@ -124,3 +124,79 @@ def test_the_functions_describe_the_tools_as_the_user_wrote_them(runner):
     for f in functions:
         assert get_json_schema(f) == get_json_schema(_load(f"my_tools.py:{f.__name__}"))
     assert functions[0](a=2, b=3) == "5" and runner.counts.calls == 1
+
+
+SHOP = '''
+import time
+
+
+class Shop:
+    """One rollout's basket."""
+
+    def __init__(self):
+        self.basket = []
+
+    def reset(self, **kwargs):
+        self.basket = []
+        return f" (customer {kwargs['customer']})"
+
+    def buy(self, item: str) -> str:
+        """Put an item in the basket.
+
+        Args:
+            item: What to buy.
+        """
+        self.basket.append(item)
+        return ", ".join(self.basket)
+
+    def stall(self) -> str:
+        """Never answers."""
+        time.sleep(600)
+        return "late"
+
+    def get_reward(self) -> float:
+        return float(len(self.basket))
+'''
+
+
+def test_an_environment_s_instances_keep_their_own_state_in_the_tool_process(tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """Each instance of the class TRL's environment_factory is given is a slot of the tool
+    process's: its state its own, its methods described as the user wrote them, reset's and
+    get_reward's values as they are; a call past the limit is told and counted, the slot's
+    state lost with the process is told, and reset starts it again."""
+    import inspect
+
+    from transformers.utils import get_json_schema
+
+    from snaketune.methods.rewards import _load
+    from snaketune.methods.toolrunner import ToolFailed, ToolRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shop.py").write_text(SHOP)
+    runner = ToolRunner([], timeout_s=1.5, max_chars=100, environment="shop.py:Shop")
+    try:
+        cls = runner.environment_class()
+        one, two = cls(), cls()
+        user = _load("shop.py:Shop")()
+        assert get_json_schema(one.buy) == get_json_schema(user.buy)
+        assert [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n[0] != "_"] == [
+            "buy", "get_reward", "reset", "stall"]  # fmt: skip
+        assert (
+            one.reset(customer="ann", prompt=[{"role": "user", "content": "hi"}])
+            == " (customer ann)"
+        )
+        assert two.reset(customer="bo") == " (customer bo)"
+        assert one.buy(item="tea") == "tea" and one.buy("milk") == "tea, milk"
+        assert two.buy(item="jam") == "jam"
+        assert one.get_reward() == 2.0 and two.get_reward() == 1.0
+        with pytest.raises(ToolFailed, match="did not finish within 1.5 s"):
+            two.stall()
+        with pytest.raises(ToolFailed, match="state was lost with its process"):
+            one.buy(item="tea")
+        assert one.get_reward() is None  # no reward for a rollout whose state is gone
+        one.reset(customer="ann")
+        assert one.buy(item="bread") == "bread"
+        assert runner.counts.timeouts == 1 and runner.counts.errors == 1
+    finally:
+        runner.close()

@@ -362,9 +362,9 @@ def model_problems(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
                 f"sequences ({why}); set packing: false"
             )
-    if run.get("grpo", {}).get("tools") and config_json is not None:
-        from snaketune.methods.tooluse import template_problem
+    from snaketune.methods.tooluse import template_problem, uses_tools
 
+    if uses_tools(run.get("grpo", {})) and config_json is not None:
         why = template_problem(config_json.parent)
         if why:
             found.append(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods import model_rewards, rewards, rollouts
-from snaketune.methods.tooluse import Tools
+from snaketune.methods.tooluse import Tools, uses_tools
 from snaketune.methods.training import Context, peft_config
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def planned(
     from snaketune.methods.training import training_args
 
     funcs, weights, columns = reward_setup(ctx, data.table, block)
-    tools = Tools(ctx.run, block, data.table) if ctx.run[block].get("tools") else None
+    tools = Tools(ctx.run, block, data.table) if uses_tools(ctx.run[block]) else None
     method_args.update(tools.config_args if tools else {})
     args = training_args(ctx, config_cls, **shared_args(ctx, block, weights), **method_args)
     counter = data.collator  # a RolloutCounter (snaketune.methods.rollouts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import itertools
 import json
 import multiprocessing
 import sys
@@ -41,12 +42,36 @@ class Counts:
     cut: int = 0
 
 
-def _serve(conn, keys: list[str], max_chars: int) -> None:
-    """The child's loop: load the tools, then answer (name, kwargs) with (status, text, cut)
-    until told None; what a tool prints is kept (to ``max_chars``) after its result."""
+# an environment's methods that are not tools: their values go back as they are (JSON)
+ENVIRONMENT_OWN = ("reset", "get_reward")
+
+
+def _dispatch(tools: dict, environment, held: dict, name, kwargs: dict) -> Any:
+    """A call: a tool's by its name, or (slot, method) an environment instance's (``reset``
+    makes the slot's instance the first time; a slot lost with an earlier process is told)."""
+    if not isinstance(name, tuple):
+        return tools[name](**kwargs)
+    slot, method = name
+    if method == "reset" and slot not in held:
+        held[slot] = environment()
+    if method == "get_reward" and slot not in held:
+        return None  # its state went with an ended process: no reward for this rollout
+    if slot not in held:
+        raise RuntimeError(
+            "the environment's state was lost with its process (an earlier call hung or "
+            "crashed it); answer without it"
+        )
+    return getattr(held[slot], method)(**kwargs)
+
+
+def _serve(conn, keys: list[str], max_chars: int, environment: str | None = None) -> None:
+    """The child's loop: load the tools (and the environment class), then answer (name,
+    kwargs) with (status, text, cut) until told None; what a tool prints is kept (to
+    ``max_chars``) after its result."""
     from snaketune.methods.rewards import _load
 
     tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
+    cls, held = (_load(environment) if environment else None), {}
     while True:
         try:
             message = conn.recv()
@@ -58,7 +83,10 @@ def _serve(conn, keys: list[str], max_chars: int) -> None:
         printed, real = io.StringIO(), (sys.stdout, sys.stderr)
         sys.stdout = sys.stderr = printed
         try:
-            out = tools[name](**kwargs)
+            out = _dispatch(tools, cls, held, name, kwargs)
+            if isinstance(name, tuple) and name[1] in ENVIRONMENT_OWN:  # a value, not text
+                conn.send(("ok", json.dumps(out, default=str), False))
+                continue
             text, status = out if isinstance(out, str) else json.dumps(out, default=str), "ok"
         except Exception as exc:  # noqa: BLE001 -- the tool's own failure, told to the model
             text, status = f"{type(exc).__name__}: {exc}", "error"
@@ -71,10 +99,18 @@ def _serve(conn, keys: list[str], max_chars: int) -> None:
 
 
 class ToolRunner:
-    """The tools ``keys`` served by a child process of this one (``close`` ends it)."""
+    """The tools ``keys`` (and the instances of ``environment``, a ``file.py:Class`` key)
+    served by a child process of this one (``close`` ends it)."""
 
-    def __init__(self, keys: list[str], timeout_s: float = 10.0, max_chars: int = 8192):
+    def __init__(
+        self,
+        keys: list[str],
+        timeout_s: float = 10.0,
+        max_chars: int = 8192,
+        environment: str | None = None,
+    ):
         self.keys, self.timeout_s, self.max_chars = list(keys), timeout_s, max_chars
+        self.environment = environment
         self.counts = Counts()
         self._process = self._conn = None
 
@@ -82,7 +118,9 @@ class ToolRunner:
         context = multiprocessing.get_context("spawn")  # no fork of a rank's threads
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child, self.keys, self.max_chars), daemon=True
+            target=_serve,
+            args=(child, self.keys, self.max_chars, self.environment),
+            daemon=True,
         )
         self._process.start()
         child.close()
@@ -93,8 +131,9 @@ class ToolRunner:
             self._process.join()
         self._process = self._conn = None
 
-    def call(self, name: str, kwargs: dict[str, Any]) -> str:
-        """Tool ``name``'s result as text; ``ToolFailed`` with the text the model is told."""
+    def call(self, name: str | tuple[int, str], kwargs: dict[str, Any]) -> str:
+        """Tool ``name``'s result as text (``(slot, method)``: an environment instance's
+        method); ``ToolFailed`` with the text the model is told."""
         if self._process is None or not self._process.is_alive():
             self._end()
             self._start()
@@ -141,3 +180,29 @@ class ToolRunner:
 
             out.append(call)
         return out
+
+    def environment_class(self) -> type:
+        """The environment as a class TRL's ``environment_factory`` makes: each instance a
+        slot of the child's, each public method (``reset``, ``get_reward`` and the tools)
+        with the user's name, signature and docstring, run there as a tool call is."""
+        from snaketune.methods.rewards import _load
+
+        user = _load(self.environment)
+        slots = itertools.count()
+        members: dict[str, Any] = {"__init__": lambda proxy: setattr(proxy, "slot", next(slots))}
+        for name, original in inspect.getmembers(user, predicate=inspect.isfunction):
+            if name.startswith("_"):
+                continue
+
+            @functools.wraps(original)
+            def method(proxy, *args, _name=name, _original=original, **kwargs):
+                bound = inspect.signature(_original).bind(proxy, *args, **kwargs)
+                given = dict(list(bound.arguments.items())[1:])
+                for param in inspect.signature(_original).parameters.values():
+                    if param.kind is param.VAR_KEYWORD:  # **kwargs: their own names
+                        given.update(given.pop(param.name, {}))
+                text = self.call((proxy.slot, _name), given)
+                return json.loads(text) if _name in ENVIRONMENT_OWN else text
+
+            members[name] = method
+        return type(user.__name__, (), members)

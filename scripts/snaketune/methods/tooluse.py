@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import ConfigError
-from snaketune.methods.rewards import text_of
 
 # runs.<run>.grpo's tool keys (snaketune.methods.grpo adds them to its block)
 SCHEMA = """\
@@ -41,6 +40,15 @@ SCHEMA = """\
     items:
       type: string
     default: []
+  environment:
+    description: >-
+      EXPERIMENTAL (TRL's environment_factory): "<path/to/file.py>:<Class>", a class
+      whose instance holds one rollout's state: reset(**row) starts it (it gets the
+      prompt, the answer and the row's other columns; what it returns is added to the
+      prompt), its public methods are tools (as `tools` are: type hints, docstring),
+      and get_reward(), where it has one, is a reward. Each instance lives in the
+      rank's tool process (docs/agents.md).
+    type: string
   max_tool_calls:
     description: Rounds of tool calls a completion may make before it must answer.
     type: integer
@@ -57,13 +65,18 @@ SCHEMA = """\
     minimum: 1
     default: 4096
 """
-KEYS = ("tools", "max_tool_calls", "tool_timeout_s", "tool_max_chars")
+KEYS = ("tools", "environment", "max_tool_calls", "tool_timeout_s", "tool_max_chars")
+
+
+def uses_tools(block: Mapping[str, Any]) -> bool:
+    """Whether a GRPO block gives the model tools (its own, or an environment's)."""
+    return bool(block.get("tools") or block.get("environment"))
 
 
 def in_spec(block: Mapping[str, Any]) -> dict[str, Any]:
     """The block as the train job's spec holds it: without the tool keys when it has no
     tools (a run made before them keeps its settings, and does not retrain)."""
-    return dict(block) if block.get("tools") else {k: v for k, v in block.items() if k not in KEYS}
+    return dict(block) if uses_tools(block) else {k: v for k, v in block.items() if k not in KEYS}
 
 
 def name_of(key: str) -> str:
@@ -103,19 +116,50 @@ def check(where: str, block: Mapping[str, Any]) -> None:
                 f"{at}: the model cannot be told what it takes ({exc}); give it type hints "
                 f"and a docstring with an Args: section, as {name_of(key)}{inspect.signature(func)}"
             ) from None
-    if block.get("tools") and any(k.startswith("model:") for k in block["rewards"]):
+    if block.get("environment"):
+        check_environment(where, block["environment"])
+    if uses_tools(block) and any(k.startswith("model:") for k in block["rewards"]):
         raise ConfigError(
             f"{where}.grpo.rewards: a reward model scores text, not a tool-calling "
             "trajectory; score it with a function of yours (docs/agents.md)"
         )
 
 
+def check_environment(where: str, key: str) -> None:
+    """One line for an environment that cannot be used: not a ``file.py:Class`` key, a file
+    that does not import, no such class, no ``reset``, a method the model cannot be told of."""
+    from transformers.utils import get_json_schema
+
+    from snaketune.methods.rewards import USER_KEY, _load, located
+
+    at = f"{where}.grpo.environment: {key!r}"
+    if not USER_KEY.match(key) or located(key) is None:
+        raise ConfigError(f"{at} is not a class of yours: give '<path/to/file.py>:<Class>'")
+    try:
+        cls = _load(key)
+    except BaseException as exc:  # its module's own failure
+        raise ConfigError(f"{at}: importing it failed ({type(exc).__name__}: {exc})") from None
+    if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"{at}: not a class with a reset(self, **kwargs) method (TRL's contract)")
+    for name, method in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if name.startswith("_") or name in ("reset", "get_reward"):
+            continue
+        try:
+            get_json_schema(method)
+        except Exception as exc:  # transformers' docstring and type-hint parsing errors
+            raise ConfigError(
+                f"{at}: its method {name} cannot be told to the model ({exc}); give it type "
+                "hints and a docstring with an Args: section"
+            ) from None
+
+
 def digests(block: Mapping[str, Any]) -> dict[str, str]:
-    """sha256 of each tool's file, by ``tool <key>`` (a changed tool retrains the run)."""
+    """sha256 of each tool's file (and the environment's), by ``tool <key>`` (a changed
+    tool retrains the run)."""
     from snaketune.methods.rewards import located
 
     out = {}
-    for key in block.get("tools", []):
+    for key in [*block.get("tools", []), *filter(None, [block.get("environment")])]:
         path = located(key)
         if path is not None:
             out[f"tool {key}"] = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -171,11 +215,15 @@ class Tools:
         from snaketune.methods.toolrunner import ToolRunner
 
         b = run[block]
-        self.runner = ToolRunner(b["tools"], b["tool_timeout_s"], b["tool_max_chars"])
+        self.runner = ToolRunner(
+            b["tools"], b["tool_timeout_s"], b["tool_max_chars"], b.get("environment")
+        )
         messages = prompt_messages(list(table["example_id"]), run["prompt_sources"])
         prompts = [messages[e] for e in table["example_id"]]
         self.table = table.remove_columns("prompt").add_column("prompt", prompts)
         self.trainer_args = {"tools": self.runner.functions()}
+        if b.get("environment"):  # TRL's experimental environment_factory
+            self.trainer_args["environment_factory"] = self.runner.environment_class()
         self.config_args = {"max_tool_calling_iterations": b["max_tool_calls"]}
         self._seen = self.runner.counts.__dict__.copy()
         self.turns: list[int] = []  # assistant turns of each completion of the last batch
@@ -233,127 +281,3 @@ class Tools:
     def close(self) -> None:
         """End the rank's tool process."""
         self.runner.close()
-
-
-class ToolLoop:
-    """The evaluation's generation for a run with tools (``settings``: eval_settings'
-    ``tools``): each held-out prompt as its source row's conversation, rendered with the
-    tools; the model's greedy answer parsed with its template (TRL's parser), each call run
-    through a tool process (as in training: time limit, output cap, failures as text) and
-    its result appended, up to ``max_tool_calls`` rounds. The final assistant text is what
-    the evaluation scores; ``finish`` adds each sample's trajectory and the tool figures."""
-
-    def __init__(self, settings: Mapping[str, Any]):
-        self.settings = dict(settings)
-        self.trajectories: dict[str, list[dict]] = {}
-        self.tally = {"calls": 0, "failures": 0, "timeouts": 0, "cut": 0}
-
-    def __call__(self, model, tokenizer, rows, batch_size, max_new_tokens, calls=None):
-        from trl.chat_template_utils import add_response_schema
-
-        from snaketune.methods.toolrunner import ToolRunner
-
-        s = self.settings
-        runner = ToolRunner(s["tools"], s["tool_timeout_s"], s["tool_max_chars"])
-        add_response_schema(tokenizer)
-        messages = prompt_messages([r["example_id"] for r in rows], s["sources"])
-        texts, stopped = [], []
-        try:
-            for i in range(0, len(rows), batch_size):
-                batch = rows[i : i + batch_size]
-                said, ended = self._batch(model, tokenizer, runner, batch, messages, max_new_tokens)
-                for r, trajectory, end in zip(batch, said, ended, strict=True):
-                    self.trajectories[r["example_id"]] = trajectory
-                    texts.append(text_of(trajectory))
-                    stopped.append(end)
-        finally:
-            counts = runner.counts
-            self.tally.update(timeouts=counts.timeouts, cut=counts.cut)
-            runner.close()
-        return texts, stopped
-
-    def _batch(self, model, tokenizer, runner, batch, messages, max_new_tokens):
-        """One batch's trajectories (the messages after each prompt) and whether each
-        ended on a stop token; rows that call go on, the others wait."""
-        from trl.chat_template_utils import parse_response
-
-        from snaketune.core.rows import pad_id
-        from snaketune.evaluation.generation import greedy, stop_ids_of
-
-        tools = runner.functions()
-        pad, stops = pad_id(tokenizer), stop_ids_of(model, tokenizer)
-        convos = [list(messages[r["example_id"]]) for r in batch]
-        said: list[list[dict]] = [[] for _ in batch]
-        ended, active = [False] * len(batch), list(range(len(batch)))
-        for rounds in range(self.settings["max_tool_calls"] + 1):
-            render = {"tools": tools, "add_generation_prompt": True, "return_dict": False}
-            prompts = [tokenizer.apply_chat_template(convos[j], **render) for j in active]
-            new = greedy(model, prompts, pad, stops, max_new_tokens, None)
-            going = []
-            for j, prompt, ids in zip(active, prompts, new.tolist(), strict=True):
-                end = next((k + 1 for k, t in enumerate(ids) if t in stops), None)
-                ended[j] = end is not None
-                message = parse_response(tokenizer, ids[:end], prefix=prompt, tools=tools)
-                convos[j].append(message)
-                said[j].append(message)
-                if message.get("tool_calls") and rounds < self.settings["max_tool_calls"]:
-                    for call in message["tool_calls"]:
-                        result = self._run(tools, call)
-                        convos[j].append(result)
-                        said[j].append(result)
-                    going.append(j)
-            active = going
-            if not active:
-                break
-        return said, ended
-
-    def _run(self, tools: list, call: dict) -> dict:
-        """A call's ``tool`` message (its result, or its failure as TRL tells it)."""
-        function = call.get("function", {})
-        name = function.get("name", "unknown")
-        by_name = {t.__name__: t for t in tools}
-        self.tally["calls"] += 1
-        try:
-            if name not in by_name:
-                raise ValueError(f"Tool {name} not found.")
-            content = str(by_name[name](**(function.get("arguments") or {})))
-        except Exception as exc:  # noqa: BLE001 -- told to the model, as in training
-            self.tally["failures"] += 1
-            content = str({"error": str(exc)})
-        return {"role": "tool", "name": name, "content": content}
-
-    def finish(self, samples: list[dict], metrics: dict[str, Any]) -> None:
-        """Each sample's trajectory (its messages, and as text for the report) and the tool
-        figures over the held-out set (``metrics["tools"]``)."""
-        turns = 0
-        for sample in samples:
-            trajectory = self.trajectories.get(sample["example_id"], [])
-            sample["trajectory"] = trajectory
-            sample["trajectory_text"] = shown(trajectory)
-            turns += sum(m.get("role") == "assistant" for m in trajectory)
-        n, t = max(len(samples), 1), self.tally
-        metrics["tools"] = {
-            "calls_per_sample": t["calls"] / n,
-            "failures": t["failures"] / max(t["calls"], 1),
-            "timeouts": t["timeouts"],
-            "cut": t["cut"],
-            "turns_per_sample": turns / n,
-        }
-
-
-def shown(trajectory: list[dict]) -> str:
-    """A trajectory as the report shows it: each call as ``-> name(arguments)``, each
-    result as ``<- result``, the model's text as it is."""
-    import json
-
-    lines = []
-    for m in trajectory:
-        if m.get("role") == "tool":
-            lines.append(f"<- {m.get('content', '')}")
-            continue
-        if m.get("content"):
-            lines.append(str(m["content"]))
-        for call in m.get("tool_calls") or []:
-            f = call.get("function", {})
-            lines.append(f"-> {f.get('name')}({json.dumps(f.get('arguments'), default=str)})")
-    return "\n".join(lines)

@@ -25,7 +25,7 @@ from snaketune.core.io import digest
 from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
 from snaketune.evaluation.settings import eval_args, shared_eval
-from snaketune.methods import method_of
+from snaketune.methods import method_of, tooluse
 from snaketune.plan.runspec import RunSpec
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
@@ -112,7 +112,8 @@ def own_start(run: dict[str, Any]) -> bool:
     """Whether a run's start is scored as the run is and by no other run: its method says so
     (a reward model's new head), or it calls tools (its start is evaluated with them)."""
     block = method_of(run).block
-    return method_of(run).evaluates_start or bool(block and run.get(block, {}).get("tools"))
+    uses = bool(block) and tooluse.uses_tools(run.get(block, {}))
+    return method_of(run).evaluates_start or uses
 
 
 def evaluates_its_start(config: dict[str, Any], run: str) -> bool:

@@ -100,10 +100,10 @@ def prompt_sources(
     }
 
 
-def tools_of(run: dict[str, Any]) -> list[str]:
-    """The tools a run calls (a GRPO run's ``grpo.tools``; none for any other)."""
+def tools_of(run: dict[str, Any]) -> bool:
+    """Whether a run calls tools (a GRPO run's ``grpo.tools`` or ``grpo.environment``)."""
     block = method_of(run).block
-    return list(run.get(block, {}).get("tools") or []) if block else []
+    return bool(block) and tooluse.uses_tools(run.get(block, {}))
 
 
 def eval_tools_args(config: dict[str, Any], run: str) -> str:
@@ -116,7 +116,7 @@ def eval_tools_args(config: dict[str, Any], run: str) -> str:
     if not tools_of(r) or "eval_dataset" not in r:
         return ""
     b = r[method_of(r).block]
-    settings = {k: b[k] for k in tooluse.KEYS}
+    settings = {k: b[k] for k in tooluse.KEYS if k in b}
     settings.update(sources=prompt_sources(config, run, "eval_dataset"), code=tooluse.digests(b))
     return " --tools " + shlex.quote(as_json(settings))
 
