@@ -25,8 +25,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="directory to write tiny-llama/, arith-demo/ and gsm8k-demo/ into",
     )
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="the agent demo's instead (config/agent_demo.yaml): tiny-agent/ and agent-demo/",
+    )
     args = parser.parse_args(argv)
-    make_fixtures(args.out)
+    if args.agent:
+        from snaketune.app.agentdemo import make_agent_fixtures
+
+        make_agent_fixtures(args.out)
+    else:
+        make_fixtures(args.out)
     return 0
 
 

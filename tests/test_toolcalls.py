@@ -272,3 +272,26 @@ def test_lora_on_tool_call_rows_trains_on_two_nodes_and_evaluates(tmp_path):
                 count += 1
     metrics = json.loads((w / "results/sft/eval/metrics.json").read_text())
     assert metrics["loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+def test_a_jsonl_file_whose_calls_take_no_arguments_downloads_and_renders_them(tmp_path):
+    """Calls whose arguments are all {} (an Arrow struct of no fields, which parquet cannot
+    hold) go through the download stage's conversion and render with no arguments."""
+    from transformers import AutoTokenizer
+
+    from snaketune.data.sources import convert_local
+
+    model_dir = build("llama3", CORPUS, tmp_path / "llama3")
+    ping = [{"type": "function", "function": {"name": "ping", "description": "Ping.",
+                                              "parameters": {"type": "object",
+                                                             "properties": {}}}}]  # fmt: skip
+    row = tool_row(arguments={}, name="ping")
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = {}
+    row["tools"] = ping  # objects, not a JSON string: their empty properties too
+    src = tmp_path / "calls.jsonl"
+    src.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    assert convert_local(src, "jsonl", tmp_path / "data.parquet") == 2
+    rows = pq.read_table(tmp_path / "data.parquet").to_pylist()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.decode(tokenized(rows, model_dir, tmp_path)[0]["input_ids"])
+    assert '"name": "ping", "parameters": {}' in text and "null" not in text

@@ -177,7 +177,7 @@ def test_an_environment_s_instances_keep_their_own_state_in_the_tool_process(tmp
     runner = ToolRunner([], timeout_s=1.5, max_chars=100, environment="shop.py:Shop")
     try:
         cls = runner.environment_class()
-        one, two = cls(), cls()
+        one, two = cls(), runner.environment_class()()  # one class: two slots
         user = _load("shop.py:Shop")()
         assert get_json_schema(one.buy) == get_json_schema(user.buy)
         assert [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if n[0] != "_"] == [

@@ -25,3 +25,27 @@ rule make_fixtures:
         runtime=10,
     shell:
         "python {input.script} --out resources/fixtures > {log} 2>&1"
+
+
+# The agent demo's (config/agent_demo.yaml): a tiny model with Llama 3.2's chat template,
+# tool-call transcripts and the questions.
+rule make_agent_fixtures:
+    input:
+        script=f"{SCRIPTS}/make_fixtures.py",
+    output:
+        model=directory("resources/fixtures/tiny-agent"),
+        transcripts="resources/fixtures/agent-demo/transcripts.jsonl",
+        train="resources/fixtures/agent-demo/train.jsonl",
+        test="resources/fixtures/agent-demo/test.jsonl",
+    log:
+        "logs/make_fixtures/make_agent_fixtures.log",
+    benchmark:
+        "benchmarks/make_fixtures/make_agent_fixtures.tsv"
+    localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python {input.script} --agent --out resources/fixtures > {log} 2>&1"

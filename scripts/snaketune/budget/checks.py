@@ -26,8 +26,9 @@ from snaketune.budget.planlines import check_steps
 from snaketune.budget.scoring import STAGES as SCORING_STAGES
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
 
-# What rule make_fixtures makes (workflow/rules/fixtures.smk; tests/test_config.py checks
-# the two agree): local paths under it need not exist before the workflow runs.
+# What rules make_fixtures and make_agent_fixtures make (workflow/rules/fixtures.smk;
+# tests/test_config.py checks they agree): local paths under them need not exist before the
+# workflow runs.
 FIXTURE_OUTPUTS = (
     "resources/fixtures/tiny-llama",
     "resources/fixtures/gsm8k-demo/train.jsonl",
@@ -36,6 +37,10 @@ FIXTURE_OUTPUTS = (
     "resources/fixtures/arith-demo/test.jsonl",
     "resources/fixtures/arith-demo/pairs-train.jsonl",
     "resources/fixtures/arith-demo/pairs-test.jsonl",
+    "resources/fixtures/tiny-agent",
+    "resources/fixtures/agent-demo/transcripts.jsonl",
+    "resources/fixtures/agent-demo/train.jsonl",
+    "resources/fixtures/agent-demo/test.jsonl",
 )
 WORKDIR_ENTRIES = ("results", "resources", "logs", "benchmarks", ".snakemake")
 

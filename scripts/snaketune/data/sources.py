@@ -145,7 +145,34 @@ def iter_local_batches(path: Path, fmt: str):
         return
     arrow_fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}[fmt]
     dataset = pads.dataset(str(path), format=arrow_fmt)
+    if fmt != "parquet" and _empty_struct(dataset.schema):
+        # {} values (a call with no arguments, a tool with no parameters) are structs of no
+        # fields, which parquet cannot hold: read as null (the tool-call reader takes it as {})
+        rows = [_no_empty(r) for r in dataset.to_table().to_pylist()]
+        yield from pa.Table.from_pylist(rows).to_batches(max_chunksize=BATCH_ROWS)
+        return
     yield from dataset.to_batches(batch_size=BATCH_ROWS)
+
+
+def _empty_struct(t) -> bool:
+    """Whether an Arrow type (or schema) holds a struct of no fields anywhere."""
+    if isinstance(t, pa.Schema):
+        return any(_empty_struct(f.type) for f in t)
+    if pa.types.is_struct(t):
+        return t.num_fields == 0 or any(_empty_struct(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _empty_struct(t.value_type)
+    return False
+
+
+def _no_empty(value):
+    """``value`` with every empty object (and every key Arrow filled in as null) left out."""
+    if isinstance(value, dict):
+        kept = {k: _no_empty(v) for k, v in value.items() if v is not None}
+        return kept or None
+    if isinstance(value, list):
+        return [_no_empty(v) for v in value]
+    return value
 
 
 KINDS = {

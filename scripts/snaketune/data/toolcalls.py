@@ -51,6 +51,11 @@ def tools_of(value: Any, where: str) -> list[dict] | None:
             raise DataError(f"{where}: column 'tools' is not JSON ({exc.msg})") from None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise DataError(f"{where}: column 'tools' must be a list of function schemas")
+    for schema in value:  # no parameters, read from parquet as null (the download stage)
+        inner = schema.get("function", schema)
+        params = inner.get("parameters") if isinstance(inner, dict) else None
+        if isinstance(params, dict) and "properties" in params and params["properties"] is None:
+            params["properties"] = {}
     return value
 
 
@@ -74,7 +79,7 @@ def calls_of(message: dict, where: str) -> str | None:
         name = inner.get("name") if isinstance(inner, dict) else None
         if not isinstance(name, str) or not name:
             raise DataError(f"{where} call {k}: a call needs a function name (got {call!r:.60})")
-        arguments = inner.get("arguments", {})
+        arguments = inner.get("arguments") or {}  # null: a call of no arguments (parquet)
         if isinstance(arguments, dict):  # an Arrow struct: the keys other calls have, as null
             arguments = {key: v for key, v in arguments.items() if v is not None}
         elif isinstance(arguments, str):

@@ -111,6 +111,7 @@ class ToolRunner:
     ):
         self.keys, self.timeout_s, self.max_chars = list(keys), timeout_s, max_chars
         self.environment = environment
+        self._environment_class: type | None = None
         self.counts = Counts()
         self._process = self._conn = None
 
@@ -187,6 +188,8 @@ class ToolRunner:
         with the user's name, signature and docstring, run there as a tool call is."""
         from snaketune.methods.rewards import _load
 
+        if self._environment_class is not None:  # one class: its instances, distinct slots
+            return self._environment_class
         user = _load(self.environment)
         slots = itertools.count()
         members: dict[str, Any] = {"__init__": lambda proxy: setattr(proxy, "slot", next(slots))}
@@ -205,4 +208,5 @@ class ToolRunner:
                 return json.loads(text) if _name in ENVIRONMENT_OWN else text
 
             members[name] = method
-        return type(user.__name__, (), members)
+        self._environment_class = type(user.__name__, (), members)
+        return self._environment_class
