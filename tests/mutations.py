@@ -406,8 +406,8 @@ MUTATIONS = (
     Mutation(
         "grpo-tool-limits-ignored", "GRPO's tool runner ignores grpo.tool_timeout_s and tool_max_chars",
         f"{LIB}/methods/tooluse.py",
-        '        self.runner = ToolRunner(b["tools"], b["tool_timeout_s"], b["tool_max_chars"])',
-        '        self.runner = ToolRunner(b["tools"])',
+        '            b["tools"], b["tool_timeout_s"], b["tool_max_chars"], b.get("environment")',
+        '            b["tools"], environment=b.get("environment")',
         ("tests/test_agents.py::test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them",),
     ),
     Mutation(
