@@ -362,9 +362,10 @@ def model_problems(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
                 f"sequences ({why}); set packing: false"
             )
-    from snaketune.methods.tooluse import template_problem, uses_tools
+    from snaketune.methods.tooluse import template_problem
+    from snaketune.plan.trainjob import tools_of
 
-    if uses_tools(run.get("grpo", {})) and config_json is not None:
+    if tools_of(run) and config_json is not None:
         why = template_problem(config_json.parent)
         if why:
             found.append(
