@@ -362,10 +362,9 @@ def model_problems(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
                 f"sequences ({why}); set packing: false"
             )
-    from snaketune.methods.tooluse import template_problem
-    from snaketune.plan.trainjob import tools_of
+    from snaketune.methods.tooluse import calls_tools, template_problem
 
-    if tools_of(run) and config_json is not None:
+    if calls_tools(run) and config_json is not None:
         why = template_problem(config_json.parent)
         if why:
             found.append(

@@ -60,7 +60,8 @@ class ToolLoop:
 
         pad, stops = pad_id(tokenizer), stop_ids_of(model, tokenizer)
         convos = [list(messages[r["example_id"]]) for r in batch]
-        tools = [self._tools(runner, r, convo) for r, convo in zip(batch, convos, strict=True)]
+        functions = runner.functions()
+        tools = [self._tools(runner, functions, r, c) for r, c in zip(batch, convos, strict=True)]
         said: list[list[dict]] = [[] for _ in batch]
         ended, active = [False] * len(batch), list(range(len(batch)))
         for rounds in range(self.settings["max_tool_calls"] + 1):
@@ -87,11 +88,11 @@ class ToolLoop:
                 break
         return said, ended
 
-    def _tools(self, runner, row: dict, convo: list[dict]) -> list:
+    def _tools(self, runner, functions: list, row: dict, convo: list[dict]) -> list:
         """A row's tools: the run's, and (an environment) a fresh instance's methods, reset
         with the row as training resets it (its prompt, answer and example id); what reset
         returns is added to the user's turn."""
-        tools = runner.functions()
+        tools = list(functions)
         if not self.settings.get("environment"):
             return tools
         from snaketune.core.rows import prompt_and_answer

@@ -73,6 +73,14 @@ def uses_tools(block: Mapping[str, Any]) -> bool:
     return bool(block.get("tools") or block.get("environment"))
 
 
+def calls_tools(run: Mapping[str, Any]) -> bool:
+    """Whether a run calls tools (a GRPO run's ``grpo.tools`` or ``grpo.environment``)."""
+    from snaketune.methods import method_of
+
+    block = method_of(run).block
+    return bool(block) and uses_tools(run.get(block, {}))
+
+
 def in_spec(block: Mapping[str, Any]) -> dict[str, Any]:
     """The block as the train job's spec holds it: without the tool keys when it has no
     tools (a run made before them keeps its settings, and does not retrain)."""

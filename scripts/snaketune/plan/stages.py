@@ -111,9 +111,7 @@ def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, d
 def own_start(run: dict[str, Any]) -> bool:
     """Whether a run's start is scored as the run is and by no other run: its method says so
     (a reward model's new head), or it calls tools (its start is evaluated with them)."""
-    block = method_of(run).block
-    uses = bool(block) and tooluse.uses_tools(run.get(block, {}))
-    return method_of(run).evaluates_start or uses
+    return method_of(run).evaluates_start or tooluse.calls_tools(run)
 
 
 def evaluates_its_start(config: dict[str, Any], run: str) -> bool:

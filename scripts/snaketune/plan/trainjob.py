@@ -91,19 +91,13 @@ def prompt_sources(
     from snaketune.data.formats import components
 
     r = config["runs"][run]
-    if not tools_of(r):
+    if not tooluse.calls_tools(r):
         return None
     keys = ("format", "columns", "system_prompt")
     return {
         c["name"]: {k: v for k, v in config["datasets"][c["name"]].items() if k in keys}
         for c in components(config, r[dataset])
     }
-
-
-def tools_of(run: dict[str, Any]) -> bool:
-    """Whether a run calls tools (a GRPO run's ``grpo.tools`` or ``grpo.environment``)."""
-    block = method_of(run).block
-    return bool(block) and tooluse.uses_tools(run.get(block, {}))
 
 
 def eval_tools_args(config: dict[str, Any], run: str) -> str:
@@ -113,7 +107,7 @@ def eval_tools_args(config: dict[str, Any], run: str) -> str:
     import shlex
 
     r = config["runs"][run]
-    if not tools_of(r) or "eval_dataset" not in r:
+    if not tooluse.calls_tools(r) or "eval_dataset" not in r:
         return ""
     b = r[method_of(r).block]
     settings = {k: b[k] for k in tooluse.KEYS if k in b}
