@@ -157,6 +157,28 @@ VLM_SHAPES = {
             "patch_size": 14, "vision_use_head": False,
         },
     },
+    "Qwen/Qwen3.5-9B": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "head_dim": 256, "full_attention_interval": 4, "attn_output_gate": True,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_value_head_dim": 128, "vocab_size": 248320,
+            "mtp_num_hidden_layers": 1, "tie_word_embeddings": False, "dtype": "bfloat16",
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                "rope_type": "default", "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25},
+        },
+        "vision_config": {
+            "model_type": "qwen3_5", "depth": 27, "hidden_size": 1152, "in_channels": 3,
+            "intermediate_size": 4304, "num_heads": 16, "num_position_embeddings": 2304,
+            "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    },
 }  # fmt: skip
 
 

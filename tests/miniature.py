@@ -8,17 +8,21 @@ What changes:
   and its family's options from the published config.json: a mixture of experts' routing,
   tied embeddings, grouped-query attention, RoPE scaling), 2 layers and 64 wide, with heads
   that the run's ``sequence_parallel`` divides, on the demo's tokenizer; ``chat_template``
-  and every other key kept;
+  and every other key kept; a vision-language model trained on text (its published config
+  in conftest.VLM_SHAPES): its family of tests/families.py, whole, with the family's Hub
+  template (which renders tools and calls, where the example's data has them);
 - each Hub dataset: a local file of the same format and columns (the demo's arithmetic
   questions and "#### N" answers as prompt/response, messages or alpaca rows), with rows
-  that each ``filters`` entry keeps and rows it drops; mixtures kept as written; a
+  that each ``filters`` entry keeps and rows it drops; mixtures and the example's own local
+  files (config/examples/..., such as its tool-call transcripts) kept as written; a
   vision-language example (a dataset with ``columns.images``): the tiny Gemma 3 and the
   picture questions of tests/pictures.py;
 - each run: 2 emulated ranks (one per node), or one node of ``sequence_parallel`` ranks;
   4 steps of micro batches of at most 4 (GRPO: one question of at most 4 generations),
   accumulation at most 2, 128 tokens, a checkpoint every 2 steps, evaluation of 8 examples
   of at most 16 new tokens; a GRPO run whose rewards a random model cannot earn (an answer's
-  correctness and format) gets one more that varies (``varied``), so it has a signal.
+  correctness and format) gets one more that varies (``varied``), so it has a signal; an
+  example whose GRPO calls tools: 1,024 tokens (the template's tools block is in every row).
 
 Everything else as written: the method, LoRA with its dropout, the 4-bit base, the DeepSpeed
 preset, sequence parallelism, packing, precision, gradient checkpointing, sweeps, chains
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import REQUIRED, SHAPES
+from conftest import REQUIRED, SHAPES, VLM_SHAPES
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -104,18 +108,23 @@ def rows_of(spec: dict[str, Any], source: list[dict], split: str) -> list[dict]:
 
 VARIED = '''
 def varied(prompts, completions, **kwargs):
-    """Varies with what a random model writes: the share of digits in a completion."""
-    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+    """Varies with what a random model writes: the share of digits in a completion (the
+    assistant's texts of a trajectory, its reasoning too, where the run calls tools)."""
+    texts = [c if isinstance(c, str) else " ".join(
+        (m.get("reasoning_content") or "") + (m.get("content") or "")
+        for m in c if m["role"] == "assistant") for c in completions]
+    return [sum(ch.isdigit() for ch in text) / max(1, len(text)) for text in texts]
 '''
 HARD_REWARDS = {"correctness", "format"}
 
 
-def shrink(run: dict[str, Any]) -> None:
-    """A run's sizes for this machine (the module docstring); every other key as written."""
+def shrink(run: dict[str, Any], tools: bool = False) -> None:
+    """A run's sizes for this machine (the module docstring); every other key as written.
+    ``tools``: the example's GRPO calls tools."""
     sp = run.get("sequence_parallel", 1)
     run["nodes"], run["gpus_per_node"] = (1, sp) if sp > 1 else (2, 1)
     run.pop("epochs", None)
-    run.update(max_steps=STEPS, save_steps=2, max_length=128,
+    run.update(max_steps=STEPS, save_steps=2, max_length=1024 if tools else 128,
                gradient_accumulation_steps=min(run.get("gradient_accumulation_steps", 1), 2))  # fmt: skip
     if run["method"] == "grpo":
         grpo = run.setdefault("grpo", {})
@@ -144,7 +153,16 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
     if any("images" in (d.get("columns") or {}) for d in config["datasets"].values()):
         return pictures_miniature(config, out)
     fixtures = demo / "resources/fixtures"
+    source = {split: [json.loads(line) for line in
+                      (fixtures / f"arith-demo/{split}.jsonl").read_text().splitlines()]
+              for split in ROWS}  # fmt: skip
     for name, spec in config["models"].items():
+        if spec.get("id") in VLM_SHAPES:  # a vision-language model, trained on text
+            family_model(VLM_SHAPES[spec["id"]], config, source, out / "models" / name)
+            config["models"][name] = {"source": "local", "path": f"models/{name}",
+                                      **{k: v for k, v in spec.items()
+                                         if k not in ("source", "id", "revision")}}  # fmt: skip
+            continue
         assert spec.get("id") in SHAPES, (
             f"{example.name}: model {name} ({spec.get('id')}): add its published config.json "
             "fields to tests/conftest.py's SHAPES (the plan tests read them too)")  # fmt: skip
@@ -154,9 +172,6 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
         config["models"][name] = {"source": "local", "path": f"models/{name}",
                                   **{k: v for k, v in spec.items()
                                      if k not in ("source", "id", "revision")}}  # fmt: skip
-    source = {split: [json.loads(line) for line in
-                      (fixtures / f"arith-demo/{split}.jsonl").read_text().splitlines()]
-              for split in ROWS}  # fmt: skip
     for name, spec in config["datasets"].items():
         if spec["source"] != "hub":
             continue
@@ -168,6 +183,21 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
     return shrunk(config, out)
 
 
+def family_model(
+    published: dict[str, Any], config: dict[str, Any], source: dict[str, list], out: Path
+) -> Path:
+    """The tiny model of ``published``'s family (tests/families.py, by its model_type), its
+    tokenizer's corpus the arithmetic rows and the example's own local files."""
+    from families import FAMILIES, build
+
+    (family,) = [n for n, f in FAMILIES.items() if f.model_type == published["model_type"]]
+    corpus = [f"{r['question']} {r['answer']}" for r in source["train"]]
+    for spec in config["datasets"].values():
+        if spec["source"] == "local":  # the example's own file (its path from the repository)
+            corpus += (ROOT / spec["path"]).read_text().splitlines()[: ROWS["train"]]
+    return build(family, corpus, out)
+
+
 def local(spec: dict[str, Any], path: str) -> dict[str, Any]:
     """A Hub dataset's entry as a local file's at ``path``, its other keys as written."""
     hub = ("source", "id", "subset", "split", "revision")
@@ -176,8 +206,10 @@ def local(spec: dict[str, Any], path: str) -> dict[str, Any]:
 
 def shrunk(config: dict[str, Any], out: Path) -> Path:
     """``config`` with its runs shrunk, written as out/config.yaml; its path."""
+    tools = any(r.get("grpo", {}).get("tools") or r.get("grpo", {}).get("environment")
+                for r in config["runs"].values())  # fmt: skip
     for run in config["runs"].values():
-        shrink(run)
+        shrink(run, tools)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -2,8 +2,10 @@
 written, only its sizes changed): download, tokenization, sharding, training on emulated
 nodes, conversion, merge, evaluation and the report, then plain transformers generates with
 each run's exported model on a padded batch, whose config has the base model's inference
-settings. A new file under config/examples/ is covered with nothing else to write but its
-model's published config.json fields in conftest.SHAPES.
+settings; a run with tools is evaluated by its tool loop. A new file under config/examples/
+is covered with nothing else to write but its model's published config.json fields in
+conftest.SHAPES (a vision-language model trained on text: VLM_SHAPES, its family in
+tests/families.py).
 
 The CI tier runs the vision-language example in miniature (tests/test_pictures.py, with
 checks of its own); the extended tier runs every other one here, the mixture-of-experts
@@ -91,6 +93,9 @@ def check_miniature(workdir: Path, config: dict) -> None:
         assert members, (name, made)
         for run in members:  # evaluated where the run names an eval set
             assert (results / run / "eval/metrics.json").is_file() == ("eval_dataset" in spec), run
+            if "eval_dataset" in spec and spec.get("grpo", {}).get("tools"):  # the tool loop ran
+                metrics = json.loads((results / run / "eval/metrics.json").read_text())
+                assert metrics["tools"]["turns_per_sample"] >= 1, (run, metrics["tools"])
             model_dir, adapter = exported(results, run)
             texts = generates_on_a_padded_batch(model_dir, adapter)
             assert len(texts) == 2
