@@ -33,6 +33,7 @@ SHORT = {
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
     "launch_startup.py": ["--repeats", "1"],
     "load_memory.py": ["--short"],
+    "memory_timing.py": [],  # two small trainings (tests/test_memplan.py runs it)
     "omp_wait.py": ["--steps", "3", "--side-by-side", "1"],  # both policies, one run each
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
@@ -59,6 +60,8 @@ RUN_BY = {
                        "test_the_evaluate_stages_plan_is_what_evaluation_holds"),
     "load_memory.py": ("tests/test_memplan.py",
                        "test_what_loading_holds_of_cpu_memory_is_what_the_plan_counts"),
+    "memory_timing.py": ("tests/test_memplan.py",
+                         "test_a_zero2_step_holds_its_gradients_only_under_accumulation"),
 }  # fmt: skip
 
 

@@ -94,6 +94,25 @@ def test_fewer_examples_than_one_step_is_refused_before_queueing(tmp_path):
         "fewer than one optimizer step takes (32" in line)  # fmt: skip
 
 
+def test_the_assumed_mfu_of_each_update_is_the_measured_one_in_the_benchmarks():
+    """The MFU a plan assumes before a calibration, per kind of update, is what the product's
+    GPU check measured: the figures of docs/benchmarks.md's measured table (its first GPU
+    heading's rows for full fine-tuning and LoRA), and the basis names where from."""
+    import re
+
+    from snaketune.budget.cost import ASSUMED_MFU, MFU_SOURCE
+
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    section = text[text.index("### Measured: one NVIDIA H200, 2026-11-28") :]
+    measured = {}
+    for kind, label in (("full", "full fine-tuning"), ("lora", "LoRA r16, all linear")):
+        row = re.search(rf"^\| {re.escape(label)} \|([^\n]*)$", section, flags=re.M)
+        cells = [c.strip() for c in row.group(1).split("|")]
+        measured[kind] = float(cells[2].rstrip("%")) / 100  # tokens/s, step s, MFU
+    assert measured == pytest.approx(ASSUMED_MFU, abs=5e-4)
+    assert "H200" in MFU_SOURCE and "2026-11-28" in MFU_SOURCE
+
+
 def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path):
     from snaketune.budget.cost import ASSUMED_MFU, estimate, format_estimate, steps_of
     from snaketune.plan.stages import tokenized
@@ -118,7 +137,8 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
     assert e["train_s"] == pytest.approx(want, rel=1e-3)
     assert e["gpu_hours"] == pytest.approx(e["wall_s"] * 8 / 3600)
     line = format_estimate("x", e, 8)
-    assert "assumed MFU 30% of a100-80gb's 312 TFLOP/s" in line and "GPU-hours" in line
+    assert "assumed MFU 25.2% of a100-80gb's 312 TFLOP/s a GPU (measured on one H200" in line
+    assert "GPU-hours" in line
     config["runs"]["x"]["gpu"] = None
     del config["runs"]["x"]["gpu"]
     e = estimate(config, "x", tmp_path, shape, s)
@@ -445,7 +465,7 @@ def test_the_dry_run_of_an_8b_chain_says_its_steps_time_and_gpu_hours(tmp_path):
     assert "plan: sft: 3 optimizer steps (1 per epoch x 3 epochs; 40 examples" in said
     assert "plan: sft: warning: one optimizer step per epoch" in said
     (line,) = [x for x in said.splitlines() if x.startswith("plan: sft: train about ")]
-    assert "on 8 device(s)" in line and "GPU-hours (assumed MFU 30% of a100-80gb" in line
+    assert "on 8 device(s)" in line and "GPU-hours (assumed MFU 25.2% of a100-80gb" in line
     assert "plan: dpo: 2 optimizer steps" in said
     # every stage besides training, the shared ones once, and the whole pipeline
     assert "GPU-hours on 8 GPU(s) (a forward pass over one epoch" in next(

@@ -183,15 +183,22 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
         "gradients",
         "optimizer",
         "activations",
+        "not_at_once",
         "reference",
         "reward_models",
         "vllm",
         "margin",
     )
-    labels = {"reference": "reference copy", "reward_models": "reward models", "vllm": "vLLM"}
+    labels = {
+        "reference": "reference copy",
+        "reward_models": "reward models",
+        "vllm": "vLLM",
+        "not_at_once": "gradients and activations not held at once",
+    }
     if plan.get("quantized"):
         labels["weights"] = "weights (4-bit base)"
-    parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in names if k in g)
+    shown = [k for k in names if k in g and (round(g[k], 1) or k != "not_at_once")]
+    parts = ", ".join(f"{labels.get(k, k)} {g[k]:.1f}" for k in shown)
     against = "no GPU type set" if plan["gpu_gib"] is None else f"GPU {plan['gpu_gib']:.1f} GiB"
     verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[plan["fits"]]
     moe = ""

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 FEW = 10  # fewer optimizer steps than this in all: warned about
-# MFU assumed for a GPU run with no calibration of its own (docs/benchmarks.md: not yet
-# measured on a GPU; the usual range of bf16 fine-tuning with FlashAttention is 30-50%)
-ASSUMED_MFU = {"lora": 0.30, "full": 0.35}
+# MFU assumed for a GPU run with no calibration of its own: what the product's train stage
+# measured (bench/gpu_check.py, docs/benchmarks.md "GPU check"), per kind of update; a run's
+# first finished job on its machine replaces it (a calibration)
+ASSUMED_MFU = {"lora": 0.252, "full": 0.317}
+MFU_SOURCE = "measured on one H200, a 1B Llama at 8,192 tokens a step, 2026-11-28"
 
 
 def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
@@ -273,8 +275,8 @@ def from_flops(
     return {
         "train_s": steps["steps"] * flops / (devices * peak * 1e12 * mfu),
         "outside_s": None,
-        "basis": f"assumed MFU {mfu:.0%} of {gpu}'s {peak:g} "
-        "TFLOP/s a GPU, not calibrated (a short run calibrates it)"
+        "basis": f"assumed MFU {mfu:.1%} of {gpu}'s {peak:g} TFLOP/s a GPU "
+        f"({MFU_SOURCE}), not calibrated (a short run calibrates it)"
         + (
             "; every example taken at max_length: at most, until the data is tokenized"
             if bound

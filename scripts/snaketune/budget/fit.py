@@ -78,6 +78,7 @@ def setup_of(run: dict[str, Any], deepspeed: dict[str, Any], on_gpu: bool = True
         quantized=spec.quantized,
         double_quant=bool(spec.quantized and spec.quantization["double_quant"]),
         merged=not spec.adapter_only,
+        accumulation=run.get("gradient_accumulation_steps", 1),
     )
 
 

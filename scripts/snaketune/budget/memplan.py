@@ -7,9 +7,12 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   it, DeepSpeed's own figure); ZeRO-3 with parameter offload: only the gathered layer;
 - gradients: (w + 4)·T (16-bit and fp32 copies; fp32 training: 4·T), divided by N from
   ZeRO-2 on; ZeRO-3: 4·T/N (the 16-bit gradients are reduce-scattered in buckets straight
-  into the fp32 partition); 0 with optimizer offload (reduced to CPU in buckets);
-- optimizer: Adam's two fp32 moments and the fp32 master weights, 12·T (fp32 training:
-  8·T), divided by N from ZeRO-1 on; 0 with optimizer offload (then in CPU memory);
+  into the fp32 partition); 0 with optimizer offload (reduced to CPU in buckets); under
+  ZeRO-2 with one micro batch a step they are made as backward frees the activations, so
+  the smaller of the two is taken off (``not_at_once``);
+- optimizer: Adam's two fp32 moments and the fp32 master weights, 12·T (fp32 training
+  without ZeRO: 8·T; a ZeRO optimizer copies even fp32 weights into its partition), divided
+  by N from ZeRO-1 on; 0 with optimizer offload (then in CPU memory);
 - activations: tokens of a micro batch (micro_batch_size x max_length, the worst case packed
   or not) x per layer (8h + 4·kv + 4·I)·w bytes (the tensors a Llama-shaped decoder layer
   keeps for backward), for every layer without gradient checkpointing, or the layer inputs
@@ -123,6 +126,7 @@ class Setup:
     merged: bool = True  # a LoRA run writes its merged model (export.merged)
     sequence_parallel: int = 1  # GPUs sharing each sequence: activations and logits split
     reward_model_params: int = 0  # GRPO's "model:<run>" rewards: held whole on every GPU
+    accumulation: int = 1  # micro batches per optimizer step (gradient_accumulation_steps)
 
     @property
     def gpus(self) -> int:
@@ -162,7 +166,9 @@ def model_states(shape: Shape, s: Setup) -> dict[str, float]:
     # ZeRO-3 reduce-scatters the 16-bit gradients in buckets into the fp32 partition
     grad_bytes = (w + 4) if mixed and s.stage < 3 else 4
     grads = 0.0 if s.offload_optimizer else grad_bytes * t / (n if s.stage >= 2 else 1)
-    optim_bytes = 12 if mixed else 8
+    # Adam's moments and the fp32 master weights: a ZeRO optimizer keeps its fp32 partition
+    # as a copy even of fp32 weights (stage 0 in fp32 steps the weights themselves)
+    optim_bytes = 12 if mixed or s.stage >= 1 else 8
     optim = 0.0 if s.offload_optimizer else optim_bytes * t / (n if s.stage >= 1 else 1)
     return {"weights": weights, "gradients": grads, "optimizer": optim}
 
@@ -197,6 +203,19 @@ def activations(shape: Shape, s: Setup) -> float:
         kv_cache = (shape.layers - kinds["linear"]) * shape.kv_width * w * tokens
         return max(kept + logits, kv_cache)
     return kept + logits
+
+
+def not_at_once(parts: dict[str, float], s: Setup) -> float:
+    """Bytes of the gradients and the activations never held together: under ZeRO-2 with one
+    micro batch a step, backward makes each layer's gradients as it frees that layer's
+    activations, so the peak is the larger of the two (the activations at the start of
+    backward, measured on an H200: docs/benchmarks.md), not their sum; with gradient
+    accumulation the gradients of the earlier micro batches stay beside the next one's
+    activations (counted together). ZeRO-3 keeps a flat gradient partition from the start
+    and ZeRO-0/1 fp32 gradients from the first step: counted together as well."""
+    if s.stage != 2 or s.accumulation > 1 or s.offload_optimizer:
+        return 0.0
+    return min(parts["gradients"], parts["activations"])
 
 
 def reference_copy(shape: Shape, s: Setup) -> float:
@@ -254,6 +273,9 @@ def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, 
         parts["reference"] = reference_copy(shape, s)
     if s.reward_model_params:  # whole on every GPU, in the run's precision
         parts["reward_models"] = float(s.reward_model_params * s.bytes_per_weight)
+    overlap = not_at_once(parts, s)
+    if overlap:
+        parts["not_at_once"] = -overlap
     body = sum(parts.values())
     parts["margin"] = CONTEXT_GIB * GIB + FRAGMENTATION * body
     if s.vllm_share and gpu_gib is not None:

@@ -12,12 +12,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget.cost import ASSUMED_MFU
+
 # Assumed rates, replaced by a calibration's measurements (docs/benchmarks.md).
 DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
 DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem
 TOKENIZE_TOKENS_S = 200_000.0  # one process of a fast (Rust) tokenizer
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
-FORWARD_MFU = 0.35  # a forward pass without gradients (the reference log-probs)
+# a forward pass without gradients (the reference log-probs): the full fine-tune's measured MFU
+FORWARD_MFU = ASSUMED_MFU["full"]
 HBM_TB_S = {
     "H200": 4.8,
     "H100": 3.35,
@@ -139,7 +142,7 @@ def assumed_stages(
         peak = peak_tflops(gpu.upper())
         if spec.reference_stage and peak:
             forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
-            basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.0%}"
+            basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.1%}"
             out["reference_logps"] = stage(size / (DISK_MB_S * MB) + forward, devices, basis)
         if teacher := teacher_seconds(config, name, workdir, peak):
             out["teacher_logps"] = teacher
@@ -178,7 +181,7 @@ def teacher_seconds(
     forward = 2 * shape.active_params * counted / (devices * peak * 1e12 * FORWARD_MFU)
     basis = (
         f"the teacher's forward pass over {counted:,.0f} tokens (the tokenized sets') at "
-        f"assumed MFU {FORWARD_MFU:.0%}, read {weight_bytes(shape) / 1e9:.1f} GB"
+        f"assumed MFU {FORWARD_MFU:.1%}, read {weight_bytes(shape) / 1e9:.1f} GB"
     )
     return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
 
