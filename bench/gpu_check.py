@@ -6,6 +6,7 @@ GPU, in one command that is ready before a GPU machine is (issue 59).
     PYTHONPATH=$PWD/scripts:$PWD/.gpu-site \
     python bench/gpu_check.py --gpu --out gpu_check   # there: ~5 minutes on one H200
     python bench/gpu_check.py --out /tmp/gpu_check    # CPU: tiny sizes (the CI tier runs it)
+    python bench/gpu_check.py --gpu --levers --out gpu_check   # the levers of speed, each alone
 
 Each run goes through scripts/train.py (torchrun agent, DeepSpeed ZeRO-2, TRL's trainer,
 the metrics callback: the stage itself, not a copy) on one GPU: a Llama-3.2-1B-shaped model
@@ -24,6 +25,24 @@ the attention kernel and fused kernels the worker said it used. Then a torch pro
 summary of one forward and backward of the same model in plain transformers (the top
 kernels by device time: where a step's time goes), and `pytest -m gpu`. Writes
 ``<out>/gpu_check.json`` and prints a table (docs/benchmarks.md, "GPU check").
+
+With --levers: the levers of speed instead, each measured alone through the same stage
+(levers.json, a table):
+
+  defaults            the product's defaults (ZeRO-2, attention auto, Liger auto, packed
+                      rows, torch's fused AdamW: transformers' default optimizer on torch
+                      2.8 on), micro batches of 8,192 tokens
+  16k, 32k tokens     micro batches of 16,384 and 32,768 tokens (8 and 16 rows)
+  sdpa                attention by torch's sdpa, where auto would choose flash-attention
+  flash-attention 2   attention: flash_attention_2 (where flash_attn imports; else left out)
+  Liger off           liger_kernel: false (its fused linear cross-entropy and kernels off)
+  ZeRO-1, ZeRO-0      DeepSpeed's stage 1 (optimizer states partitioned, no bucketed
+                      gradient reduction) and stage 0, on one GPU against stage 2
+
+Not among them: ``torch.compile`` of the model (the train stage has no switch for it yet).
+Each row: tokens/s per GPU, MFU, the allocated peak, the plan's error against it, the
+kernels the worker said it used. On CPU (without --gpu) the same set at the check's tiny
+sizes, fewer steps, so the script cannot rot between GPU runs (tests/test_bench.py).
 
 Without --gpu: the same path on this machine's CPU at tiny sizes (a 2-layer Llama, examples
 of 256 tokens, 4 steps, fp32, no pytest), so that the script cannot rot between GPU runs.
@@ -62,8 +81,12 @@ SIZES = {  # (max_length, micro batch, steps, warmup)
 
 def throughput_module():
     """bench/train_throughput.py's helpers (the model, the GSM8K-shaped data, one side)."""
-    spec = importlib.util.spec_from_file_location("train_throughput",
-                                                  ROOT / "bench/train_throughput.py")  # fmt: skip
+    return load_bench("train_throughput")
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (by path: bench/ is not on sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"bench/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -84,7 +107,7 @@ def planned(run: dict, model: Path, on_gpu: bool) -> dict[str, float]:
     from snaketune.budget.fit import setup_of, shape_and_deepspeed
     from snaketune.budget.memplan import estimate
 
-    spec = {**run, "deepspeed": "zero2"}
+    spec = {**run, "deepspeed": run.get("deepspeed") or "zero2"}
     shape, deepspeed = shape_and_deepspeed(model / "config.json", spec, ROOT)
     return estimate(shape, setup_of(spec, deepspeed, on_gpu=on_gpu))
 
@@ -166,42 +189,8 @@ def check(mode: str, out: Path, only: list[str] | None = None, extras: bool = Tr
         lengths = np.full(micro * (steps + 1), length, dtype=np.int64)
         tokenized = tt.write_tokenized(tmp / "tokenized.parquet", lengths, vocab)
         for method in methods:
-            run = {"method": "lora" if method != "full" else "full", "max_length": length,
-                   "precision": "bf16" if on_gpu else "fp32", "learning_rate": 1e-5,
-                   "attn_implementation": "auto", "gradient_checkpointing": False}  # fmt: skip
-            if method != "full":
-                run["lora"] = {**LORA, "quantize": "4bit" if method == "qlora" else "none"}
-            began = time.monotonic()
-            try:
-                records = tt.train_side(tmp, method, tokenized, model, micro, steps, True, **run)
-            except RuntimeError as exc:
-                logs = sorted((tmp / f"train-{method}" / "logs").glob("*.log"))
-                tails = "".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-                result["runs"][method] = {"error": str(exc)[-1500:], "logs": tails[-6000:]}
-                dump(result, out)
-                print(f"{method}: failed", flush=True)
-                continue
-            s = tt.steady(records, warmup)
-            plan = planned(tt.run_spec_of(micro, steps, True, **run), model, on_gpu)
-            after = records[warmup:]
-            step_s = (after[-1]["elapsed_s"] - records[warmup - 1]["elapsed_s"]) / len(after)
-            result["runs"][method] = {
-                "tokens_per_s_per_gpu": round(s["tokens_per_s"], 1),
-                "step_s": round(step_s, 4),
-                "mfu": None if s["mfu"] != s["mfu"] else round(s["mfu"], 4),
-                "peak_gib": round(s["peak_gib"], 3),
-                "plan_gib": plan["total"],
-                "plan_without_margin_gib": round(plan["total"] - plan["margin"], 3),
-                # what max_memory_allocated measures is the plan less its margin (the CUDA
-                # context, NCCL's buffers, fragmentation: memory the allocator does not count)
-                "plan_error": round((plan["total"] - plan["margin"]) / s["peak_gib"] - 1, 4)
-                if on_gpu
-                else None,
-                "plan_total_error": round(plan["total"] / s["peak_gib"] - 1, 4) if on_gpu else None,
-                "kernels": kernels_used(tmp / f"train-{method}"),
-                "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
-                "wall_s": round(time.monotonic() - began, 1),
-            }
+            result["runs"][method] = measure_run(tt, tmp, method, method, tokenized, model,
+                                                 SIZES[mode], on_gpu)  # fmt: skip
             dump(result, out)  # each run's figures kept, should a later one not end
             print(f"{method}: {json.dumps(result['runs'][method])}", flush=True)
         try:
@@ -220,9 +209,56 @@ def check(mode: str, out: Path, only: list[str] | None = None, extras: bool = Tr
     return result
 
 
+def measure_run(tt, tmp: Path, label: str, method: str, tokenized: Path, model: Path,
+                sizes: tuple[int, int, int, int], on_gpu: bool, **overrides) -> dict:  # fmt: skip
+    """One run through the train stage (``method``: full, lora or qlora; ``sizes``: max_length,
+    micro batch, steps, warm-up steps; ``overrides``: run keys set otherwise than the check's
+    own): its figures, or its error and logs."""
+    length, micro, steps, warmup = sizes
+    run = {"method": "lora" if method != "full" else "full", "max_length": length,
+           "precision": "bf16" if on_gpu else "fp32", "learning_rate": 1e-5,
+           "attn_implementation": "auto", "gradient_checkpointing": False}  # fmt: skip
+    if method != "full":
+        run["lora"] = {**LORA, "quantize": "4bit" if method == "qlora" else "none"}
+    run.update(overrides)
+    began = time.monotonic()
+    try:
+        records = tt.train_side(tmp, label, tokenized, model, micro, steps, True, **run)
+    except RuntimeError as exc:
+        logs = sorted((tmp / f"train-{label}" / "logs").glob("*.log"))
+        tails = "".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+        print(f"{label}: failed", flush=True)
+        return {"error": str(exc)[-1500:], "logs": tails[-6000:]}
+    s = tt.steady(records, warmup)
+    plan = planned(tt.run_spec_of(micro, steps, True, **run), model, on_gpu)
+    after = records[warmup:]
+    step_s = (after[-1]["elapsed_s"] - records[warmup - 1]["elapsed_s"]) / len(after)
+    return {
+        "tokens_per_s_per_gpu": round(s["tokens_per_s"], 1),
+        "step_s": round(step_s, 4),
+        "mfu": None if s["mfu"] != s["mfu"] else round(s["mfu"], 4),
+        "peak_gib": round(s["peak_gib"], 3),
+        "plan_gib": plan["total"],
+        "plan_without_margin_gib": round(plan["total"] - plan["margin"], 3),
+        # what max_memory_allocated measures is the plan less its margin (the CUDA
+        # context, NCCL's buffers, fragmentation: memory the allocator does not count)
+        "plan_error": round((plan["total"] - plan["margin"]) / s["peak_gib"] - 1, 4)
+        if on_gpu
+        else None,
+        "plan_total_error": round(plan["total"] / s["peak_gib"] - 1, 4) if on_gpu else None,
+        "kernels": kernels_used(tmp / f"train-{label}"),
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
+        "wall_s": round(time.monotonic() - began, 1),
+    }
+
+
 def dump(result: dict, out: Path) -> None:
+    dump_named(result, out, "gpu_check.json")
+
+
+def dump_named(result: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / name).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def table(result: dict) -> str:
@@ -248,6 +284,92 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# (label, method, rows a micro batch (x the check's micro batch of 4 rows), run keys)
+LEVERS = [
+    ("full, defaults", "full", 1, {}),
+    ("full, 16k tokens", "full", 2, {}),
+    ("full, 32k tokens", "full", 4, {}),
+    ("full, sdpa", "full", 1, {"attn_implementation": "sdpa"}),
+    ("full, flash-attention 2", "full", 1, {"attn_implementation": "flash_attention_2"}),
+    ("full, Liger off", "full", 1, {"liger_kernel": False}),
+    ("full, ZeRO-1", "full", 1, {"deepspeed": "zero1"}),
+    ("full, ZeRO-0", "full", 1, {"deepspeed": "ZERO0"}),
+    ("lora, defaults", "lora", 1, {}),
+    ("lora, 16k tokens", "lora", 2, {}),
+    ("lora, 32k tokens", "lora", 4, {}),
+    ("lora, Liger off", "lora", 1, {"liger_kernel": False}),
+]
+ZERO0 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 1000000,
+}
+
+
+def levers(mode: str, out: Path, only: list[str] | None = None) -> dict:
+    """Each lever of LEVERS (``only``: labels holding one of these words) through
+    measure_run, written to ``out``/levers.json as it goes."""
+    import torch
+
+    tt = throughput_module()
+    on_gpu = mode == "gpu"
+    length, micro, steps, warmup = SIZES[mode]
+    if not on_gpu:
+        steps, warmup = 3, 1
+    flash = importlib.util.find_spec("flash_attn") is not None
+    chosen = [lv for lv in LEVERS if not only or any(w in lv[0] for w in only)]
+    result = {"mode": mode, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+              "torch": torch.__version__, "max_length": length, "rows_per_micro": micro,
+              "steps": steps, "warmup": warmup, "levers": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "zero0.json").write_text(json.dumps(ZERO0))
+        model, result["params"] = tt.make_model(tmp / "model", gpu=on_gpu, layers=2)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        rows = np.full(micro * max(m for _, _, m, _ in chosen) * (steps + 1), length, np.int64)
+        tokenized = tt.write_tokenized(tmp / "tokenized.parquet", rows, vocab)
+        for i, (label, method, times, keys) in enumerate(chosen):
+            if keys.get("attn_implementation") == "flash_attention_2" and not flash:
+                result["levers"][label] = {"skipped": "flash_attn is not installed here"}
+                continue
+            keys = {k: str(tmp / "zero0.json") if v == "ZERO0" else v for k, v in keys.items()}
+            sizes = (length, micro * times, steps, warmup)
+            got = measure_run(tt, tmp, f"lever-{i}", method, tokenized, model, sizes,
+                                    on_gpu, **keys)  # fmt: skip
+            got["tokens_per_micro_batch"] = length * micro * times
+            got["defaults"] = label.endswith("defaults")
+            result["levers"][label] = got
+            dump_named(result, out, "levers.json")
+            print(f"{label}: {json.dumps(got)[:400]}", flush=True)
+    return result
+
+
+def levers_table(result: dict) -> str:
+    """The lever table as docs/benchmarks.md records it."""
+    lines = [f"{result['mode']}: {result['device']}, torch {result['torch']}; "
+             f"{result['params'] / 1e6:.0f}M weights, rows of {result['max_length']} tokens, "
+             f"{result['steps']} steps (first {result['warmup']} left out)",
+             "| lever | tokens a micro batch | tokens/s per GPU | MFU | peak GiB | plan error | "
+             "kernels |", "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for label, r in result["levers"].items():
+        if "skipped" in r or "error" in r:
+            why = r.get("skipped") or f"failed: {r['error'][-160:]!r}"
+            lines.append(f"| {label} | {why} ||||||")
+            continue
+        mfu = "" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        err = "" if r["plan_error"] is None else f"{100 * r['plan_error']:+.1f}%"
+        name = f"{label} (**defaults**)" if r["defaults"] else label
+        lines.append(f"| {name} | {r['tokens_per_micro_batch']:,} | "
+                     f"{r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {err} | "
+                     f"{r['kernels']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -259,7 +381,13 @@ def main() -> int:
                         help="the training runs alone: no profile, no pytest -m gpu")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("gpu_check"),
                         help="folder for gpu_check.json (the device tool's $OUT there)")  # fmt: skip
+    parser.add_argument("--levers", action="store_true",
+                        help="the levers of speed instead: levers.json and a table")  # fmt: skip
     args = parser.parse_args()
+    if args.levers:
+        got = levers("gpu" if args.gpu else "smoke", args.out, args.only)
+        print(levers_table(got))
+        return 1 if any("error" in r for r in got["levers"].values()) else 0
     result = check("gpu" if args.gpu else "smoke", args.out, args.only, not args.runs_only)
     print(table(result))
     failed = [name for name, r in result["runs"].items() if "error" in r]

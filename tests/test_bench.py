@@ -206,3 +206,30 @@ def test_the_carried_bitsandbytes_keeps_the_gpu_machines_cuda_and_the_cpu_librar
     expected = {"bitsandbytes/__init__.py", record, *(f"bitsandbytes/libbitsandbytes_{x}.so"
                                                      for x in ("cpu", "cuda130", "cuda132"))}  # fmt: skip
     assert kept == listed == expected
+
+
+@pytest.mark.bench
+def test_the_levers_cpu_form_runs(tmp_path):
+    """bench/gpu_check.py --levers without --gpu (its levers at the check's tiny
+    sizes, 3 steps): every lever trains through the stage (flash-attention 2 left out where
+    flash_attn is not installed: this machine) with its figures and the kernels the worker
+    said it used; a micro batch holds the tokens the lever names; the two rows of the
+    product's defaults are marked."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "bench/gpu_check.py"), "--levers", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "levers.json").read_text())
+    levers = result["levers"]
+    assert levers.pop("full, flash-attention 2") == {"skipped": "flash_attn is not installed here"}
+    assert len(levers) == 11 and [k for k, v in levers.items() if v["defaults"]] == [
+        "full, defaults", "lora, defaults"]  # fmt: skip
+    for name, got in levers.items():
+        assert got["tokens_per_s_per_gpu"] > 0 and got["peak_gib"] > 0, (name, got)
+        tokens = got["tokens_per_s_per_gpu"] * got["step_s"]
+        assert tokens == pytest.approx(got["tokens_per_micro_batch"], rel=0.05), (name, got)
+    assert levers["full, 32k tokens"]["tokens_per_micro_batch"] == 4 * levers[
+        "full, defaults"]["tokens_per_micro_batch"]  # fmt: skip
+    assert "| full, defaults (**defaults**) |" in proc.stdout

@@ -147,14 +147,15 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
 
 def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,
              tokens_per_epoch: int, steps_per_epoch: int, steps: int, device: str,
-             model: dict) -> None:  # fmt: skip
-    """The files a finished run leaves that a calibration reads."""
+             model: dict, **segments) -> None:  # fmt: skip
+    """The files a finished run leaves that a calibration reads (``segments``: more of its
+    provenance's segment figures)."""
     train = work / "results" / run / "train"
     train.mkdir(parents=True)
     (work / "results" / run / "shards").mkdir()
     (train / "run_config.json").write_text(json.dumps(spec))
     (train / "provenance.json").write_text(json.dumps({"device": device, "segments": {
-        "train_s": train_s, "outside_training_s": outside_s}}))  # fmt: skip
+        "train_s": train_s, "outside_training_s": outside_s, **segments}}))  # fmt: skip
     (train / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
                                                  for s in range(1, steps + 1)))  # fmt: skip
     (work / "results" / run / "shards/manifest.json").write_text(json.dumps({
@@ -212,6 +213,80 @@ def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
     e = estimate(config_other, "x", other, Shape.from_config(LLAMA_8B),
                  steps_of(config_other, "x", other))  # fmt: skip
     assert e["basis"] != "calibrated from run earlier"
+
+
+def test_a_first_jobs_op_builds_are_left_out_and_start_up_scales_with_processes_per_core(
+    tmp_path, monkeypatch
+):
+    """A CPU calibration that was a machine's first job (72 s outside its steps: 55 s of them
+    DeepSpeed's op builds, 12 s its start-up, 3 s of it the launch): the next job is
+    estimated without the builds; its workers' start-up (9 s) is as measured for as many
+    processes on this machine's cores, twice it for twice the processes over the cores."""
+    from snaketune.budget.cost import estimate, steps_of
+    from snaketune.train.segments import segments_summary
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # the segments of such a job, summed as the launcher does
+    seg = segments_summary([{"began": 100.0, "ended": 177.0, "train_s": 5.0, "reason": "done",
+                             "worker_started": 103.0, "first_step_at": 167.0,
+                             "compile_s": 55.0}])  # fmt: skip
+    assert seg == {"jobs": 1, "continuations": 0, "wall_s": 77.0, "train_s": 5.0,
+                   "outside_training_s": 72.0, "compile_s": 55.0, "startup_s": 12.0,
+                   "launch_s": 3.0}  # fmt: skip
+    config = config_with(tmp_path, 1000)
+    run = config["runs"]["x"]
+    spec = {**run, "nodes": 2, "gpus_per_node": 1, "model": "m"}
+    finished(tmp_path, "first", spec, 5.0, 72.0, 1_280_000, 20, 30, "cpu", LLAMA_8B,
+             compile_s=55.0, startup_s=12.0, launch_s=3.0)  # fmt: skip
+    shape = Shape.from_config(LLAMA_8B)
+    for (nodes, gpus), outside in {(1, 2): 17.0, (2, 1): 17.0, (1, 1): 17.0,
+                                   (2, 2): 17.0 + 9.0}.items():  # fmt: skip
+        run.update(nodes=nodes, gpus_per_node=gpus)
+        e = estimate(config, "x", tmp_path, shape, steps_of(config, "x", tmp_path))
+        assert e["outside_s"] == pytest.approx(outside), (nodes, gpus, e)
+    # a GPU calibration: each node's processes have cores of their own
+    gpu = tmp_path / "g"
+    gpu.mkdir()
+    config = config_with(gpu, 1000, gpu="h100-80gb")
+    finished(gpu, "first", {**spec, "gpu": "h100-80gb"}, 5.0, 72.0, 1_280_000, 20, 30, "cuda",
+             LLAMA_8B, compile_s=55.0, startup_s=12.0, launch_s=3.0)  # fmt: skip
+    config["runs"]["x"].update(nodes=4, gpus_per_node=8)
+    e = estimate(config, "x", gpu, shape, steps_of(config, "x", gpu))
+    assert e["outside_s"] == pytest.approx(17.0)
+
+
+def test_an_op_build_is_timed_as_one_time_and_a_cached_load_is_not(tmp_path, monkeypatch):
+    """snaketune.train.startup.watch_builds around DeepSpeed's OpBuilder.jit_load: a load of
+    an op torch's extension cache does not hold counts its seconds; one it holds, none."""
+    import time
+
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from snaketune.train import startup
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(startup, "_BUILDS", {"compile_s": 0.0})
+
+    def slow_load(self, verbose=True):
+        time.sleep(0.2)
+        return self.name
+
+    monkeypatch.setattr(OpBuilder, "jit_load", slow_load)
+    startup.watch_builds()
+    startup.watch_builds()  # once: not wrapped twice
+
+    class Op:
+        name = "fake_op"
+
+    assert OpBuilder.jit_load(Op()) == "fake_op"
+    built = startup.figures(None)["compile_s"]
+    assert 0.2 <= built < 1.0
+    (tmp_path / "fake_op").mkdir(exist_ok=True)
+    (tmp_path / "fake_op" / "fake_op.so").write_bytes(b"")
+    OpBuilder.jit_load(Op())  # from the cache
+    assert startup.figures(None)["compile_s"] == built
+    started = startup.figures(None)["worker_started"]
+    assert started is not None and started <= time.time()
 
 
 LLAMA_8B_PARAMS = 8_030_261_248  # Llama-3.1-8B's parameters, as its model card states

@@ -26,7 +26,8 @@ def calibration(
     """The newest finished run under ``workdir``/results like this one (the same model
     shape, method, adapter and device kind; not the run itself): its measured tokens/s
     (over all its devices) and its train job's time outside the steps (start-up, saving,
-    export), from its provenance and shard manifest. None: no such run yet."""
+    export; a first job's one-time op builds left out), from its provenance and shard
+    manifest. None: no such run yet."""
     from snaketune.budget.modelcount import shape_of
     from snaketune.core.heldout import split_rows
     from snaketune.core.io import read_jsonl
@@ -62,23 +63,31 @@ def calibration(
         rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
         if not rows:
             continue
-        tokens = sum(s["tokens"] for s in manifest["shards"]) / manifest["steps_per_epoch"]
-        steps, per = rows[-1]["step"], manifest["global_batch"]
-        found.append(
-            (
-                prov.stat().st_mtime,
-                {
-                    "run": other,
-                    "tokens_per_s": tokens * steps / seg["train_s"],
-                    "step_s": seg["train_s"] / steps,
-                    "per_step": per,
-                    "devices": spec["nodes"] * spec["gpus_per_node"],
-                    "outside_s": seg.get("outside_training_s", 0.0),
-                    "device": record["device"],
-                },
-            )
-        )
+        found.append((prov.stat().st_mtime, measured(other, record, spec, manifest, rows)))
     return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def measured(
+    run: str, record: dict[str, Any], spec: dict[str, Any], manifest: dict, rows: list[dict]
+) -> dict[str, Any]:
+    """A finished run's figures the estimate scales: its tokens/s and step time, its
+    devices, and its train job's time outside the steps less the one-time op builds of a
+    machine's first job (snaketune.train.startup), with its start-up apart."""
+    seg = record["segments"]
+    tokens = sum(s["tokens"] for s in manifest["shards"]) / manifest["steps_per_epoch"]
+    steps = rows[-1]["step"]
+    return {
+        "run": run,
+        "tokens_per_s": tokens * steps / seg["train_s"],
+        "step_s": seg["train_s"] / steps,
+        "per_step": manifest["global_batch"],
+        "devices": spec["nodes"] * spec["gpus_per_node"],
+        "outside_s": seg.get("outside_training_s", 0.0) - (seg.get("compile_s") or 0.0),
+        "compile_s": seg.get("compile_s") or 0.0,
+        "startup_s": seg.get("startup_s"),  # of the time outside: a job's start-up
+        "launch_s": seg.get("launch_s"),  # of that: until its workers started
+        "device": record["device"],
+    }
 
 
 # the stages a run has of its own, after training (and its shard plan before it)

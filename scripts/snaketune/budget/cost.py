@@ -222,7 +222,7 @@ def estimate(
             step_s = measured[0] / (cal["tokens_per_s"] * scale)
         out = {
             "train_s": steps["steps"] * step_s,
-            "outside_s": cal["outside_s"],
+            "outside_s": cal["outside_s"] + startup_change(cal, run),
             "basis": f"calibrated from run {cal['run']}",
         }
     elif gpu is None:
@@ -245,6 +245,24 @@ def estimate(
         out["calibrated_from"] = cal["run"]
         out["stages"] = stage_seconds(workdir, cal["run"])
     return out
+
+
+def startup_change(cal: dict[str, Any], run: dict[str, Any]) -> float:
+    """Seconds a job of ``run`` starts up in more (or less) than the calibration's did. Its
+    workers' part (imports, loading, the engine: the calibration's start-up less its launch)
+    is CPU work of every process at once: on a CPU run, whose emulated nodes share this
+    machine's cores, it scales with the processes over the cores; on GPUs each node's
+    processes have cores of their own and it stays as measured. The launch (the launcher,
+    agents and rendezvous) is taken as measured; neither part is measured on a cluster of
+    more nodes than the calibration's (docs/benchmarks.md)."""
+    import os
+
+    if cal.get("startup_s") is None or cal["device"] != "cpu":
+        return 0.0
+    workers = cal["startup_s"] - (cal.get("launch_s") or 0.0)
+    cores = os.cpu_count() or 1
+    load = max(1.0, run["nodes"] * run["gpus_per_node"] / cores)
+    return workers * (load / max(1.0, cal["devices"] / cores) - 1)
 
 
 def from_flops(

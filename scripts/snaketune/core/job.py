@@ -32,10 +32,17 @@ def staged(out: Path, name: str) -> Path:
 
 
 def write_segment(
-    ckpt_dir: Path, reason: str, step: int, train_s: float, save_s: float, disk: str | None = None
+    ckpt_dir: Path,
+    reason: str,
+    step: int,
+    train_s: float,
+    save_s: float,
+    disk: str | None = None,
+    startup: dict[str, Any] | None = None,
 ) -> None:
     """How this job's training ended (rank 0): ``reason`` done, time, signal, health or
-    disk (with what was short), the step, and the seconds spent training and saving."""
+    disk (with what was short), the step, the seconds spent training and saving, and its
+    start-up figures (snaketune.train.startup)."""
     from snaketune.core.io import write_json
 
     record: dict[str, Any] = {
@@ -43,6 +50,7 @@ def write_segment(
         "step": step,
         "train_s": round(train_s, 3),
         "save_s": round(save_s, 3),
+        **(startup or {}),
     }
     if disk is not None:
         record["disk"] = disk

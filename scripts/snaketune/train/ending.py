@@ -26,6 +26,7 @@ from snaketune.core.job import (
 from snaketune.evaluation import heldout_pass
 from snaketune.methods.training import Context
 from snaketune.plan.runspec import kept_best
+from snaketune.train import startup
 from snaketune.train.health import report_unhealthy
 from snaketune.train.outputs import probe_inputs, save_outputs
 from snaketune.train.progress import StepCallback, StopRequest
@@ -64,6 +65,7 @@ def finish(
             callback.deadline.train_s,
             callback.deadline.save_s,
             callback.disk_short if callback.stop_reason == "disk" else None,
+            startup.figures(callback.deadline.began),
         )
     if stopped or callback.stop_reason == "disk" or callback.stopped_for_health:
         return stop_code(callback, env, ckpt_dir, watchdog, stop)
@@ -90,6 +92,7 @@ def finish(
             trainer.state.global_step,
             callback.deadline.train_s,
             callback.deadline.save_s,
+            startup=startup.figures(callback.deadline.began),
         )
     return 0
 

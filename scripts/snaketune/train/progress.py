@@ -85,6 +85,7 @@ class Deadline:
         self.steps: list[float] = []
         self.train_s = 0.0  # time in training steps (saves and start-up left out)
         self._t = time.time()
+        self.began: float | None = None  # when the first step began (epoch seconds)
 
     @classmethod
     def handed(cls, handoff: Handoff) -> Deadline:
@@ -96,6 +97,8 @@ class Deadline:
 
     def restart(self) -> None:
         self._t = time.time()
+        if self.began is None:  # the first: training begins
+            self.began = self._t
 
     def step_done(self) -> None:
         now = time.time()

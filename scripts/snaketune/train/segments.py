@@ -82,6 +82,9 @@ def record_segment(job: Job, began: float, from_step: int, ended: dict, attempt:
         "reason": ended.get("reason", "failed"),
         "train_s": ended.get("train_s", 0.0),
         "save_s": ended.get("save_s"),
+        # rank 0's start-up (snaketune.train.startup): its worker's start, its first step's,
+        # the one-time op builds it waited on
+        **{k: ended.get(k) for k in ("worker_started", "first_step_at", "compile_s")},
     }
     try:
         with open(job.ckpt / SEGMENTS, "a", encoding="utf-8") as f:
@@ -97,13 +100,23 @@ def segments_summary(segments: list[dict]) -> dict:
         return {"jobs": 0}
     wall = segments[-1]["ended"] - segments[0]["began"]
     train = sum(s.get("train_s") or 0.0 for s in segments)
-    return {
+    compiled = sum(s.get("compile_s") or 0.0 for s in segments)
+    out = {
         "jobs": len(segments),
         "continuations": sum(s["reason"] == "time" for s in segments),
         "wall_s": round(wall, 1),
         "train_s": round(train, 1),
         "outside_training_s": round(wall - train, 1),
+        "compile_s": round(compiled, 1),  # one-time: a machine's first job's op builds
     }
+    timed = [s for s in segments if s.get("first_step_at")]
+    if timed:  # each job's own start-up: its start to its first step, less the op builds
+        startup = sum(s["first_step_at"] - s["began"] - (s.get("compile_s") or 0) for s in timed)
+        out["startup_s"] = round(startup / len(timed), 1)  # a job's, on average
+        started = [s["worker_started"] - s["began"] for s in timed if s.get("worker_started")]
+        if started:  # of it: the launcher, the agents, their rendezvous
+            out["launch_s"] = round(sum(started) / len(started), 1)
+    return out
 
 
 def requeue_self() -> bool:

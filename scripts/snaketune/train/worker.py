@@ -82,6 +82,7 @@ from snaketune.train.ending import finish
 from snaketune.train.health import start_watchdog
 from snaketune.train.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
 from snaketune.train.resume import DiskGuard
+from snaketune.train.startup import watch_builds
 from snaketune.train.vitals import Vitals
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def join(
             f"are for {manifest['nodes']} nodes x {manifest['gpus_per_node']} (sequence_parallel "
             f"{manifest.get('sequence_parallel', 1)}); rerun shard_dataset"
         )
+    watch_builds()  # a first job's op builds are one-time, not this job's start-up
     ds.init_distributed(timeout=timedelta(minutes=run["timeout_minutes"]))
     ckpt_dir = out / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)

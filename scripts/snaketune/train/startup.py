@@ -1,0 +1,76 @@
+"""What a train job spends before its first step, told apart for the time estimate
+(snaketune.budget.calibrate): the one-time cost of a machine's first job (DeepSpeed's
+just-in-time ops compiled into torch's extension cache: ~30-60 s each, then loaded from the
+cache by every later job) and the job's own start-up (the launcher, the agents and their
+rendezvous, the workers' imports, loading the model, building the engine), which every job
+pays and which grows with the processes sharing a machine.
+
+Rank 0 records them in its segment (snaketune.core.job.write_segment): when its worker
+process started, when its first step began, and the seconds of op builds it waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+_BUILDS = {"compile_s": 0.0}
+
+
+def watch_builds() -> None:
+    """Time DeepSpeed's op builds in this process: a load of an op that torch's extension
+    cache does not hold yet (it compiles) counts as one-time; a load from the cache does
+    not."""
+    try:
+        from deepspeed.ops.op_builder.builder import OpBuilder
+    except ImportError:  # no DeepSpeed: nothing is compiled
+        return
+    original = OpBuilder.jit_load
+    if getattr(original, "snaketune_timed", False):
+        return
+
+    def jit_load(self, verbose=True):
+        cached = in_cache(self.name)
+        began = time.monotonic()
+        try:
+            return original(self, verbose)
+        finally:
+            if not cached:
+                _BUILDS["compile_s"] += time.monotonic() - began
+
+    jit_load.snaketune_timed = True
+    OpBuilder.jit_load = jit_load
+
+
+def in_cache(name: str) -> bool:
+    """Whether torch's extension cache holds op ``name`` compiled."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    except Exception:  # a torch without the helper: taken as compiled (not one-time)
+        return True
+
+
+def process_started() -> float | None:
+    """This process's start (epoch seconds), from the kernel's record; None off Linux."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def figures(first_step_at: float | None) -> dict[str, float | None]:
+    """This job's start-up figures for its segment record."""
+    return {
+        "worker_started": process_started(),
+        "first_step_at": first_step_at,
+        "compile_s": round(_BUILDS["compile_s"], 3),
+    }
