@@ -33,25 +33,21 @@ if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).re
 import argparse
 import json
 import os
-import socket
 import subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 SIZES = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 4096}  # fmt: skip
 BUCKET = 5e5
 MIB = 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one(accumulation: int, micro: int, length: int) -> dict:
     """In this process: the tracked peak of two steps (MiB, by kind) and the weights."""
     import torch
+
+    from snaketune.train.commands import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
@@ -98,7 +94,6 @@ def one(accumulation: int, micro: int, length: int) -> dict:
 
 def plan(params_config: dict, accumulation: int, micro: int, length: int) -> dict[str, float]:
     """The memory plan (MiB) of the same run, less its margin."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     from snaketune.budget.memplan import Setup, Shape, estimate
 
     shape = Shape.from_config(

@@ -159,9 +159,7 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
     for name, spec in config["models"].items():
         if spec.get("id") in VLM_SHAPES:  # a vision-language model, trained on text
             family_model(VLM_SHAPES[spec["id"]], config, source, out / "models" / name)
-            config["models"][name] = {"source": "local", "path": f"models/{name}",
-                                      **{k: v for k, v in spec.items()
-                                         if k not in ("source", "id", "revision")}}  # fmt: skip
+            config["models"][name] = local_model(spec, name)
             continue
         assert spec.get("id") in SHAPES, (
             f"{example.name}: model {name} ({spec.get('id')}): add its published config.json "
@@ -169,9 +167,7 @@ def miniature(example: Path, demo: Path | None, out: Path) -> Path:
         tiny_model(
             SHAPES[spec["id"]], fixtures / "tiny-llama", out / "models" / name, heads=max(4, 2 * sp)
         )
-        config["models"][name] = {"source": "local", "path": f"models/{name}",
-                                  **{k: v for k, v in spec.items()
-                                     if k not in ("source", "id", "revision")}}  # fmt: skip
+        config["models"][name] = local_model(spec, name)
     for name, spec in config["datasets"].items():
         if spec["source"] != "hub":
             continue
@@ -196,6 +192,13 @@ def family_model(
         if spec["source"] == "local":  # the example's own file (its path from the repository)
             corpus += (ROOT / spec["path"]).read_text().splitlines()[: ROWS["train"]]
     return build(family, corpus, out)
+
+
+def local_model(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    """A Hub model's entry as the local folder models/``name``, its other keys as written."""
+    hub = ("source", "id", "revision")
+    return {"source": "local", "path": f"models/{name}", **{k: v for k, v in spec.items()
+                                                             if k not in hub}}  # fmt: skip
 
 
 def local(spec: dict[str, Any], path: str) -> dict[str, Any]:
@@ -223,9 +226,7 @@ def pictures_miniature(config: dict[str, Any], out: Path) -> Path:
 
     for name, spec in config["models"].items():
         build_vlm(out / "models" / name)
-        config["models"][name] = {"source": "local", "path": f"models/{name}",
-                                  **{k: v for k, v in spec.items()
-                                     if k not in ("source", "id", "revision")}}  # fmt: skip
+        config["models"][name] = local_model(spec, name)
     for name, spec in config["datasets"].items():
         if spec["source"] != "hub":
             continue
