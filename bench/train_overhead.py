@@ -3,7 +3,7 @@
     python bench/train_overhead.py                 # CPU, one process, the demo fixtures
     python bench/train_overhead.py --steps 200 --repeats 5 --micro-batch-size 8
 
-Both sides train the fixture Llama (full fine-tuning, fp32, AdamW, same learning rate) on
+All sides train the fixture Llama (full fine-tuning, fp32, AdamW, same learning rate) on
 the same shard, in the same example order and batch size, for the same number of optimizer
 steps, in one training process with the same threads (OMP_NUM_THREADS = cores):
   ours   scripts/train.py (torchrun agent, DeepSpeed ZeRO-2 engine, SFTTrainer, callbacks,
@@ -11,13 +11,19 @@ steps, in one training process with the same threads (OMP_NUM_THREADS = cores):
   plain  model(**batch).loss.backward(); optimizer.step() with the stage's padded collator
          over the same planned micro batches (packing: false on both sides), in a fresh
          process of its own
+  plain + DeepSpeed
+         the plain loop with the model and optimizer in the DeepSpeed engine the stage builds
+         from the run's preset (config/deepspeed/zero2.json: ZeRO-2 on a process group of
+         one); engine(**batch), engine.backward(loss), engine.step()
 tokens/s counts the (unpadded) example tokens of the steps after the first --warmup steps.
-The two sides run in turn (ours, plain, ours, plain, ...) --repeats times and the ratio is
-taken pair by pair, so that the speed of a shared machine drifting between runs moves both
-sides of a pair alike; the figure is the median pair's ratio. Short runs (60 steps, about
+The sides run in turn (ours, plain, plain + DeepSpeed, ...) --repeats times and each ratio
+is taken pair by pair, so that the speed of a shared machine drifting between runs moves
+the sides of a pair alike; a figure is the median pair's ratio. Short runs (60 steps, about
 1.5 s timed a side) gave 0.66 to 1.09 for the same code on this machine: time more steps
-and pairs.
-Target (issue 3, issue 12): ours / plain >= 0.85.
+and pairs. ours / plain is the target's figure; ours / (plain + DeepSpeed) is what the stage
+adds to the engine it trains with (the Trainer, callbacks, metrics, data), and
+(plain + DeepSpeed) / plain what DeepSpeed's ZeRO-2 adds on its own.
+Target (issue 3, issue 12): ours / plain >= 0.85; issue 76: 0.95.
 """
 
 from __future__ import annotations
@@ -65,20 +71,49 @@ def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: f
     return run_train_stage(ROOT, spec, shards, model, tmp / "train", env=training_env())
 
 
-def run_plain(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
-    """The plain loop in a fresh process with the environment the stage's worker gets, so
-    that the two sides differ by the stage's own work only (run in the bench's own process,
-    which had built the fixtures, the same forward and backward ran up to 20% slower)."""
+def run_plain(
+    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False
+) -> list[dict]:
+    """The plain loop (``engine``: in the DeepSpeed engine) in a fresh process with the
+    environment the stage's worker gets, so that the sides differ by the stage's own work
+    only (run in the bench's own process, which had built the fixtures, the same forward and
+    backward ran up to 20% slower)."""
     import subprocess
 
+    from snaketune.train.commands import free_port
+
     out = model_dir.parent / "plain.json"
+    env = training_env()
+    if engine:  # a process group of one, as torchrun makes for the stage's worker
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                   LOCAL_RANK="0", WORLD_SIZE="1")  # fmt: skip
     subprocess.run([sys.executable, __file__, "--plain-side", str(model_dir), str(shards),
-                    str(micro), str(steps), str(lr), str(out)], check=True,
-                   env=training_env())  # fmt: skip
+                    str(micro), str(steps), str(lr), str(out), str(int(engine))], check=True,
+                   env=env)  # fmt: skip
     return json.loads(out.read_text())
 
 
-def plain_loop(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> list[dict]:
+def deepspeed_engine(model, optim, sched, micro: int):
+    """``model`` and ``optim`` in the DeepSpeed engine of the stage's preset, its "auto"
+    values as the stage's Trainer fills them for this run (no clipping, fp32)."""
+    import deepspeed
+
+    from snaketune.evaluation.model import load_deepspeed
+
+    config = load_deepspeed(ROOT / "config" / "deepspeed" / "zero2.json")
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
+                  train_batch_size=micro, gradient_clipping=0.0, bf16={"enabled": False},
+                  fp16={"enabled": False})  # fmt: skip
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optim, lr_scheduler=sched, config=config
+    )
+    return engine
+
+
+def plain_loop(
+    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False
+) -> list[dict]:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,13 +136,19 @@ def plain_loop(model_dir: Path, shards: Path, micro: int, steps: int, lr: float)
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / steps)
+    ds = deepspeed_engine(model, optim, sched, micro) if engine else None
     records, start, last_tokens = [], time.perf_counter(), 0
     for step, batch in enumerate(loader, start=1):
-        loss = model(**batch).loss
-        loss.backward()
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
+        if ds is not None:  # the engine steps the optimizer and the schedule
+            loss = ds(**batch).loss
+            ds.backward(loss)
+            ds.step()
+        else:
+            loss = model(**batch).loss
+            loss.backward()
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
         records.append(
             {
                 "step": step,
@@ -136,6 +177,25 @@ def steady_tokens_per_s(records: list[dict], warmup: int, tokens_key: str) -> fl
     return tokens / seconds
 
 
+def one_pair(tmp: Path, model: Path, shards: Path, args) -> tuple[float, float, float, str]:
+    """One run of each side in turn: tokens/s of ours, plain and plain + DeepSpeed, and the
+    first and last loss (the others' where they differ by more than 0.1%)."""
+    micro, steps, lr = args.micro_batch_size, args.steps, args.lr
+    ours = run_ours(tmp, model, shards, micro, steps, lr)
+    plain = run_plain(model, shards, micro, steps, lr)
+    engine = run_plain(model, shards, micro, steps, lr, engine=True)
+    losses = f"{ours[0]['loss']:>12.4f}{ours[-1]['loss']:>11.4f}"
+    for name, other in (("plain", plain), ("+ DeepSpeed", engine)):
+        if not all(
+            abs(o["loss"] - p["loss"]) <= 1e-3 * abs(p["loss"])
+            for o, p in ((ours[0], other[0]), (ours[-1], other[-1]))
+        ):
+            losses += f"  ({name}: {other[0]['loss']:.4f} {other[-1]['loss']:.4f})"
+    figures = [steady_tokens_per_s(ours, args.warmup, "tokens_per_s")]
+    figures += [steady_tokens_per_s(r, args.warmup, "tokens") for r in (plain, engine)]
+    return (*figures, losses)
+
+
 def main() -> int:
     import statistics
 
@@ -146,15 +206,16 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the figure")
     parser.add_argument("--micro-batch-size", type=int, default=16, help="examples per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (both sides)")
-    parser.add_argument("--repeats", type=int, default=5, help="pairs of runs (ours, plain)")
-    parser.add_argument("--plain-side", nargs=6, help=argparse.SUPPRESS)  # run_plain's process
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of runs (one a side)")
+    parser.add_argument("--plain-side", nargs=7, help=argparse.SUPPRESS)  # run_plain's process
     args = parser.parse_args()
     if args.plain_side:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model, shards, micro, steps, lr, out = args.plain_side
-        records = plain_loop(Path(model), Path(shards), int(micro), int(steps), float(lr))
+        model, shards, micro, steps, lr, out, engine = args.plain_side
+        records = plain_loop(Path(model), Path(shards), int(micro), int(steps), float(lr),
+                             engine == "1")  # fmt: skip
         Path(out).write_text(json.dumps(records))
         return 0
     print(
@@ -162,29 +223,23 @@ def main() -> int:
         f"fine-tuning, fp32, micro batch {args.micro_batch_size}, {args.steps} steps "
         f"(first {args.warmup} left out), {args.repeats} pairs"
     )
-    print(f"{'pair':<6}{'ours tokens/s':>15}{'plain tokens/s':>16}{'ratio':>7}"
-          f"{'first loss':>12}{'last loss':>11}")  # fmt: skip
-    ratios = []
+    print(f"{'pair':<6}{'ours tokens/s':>15}{'plain tokens/s':>16}{'+ DeepSpeed':>13}"
+          f"{'ours/plain':>12}{'ours/+DS':>10}{'+DS/plain':>11}{'first loss':>12}"
+          f"{'last loss':>11}")  # fmt: skip
+    ratios: dict[str, list[float]] = {"ours / plain": [], "ours / (plain + DeepSpeed)": [],
+                                      "(plain + DeepSpeed) / plain": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model, shards = prepare(tmp, args.micro_batch_size, args.steps)
         for pair in range(1, args.repeats + 1):
-            ours = run_ours(tmp / f"pair{pair}", model, shards, args.micro_batch_size,
-                            args.steps, args.lr)  # fmt: skip
-            plain = run_plain(model, shards, args.micro_batch_size, args.steps, args.lr)
-            a = steady_tokens_per_s(ours, args.warmup, "tokens_per_s")
-            b = steady_tokens_per_s(plain, args.warmup, "tokens")
-            same = all(
-                abs(o["loss"] - p["loss"]) <= 1e-3 * abs(p["loss"])
-                for o, p in ((ours[0], plain[0]), (ours[-1], plain[-1]))
-            )
-            losses = f"{ours[0]['loss']:>12.4f}{ours[-1]['loss']:>11.4f}"
-            if not same:
-                losses += f"  (plain: {plain[0]['loss']:.4f} {plain[-1]['loss']:.4f})"
-            print(f"{pair:<6}{a:>15,.0f}{b:>16,.0f}{a / b:>7.2f}{losses}", flush=True)
-            ratios.append(a / b)
-    print(f"ratio ours / plain, median of {len(ratios)} pairs: {statistics.median(ratios):.2f} "
-          f"(min {min(ratios):.2f}, max {max(ratios):.2f})")  # fmt: skip
+            a, b, c, losses = one_pair(tmp / f"pair{pair}", model, shards, args)
+            for key, value in zip(ratios, (a / b, a / c, c / b), strict=True):
+                ratios[key].append(value)
+            print(f"{pair:<6}{a:>15,.0f}{b:>16,.0f}{c:>13,.0f}{a / b:>12.2f}{a / c:>10.2f}"
+                  f"{c / b:>11.2f}{losses}", flush=True)  # fmt: skip
+    for key, values in ratios.items():
+        print(f"ratio {key}, median of {len(values)} pairs: {statistics.median(values):.2f} "
+              f"(min {min(values):.2f}, max {max(values):.2f})")  # fmt: skip
     return 0
 
 

@@ -573,3 +573,53 @@ def test_the_progress_line_reads_a_live_file_whose_last_line_is_being_written(tm
     assert live_progress(live) == "step 2/10, loss 0.5000, 100 tok/s, ETA 0:00:16"
     live.write_text(whole)
     assert live_progress(live) == "step 2/10, loss 0.5000, 100 tok/s, ETA 0:00:16"
+
+
+def test_a_process_group_of_one_makes_no_collective_and_keeps_its_own_values(monkeypatch):
+    """The per-step agreement (snaketune.core.collective) in a job of one rank: the values
+    as they are, and not one gloo call (each one a step's wait for nothing there)."""
+    import torch.distributed as dist
+
+    from snaketune.core.collective import any_rank, barrier, gather_combined
+    from snaketune.train.commands import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a collective in a process group of one")
+
+        for name in ("all_gather", "all_reduce", "barrier"):
+            monkeypatch.setattr(dist, name, refuse)
+        barrier()
+        assert any_rank(True) is True and any_rank(False) is False
+        assert gather_combined([1.0, 5.0], ("sum", "max")) == [1.0, 5.0]
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_the_trainers_flop_count_reads_the_parameter_count_once_and_is_transformers_own():
+    """Lean (every method's trainer) against transformers' Trainer.floating_point_ops on the
+    same model and batches: the same figures, the model's parameters counted once."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from snaketune.methods.training import Lean
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=2))  # fmt: skip
+    counted = []
+    count = model.num_parameters
+    model.num_parameters = lambda **kw: counted.append(kw) or count(**kw)
+
+    class Plain:
+        pass
+
+    lean, plain = Lean(), Plain()
+    lean.model = plain.model = model
+    for rows, width in ((3, 7), (5, 11), (2, 4)):
+        batch = {"input_ids": torch.zeros(rows, width, dtype=torch.long)}
+        assert lean.floating_point_ops(batch) == Trainer.floating_point_ops(plain, batch)
+    assert len(counted) == 1 + 3  # Lean's one count, then Trainer's own each time
+    assert lean.floating_point_ops({"labels": torch.zeros(1, 2)}) == 0

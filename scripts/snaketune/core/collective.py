@@ -1,5 +1,6 @@
 """Collectives the workers make outside the trainer's own: a barrier, "on any rank?", and
-one all-gather of a step's numbers. Each works off a job too (one process: its own values).
+one all-gather of a step's numbers. Each works off a job too, and in a job of one rank makes
+no collective at all (its own values: a gloo call per step there is time for nothing).
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ import torch
 
 
 def is_distributed() -> bool:
+    """Whether this process has other ranks to agree with (a process group of more than one)."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def barrier() -> None:

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.errors import ConfigError
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods.common import Method
-from snaketune.methods.training import ROUTER_FIELDS, Context, Router, peft_config, training_args
+from snaketune.methods.training import (
+    ROUTER_FIELDS,
+    Context,
+    Lean,
+    Router,
+    peft_config,
+    training_args,
+)
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data, PlanBatches
@@ -139,7 +146,7 @@ def trainer_class(block: Mapping[str, Any], router: Router | None):
 
     alpha = block["alpha"]
 
-    class PlannedDistillTrainer(SFTTrainer):
+    class PlannedDistillTrainer(Lean, SFTTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             ids, logps = inputs.pop("teacher_ids"), inputs.pop("teacher_logps")
             labels = inputs.pop("labels")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods import model_rewards, rewards, rollouts
 from snaketune.methods.tooluse import Tools, uses_tools
-from snaketune.methods.training import Context, peft_config
+from snaketune.methods.training import Context, Lean, peft_config
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data
@@ -118,7 +118,7 @@ def planned(
     decided: list[bool] = []
     scored: list = []  # the last _calculate_rewards' values (every rank's rows)
 
-    class Planned(base):
+    class Planned(Lean, base):
         def get_train_dataloader(self):
             # this rank's planned prompts, not TRL's RepeatSampler over a shared dataset
             return planned_loader(tools.table if tools else data.table, sampler, list)

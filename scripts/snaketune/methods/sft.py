@@ -14,6 +14,7 @@ from snaketune.methods.common import Method
 from snaketune.methods.training import (
     ROUTER_FIELDS,
     Context,
+    Lean,
     Router,
     peft_config,
     training_args,
@@ -65,7 +66,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
 
     router = Router.prepare(model, ctx.run)  # a mixture of experts: its balance
 
-    class PlannedSFTTrainer(SFTTrainer):
+    class PlannedSFTTrainer(Lean, SFTTrainer):
         # The model's own loss (transformers' Trainer.compute_loss). SFTTrainer's adds token
         # accuracy and entropy metrics, gathered across all ranks with a host sync four times
         # per micro batch; on the CPU benchmark that alone cost a fifth of the throughput.

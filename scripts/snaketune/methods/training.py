@@ -1,6 +1,7 @@
 """What every method's trainer is built from: the ``Context`` the worker gives it, the
-settings every method shares (``training_args``), the LoRA adapter (``peft_config``) and a
-mixture of experts' router term (``Router``, ``trl_coef``).
+settings every method shares (``training_args``), what each trainer takes off transformers'
+per-step work (``Lean``), the LoRA adapter (``peft_config``) and a mixture of experts' router
+term (``Router``, ``trl_coef``).
 Worker side: torch, transformers and peft are imported where they are used, so a method
 module that imports this one stays light for the config side."""
 
@@ -119,7 +120,30 @@ def peft_config(run: dict[str, Any], model):
     )
 
 
-class PlannedPairs:
+class Lean:
+    """What every method's trainer (``class T(Lean, TRLTrainer)``) takes off transformers'
+    per-step work, the figures unchanged: the FLOP count (``total_flos``) reads the model's
+    parameter count once, where Trainer counts every weight tensor again each micro batch; in
+    a job of one rank it is kept without a broadcast."""
+
+    _counted_params: int | None = None
+
+    def floating_point_ops(self, inputs) -> int:
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._counted_params is None:  # the weights trained or not: fixed for the run
+            self._counted_params = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main].numel() * self._counted_params
+
+    def store_flos(self) -> None:
+        if self.args.world_size > 1:
+            return super().store_flos()
+        self.state.total_flos += self.current_flos
+        self.current_flos = 0
+
+
+class PlannedPairs(Lean):
     """What a trainer on planned pairs (DPO's, a reward model's) adds to its TRL trainer
     (``class T(PlannedPairs, TRLTrainer)``): the pairs as tokenized and planned
     (``planned``: this rank's Data, read in the plan's order), and each micro batch's loss
