@@ -340,9 +340,11 @@ def report_unhealthy(
     """Gather the failing GPUs' messages on rank 0 and write checkpoints/health/fatal.json."""
     import torch.distributed as dist
 
+    from snaketune.core.collective import is_distributed
+
     mine = watchdog.fatal if watchdog is not None else None
     messages = [mine]
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         messages = [None] * dist.get_world_size()
         dist.all_gather_object(messages, mine)
     if env.rank == 0:
