@@ -239,20 +239,46 @@ def test_a_first_jobs_op_builds_are_left_out_and_start_up_scales_with_processes_
     finished(tmp_path, "first", spec, 5.0, 72.0, 1_280_000, 20, 30, "cpu", LLAMA_8B,
              compile_s=55.0, startup_s=12.0, launch_s=3.0)  # fmt: skip
     shape = Shape.from_config(LLAMA_8B)
-    for (nodes, gpus), outside in {(1, 2): 17.0, (2, 1): 17.0, (1, 1): 17.0,
-                                   (2, 2): 17.0 + 9.0}.items():  # fmt: skip
+    # one node: no rendezvous poll to wait through (1 s less than the 2-node calibration)
+    for (nodes, gpus), outside in {(1, 2): 16.0, (2, 1): 17.0, (1, 1): 16.0,
+                                   (2, 2): 17.0 + 9.0, (1, 4): 16.0 + 9.0}.items():  # fmt: skip
         run.update(nodes=nodes, gpus_per_node=gpus)
         e = estimate(config, "x", tmp_path, shape, steps_of(config, "x", tmp_path))
         assert e["outside_s"] == pytest.approx(outside), (nodes, gpus, e)
-    # a GPU calibration: each node's processes have cores of their own
-    gpu = tmp_path / "g"
-    gpu.mkdir()
-    config = config_with(gpu, 1000, gpu="h100-80gb")
-    finished(gpu, "first", {**spec, "gpu": "h100-80gb"}, 5.0, 72.0, 1_280_000, 20, 30, "cuda",
-             LLAMA_8B, compile_s=55.0, startup_s=12.0, launch_s=3.0)  # fmt: skip
-    config["runs"]["x"].update(nodes=4, gpus_per_node=8)
-    e = estimate(config, "x", gpu, shape, steps_of(config, "x", gpu))
-    assert e["outside_s"] == pytest.approx(17.0)
+    # a GPU calibration: each node's processes have cores of their own; one node's
+    # calibration predicting four nodes adds the rendezvous poll, and four to one takes it off
+    for cal_nodes, nodes, outside in ((2, 4, 17.0), (1, 4, 18.0), (4, 1, 16.0), (1, 1, 17.0)):
+        gpu = tmp_path / f"g{cal_nodes}{nodes}"
+        gpu.mkdir()
+        config = config_with(gpu, 1000, gpu="h100-80gb")
+        finished(gpu, "first", {**spec, "nodes": cal_nodes, "gpu": "h100-80gb"}, 5.0, 72.0,
+                 1_280_000, 20, 30, "cuda", LLAMA_8B, compile_s=55.0, startup_s=12.0,
+                 launch_s=3.0)  # fmt: skip
+        config["runs"]["x"].update(nodes=nodes, gpus_per_node=8)
+        e = estimate(config, "x", gpu, shape, steps_of(config, "x", gpu))
+        assert e["outside_s"] == pytest.approx(outside), (cal_nodes, nodes, e)
+
+
+def test_a_train_job_s_time_before_its_launcher_began_is_counted_from_its_benchmark(tmp_path):
+    """The train rule's own start (its shell, Python) comes before the launcher's first
+    segment: a one-job calibration adds what Snakemake's benchmark of the job measured
+    beyond the segments' wall time; a run of several jobs (waits between them in its wall
+    time) or without a benchmark adds nothing."""
+    from snaketune.budget.cost import estimate, steps_of
+
+    config = config_with(tmp_path, 1000, gpu="h100-80gb")
+    spec = {**config["runs"]["x"], "nodes": 1, "gpus_per_node": 8, "model": "m"}
+    shape = Shape.from_config(LLAMA_8B)
+    for jobs, bench, outside in ((1, "73.25", 45.0 + 0.75), (2, "73.25", 45.0), (1, None, 45.0)):
+        work = tmp_path / f"w{jobs}{bench}"
+        work.mkdir()
+        finished(work, "first", spec, 27.5, 45.0, 1_280_000, 20, 30, "cuda", LLAMA_8B,
+                 jobs=jobs, wall_s=72.5)  # fmt: skip
+        if bench:
+            (work / "benchmarks/train").mkdir(parents=True)
+            (work / "benchmarks/train/first.tsv").write_text(f"s\th:m:s\n{bench}\t0:01:13\n")
+        e = estimate(config, "x", work, shape, steps_of(config, "x", work))
+        assert e["outside_s"] == pytest.approx(outside), (jobs, bench, e)
 
 
 def test_an_op_build_is_timed_as_one_time_and_a_cached_load_is_not(tmp_path, monkeypatch):

@@ -149,12 +149,13 @@ def summary_row(
         row.update(lm_eval_columns(ev))
         if "loss" in (ev.get("gain") or {}):
             row["gain_loss"] = ev["gain"]["loss"]  # base - tuned: positive is better
-    seconds = None
+    seconds = None  # the train job's, its rule's own start in (Snakemake's benchmark)
     if train_benchmark is not None and train_benchmark.is_file():
         seconds = benchmark_seconds(train_benchmark)
     segments = provenance.get("segments") or {}
-    if segments.get("jobs"):  # every job of the run (continuations, retries that resumed)
-        seconds = segments["wall_s"]  # first start to last end, queue waits between included
+    if segments.get("jobs"):
+        if segments["jobs"] > 1 or seconds is None:  # every job of the run (continuations,
+            seconds = segments["wall_s"]  # retries): first start to last end, waits between
         row.update(jobs=segments["jobs"], outside_training_s=segments["outside_training_s"])
     row.update(estimate_columns(train_dir.parent, seconds))  # made when it was queued
     # what its first steps said about whether it could learn (snaketune.train.vitals)

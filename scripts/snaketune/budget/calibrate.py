@@ -63,8 +63,24 @@ def calibration(
         rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
         if not rows:
             continue
-        found.append((prov.stat().st_mtime, measured(other, record, spec, manifest, rows)))
+        figures = measured(other, record, spec, manifest, rows)
+        figures["outside_s"] += before_launcher(workdir, other, seg)
+        found.append((prov.stat().st_mtime, figures))
     return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def before_launcher(workdir: Path, run: str, seg: dict[str, Any]) -> float:
+    """Seconds run ``run``'s train job spent before its launcher began (the rule's shell
+    and Python start, which its segments do not see): its Snakemake benchmark less the
+    segments' wall time; 0 without a benchmark, or for a run of several jobs (whose wall
+    time holds the waits between them)."""
+    path = workdir / "benchmarks" / "train" / f"{run}.tsv"
+    if seg.get("jobs") != 1 or not path.is_file() or seg.get("wall_s") is None:
+        return 0.0
+    try:
+        return max(0.0, benchmark_seconds(path) - seg["wall_s"])
+    except (OSError, ValueError, KeyError, StopIteration):
+        return 0.0
 
 
 def measured(
@@ -83,6 +99,7 @@ def measured(
         "step_s": seg["train_s"] / steps,
         "per_step": manifest["global_batch"],
         "devices": spec["nodes"] * spec["gpus_per_node"],
+        "nodes": spec["nodes"],
         "outside_s": seg.get("outside_training_s", 0.0) - builds,
         "startup_s": seg.get("startup_s"),  # of the time outside: a job's start-up
         "launch_s": seg.get("launch_s"),  # of that: until its workers started

@@ -30,6 +30,9 @@ FEW = 10  # fewer optimizer steps than this in all: warned about
 # first finished job on its machine replaces it (a calibration)
 ASSUMED_MFU = {"lora": 0.252, "full": 0.317}
 MFU_SOURCE = "measured on one H200, a 1B Llama at 8,192 tokens a step, 2026-11-28"
+# torch's c10d rendezvous: an agent waiting for the others polls once a second
+# (torch.distributed.elastic.rendezvous.dynamic_rendezvous, its SYNC action)
+RENDEZVOUS_POLL_S = 1.0
 
 
 def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
@@ -248,21 +251,29 @@ def estimate(
 
 
 def startup_change(cal: dict[str, Any], run: dict[str, Any]) -> float:
-    """Seconds a job of ``run`` starts up in more (or less) than the calibration's did. Its
-    workers' part (imports, loading, the engine: the calibration's start-up less its launch)
-    is CPU work of every process at once: on a CPU run, whose emulated nodes share this
-    machine's cores, it scales with the processes over the cores; on GPUs each node's
-    processes have cores of their own and it stays as measured. The launch (the launcher,
-    agents and rendezvous) is taken as measured; neither part is measured on a cluster of
-    more nodes than the calibration's (docs/benchmarks.md)."""
+    """Seconds a job of ``run`` starts up in more (or less) than the calibration's did.
+
+    - The launch: a job of several nodes waits in torch's c10d rendezvous for its other
+      agents, which polls once a second (``RENDEZVOUS_POLL_S``); a job of one node has
+      no one to wait for. Between one node and several that poll is added or taken off;
+      what more a cluster's nodes take to start (srun on each) is measured only by a
+      calibration of as many nodes.
+    - The workers' part (imports, loading, the engine: the calibration's start-up less
+      its launch) is CPU work of every process at once: on a CPU run, whose emulated
+      nodes share this machine's cores, it scales with the processes over the cores; on
+      GPUs each node's processes have cores of their own and it stays as measured."""
     import os
 
-    if cal.get("startup_s") is None or cal["device"] != "cpu":
+    if cal.get("startup_s") is None:
         return 0.0
+    nodes = cal.get("nodes")
+    launch = 0.0 if nodes is None else RENDEZVOUS_POLL_S * ((run["nodes"] > 1) - (nodes > 1))
+    if cal["device"] != "cpu":
+        return launch
     workers = cal["startup_s"] - (cal.get("launch_s") or 0.0)
     cores = os.cpu_count() or 1
     load = max(1.0, run["nodes"] * run["gpus_per_node"] / cores)
-    return workers * (load / max(1.0, cal["devices"] / cores) - 1)
+    return launch + workers * (load / max(1.0, cal["devices"] / cores) - 1)
 
 
 def from_flops(
