@@ -2,6 +2,7 @@
 
     python bench/train_overhead.py                 # CPU, one process, the demo fixtures
     python bench/train_overhead.py --steps 200 --repeats 5 --micro-batch-size 8
+    python bench/train_overhead.py --interleaved --steps 300   # the engine's share, step by step
 
 All sides train the fixture Llama (full fine-tuning, fp32, AdamW, same learning rate) on
 the same shard, in the same example order and batch size, for the same number of optimizer
@@ -23,6 +24,12 @@ the sides of a pair alike; a figure is the median pair's ratio. Short runs (60 s
 and pairs. ours / plain is the target's figure; ours / (plain + DeepSpeed) is what the stage
 adds to the engine it trains with (the Trainer, callbacks, metrics, data), and
 (plain + DeepSpeed) / plain what DeepSpeed's ZeRO-2 adds on its own.
+--interleaved: the plain loop, the plain loop in the engine as the stage builds it on this
+machine, and in the preset's engine as written (on CPU: with contiguous gradients), each on
+its own copy of the model, take turns micro batch by micro batch in one process, so that
+no shift of the machine's speed between runs lands on one side (whole runs of the same
+code here gave ratios from 0.73 to 1.26); the stage itself cannot take part (it runs as its
+own job).
 Target (issue 3, issue 12): ours / plain >= 0.85; issue 76: 0.95.
 """
 
@@ -72,35 +79,40 @@ def run_ours(tmp: Path, model: Path, shards: Path, micro: int, steps: int, lr: f
 
 
 def run_plain(
-    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False
-) -> list[dict]:
-    """The plain loop (``engine``: in the DeepSpeed engine) in a fresh process with the
-    environment the stage's worker gets, so that the sides differ by the stage's own work
-    only (run in the bench's own process, which had built the fixtures, the same forward and
-    backward ran up to 20% slower)."""
+    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False,
+    side: str = "--plain-side",
+):  # fmt: skip
+    """The plain loop (``engine``: in the DeepSpeed engine; ``side`` "--interleaved-side":
+    every side in turn, interleaved_steps) in a fresh process with the environment the
+    stage's worker gets, so that the sides differ by the stage's own work only (run in the
+    bench's own process, which had built the fixtures, the same forward and backward ran up
+    to 20% slower)."""
     import subprocess
 
     from snaketune.train.commands import free_port
 
     out = model_dir.parent / "plain.json"
     env = training_env()
-    if engine:  # a process group of one, as torchrun makes for the stage's worker
+    if engine or side != "--plain-side":  # a process group of one, as torchrun makes
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    LOCAL_RANK="0", WORLD_SIZE="1")  # fmt: skip
-    subprocess.run([sys.executable, __file__, "--plain-side", str(model_dir), str(shards),
+    subprocess.run([sys.executable, __file__, side, str(model_dir), str(shards),
                     str(micro), str(steps), str(lr), str(out), str(int(engine))], check=True,
                    env=env)  # fmt: skip
     return json.loads(out.read_text())
 
 
-def deepspeed_engine(model, optim, sched, micro: int):
+def deepspeed_engine(model, optim, sched, micro: int, as_written: bool = False):
     """``model`` and ``optim`` in the DeepSpeed engine of the stage's preset, its "auto"
-    values as the stage's Trainer fills them for this run (no clipping, fp32)."""
+    values as the stage's Trainer fills them for this run (no clipping, fp32);
+    ``as_written``: the preset's file as it is, not as the stage loads it on this machine
+    (snaketune.evaluation.model.load_deepspeed: on CPU without contiguous gradients)."""
     import deepspeed
 
     from snaketune.evaluation.model import load_deepspeed
 
-    config = load_deepspeed(ROOT / "config" / "deepspeed" / "zero2.json")
+    preset = ROOT / "config" / "deepspeed" / "zero2.json"
+    config = json.loads(preset.read_text()) if as_written else load_deepspeed(preset)
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
                   train_batch_size=micro, gradient_clipping=0.0, bf16={"enabled": False},
                   fp16={"enabled": False})  # fmt: skip
@@ -111,18 +123,14 @@ def deepspeed_engine(model, optim, sched, micro: int):
     return engine
 
 
-def plain_loop(
-    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False
-) -> list[dict]:
+def planned_batches(shards: Path):
+    """The stage's planned micro batches of rank 0 in its order, padded by its collator."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     from snaketune.data.batches import PlanBatches, read_rank_rows
     from snaketune.data.packing import Collator
 
-    torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count())
     shard = read_rank_rows(shards, 0, 0)
     steps_planned = max(shard["step"]) + 1
     collator = Collator("padded", 0, 512)
@@ -132,23 +140,53 @@ def plain_loop(
                                   steps_planned, 1, 0),  # the stage's plan and order
         collate_fn=collator,
     )  # fmt: skip
+    return loader, collator
+
+
+def stepper(model_dir: Path, micro: int, steps: int, lr: float, engine: str | None = None):
+    """One optimizer step of a side on a batch, returning its loss: the plain loop, or
+    (``engine`` "stage" / "written") the plain loop in the DeepSpeed engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / steps)
-    ds = deepspeed_engine(model, optim, sched, micro) if engine else None
-    records, start, last_tokens = [], time.perf_counter(), 0
-    for step, batch in enumerate(loader, start=1):
-        if ds is not None:  # the engine steps the optimizer and the schedule
+    if engine is not None:  # the engine steps the optimizer and the schedule
+        ds = deepspeed_engine(model, optim, sched, micro, as_written=engine == "written")
+
+        def step(batch):
             loss = ds(**batch).loss
             ds.backward(loss)
             ds.step()
-        else:
-            loss = model(**batch).loss
-            loss.backward()
-            optim.step()
-            sched.step()
-            optim.zero_grad(set_to_none=True)
+            return loss
+
+        return step
+
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def plain_loop(
+    model_dir: Path, shards: Path, micro: int, steps: int, lr: float, engine: bool = False
+) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    loader, collator = planned_batches(shards)
+    step_fn = stepper(model_dir, micro, steps, lr, "stage" if engine else None)
+    records, start, last_tokens = [], time.perf_counter(), 0
+    for step, batch in enumerate(loader, start=1):
+        loss = step_fn(batch)
         records.append(
             {
                 "step": step,
@@ -161,6 +199,30 @@ def plain_loop(
         if step == steps:
             break
     return records
+
+
+SIDES = {"plain": None, "+ DeepSpeed": "stage", "+ DeepSpeed as written": "written"}
+
+
+def interleaved_steps(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> dict:
+    """The engine's share without run-to-run shifts: in one process (a process group of
+    one), the plain loop, the plain loop in the engine as the stage builds it on this
+    machine, and in the preset's engine as written, each on its own copy of the model,
+    take turns on every micro batch; each side's step times (seconds)."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    loader, _ = planned_batches(shards)
+    sides = {name: stepper(model_dir, micro, steps, lr, engine) for name, engine in SIDES.items()}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for n, batch in enumerate(loader, start=1):
+        for name, step_fn in sides.items():
+            began = time.perf_counter()
+            step_fn(batch).item()
+            times[name].append(time.perf_counter() - began)
+        if n == steps:
+            break
+    return times
 
 
 def steady_tokens_per_s(records: list[dict], warmup: int, tokens_key: str) -> float:
@@ -207,17 +269,27 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=16, help="examples per step")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (both sides)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of runs (one a side)")
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="instead: the plain loop and the engine's two forms step by step in one process",
+    )
     parser.add_argument("--plain-side", nargs=7, help=argparse.SUPPRESS)  # run_plain's process
+    parser.add_argument("--interleaved-side", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.plain_side:
+    if args.plain_side or args.interleaved_side:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model, shards, micro, steps, lr, out, engine = args.plain_side
-        records = plain_loop(Path(model), Path(shards), int(micro), int(steps), float(lr),
-                             engine == "1")  # fmt: skip
-        Path(out).write_text(json.dumps(records))
+        model, shards, micro, steps, lr, out, engine = args.plain_side or args.interleaved_side
+        given = (Path(model), Path(shards), int(micro), int(steps), float(lr))
+        if args.plain_side:
+            Path(out).write_text(json.dumps(plain_loop(*given, engine == "1")))
+        else:
+            Path(out).write_text(json.dumps(interleaved_steps(*given)))
         return 0
+    if args.interleaved:
+        return interleaved(args)
     print(
         f"machine: {os.cpu_count()} cores, CPU, one process; fixture Llama (0.24M params), full "
         f"fine-tuning, fp32, micro batch {args.micro_batch_size}, {args.steps} steps "
@@ -240,6 +312,35 @@ def main() -> int:
     for key, values in ratios.items():
         print(f"ratio {key}, median of {len(values)} pairs: {statistics.median(values):.2f} "
               f"(min {min(values):.2f}, max {max(values):.2f})")  # fmt: skip
+    return 0
+
+
+def interleaved(args) -> int:
+    """The engine's share measured step by step (interleaved_steps): each side's median step
+    time after the warm-up, and each ratio of speeds (1 / time) as the median of the
+    ratios step by step."""
+    import statistics
+
+    print(
+        f"machine: {os.cpu_count()} cores, CPU, one process (a process group of one); fixture "
+        f"Llama (0.24M params), full fine-tuning, fp32, micro batch {args.micro_batch_size}, "
+        f"{args.steps} steps a side taking turns (first {args.warmup} left out)"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model, shards = prepare(tmp, args.micro_batch_size, args.steps)
+        times = run_plain(model, shards, args.micro_batch_size, args.steps, args.lr,
+                          side="--interleaved-side")  # fmt: skip
+    times = {name: values[args.warmup :] for name, values in times.items()}
+    plain = times["plain"]
+    print(f"{'side':<26}{'median step':>13}{'speed / plain':>15}")
+    for name, values in times.items():
+        ratio = statistics.median(p / t for p, t in zip(plain, values, strict=True))
+        print(f"{name:<26}{1000 * statistics.median(values):>10.2f} ms{ratio:>15.3f}")
+    ratio = statistics.median(
+        w / t for w, t in zip(times["+ DeepSpeed as written"], times["+ DeepSpeed"], strict=True)
+    )
+    print(f"+ DeepSpeed / + DeepSpeed as written: {ratio:.3f} (speed, median step by step)")
     return 0
 
 

@@ -87,6 +87,33 @@ def test_precision_follows_the_machine():
     assert resolve_precision("fp32") == "fp32"
 
 
+def test_the_deepspeed_presets_on_cpu_drop_the_gpu_parts_and_the_per_step_buckets(monkeypatch):
+    """On CPU: no DeepSpeed optimizer or offload (the Trainer's AdamW, no fused GPU kernels
+    built), and ZeRO-1/2 without contiguous gradient buckets (allocated at every micro step);
+    ZeRO-3's settings and every preset on a GPU as written; a universal resume marked."""
+    from snaketune.evaluation.model import load_deepspeed
+
+    presets = ROOT / "config" / "deepspeed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("zero1.json", "zero2.json", "zero3.json", "zero3_offload.json"):
+        written = json.loads((presets / name).read_text())
+        config = load_deepspeed(presets / name, load_universal=name == "zero1.json")
+        zero, was = config["zero_optimization"], written["zero_optimization"]
+        assert "optimizer" not in config and not {"offload_optimizer", "offload_param"} & set(zero)
+        if was["stage"] in (1, 2):
+            assert zero["contiguous_gradients"] is False, name
+        else:
+            assert zero.get("contiguous_gradients") == was.get("contiguous_gradients"), name
+        assert {k: v for k, v in zero.items() if k != "contiguous_gradients"} == {
+            k: v for k, v in was.items()
+            if k not in ("contiguous_gradients", "offload_optimizer", "offload_param")
+        }  # fmt: skip
+        assert config.get("checkpoint", {}).get("load_universal", False) == (name == "zero1.json")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("zero2.json", "zero3_offload.json"):
+        assert load_deepspeed(presets / name) == json.loads((presets / name).read_text())
+
+
 def test_local_commands_one_agent_per_emulated_node():
     cmds = local_commands(3, 2, ["train.py", "--worker"], "run1", 29999)
     assert len(cmds) == 3
