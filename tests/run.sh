@@ -21,10 +21,11 @@
 # each run costs in CPU seconds; four runs on two cores, not three, so that one run's waits
 # (the scheduler, a lock, a timeout) leave no core idle while another has work:
 #   - SLURM: tests/test_slurm.py, mostly waiting on the scheduler, with the training,
-#     continuation, stall, export, disk, larger-than-one-GPU and mixture-of-experts tests;
+#     continuation, stall, export, disk, larger-than-one-GPU and mixture-of-experts tests,
+#     the agents' and the pictures' (which use the cores the scheduler's waits leave);
 #   - SIDE: the GRPO, QLoRA and reward model chains, the atomic-output fault test and the
 #     bad inputs (their own demo copies);
-#   - CHAINS: sweeps, then the DPO chain, the families and the pictures;
+#   - CHAINS: sweeps, then the DPO chain and the families;
 #   - the rest, the quick tier and the held-out passes among them.
 # SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
 # (conftest.CI_RUNS). SNAKETUNE_KEEP=DIR keeps the tier's logs there (tests/touched.py
@@ -92,11 +93,10 @@ fi
 
 SLURM=(tests/test_slurm.py tests/test_train.py tests/test_topology.py tests/test_stall.py
        tests/test_export.py tests/test_diskplan.py tests/test_big_models.py tests/test_moe.py
-       tests/test_examples.py tests/test_bench.py)
+       tests/test_examples.py tests/test_bench.py tests/test_agents.py tests/test_pictures.py)
 SIDE=(tests/test_grpo.py tests/test_rloo.py tests/test_qlora.py tests/test_reward_model.py tests/test_atomic.py
       tests/test_sequence.py tests/test_bad_inputs.py)
-CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py
-        tests/test_pictures.py)
+CHAINS=(tests/test_sweep.py tests/test_dpo.py tests/test_task_eval.py tests/test_cost.py tests/test_families.py)
 # pytest exits 5 when a run selects no test (a tier may leave a group empty): not a failure
 ran() { [ "$1" -eq 5 ] && echo 0 || echo "$1"; }
 pytest "${SLURM[@]}" -m "$marks" --junitxml="$shared/slurm.xml" "$@" > "$shared/slurm.log" 2>&1 &

@@ -148,9 +148,11 @@ def test_documented_benchmark_runs(command, request, tmp_path):
     assert proc.stdout.strip(), "a benchmark prints its figures"
 
 
+@pytest.mark.extended
 def test_the_gpu_check_s_cpu_form_runs(tmp_path):
-    """bench/gpu_check.py without --gpu (its CPU form, tiny sizes; the CI tier runs it so
-    that the GPU check cannot rot between GPU runs): full fine-tuning, LoRA and (where
+    """bench/gpu_check.py without --gpu (its CPU form, tiny sizes; the extended tier runs it,
+    and CI's touched tests whenever a change reaches what it loads, so that the GPU check
+    cannot rot between GPU runs): full fine-tuning, LoRA and (where
     bitsandbytes imports) a 4-bit base each train through the stage with their tokens/s,
     step time, peak memory, the plan's figure and the kernels the worker used, and the
     profiler's top operators add up to at most the whole step."""

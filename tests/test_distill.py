@@ -182,6 +182,7 @@ def model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_chain):
     """Every row of the tokenized training set once, in its order, k = 32 (the default);
     for rows across the stage's chunks (each worker's), the stored ids are the tuned
@@ -220,6 +221,7 @@ def test_the_teacher_stage_stores_the_teachers_own_log_softmax_top_k(distill_cha
     assert prov["stage"] == "teacher_logps" and prov["config"]["top_k"] == 32
 
 
+@pytest.mark.slow
 def test_a_two_rank_distillation_step_logs_the_loss_written_out_in_plain_torch(distill_chain):
     """The student's first step (2 ranks, token-balanced packed micro batches of unequal
     example counts): its logged loss is ((1 - alpha) x the cross-entropy + alpha x T^2 x the
@@ -246,6 +248,8 @@ def test_a_two_rank_distillation_step_logs_the_loss_written_out_in_plain_torch(d
     assert logged["kl"] == pytest.approx(kl / n, rel=1e-4)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
 def test_with_alpha_0_distillation_is_sft_step_for_step(distill_chain, tmp_path):
     """alpha 0 on the SFT run's own shards and start: the first step's loss and gradient
     norm are the SFT run's (the same token mean of the cross-entropy, the same gradient)."""
@@ -262,6 +266,7 @@ def test_with_alpha_0_distillation_is_sft_step_for_step(distill_chain, tmp_path)
     assert got["grad_norm"] == pytest.approx(sft["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_distilled_student_is_closer_to_its_teacher_than_sft_alone(distill_chain):
     """On the demo task's held-out set, the student distilled from the tuned teacher has a
     lower KL to the teacher than the same student tuned by SFT alone on the same data and
@@ -292,6 +297,7 @@ def test_the_distilled_student_is_closer_to_its_teacher_than_sft_alone(distill_c
     assert re.search(r"student: kl_to_teacher [0-9.]+, teacher loss [0-9.]+", line), line[-2000:]
 
 
+@pytest.mark.slow
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(
     distill_chain, tmp_path, monkeypatch
 ):
@@ -458,6 +464,8 @@ def test_each_divergence_is_the_papers(kind, temperature):
         assert got[j].item() * temperature**2 == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
 def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
     distill_chain, tmp_path
 ):
@@ -496,6 +504,7 @@ def test_a_teacher_larger_than_one_gpu_is_sharded_and_stores_the_same_top_k(
         assert torch.allclose(got[name][1], logps, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_plans_count_the_teacher_stage(distill_chain):
     """The teacher stage in the plans: on GPUs too small for the whole teacher it is
     sharded over the run's GPUs (and the rule's resource says so); its disk is (8k + 4)
