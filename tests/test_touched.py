@@ -63,7 +63,7 @@ def test_a_change_selects_the_tests_that_load_it(tmp_path):
     assert touched.select(["scripts/snaketune/methods/dpo.py"], the_map)[0] == [DPO]
     assert touched.select(["scripts/snaketune/methods/grpo.py"], the_map)[0] == [GRPO]
     assert touched.select(["tests/test_grpo.py"], the_map)[0] == [GRPO]
-    assert touched.select(["docs/dpo.md", "README.md"], the_map)[0] == []
+    assert touched.select(["docs/dpo.md", "README.md", ".ci/base"], the_map)[0] == []
     for central in ("scripts/snaketune/train/worker.py", "Snakefile", "tests/conftest.py",
                     "pyproject.toml", "workflow/rules/train.smk"):  # fmt: skip
         tests, why = touched.select([central], the_map)

@@ -48,7 +48,8 @@ CENTRAL = (
 METHOD_MODULES = tuple(f"snaketune.methods.{m}" for m in (
     "dpo", "grpo", "sft", "reward_model", "rewards", "model_rewards", "moe"))  # fmt: skip
 # What no test runs: a change here selects nothing.
-INERT = ("*.md", "docs/*", "LICENSE", ".gitignore", "tests/touched-map.json")
+# .ci/base: the commit a session started from (which CI reads), not anything a test runs
+INERT = ("*.md", "docs/*", "LICENSE", ".gitignore", "tests/touched-map.json", ".ci/base")
 
 
 def module_of(path: str) -> str | None:
