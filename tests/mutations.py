@@ -422,14 +422,14 @@ MUTATIONS = (
         f"{LIB}/evaluation/logps.py",
         "            scored.update(inputs_of(model, part, batch[\"input_ids\"]))",
         "            scored.update({})",
-        ("tests/test_pictures.py::test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does",),
+        ("tests/test_pictures.py::test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers",),
     ),
     Mutation(
         "picture-pairs-rejected-blind", "a picture pair's rejected side is collated without the prompt's pictures",
         f"{LIB}/data/picture_pairs.py",
         "        return pictures.model_inputs(processor, rows * 2, ids)",
         "        return pictures.model_inputs(processor, rows + [[] for _ in rows], ids)",
-        ("tests/test_pictures.py::test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does",),
+        ("tests/test_pictures.py::test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers",),
     ),
 )  # fmt: skip
 

@@ -11,13 +11,14 @@ import math
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 from conftest import BIN, ENV, ROOT, read_jsonl, snakemake
 from miniature import miniature
-from pictures import build_vlm, make_picture_data
+from pictures import build_vlm, make_picture_data, make_picture_pairs
 
 RUN = {
     "model": "vlm",
@@ -408,8 +409,6 @@ PAIR_RUN = {
 def picture_dpo(tmp_path_factory) -> Path:
     """DPO (LoRA, the reference precomputed by its stage) on picture pairs in TRL's vision
     preference layout, 2 emulated nodes, through snakemake to the report."""
-    from pictures import make_picture_pairs
-
     w = tmp_path_factory.mktemp("picture-dpo") / "w"
     build_vlm(w / "resources/vlm")
     make_picture_pairs(w / "resources/pairs")
@@ -458,6 +457,7 @@ def plain_pair_logps(model_dir: Path, w: Path, split: str, blank: bool = False) 
     return out
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo):
     """DPO on picture pairs on 2 emulated nodes reaches evaluation; every tokenized side is
@@ -518,6 +518,72 @@ def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo
         "Gemma3ForConditionalGeneration"
     ]
     assert "see: preference_accuracy" in (w / "snakemake.out").read_text()
+
+
+def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers(tmp_path):
+    """Picture pairs through the tokenize job's code (each side the processor's own tokens,
+    only the response labelled), the reference stage's worker (its log-probs of each side)
+    and the DPO stage's collator (its data, the reference read back) scored by the model: each side's summed log-prob is plain
+    transformers' with the prompt's picture, the rejected side's too; blanked pictures move
+    them (the pictures reach the model). Quick: the pipeline's test is extended."""
+    import datasets
+    from PIL import Image
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from snaketune.data.conversations import Source
+    from snaketune.data.tokenization import tokenize
+    from snaketune.evaluation.logps import compute_parts, load_scorer, merge, sequence_logps
+    from snaketune.methods import dpo
+
+    w, vlm = tmp_path, tmp_path / "resources/vlm"
+    build_vlm(vlm)
+    make_picture_pairs(w / "resources/pairs", train=5, test=2)
+    raw = read_jsonl(w / "resources/pairs/train.jsonl")
+    data = w / "resources/pairs/train.parquet"  # the download's form, beside its pictures
+    pq.write_table(pa.Table.from_pylist(raw), data)
+    spec = {"source": "local", "path": str(data), "format": "preference",
+            "columns": {"images": "images"}}  # fmt: skip
+    tokenized = w / "tokenized.parquet"
+    tokenize([Source("pp", data, spec)], vlm, tokenized, 128, model_name="vlm")
+    rows = pq.read_table(tokenized).to_pylist()
+    assert [r["example_id"] for r in rows] == [f"pp:{i}" for i in range(5)]
+
+    processor = AutoProcessor.from_pretrained(vlm)
+    for row, r in zip(rows, raw, strict=True):
+        img = Image.open(w / "resources/pairs" / r["images"][0]).convert("RGB")
+        kw = {"images": [[img]], "add_special_tokens": False}
+        text = processor.apply_chat_template(r["prompt"], add_generation_prompt=True)
+        prompt = processor(text=[text], **kw)["input_ids"][0]
+        for side, ids, labels in (("chosen", "input_ids", "labels"),
+                                  ("rejected", "rejected_input_ids", "rejected_labels")):  # fmt: skip
+            want = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
+            want = list(want["input_ids"][0])
+            assert row[ids] == want
+            assert row[labels] == [-100] * len(prompt) + want[len(prompt) :]
+
+    plain = plain_pair_logps(vlm, w, "train")
+    blank = plain_pair_logps(vlm, w, "train", blank=True)
+    assert max(abs(a - b) for x, y in zip(plain, blank, strict=True)
+               for a, b in zip(x, y, strict=True)) > 1e-3  # fmt: skip
+
+    parts = w / "parts"
+    assert compute_parts(tokenized, vlm, parts, 0, 1, 3, "fp32", "sdpa", chunk_pairs=4) == 2
+    ref = merge(tokenized, parts, w / "logps.parquet", chunk_pairs=4).to_pylist()
+    for r, (c, j) in zip(ref, plain, strict=True):
+        assert (r["ref_chosen_logps"], r["ref_rejected_logps"]) == (
+            pytest.approx(c, abs=1e-4), pytest.approx(j, abs=1e-4)), r  # fmt: skip
+
+    run = {"dpo": {"reference": "precomputed"}}
+    table = datasets.Dataset.from_list(rows)  # a rank's rows, as the train stage reads them
+    made = dpo.data(run, table, None, AutoTokenizer.from_pretrained(vlm), "padded", None,
+                    {"reference_logps": str(w / "logps.parquet")})  # fmt: skip
+    batch = made.collator(rows[1:4])  # responses of unequal lengths: padded
+    assert len(batch["input_ids"]) == 6
+    assert batch["ref_rejected_logps"].tolist() == [r["ref_rejected_logps"] for r in ref[1:4]]
+    model = load_scorer(vlm, "fp32", "sdpa", "cpu")
+    chosen, rejected = sequence_logps(model, batch)
+    for c, j, (pc, pj) in zip(chosen.tolist(), rejected.tolist(), plain[1:4], strict=True):
+        assert (c, j) == (pytest.approx(pc, abs=1e-4), pytest.approx(pj, abs=1e-4))
 
 
 def test_picture_pairs_for_a_pair_method_other_than_dpo_are_refused():
