@@ -25,7 +25,8 @@ and pairs. ours / plain is the target's figure; ours / (plain + DeepSpeed) is wh
 adds to the engine it trains with (the Trainer, callbacks, metrics, data), and
 (plain + DeepSpeed) / plain what DeepSpeed's ZeRO-2 adds on its own.
 --interleaved: the plain loop, the plain loop in the engine as the stage builds it on this
-machine, and in the preset's engine as written (on CPU: with contiguous gradients), each on
+machine, in the preset's engine as written (on CPU: with contiguous gradients) and in the
+stage's engine with ZeRO off (stage 0: what ZeRO-2's partitioning costs a group of one), each on
 its own copy of the model, take turns micro batch by micro batch in one process, so that
 no shift of the machine's speed between runs lands on one side (whole runs of the same
 code here gave ratios from 0.73 to 1.26); the stage itself cannot take part (it runs as its
@@ -102,17 +103,21 @@ def run_plain(
     return json.loads(out.read_text())
 
 
-def deepspeed_engine(model, optim, sched, micro: int, as_written: bool = False):
+def deepspeed_engine(model, optim, sched, micro: int, form: str = "stage"):
     """``model`` and ``optim`` in the DeepSpeed engine of the stage's preset, its "auto"
-    values as the stage's Trainer fills them for this run (no clipping, fp32);
-    ``as_written``: the preset's file as it is, not as the stage loads it on this machine
-    (snaketune.evaluation.model.load_deepspeed: on CPU without contiguous gradients)."""
+    values as the stage's Trainer fills them for this run (no clipping, fp32); ``form``
+    "stage": as the stage loads the preset on this machine
+    (snaketune.evaluation.model.load_deepspeed: on CPU without contiguous gradients),
+    "written": the preset's file as it is, "zero0": as the stage loads it with ZeRO off
+    (stage 0: what a process group of one would train with, not partitioning)."""
     import deepspeed
 
     from snaketune.evaluation.model import load_deepspeed
 
     preset = ROOT / "config" / "deepspeed" / "zero2.json"
-    config = json.loads(preset.read_text()) if as_written else load_deepspeed(preset)
+    config = json.loads(preset.read_text()) if form == "written" else load_deepspeed(preset)
+    if form == "zero0":
+        config["zero_optimization"] = {"stage": 0}
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
                   train_batch_size=micro, gradient_clipping=0.0, bf16={"enabled": False},
                   fp16={"enabled": False})  # fmt: skip
@@ -145,7 +150,7 @@ def planned_batches(shards: Path):
 
 def stepper(model_dir: Path, micro: int, steps: int, lr: float, engine: str | None = None):
     """One optimizer step of a side on a batch, returning its loss: the plain loop, or
-    (``engine`` "stage" / "written") the plain loop in the DeepSpeed engine."""
+    (``engine``: a form of deepspeed_engine) the plain loop in the DeepSpeed engine."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -155,7 +160,7 @@ def stepper(model_dir: Path, micro: int, steps: int, lr: float, engine: str | No
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / steps)
     if engine is not None:  # the engine steps the optimizer and the schedule
-        ds = deepspeed_engine(model, optim, sched, micro, as_written=engine == "written")
+        ds = deepspeed_engine(model, optim, sched, micro, engine)
 
         def step(batch):
             loss = ds(**batch).loss
@@ -201,14 +206,16 @@ def plain_loop(
     return records
 
 
-SIDES = {"plain": None, "+ DeepSpeed": "stage", "+ DeepSpeed as written": "written"}
+SIDES = {"plain": None, "+ DeepSpeed": "stage", "+ DeepSpeed as written": "written",
+         "+ DeepSpeed ZeRO-0": "zero0"}  # fmt: skip
 
 
 def interleaved_steps(model_dir: Path, shards: Path, micro: int, steps: int, lr: float) -> dict:
     """The engine's share without run-to-run shifts: in one process (a process group of
     one), the plain loop, the plain loop in the engine as the stage builds it on this
-    machine, and in the preset's engine as written, each on its own copy of the model,
-    take turns on every micro batch; each side's step times (seconds)."""
+    machine, in the preset's engine as written and in the stage's with ZeRO off, each on
+    its own copy of the model, take turns on every micro batch; each side's step times
+    (seconds)."""
     import torch
 
     torch.set_num_threads(os.cpu_count())

@@ -31,6 +31,7 @@ SHORT = {
     "gpu_check.py": [],  # its CPU form is the short one (test_the_gpu_check_s_cpu_form_runs)
     "gpu_prepare.py": ["--dry-run"],  # the list of what to carry, nothing fetched
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
+    "import_cost.py": ["--repeats", "1"],
     "launch_startup.py": ["--repeats", "1"],
     "load_memory.py": ["--short"],
     "memory_timing.py": [],  # two small trainings (tests/test_memplan.py runs it)

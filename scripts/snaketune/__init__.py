@@ -1,3 +1,12 @@
-"""snaketune: the library behind the Snakemake workflow (all logic lives here)."""
+"""snaketune: the library behind the Snakemake workflow (all logic lives here).
+
+Loading it defers the ``torch.compile`` calls bitsandbytes makes as it loads to their first
+use (snaketune.core.imports): peft imports bitsandbytes wherever it is installed and not
+hidden.
+"""
+
+from snaketune.core.imports import defer_compile_at_import
 
 __version__ = "0.1.0"
+
+defer_compile_at_import()

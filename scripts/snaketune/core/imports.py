@@ -1,0 +1,88 @@
+"""Work a third-party package does as it loads, deferred to when it is used.
+
+bitsandbytes (installed for QLoRA) wraps some of its CPU kernels in ``torch.compile`` as
+it loads, and peft imports bitsandbytes whenever it is installed. ``torch.compile`` compiles
+nothing until the wrapped function runs, but its call imports TorchInductor: 1.5 to 2
+CPU-s (docs/benchmarks.md). A stage that loads no 4-bit model hides bitsandbytes
+(snaketune.core.qlora.hide_bitsandbytes); every other process that imports peft paid it: a
+QLoRA run's ranks, conversion, merge and evaluation, an adapter evaluated on its base, the
+reference and teacher workers.
+
+``defer_compile_at_import`` (called as snaketune loads, before any of its modules can
+import peft) has each package of ``DEFERRED`` load with ``torch.compile`` calls made when
+the compiled function is first called: the same function compiled with the same settings
+at the moment it was compiled before (its first call), TorchInductor imported only by a
+process that runs one. Nothing else changes: a module, or any other caller, compiles as it
+always did."""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Any
+
+DEFERRED = ("bitsandbytes",)
+
+
+def compiled_on_first_call(compile_):
+    """``compile_`` (torch.compile) made when a compiled function is first called; a
+    module (or anything but a plain function) is compiled at once, as before."""
+
+    def deferred(model=None, **settings):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: deferred(fn, **settings)
+        if not callable(model) or not hasattr(model, "__code__"):
+            return compile_(model, **settings)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_(model, **settings)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
+
+
+class _Loader(importlib.abc.Loader):
+    """The package's own loader, its module run with torch.compile deferred."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # resources, is_package, get_code, ...
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import torch
+
+        real = torch.compile
+        torch.compile = compiled_on_first_call(real)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = real
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in DEFERRED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def defer_compile_at_import() -> None:
+    """Install the deferral for ``DEFERRED`` (once; a package already loaded is left)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
