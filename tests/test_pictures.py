@@ -457,6 +457,24 @@ def plain_pair_logps(model_dir: Path, w: Path, split: str, blank: bool = False) 
     return out
 
 
+def assert_pair_tokens(processor, row: dict, r: dict, folder: Path) -> None:
+    """A tokenized picture pair ``row`` is the processor's own tokens of raw pair ``r`` (its
+    picture under ``folder``) on each side, labelled on the response only: what follows the
+    render of the prompt with its generation prompt."""
+    from PIL import Image
+
+    img = Image.open(folder / r["images"][0]).convert("RGB")
+    kw = {"images": [[img]], "add_special_tokens": False}
+    text = processor.apply_chat_template(r["prompt"], add_generation_prompt=True)
+    prompt = processor(text=[text], **kw)["input_ids"][0]
+    for side, ids, labels in (("chosen", "input_ids", "labels"),
+                              ("rejected", "rejected_input_ids", "rejected_labels")):  # fmt: skip
+        want = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
+        want = list(want["input_ids"][0])
+        assert row[ids] == want
+        assert row[labels] == [-100] * len(prompt) + want[len(prompt) :]
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo):
@@ -473,19 +491,8 @@ def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo
     rows = pq.read_table(tokenized).to_pylist()
     raw = {f"pp:{i}": r for i, r in enumerate(read_jsonl(w / "resources/pairs/train.jsonl"))}
     processor = AutoProcessor.from_pretrained(w / "resources/vlm")
-    from PIL import Image
-
     for row in rows[:6]:
-        r = raw[row["example_id"]]
-        kw = {"images": [[Image.open(w / "resources/pairs" / r["images"][0]).convert("RGB")]],
-              "add_special_tokens": False}  # fmt: skip
-        prompt = processor(text=[processor.apply_chat_template(r["prompt"], add_generation_prompt=True)], **kw)["input_ids"][0]  # fmt: skip
-        for side, ids, labels in (("chosen", "input_ids", "labels"),
-                                  ("rejected", "rejected_input_ids", "rejected_labels")):  # fmt: skip
-            want = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
-            want = list(want["input_ids"][0])
-            assert row[ids] == want
-            assert row[labels] == [-100] * len(prompt) + want[len(prompt) :]
+        assert_pair_tokens(processor, row, raw[row["example_id"]], w / "resources/pairs")
     assert len(rows) == 48 and all(len(r["images"]) == 1 for r in rows)
 
     ref = pq.read_table(next((w / "results/reference_logps").glob("*/logps.parquet"))).to_pylist()
@@ -523,11 +530,11 @@ def test_dpo_on_picture_pairs_scores_them_as_plain_transformers_does(picture_dpo
 def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers(tmp_path):
     """Picture pairs through the tokenize job's code (each side the processor's own tokens,
     only the response labelled), the reference stage's worker (its log-probs of each side)
-    and the DPO stage's collator (its data, the reference read back) scored by the model: each side's summed log-prob is plain
-    transformers' with the prompt's picture, the rejected side's too; blanked pictures move
-    them (the pictures reach the model). Quick: the pipeline's test is extended."""
+    and the DPO stage's collator (its data, the reference read back) scored by the model:
+    each side's summed log-prob is plain transformers' with the prompt's picture, the
+    rejected side's too; blanked pictures move them (the pictures reach the model). Quick:
+    the pipeline's test is extended."""
     import datasets
-    from PIL import Image
     from transformers import AutoProcessor, AutoTokenizer
 
     from snaketune.data.conversations import Source
@@ -550,16 +557,7 @@ def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers
 
     processor = AutoProcessor.from_pretrained(vlm)
     for row, r in zip(rows, raw, strict=True):
-        img = Image.open(w / "resources/pairs" / r["images"][0]).convert("RGB")
-        kw = {"images": [[img]], "add_special_tokens": False}
-        text = processor.apply_chat_template(r["prompt"], add_generation_prompt=True)
-        prompt = processor(text=[text], **kw)["input_ids"][0]
-        for side, ids, labels in (("chosen", "input_ids", "labels"),
-                                  ("rejected", "rejected_input_ids", "rejected_labels")):  # fmt: skip
-            want = processor(text=[processor.apply_chat_template(r["prompt"] + r[side])], **kw)
-            want = list(want["input_ids"][0])
-            assert row[ids] == want
-            assert row[labels] == [-100] * len(prompt) + want[len(prompt) :]
+        assert_pair_tokens(processor, row, r, w / "resources/pairs")
 
     plain = plain_pair_logps(vlm, w, "train")
     blank = plain_pair_logps(vlm, w, "train", blank=True)
