@@ -1,6 +1,6 @@
 """Work a third-party package does as it loads, deferred to when it is used.
 
-bitsandbytes (installed for QLoRA) wraps some of its CPU kernels in ``torch.compile`` as
+bitsandbytes (installed for QLoRA) wraps some of its default kernels in ``torch.compile`` as
 it loads, and peft imports bitsandbytes whenever it is installed. ``torch.compile`` compiles
 nothing until the wrapped function runs, but its call imports TorchInductor: 1.5 to 2
 CPU-s (docs/benchmarks.md). A stage that loads no 4-bit model hides bitsandbytes
