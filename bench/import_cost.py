@@ -44,12 +44,11 @@ def run(code: str) -> tuple[float, float, float, bool]:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, text=True)  # fmt: skip
     out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"the side exited {proc.returncode}: {code}")
+    _, status, usage = os.wait4(proc.pid, 0)  # the kernel's accounting of the child
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the side exited {os.waitstatus_to_exitcode(status)}: {code}")
     wall = time.perf_counter() - began
-    peak = usage.ru_maxrss / 1024 if sys.platform != "darwin" else usage.ru_maxrss / 2**20
+    peak = usage.ru_maxrss / 1024  # Linux reports KiB
     return usage.ru_utime + usage.ru_stime, wall, peak, out.strip().endswith("True")
 
 

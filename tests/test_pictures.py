@@ -575,8 +575,9 @@ def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers
     table = datasets.Dataset.from_list(rows)  # a rank's rows, as the train stage reads them
     made = dpo.data(run, table, None, AutoTokenizer.from_pretrained(vlm), "padded", None,
                     {"reference_logps": str(w / "logps.parquet")})  # fmt: skip
-    batch = made.collator(rows[1:4])  # responses of unequal lengths: padded
-    assert len(batch["input_ids"]) == 6
+    batch = made.collator(rows[1:4])
+    sides = [len(r[k]) for r in rows[1:4] for k in ("input_ids", "rejected_input_ids")]
+    assert len(batch["input_ids"]) == 6 and len(set(sides)) > 1  # sides padded to one length
     assert batch["ref_rejected_logps"].tolist() == [r["ref_rejected_logps"] for r in ref[1:4]]
     model = load_scorer(vlm, "fp32", "sdpa", "cpu")
     chosen, rejected = sequence_logps(model, batch)

@@ -30,9 +30,10 @@ INSTALL = 'pip install -e ".[qlora]"'
 
 def hide_bitsandbytes(needed: bool) -> None:
     """In a process that loads no 4-bit model (``needed`` false), bitsandbytes counts as not
-    installed. peft imports it at its own import whenever it is installed (peft.helpers),
-    and it imports torch's compiler: about 2.5 CPU-seconds of every training worker's start,
-    for nothing when the run is not QLoRA. A name marked None in sys.modules is what
+    installed. peft imports it at its own import whenever it is installed (peft.helpers):
+    its module, and the line it prints about its CPU kernels, for nothing when the run is
+    not QLoRA (its ``torch.compile`` calls, which imported torch's compiler, are deferred
+    wherever it loads: snaketune.core.imports). A name marked None in sys.modules is what
     importlib (and so peft's and transformers' checks) reads as absent. Call before peft is
     imported."""
     if not needed and "bitsandbytes" not in sys.modules:
