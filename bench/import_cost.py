@@ -1,14 +1,16 @@
-"""What a stage's process pays to import its libraries, with bitsandbytes' torch.compile calls
-deferred to their first use (snaketune.core.imports) and without.
+"""What a stage's process pays to import its libraries, with the torch.compile calls of
+bitsandbytes and DeepSpeed's Muon optimizer deferred to their first use
+(snaketune.core.imports) and without.
 
     python bench/import_cost.py                 # 7 pairs
     python bench/import_cost.py --repeats 11
 
 Each side is a fresh Python importing what a training worker imports (peft, trl, deepspeed,
-transformers, TRL's SFT and DPO trainers) and snaketune:
+transformers, TRL's SFT and DPO trainers, and the Muon optimizer that every
+deepspeed.initialize with ZeRO imports in its check of the optimizer) and snaketune:
   deferred     snaketune first, as every stage's process loads it: its deferral is in
-               place when peft imports bitsandbytes
-  as loaded    snaketune last: bitsandbytes loads as it always did, calling torch.compile,
+               place when peft imports bitsandbytes and DeepSpeed imports Muon
+  as loaded    snaketune last: both load as they always did, calling torch.compile,
                which imports TorchInductor
 The sides run in turn, one pair after another; a figure is the median pair's. CPU seconds
 are the child's user + system time (the kernel's accounting of the finished process), peak
@@ -27,7 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARIES = "import peft, trl, deepspeed, transformers; from trl import SFTTrainer, DPOTrainer"
+LIBRARIES = (
+    "import peft, trl, deepspeed, transformers; from trl import SFTTrainer, DPOTrainer; "
+    "import deepspeed.runtime.zero.muon.muon_optimizer"
+)
 REPORT = "import sys; print('torch._inductor.compile_fx' in sys.modules)"
 SIDES = {
     "deferred": f"import snaketune; {LIBRARIES}; {REPORT}",

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import (
     CI_RUNS,
-    ENV,
     ROOT,
     chain_runs,
     ci_tier,
@@ -134,49 +132,6 @@ def test_an_already_quantized_model_is_refused_before_queueing(tmp_path, tiny_mo
         shape_and_deepspeed(tmp_path / "config.json", run, ROOT)
     run["lora"]["quantize"] = "none"  # unquantized runs of it are not this check's business
     shape_and_deepspeed(tmp_path / "config.json", run, ROOT)
-
-
-def test_a_deferred_compile_compiles_the_same_function_with_the_same_settings_on_first_call():
-    """snaketune.core.imports: what bitsandbytes wraps in torch.compile as it loads is
-    compiled when first called (once, with its settings, by the real torch.compile); a
-    module is compiled at once."""
-    from snaketune.core.imports import compiled_on_first_call
-
-    made = []
-
-    def compile_(model, **settings):
-        made.append((model, settings))
-        return lambda *a, **k: ("compiled", model(*a, **k))
-
-    deferred = compiled_on_first_call(compile_)
-
-    def kernel(x, scale=1):
-        return x * scale
-
-    wrapped = deferred(kernel, dynamic=False)
-    decorated = deferred(dynamic=True)(kernel)  # the @torch.compile(...) form
-    assert made == [] and wrapped.__name__ == "kernel"
-    assert wrapped(3, scale=2) == ("compiled", 6) and wrapped(1) == ("compiled", 1)
-    assert decorated(2) == ("compiled", 2)
-    assert made == [(kernel, {"dynamic": False}), (kernel, {"dynamic": True})]
-    module = torch.nn.Linear(2, 2)
-    deferred(module, mode="max-autotune")
-    assert made[-1] == (module, {"mode": "max-autotune"})
-
-
-def test_bitsandbytes_loads_in_a_snaketune_process_without_torchinductor():
-    """peft imports bitsandbytes wherever it is not hidden; loaded after snaketune,
-    it is whole (QLoRA's layers, its kernels' wrappers) without TorchInductor, and
-    torch.compile is torch's own again afterwards."""
-    code = (
-        "import sys, snaketune, torch; real = torch.compile; import bitsandbytes as bnb; "
-        "from bitsandbytes.backends.default import ops; "
-        "print(hasattr(bnb.nn, 'Linear4bit'), callable(ops._dequantize_4bit_compute), "
-        "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env=ENV).stdout  # fmt: skip
-    assert out.split() == ["True", "True", "False", "True"], out
 
 
 @pytest.mark.extended

@@ -1,8 +1,8 @@
 """snaketune: the library behind the Snakemake workflow (all logic lives here).
 
-Loading it defers the ``torch.compile`` calls bitsandbytes makes as it loads to their first
-use (snaketune.core.imports): peft imports bitsandbytes wherever it is installed and not
-hidden.
+Loading it defers the ``torch.compile`` calls bitsandbytes and DeepSpeed's Muon optimizer make
+as they load to their first use (snaketune.core.imports): peft imports bitsandbytes wherever
+it is installed and not hidden, and every ``deepspeed.initialize`` with ZeRO imports Muon.
 """
 
 from snaketune.core.imports import defer_compile_at_import

@@ -1,19 +1,22 @@
 """Work a third-party package does as it loads, deferred to when it is used.
 
-bitsandbytes (installed for QLoRA) wraps some of its default kernels in ``torch.compile`` as
-it loads, and peft imports bitsandbytes whenever it is installed. ``torch.compile`` compiles
-nothing until the wrapped function runs, but its call imports TorchInductor: 1.5 to 2
-CPU-s (docs/benchmarks.md). A stage that loads no 4-bit model hides bitsandbytes
-(snaketune.core.qlora.hide_bitsandbytes); every other process that imports peft paid it: a
-QLoRA run's ranks, conversion, merge and evaluation, an adapter evaluated on its base, the
-reference and teacher workers.
+Two modules every stage may load wrap kernels in ``torch.compile`` as they load.
+``torch.compile`` compiles nothing until the wrapped function runs, but each call imports
+TorchInductor: 1.5 to 2 CPU-s a process (docs/benchmarks.md).
+- bitsandbytes (installed for QLoRA): peft imports it whenever it is installed. A stage that
+  loads no 4-bit model hides it (snaketune.core.qlora.hide_bitsandbytes); every other
+  process that imports peft loads it: a QLoRA run's ranks, conversion, merge and
+  evaluation, an adapter evaluated on its base, the reference and teacher workers.
+- DeepSpeed's Muon optimizer (``deepspeed.runtime.zero.muon.original_muon``): DeepSpeed
+  imports it in every ``deepspeed.initialize`` that wraps an optimizer in ZeRO (its check of
+  the supported optimizers), so every training rank of every method loaded it.
 
 ``defer_compile_at_import`` (called as snaketune loads, before any of its modules can
-import peft) has each package of ``DEFERRED`` load with ``torch.compile`` calls made when
-the compiled function is first called: the same function compiled with the same settings
-at the moment it was compiled before (its first call), TorchInductor imported only by a
-process that runs one. Nothing else changes: a module, or any other caller, compiles as it
-always did."""
+import peft or DeepSpeed) has each module of ``DEFERRED`` load with ``torch.compile`` calls
+made when the compiled function is first called: the same function compiled with the same
+settings at the moment it was compiled before (its first call), TorchInductor imported only
+by a process that runs one. Nothing else changes: a module, or any other caller, compiles as
+it always did."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import importlib.machinery
 import sys
 from typing import Any
 
-DEFERRED = ("bitsandbytes",)
+DEFERRED = ("bitsandbytes", "deepspeed.runtime.zero.muon.original_muon")
 
 
 def compiled_on_first_call(compile_):
@@ -50,7 +53,7 @@ def compiled_on_first_call(compile_):
 
 
 class _Loader(importlib.abc.Loader):
-    """The package's own loader, its module run with torch.compile deferred."""
+    """The module's own loader, the module run with torch.compile deferred."""
 
     def __init__(self, loader):
         self.loader = loader

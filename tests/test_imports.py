@@ -1,0 +1,79 @@
+"""What snaketune defers as it loads (snaketune.core.imports): the ``torch.compile`` calls that
+bitsandbytes and DeepSpeed's Muon optimizer make as they load, compiled on first call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from conftest import ENV
+
+
+def test_a_deferred_compile_compiles_the_same_function_with_the_same_settings_on_first_call():
+    """snaketune.core.imports: what bitsandbytes wraps in torch.compile as it loads is
+    compiled when first called (once, with its settings, by the real torch.compile); a
+    module is compiled at once."""
+    from snaketune.core.imports import compiled_on_first_call
+
+    made = []
+
+    def compile_(model, **settings):
+        made.append((model, settings))
+        return lambda *a, **k: ("compiled", model(*a, **k))
+
+    deferred = compiled_on_first_call(compile_)
+
+    def kernel(x, scale=1):
+        return x * scale
+
+    wrapped = deferred(kernel, dynamic=False)
+    decorated = deferred(dynamic=True)(kernel)  # the @torch.compile(...) form
+    assert made == [] and wrapped.__name__ == "kernel"
+    assert wrapped(3, scale=2) == ("compiled", 6) and wrapped(1) == ("compiled", 1)
+    assert decorated(2) == ("compiled", 2)
+    assert made == [(kernel, {"dynamic": False}), (kernel, {"dynamic": True})]
+    module = torch.nn.Linear(2, 2)
+    deferred(module, mode="max-autotune")
+    assert made[-1] == (module, {"mode": "max-autotune"})
+
+
+def test_bitsandbytes_loads_in_a_snaketune_process_without_torchinductor():
+    """peft imports bitsandbytes wherever it is not hidden; loaded after snaketune,
+    it is whole (QLoRA's layers, its kernels' wrappers) without TorchInductor, and
+    torch.compile is torch's own again afterwards."""
+    code = (
+        "import sys, snaketune, torch; real = torch.compile; import bitsandbytes as bnb; "
+        "from bitsandbytes.backends.default import ops; "
+        "print(hasattr(bnb.nn, 'Linear4bit'), callable(ops._dequantize_4bit_compute), "
+        "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=ENV).stdout  # fmt: skip
+    assert out.split() == ["True", "True", "False", "True"], out
+
+
+def test_deepspeed_s_optimizer_check_in_a_snaketune_process_loads_no_torchinductor():
+    """Every deepspeed.initialize with ZeRO checks its optimizer against the ones ZeRO
+    supports, importing DeepSpeed's Muon (which wraps its kernels in torch.compile as it
+    loads). After snaketune it is whole (the optimizer on ZeRO's list, its kernel callable)
+    without TorchInductor, and torch.compile is torch's own again; loaded before snaketune,
+    the same check imports TorchInductor (what the deferral saves a training rank)."""
+    check = (
+        "import torch; real = torch.compile; from deepspeed import comm; "
+        "comm.get_rank = lambda *a, **k: 0; "
+        "from deepspeed.runtime.zero.utils import is_zero_supported_optimizer as ok; "
+        "adamw = ok(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])); "
+        "from deepspeed.runtime.zero.muon import muon_optimizer as m, original_muon as o; "
+        "from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS as listed; "
+        "print(adamw, m.MuonWithAuxAdam in listed, callable(o.zeropower_via_newtonschulz5), "
+        "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
+    )
+    outs = {}
+    for side, code in {"deferred": f"import sys, snaketune; {check}",
+                       "as loaded": f"import sys; {check}; import snaketune"}.items():  # fmt: skip
+        # the last line: DeepSpeed prints its choice of accelerator to stdout
+        outs[side] = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    text=True, check=True, env=ENV).stdout.splitlines()[-1].split()  # fmt: skip
+    assert outs["deferred"] == ["True", "True", "True", "False", "True"], outs
+    assert outs["as loaded"][3] == "True", outs  # what the check costs without the deferral
