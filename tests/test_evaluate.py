@@ -233,3 +233,29 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo, tmp_path):
                     f"--screenshot={shot}", (demo / "results/summary.html").as_uri()],
                    capture_output=True, timeout=120, check=True)  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_lm_eval_tasks_run_without_torch_s_environment_report(demo, monkeypatch):
+    """run_tasks keeps lm-eval's results and skips the environment report lm-eval adds to
+    them (torch's collect_env: pip list, nvidia-smi, ... in subprocesses): the demo's merged
+    model scores on its task what the pipeline's evaluation recorded, the report is never
+    made, and lm-eval's own step is back in place afterwards."""
+    from lm_eval import evaluator
+    from torch.utils import collect_env
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snaketune.evaluation.lmeval import run_tasks
+
+    made = []
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", lambda: made.append(1) or "")
+    monkeypatch.chdir(demo)  # the task's data file is relative to the workflow's directory
+    merged = demo / "results/demo/merged_model"
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    settings = {"tasks": ["arith_demo"], "include_path": str(ROOT / "config/lm_eval_tasks"),
+                "num_fewshot": 0, "batch_size": 64, "apply_chat_template": True}  # fmt: skip
+    real = evaluator.add_env_info
+    figures = run_tasks(model, AutoTokenizer.from_pretrained(merged), settings)
+    recorded = json.loads((demo / "results/demo/eval/metrics.json").read_text())["lm_eval"]
+    key = "exact_match,strict-match"
+    assert figures["arith_demo"][key]["value"] == recorded["arith_demo"][key]["value"]
+    assert made == [] and evaluator.add_env_info is real

@@ -8,11 +8,14 @@ files (a task YAML with ``dataset_path: json`` or ``parquet`` and ``data_files``
 datasets cache, never from the network.
 
 Results are kept per task and per metric (lm-eval's ``metric,filter`` key), each with its
-standard error; with the base model's results the gain over base is added.
+standard error; with the base model's results the gain over base is added. Only the
+results are kept: the environment report lm-eval adds to them (torch's ``collect_env``) is
+not made (:func:`without_environment_report`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -128,19 +131,20 @@ def run_tasks(model, tokenizer, settings: dict[str, Any]) -> dict[str, Any]:
     log.info("lm-eval %s: tasks %s", lm_eval.__version__, ", ".join(settings["tasks"]))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings["batch_size"])
     chat = settings["apply_chat_template"] and tokenizer.chat_template is not None
-    output = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(settings["tasks"]),
-        task_manager=manager,
-        num_fewshot=settings.get("num_fewshot"),
-        limit=settings.get("limit"),
-        apply_chat_template=chat,
-        log_samples=False,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
+    with without_environment_report():
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(settings["tasks"]),
+            task_manager=manager,
+            num_fewshot=settings.get("num_fewshot"),
+            limit=settings.get("limit"),
+            apply_chat_template=chat,
+            log_samples=False,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
     if output is None:  # a rank past the first of a sharded model: rank 0 has the figures
         return {}
     figures = collect(output["results"])
@@ -149,6 +153,27 @@ def run_tasks(model, tokenizer, settings: dict[str, Any]) -> dict[str, Any]:
             err = "" if f["stderr"] is None else f" (stderr {f['stderr']:.4f})"
             log.info("lm-eval %s %s: %.4f%s", task, key, f["value"], err)
     return figures
+
+
+@contextlib.contextmanager
+def without_environment_report():
+    """lm-eval's ``simple_evaluate`` adds torch's environment report to its results
+    (``torch.utils.collect_env``: ``pip list`` over the environment, ``nvidia-smi``, ``lscpu``
+    and more, each a subprocess; about 2 CPU-s on 2 cores here, more on a shared file
+    system), which snaketune never reads (it keeps ``results``; the run's own record names
+    the versions: snaketune.core.provenance). Within this block lm-eval adds nothing in its
+    place; an lm-eval without that step is left as it is."""
+    from lm_eval import evaluator
+
+    real = getattr(evaluator, "add_env_info", None)
+    if real is None:
+        yield
+        return
+    evaluator.add_env_info = lambda storage: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = real
 
 
 def resolve_include_path(value: str, root: Path) -> Path | None:
