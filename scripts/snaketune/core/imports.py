@@ -2,7 +2,8 @@
 
 Two modules every stage may load wrap kernels in ``torch.compile`` as they load.
 ``torch.compile`` compiles nothing until the wrapped function runs, but each call imports
-TorchInductor: 1.5 to 2 CPU-s a process (docs/benchmarks.md).
+TorchInductor: up to 2.5 CPU-s a process here, 0.7 to 1 in a training rank, which imports
+part of it anyway (docs/benchmarks.md).
 - bitsandbytes (installed for QLoRA): peft imports it whenever it is installed. A stage that
   loads no 4-bit model hides it (snaketune.core.qlora.hide_bitsandbytes); every other
   process that imports peft loads it: a QLoRA run's ranks, conversion, merge and

@@ -159,10 +159,11 @@ def run_tasks(model, tokenizer, settings: dict[str, Any]) -> dict[str, Any]:
 def without_environment_report():
     """lm-eval's ``simple_evaluate`` adds torch's environment report to its results
     (``torch.utils.collect_env``: ``pip list`` over the environment, ``nvidia-smi``, ``lscpu``
-    and more, each a subprocess; about 2 CPU-s on 2 cores here, more on a shared file
-    system), which snaketune never reads (it keeps ``results``; the run's own record names
-    the versions: snaketune.core.provenance). Within this block lm-eval adds nothing in its
-    place; an lm-eval without that step is left as it is."""
+    and more, each a subprocess; about 1 CPU-s and 1 s of an evaluation on 2 cores here,
+    more where ``pip list`` reads a shared file system), which snaketune never reads (it
+    keeps ``results``; the run's own record names the versions: snaketune.core.provenance).
+    Within this block lm-eval adds nothing in its place; an lm-eval without that step is
+    left as it is."""
     from lm_eval import evaluator
 
     real = getattr(evaluator, "add_env_info", None)
