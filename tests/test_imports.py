@@ -10,6 +10,12 @@ import torch
 from conftest import ENV
 
 
+def stdout_of(code: str) -> str:
+    """What a fresh Python running ``code`` prints (it must exit 0)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=ENV).stdout  # fmt: skip
+
+
 def test_a_deferred_compile_compiles_the_same_function_with_the_same_settings_on_first_call():
     """snaketune.core.imports: what bitsandbytes wraps in torch.compile as it loads is
     compiled when first called (once, with its settings, by the real torch.compile); a
@@ -48,8 +54,7 @@ def test_bitsandbytes_loads_in_a_snaketune_process_without_torchinductor():
         "print(hasattr(bnb.nn, 'Linear4bit'), callable(ops._dequantize_4bit_compute), "
         "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env=ENV).stdout  # fmt: skip
+    out = stdout_of(code)
     assert out.split() == ["True", "True", "False", "True"], out
 
 
@@ -69,11 +74,9 @@ def test_deepspeed_s_optimizer_check_in_a_snaketune_process_loads_no_torchinduct
         "print(adamw, m.MuonWithAuxAdam in listed, callable(o.zeropower_via_newtonschulz5), "
         "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
     )
-    outs = {}
-    for side, code in {"deferred": f"import sys, snaketune; {check}",
-                       "as loaded": f"import sys; {check}; import snaketune"}.items():  # fmt: skip
-        # the last line: DeepSpeed prints its choice of accelerator to stdout
-        outs[side] = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                                    text=True, check=True, env=ENV).stdout.splitlines()[-1].split()  # fmt: skip
+    sides = {"deferred": f"import sys, snaketune; {check}",
+             "as loaded": f"import sys; {check}; import snaketune"}  # fmt: skip
+    # the last line of each: DeepSpeed prints its choice of accelerator to stdout first
+    outs = {side: stdout_of(code).splitlines()[-1].split() for side, code in sides.items()}
     assert outs["deferred"] == ["True", "True", "True", "False", "True"], outs
     assert outs["as loaded"][3] == "True", outs  # what the check costs without the deferral
