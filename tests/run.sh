@@ -64,9 +64,9 @@ tier_start=$SECONDS
 account() {  # the tier's figures: slowest files, CPU per file and per kind of process
   python "$here/durations.py" "$shared"/*.xml --cpu "$SNAKETUNE_CPU_LOG" \
     --tier "$tier" --wall $((SECONDS - tier_start))
-  if [ -n "${SNAKETUNE_KEEP:-}" ]; then  # the logs tests/touched.py --record reads
+  if [ -n "${SNAKETUNE_KEEP:-}" ]; then  # the logs tests/touched.py --record reads, the CPU log
     mkdir -p "$SNAKETUNE_KEEP"
-    cp "$shared"/*.xml "$SNAKETUNE_CPU_LOG".* "$SNAKETUNE_KEEP"/ 2>/dev/null
+    cp "$shared"/*.xml "$SNAKETUNE_CPU_LOG"* "$SNAKETUNE_KEEP"/ 2>/dev/null
   fi
   rm -rf "$shared"
 }
