@@ -80,3 +80,29 @@ def test_deepspeed_s_optimizer_check_in_a_snaketune_process_loads_no_torchinduct
     outs = {side: stdout_of(code).splitlines()[-1].split() for side, code in sides.items()}
     assert outs["deferred"] == ["True", "True", "True", "False", "True"], outs
     assert outs["as loaded"][3] == "True", outs  # what the check costs without the deferral
+
+
+def test_transformers_losses_load_without_scipy_and_match_on_first_call():
+    """Every process that loads a model imports transformers' losses, whose object-detection
+    matchers take scipy's linear_sum_assignment as they load. After snaketune, loading
+    transformers' models leaves scipy.optimize unloaded; each loss module's function, when
+    called, loads it and gives scipy's own assignment. Loaded before snaketune, the same
+    import loads scipy.optimize (what the deferral saves each such process)."""
+    import numpy as np
+    from scipy.optimize import linear_sum_assignment
+
+    cost = np.random.default_rng(0).random((5, 7)).round(3)
+    check = (
+        "import numpy as np, transformers.modeling_utils; "
+        "from transformers.loss import loss_for_object_detection as a, loss_rt_detr as b; "
+        "before = 'scipy.optimize' in sys.modules; "
+        f"cost = np.array({cost.tolist()}); "
+        "print(before, [x.tolist() for f in (a, b) for x in f.linear_sum_assignment(cost)])"
+    )
+    sides = {"deferred": f"import sys, snaketune; {check}",
+             "as loaded": f"import sys; {check}; import snaketune"}  # fmt: skip
+    outs = {side: stdout_of(code).splitlines()[-1] for side, code in sides.items()}
+    rows, cols = linear_sum_assignment(cost)
+    want = str([rows.tolist(), cols.tolist()] * 2)
+    assert outs["deferred"] == f"False {want}", outs
+    assert outs["as loaded"] == f"True {want}", outs  # what loading a model costs without it

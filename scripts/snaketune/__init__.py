@@ -2,11 +2,12 @@
 
 Loading it defers the ``torch.compile`` calls bitsandbytes and DeepSpeed's Muon optimizer make
 as they load to their first use (snaketune.core.imports): peft imports bitsandbytes wherever
-it is installed and not hidden, and every ``deepspeed.initialize`` with ZeRO imports Muon.
+it is installed and not hidden, and every ``deepspeed.initialize`` with ZeRO imports Muon;
+and scipy's optimizers, which transformers' object-detection losses import with every model.
 """
 
-from snaketune.core.imports import defer_compile_at_import
+from snaketune.core.imports import defer_at_import
 
 __version__ = "0.1.0"
 
-defer_compile_at_import()
+defer_at_import()

@@ -12,22 +12,37 @@ part of it anyway (docs/benchmarks.md).
   imports it in every ``deepspeed.initialize`` that wraps an optimizer in ZeRO (its check of
   the supported optimizers), so every training rank of every method loaded it.
 
-``defer_compile_at_import`` (called as snaketune loads, before any of its modules can
-import peft or DeepSpeed) has each module of ``DEFERRED`` load with ``torch.compile`` calls
-made when the compiled function is first called: the same function compiled with the same
-settings at the moment it was compiled before (its first call), TorchInductor imported only
-by a process that runs one. Nothing else changes: a module, or any other caller, compiles as
-it always did."""
+One module imports another for a function it rarely calls:
+- transformers' losses (``transformers.loss.loss_utils``, which ``transformers.modeling_utils``
+  imports, so every process that loads a model) load the object-detection losses, six of
+  which take ``linear_sum_assignment`` from ``scipy.optimize`` for the Hungarian matching of
+  DETR-like models, wherever scipy is installed (lm-eval brings it): about 0.6 CPU-s of each
+  training rank, evaluation, conversion, merge and scoring worker for a function no
+  language model calls.
+
+``defer_at_import`` (called as snaketune loads, before any of its modules can import peft,
+DeepSpeed or transformers) has each module of ``DEFERRED`` load with ``torch.compile``
+calls made when the compiled function is first called: the same function compiled with the
+same settings at the moment it was compiled before (its first call), TorchInductor imported
+only by a process that runs one; and each module of ``FUNCTIONS_ON_FIRST_CALL`` load with
+the functions it (or a module it loads) takes from the modules named there imported when
+first called (the same function, its module imported then). Nothing else changes: a module,
+or any other caller, compiles and imports as it always did."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import types
 from typing import Any
 
 DEFERRED = ("bitsandbytes", "deepspeed.runtime.zero.muon.original_muon")
+# a module -> the modules whose functions it takes (``from M import f``) as it loads
+FUNCTIONS_ON_FIRST_CALL = {"transformers.loss.loss_utils": ("scipy.optimize",)}
 
 
 def compiled_on_first_call(compile_):
@@ -53,11 +68,44 @@ def compiled_on_first_call(compile_):
     return deferred
 
 
-class _Loader(importlib.abc.Loader):
-    """The module's own loader, the module run with torch.compile deferred."""
+class FunctionsOnFirstCall(types.ModuleType):
+    """Stands in for module ``name`` while another module loads: each attribute taken from it
+    is a function that imports the real module when first called and calls its function."""
 
-    def __init__(self, loader):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        name = self.__name__
+
+        def call(*args, **kwargs):
+            return getattr(importlib.import_module(name), attr)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = attr
+        call.__module__ = name
+        return call
+
+
+@contextlib.contextmanager
+def functions_on_first_call(names: tuple[str, ...]):
+    """Within: each module of ``names`` not yet loaded is a FunctionsOnFirstCall in
+    sys.modules (the real one importable again afterwards)."""
+    standing = {n: FunctionsOnFirstCall(n) for n in names if n not in sys.modules}
+    sys.modules.update(standing)
+    try:
+        yield
+    finally:
+        for name, stand_in in standing.items():
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, the module run with torch.compile deferred (``DEFERRED``)
+    or with the functions it takes from other modules loaded on first call."""
+
+    def __init__(self, loader, functions_from: tuple[str, ...] = ()):
         self.loader = loader
+        self.functions_from = functions_from
 
     def __getattr__(self, name: str) -> Any:  # resources, is_package, get_code, ...
         return getattr(self.loader, name)
@@ -66,6 +114,10 @@ class _Loader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        if self.functions_from:
+            with functions_on_first_call(self.functions_from):
+                self.loader.exec_module(module)
+            return
         import torch
 
         real = torch.compile
@@ -78,15 +130,15 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in DEFERRED:
+        if name not in DEFERRED and name not in FUNCTIONS_ON_FIRST_CALL:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
+            spec.loader = _Loader(spec.loader, FUNCTIONS_ON_FIRST_CALL.get(name, ()))
         return spec
 
 
-def defer_compile_at_import() -> None:
-    """Install the deferral for ``DEFERRED`` (once; a package already loaded is left)."""
+def defer_at_import() -> None:
+    """Install the deferrals (once; a module already loaded is left as it is)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
