@@ -16,7 +16,7 @@ One module imports another for a function it rarely calls:
 - transformers' losses (``transformers.loss.loss_utils``, which ``transformers.modeling_utils``
   imports, so every process that loads a model) load the object-detection losses, six of
   which take ``linear_sum_assignment`` from ``scipy.optimize`` for the Hungarian matching of
-  DETR-like models, wherever scipy is installed (lm-eval brings it): about 0.6 CPU-s of each
+  DETR-like models, wherever scipy is installed (lm-eval brings it): 0.6 to 1 CPU-s of each
   training rank, evaluation, conversion, merge and scoring worker for a function no
   language model calls.
 
