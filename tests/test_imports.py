@@ -16,6 +16,14 @@ def stdout_of(code: str) -> str:
                           check=True, env=ENV).stdout  # fmt: skip
 
 
+def deferred_and_as_loaded(check: str) -> dict[str, str]:
+    """The last line ``check`` prints in a fresh Python with snaketune imported first
+    ("deferred") and last ("as loaded"); ``check`` may use ``sys``."""
+    sides = {"deferred": f"import sys, snaketune; {check}",
+             "as loaded": f"import sys; {check}; import snaketune"}  # fmt: skip
+    return {side: stdout_of(code).splitlines()[-1] for side, code in sides.items()}
+
+
 def test_a_deferred_compile_compiles_the_same_function_with_the_same_settings_on_first_call():
     """snaketune.core.imports: what bitsandbytes wraps in torch.compile as it loads is
     compiled when first called (once, with its settings, by the real torch.compile); a
@@ -74,10 +82,8 @@ def test_deepspeed_s_optimizer_check_in_a_snaketune_process_loads_no_torchinduct
         "print(adamw, m.MuonWithAuxAdam in listed, callable(o.zeropower_via_newtonschulz5), "
         "'torch._inductor.compile_fx' in sys.modules, torch.compile is real)"
     )
-    sides = {"deferred": f"import sys, snaketune; {check}",
-             "as loaded": f"import sys; {check}; import snaketune"}  # fmt: skip
     # the last line of each: DeepSpeed prints its choice of accelerator to stdout first
-    outs = {side: stdout_of(code).splitlines()[-1].split() for side, code in sides.items()}
+    outs = {side: line.split() for side, line in deferred_and_as_loaded(check).items()}
     assert outs["deferred"] == ["True", "True", "True", "False", "True"], outs
     assert outs["as loaded"][3] == "True", outs  # what the check costs without the deferral
 
@@ -99,9 +105,7 @@ def test_transformers_losses_load_without_scipy_and_match_on_first_call():
         f"cost = np.array({cost.tolist()}); "
         "print(before, [x.tolist() for f in (a, b) for x in f.linear_sum_assignment(cost)])"
     )
-    sides = {"deferred": f"import sys, snaketune; {check}",
-             "as loaded": f"import sys; {check}; import snaketune"}  # fmt: skip
-    outs = {side: stdout_of(code).splitlines()[-1] for side, code in sides.items()}
+    outs = deferred_and_as_loaded(check)
     rows, cols = linear_sum_assignment(cost)
     want = str([rows.tolist(), cols.tolist()] * 2)
     assert outs["deferred"] == f"False {want}", outs

@@ -141,6 +141,7 @@ def test_document_isolation_and_an_all_padding_slice_against_plain_transformers(
 
 
 EXAMPLES, EPOCHS, SAVE = 24, 2, 4  # 6 steps of 4 examples an epoch: 12 steps, saves 4, 8, 12
+STEPS = EXAMPLES // 4 * EPOCHS
 
 
 def _shard_and_train(tmp_path: Path, tiny_model: Path, n: int) -> tuple[dict, Path, Path]:
@@ -173,7 +174,8 @@ def split_and_unsplit(tmp_path_factory, tiny_model, fixtures_dir):
     """The packed LoRA run, fp32, micro batch 2 x accumulation 2 over 2 epochs of 24 of the
     fixture's answers (57 to 331 tokens), on 1 GPU and on 2 emulated GPUs with
     sequence_parallel 2 (the same global batch of 4, the same plan): (the folder, each run's
-    (spec, shards, results/x/train) by GPU count, each run's training steps' metrics)."""
+    (spec, shards, results/x/train) by GPU count, each run's logged rows, each run's
+    training steps' rows)."""
     from conftest import read_jsonl
     from test_tokenize import run_tokenize
 
@@ -183,16 +185,16 @@ def split_and_unsplit(tmp_path_factory, tiny_model, fixtures_dir):
     run_tokenize(tmp_path, "chosen", spec, rows, tiny_model)
     runs = {n: _shard_and_train(tmp_path, tiny_model, n) for n in (1, 2)}
     logged = {n: read_jsonl(out / "metrics.jsonl") for n, (_, _, out) in runs.items()}
-    return tmp_path, runs, logged
+    steps = {n: [m for m in rows if "loss" in m] for n, rows in logged.items()}
+    return tmp_path, runs, logged, steps
 
 
 def same(got: list[dict], want: list[dict], after: int, rel: float) -> float:
     """Every training step's loss after step ``after`` of ``got`` within ``rel`` of
     ``want``'s (each run's steps all there): the worst relative difference."""
-    steps = EXAMPLES // 4 * EPOCHS
     pairs = [(g["loss"], w["loss"]) for g, w in zip(got, want, strict=True)
              if g["step"] > after]  # fmt: skip
-    assert len(pairs) == steps - after
+    assert len(pairs) == STEPS - after
     for g, w in pairs:
         assert g == pytest.approx(w, rel=rel), (got, want)
     return max(abs(g - w) / w for g, w in pairs)
@@ -205,8 +207,7 @@ def test_two_gpus_sharing_each_sequence_train_as_one(split_and_unsplit):
     in another order, ~1e-7 measured), the same steps and epochs; the held-out pass (every
     6 steps, unsplit: the attention's split is off in eval mode) gives the same held-out
     loss."""
-    _, runs, rows = split_and_unsplit
-    metrics = {n: [m for m in rows[n] if "loss" in m] for n in rows}  # the training steps
+    _, runs, rows, metrics = split_and_unsplit
     heldout = {n: [(m["step"], m["heldout_loss"]) for m in rows[n] if "heldout_loss" in m]
                for n in rows}  # fmt: skip
     assert [s for s, _ in heldout[2]] == [s for s, _ in heldout[1]] and len(heldout[1]) >= 2
@@ -215,13 +216,12 @@ def test_two_gpus_sharing_each_sequence_train_as_one(split_and_unsplit):
     log = (runs[2][2] / "logs/attempt-1.log").read_text()
     assert "1 groups of 2 devices (sequence_parallel 2)" in log, log[-3000:]
     assert "attention sdpa_segments" in log
-    steps = EXAMPLES // 4 * EPOCHS
     for key in ("step", "epoch"):
         assert [m[key] for m in metrics[1]] == [m[key] for m in metrics[2]], key
-    assert [m["step"] for m in metrics[1]] == list(range(1, steps + 1))
+    assert [m["step"] for m in metrics[1]] == list(range(1, STEPS + 1))
     assert metrics[1][-1]["epoch"] == pytest.approx(EPOCHS)
     worst = same(metrics[2], metrics[1], 0, 1e-4)
-    print(f"{steps} steps, loss {metrics[1][0]['loss']:.4f} -> {metrics[1][-1]['loss']:.4f}; "
+    print(f"{STEPS} steps, loss {metrics[1][0]['loss']:.4f} -> {metrics[1][-1]['loss']:.4f}; "
           f"worst relative difference split against unsplit {worst:.1e}")  # fmt: skip
 
 
@@ -236,8 +236,7 @@ def test_a_split_run_resumes_exactly_and_continues_unsplit_on_one_gpu(
     topology, the global batch is kept) gives the unsplit losses (rel 1e-4)."""
     from conftest import kill_and_resume, read_jsonl, train
 
-    tmp_path, runs, rows = split_and_unsplit
-    metrics = {n: [m for m in rows[n] if "loss" in m] for n in rows}
+    tmp_path, runs, _, metrics = split_and_unsplit
     run2, shards2, out2 = runs[2]
     start, resumed = kill_and_resume(out2, tmp_path / "killed", run2, shards2, tiny_model)
     assert start == 2 * SAVE
