@@ -259,3 +259,28 @@ def test_lm_eval_tasks_run_without_torch_s_environment_report(demo, monkeypatch)
     key = "exact_match,strict-match"
     assert figures["arith_demo"][key]["value"] == recorded["arith_demo"][key]["value"]
     assert made == [] and evaluator.add_env_info is real
+
+
+def test_lm_eval_task_names_are_looked_up_again_only_when_their_files_change(tmp_path, monkeypatch):
+    """Planning an evaluation checks its lm-eval task names (an import of lm-eval's index,
+    about 1 CPU-s of every snakemake command); the answer is remembered per lm-eval version,
+    names and include path, and looked up again when a file there changes."""
+    from snaketune.evaluation import lmeval
+
+    monkeypatch.setenv("SNAKETUNE_CACHE", str(tmp_path / "cache"))
+    include = tmp_path / "tasks"
+    include.mkdir()
+    demo_task = (ROOT / "config/lm_eval_tasks/arith_demo.yaml").read_text()
+    (include / "arith_demo.yaml").write_text(demo_task)
+    (include / "two.yaml").write_text(demo_task.replace("task: arith_demo", "task: arith_two"))
+    looked_up = []
+    real = lmeval.task_manager
+    monkeypatch.setattr(lmeval, "task_manager", lambda s: looked_up.append(s) or real(s))
+    settings = {"tasks": ["arith_demo", "arith_two"], "include_path": str(include)}
+    assert lmeval.unknown_tasks(settings) == [] and len(looked_up) == 1
+    assert lmeval.unknown_tasks(settings) == [] and len(looked_up) == 1
+    assert lmeval.unknown_tasks({**settings, "tasks": ["arith_two"]}) == [] and len(looked_up) == 2
+    edited = demo_task.replace("task: arith_demo", "task: arith_two").replace("16", "8")
+    (include / "two.yaml").write_text(edited)  # an edited file: looked up again, once
+    assert lmeval.unknown_tasks(settings) == [] and len(looked_up) == 3
+    assert lmeval.unknown_tasks(settings) == [] and len(looked_up) == 3

@@ -1,6 +1,7 @@
 """What snaketune can compute again but need not: figures read off the installed
 transformers (a model counted on the meta device, the facts of a model family's class),
-which cost an import of torch and transformers (about 5 s) in a process that needs neither.
+which cost an import of torch and transformers (about 5 s) in a process that needs neither,
+and which lm-eval task names lm-eval knows (an import of its task index, about 1 s).
 Each is kept as a small JSON file keyed by what it was computed from and the installed
 transformers' version, under ``$SNAKETUNE_CACHE``, else ``$XDG_CACHE_HOME/snaketune``, else
 ``~/.cache/snaketune`` (per home directory on a cluster). A torn or foreign file is computed

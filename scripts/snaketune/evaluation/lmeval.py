@@ -16,12 +16,15 @@ not made (:func:`without_environment_report`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from snaketune.core.cache import remembered
 from snaketune.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,32 @@ def task_manager(settings: dict[str, Any]):
 
 
 def unknown_tasks(settings: dict[str, Any]) -> list[str]:
-    """The names in ``settings['tasks']`` that lm-eval (with the include path) does not know."""
-    known = task_manager(settings).all_tasks
-    return [t for t in settings["tasks"] if t not in known]
+    """The names in ``settings['tasks']`` that lm-eval (with the include path) does not know.
+    Remembered (core.cache) by lm-eval's version, the names and the include path's files
+    (names, sizes, times): importing lm-eval's task index costs about 1 CPU-s of every
+    snakemake command that plans an evaluation, a dry run's included."""
+    try:
+        version = metadata.version("lm_eval")
+    except metadata.PackageNotFoundError:
+        _import()  # the one line saying how to install it
+        raise
+    include = settings.get("include_path")
+    key = json.dumps([version, settings["tasks"], include, _files(include)])
+
+    def compute() -> list[str]:
+        known = task_manager(settings).all_tasks
+        return [t for t in settings["tasks"] if t not in known]
+
+    return remembered("lm_eval_tasks", key, compute)
+
+
+def _files(include: str | None) -> list[list]:
+    """Each file under the include path (a folder or one YAML): its path, size and time."""
+    if not include:
+        return []
+    root = Path(include)
+    paths = sorted(root.rglob("*")) if root.is_dir() else [root] if root.exists() else []
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths if p.is_file()]
 
 
 def check_tasks(config: dict[str, Any], runs: list[str]) -> list[str]:
