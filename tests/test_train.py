@@ -110,18 +110,23 @@ def _launcher(workdir: Path) -> psutil.Process:
     raise AssertionError("no train launcher running")
 
 
-def test_ctrl_c_saves_the_step_says_one_line_and_the_rerun_resumes_exactly(demo, tmp_path):
-    """Ctrl-C to the local pipeline mid-training (SIGINT to its process group, as a terminal
-    sends it): the step under way is saved (no step lost), the terminal ends with one line
-    (where it stopped, the checkpoint, how to resume) and no traceback, no process of the run
-    is left, `snaketune status` shows each state; the rerun resumes to the losses of an
-    uninterrupted run. On a copy of the finished demo without its training."""
+def test_killed_launcher_killed_rank_and_ctrl_c_each_resume_to_the_same_losses(demo, tmp_path):
+    """Three faults in one run of the local pipeline (retries: 2), then its rerun: the
+    launcher SIGKILLed takes its agents and workers with it (no orphan keeps training beside
+    the retry); a killed rank fails the job fast; Ctrl-C (SIGINT to the pipeline's process
+    group, as a terminal sends it) saves the step under way (no step lost) and the terminal
+    ends with one line (where it stopped, the checkpoint, how to resume), no traceback and no
+    process of the run left, `snaketune status` showing each state. Each retry and the rerun
+    resume; the losses are an uninterrupted run's, every step logged once. On a copy of the
+    finished demo without its training, checkpointing every 10 steps (the math is the
+    demo's), only as far as training: one training of the 192-step demo for the three."""
     work = tmp_path / "w"
     subprocess.run(["cp", "-a", str(demo), str(work)], check=True)
     shutil.rmtree(work / "results/demo/train")
     command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
                "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory",
-               str(work), "--", "results/demo/train/metrics.jsonl"]  # fmt: skip
+               str(work), "--config", "runs={'demo': {'save_steps': 10}}", "--",
+               "results/demo/train/metrics.jsonl"]  # fmt: skip
     env = {**ENV, "SNAKETUNE_PROGRESS_S": "3"}
     # as a terminal's foreground job: its own process group, SIGINT not ignored (a shell's
     # background job, as the test tiers run, would start it ignored)
@@ -134,57 +139,6 @@ def test_ctrl_c_saves_the_step_says_one_line_and_the_rerun_resumes_exactly(demo,
         return subprocess.run([str(BIN / "snaketune"), "status", str(work)], env=ENV,
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
 
-    try:
-        _wait_for(lambda: _last_step(live) >= 20, 300, "step 20")
-        running = status()
-        os.killpg(proc.pid, signal.SIGINT)
-        seen = _last_step(live)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert "  train              running, attempt 1: step " in running, running
-    assert "/192, loss " in running and "ETA" in running
-    assert proc.returncode != 0 and "Traceback" not in out, out[-5000:]
-    saved = checkpoints(work / "results/demo/train/checkpoints")[-1]
-    step = int(saved.name.split("-")[1])
-    assert step >= seen and (saved / COMPLETE).is_file()  # the step under way, saved
-    line = (f"snaketune: run demo: stopped by Ctrl-C (SIGINT); newest complete checkpoint: "
-            f"checkpoint-{step}; run the same command again to resume")  # fmt: skip
-    last = out.strip().splitlines()[-6:]  # then Snakemake's log path, time and verdict
-    assert any(x.startswith(line) for x in last), last
-    assert "snaketune: train demo: step " in out  # progress reached the terminal
-    left = [p for p in psutil.process_iter(["cmdline"])
-            if str(work) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
-    assert not left, [p.info["cmdline"] for p in left]
-    assert "  train              stopped (attempt 1): stopped by Ctrl-C (SIGINT)" in status()
-    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    got = read_jsonl(work / "results/demo/train/metrics.jsonl")
-    want = read_jsonl(demo / "results/demo/train/metrics.jsonl")
-    assert [m["step"] for m in got] == [m["step"] for m in want]
-    for g, w in zip(got, want, strict=True):
-        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
-    assert "  train              done" in status()
-
-
-def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, tmp_path):
-    """Two faults in one run of the workflow (local profile, retries: 2): the launcher killed
-    with SIGKILL takes its agents and workers with it (no orphan keeps training beside the
-    retry); then a killed rank fails the job fast. Each retry resumes; the losses are an
-    uninterrupted run's, every step logged once. On a copy of the finished demo without its
-    training (the data stages are done), checkpointing every 10 steps (the math is the
-    demo's), only as far as training."""
-    work = tmp_path / "w"
-    subprocess.run(["cp", "-a", str(demo), str(work)], check=True)
-    shutil.rmtree(work / "results/demo/train")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
-         "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory", str(work),
-         "--config", "runs={'demo': {'save_steps': 10}}", "--", "results/demo/train/metrics.jsonl"],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    live = work / "results/demo/train/checkpoints/metrics.jsonl"
     try:
         # 1. SIGKILL the launcher (what Snakemake runs) after the first checkpoint
         _wait_for(lambda: _last_step(live) >= 11, 300, "step 11")
@@ -202,19 +156,44 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
         killed = time.monotonic()
         _wait_for(lambda: not _workers(work) or _last_step(live) < 13, 90, "the job to stop")
         stopped = time.monotonic() - killed
-        out, _ = proc.communicate(timeout=600)
+        # 3. the third attempt resumes from checkpoint-10 (the rank died at 13, before the
+        # next checkpoint); Ctrl-C once it trains past step 20
+        _wait_for(lambda: _last_step(live) >= 20, 300, "step 20 of the third attempt")
+        running = status()
+        os.killpg(proc.pid, signal.SIGINT)
+        seen = _last_step(live)
+        out, _ = proc.communicate(timeout=300)
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert stopped < 60, stopped
-    assert proc.returncode == 0, out  # the rule's second retry resumed and finished
-    assert out.count("Error in rule train") == 2, out  # both failures were reported
-    log = (work / "logs/train/demo.log").read_text()  # the last attempt's
-    assert "resuming from checkpoint-10" in log
+    assert "  train              running, attempt 3: step " in running, running
+    assert "/192, loss " in running and "ETA" in running
+    assert proc.returncode != 0 and "Traceback" not in out, out[-5000:]
+    assert out.count("Error in rule train") == 3, out  # the two faults and the Ctrl-C
+    saved = checkpoints(work / "results/demo/train/checkpoints")[-1]
+    step = int(saved.name.split("-")[1])
+    assert step >= seen and (saved / COMPLETE).is_file()  # the step under way, saved
+    line = (f"snaketune: run demo: stopped by Ctrl-C (SIGINT); newest complete checkpoint: "
+            f"checkpoint-{step}; run the same command again to resume")  # fmt: skip
+    last = out.strip().splitlines()[-6:]  # then Snakemake's log path, time and verdict
+    assert any(x.startswith(line) for x in last), last
+    assert "snaketune: train demo: step " in out  # progress reached the terminal
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if str(work) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not left, [p.info["cmdline"] for p in left]
+    assert "  train              stopped (attempt 3): stopped by Ctrl-C (SIGINT)" in status()
     # the second attempt took over the lock of the SIGKILLed launcher and resumed (its own
     # log: the rule's log is the last attempt's; the terminal shows a log's error lines)
     second = (work / "results/demo/train/logs/attempt-2.log").read_text()
     assert "taking it over" in second and "is gone" in second, second[-5000:]
     assert out.count("resuming from checkpoint-10") >= 1
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    again = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, again[-4000:]
+    log = (work / "logs/train/demo.log").read_text()  # the last attempt's
+    assert f"resuming from checkpoint-{step}" in log
     assert "varlen batches" in log  # a packed run, resumed
     assert not (work / "results/demo/train/train.lock").exists()
     got = read_jsonl(work / "results/demo/train/metrics.jsonl")
@@ -223,18 +202,21 @@ def test_killed_launcher_then_killed_rank_each_resume_to_the_same_losses(demo, t
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7), g["step"]
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-9), g["step"]
-    _check_every_attempt_kept_its_log(work, log, out, victim.pid)
+    assert "  train              done" in status()
+    _check_every_attempt_kept_its_log(work, log, out + again, victim.pid, step)
 
 
-def _check_every_attempt_kept_its_log(work: Path, rule_log: str, out: str, victim: int) -> None:
-    """Three attempts (launcher SIGKILLed, a rank SIGKILLed, done): each kept its whole log
-    in results/demo/train/logs though Snakemake emptied the rule's log before each retry;
-    the first two hold what ended them, the records say how each ended, the rule's log
-    names the earlier files and ends with every outcome, and provenance lists them."""
+def _check_every_attempt_kept_its_log(
+    work: Path, rule_log: str, out: str, victim: int, stopped_at: int
+) -> None:
+    """Four attempts (launcher SIGKILLed, a rank SIGKILLed, Ctrl-C, done): each kept its
+    whole log in results/demo/train/logs though Snakemake emptied the rule's log before each
+    retry; the first three hold what ended them, the records say how each ended, the rule's
+    log names the earlier files and ends with every outcome, and provenance lists them."""
     folder = work / "results/demo/train/logs"
-    logs = {n: (folder / f"attempt-{n}.log").read_text() for n in (1, 2, 3)}
+    logs = {n: (folder / f"attempt-{n}.log").read_text() for n in (1, 2, 3, 4)}
     assert sorted(p.name for p in folder.glob("attempt-*.log")) == [
-        "attempt-1.log", "attempt-2.log", "attempt-3.log"]  # fmt: skip
+        "attempt-1.log", "attempt-2.log", "attempt-3.log", "attempt-4.log"]  # fmt: skip
     # 1: trained past checkpoint-10, then nothing: SIGKILL leaves no line of its own
     assert "checkpoint checkpoint-10 complete" in logs[1] and "step 11/" in logs[1]
     assert "attempts of run demo" not in logs[1]  # it never got to write its outcome
@@ -242,31 +224,38 @@ def _check_every_attempt_kept_its_log(work: Path, rule_log: str, out: str, victi
     assert "resuming from checkpoint-10" in logs[2]
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in logs[2], logs[2][-3000:]
     assert "training exited with code" in logs[2]
-    # 3: the rule's log is this attempt's: the attempt's file holds all of it from its start
+    # 3: resumed, then Ctrl-C: the step under way saved
+    assert "resuming from checkpoint-10" in logs[3]
+    assert f"checkpoint checkpoint-{stopped_at} complete" in logs[3], logs[3][-3000:]
+    # 4: the rule's log is this attempt's: the attempt's file holds all of it from its start
     # (anything the launcher printed before, e.g. while it imported, came before; since the
     # launcher imports no ML library, the attempt's first line opens the rule's log)
-    began = rule_log.rfind("\n", 0, rule_log.index("train attempt 3 of run demo")) + 1
-    assert rule_log[began:].strip() in logs[3] and logs[3].count("\n") > 100
+    began = rule_log.rfind("\n", 0, rule_log.index("train attempt 4 of run demo")) + 1
+    assert rule_log[began:].strip() in logs[4] and logs[4].count("\n") > 100
     records = {a["attempt"]: a for a in _attempts(folder)}
     assert "exit" not in records[1]  # killed before it could record an end
     assert records[2]["exit"] == 1
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in records[2]["reason"]
-    assert records[3]["exit"] == 0 and records[3]["reason"] == "done at step 192"
+    assert "stopped by Ctrl-C (SIGINT)" in records[3]["reason"], records[3]
+    assert records[4]["exit"] == 0 and records[4]["reason"] == "done at step 192"
     # the rule's log names the earlier files and ends with every attempt's outcome
-    assert "earlier attempts' logs" in rule_log and "attempt-1.log, attempt-2.log" in rule_log
-    tail = rule_log.strip().splitlines()[-4:]
+    assert "earlier attempts' logs" in rule_log
+    assert "attempt-1.log, attempt-2.log, attempt-3.log" in rule_log
+    tail = rule_log.strip().splitlines()[-5:]
     assert tail[0].startswith("attempts of run demo"), tail
     assert "attempt 1 (logs/attempt-1.log" in tail[1] and "ended without a record" in tail[1]
     assert "attempt 2 (logs/attempt-2.log" in tail[2] and ": exit 1: " in tail[2]
     assert "SIGKILL" in tail[2]
-    assert tail[3].endswith(": exit 0: done at step 192"), tail[3]
+    assert "attempt 3 (logs/attempt-3.log" in tail[3] and "Ctrl-C" in tail[3]
+    assert tail[4].endswith(": exit 0: done at step 192"), tail[4]
     # Snakemake's own output (the job's stderr) named each attempt's file
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 4):
         assert f"train demo: attempt {n}, its log: results/demo/train/logs/attempt-{n}.log" in out
     prov = json.loads((work / "results/demo/train/provenance.json").read_text())
-    assert [(a["attempt"], a.get("exit")) for a in prov["attempts"]] == [(1, None), (2, 1), (3, 0)]
+    assert [(a["attempt"], a.get("exit")) for a in prov["attempts"]] == [
+        (1, None), (2, 1), (3, records[3]["exit"]), (4, 0)]  # fmt: skip
     segments = read_jsonl(work / "results/demo/train/checkpoints/segments.jsonl")
-    assert [s["attempt"] for s in segments] == [2, 3]  # the SIGKILLed launcher recorded none
+    assert [s["attempt"] for s in segments] == [2, 3, 4]  # the SIGKILLed launcher recorded none
 
 
 def _attempts(folder: Path) -> list[dict]:
