@@ -64,7 +64,8 @@ def unknown_tasks(settings: dict[str, Any]) -> list[str]:
         _import()  # the one line saying how to install it
         raise
     include = settings.get("include_path")
-    key = json.dumps([version, settings["tasks"], include, _files(include)])
+    where = str(include) if include else None
+    key = json.dumps([version, list(settings["tasks"]), where, _files(where)])
 
     def compute() -> list[str]:
         known = task_manager(settings).all_tasks
