@@ -64,7 +64,7 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     }
     for m in every.values():
         if m.block is not None:
-            # libyaml's parser where PyYAML has it (0.1 CPU-s of every snakemake command)
+            # libyaml's parser where PyYAML has it (a tenth of the pure-Python one's time)
             run[m.block] = yaml.load(m.schema, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
     starters = ", ".join(name for name, m in every.items() if m.starts_from_runs)
     described = f"{run['init_from']['description']} Methods: {starters}."
