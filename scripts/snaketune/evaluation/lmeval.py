@@ -80,7 +80,8 @@ def _files(include: str | None) -> list[list]:
         return []
     root = Path(include)
     paths = sorted(root.rglob("*")) if root.is_dir() else [root] if root.exists() else []
-    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths if p.is_file()]
+    stats = [(p, p.stat()) for p in paths if p.is_file()]
+    return [[str(p), st.st_size, st.st_mtime_ns] for p, st in stats]
 
 
 def check_tasks(config: dict[str, Any], runs: list[str]) -> list[str]:

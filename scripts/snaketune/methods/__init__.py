@@ -53,6 +53,8 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     `init_from`."""
     import yaml
 
+    from snaketune.core.io import yaml_safe_loader
+
     run = schema["properties"]["runs"]["additionalProperties"]["properties"]
     every = methods()
     run["method"] = {
@@ -64,8 +66,7 @@ def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     }
     for m in every.values():
         if m.block is not None:
-            # libyaml's parser where PyYAML has it (a tenth of the pure-Python one's time)
-            run[m.block] = yaml.load(m.schema, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
+            run[m.block] = yaml.load(m.schema, Loader=yaml_safe_loader())  # noqa: S506
     starters = ", ".join(name for name, m in every.items() if m.starts_from_runs)
     described = f"{run['init_from']['description']} Methods: {starters}."
     run["init_from"] = {**run["init_from"], "description": described}

@@ -18,6 +18,7 @@ import jsonschema
 import yaml
 
 from snaketune.core.errors import ConfigError, ConfigProblems
+from snaketune.core.io import yaml_safe_loader
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.yaml")
 SCALARS = ("integer", "number", "boolean")
@@ -26,11 +27,9 @@ SCALARS = ("integer", "number", "boolean")
 WORKFLOW_ROOT = Path(__file__).resolve().parents[3]
 
 
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+class _UniqueKeyLoader(yaml_safe_loader()):
     """A safe loader that refuses a key given twice in one mapping (plain YAML keeps the
-    last one silently, so a second `runs: {demo: ...}` would replace the first). libyaml's
-    parser where PyYAML has it (a tenth of the pure-Python one's time: the schema 0.006 CPU-s
-    against 0.056, read by every snakemake command)."""
+    last one silently, so a second `runs: {demo: ...}` would replace the first)."""
 
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
