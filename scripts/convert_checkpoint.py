@@ -22,10 +22,13 @@ from snaketune.app.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
-    from snaketune.export.adapters import convert_lora
-    from snaketune.export.convert import convert_full, export_dtype
+    from snaketune.core.imports import load, loading
+
+    with loading():  # torch: no collections meanwhile
+        from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+        from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
+        from snaketune.export.adapters import convert_lora
+        from snaketune.export.convert import convert_full, export_dtype
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -68,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # a run that quantized nothing converts without bitsandbytes (peft would import it)
     hide_bitsandbytes(needs_bitsandbytes(args.base, args.trained))
+    load("transformers.modeling_utils", *(["peft"] if args.adapter == "lora" else []))
     dtype = export_dtype(args.dtype, args.probe)
     config = {"method": args.adapter, "max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"checkpoint": args.checkpoint, "trained": args.trained, "probe": args.probe,

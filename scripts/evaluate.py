@@ -126,12 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # a model saved unquantized loads without bitsandbytes: not imported (peft would, ~2 s)
     hide_bitsandbytes(args.adapter_base is not None or needs_bitsandbytes(args.model))
-    from transformers.utils import logging as hf_logging
+    from snaketune.core.imports import load, loading
 
-    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.evaluation.evaluate import evaluate, recorded_scores
-    from snaketune.evaluation.sharded import Share
-    from snaketune.methods.scorers import scorer
+    with loading():  # torch and transformers' models: no collections meanwhile
+        from transformers.utils import logging as hf_logging
+
+        from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+        from snaketune.evaluation.evaluate import evaluate, recorded_scores
+        from snaketune.evaluation.sharded import Share
+        from snaketune.methods.scorers import scorer
+
+        load("transformers.modeling_utils")  # what loading a model imports
 
     hf_logging.disable_progress_bar()
     base = json.loads(args.base_metrics.read_text()) if args.base_metrics else None

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from snaketune.app.cli import run
 from snaketune.app.fixtures import make_fixtures
+from snaketune.core.imports import load
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the agent demo's instead (config/agent_demo.yaml): tiny-agent/ and agent-demo/",
     )
     args = parser.parse_args(argv)
+    load("transformers.modeling_utils")  # the models it builds: no collections meanwhile
     if args.agent:
         from snaketune.app.agentdemo import make_agent_fixtures
 

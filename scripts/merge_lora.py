@@ -21,10 +21,13 @@ from snaketune.app.cli import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
-    from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
-    from snaketune.export.adapters import merge_lora
-    from snaketune.export.convert import export_dtype
+    from snaketune.core.imports import load, loading
+
+    with loading():  # torch: no collections meanwhile
+        from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+        from snaketune.core.qlora import hide_bitsandbytes, needs_bitsandbytes
+        from snaketune.export.adapters import merge_lora
+        from snaketune.export.convert import export_dtype
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     hide_bitsandbytes(needs_bitsandbytes(args.base, args.adapter))
+    load("transformers.modeling_utils", "peft")  # what loading the base and its adapter imports
     config = {"max_shard_size": args.max_shard_size, "dtype": args.dtype}
     inputs = {"base": args.base, "adapter": args.adapter, "probe": args.probe}
 

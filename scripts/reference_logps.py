@@ -32,7 +32,10 @@ from snaketune.evaluation.model import resolve_precision
 
 def worker(args: argparse.Namespace, parts: Path) -> int:
     """One device's share: worker RANK of WORLD_SIZE (torchrun's), its heartbeat written."""
+    from snaketune.core.imports import load
     from snaketune.train.scoring import worker as run_worker
+
+    load("transformers.modeling_utils")  # the model's loading: no collections meanwhile
 
     precision = resolve_precision(args.precision)
     quantization = None if args.quantize == "none" else {

@@ -30,7 +30,10 @@ from snaketune.evaluation.topk import compute_parts
 
 def worker(args: argparse.Namespace, parts: Path) -> int:
     """One device's share: worker RANK of WORLD_SIZE (torchrun's), its heartbeat written."""
+    from snaketune.core.imports import load
     from snaketune.train.scoring import worker as run_worker
+
+    load("transformers.modeling_utils")  # the model's loading: no collections meanwhile
 
     precision = resolve_precision(args.precision)
     attention = resolve_attention(args.attn_implementation, args.model)

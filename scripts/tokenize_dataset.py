@@ -22,6 +22,7 @@ from pathlib import Path
 
 from snaketune.app.cli import run
 from snaketune.core.errors import DataError
+from snaketune.core.imports import load
 from snaketune.core.io import atomic_paths, sha256_file
 from snaketune.core.provenance import NAME, record, write_provenance
 from snaketune.data.conversations import Source
@@ -40,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output parquet")
     parser.add_argument("--stats", required=True, help="output stats JSON (counts, provenance)")
     args = parser.parse_args(argv)
-
+    # what loading the tokenizer imports (transformers, torch), with no collections meanwhile
+    load("transformers.models.auto.tokenization_auto", "transformers.generation")
     spec = json.loads(args.spec)
     if len(args.data) != len(spec["sources"]):
         raise SystemExit(f"--data has {len(args.data)} files for {len(spec['sources'])} sources")

@@ -120,6 +120,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> int:
+    from snaketune.core.imports import load, loading
     from snaketune.core.job import Job
     from snaketune.core.qlora import hide_bitsandbytes
     from snaketune.plan.runspec import RunSpec
@@ -127,7 +128,10 @@ def worker(args: argparse.Namespace) -> int:
     job = Job.read(args.job)  # the one read of the job's settings
     spec = RunSpec.of(job.spec)  # resolved once, passed on
     hide_bitsandbytes(spec.quantization is not None)  # before peft is imported
-    from snaketune.train.worker import run_worker
+    with loading():  # torch, transformers, peft, TRL, DeepSpeed: no collections meanwhile
+        from snaketune.train.worker import run_worker
+
+        load("deepspeed", "datasets")  # every rank's join and trainer import them
 
     ids_log = None
     if job.ids_dir:

@@ -1,8 +1,10 @@
 """What snaketune defers as it loads (snaketune.core.imports): the ``torch.compile`` calls that
-bitsandbytes and DeepSpeed's Muon optimizer make as they load, compiled on first call."""
+bitsandbytes and DeepSpeed's Muon optimizer make as they load, compiled on first call; and
+Python's garbage collector while an entry script loads its modules."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -110,3 +112,65 @@ def test_transformers_losses_load_without_scipy_and_match_on_first_call():
     want = str([rows.tolist(), cols.tolist()] * 2)
     assert outs["deferred"] == f"False {want}", outs
     assert outs["as loaded"] == f"True {want}", outs  # what loading a model costs without it
+
+
+LOADING = """
+import gc, json, sys, weakref
+from snaketune.core.imports import load, loading
+
+sys.path.insert(0, sys.argv[1])
+full = lambda: gc.get_stats()[2]["collections"]
+out = {}
+before = full()
+import heavy_a  # as Python loads it
+out["full collections, collecting"] = full() - before
+before, frozen = full(), gc.get_freeze_count()
+load("heavy_b")
+out["full collections, loading"] = full() - before
+out["frozen"] = gc.get_freeze_count() - frozen
+out["on after"] = gc.isenabled()
+out["garbage of the load kept, frozen"] = sys.modules["heavy_b"].CYCLE() is not None
+cycle = [None]
+cycle[0] = cycle
+ref = weakref.ref(type("Made", (), {"cycle": cycle}))  # a class is in a cycle of its own
+out["garbage made after collected"] = gc.collect() > 0 and ref() is None
+try:
+    with loading():
+        raise KeyError("x")
+except KeyError:
+    out["on after a raise"] = gc.isenabled()
+gc.disable()
+with loading():
+    import heavy_c
+out["off stays off"] = not gc.isenabled()
+gc.enable()
+print(json.dumps(out))
+"""
+HEAVY = """
+import weakref
+ROWS = [[i] for i in range(300_000)]  # live (kept by the module), each a tracked object
+class Node:
+    pass
+node = Node()
+node.me = node  # garbage once the name goes: only a collection frees it
+CYCLE = weakref.ref(node)
+del node
+"""
+
+
+def test_the_collector_is_off_while_an_entry_script_loads_and_what_stays_is_frozen(tmp_path):
+    """snaketune.core.imports.loading/load: a module that makes 300,000 objects as it loads
+    runs full collections as Python loads it, none under ``load`` (what it made frozen,
+    its garbage with it); the collector is on after, also after a raise, and collects what
+    is made after; where it was off, it stays off."""
+    for name in ("heavy_a", "heavy_b", "heavy_c"):
+        (tmp_path / f"{name}.py").write_text(HEAVY)
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING)
+    out = json.loads(subprocess.run([sys.executable, str(script), str(tmp_path)], check=True,
+                                    capture_output=True, text=True, env=ENV).stdout)  # fmt: skip
+    assert out["full collections, collecting"] >= 2, out  # the module does trigger them
+    assert out["full collections, loading"] == 0, out
+    assert out["frozen"] >= 300_000, out
+    assert out["on after"] and out["on after a raise"] and out["off stays off"], out
+    assert out["garbage of the load kept, frozen"] and out["garbage made after collected"], out

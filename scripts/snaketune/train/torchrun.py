@@ -39,8 +39,11 @@ class StoreGoneAtShutdown(logging.Filter):
 
 def quiet_torchrun() -> int:
     """torchrun's main, a stop by a signal an exit code, its shutdown warning explained."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
+    from snaketune.core.imports import loading
+
+    with loading():  # torch's: no collections meanwhile
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.run import main
 
     logging.getLogger(RENDEZVOUS_LOGGER).addFilter(StoreGoneAtShutdown())
     try:
