@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -249,6 +250,16 @@ class FixtureNames:
 
 def pytest_configure(config) -> None:
     config.pluginmanager.register(FixtureNames(), "snaketune-fixture-names")
+    # What snaketune.core.imports.loading does for an entry script, for this process: the
+    # collector off while collection imports the test modules (torch, transformers, ...),
+    # then what they made frozen, out of the session's later collections
+    gc.disable()
+
+
+def pytest_collection_finish(session) -> None:
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
