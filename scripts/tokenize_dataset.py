@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stats", required=True, help="output stats JSON (counts, provenance)")
     args = parser.parse_args(argv)
     # what loading the tokenizer imports (transformers, torch), with no collections meanwhile
-    load("transformers.models.auto.tokenization_auto", "transformers.generation")
+    load("transformers.models.auto.tokenization_auto")
     spec = json.loads(args.spec)
     if len(args.data) != len(spec["sources"]):
         raise SystemExit(f"--data has {len(args.data)} files for {len(spec['sources'])} sources")
