@@ -30,6 +30,7 @@ from snaketune.app.plots import training_svg
 from snaketune.app.summary import summary_row
 from snaketune.core.heldout import split_rows
 from snaketune.data.batches import PlanBatches
+from snaketune.methods import method_named
 from snaketune.methods.rewards import correctness, format_reward
 from snaketune.methods.rollout_trainer import group_batches
 from snaketune.methods.rollouts import step_fields
@@ -150,9 +151,10 @@ def test_grpo_after_sft_learns_on_two_nodes(grpo_chain):
     assert [m["step"] for m in held] == [0, 80, 160, 240, 320]
     assert held[0]["heldout_exact_match"] == pytest.approx(sft["exact_match"], abs=1e-9)
     assert held[-1]["heldout_exact_match"] == pytest.approx(rl["exact_match"], abs=1e-9)
-    # ... and the report draws them over the reward curve
+    # ... and the report draws them over the reward curve (GRPO's panel, as scripts/report.py)
     assert 'id="heldout_exact_match"' in training_svg(
-        read_jsonl(w / "results/rl_demo/train/metrics.jsonl"), "rl_demo", None)  # fmt: skip
+        read_jsonl(w / "results/rl_demo/train/metrics.jsonl"), "rl_demo", None,
+        panel=method_named("grpo").panel)  # fmt: skip
     # the GRPO run trained from the SFT run's merged model, and made its own
     assert (w / "results/rl_demo/lora_adapters").is_dir()
     assert (w / "results/rl_demo/merged_model/config.json").is_file()

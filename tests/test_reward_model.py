@@ -400,7 +400,7 @@ def test_the_demo_reward_model_ranks_held_out_pairs_it_started_at_chance_on(rewa
     assert float(values["preference_accuracy"]) == pytest.approx(got["preference_accuracy"])
     assert float(values["gain_preference_accuracy"]) > 0.2
     html = (w / "results/summary.html").read_text()  # the report: pairs, not generations
-    assert "preference accuracy (score ranks chosen first)" in html
+    assert "preference accuracy (chosen ranked first)" in html
     assert "ranked right: the chosen response scored higher" in html
 
 
