@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import json
 import os
@@ -248,18 +247,21 @@ class FixtureNames:
             os.environ["SNAKETUNE_TEST"] = ENV["SNAKETUNE_TEST"] = before
 
 
+# snaketune.core.imports.loading for this process, from configure to the end of collection:
+# the collector off while collection imports the test modules (torch, transformers, ...),
+# then what they made frozen, out of the session's later collections
+COLLECTING = contextlib.ExitStack()
+
+
 def pytest_configure(config) -> None:
+    from snaketune.core.imports import loading
+
     config.pluginmanager.register(FixtureNames(), "snaketune-fixture-names")
-    # What snaketune.core.imports.loading does for an entry script, for this process: the
-    # collector off while collection imports the test modules (torch, transformers, ...),
-    # then what they made frozen, out of the session's later collections
-    gc.disable()
+    COLLECTING.enter_context(loading())
 
 
 def pytest_collection_finish(session) -> None:
-    if not gc.isenabled():
-        gc.freeze()
-        gc.enable()
+    COLLECTING.close()
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
