@@ -29,7 +29,8 @@
 #   - the rest, the quick tier and the held-out passes among them.
 # SNAKETUNE_TIER tells the fixtures which tier runs: "ci" trains the chains short
 # (conftest.CI_RUNS). SNAKETUNE_KEEP=DIR keeps the tier's logs there (tests/touched.py
-# --record DIR writes the map of what each test loads). Extra arguments go to pytest.
+# --record DIR writes the map of what each test loads). Extra arguments go to pytest; tests
+# named among them run in one pytest run, not four.
 set -uo pipefail
 tier=${1:-all}
 shift || true
@@ -82,9 +83,18 @@ case "$tier" in
     ;;
 esac
 
-if [ "$tier" = quick ] || [ "$tier" = bench ]; then
+# Tests named among the extra arguments (a file, a test id) run once, in one pytest run with
+# the tier's marks: given to each of the four side-by-side runs below, each would run them
+# at the same time as the others (two SLURM tests at once cancel each other's jobs).
+named=
+for arg in "$@"; do
+  case "$arg" in
+    tests/* | *::* | *.py) named=1 ;;
+  esac
+done
+if [ "$tier" = quick ] || [ "$tier" = bench ] || [ -n "$named" ]; then
   files=()
-  [ "$tier" = bench ] && files=(tests/test_bench.py)
+  [ "$tier" = bench ] && [ -z "$named" ] && files=(tests/test_bench.py)
   pytest "${files[@]}" -m "$marks" --junitxml="$shared/$tier.xml" "$@"
   status=$?
   account
