@@ -80,9 +80,9 @@ def test_a_failed_job_is_one_line_with_its_log_and_the_log_s_error_lines(tmp_pat
     quiet = tmp_path / "quiet.log"
     quiet.write_text("".join(f"line {i}\n" for i in range(40)))
 
-    def error(jobid, rule, logs):
+    def error(jobid, rule, logs, reason=None):
         return record(f"Error in rule {rule}, jobid: {jobid}", level=logging.ERROR,
-                      event="job_error", rule_name=rule, rule_msg=None, jobid=jobid,
+                      event="job_error", rule_name=rule, rule_msg=reason, jobid=jobid,
                       input=[], output=[], log=[str(p) for p in logs], conda_env=None,
                       container_img=None, aux={}, indent=False, shellcmd="python x")  # fmt: skip
 
@@ -96,6 +96,13 @@ def test_a_failed_job_is_one_line_with_its_log_and_the_log_s_error_lines(tmp_pat
     lines = shown(handler(), error(6, "report", [quiet]))
     assert lines[1:] == [f"    line {i}" for i in range(32, 40)]  # no error line: its end
     assert len(shown(handler(show_failed_logs=False), error(6, "report", [quiet]))) == 1
+    # the executor's reason (the SLURM plugin's words for a job the cluster ended), one line
+    slurm = ("SLURM-job '242' failed, SLURM status is: 'OUT_OF_MEMORY'. Detailed failure reason\n"
+             "unavailable (status command is not 'sacct').")  # fmt: skip
+    lines = shown(handler(), error(7, "train", [crash], slurm))
+    assert lines[1:] == ["    SLURM-job '242' failed, SLURM status is: 'OUT_OF_MEMORY'. Detailed "
+                         "failure reason unavailable (status command is not 'sacct').",
+                         "    RuntimeError: CUDA out of memory"], lines  # fmt: skip
 
 
 def test_a_dry_run_keeps_snakemake_s_blocks_with_the_reason_cut_and_p_keeps_it_whole():

@@ -190,4 +190,11 @@ class LogHandler(LogHandlerBase):
             f"{now} Error in rule {record.rule_name}: {wildcards + ', ' if wildcards else ''}"
             f"job {record.jobid}{where}{aux}"
         )
-        return [head, *(log_excerpt(logs) if self.common_settings.show_failed_logs else [])]
+        # the executor's reason, where it gives one (SLURM: "SLURM-job '242' failed, SLURM status
+        # is: 'OUT_OF_MEMORY'"): what the job's own log cannot say
+        reason = " ".join(str(getattr(record, "rule_msg", None) or "").split())
+        return [
+            head,
+            *([f"    {reason}"] if reason else []),
+            *(log_excerpt(logs) if self.common_settings.show_failed_logs else []),
+        ]
