@@ -89,6 +89,7 @@ esac
 named=
 for arg in "$@"; do
   case "$arg" in
+    -*) ;;  # an option (--ignore=tests/x.py names no test to run)
     tests/* | *::* | *.py) named=1 ;;
   esac
 done
