@@ -99,6 +99,7 @@ wildcard_constraints:
     sweep=NAME_PATTERN,
     key=KEY_PATTERN,
     ref=REF_PATTERN,
+    part=PART_PATTERN,
     export="hf|lora_adapters",
 
 

@@ -49,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="balance each step's tokens across ranks for packed training (default on)",
     )
+    parser.add_argument(
+        "--pads-unpackable",
+        action="store_true",
+        help="packing: auto: a model that cannot be packed is trained padded, not refused",
+    )
     parser.add_argument("--model", help="the run's model directory (checked for packing)")
     parser.add_argument(
         "--attn-implementation", default="auto", help="the run's attention (packing check)"
@@ -61,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layout = Layout(args.nodes, args.gpus_per_node, args.micro_batch_size,
                     args.gradient_accumulation_steps, args.sequence_parallel)  # fmt: skip
-    if args.packing and args.model:
+    if args.packing and args.model and not args.pads_unpackable:
         check_packing(
             args.model, expected_attention(args.attn_implementation, args.model), f"runs.{args.run}"
         )

@@ -5,7 +5,11 @@
         --out results/tokenized/KEY/data.parquet --stats results/tokenized/KEY/stats.json
 
 Writes data.parquet, stats.json and provenance.json beside them, all three renamed into
-place once complete.
+place once complete. A set of many rows is rendered and encoded by as many worker
+processes as the job has threads (RAYON_NUM_THREADS; snaketune.data.tokenization). With
+``--part 00003-of-00008`` (rule tokenize_part: a dataset with ``parts: 8``) it tokenizes
+only that part of the sources' rows (snaketune.core.parts), into part-00003-of-00008.parquet,
+its .stats.json and its .provenance.json.
 
 --spec is the tokenize spec the workflow computes (snaketune.plan.stages.tokenize_spec); --data
 gives one parquet per source of the spec, in its order. Streams in batches.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +29,7 @@ from snaketune.app.cli import run
 from snaketune.core.errors import DataError
 from snaketune.core.imports import load
 from snaketune.core.io import atomic_paths, sha256_file
+from snaketune.core.parts import parse_part
 from snaketune.core.provenance import NAME, record, write_provenance
 from snaketune.data.conversations import Source
 from snaketune.data.tokenization import tokenize
@@ -40,7 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="model directory (tokenizer files)")
     parser.add_argument("--out", required=True, help="output parquet")
     parser.add_argument("--stats", required=True, help="output stats JSON (counts, provenance)")
+    parser.add_argument(
+        "--part", help="only this part of the rows, PART-of-PARTS (e.g. 00003-of-00008)"
+    )
     args = parser.parse_args(argv)
+    part = parse_part(args.part) if args.part else None
     # what loading the tokenizer imports (transformers, torch), with no collections meanwhile
     load("transformers.models.auto.tokenization_auto")
     spec = json.loads(args.spec)
@@ -53,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     template = spec["chat_template"]
     template_text = Path(template["path"]).read_text(encoding="utf-8") if template else None
     out = Path(args.out)
-    with atomic_paths(out, args.stats, out.parent / NAME) as (tmp, tmp_stats, tmp_prov):
+    provenance = out.with_suffix(".provenance.json") if part else out.parent / NAME
+    with atomic_paths(out, args.stats, provenance) as (tmp, tmp_stats, tmp_prov):
         try:
             stats = tokenize(
                 sources,
@@ -63,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spec["overlong"],
                 template_text,
                 model_name=spec["model"],
+                part=part,
+                workers=int(os.environ.get("RAYON_NUM_THREADS", "1")),  # the job's threads
             )
         except DataError as exc:
             if str(exc).startswith(("models.", "datasets.")):
@@ -72,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **dataclasses.asdict(stats),
             "max_length": spec["max_length"],
             "overlong": spec["overlong"],
+            **({"part": args.part} if part else {}),
         }
         tmp_stats.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         inputs = {f"data_{s.name}": s.path for s in sources}
@@ -79,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if template:
             inputs["chat_template"] = template["path"]
         names = {out.name: tmp, Path(args.stats).name: tmp_stats}
-        prov = record("tokenize_dataset", out.parent, spec, inputs,
+        stage = "tokenize_part" if part else "tokenize_dataset"
+        prov = record(stage, out.parent, spec, inputs,
                       {n: sha256_file(t) for n, t in names.items()})  # fmt: skip
         write_provenance(tmp_prov, prov)
     return 0

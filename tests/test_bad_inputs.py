@@ -380,7 +380,7 @@ JOBS = [
     Case("model-cannot-take-packed-sequences", "model", tiny_copy("nopack", as_bloom),
          "error: runs.nopack.packing: nopack cannot train on packed sequences with eager "
          "attention (BloomForCausalLM takes no position_ids, so positions cannot restart per "
-         "example); set packing: false", "shard_dataset"),
+         "example); set packing: auto (trains it padded) or false", "shard_dataset"),
     Case("model-without-tokenizer", "model", tiny_copy("notok", no_tokenizer),
          "error: models.notok: resources/models/notok: cannot load its tokenizer",
          "tokenize_dataset"),

@@ -12,6 +12,7 @@ from conftest import ROOT
 
 from snaketune.core.errors import ConfigError
 from snaketune.plan.config import load_yaml, validate_config
+from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import run_tokenize_spec, tokenize_key
 
 SHIPPED = [ROOT / "config" / "config.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
@@ -59,10 +60,11 @@ def test_a_config_without_packing_keys_trains_packed_with_automatic_kernels(demo
         demo["runs"]["demo"].pop(key, None)
     run = validate_config(demo, ROOT)["runs"]["demo"]
     assert (run["packing"], run["attn_implementation"], run["liger_kernel"]) == (
-        True,
+        "auto",
         "auto",
         "auto",
     )
+    assert RunSpec.of(run).balances_tokens  # auto plans its steps balanced, as packing does
 
 
 def test_numbers_from_the_command_line_are_read(demo):
@@ -162,7 +164,7 @@ BAD = [
     ),
     (
         _set("datasets.gsm8k_demo.format", "sharegpt"),
-        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages', 'preference', 'labelled']",
+        "datasets.gsm8k_demo.format: 'sharegpt' is not one of ['prompt_response', 'alpaca', 'messages', 'preference', 'labelled', 'text']",
     ),
     (_delete("datasets.gsm8k_demo.format"), "datasets.gsm8k_demo: missing required key 'format'"),
     (
@@ -189,6 +191,17 @@ BAD = [
         "datasets.mix.mixture.0.weight: 0 is less than or equal to the minimum of 0",
     ),
     (_set("runs.demo.method", "full"), "runs.demo.lora: only for method lora"),
+    (
+        _set("datasets.gsm8k_demo.format", "text"),
+        "datasets.gsm8k_demo.columns.prompt: not a field of format 'text' (fields: text)",
+    ),
+    (
+        _set(
+            "datasets.doc", {"source": "local", "path": "d", "format": "text", "system_prompt": ""}
+        ),
+        "datasets.doc.system_prompt: not used by format text",
+    ),
+    (_set("runs.demo.packing", "yes"), "runs.demo.packing: 'yes' is not valid"),
 ]
 
 

@@ -65,8 +65,6 @@ def matrix(names: tuple[str, ...], out: Path) -> dict:
             "save_steps": 4,
             "eval": {"limit": 8, "batch_size": 8, "max_new_tokens": 8},
         }
-        if "linear_attention" in json.dumps(FAMILIES[name].fields):  # its state crosses rows
-            config["runs"][key]["packing"] = False
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -150,6 +148,11 @@ def test_each_family_trains_on_its_own_template_and_exports_a_model_that_generat
     steps = [
         json.loads(line) for line in (results / "train/metrics.jsonl").read_text().splitlines()
     ]
+    # the schema's packing: auto pads a model whose layers carry state across examples
+    log = (results / "train/logs/attempt-1.log").read_text()
+    padded = "linear_attention" in json.dumps(FAMILIES[family].fields)
+    assert log.count(f"runs.{run}.packing: auto") == 1, run
+    assert (f"runs.{run}.packing: auto -> padded" in log) == padded, run
     assert [s["step"] for s in steps] == list(range(1, 9))
     logs = (workdir / "logs/tokenize_dataset").glob(f"*__{run}__*.log")
     assert "assistant tokens found by" in "".join(p.read_text() for p in logs)
@@ -224,9 +227,10 @@ def test_the_plan_counts_each_family_as_transformers_builds_it(family, tmp_path)
 
 
 def test_packing_a_model_no_attention_can_pack_is_refused_before_anything_runs(tmp_path):
-    """Qwen3.5's linear-attention layers carry state across packed examples: a run that
-    packs it (the schema's default) is refused by the dry run's check, before tokenize, with
-    the key and the fix (it had been refused by the shard job, after tokenizing)."""
+    """Qwen3.5's linear-attention layers carry state across packed examples: at the
+    schema's default (packing: auto) its run is planned (the train job pads it and says so,
+    test_each_family_trains_...); a run that asks for packing (``true``) is refused by the
+    dry run's check, before tokenize, with the key and the fix."""
     build("qwen3.5", ["What is 1 plus 2? 3"] * 8, tmp_path / "models/q")
     (tmp_path / "data").mkdir()
     row = {"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}
@@ -239,16 +243,18 @@ def test_packing_a_model_no_attention_can_pack_is_refused_before_anything_runs(t
         "datasets": {"d": {"source": "local", "path": "data/train.jsonl", "format": "messages"}},
         "runs": {"sft": run},
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = snakemake("-n", "--configfile", str(tmp_path / "config.yaml"), "--directory",
-                     str(tmp_path), check=False)  # fmt: skip
+
+    def dry_run():
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+        return snakemake("-n", "--configfile", str(tmp_path / "config.yaml"), "--directory",
+                         str(tmp_path), check=False)  # fmt: skip
+
+    proc = dry_run()
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]  # the defaults: planned
+    config["runs"]["sft"]["packing"] = True
+    proc = dry_run()
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert ("error: runs.sft.packing: model q cannot train on packed sequences "
             "(Qwen3_5ForCausalLM has linear_attention layers") in out, out[-3000:]  # fmt: skip
-    assert "set packing: false" in out and not (tmp_path / "results").exists()
-    config["runs"]["sft"]["packing"] = False
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = snakemake("-n", "--configfile", str(tmp_path / "config.yaml"), "--directory",
-                     str(tmp_path), check=False)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]  # not packed: planned
+    assert "set packing: auto" in out and not (tmp_path / "results").exists()

@@ -280,7 +280,7 @@ def test_a_model_that_cannot_pack_is_refused_with_the_fix(tmp_path):
     assert str(info.value) == (
         f"runs.demo.packing: {tmp_path.name} cannot train on packed sequences with sdpa "
         "attention (BloomForCausalLM takes no position_ids, so positions cannot restart per "
-        "example); set packing: false"
+        "example); set packing: auto (trains it padded) or false"
     )
 
 

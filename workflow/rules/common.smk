@@ -13,6 +13,7 @@ from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
+from snaketune.core.parts import PART_PATTERN  # a set's part: 00003-of-00008
 
 # Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
 SCRIPTS = Path(workflow.basedir) / "scripts"
@@ -45,7 +46,7 @@ def model_spec(wildcards):
 
 
 def dataset_spec(wildcards):
-    return stages.as_json(config["datasets"][wildcards.dataset])
+    return stages.as_json(stages.download_spec(config["datasets"][wildcards.dataset]))
 
 
 def model_source(wildcards):
@@ -65,6 +66,14 @@ def tokenize_inputs(wildcards):
 
 def tokenize_spec(wildcards):
     return stages.as_json(TOKENIZE[wildcards.key])
+
+
+def index_inputs(wildcards):
+    spec = TOKENIZE[wildcards.key]
+    return {
+        "parts": stages.part_paths(spec),
+        "model": f"resources/models/{spec['model']}",
+    }
 
 
 def run_tokenized(wildcards):
@@ -378,6 +387,10 @@ def eval_metric_inputs(wildcards):
 
 def base_eval_model(wildcards):
     return f"resources/models/{TOKENIZE[wildcards.key]['model']}"
+
+
+def base_eval_set(wildcards):
+    return stages.tokenized_set(TOKENIZE[wildcards.key])
 
 
 def base_eval_settings(wildcards):

@@ -27,6 +27,58 @@ rule tokenize_dataset:
         " --stats {output.stats} > {log} 2>&1"
 
 
+# A dataset with parts: N (snaketune.core.parts): N jobs of the same script, each on its own
+# rows, and their index; the stages read the parts through the index, where they are.
+rule tokenize_part:
+    input:
+        unpack(tokenize_inputs),
+        script=f"{SCRIPTS}/tokenize_dataset.py",
+    output:
+        data="results/tokenized/{key}/part-{part}.parquet",
+        stats="results/tokenized/{key}/part-{part}.stats.json",
+        provenance="results/tokenized/{key}/part-{part}.provenance.json",
+    log:
+        "logs/tokenize_part/{key}/{part}.log",
+    benchmark:
+        "benchmarks/tokenize_part/{key}/{part}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    threads: 8
+    resources:
+        mem_mb=8000,
+        runtime=240,
+    params:
+        spec=tokenize_spec,
+    shell:
+        "RAYON_NUM_THREADS={threads} python {input.script} --spec {params.spec:q}"
+        " --part {wildcards.part} --data {input.data} --model {input.model}"
+        " --out {output.data} --stats {output.stats} > {log} 2>&1"
+
+
+rule index_parts:
+    input:
+        unpack(index_inputs),
+        script=f"{SCRIPTS}/index_parts.py",
+    output:
+        index="results/tokenized/{key}/parts.json",
+        provenance="results/tokenized/{key}/parts.provenance.json",
+    log:
+        "logs/index_parts/{key}.log",
+    benchmark:
+        "benchmarks/index_parts/{key}.tsv"
+    localrule: True
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    params:
+        spec=tokenize_spec,
+    shell:
+        "python {input.script} --spec {params.spec:q} --model {input.model}"
+        " --parts {input.parts} --out {output.index} > {log} 2>&1"
+
+
 rule shard_dataset:
     input:
         unpack(shard_inputs),

@@ -5,7 +5,7 @@ rule evaluate_base:
     input:
         script=f"{SCRIPTS}/evaluate.py",
         model=base_eval_model,
-        eval="results/tokenized/{key}/data.parquet",
+        eval=base_eval_set,
     output:
         metrics="results/base_eval/{key}/metrics.json",
         samples="results/base_eval/{key}/samples.jsonl",

@@ -67,7 +67,7 @@ def at_parse(
     from snaketune.core.io import check_writable
     from snaketune.plan.config import check_local_sources, validate_config
     from snaketune.plan.schema import check_config_files
-    from snaketune.plan.stages import base_evaluations, tokenize_jobs
+    from snaketune.plan.stages import base_evaluations, parts_notes, tokenize_jobs
     from snaketune.plan.topology import adapt_accumulation
 
     check_config_files(list(config_files))
@@ -90,7 +90,8 @@ def at_parse(
     if lines or other:
         raise ConfigProblems(lines, other)
     notes = adapt_accumulation(config, workdir / "results")
-    return Parsed(notes, tokenize_jobs(config), base_evaluations(config), read)
+    jobs = tokenize_jobs(config)
+    return Parsed(notes + parts_notes(jobs), jobs, base_evaluations(config), read)
 
 
 def check_dataset_heads(

@@ -63,13 +63,12 @@ def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | No
 
 def examples_of(config: dict[str, Any], name: str, workdir: Path) -> tuple[int | None, str]:
     """A run's training examples and where the count comes from."""
-    import pyarrow.parquet as pq
-
+    from snaketune.core import parts
     from snaketune.plan.stages import tokenized
 
     path = workdir / tokenized(config, name)
-    if path.is_file():
-        return pq.ParquetFile(path).metadata.num_rows, "the tokenized set"
+    if parts.exists(path):
+        return parts.num_rows(path), "the tokenized set"
     rows = source_rows(config, config["runs"][name]["dataset"], workdir)
     return rows, "about, from the source rows (tokenization may drop overlong ones)"
 
@@ -184,14 +183,13 @@ def tokens_per_step(
 ) -> tuple[float, float] | None:
     """Real tokens of one optimizer step and the sum of its examples' squared lengths (the
     attention's share of the FLOPs), from the tokenized set's lengths (None before it)."""
-    import pyarrow.parquet as pq
-
+    from snaketune.core import parts
     from snaketune.plan.stages import tokenized
 
     path = workdir / tokenized(config, name)
-    if not path.is_file():
+    if not parts.exists(path):
         return None
-    lengths = pq.read_table(path, columns=["length"]).column("length").to_numpy()
+    lengths = parts.read_table(path, ["length"]).column("length").to_numpy()
     if not len(lengths):
         return None
     mean, square = float(lengths.mean()), float((lengths.astype(float) ** 2).mean())

@@ -354,14 +354,14 @@ def model_problems(
     attention implementation can pack it (linear attention, no position ids), tools where
     its chat template's calls cannot be parsed."""
     found = []
-    if run.get("packing") and config_json is not None:
+    if run.get("packing") is True and config_json is not None:  # auto pads such a model
         from snaketune.data.kernels import unpackable
 
         why = unpackable(json.loads(config_json.read_text()))
         if why:
             found.append(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
-                f"sequences ({why}); set packing: false"
+                f"sequences ({why}); set packing: auto (trains it padded) or false"
             )
     from snaketune.methods.tooluse import calls_tools, template_problem
 

@@ -260,6 +260,7 @@ def shared_stages(
     """The stages the runs share, once each and only where their outputs are not there yet:
     a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (every row at
     max_length: at most)."""
+    from snaketune.core import parts as tokenized_set
     from snaketune.plan.stages import tokenized
 
     out: dict[str, dict[str, Any]] = {}
@@ -279,7 +280,7 @@ def shared_stages(
             sets[run["eval_dataset"]] = tokenized(config, name, eval_set=True)
         for dataset, path in sets.items():
             key = f"tokenize_dataset {Path(path).parent.name}"
-            if key not in out and not (workdir / path).is_file():
+            if key not in out and not tokenized_set.exists(workdir / path):
                 out[key] = tokenize_cost(config, dataset, run["max_length"], workdir)
     return out
 

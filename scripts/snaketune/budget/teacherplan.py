@@ -48,16 +48,15 @@ def tokens(config: dict[str, Any], name: str, workdir: Path) -> float | None:
     """The tokens the teacher stage reads (the training set and the eval set, at most: every
     token counted as a label) from the tokenized sets' lengths (None before they are
     tokenized)."""
-    import pyarrow.parquet as pq
-
+    from snaketune.core import parts
     from snaketune.plan.stages import tokenized
 
     run, total = config["runs"][name], 0.0
     for eval_set in (False, True) if "eval_dataset" in run else (False,):
         path = workdir / tokenized(config, name, eval_set)
-        if not path.is_file():
+        if not parts.exists(path):
             return None
-        total += float(pq.read_table(path, columns=["length"]).column("length").to_numpy().sum())
+        total += float(parts.read_table(path, ["length"]).column("length").to_numpy().sum())
     return total
 
 

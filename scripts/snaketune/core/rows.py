@@ -24,3 +24,15 @@ def prompt_and_answer(input_ids: Sequence[int], labels: Sequence[int]) -> tuple[
 def pad_id(tokenizer: Any) -> int:
     """The id to pad with: the tokenizer's pad token, else its end-of-sequence token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def with_labels(table: Any) -> Any:
+    """A tokenized table (pyarrow) with every row's labels: a text row stores none (null:
+    every token is trained, snaketune.data.text), so its labels are its input ids."""
+    if "labels" not in table.column_names or table.column("labels").null_count == 0:
+        return table
+    import pyarrow.compute as pc
+
+    labels = table.column("labels")
+    filled = pc.if_else(pc.is_null(labels), table.column("input_ids"), labels)
+    return table.set_column(table.column_names.index("labels"), "labels", filled)

@@ -84,12 +84,13 @@ def read_rank_rows(shards: Path, node: int, rank: int):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from snaketune.core.rows import with_labels
     from snaketune.data.kinds import kind_of_columns
 
     table = pq.read_table(shards / f"node-{node}.parquet")
     table = table.filter(pc.equal(table.column("rank"), rank))
     columns = [*kind_of_columns(table.column_names).read_columns, "step", "micro"]
-    return datasets.Dataset(table.select(columns))
+    return datasets.Dataset(with_labels(table.select(columns)))
 
 
 def planned_loader(table, batch_sampler, collate_fn) -> DataLoader:

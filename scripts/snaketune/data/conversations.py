@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +84,12 @@ class Stats:
     masks: str = ""  # how the assistant tokens were found (ChatRenderer.describe)
     pictures: int = 0  # a picture dataset's pictures kept, and their image tokens
     image_tokens: int = 0
+    # text documents (snaketune.data.text): read, split into pieces (longer than
+    # max_length), the rows they became, and the UTF-8 bytes their trained tokens cover
+    documents: int = 0
+    documents_split: int = 0
+    document_rows: int = 0
+    text_bytes: int = 0
 
 
 def _column(spec: dict[str, Any], fieldname: str) -> str | list[str]:
@@ -135,9 +140,6 @@ def conversations(source: Source, batch: pa.RecordBatch, rows: list[int]) -> lis
     for i, row in enumerate(rows):
         if own is not None:  # a format its data kind reads (a labelled response, pictures)
             out.append(own(source, system, cols, data, i, row))
-            continue
-        if fmt == "preference":
-            out.append(read_pair(source, system, cols, data, i, row))
             continue
         if fmt == "messages":
             tools = data[cols["tools"]][i] if cols.get("tools") in data else None
@@ -226,78 +228,6 @@ def _turns(value: Any, name: str, row: int, col: str, role: str | None) -> tuple
     return tuple(turns)
 
 
-def read_pair(
-    source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict, i: int, row: int
-) -> Pair:
-    """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a
-    prompt message list with assistant turns; or whole conversations sharing their prompt."""
-    name = source.name
-    raw = {
-        f: data[cols[f]][i] if cols[f] in data else None for f in ("prompt", "chosen", "rejected")
-    }
-    if raw["prompt"] is None:  # whole conversations: text in the HH form, or messages
-        chosen = _whole(raw["chosen"], name, row, cols["chosen"])
-        rejected = _whole(raw["rejected"], name, row, cols["rejected"])
-    else:
-        chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
-        rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
-    if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
-            shared += 1
-        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
-    else:
-        prompt = _turns(raw["prompt"], name, row, cols["prompt"], "user")
-        if isinstance(raw["prompt"], str):
-            prompt = (*system, *prompt)
-        # whole conversations repeat the prompt's turns: keep what follows them
-        if chosen[: len(prompt)] == prompt and len(chosen) > len(prompt):
-            chosen = chosen[len(prompt) :]
-        if rejected[: len(prompt)] == prompt and len(rejected) > len(prompt):
-            rejected = rejected[len(prompt) :]
-    if not prompt or any(turn[0] != "assistant" for turn in (*chosen, *rejected)):
-        raise DataError(
-            f"datasets.{name} row {row}: a preference row needs prompt turns and responses of "
-            "assistant turns only (chosen/rejected); clean the data or filter the row out"
-        )
-    return Pair(prompt, chosen, rejected)
-
-
-# A turn of a conversation written as text in Anthropic's HH-RLHF form:
-# "\n\nHuman: ...\n\nAssistant: ..." (a speaker's name at the start of the text or after a
-# blank line).
-HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ?")
-# How a preference dataset without a prompt column may hold its pairs (its message names it).
-WHOLE_FORMS = "lists of {role, content} messages, or text in the 'Human: ... Assistant: ...' form"
-
-
-def hh_turns(text: str) -> tuple[Turn, ...] | None:
-    """Text in the HH form as turns (Human: user, Assistant: assistant); None where the
-    text is not in that form (it does not start with a speaker, or names only one)."""
-    parts = HH_TURN.split(text)
-    if len(parts) < 5 or parts[0].strip():
-        return None
-    pairs = zip(parts[1::2], parts[2::2], strict=True)
-    return tuple(("user" if who == "Human" else "assistant", said.strip()) for who, said in pairs)
-
-
-def _whole(value: Any, name: str, row: int, col: str) -> tuple[Turn, ...]:
-    """A whole conversation of a preference dataset without a prompt column: messages, or
-    text in the HH form. Plain text is refused for the dataset: no prompt can be told from
-    it (the fix is a prompt column, or whole conversations)."""
-    if not isinstance(value, str):
-        return _turns(value, name, row, col, None)
-    turns = hh_turns(value)
-    if turns is None:
-        raise DataError(
-            f"datasets.{name}: a preference dataset without a prompt column needs `chosen` and "
-            f"`rejected` as whole conversations that share their prompt ({WHOLE_FORMS}); column "
-            f"{col!r} holds plain text (row {row}: {value!r:.60}); name the prompt column "
-            "(columns.prompt) or give whole conversations"
-        )
-    return turns
-
-
 def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
     """Template-independent hash of a conversation (roles and contents), or of a pair."""
     if isinstance(turns, Pair):
@@ -337,42 +267,72 @@ def optional_columns(spec: dict[str, Any]) -> set[str]:
     return {_column(spec, f) for f in OPTIONAL_FIELDS.get(spec["format"], ())}
 
 
+def row_groups(pf: pq.ParquetFile, lo: int, hi: int) -> tuple[list[int], int]:
+    """The row groups of ``pf`` that hold its rows ``lo`` .. ``hi`` - 1, and the first row
+    of the first of them."""
+    groups, first, start = [], None, 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if start < hi and start + n > lo:
+            groups.append(g)
+            first = start if first is None else first
+        start += n
+    return groups, first or 0
+
+
 def iter_conversations(
-    sources: list[Source], stats: Stats
-) -> Iterator[list[tuple[str, tuple[Turn, ...]]]]:
-    """Batches of (example_id, conversation) over every source, after filters and weights."""
+    sources: list[Source], stats: Stats, rows: tuple[int, int] | None = None
+) -> Iterator[tuple[Source, list[tuple[str, Any]]]]:
+    """Batches of (example_id, conversation) over every source, after filters and weights,
+    each with the source it came from (its kind renders and labels it). ``rows``: only the
+    rows ``lo`` .. ``hi`` - 1 of the sources' rows laid end to end (a part of the set:
+    snaketune.core.parts), read from the row groups that hold them."""
+    offset = 0
     for source in sources:
         pf = _open_source(source)
-        cols = [c for c in needed_columns(source.spec) if c in pf.schema_arrow.names]
-        counts = None
-        if source.weight != 1.0:
-            counts = multiplicity(pf.metadata.num_rows, source.weight, source.seed, source.name)
-        per = stats.per_source.setdefault(
-            source.name, {"read": 0, "kept_by_filters": 0, "emitted": 0}
-        )
-        first = 0
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols):
-            n = batch.num_rows
-            stats.rows_read += n
-            per["read"] += n
-            index = np.arange(first, first + n)
-            mask = filter_mask(batch, source.spec.get("filters", []), source.name)
-            if mask is not None:
-                keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
-                batch, index = batch.filter(mask), index[keep]
-                stats.rows_filtered_out += n - len(index)
-            per["kept_by_filters"] += len(index)
-            rows = index.tolist()
-            items: list[tuple[str, tuple[Turn, ...]]] = []
-            for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
-                reps = 1 if counts is None else int(counts[row])
-                if reps == 0:
-                    stats.rows_sampled_out += 1
-                stats.rows_repeated += max(reps - 1, 0)
-                for copy in range(reps):
-                    suffix = f":{copy}" if copy else ""
-                    items.append((f"{source.name}:{row}{suffix}", conv))
-            per["emitted"] += len(items)
-            first += n
-            if items:
-                yield items
+        total = pf.metadata.num_rows
+        lo, hi = (0, total) if rows is None else (rows[0] - offset, rows[1] - offset)
+        lo, hi, offset = max(lo, 0), min(hi, total), offset + total
+        if lo >= hi:
+            continue
+        yield from _source_batches(source, pf, stats, lo, hi)
+
+
+def _source_batches(
+    source: Source, pf: pq.ParquetFile, stats: Stats, lo: int, hi: int
+) -> Iterator[tuple[Source, list[tuple[str, Any]]]]:
+    """Source ``source``'s batches of its rows ``lo`` .. ``hi`` - 1."""
+    cols = [c for c in needed_columns(source.spec) if c in pf.schema_arrow.names]
+    counts = None
+    if source.weight != 1.0:  # drawn over all its rows: a part takes its rows' share
+        counts = multiplicity(pf.metadata.num_rows, source.weight, source.seed, source.name)
+    per = stats.per_source.setdefault(source.name, {"read": 0, "kept_by_filters": 0, "emitted": 0})
+    groups, first = row_groups(pf, lo, hi)
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols, row_groups=groups):
+        at, first = first, first + batch.num_rows  # the batch's first row, the next's
+        a, b = max(lo - at, 0), min(hi - at, batch.num_rows)
+        if a >= b:
+            continue
+        batch, index = batch.slice(a, b - a), np.arange(at + a, at + b)
+        n = batch.num_rows
+        stats.rows_read += n
+        per["read"] += n
+        mask = filter_mask(batch, source.spec.get("filters", []), source.name)
+        if mask is not None:
+            keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
+            batch, index = batch.filter(mask), index[keep]
+            stats.rows_filtered_out += n - len(index)
+        per["kept_by_filters"] += len(index)
+        rows = index.tolist()
+        items: list[tuple[str, tuple[Turn, ...]]] = []
+        for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
+            reps = 1 if counts is None else int(counts[row])
+            if reps == 0:
+                stats.rows_sampled_out += 1
+            stats.rows_repeated += max(reps - 1, 0)
+            for copy in range(reps):
+                suffix = f":{copy}" if copy else ""
+                items.append((f"{source.name}:{row}{suffix}", conv))
+        per["emitted"] += len(items)
+        if items:
+            yield source, items

@@ -23,6 +23,7 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
     "messages": {"messages": "messages", "tools": "tools"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
     "labelled": {"prompt": "prompt", "completion": "completion", "label": "label"},
+    "text": {"text": "text"},
 }
 # Fields that may be missing or empty, by format (a preference dataset without a prompt
 # column holds whole conversations in chosen and rejected that share their prompt turns; a

@@ -302,6 +302,25 @@ def unpackable(config: dict[str, Any]) -> str | None:
     return problems[0] if all(problems) else None
 
 
+def resolve_packing(
+    packing: bool | str, model_dir: str | Path, attention: str, where: str
+) -> tuple[bool, dict[str, Any]]:
+    """Whether a run trains packed, and the model's config.json (as a dict) it read for
+    :func:`training_kernel`: ``packing: auto`` packs where the model can take packed
+    sequences with ``attention`` and pads where it cannot, saying so in one line; ``true``
+    refuses a model that cannot (:func:`check_packing`)."""
+    if packing != "auto":
+        return bool(packing), check_packing(model_dir, attention, where) if packing else {}
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    problem = packing_problem(config, attention)
+    if problem:
+        name = Path(model_dir).name
+        log.info("%s.packing: auto -> padded: %s cannot be packed (%s)", where, name, problem)
+        return False, config
+    log.info("%s.packing: auto -> packed (%s keeps the examples apart)", where, attention)
+    return True, config
+
+
 def check_packing(model_dir: str | Path, attention: str, where: str) -> dict[str, Any]:
     """Refuse packing for a model that cannot take packed sequences, with the fix; else
     return the model's config.json (as a dict) it read, for :func:`training_kernel`."""
@@ -310,7 +329,7 @@ def check_packing(model_dir: str | Path, attention: str, where: str) -> dict[str
     if problem:
         raise UserError(
             f"{where}.packing: {Path(model_dir).name} cannot train on packed sequences with "
-            f"{attention} attention ({problem}); set packing: false"
+            f"{attention} attention ({problem}); set packing: auto (trains it padded) or false"
         )
     return config
 

@@ -37,6 +37,8 @@ from snaketune.core.errors import ConfigError
 
 SUPERVISED_COLUMNS = ("example_id", "input_ids", "labels")  # every tokenized file's
 ROW_FORMATS = ("prompt_response", "alpaca", "messages")
+# what methods of rows (SFT) train on: chat rows and raw text (continued pre-training)
+SUPERVISED_FORMATS = (*ROW_FORMATS, "text")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,15 @@ class Kind:
     # the kind of data its examples are with pictures (a data kind of its own, read when a
     # dataset of its formats has columns.images); None where there is none
     pictured: str | None = None
+    # the kind whose tokenized rows its rows are (text documents are supervised rows with
+    # every token trained): a mixture of both is tokenized as that kind, each source's
+    # rows by its own kind's module
+    joins: str | None = None
+    # its held-out rows are scored by generating from their prompts (False: documents,
+    # which have no prompt: their loss and its module's ``held_out_figures(loss, rows)``)
+    generates: bool = True
+    # its rows are rendered with the model's chat template (False: raw text needs none)
+    chat: bool = True
 
     def impl(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -91,11 +102,27 @@ KINDS = {
     "rows": Kind(
         "rows",
         "conversations",
-        ROW_FORMATS,
-        evaluates_on=ROW_FORMATS,
-        needs="a dataset of rows (format prompt_response, alpaca or messages)",
+        SUPERVISED_FORMATS,
+        evaluates_on=SUPERVISED_FORMATS,
+        needs="a dataset of rows (format prompt_response, alpaca, messages or text)",
         stores=ROW_FORMATS,
         pictured="pictures",
+    ),
+    # raw documents (continued pre-training): every token trained, end-of-text after each,
+    # a document longer than max_length split into pieces, all kept (snaketune.data.text);
+    # the methods of rows train on them
+    "text": Kind(
+        "text",
+        "documents",
+        ("text",),
+        evaluates_on=("text",),
+        needs="a dataset of format text (documents)",
+        stores=("text",),
+        columns=("text_bytes",),
+        module="snaketune.data.text",
+        joins="rows",
+        generates=False,
+        chat=False,
     ),
     "prompts": Kind(
         "prompts",
@@ -215,6 +242,8 @@ def kind_of_sources(specs: Iterable[dict]) -> Kind:
 def kind_of_formats(formats: Iterable[str]) -> Kind:
     """The one kind the datasets of ``formats`` (a mixture's) are tokenized as."""
     kinds = {kind_of_format(f).name for f in formats}
+    if len(kinds) > 1:  # documents with chat rows (replay): rows, each by its own module
+        kinds = {KINDS[k].joins or k for k in kinds}
     if len(kinds) != 1:
         raise ConfigError(
             f"the datasets mix kinds of data ({', '.join(sorted(kinds))}); "
@@ -235,7 +264,8 @@ def mixes_kinds(formats: Iterable[str | None]) -> str | None:
     components are of one kind of data."""
     kinds: dict[str, set[str]] = {}
     for fmt in filter(None, formats):
-        kinds.setdefault(kind_of_format(fmt).noun, set()).add(fmt)
+        kind = kind_of_format(fmt)
+        kinds.setdefault(KINDS[kind.joins].noun if kind.joins else kind.noun, set()).add(fmt)
     if len(kinds) < 2:
         return None
     return (

@@ -103,6 +103,7 @@ def label(
     stats: Stats,
     *,
     schema: pa.Schema,
+    tokenizer: Any = None,
 ) -> pa.Table:
     """The supervised rows' labels and length policy, and each kept row's label."""
     from snaketune.data.tokenization import label_batch

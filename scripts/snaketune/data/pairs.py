@@ -21,20 +21,100 @@ dropped counts and batches (``batch``: chosen sides, then rejected sides).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
-from snaketune.data.chat import ChatRenderer
-from snaketune.data.conversations import Items, Pair, Stats, text_sha
+from snaketune.data.chat import ChatRenderer, Turn
+from snaketune.data.conversations import Items, Pair, Source, Stats, _turns, text_sha
 from snaketune.data.tokens import first_token_at
 
 PAIR_COLUMNS = (
     ("rejected_input_ids", pa.list_(pa.int32())),
     ("rejected_labels", pa.list_(pa.int32())),
 )
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def read_pair(
+    source: Source, system: tuple[Turn, ...], cols: dict[str, Any], data: dict, i: int, row: int
+) -> Pair:
+    """One preference row as a Pair, in any of TRL's forms: text prompt and responses; a
+    prompt message list with assistant turns; or whole conversations sharing their prompt."""
+    name = source.name
+    raw = {
+        f: data[cols[f]][i] if cols[f] in data else None for f in ("prompt", "chosen", "rejected")
+    }
+    if raw["prompt"] is None:  # whole conversations: text in the HH form, or messages
+        chosen = _whole(raw["chosen"], name, row, cols["chosen"])
+        rejected = _whole(raw["rejected"], name, row, cols["rejected"])
+    else:
+        chosen = _turns(raw["chosen"], name, row, cols["chosen"], "assistant")
+        rejected = _turns(raw["rejected"], name, row, cols["rejected"], "assistant")
+    if raw["prompt"] is None:  # implicit prompt: the turns both conversations share
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        prompt = _turns(raw["prompt"], name, row, cols["prompt"], "user")
+        if isinstance(raw["prompt"], str):
+            prompt = (*system, *prompt)
+        # whole conversations repeat the prompt's turns: keep what follows them
+        if chosen[: len(prompt)] == prompt and len(chosen) > len(prompt):
+            chosen = chosen[len(prompt) :]
+        if rejected[: len(prompt)] == prompt and len(rejected) > len(prompt):
+            rejected = rejected[len(prompt) :]
+    if not prompt or any(turn[0] != "assistant" for turn in (*chosen, *rejected)):
+        raise DataError(
+            f"datasets.{name} row {row}: a preference row needs prompt turns and responses of "
+            "assistant turns only (chosen/rejected); clean the data or filter the row out"
+        )
+    return Pair(prompt, chosen, rejected)
+
+
+# A turn of a conversation written as text in Anthropic's HH-RLHF form:
+# "\n\nHuman: ...\n\nAssistant: ..." (a speaker's name at the start of the text or after a
+# blank line).
+HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant): ?")
+# How a preference dataset without a prompt column may hold its pairs (its message names it).
+WHOLE_FORMS = "lists of {role, content} messages, or text in the 'Human: ... Assistant: ...' form"
+
+
+def hh_turns(text: str) -> tuple[Turn, ...] | None:
+    """Text in the HH form as turns (Human: user, Assistant: assistant); None where the
+    text is not in that form (it does not start with a speaker, or names only one)."""
+    parts = HH_TURN.split(text)
+    if len(parts) < 5 or parts[0].strip():
+        return None
+    pairs = zip(parts[1::2], parts[2::2], strict=True)
+    return tuple(("user" if who == "Human" else "assistant", said.strip()) for who, said in pairs)
+
+
+def _whole(value: Any, name: str, row: int, col: str) -> tuple[Turn, ...]:
+    """A whole conversation of a preference dataset without a prompt column: messages, or
+    text in the HH form. Plain text is refused for the dataset: no prompt can be told from
+    it (the fix is a prompt column, or whole conversations)."""
+    if not isinstance(value, str):
+        return _turns(value, name, row, col, None)
+    turns = hh_turns(value)
+    if turns is None:
+        raise DataError(
+            f"datasets.{name}: a preference dataset without a prompt column needs `chosen` and "
+            f"`rejected` as whole conversations that share their prompt ({WHOLE_FORMS}); column "
+            f"{col!r} holds plain text (row {row}: {value!r:.60}); name the prompt column "
+            "(columns.prompt) or give whole conversations"
+        )
+    return turns
+
+
+read_row = read_pair  # the kind's own dataset format (snaketune.data.kinds)
 
 
 def schema(base: pa.Schema) -> pa.Schema:
@@ -187,6 +267,7 @@ def label(
     stats: Stats,
     *,
     schema: pa.Schema,
+    tokenizer: Any = None,
 ) -> pa.Table:
     """Labels and length policy of one encoded batch of pairs; the pairs kept, as a table."""
     n = len(items)

@@ -23,7 +23,7 @@ import pyarrow as pa
 from snaketune.core.errors import DataError
 from snaketune.data import pairs, pictures
 from snaketune.data.chat import ChatRenderer
-from snaketune.data.conversations import Items, Pair, Source, Stats, read_pair, text_sha
+from snaketune.data.conversations import Items, Pair, Source, Stats, text_sha
 from snaketune.data.pictures import COLUMN, MARK
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -62,7 +62,7 @@ def read_row(source: Source, system: tuple, cols: dict[str, Any], data: dict, i:
         for f in FIELDS
         if cols.get(f) in data
     }
-    pair = read_pair(source, system, cols, local, 0, row)
+    pair = pairs.read_pair(source, system, cols, local, 0, row)
     if any(MARK in t[1] for t in (*pair.chosen, *pair.rejected)):
         raise DataError(f"{where}: pictures belong in the prompt, not in a response")
     parts = sum(t[1].count(MARK) for t in pair.prompt)
@@ -93,10 +93,11 @@ def label(
     stats: Stats,
     *,
     schema: pa.Schema,
+    tokenizer: Any = None,
 ) -> pa.Table:
     """The pairs with their pictures' image tokens on both sides, labels carried over, the
     length policy on the expanded lengths (a side is cut only after its last image token)."""
-    processor = pictures.batch_processor()
+    processor = pictures.processor_of(tokenizer.name_or_path)
     image_ids = set(pictures.image_ids_of(processor))
     n = len(items)
     rows: dict[str, list] = {f.name: [] for f in schema}

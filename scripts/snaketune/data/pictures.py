@@ -207,9 +207,6 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return (named, *render_batch(renderer, named))
 
 
-_PROCESSOR: dict[str, str] = {}  # the model directory render last read (label's processor)
-
-
 def carried_labels(plain: list[int], labels: np.ndarray, full: list[int]) -> np.ndarray | None:
     """``labels`` (of the tokens ``plain``) on the processor's tokens ``full``: where the two
     agree token for token the label is carried; the expanded pictures and what the expansion
@@ -244,10 +241,11 @@ def label(
     stats: Stats,
     *,
     schema: pa.Schema,
+    tokenizer: Any = None,
 ) -> pa.Table:
     """The rows with their pictures' image tokens, labels carried over, the length policy on
     the expanded length (a row is cut only after its last image token)."""
-    processor = batch_processor()
+    processor = processor_of(tokenizer.name_or_path)
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     mask = labelled_tokens(encodings, spans, texts, starts)
@@ -300,15 +298,9 @@ def pictured_sha(sha: str, pictures) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def batch_processor():
-    """The processor of the model the last ``render`` read (what ``label`` expands with)."""
-    return processor_of(_PROCESSOR["dir"])
-
-
 def marked(renderer: ChatRenderer, turns: tuple) -> tuple:
     """Turns with each ``MARK`` as the template's image text."""
     image = image_text(renderer)
-    _PROCESSOR["dir"] = renderer.tokenizer.name_or_path
     return tuple((t[0], t[1].replace(MARK, image), *t[2:]) for t in turns)
 
 

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from snaketune.core import parts
 from snaketune.core.errors import DataError
 from snaketune.core.io import digest, sha256_file
 from snaketune.data.kinds import PICTURES
@@ -106,7 +107,7 @@ class Plan:
 def check_overlap(train: Path, evaluation: Path) -> None:
     """Fail when an eval example is also a training example (same id or same text)."""
     cols = ["example_id", "text_sha"]
-    t, e = pq.read_table(train, columns=cols), pq.read_table(evaluation, columns=cols)
+    t, e = parts.read_table(train, cols), parts.read_table(evaluation, cols)
     for col, what in (("example_id", "example id"), ("text_sha", "text")):
         shared = set(t.column(col).to_pylist()) & set(e.column(col).to_pylist())
         if shared:
@@ -245,16 +246,15 @@ def write_nodes(
     tokenized: str | Path, out_dir: Path, p: Plan, node: np.ndarray, nodes: int
 ) -> Written:
     """Stream the tokenized rows into each node's parquet, with the plan's columns."""
-    pf = pq.ParquetFile(tokenized)
     paths = [out_dir / f"node-{k}.parquet" for k in range(nodes)]
     out = Written(paths, [0] * nodes, [0] * nodes, [], [])
-    schema = pf.schema_arrow
+    schema = pq.ParquetFile(parts.files(tokenized)[0]).schema_arrow
     for name, kind in PLAN_COLUMNS:
         schema = schema.append(pa.field(name, kind))
     writers = [pq.ParquetWriter(path, schema) for path in paths]
     try:
         start = 0
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+        for batch in parts.iter_batches(tokenized, BATCH_ROWS):
             span = slice(start, start + batch.num_rows)
             start += batch.num_rows
             table = pa.Table.from_batches([batch])
@@ -284,10 +284,10 @@ def shard(
     """Write ``node-{k}.parquet`` for each node under ``out_dir``; return the manifest dict."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_rows = pq.ParquetFile(tokenized).metadata.num_rows
-    lengths = pq.read_table(tokenized, columns=["length"]).column("length").to_numpy()
+    n_rows = parts.num_rows(tokenized)
+    lengths = parts.read_table(tokenized, ["length"]).column("length").to_numpy()
     lengths = lengths.astype(np.int64)
-    pictured = PICTURES.holds(pq.ParquetFile(tokenized).schema_arrow.names)
+    pictured = PICTURES.holds(parts.names(tokenized))
     p = plan(lengths, layout, seed, balance=packing)
     written = write_nodes(tokenized, out_dir, p, p.node(layout.data_ranks_per_node), layout.nodes)
     paths, rows, tokens, leftover = written.paths, written.rows, written.tokens, written.leftover

@@ -28,24 +28,27 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from snaketune.core.errors import DataError
+from snaketune.core.parts import row_range
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
-from snaketune.data.kinds import Kind, kind_of_sources
+from snaketune.data.kinds import Kind, kind_of_source, kind_of_sources
 from snaketune.data.tokens import (
-    end_of_turn_id,
+    check_end_of_turn,
+    check_result,
     first_token_at,
-    model_vocab_size,
-    renderer_for,
-    stop_ids,
+    tokenizer_for,
 )
 
 log = logging.getLogger(__name__)
@@ -207,6 +210,7 @@ def label(
     stats: Stats,
     *,
     schema: pa.Schema,
+    tokenizer: Any = None,
 ) -> pa.Table:
     return label_batch(items, texts, spans, encodings, max_length, overlong, stats)
 
@@ -218,75 +222,34 @@ def dropped(stats: Stats) -> str:
 batch = None  # its methods collate rows themselves (packing, padding-free)
 
 
-def check_end_of_turn(stats: Stats, model_dir: str | Path, model_name: str) -> None:
-    """One warning line each: examples whose assistant turn does not end with the
-    template's end-of-turn token (a model trained on them learns not to stop), and a model
-    whose generation_config does not stop on that token (the exports add it)."""
-    if stats.end_of_turn is None:
-        return
-    if stats.rows_without_end_of_turn:
-        log.warning(
-            "%d of %d examples' assistant turns do not end with %s (cut by max_length with "
-            "overlong: truncate): the model learns less of when to stop; raise max_length or "
-            "set overlong: drop",
-            stats.rows_without_end_of_turn,
-            stats.rows,
-            stats.end_of_turn,
-        )
-    if not stats.model_stops_at_end_of_turn:
-        log.warning(
-            "models.%s: the chat template ends an assistant turn with %s (id %d), but the "
-            "model's generation_config stops only on %s: a tuned model would run on to "
-            "max_new_tokens; the exported models get %d added to eos_token_id",
-            model_name,
-            stats.end_of_turn,
-            stats.end_of_turn_id,
-            stop_ids(model_dir),
-            stats.end_of_turn_id,
-        )
-
-
-def check_result(
-    stats: Stats, max_length: int, overlong: str, model_dir: str | Path, model_name: str
-) -> None:
-    """After the pass, one line (DataError) for a result training cannot use: overlong
-    examples under ``overlong: error``, nothing left, token ids past the model's
-    vocabulary."""
-    if overlong == "error" and stats.dropped_overlong:
-        tokens, example = stats.longest_overlong
-        raise DataError(
-            f"{stats.dropped_overlong} examples are longer than max_length {max_length} "
-            f"(overlong: error; the longest, {example}, has {tokens} tokens); raise max_length "
-            f"to {tokens} or set overlong: drop (leave them out) or truncate (cut them)"
-        )
-    if stats.rows == 0:
-        raise DataError(
-            f"no example left after tokenizing: {stats.rows_read} rows read, "
-            f"{stats.rows_filtered_out} filtered out, {stats.dropped_overlong} longer than "
-            f"max_length {max_length}, {stats.dropped_no_response} without response tokens; "
-            "check filters, raise max_length or set overlong: truncate"
-        )
-    vocab = model_vocab_size(model_dir)
-    if vocab is not None and stats.max_token_id >= vocab:
-        raise DataError(
-            f"models.{model_name}: the tokenizer makes token id {stats.max_token_id} but the "
-            f"model's vocab_size is {vocab} (config.json), so training would index past the "
-            "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
-        )
-
-
-def _log_result(stats: Stats, kind: Kind) -> None:
+def _log_result(stats: Stats, kind: Kind, modules: Iterable[ModuleType]) -> None:
     log.info(
         "tokenized %d %s -> %d examples, %d tokens (%d dropped overlong, %d truncated)",
-        stats.conversations,
+        stats.conversations + stats.documents,
         kind.noun,
         stats.rows,
         stats.tokens,
         stats.dropped_overlong,
         stats.truncated,
     )
-    if line := kind.impl().dropped(stats):
-        log.info("%s", line)
+    for module in dict.fromkeys(modules):  # each kind's own line (documents beside chat)
+        if line := module.dropped(stats):
+            log.info("%s", line)
+
+
+def num_rows(path: str | Path) -> int:
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def part_rows(sources: list[Source], part: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The rows of the sources laid end to end that ``part`` (p, N) reads (None: all)."""
+    if part is None:
+        return None
+    return row_range(*part, sum(num_rows(s.path) for s in sources))
+
+
+MIN_ROWS_PER_WORKER = 20_000  # fewer rows a worker: one process (a worker starts in ~2 s)
+PROGRESS_S = 10.0  # a progress line every this many seconds
 
 
 def tokenize(
@@ -297,52 +260,126 @@ def tokenize(
     overlong: str = "drop",
     chat_template: str | None = None,
     model_name: str = "model",
+    part: tuple[int, int] | None = None,
+    workers: int = 1,
+    min_rows: int = MIN_ROWS_PER_WORKER,
 ) -> Stats:
     """Tokenize ``sources`` into the parquet file ``out``; return the stats. The kind of
     the sources' data (snaketune.data.kinds: one for all) renders and labels each batch:
     preference data (snaketune.data.pairs) becomes one row per pair.
 
-    Errors about the tokenizer start with ``models.<model_name>``.
+    Errors about the tokenizer start with ``models.<model_name>``. ``part``: (p, N), only
+    part p of N of the sources' rows (snaketune.core.parts). ``workers``: processes that
+    render and encode (the job's threads), each its own consecutive rows (at least
+    ``min_rows`` each), their files written into ``out`` in order: the same rows as one.
     """
-    try:
-        renderer = renderer_for(model_dir, chat_template)
-        tokenizer = renderer.tokenizer
-    except DataError as exc:
-        raise DataError(f"models.{model_name}: {exc}") from None
-    encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
-    stats = Stats()
-    stats.end_of_turn_id = end_of_turn_id(tokenizer, renderer)
-    renderer.full_rows = renderer.stopped_rows = 0  # the probe's row is not the data's
-    if stats.end_of_turn_id is not None:
-        stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
-        stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
+    span = part_rows(sources, part) or (0, sum(num_rows(s.path) for s in sources))
+    n = max(1, min(workers, (span[1] - span[0]) // max(min_rows, 1)))
+    args = (sources, model_dir, max_length, overlong, chat_template, model_name)
+    if n == 1:
+        return tokenize_rows(*args, out, span, whole=part is None)
+    return in_workers(args, Path(out), span, n, whole=part is None)
+
+
+def tokenize_rows(
+    sources: list[Source],
+    model_dir: str | Path,
+    max_length: int,
+    overlong: str,
+    chat_template: str | None,
+    model_name: str,
+    out: str | Path,
+    rows: tuple[int, int],
+    whole: bool = True,
+) -> Stats:
+    """The rows ``rows`` of the sources laid end to end tokenized into ``out`` in this
+    process (``whole``: all of a set's, checked as a set)."""
     kind = kind_of_sources(s.spec for s in sources)
+    stats = Stats()
+    renderer, tokenizer = tokenizer_for(sources, model_dir, chat_template, model_name, stats)
+    encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     table_schema = kind.impl().schema(OUTPUT_SCHEMA)
-    label_of = functools.partial(kind.impl().label, schema=table_schema)
+
+    def module_of(source: Source):
+        """What renders and labels a source's rows: the sources' kind, or the source's own
+        where it joins that kind's rows (documents beside chat rows)."""
+        own = kind_of_source(source.spec)
+        return own.impl() if own.joins else kind.impl()
 
     def finish(batch: tuple) -> None:
-        items, texts, spans, future = batch
-        table = label_of(items, texts, spans, future.result(), max_length, overlong, stats)
+        module, items, texts, spans, future = batch
+        encodings = future.result()
+        args = (items, texts, spans, encodings, max_length, overlong, stats)
+        table = module.label(*args, schema=table_schema, tokenizer=tokenizer)
         if table.num_rows:
             writer.write_table(table)
 
     # The Rust encoder releases the GIL: while it encodes batch k on a worker thread, this
     # thread labels batch k-1 and reads and renders batch k+1. Output order is unchanged.
+    progress = Progress(rows[1] - rows[0])
     with pq.ParquetWriter(str(out), table_schema) as writer, ThreadPoolExecutor(1) as pool:
         pending = None
-        for items in iter_conversations(sources, stats):
-            items, texts, spans = kind.impl().render(renderer, items, stats)
+        for source, items in iter_conversations(sources, stats, rows):
+            progress.tell(stats.rows_read)
+            module = module_of(source)
+            items, texts, spans = module.render(renderer, items, stats)
             if not items:
                 continue
-            submitted = (items, texts, spans, pool.submit(encode, texts))
+            submitted = (module, items, texts, spans, pool.submit(encode, texts))
             if pending is not None:
                 finish(pending)
             pending = submitted
         if pending is not None:
             finish(pending)
-    check_result(stats, max_length, overlong, model_dir, model_name)
-    check_end_of_turn(stats, model_dir, model_name)
-    _log_result(stats, kind)
-    stats.masks = renderer.describe()
-    log.info("models.%s: %s", model_name, stats.masks)
+    check_result(stats, max_length, overlong, model_dir, model_name, whole=whole)
+    if renderer is not None and stats.conversations and whole:
+        check_end_of_turn(stats, model_dir, model_name)
+    stats.masks = renderer.describe() if renderer is not None else "documents: no chat template"
+    if whole:
+        _log_result(stats, kind, [kind.impl(), *map(module_of, sources)])
+        log.info("models.%s: %s", model_name, stats.masks)
+    return stats
+
+
+class Progress:
+    """A line every PROGRESS_S seconds: the rows read of ``total``, their rate and the time
+    left."""
+
+    def __init__(self, total: int):
+        self.total, self.began = total, time.monotonic()
+        self.next = self.began + PROGRESS_S
+
+    def tell(self, done: int) -> None:
+        now = time.monotonic()
+        if now < self.next or not done:
+            return
+        self.next = now + PROGRESS_S
+        rate = done / (now - self.began)
+        left = (self.total - done) / rate
+        line = "tokenize: %d of %d rows, %.0f rows/s, about %.0f s left"
+        log.info(line, done, self.total, rate, left)
+
+
+def in_workers(args: tuple, out: Path, span: tuple[int, int], n: int, whole: bool) -> Stats:
+    """The rows ``span`` tokenized by ``n`` worker processes, each its consecutive 1/n of
+    them into a file of its own; the files are written into ``out`` in order (row groups
+    copied, nothing encoded again) and their stats summed, checked as one pass's."""
+    import dataclasses
+
+    from snaketune.core.parts import in_processes, summed
+
+    lo, hi = span
+    ranges = [(lo + a, lo + b) for a, b in (row_range(k, n, hi - lo) for k in range(n))]
+    parts = [
+        dataclasses.asdict(stats)
+        for stats in in_processes(tokenize_rows, args, out, ranges, extra=(False,))
+    ]
+    total = summed(parts, Stats)
+    stats = Stats(**{**total, "longest_overlong": tuple(total["longest_overlong"])})
+    sources, model_dir, max_length, overlong, _, model_name = args
+    check_result(stats, max_length, overlong, model_dir, model_name, whole=whole)
+    kind = kind_of_sources(s.spec for s in sources)
+    if whole:
+        _log_result(stats, kind, [kind.impl(), *(kind_of_source(s.spec).impl() for s in sources)])
+    log.info("tokenized in %d worker processes (rows %d-%d)", n, lo, hi)
     return stats

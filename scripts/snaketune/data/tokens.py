@@ -1,17 +1,23 @@
 """A model's tokenizer as tokenize reads it: the tokenizer itself (fast, local files), its
 vocabulary size, the token a chat template ends an assistant turn with and what the model's
-generation config stops on (and the exports' fix when the two differ), and the token a
-character of a rendered text falls in.
+generation config stops on (and the exports' fix when the two differ), the token a
+character of a rendered text falls in; and a tokenize pass's result checked against them.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from snaketune.core.errors import DataError
 from snaketune.data.chat import ChatRenderer, _sentinel
+from snaketune.data.kinds import kind_of_source
+
+log = logging.getLogger(__name__)
 
 
 def renderer_for(model_dir: Path, template: str | None):
@@ -21,6 +27,34 @@ def renderer_for(model_dir: Path, template: str | None):
     stops = stop_ids(model_dir)
     stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
     return ChatRenderer(tokenizer, template, stop=stop)
+
+
+def tokenizer_for(
+    sources: Sequence[Any],
+    model_dir: str | Path,
+    chat_template: str | None,
+    model_name: str,
+    stats: Any,
+) -> tuple[ChatRenderer | None, Any]:
+    """The renderer and the tokenizer of a tokenize pass over ``sources``
+    (snaketune.data.conversations.Source), the template's end-of-turn token noted in
+    ``stats``. The renderer is None where every source is documents: they need no chat
+    template (a base model has none)."""
+    try:
+        if any(kind_of_source(s.spec).chat for s in sources):
+            renderer = renderer_for(model_dir, chat_template)
+            tokenizer = renderer.tokenizer
+        else:
+            renderer, tokenizer = None, load_tokenizer(model_dir)
+    except DataError as exc:
+        raise DataError(f"models.{model_name}: {exc}") from None
+    if renderer is not None:
+        stats.end_of_turn_id = end_of_turn_id(tokenizer, renderer)
+        renderer.full_rows = renderer.stopped_rows = 0  # the probe's row is not the data's
+    if stats.end_of_turn_id is not None:
+        stats.end_of_turn = tokenizer.convert_ids_to_tokens(stats.end_of_turn_id)
+        stats.model_stops_at_end_of_turn = stats.end_of_turn_id in stop_ids(model_dir)
+    return renderer, tokenizer
 
 
 def end_of_turn_id(tokenizer, renderer: ChatRenderer) -> int | None:
@@ -118,3 +152,69 @@ def first_token_at(enc, char: int, n_tokens: int, text_len: int) -> int:
     if tok is None:  # a character no token covers: look at every offset
         return bisect.bisect_left([o[0] for o in enc.offsets], char)
     return tok + 1 if enc.token_to_chars(tok)[0] < char else tok
+
+
+# ----------------------------------------------------------------------------- a pass's checks
+
+
+def check_end_of_turn(stats: Any, model_dir: str | Path, model_name: str) -> None:
+    """One warning line each: examples whose assistant turn does not end with the
+    template's end-of-turn token (a model trained on them learns not to stop), and a model
+    whose generation_config does not stop on that token (the exports add it)."""
+    if stats.end_of_turn is None:
+        return
+    if stats.rows_without_end_of_turn:
+        log.warning(
+            "%d of %d examples' assistant turns do not end with %s (cut by max_length with "
+            "overlong: truncate): the model learns less of when to stop; raise max_length or "
+            "set overlong: drop",
+            stats.rows_without_end_of_turn,
+            stats.rows,
+            stats.end_of_turn,
+        )
+    if not stats.model_stops_at_end_of_turn:
+        log.warning(
+            "models.%s: the chat template ends an assistant turn with %s (id %d), but the "
+            "model's generation_config stops only on %s: a tuned model would run on to "
+            "max_new_tokens; the exported models get %d added to eos_token_id",
+            model_name,
+            stats.end_of_turn,
+            stats.end_of_turn_id,
+            stop_ids(model_dir),
+            stats.end_of_turn_id,
+        )
+
+
+def check_result(
+    stats: Any,
+    max_length: int,
+    overlong: str,
+    model_dir: str | Path,
+    model_name: str,
+    whole: bool = True,
+) -> None:
+    """After the pass, one line (DataError) for a result training cannot use: overlong
+    examples under ``overlong: error``, nothing left (``whole``: of the set; a part may
+    hold none: its set's index checks the parts together), token ids past the model's
+    vocabulary."""
+    if overlong == "error" and stats.dropped_overlong:
+        tokens, example = stats.longest_overlong
+        raise DataError(
+            f"{stats.dropped_overlong} examples are longer than max_length {max_length} "
+            f"(overlong: error; the longest, {example}, has {tokens} tokens); raise max_length "
+            f"to {tokens} or set overlong: drop (leave them out) or truncate (cut them)"
+        )
+    if stats.rows == 0 and whole:
+        raise DataError(
+            f"no example left after tokenizing: {stats.rows_read} rows read, "
+            f"{stats.rows_filtered_out} filtered out, {stats.dropped_overlong} longer than "
+            f"max_length {max_length}, {stats.dropped_no_response} without response tokens; "
+            "check filters, raise max_length or set overlong: truncate"
+        )
+    vocab = model_vocab_size(model_dir)
+    if vocab is not None and stats.max_token_id >= vocab:
+        raise DataError(
+            f"models.{model_name}: the tokenizer makes token id {stats.max_token_id} but the "
+            f"model's vocab_size is {vocab} (config.json), so training would index past the "
+            "embeddings; use the tokenizer that belongs to the model, or resize its embeddings"
+        )

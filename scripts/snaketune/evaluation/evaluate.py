@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
+from snaketune.core import parts
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
-from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer
+from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, with_labels
 from snaketune.data.kinds import kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 
 def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
     """The eval rows (and the columns of their kind: a preference pair's rejected side)."""
-    kind = kind_of_columns(pq.ParquetFile(path).schema_arrow.names)
-    table = pq.read_table(path, columns=kind.read_columns)
+    kind = kind_of_columns(parts.names(path))
+    table = parts.read_table(path, kind.read_columns)
     if limit is not None:
         table = table.slice(0, limit)
-    rows = table.to_pylist()
+    rows = with_labels(table).to_pylist()
     if not rows:
         raise DataError(f"{path}: the eval set is empty")
     return rows
@@ -140,13 +140,14 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
     """Add the base model's figures and the gain over them, in place."""
     from snaketune.evaluation.figures import FAMILY, GENERATED
 
-    keys = dict.fromkeys((*GENERATED, *FAMILY["mixed"]))
+    keys = dict.fromkeys((*GENERATED, *FAMILY["mixed"], *FAMILY["documents"]))
     metrics["base"] = {k: base_metrics.get(k) for k in keys if k in base_metrics}
     metrics["gain"] = {
-        "exact_match": metrics["exact_match"] - base_metrics["exact_match"],
-        "math_verify": metrics["math_verify"] - base_metrics["math_verify"],
-        "loss": base_metrics["loss"] - metrics["loss"],
+        k: metrics[k] - base_metrics[k]
+        for k in ("exact_match", "math_verify", "bits_per_byte")
+        if k in metrics and k in base_metrics
     }
+    metrics["gain"]["loss"] = base_metrics["loss"] - metrics["loss"]
     if "tools" in metrics and "tools" in base_metrics:  # an agent's calls, base and tuned
         metrics["base"]["tools"] = base_metrics["tools"]
     mine, theirs = metrics.get("preference"), base_metrics.get("preference")
@@ -170,7 +171,7 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
 def recorded_scores(eval_tokenized: Path, base_metrics: Path | None) -> dict[str, Any] | None:
     """What the starting model's evaluation (``base_metrics``) recorded of the scores the
     eval rows' kind gives (a pair's log-probs, by example id); None for none."""
-    own = kind_of_columns(pq.ParquetFile(eval_tokenized).schema_arrow.names).scorer()
+    own = kind_of_columns(parts.names(eval_tokenized)).scorer()
     if base_metrics is None or own is None:
         return None
     return own.recorded(base_metrics.with_name("samples.jsonl"))
@@ -198,6 +199,12 @@ def scored(
         from snaketune.evaluation.topk import heldout_kl
 
         metrics.update(heldout_kl(model, rows, teacher, batch_size, pad, share))
+    kind = kind_of_columns(rows[0])
+    if not kind.generates:  # documents: no prompt to generate from; the kind's figures
+        if share.rank != 0:
+            return {}, []
+        metrics.update(kind.impl().held_out_figures(metrics, rows))
+        return metrics, []
     calls = share.batches(len(rows), batch_size) if share.world > 1 else None
     gen = generator or generate
     texts, stopped = gen(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)

@@ -10,7 +10,11 @@ The evaluate stage scores every eval set with the figures that fit its reference
   0-100), and where the references are short (a median of at most ``SHORT_WORDS`` words)
   ``normalized_match``: the share of generations equal to their reference once both are
   lower-cased and stripped of punctuation, articles and extra spaces (SQuAD's rule);
-- ``mixed``: both families.
+- ``mixed``: both families;
+- ``documents``: raw text (a ``text`` eval set: snaketune.data.text), which has no prompt
+  to generate from: no generation, only the held-out ``loss`` per token, its
+  ``perplexity`` and ``bits_per_byte`` (the summed loss in bits over the text's UTF-8
+  bytes, comparable across tokenizers).
 
 Every generating evaluation has the held-out ``loss`` and ``perplexity`` over response
 tokens and the ``stop_rate``; an eval set of preference pairs adds ``likelihood_accuracy``
@@ -39,11 +43,12 @@ from typing import Any, NamedTuple
 from snaketune.evaluation.answers import last_boxed, parse_answer
 
 SHORT_WORDS = 12  # references of at most this many words (median): normalized_match too
-FORMATS = ("numeric", "text", "mixed")
+FORMATS = ("numeric", "text", "mixed", "documents")
 FAMILY = {
     "numeric": ("exact_match", "math_verify"),
     "text": ("chrf", "normalized_match"),
     "mixed": ("exact_match", "math_verify", "chrf", "normalized_match"),
+    "documents": ("bits_per_byte",),
 }
 # the data's figures in a headline: numeric answers lead with exact match, free text with
 # the held-out loss (steadier than any overlap score of a small model's generations)
@@ -51,6 +56,7 @@ LEADING = {
     "numeric": ("exact_match", "math_verify", "loss"),
     "text": ("loss", "chrf"),
     "mixed": ("exact_match", "chrf", "loss"),
+    "documents": ("loss", "bits_per_byte", "perplexity"),
 }
 GENERATED = ("loss", "perplexity", "stop_rate")  # every generating evaluation's
 
@@ -74,6 +80,9 @@ DESCRIBED = {
     ),
     "loss": Described("held-out loss (nats/token)", False, False, "eval loss"),
     "perplexity": Described("perplexity", False, False, "perplexity"),
+    "bits_per_byte": Described(
+        "bits per byte (held-out text, any tokenizer)", False, False, "bits_per_byte"
+    ),
     "stop_rate": Described("stop rate (ends on a stop id)", True, True, "stop_rate"),
     "preference_accuracy": Described(
         "preference accuracy (chosen ranked first)", True, True, "preference_accuracy"

@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snaketune.core import parts as tokenized_set
 from snaketune.core.io import atomic_path
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.kinds import Kind, kind_of_columns
@@ -83,7 +84,7 @@ def load_scorer(
 
 def chunks(tokenized: str | Path, chunk_pairs: int = CHUNK_PAIRS) -> int:
     """How many part files the pairs of ``tokenized`` make."""
-    rows = pq.ParquetFile(tokenized).metadata.num_rows
+    rows = tokenized_set.num_rows(tokenized)
     return (rows + chunk_pairs - 1) // chunk_pairs
 
 
@@ -126,8 +127,8 @@ def compute_parts(
 
     pad = pad_id(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     model = load_scorer(model_dir, precision, attention, device, quantize)
-    kind = kind_of_columns(pq.ParquetFile(tokenized).schema_arrow.names)
-    table, schema = pq.read_table(tokenized, columns=kind.read_columns), schema_of(kind)
+    kind = kind_of_columns(tokenized_set.names(tokenized))
+    table, schema = tokenized_set.read_table(tokenized, kind.read_columns), schema_of(kind)
     for c in todo:
         rows = table.slice(c * chunk_pairs, chunk_pairs).to_pylist()
         sides: list[list] = [[] for _ in range(kind.sequences)]
@@ -170,7 +171,7 @@ def merge(
             "above"
         )
     table = pa.concat_tables([pq.read_table(part_path(parts, c)) for c in range(n)])
-    ids = pq.read_table(tokenized, columns=["example_id"]).column("example_id")
+    ids = tokenized_set.read_table(tokenized, ["example_id"]).column("example_id")
     if not table.column("example_id").equals(ids):
         raise RuntimeError(
             f"{what}: the part files do not match the tokenized examples; delete {parts} and rerun"

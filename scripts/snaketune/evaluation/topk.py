@@ -35,8 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from snaketune.core import parts as tokenized_set
 from snaketune.core.io import atomic_path
-from snaketune.core.rows import IGNORE_INDEX
+from snaketune.core.rows import IGNORE_INDEX, with_labels
 from snaketune.evaluation.logps import CHUNK_PAIRS, chunks, part_path
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ def compute_parts(
     that keep nothing until the busiest is done."""
     from snaketune.evaluation.sharded import DUMMY
 
-    n = pq.ParquetFile(tokenized).metadata.num_rows
+    n = tokenized_set.num_rows(tokenized)
     todo = [
         c
         for c in range(worker, chunks(tokenized, chunk_rows), workers)
@@ -149,7 +150,7 @@ def compute_parts(
         from snaketune.core.collective import gather_combined
 
         idle = int(gather_combined([float(passes)], ("max",))[0]) - passes
-    table = pq.read_table(tokenized, columns=["example_id", "input_ids", "labels"])
+    table = with_labels(tokenized_set.read_table(tokenized, ["example_id", "input_ids", "labels"]))
     for c in todo:
         rows = table.slice(c * chunk_rows, chunk_rows).to_pylist()
         got = []

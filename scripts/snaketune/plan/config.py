@@ -92,6 +92,10 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
         spec["format"] != "messages" or "system_prompt" not in spec,
         f"{where}.system_prompt: not used by format messages (put a system turn in the data)",
     )
+    require(
+        spec["format"] != "text" or "system_prompt" not in spec,
+        f"{where}.system_prompt: not used by format text (documents have no turns); remove it",
+    )
     for i, flt in enumerate(spec.get("filters", [])):
         listy = isinstance(flt["value"], list)
         require(

@@ -63,7 +63,7 @@ def tokenize_spec(
         spec = config["datasets"][comp["name"]]
         sources.append({**comp, "spec": {k: spec[k] for k in DATASET_TOKEN_KEYS if k in spec}})
     model_spec = config["models"][model]
-    return {
+    spec = {
         "dataset": dataset,
         "sources": sources,
         "model": model,
@@ -73,11 +73,47 @@ def tokenize_spec(
         "overlong": overlong,
         "version": TOKENIZE_VERSION,
     }
+    parts = parts_of(config, dataset, Path("results/tokenized") / tokenize_key(spec))
+    if parts > 1:  # one part: the spec (and its job's params) as before parts existed
+        spec["parts"] = parts
+    return spec
 
 
 def tokenize_key(spec: dict[str, Any]) -> str:
-    """Directory name under results/tokenized/ for a tokenize spec."""
-    return f"{spec['dataset']}__{spec['model']}__{digest(spec)[:12]}"
+    """Directory name under results/tokenized/ for a tokenize spec (its parts left out: a
+    set made in another number of parts stays in its directory, its part files named by
+    their number)."""
+    keyed = {k: v for k, v in spec.items() if k != "parts"}
+    return f"{spec['dataset']}__{spec['model']}__{digest(keyed)[:12]}"
+
+
+def parts_of(config: dict[str, Any], dataset: str, directory: Path) -> int:
+    """How many tokenize jobs make ``dataset``'s tokenized set (``datasets.<d>.parts``):
+    the number given, or for ``auto`` the parts of the set already made in ``directory``
+    (the same N on a rerun), else one per GiB of its sources' files (snaketune.core.parts)."""
+    from snaketune.core.parts import auto_parts, finished_parts
+
+    setting = config["datasets"][dataset].get("parts", "auto")
+    if setting != "auto":
+        return int(setting)
+    made = finished_parts(directory)
+    return made if made is not None else auto_parts(sources_bytes(config, dataset))
+
+
+def sources_bytes(config: dict[str, Any], dataset: str) -> int | None:
+    """The bytes of a dataset's source files (a mixture's components'): a local file or
+    directory, a Hub dataset's download; None where one is not there yet."""
+    total = 0
+    for comp in components(config, dataset):
+        spec = config["datasets"][comp["name"]]
+        where = Path(spec["path"]) if spec["source"] == "local" else Path("resources/datasets")
+        if spec["source"] != "local":
+            where = where / comp["name"] / "data.parquet"
+        if not where.exists():
+            return None
+        files = [where] if where.is_file() else [f for f in where.rglob("*") if f.is_file()]
+        total += int(sum(f.stat().st_size for f in files) * comp["weight"])
+    return total
 
 
 def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
@@ -167,6 +203,11 @@ def as_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def download_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A dataset's entry as its download reads it (its parts are its tokenization's)."""
+    return {k: v for k, v in spec.items() if k != "parts"}
+
+
 def local_source(spec: dict[str, Any]) -> dict[str, str]:
     """A local model's or dataset's path as an input (so a rule can make it), none for the
     Hub."""
@@ -190,7 +231,48 @@ def tokenize_inputs(spec: dict[str, Any]) -> dict[str, Any]:
 def tokenized(config: dict[str, Any], run: str, eval_set: bool = False) -> str:
     """The tokenized copy a run trains on (or, ``eval_set``, evaluates on)."""
     spec = (run_eval_tokenize_spec if eval_set else run_tokenize_spec)(config, run)
-    return f"results/tokenized/{tokenize_key(spec)}/data.parquet"
+    return tokenized_set(spec)
+
+
+def tokenized_set(spec: dict[str, Any]) -> str:
+    """The path a tokenize spec's set is read by: its one file, or the index of its parts
+    (snaketune.core.parts)."""
+    from snaketune.core.parts import INDEX
+
+    name = INDEX if spec.get("parts", 1) > 1 else "data.parquet"
+    return f"results/tokenized/{tokenize_key(spec)}/{name}"
+
+
+def tokenized_set_exists(spec: dict[str, Any]) -> bool:
+    """Whether a tokenize spec's set is made, in its number of parts."""
+    from snaketune.core.parts import exists, files
+
+    return exists(tokenized_set(spec)) and (
+        spec.get("parts", 1) == 1 or len(files(tokenized_set(spec))) == spec["parts"]
+    )
+
+
+def part_paths(spec: dict[str, Any]) -> list[str]:
+    """The part files of a tokenize spec's set in parts."""
+    from snaketune.core.parts import part_files
+
+    return [f"results/tokenized/{tokenize_key(spec)}/{f}" for f in part_files(spec["parts"])]
+
+
+def parts_notes(jobs: dict[str, dict[str, Any]]) -> list[str]:
+    """A line for each tokenized set already made in another number of parts than its
+    dataset now asks for (it is made again; the old files stay)."""
+    from snaketune.core.parts import finished_parts
+
+    out = []
+    for key, spec in jobs.items():
+        made, now = finished_parts(Path("results/tokenized") / key), spec.get("parts", 1)
+        if made is not None and made != now and not tokenized_set_exists(spec):
+            out.append(
+                f"datasets.{spec['dataset']}: tokenized in {made} part(s) before, {now} now: "
+                f"results/tokenized/{key} is tokenized again in {now}"
+            )
+    return out
 
 
 def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
@@ -216,7 +298,9 @@ def shard_job(config: dict[str, Any], run: str) -> dict[str, Any]:
             # only where set: a run without it keeps its params (no rerun of its shards)
             + (f" --sequence-parallel {sp}" if (sp := r.get("sequence_parallel", 1)) > 1 else "")
         ),
-        "packing": "--packing" if RunSpec.of(r).balances_tokens else "--no-packing",
+        "packing": ("--packing" if RunSpec.of(r).balances_tokens else "--no-packing")
+        # packing: auto pads a model that cannot be packed (its train job says so): no refusal
+        + (" --pads-unpackable" if r["packing"] == "auto" else ""),
         "attention": r["attn_implementation"],
     }
 

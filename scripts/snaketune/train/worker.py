@@ -65,7 +65,12 @@ from snaketune.core.job import (
 from snaketune.core.lora_targets import ADAPTERS, describe, run_dropout
 from snaketune.data import sequence
 from snaketune.data.batches import Data, PlanBatches, read_rank_rows
-from snaketune.data.kernels import check_packing, resolve_attention, resolve_liger, training_kernel
+from snaketune.data.kernels import (
+    resolve_attention,
+    resolve_liger,
+    resolve_packing,
+    training_kernel,
+)
 from snaketune.evaluation import heldout_pass
 from snaketune.evaluation.model import (
     DTYPES,
@@ -226,12 +231,13 @@ def held_out(
 
 
 def kernel_of(run: dict[str, Any], model_dir: Path, out: Path) -> str:
-    """The attention kernel the run trains with (snaketune.data.packing); the model's config is
-    read only for packing (never for GRPO: validation turns it off)."""
+    """The attention kernel the run trains with (snaketune.data.packing), and whether it packs
+    (``packing: auto`` resolved); the model's config is read only for packing (never for
+    GRPO: validation turns it off)."""
     attention = resolve_attention(run["attn_implementation"], model_dir)
-    model_config = {}
-    if run["packing"]:
-        model_config = check_packing(model_dir, attention, f"runs.{out.parent.name}")
+    where = f"runs.{out.parent.name}"
+    # packing: auto resolved here, once a job, for the method's collation to read
+    run["packing"], model_config = resolve_packing(run["packing"], model_dir, attention, where)
     kernel = training_kernel(attention, run["packing"], model_config, sequence.size(run) > 1)
     sequence.check_kernel(kernel, run, model_config)
     return kernel
