@@ -12,7 +12,8 @@ What changes:
   in conftest.VLM_SHAPES): its family of tests/families.py, whole, with the family's Hub
   template (which renders tools and calls, where the example's data has them);
 - each Hub dataset: a local file of the same format and columns (the demo's arithmetic
-  questions and "#### N" answers as prompt/response, messages or alpaca rows), with rows
+  questions and "#### N" answers as prompt/response, messages or alpaca rows, or as
+  documents, every third longer than the miniature's max_length), with rows
   that each ``filters`` entry keeps and rows it drops; mixtures and the example's own local
   files (config/examples/..., such as its tool-call transcripts) kept as written; a
   vision-language example (a dataset with ``columns.images``): the tiny Gemma 3 and the
@@ -95,6 +96,8 @@ def rows_of(spec: dict[str, Any], source: list[dict], split: str) -> list[dict]:
             new = {columns.get("instruction", "instruction"): q,
                    columns.get("input", "input"): "" if i % 2 else "Answer with a number.",
                    columns.get("output", "output"): a}  # fmt: skip
+        elif fmt == "text":  # documents, every third past the miniature's 128 tokens
+            new = {columns.get("text", "text"): " ".join([f"{q} {a}"] * (12 if i % 3 else 1))}
         else:
             raise AssertionError(f"tests/miniature.py makes no rows of format {fmt!r} yet")
         for f in spec.get("filters", []):

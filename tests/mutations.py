@@ -431,6 +431,35 @@ MUTATIONS = (
         "        return pictures.model_inputs(processor, rows + [[] for _ in rows], ids)",
         ("tests/test_pictures.py::test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers",),
     ),
+    Mutation(
+        "piece-overlap", "a long document's pieces overlap by a token (a piece starts at its predecessor's last token)",
+        f"{LIB}/data/text.py",
+        "    for a in range(0, len(doc), size):\n",
+        "    for a in range(0, len(doc), size - 1):\n",
+        ("tests/test_text.py::test_documents_are_the_tokenizers_tokens_and_end_of_text_with_every_token_kept",),
+    ),
+    Mutation(
+        "no-end-of-text", "a document gets no end-of-text token where the tokenizer adds none",
+        f"{LIB}/data/text.py",
+        "    return before, after if after[-1:] == [eos] else [*after, eos]\n",
+        "    return before, after\n",
+        ("tests/test_text.py::test_documents_are_the_tokenizers_tokens_and_end_of_text_with_every_token_kept",),
+    ),
+    Mutation(
+        "part-overlap", "a part reads one row past its end (the next part's first row twice)",
+        f"{LIB}/core/parts.py",
+        "    return part * total // parts, (part + 1) * total // parts\n",
+        "    return part * total // parts, min(total, (part + 1) * total // parts + 1)\n",
+        ("tests/test_text.py::test_the_parts_of_a_set_cover_every_row_once",
+         "tests/test_text.py::test_a_set_tokenized_in_parts_is_the_set_tokenized_whole"),
+    ),
+    Mutation(
+        "labels-unfilled", "a text row's missing labels are read back as no labels (nothing trained)",
+        f"{LIB}/core/rows.py",
+        "    filled = pc.if_else(pc.is_null(labels), table.column(\"input_ids\"), labels)\n",
+        "    filled = labels\n",
+        ("tests/test_text.py::test_with_labels_fills_only_the_rows_without_labels",),
+    ),
 )  # fmt: skip
 
 

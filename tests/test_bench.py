@@ -25,6 +25,7 @@ SHORT = {
     "chat_masks.py": ["--rows", "100"],
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--hidden", "128", "--repeat", "1"],
+    "corpus.py": ["--docs", "600"],
     "cost_estimate.py": ["--demo-steps", "16", "--steps", "8"],
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
@@ -49,7 +50,7 @@ SHORT = {
 # The benchmarks whose short form trains, converts or loads models: each starts several
 # trainings or model processes (together ~1,000 CPU-seconds). They run in `make test-bench`
 # (marker bench); the others are in the extended tier (docs/testing.md).
-HEAVY = {"checkpoint_disk.py", "convert.py", "cost_estimate.py", "dpo_reference.py",
+HEAVY = {"checkpoint_disk.py", "convert.py", "corpus.py", "cost_estimate.py", "dpo_reference.py",
          "heldout_cost.py", "omp_wait.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
          "train_overhead.py", "train_throughput.py"}  # fmt: skip
 

@@ -573,10 +573,6 @@ def dpo_config(**run) -> dict:
          "runs.demo.eval_dataset: 'arith_pairs_test' is a preference dataset (pairs), which "
          "only methods dpo, reward, simpo, orpo, kto train and evaluate on; set method: dpo or "
          "reward or simpo or orpo or kto"),
-        ({"runs": {"demo": {"init_from": "p", "model": None}}},
-         "runs.demo.init_from: only for methods grpo, dpo, reward, simpo, orpo, kto, rloo, distill (a run of method lora starts "
-         "from "
-         "`model`)"),
         ({"runs": {"demo": {"method": "full"}}},
          "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto, rloo, distill); remove it "
          "or set "

@@ -261,7 +261,7 @@ def shared_stages(
     a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (every row at
     max_length: at most)."""
     from snaketune.core import parts as tokenized_set
-    from snaketune.plan.stages import tokenized
+    from snaketune.plan.stages import parts_of, tokenized
 
     out: dict[str, dict[str, Any]] = {}
     for name, shape in shapes.items():
@@ -281,21 +281,25 @@ def shared_stages(
         for dataset, path in sets.items():
             key = f"tokenize_dataset {Path(path).parent.name}"
             if key not in out and not tokenized_set.exists(workdir / path):
-                out[key] = tokenize_cost(config, dataset, run["max_length"], workdir)
+                parts = parts_of(config, dataset, workdir / Path(path).parent)
+                out[key] = tokenize_cost(config, dataset, run["max_length"], workdir, parts)
     return out
 
 
 def tokenize_cost(
-    config: dict[str, Any], dataset: str, max_length: int, workdir: Path
+    config: dict[str, Any], dataset: str, max_length: int, workdir: Path, parts: int = 1
 ) -> dict[str, Any]:
-    """A dataset's tokenization: every row at max_length (at most) at TOKENIZE_TOKENS_S."""
+    """A dataset's tokenization: every row at max_length (at most) at TOKENIZE_TOKENS_S,
+    in ``parts`` jobs side by side (the wall time of one part)."""
     from snaketune.budget.cost import source_rows
 
     rows = source_rows(config, dataset, workdir)
     if rows is None:
         return stage(None, 0, "not estimated: the dataset is not readable yet")
     basis = f"{rows:,} rows of at most {max_length} tokens at {TOKENIZE_TOKENS_S:,.0f} tokens/s"
-    return stage(rows * max_length / TOKENIZE_TOKENS_S, 0, basis + " (assumed)")
+    if parts > 1:
+        basis += f", in {parts} parts side by side (a part's time)"
+    return stage(rows * max_length / TOKENIZE_TOKENS_S / parts, 0, basis + " (assumed)")
 
 
 def total(stages: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -108,6 +108,7 @@ LORA = Method(
     trains_on="rows",
     splits_sequences=True,
     takes_pictures=True,
+    starts_from_runs=True,  # chat SFT from a continued pre-training run, say
     adapter="lora",
     summary="supervised fine-tuning of a peft adapter",
 )
