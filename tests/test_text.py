@@ -430,3 +430,24 @@ def test_worker_processes_write_the_rows_one_process_writes(tmp_path, tiny_model
     assert pq.read_table(tmp_path / "two.parquet").equals(pq.read_table(tmp_path / "one.parquet"))
     assert dataclasses.asdict(two) == dataclasses.asdict(one)
     assert not list(tmp_path.glob("two.parquet.worker-*"))  # the workers' files removed
+
+
+def test_status_counts_a_set_s_parts_done_and_running(tmp_path):
+    from base64 import urlsafe_b64encode
+
+    from snaketune.app.status import status
+
+    folder = tmp_path / "results/tokenized/corpus__tiny__0123456789ab"
+    folder.mkdir(parents=True)
+    for p in (0, 2):
+        (folder / f"part-0000{p}-of-00003.parquet").write_bytes(b"")
+    running = "results/tokenized/corpus__tiny__0123456789ab/part-00001-of-00003.parquet"
+    (tmp_path / ".snakemake/incomplete").mkdir(parents=True)
+    (tmp_path / ".snakemake/incomplete" / urlsafe_b64encode(running.encode()).decode()).touch()
+    (tmp_path / ".snakemake/locks").mkdir()
+    assert status(tmp_path) == ["tokenize corpus__tiny__0123456789ab: 2 of 3 parts done, 1 "
+                                "interrupted (rerun to redo them)"]  # fmt: skip
+    (tmp_path / ".snakemake/locks/0.input.lock").touch()
+    assert status(tmp_path) == ["tokenize corpus__tiny__0123456789ab: 2 of 3 parts done, 1 running"]
+    (folder / "parts.json").write_text("{}")
+    assert status(tmp_path) == [f"no run has started under {tmp_path / 'results'} yet"]

@@ -141,15 +141,16 @@ def status(workdir: Path) -> list[str]:
     results = workdir / "results"
     found = results.iterdir() if results.is_dir() else ()
     runs = sorted(p for p in found if (p / "shards").is_dir() or (p / "train").is_dir())
+    sets = parts_status(results, started_outputs(workdir))
     if not runs:
-        return [f"no run has started under {results} yet"]
+        return sets or [f"no run has started under {results} yet"]
     from snaketune.budget.scoring import STAGES
 
     keys = [p.name for s in STAGES for p in (results / s.name).glob("*") if p.is_dir()]
     # one squeue for every run and scoring key (a key names no run: its own jobs)
     queued, started = slurm_jobs([p.name for p in runs] + keys), started_outputs(workdir)
     lines = [line for p in runs for line in run_status(p, queued, started)]
-    return lines + scoring_status(results, runs, queued, started)
+    return sets + lines + scoring_status(results, runs, queued, started)
 
 
 def scoring_status(
@@ -189,4 +190,25 @@ def scoring_status(
                 f"{stage.name} {folder.name}: {state}"
                 + (f" (read by {', '.join(read)})" if read else "")
             )
+    return lines
+
+
+def parts_status(results: Path, started: tuple[list[str], bool]) -> list[str]:
+    """A line for each tokenized set being made in parts (snaketune.core.parts): the parts
+    done of how many, and those running or interrupted; none once its index is there."""
+    import re
+
+    name = re.compile(r"part-\d{5}-of-(\d{5})\.parquet$")
+    lines = []
+    for folder in sorted((results / "tokenized").glob("*")) if results.is_dir() else ():
+        made = [m for p in folder.glob("part-*.parquet") if (m := name.search(p.name))]
+        prefix = f"results/tokenized/{folder.name}/"
+        making = [m for p in started[0] if p.startswith(prefix) and (m := name.search(p))]
+        if (folder / "parts.json").is_file() or not (made or making):
+            continue
+        line = f"tokenize {folder.name}: {len(made)} of {int((made + making)[0][1])} parts done"
+        if making:
+            word = "running" if started[1] else "interrupted (rerun to redo them)"
+            line += f", {len(making)} {word}"
+        lines.append(line)
     return lines
