@@ -53,9 +53,10 @@ def make_corpus(path: Path, docs: int, seed: int = 0) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = np.random.default_rng(seed)
+    vocabulary = np.random.default_rng(0)  # the same words whatever the documents' seed
     letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
-    words = ["".join(rng.choice(letters, rng.integers(1, 10))) for _ in range(5000)]
+    words = ["".join(vocabulary.choice(letters, vocabulary.integers(1, 10))) for _ in range(5000)]
+    rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, len(words) + 1)
     weights /= weights.sum()
     writer, size = None, 0
