@@ -241,6 +241,13 @@ def num_rows(path: str | Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
+def module_of(kind: Kind, source: Source) -> ModuleType:
+    """What renders and labels a source's rows: the sources' ``kind``, or the source's own
+    where it joins that kind's rows (documents beside chat rows)."""
+    own = kind_of_source(source.spec)
+    return own.impl() if own.joins else kind.impl()
+
+
 def part_rows(sources: list[Source], part: tuple[int, int] | None) -> tuple[int, int] | None:
     """The rows of the sources laid end to end that ``part`` (p, N) reads (None: all)."""
     if part is None:
@@ -300,12 +307,6 @@ def tokenize_rows(
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     table_schema = kind.impl().schema(OUTPUT_SCHEMA)
 
-    def module_of(source: Source):
-        """What renders and labels a source's rows: the sources' kind, or the source's own
-        where it joins that kind's rows (documents beside chat rows)."""
-        own = kind_of_source(source.spec)
-        return own.impl() if own.joins else kind.impl()
-
     def finish(batch: tuple) -> None:
         module, items, texts, spans, future = batch
         encodings = future.result()
@@ -321,7 +322,7 @@ def tokenize_rows(
         pending = None
         for source, items in iter_conversations(sources, stats, rows):
             progress.tell(stats.rows_read)
-            module = module_of(source)
+            module = module_of(kind, source)
             items, texts, spans = module.render(renderer, items, stats)
             if not items:
                 continue
@@ -336,7 +337,7 @@ def tokenize_rows(
         check_end_of_turn(stats, model_dir, model_name)
     stats.masks = renderer.describe() if renderer is not None else "documents: no chat template"
     if whole:
-        _log_result(stats, kind, [kind.impl(), *map(module_of, sources)])
+        _log_result(stats, kind, [kind.impl(), *(module_of(kind, s) for s in sources)])
         log.info("models.%s: %s", model_name, stats.masks)
     return stats
 
@@ -380,6 +381,6 @@ def in_workers(args: tuple, out: Path, span: tuple[int, int], n: int, whole: boo
     check_result(stats, max_length, overlong, model_dir, model_name, whole=whole)
     kind = kind_of_sources(s.spec for s in sources)
     if whole:
-        _log_result(stats, kind, [kind.impl(), *(kind_of_source(s.spec).impl() for s in sources)])
+        _log_result(stats, kind, [kind.impl(), *(module_of(kind, s) for s in sources)])
     log.info("tokenized in %d worker processes (rows %d-%d)", n, lo, hi)
     return stats

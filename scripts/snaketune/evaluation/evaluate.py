@@ -209,7 +209,7 @@ def scored(
     gen = generator or generate
     texts, stopped = gen(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
-    if (own := kind_of_columns(rows[0]).scorer()) is not None:
+    if (own := kind.scorer()) is not None:
         mine = [
             (*m, lp)
             for m, lp in zip(mine, own.logps(model, rows, batch_size, pad, share), strict=True)
