@@ -31,6 +31,7 @@ from snaketune.core.imports import load
 from snaketune.core.io import atomic_paths, sha256_file
 from snaketune.core.parts import parse_part
 from snaketune.core.provenance import NAME, record, write_provenance
+from snaketune.data.chat import TEMPLATE_DATE
 from snaketune.data.conversations import Source
 from snaketune.data.tokenization import tokenize
 
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_name=spec["model"],
                 part=part,
                 workers=int(os.environ.get("RAYON_NUM_THREADS", "1")),  # the job's threads
+                template_date=spec.get("template_date", TEMPLATE_DATE),
             )
         except DataError as exc:
             if str(exc).startswith(("models.", "datasets.")):
@@ -94,8 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             inputs["chat_template"] = template["path"]
         names = {out.name: tmp, Path(args.stats).name: tmp_stats}
         stage = "tokenize_part" if part else "tokenize_dataset"
+        dated = {"template_date": stats.template_date} if stats.template_date else {}
         prov = record(stage, out.parent, spec, inputs,
-                      {n: sha256_file(t) for n, t in names.items()})  # fmt: skip
+                      {n: sha256_file(t) for n, t in names.items()}, **dated)  # fmt: skip
         write_provenance(tmp_prov, prov)
     return 0
 

@@ -348,8 +348,11 @@ def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_p
     assert "a local model copied" in shared["download_model m"]["basis"]
     tokenize = [k for k in shared if k.startswith("tokenize_dataset")]
     assert len(tokenize) == 2  # the training set and the eval set
-    assert sorted(shared[k]["s"] for k in tokenize) == pytest.approx([50 * 256 / 2e5,
-                                                                      1000 * 256 / 2e5])  # fmt: skip
+    # each row's prompt and response bytes at 4 bytes a token (none near max_length), chat
+    # rows at 98,000 tokens/s a core, one worker (fewer than 20,000 rows)
+    train_bytes = sum(i % 7 + 1 + 1 for i in range(1000))
+    assert sorted(shared[k]["s"] for k in tokenize) == pytest.approx([50 * 2 / 4 / 98_000,
+                                                                      train_bytes / 4 / 98_000])  # fmt: skip
     (base,) = [k for k in shared if k.startswith("evaluate_base")]
     assert shared[base]["s"] == pytest.approx(size / 500e6 + decode)
     lines = sc.format_pipeline([c, c])  # a second run of the same base: counted once
@@ -383,6 +386,61 @@ def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_p
                     tmp_path / "f")  # fmt: skip
     assert "merge_lora" not in c["stages"]
     assert c["stages"]["convert_checkpoint"]["s"] == pytest.approx(LLAMA_8B_PARAMS * 6 / 500e6)
+
+
+def test_a_corpus_s_tokenize_time_and_disk_are_its_tokens_at_a_measured_rate(tmp_path):
+    """A corpus of 50,000 documents (format text): its tokens from the first 1,000 rows'
+    bytes at 4 a token, at bench/corpus.py's 240,000 tokens/s a core, with a worker per
+    20,000 rows a job; this machine's last tokenize job of documents (60 CPU-s or more) is
+    the rate once there; the disk counts ids alone for documents (ids and labels for chat)."""
+    import os
+
+    from snaketune.budget.stagecost import tokenize_cost
+    from snaketune.budget.tokenizeplan import measured_rate, token_bytes
+
+    config = config_with(tmp_path, 10)
+    docs = [" ".join(["word"] * (i % 13 + 1)) for i in range(50_000)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    config["datasets"]["t"] = {"source": "local", "path": str(tmp_path / "corpus.jsonl"),
+                               "format": "text", "parts": 1}  # fmt: skip
+    config["runs"]["y"] = {**config["runs"]["x"], "dataset": "t"}
+    tokens = 50_000 * sum(len(d) for d in docs[:1000]) / 1000 / 4
+    one = tokenize_cost(config, "t", 256, tmp_path)
+    assert one["s"] == pytest.approx(tokens / (240_000 * 2))  # 2 workers of 20,000 rows
+    assert "2 worker process(es) a job" in one["basis"]
+    two = tokenize_cost(config, "t", 256, tmp_path, parts=2)
+    assert two["s"] == pytest.approx(tokens / 2 / 240_000)  # 25,000 rows a part: 1 worker
+    assert two["basis"].endswith("2 parts side by side (a part's time)")
+    # the disk: the set and the shards, int32 ids; the chat run's set and shards with labels
+    assert token_bytes(config, "y", tmp_path) == pytest.approx(2 * tokens * 4)
+    chat_bytes = 10 * sum(i % 7 + 1 + 1 for i in range(10)) / 10 / 4
+    assert token_bytes(config, "x", tmp_path) == pytest.approx(2 * chat_bytes * 8)
+
+    # measured here: the newest job of documents that ran 60 CPU-s or more
+    def job(key: str, cpu: float, tokens: int, conversations: int, age: int) -> None:
+        bench = tmp_path / "benchmarks/tokenize_dataset" / f"{key}.tsv"
+        bench.parent.mkdir(parents=True, exist_ok=True)
+        bench.write_text(f"s\tcpu_time\n{cpu * 2}\t{cpu}\n")
+        os.utime(bench, (1e9 - age, 1e9 - age))
+        stats = tmp_path / "results/tokenized" / key / "stats.json"
+        stats.parent.mkdir(parents=True, exist_ok=True)
+        stats.write_text(json.dumps({"tokens": tokens, "conversations": conversations}))
+
+    job("old", 120, 6_000_000, 0, age=30)  # 50,000 tokens/s
+    job("chat", 100, 1_000_000, 5, age=20)  # chat rows: not the rate of documents
+    job("short", 30, 3_000_000, 0, age=10)  # mostly imports: no rate
+    rate, where = measured_rate(tmp_path, "documents")
+    assert rate == pytest.approx(50_000) and "tokenize_dataset/old.tsv" in where
+    assert measured_rate(tmp_path, "chat")[0] == pytest.approx(10_000)
+    assert tokenize_cost(config, "t", 256, tmp_path)["s"] == pytest.approx(tokens / 100_000)
+    part = tmp_path / "benchmarks/tokenize_part/k/00001-of-00002.tsv"  # a part's job, newer
+    part.parent.mkdir(parents=True)
+    part.write_text("s\tcpu_time\n70\t70\n")
+    (tmp_path / "results/tokenized/k").mkdir(parents=True)
+    (tmp_path / "results/tokenized/k/part-00001-of-00002.stats.json").write_text(
+        json.dumps({"tokens": 7_000_000, "conversations": 0})
+    )
+    assert measured_rate(tmp_path, "documents")[0] == pytest.approx(100_000)
 
 
 def test_the_disk_plan_counts_the_base_model_s_download_once(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import BIN, ENV
+from conftest import BIN, ENV, ROOT
 from families import FAMILIES, TEMPLATES, build, chat_rows
 
 from snaketune.app.fixtures import make_arith
@@ -161,3 +161,80 @@ def test_validate_shows_a_row_with_its_trained_tokens_marked(families, tmp_path)
     assert "<|im_start|>assistant\n«#### " in shown  # the earlier turn: its content on
     assert "<think>\n«Add the two numbers.\n</think>\n\n#### " in shown  # the last: reasoning on
     assert "«" not in shown.split("<|im_start|>assistant")[0]  # system and user text off
+
+
+DATED = {"gpt-oss": "%Y-%m-%d", "llama3": "%d %b %Y", "smollm3": "%d %B %Y"}
+
+
+@pytest.mark.parametrize("name", list(DATED))
+def test_a_template_that_prints_today_renders_a_fixed_day_recorded_in_the_stats(
+    families, name, tmp_path
+):
+    """gpt-oss's, Llama 3's and SmolLM3's templates print today's date (``strftime_now``):
+    the rows render 2024-07-26 (or the model's ``template_date``) on any day, the rest as
+    transformers renders it today, and the stats say which day."""
+    import datetime
+
+    from transformers import AutoTokenizer
+
+    from snaketune.data.chat import TEMPLATE_DATE
+
+    fmt = DATED[name]
+    tokenizer = AutoTokenizer.from_pretrained(families / name)
+    row = json.loads((families / "chat.jsonl").read_text().splitlines()[0])
+    today = datetime.datetime.now().strftime(fmt)
+    day = datetime.datetime(2024, 7, 26).strftime(fmt)
+    assert TEMPLATE_DATE == "2024-07-26" and today != day
+    oracle = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    assert today in oracle
+    tokenized = pq.read_table(families / f"{name}.parquet").to_pylist()[0]
+    decoded = tokenizer.decode(tokenized["input_ids"])
+    assert decoded == tokenizer.decode(tokenizer(oracle.replace(today, day))["input_ids"])
+    # another day given: only the date moves, and the stats record it
+    source = Source("chat", families / "chat.parquet", {"format": "messages"})
+    stats = tokenize([source], families / name, tmp_path / "x.parquet", 1024, model_name=name,
+                     template_date="2025-03-04")  # fmt: skip
+    assert stats.template_date == "2025-03-04"
+    other = pq.read_table(tmp_path / "x.parquet").to_pylist()[0]
+    assert tokenizer.decode(other["input_ids"]) == decoded.replace(
+        day, datetime.datetime(2025, 3, 4).strftime(fmt)
+    )
+
+
+def test_the_tokenize_job_records_the_day_in_its_provenance(families, tmp_path):
+    """The job as the rule runs it: the model's template_date in the spec, the set's
+    provenance.json and stats.json say the day its rows were rendered on."""
+    spec = {"dataset": "chat", "model": "gpt-oss", "chat_template": None, "max_length": 1024,
+            "overlong": "drop", "template_date": "2025-03-04",
+            "sources": [{"name": "chat", "spec": {"format": "messages"}, "weight": 1.0,
+                         "seed": 0}]}  # fmt: skip
+    out = tmp_path / "set/data.parquet"
+    subprocess.run(
+        [str(BIN / "python"), str(ROOT / "scripts/tokenize_dataset.py"), "--spec",
+         json.dumps(spec), "--data", str(families / "chat.parquet"), "--model",
+         str(families / "gpt-oss"), "--out", str(out), "--stats", str(out.parent / "stats.json")],
+        env=ENV, check=True, capture_output=True,
+    )  # fmt: skip
+    provenance = json.loads((out.parent / "provenance.json").read_text())
+    assert provenance["template_date"] == "2025-03-04"
+    assert json.loads((out.parent / "stats.json").read_text())["template_date"] == "2025-03-04"
+
+
+def test_a_template_without_a_date_records_none(families, tmp_path):
+    source = Source("chat", families / "chat.parquet", {"format": "messages"})
+    stats = tokenize([source], families / "qwen3.5", tmp_path / "x.parquet", 1024)
+    assert stats.template_date is None
+
+
+def test_a_model_s_template_date_keys_its_sets_and_unset_keeps_the_key_as_before():
+    from snaketune.plan.stages import tokenize_key, tokenize_spec
+
+    config = {"models": {"m": {"source": "local", "path": "m"}},
+              "datasets": {"d": {"source": "local", "path": "d.jsonl", "format": "messages",
+                                 "parts": 1}}}  # fmt: skip
+    plain = tokenize_spec(config, "d", "m", 1024, "drop")
+    assert "template_date" not in plain
+    config["models"]["m"]["template_date"] = "2025-03-04"
+    dated = tokenize_spec(config, "d", "m", 1024, "drop")
+    assert dated["template_date"] == "2025-03-04"
+    assert tokenize_key(dated) != tokenize_key(plain)

@@ -206,6 +206,7 @@ def _template_lines(config: dict, workdir: Path, row: int | None, only: str | No
     """A line per model on this machine: how its template's assistant tokens are found;
     with ``row``, that row of each run's dataset with its trained tokens marked."""
     from snaketune.core.errors import DataError
+    from snaketune.data.chat import TEMPLATE_DATE
     from snaketune.data.formats import components
     from snaketune.data.peek import show_row
     from snaketune.data.sources import model_folder
@@ -222,7 +223,8 @@ def _template_lines(config: dict, workdir: Path, row: int | None, only: str | No
                 template = chat_template(config, model, workdir)
                 text = (workdir / template["path"]).read_text() if template else None
                 try:
-                    renderers[model] = renderer_for(folder, text)
+                    date = config["models"][model].get("template_date", TEMPLATE_DATE)
+                    renderers[model] = renderer_for(folder, text, date)
                     lines.append(f"models.{model}: {renderers[model].describe()}")
                 except DataError as exc:
                     lines.append(f"models.{model}: {exc}")

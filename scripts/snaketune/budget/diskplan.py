@@ -19,7 +19,8 @@ to its model weights once a newer one is complete (resuming needs only the newes
 a checkpoint is written, two whole ones and ``save_total_limit - 1`` reduced ones are on
 the disk; with ``all``, ``save_total_limit + 1`` whole ones. The run also writes its final
 DeepSpeed checkpoint (module and optimizer states), its model folder and its exports (the
-converted model; for LoRA the adapters and the merged model, w·P).
+converted model; for LoRA the adapters and the merged model, w·P). Before those, its token
+ids: the tokenized sets and the shards not written yet (snaketune.budget.tokenizeplan).
 
 tests/test_diskplan.py checks the estimate against real checkpoints (full ZeRO-3, LoRA
 ZeRO-2) within 25%.
@@ -193,6 +194,7 @@ def plan_disk(
 # what else a run writes to its results filesystem, when it does: the plan's key, its words
 OTHER_NEEDS = (
     ("download", "the base model download"),
+    ("tokens", "tokenized sets and shards"),
     ("teacher_logps", "teacher top-k"),
     ("pictures", "pictures in tokenized data and shards"),
 )
@@ -233,6 +235,7 @@ def disk_plan_of(
     from snaketune.budget.modelfiles import find_config_json
     from snaketune.budget.pictureplan import picture_bytes
     from snaketune.budget.stagecost import weights_in
+    from snaketune.budget.tokenizeplan import token_bytes
 
     run = config["runs"][name]
     path = find_config_json(config, run, root)
@@ -245,7 +248,7 @@ def disk_plan_of(
     same = os.stat(existing(models)).st_dev == os.stat(existing(run_dir)).st_dev
     if same and not weights_in(models / run["model"]):
         download = shape.params * (shape.saved_bytes or 2)
-    extra = {}
+    extra = {"tokens": token_bytes(config, name, root)}  # snaketune.budget.tokenizeplan
     pictures = picture_bytes(config, name, root)  # snaketune.budget.pictureplan
     if pictures:
         extra["pictures"] = pictures

@@ -17,7 +17,6 @@ from snaketune.budget.cost import ASSUMED_MFU
 # Assumed rates, replaced by a calibration's measurements (docs/benchmarks.md).
 DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
 DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem
-TOKENIZE_TOKENS_S = 200_000.0  # one process of a fast (Rust) tokenizer
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
 # a forward pass without gradients (the reference log-probs): the full fine-tune's measured MFU
 FORWARD_MFU = ASSUMED_MFU["full"]
@@ -258,8 +257,8 @@ def shared_stages(
     config: dict[str, Any], shapes: dict[str, Any], workdir: Path
 ) -> dict[str, dict[str, Any]]:
     """The stages the runs share, once each and only where their outputs are not there yet:
-    a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (every row at
-    max_length: at most)."""
+    a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (its tokens at
+    a measured rate: snaketune.budget.tokenizeplan)."""
     from snaketune.core import parts as tokenized_set
     from snaketune.plan.stages import parts_of, tokenized
 
@@ -289,17 +288,11 @@ def shared_stages(
 def tokenize_cost(
     config: dict[str, Any], dataset: str, max_length: int, workdir: Path, parts: int = 1
 ) -> dict[str, Any]:
-    """A dataset's tokenization: every row at max_length (at most) at TOKENIZE_TOKENS_S,
-    in ``parts`` jobs side by side (the wall time of one part)."""
-    from snaketune.budget.cost import source_rows
+    """A dataset's tokenization: one part's wall time (snaketune.budget.tokenizeplan)."""
+    from snaketune.budget.tokenizeplan import tokenize_plan
 
-    rows = source_rows(config, dataset, workdir)
-    if rows is None:
-        return stage(None, 0, "not estimated: the dataset is not readable yet")
-    basis = f"{rows:,} rows of at most {max_length} tokens at {TOKENIZE_TOKENS_S:,.0f} tokens/s"
-    if parts > 1:
-        basis += f", in {parts} parts side by side (a part's time)"
-    return stage(rows * max_length / TOKENIZE_TOKENS_S / parts, 0, basis + " (assumed)")
+    plan = tokenize_plan(config, dataset, max_length, workdir, parts)
+    return stage(plan["s"], 0, plan["basis"])
 
 
 def total(stages: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -31,6 +31,24 @@ SPANS_BY = {
 }
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
+# The day a template that prints today's date (gpt-oss's, Llama 3's, SmolLM3's
+# ``strftime_now``) renders, unless the model sets ``template_date``: the same rows give the
+# same tokens on any day. Llama 3.1's own template falls back to this day without a clock.
+TEMPLATE_DATE = "2024-07-26"
+
+
+def fixed_clock(date: str):
+    """A ``strftime_now`` for templates that formats ``date`` (YYYY-MM-DD), not today."""
+    import datetime
+
+    day = datetime.datetime.strptime(date, "%Y-%m-%d")
+    return day.strftime
+
+
+def prints_date(template: str) -> bool:
+    """Whether a chat template prints today's date (calls ``strftime_now``)."""
+    return "strftime_now" in template
+
 
 def messages_of(turns: list[Turn] | tuple[Turn, ...]) -> list[dict[str, str]]:
     """Turns as the messages a chat template reads; reasoning under both names templates use
@@ -71,10 +89,17 @@ class ChatRenderer:
     (trim, escape) fail the check and every row is rendered by jinja.
     """
 
-    def __init__(self, tokenizer, template: str | None = None, stop: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        template: str | None = None,
+        stop: str | None = None,
+        date: str = TEMPLATE_DATE,
+    ):
         """``stop``: the model's stop token (its generation config's first), labelled after
         a conversation's last assistant turn where the template closes that turn with no
-        special token (GLM-4.5's), so the model learns to stop."""
+        special token (GLM-4.5's), so the model learns to stop. ``date``: the day a template
+        that prints today's date renders (YYYY-MM-DD; ``TEMPLATE_DATE``)."""
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         template = template or tokenizer.chat_template
@@ -89,8 +114,10 @@ class ChatRenderer:
         self._compiled = _compile_jinja_template(template)
         # Template.render() copies the environment's globals into a new context on every
         # call; merge them once and hand jinja a ready context (what render() does next).
-        self._base = {**self._compiled.globals, **tokenizer.special_tokens_map}
-        self._special_map = dict(tokenizer.special_tokens_map)
+        # ``strftime_now`` given as a variable shadows the environment's global of that name
+        self.date = date
+        self._variables = {**tokenizer.special_tokens_map, "strftime_now": fixed_clock(date)}
+        self._base = {**self._compiled.globals, **self._variables}
         self._layouts: dict[tuple[str, ...], tuple | None] = {}
         self.tokenizer = tokenizer
         self.stop = stop
@@ -271,24 +298,23 @@ class ChatRenderer:
 
     def spans_marked(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         """Text and spans from the template's ``{% generation %}`` marks (transformers'
-        assistant mask), one span per assistant turn."""
-        from transformers.utils.chat_template_utils import render_jinja_template
+        assistant mask), one span per assistant turn. Rendered by the step of transformers'
+        render_jinja_template that tracks the marks, on this renderer's compiled template
+        with its variables (render_jinja_template itself turns a callable ``strftime_now``
+        into its name)."""
+        from transformers.utils.chat_template_utils import _render_with_assistant_indices
 
-        texts, indices = render_jinja_template(
-            [messages_of(turns)],
-            tools=self.tools,
-            chat_template=self.template,
-            return_assistant_tokens_mask=True,
-            **self._special_map,
+        text, indices = _render_with_assistant_indices(
+            self._compiled, messages_of(turns), self.tools, None, False, **self._variables
         )
-        spans = [tuple(span) for span in indices[0]]
+        spans = [tuple(span) for span in indices]
         if len(spans) != sum(t[0] == "assistant" for t in turns):
             raise DataError(
                 "the chat template's {% generation %} marks do not wrap each assistant turn "
                 f"once ({len(spans)} marked spans); mark each assistant message, or remove "
                 "the marks to let the assistant turns be found in the render"
             )
-        return texts[0], spans
+        return text, spans
 
     def spans_full(self, turns: tuple[Turn, ...]) -> tuple[str, list[tuple[int, int]]]:
         """Text and assistant spans from the one full render (snaketune.data.fullrender)."""

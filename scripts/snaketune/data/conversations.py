@@ -82,6 +82,7 @@ class Stats:
     rows_without_end_of_turn: int = 0
     model_stops_at_end_of_turn: bool | None = None
     masks: str = ""  # how the assistant tokens were found (ChatRenderer.describe)
+    template_date: str | None = None  # the day a template that prints the date rendered
     pictures: int = 0  # a picture dataset's pictures kept, and their image tokens
     image_tokens: int = 0
     # text documents (snaketune.data.text): read, split into pieces (longer than

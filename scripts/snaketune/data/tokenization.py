@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from snaketune.core.parts import row_range
 from snaketune.core.rows import IGNORE_INDEX
-from snaketune.data.chat import ChatRenderer
+from snaketune.data.chat import TEMPLATE_DATE, ChatRenderer
 from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
 from snaketune.data.kinds import Kind, kind_of_source, kind_of_sources
 from snaketune.data.tokens import (
@@ -270,6 +270,7 @@ def tokenize(
     part: tuple[int, int] | None = None,
     workers: int = 1,
     min_rows: int = MIN_ROWS_PER_WORKER,
+    template_date: str = TEMPLATE_DATE,
 ) -> Stats:
     """Tokenize ``sources`` into the parquet file ``out``; return the stats. The kind of
     the sources' data (snaketune.data.kinds: one for all) renders and labels each batch:
@@ -279,10 +280,11 @@ def tokenize(
     part p of N of the sources' rows (snaketune.core.parts). ``workers``: processes that
     render and encode (the job's threads), each its own consecutive rows (at least
     ``min_rows`` each), their files written into ``out`` in order: the same rows as one.
+    ``template_date``: the day a chat template that prints today's date renders.
     """
     span = part_rows(sources, part) or (0, sum(num_rows(s.path) for s in sources))
     n = max(1, min(workers, (span[1] - span[0]) // max(min_rows, 1)))
-    args = (sources, model_dir, max_length, overlong, chat_template, model_name)
+    args = (sources, model_dir, max_length, overlong, chat_template, model_name, template_date)
     if n == 1:
         return tokenize_rows(*args, out, span, whole=part is None)
     return in_workers(args, Path(out), span, n, whole=part is None)
@@ -295,6 +297,7 @@ def tokenize_rows(
     overlong: str,
     chat_template: str | None,
     model_name: str,
+    template_date: str,
     out: str | Path,
     rows: tuple[int, int],
     whole: bool = True,
@@ -303,7 +306,9 @@ def tokenize_rows(
     process (``whole``: all of a set's, checked as a set)."""
     kind = kind_of_sources(s.spec for s in sources)
     stats = Stats()
-    renderer, tokenizer = tokenizer_for(sources, model_dir, chat_template, model_name, stats)
+    renderer, tokenizer = tokenizer_for(
+        sources, model_dir, chat_template, model_name, stats, template_date
+    )
     encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, add_special_tokens=False)
     table_schema = kind.impl().schema(OUTPUT_SCHEMA)
 
@@ -377,7 +382,7 @@ def in_workers(args: tuple, out: Path, span: tuple[int, int], n: int, whole: boo
     ]
     total = summed(parts, Stats)
     stats = Stats(**{**total, "longest_overlong": tuple(total["longest_overlong"])})
-    sources, model_dir, max_length, overlong, _, model_name = args
+    sources, model_dir, max_length, overlong, _, model_name, _ = args
     check_result(stats, max_length, overlong, model_dir, model_name, whole=whole)
     kind = kind_of_sources(s.spec for s in sources)
     if whole:

@@ -14,19 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import DataError
-from snaketune.data.chat import ChatRenderer, _sentinel
+from snaketune.data.chat import TEMPLATE_DATE, ChatRenderer, _sentinel, prints_date
 from snaketune.data.kinds import kind_of_source
 
 log = logging.getLogger(__name__)
 
 
-def renderer_for(model_dir: Path, template: str | None):
+def renderer_for(model_dir: Path, template: str | None, date: str = TEMPLATE_DATE):
     """The ChatRenderer tokenize builds for a model (its tokenizer, ``template`` or its own,
-    its stop token)."""
+    its stop token, the day a dated template prints)."""
     tokenizer = load_tokenizer(model_dir)
     stops = stop_ids(model_dir)
     stop = tokenizer.convert_ids_to_tokens(stops[0]) if stops else None
-    return ChatRenderer(tokenizer, template, stop=stop)
+    return ChatRenderer(tokenizer, template, stop=stop, date=date)
 
 
 def tokenizer_for(
@@ -35,20 +35,23 @@ def tokenizer_for(
     chat_template: str | None,
     model_name: str,
     stats: Any,
+    date: str = TEMPLATE_DATE,
 ) -> tuple[ChatRenderer | None, Any]:
     """The renderer and the tokenizer of a tokenize pass over ``sources``
     (snaketune.data.conversations.Source), the template's end-of-turn token noted in
-    ``stats``. The renderer is None where every source is documents: they need no chat
-    template (a base model has none)."""
+    ``stats``, and the day it prints where it prints one (``date``). The renderer is None
+    where every source is documents: they need no chat template (a base model has none)."""
     try:
         if any(kind_of_source(s.spec).chat for s in sources):
-            renderer = renderer_for(model_dir, chat_template)
+            renderer = renderer_for(model_dir, chat_template, date)
             tokenizer = renderer.tokenizer
         else:
             renderer, tokenizer = None, load_tokenizer(model_dir)
     except DataError as exc:
         raise DataError(f"models.{model_name}: {exc}") from None
     if renderer is not None:
+        if prints_date(renderer.template):
+            stats.template_date = date
         stats.end_of_turn_id = end_of_turn_id(tokenizer, renderer)
         renderer.full_rows = renderer.stopped_rows = 0  # the probe's row is not the data's
     if stats.end_of_turn_id is not None:

@@ -73,6 +73,8 @@ def tokenize_spec(
         "overlong": overlong,
         "version": TOKENIZE_VERSION,
     }
+    if "template_date" in model_spec:  # unset: chat.TEMPLATE_DATE (the key as before)
+        spec["template_date"] = model_spec["template_date"]
     parts = parts_of(config, dataset, Path("results/tokenized") / tokenize_key(spec))
     if parts > 1:  # one part: the spec (and its job's params) as before parts existed
         spec["parts"] = parts

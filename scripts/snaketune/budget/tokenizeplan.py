@@ -1,0 +1,177 @@
+"""A dataset's tokenization before it runs: its tokens, its time and its disk.
+
+Time is tokens over a measured rate: tokens a second one process writes on one core, by what
+it renders (documents need no chat template and go twice as fast as chat rows), as
+bench/corpus.py measured them (docs/benchmarks.md), or as this machine's last tokenize job of
+the same kind ran them (its tokens over the CPU seconds of its Snakemake benchmark file). A
+job runs as many worker processes as its threads where its rows allow (at least
+MIN_ROWS_PER_WORKER each: snaketune.data.tokenization), and the parts of a set run side by
+side, so the figure is one part's wall time.
+
+Tokens are estimated from the rows' text: the UTF-8 bytes of the columns the format reads in
+the first rows of each source, at BYTES_PER_TOKEN, a chat row at most ``max_length`` (longer
+ones are dropped or cut), a document whole (its pieces are all kept). The disk is what the
+set writes: int32 ids, and labels beside them for chat rows (a document's labels are its ids,
+not stored).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Tokens a second of one process on one core, imports and I/O included (bench/corpus.py,
+# 2 cores, 2026-12-01: docs/benchmarks.md's table of a text corpus).
+TOKENS_S_PER_CORE = {"documents": 240_000.0, "chat": 98_000.0}
+BYTES_PER_TOKEN = 4.0  # English text under a BPE of 32k-150k tokens; code and others differ
+THREADS = 8  # rules tokenize_dataset and tokenize_part: the job's threads
+MIN_CPU_S = 60.0  # a measured job shorter than this is mostly its imports: not a rate
+SAMPLE_ROWS = 1000
+ID_BYTES = 4  # int32 ids and labels
+
+
+def kind_word(config: dict[str, Any], dataset: str) -> str:
+    """``documents`` where every source of ``dataset`` is raw text, else ``chat``."""
+    from snaketune.data.formats import components
+    from snaketune.data.kinds import kind_of_source
+
+    specs = [config["datasets"][c["name"]] for c in components(config, dataset)]
+    return "chat" if any(kind_of_source(s).chat for s in specs) else "documents"
+
+
+def measured_rate(workdir: Path, kind: str) -> tuple[float, str] | None:
+    """Tokens per CPU second of this machine's newest finished tokenize job (a whole set's or
+    a part's) of ``kind`` that ran at least MIN_CPU_S, and where it comes from; None: none."""
+    import csv
+
+    found = []
+    for bench in (workdir / "benchmarks").glob("tokenize_*/**/*.tsv"):
+        rel = bench.relative_to(workdir / "benchmarks")
+        if rel.parts[0] == "tokenize_dataset":
+            stats = workdir / "results/tokenized" / bench.stem / "stats.json"
+        else:  # tokenize_part/<key>/<part>.tsv
+            stats = workdir / "results/tokenized" / rel.parts[1] / f"part-{bench.stem}.stats.json"
+        try:
+            counts = json.loads(stats.read_text())
+            with open(bench, newline="") as fh:
+                cpu = float(list(csv.DictReader(fh, delimiter="\t"))[-1]["cpu_time"])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+        ran = "chat" if counts.get("conversations") else "documents"
+        if ran == kind and cpu >= MIN_CPU_S and counts.get("tokens"):
+            found.append((bench.stat().st_mtime, counts["tokens"] / cpu, bench))
+    if not found:
+        return None
+    _, rate, bench = max(found)
+    return rate, f"this machine's last {kind} tokenize job ({bench.relative_to(workdir)})"
+
+
+def row_bytes(path: Path, columns: list[str]) -> float | None:
+    """Mean UTF-8 bytes of ``columns`` over the first SAMPLE_ROWS rows of a parquet or JSON
+    lines file (None: neither, or none of the columns)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(path)
+        have = [c for c in columns if c in file.schema_arrow.names]
+        if not have:
+            return None
+        rows = next(file.iter_batches(batch_size=SAMPLE_ROWS, columns=have)).to_pylist()
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as fh:
+            rows = [json.loads(line) for _, line in zip(range(SAMPLE_ROWS), fh, strict=False)]
+    else:
+        return None
+    sizes = [sum(_bytes(row.get(c)) for c in columns) for row in rows]
+    return sum(sizes) / len(sizes) if sizes else None
+
+
+def _bytes(value: Any) -> int:
+    """UTF-8 bytes of a cell's text (a turn list's contents, as JSON)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode())
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+def tokens_of(
+    config: dict[str, Any], dataset: str, max_length: int, workdir: Path
+) -> tuple[float, str] | None:
+    """Tokens ``dataset`` tokenizes to (a mixture's components by their weights) and how
+    they were counted; None where a source cannot be read yet."""
+    from snaketune.budget.cost import source_rows
+    from snaketune.data.conversations import needed_columns
+    from snaketune.data.formats import components
+    from snaketune.data.kinds import kind_of_source
+
+    total = 0.0
+    for comp in components(config, dataset):
+        spec = config["datasets"][comp["name"]]
+        path = workdir / "resources/datasets" / comp["name"] / "data.parquet"
+        if not path.is_file() and spec.get("source") == "local":
+            path = workdir / spec["path"]  # an absolute path stays itself
+        rows = source_rows(config, comp["name"], workdir)
+        mean = row_bytes(path, needed_columns(spec)) if path.is_file() else None
+        if rows is None or mean is None:
+            return None
+        per_row = mean / BYTES_PER_TOKEN
+        if kind_of_source(spec).chat:
+            per_row = min(per_row, max_length)
+        total += rows * comp["weight"] * per_row
+    return total, f"its rows' text at {BYTES_PER_TOKEN:g} bytes a token"
+
+
+def tokenize_plan(
+    config: dict[str, Any], dataset: str, max_length: int, workdir: Path, parts: int = 1
+) -> dict[str, Any]:
+    """One part's seconds (the parts side by side), the tokens, the bytes written and the
+    basis of a dataset's tokenization; seconds None where the rows cannot be read yet."""
+    from snaketune.budget.cost import source_rows
+    from snaketune.data.tokenization import MIN_ROWS_PER_WORKER
+
+    kind = kind_word(config, dataset)
+    counted = tokens_of(config, dataset, max_length, workdir)
+    rows = source_rows(config, dataset, workdir)
+    if counted is None or rows is None:
+        why = "not estimated: the dataset is not readable yet"
+        return {"s": None, "tokens": None, "bytes": None, "basis": why}
+    tokens, how = counted
+    rate, where = measured_rate(workdir, kind) or (
+        TOKENS_S_PER_CORE[kind],
+        f"bench/corpus.py's {kind} figure per core",
+    )
+    workers = max(1, min(THREADS, rows // parts // MIN_ROWS_PER_WORKER))
+    seconds = tokens / parts / (rate * workers)
+    per_token = ID_BYTES * (2 if kind == "chat" else 1)  # documents store no labels
+    basis = (
+        f"about {tokens / 1e6:,.1f}M tokens ({how}) at {rate:,.0f} tokens/s a core ({where}), "
+        f"{workers} worker process(es) a job"
+        + (f", {parts} parts side by side (a part's time)" if parts > 1 else "")
+    )
+    return {"s": seconds, "tokens": tokens, "bytes": tokens * per_token, "basis": basis}
+
+
+def token_bytes(config: dict[str, Any], name: str, root: Path) -> float:
+    """Bytes run ``name``'s tokens will take in the files not written yet: its tokenized
+    sets (training and held-out) as tokenize_plan counts them, or as made, and its shards (a
+    copy of the training set's rows, ids and labels as stored)."""
+    from snaketune.core import parts as tokenized_set
+    from snaketune.plan.stages import tokenized
+
+    run = config["runs"][name]
+    sets = [(run["dataset"], tokenized(config, name), True)]
+    if run.get("eval_dataset") in config["datasets"]:
+        sets.append((run["eval_dataset"], tokenized(config, name, eval_set=True), False))
+    total = 0.0
+    for dataset, path, sharded in sets:
+        made = tokenized_set.exists(root / path)
+        if made:
+            size = float(sum(f.stat().st_size for f in tokenized_set.files(root / path)))
+        else:
+            size = tokenize_plan(config, dataset, run["max_length"], root)["bytes"] or 0.0
+            total += size
+        if sharded and not (root / "results" / name / "shards").is_dir():
+            total += size
+    return total
