@@ -6,7 +6,8 @@
 
 Writes data.parquet, stats.json and provenance.json beside them, all three renamed into
 place once complete. A set of many rows is rendered and encoded by as many worker
-processes as the job has threads (RAYON_NUM_THREADS; snaketune.data.tokenization). With
+processes as the job has cores (its SLURM allocation's CPUs, else its threads:
+RAYON_NUM_THREADS; snaketune.core.parts.job_cores). With
 ``--part 00003-of-00008`` (rule tokenize_part: a dataset with ``parts: 8``) it tokenizes
 only that part of the sources' rows (snaketune.core.parts), into part-00003-of-00008.parquet,
 its .stats.json and its .provenance.json.
@@ -29,7 +30,7 @@ from snaketune.app.cli import run
 from snaketune.core.errors import DataError
 from snaketune.core.imports import load
 from snaketune.core.io import atomic_paths, sha256_file
-from snaketune.core.parts import parse_part
+from snaketune.core.parts import job_cores, parse_part
 from snaketune.core.provenance import NAME, record, write_provenance
 from snaketune.data.chat import TEMPLATE_DATE
 from snaketune.data.conversations import Source
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 template_text,
                 model_name=spec["model"],
                 part=part,
-                workers=int(os.environ.get("RAYON_NUM_THREADS", "1")),  # the job's threads
+                workers=job_cores(int(os.environ.get("RAYON_NUM_THREADS", "1"))),
                 template_date=spec.get("template_date", TEMPLATE_DATE),
             )
         except DataError as exc:

@@ -206,7 +206,7 @@ def local_model(spec: dict[str, Any], name: str) -> dict[str, Any]:
 
 def local(spec: dict[str, Any], path: str) -> dict[str, Any]:
     """A Hub dataset's entry as a local file's at ``path``, its other keys as written."""
-    hub = ("source", "id", "subset", "split", "revision")
+    hub = ("source", "id", "files", "subset", "split", "revision")
     return {"source": "local", "path": path, **{k: v for k, v in spec.items() if k not in hub}}
 
 

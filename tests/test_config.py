@@ -159,6 +159,27 @@ BAD = [
     (_delete("models.tiny.path"), "models.tiny: source local needs a `path`"),
     (_set("models.tiny.revision", "v1"), "models.tiny.revision: only for source hub"),
     (
+        _set("datasets.gsm8k_demo.files", ["*.parquet"]),
+        "datasets.gsm8k_demo.files: only for source hub",
+    ),
+    (
+        _set(
+            "datasets.web",
+            {
+                "source": "hub",
+                "id": "org/web",
+                "format": "text",
+                "files": ["a/*.parquet"],
+                "split": "train",
+            },
+        ),
+        "datasets.web.split: not used with `files` (the files chosen are the rows); remove one",
+    ),
+    (
+        _set("datasets.web", {"source": "hub", "id": "org/web", "format": "text", "files": []}),
+        "datasets.web.files: [] should be non-empty",
+    ),
+    (
         _set("models.tiny.chat_template", "missing.jinja"),
         "models.tiny.chat_template: file 'missing.jinja' not found",
     ),

@@ -179,6 +179,9 @@ def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["stop_margin_seconds"] = 80
     config["runs"]["demo"]["eval"].update(limit=8, max_new_tokens=8, batch_size=8)
+    # the training set in 2 parts: one SLURM array job (the profile's slurm-array-jobs); the
+    # rows are the whole set's, so the losses are the local demo's
+    config["datasets"][config["runs"]["demo"]["dataset"]]["parts"] = 2
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     # (SLURM's output of each job kept, successful ones too: it names the attempt's log)
     proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"),
@@ -194,7 +197,15 @@ def test_demo_pipeline_through_profiles_tupi(slurm_demo):
     # compute stages went to SLURM; downloads, fixtures and the report stayed on the login node
     assert {"tokenize_dataset", "shard_dataset", "train", "convert_checkpoint", "merge_lora",
             "evaluate", "evaluate_base"} <= set(jobs)  # fmt: skip
-    assert not {"download_model", "download_dataset", "make_fixtures", "report"} & set(jobs)
+    assert not {"download_model", "download_dataset", "make_fixtures", "report", "index_parts"} & set(jobs)  # fmt: skip
+    # the training set's 2 parts went as one array job of 2 tasks, both completed
+    (array,) = re.findall(r"Submitted array job with Snakemake IDs (\d+),(\d+) and SLURM job "
+                          r"ID (\d+)\. The individual task IDs are 1-2", output)  # fmt: skip
+    tasks = subprocess.run(["sacct", "-X", "-n", "-P", "-j", array[2], "-o", "JobID,State"],
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert sorted(tasks) == [f"{array[2]}_1|COMPLETED", f"{array[2]}_2|COMPLETED"], tasks
+    index = json.loads(next(workdir.glob("results/tokenized/arith__*/parts.json")).read_text())
+    assert len(index["parts"]) == 2
     assert (workdir / "results/summary.tsv").is_file()
     assert (workdir / "results/demo/eval/metrics.json").is_file()
 

@@ -120,3 +120,92 @@ def test_hub_dataset_downloads_the_resolved_commit(tmp_path, monkeypatch):
     assert pq.read_table(out).num_rows == 5
     prov = json.loads((tmp_path / "d" / "provenance.json").read_text())
     assert prov["commit"] == FakeInfo.sha and prov["split"] == "train"
+
+
+def test_a_hub_corpus_s_chosen_files_are_fetched_one_by_one_and_a_cut_file_resumes(
+    tmp_path, monkeypatch
+):
+    """`files:` globs take two of a Hub dataset's three parquet files (a Hub on localhost:
+    tests/hubserver.py); the second is cut off half-way: the download resumes it from the
+    byte it reached (a Range request), the rows are both files' in order, the provenance
+    lists their sizes, and a second download fetches nothing again. A glob that matches
+    nothing is one line naming the files there are."""
+    import random
+    import subprocess
+
+    import pyarrow as pa
+    from conftest import BIN, ENV, ROOT
+    from hubserver import COMMIT, FakeHub
+
+    def parquet(seed: int, rows: int) -> bytes:
+        rng = random.Random(seed)
+        texts = [rng.randbytes(rng.randint(50, 300)).hex() for _ in range(rows)]
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"text": texts}), sink, compression="none")
+        return sink.getvalue().to_pybytes()
+
+    # the second file is 24 MB: huggingface_hub writes what it reads in 10 MiB chunks, so a
+    # cut past the first chunk leaves that much to resume from
+    files = {"sample/10BT/000.parquet": parquet(0, 300), "sample/10BT/001.parquet": parquet(1, 70_000),
+             "sample/100BT/000.parquet": parquet(2, 50), "README.md": b"# corpus\n"}  # fmt: skip
+    spec = {"source": "hub", "id": "org/corpus", "files": ["sample/10BT/*.parquet"],
+            "format": "text"}  # fmt: skip
+    out = tmp_path / "resources/datasets/corpus"
+    env = {**ENV, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+
+    def download(hub: FakeHub, given: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "python"), str(ROOT / "scripts/download_dataset.py"), "--name", "corpus",
+             "--spec", json.dumps(given), "--out-dir", str(out)],
+            env={**env, "HF_ENDPOINT": hub.url}, capture_output=True, text=True,
+        )  # fmt: skip
+
+    with FakeHub("org/corpus", files, cut=("sample/10BT/001.parquet",)) as hub:
+        proc = download(hub, spec)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        first, again = hub.gets("sample/10BT/001.parquet")
+        resumed = int(again.removeprefix("bytes=").removesuffix("-"))
+        assert first is None and 0 < resumed <= len(files["sample/10BT/001.parquet"]) // 2
+        assert hub.gets("sample/10BT/000.parquet") == [None]
+        assert hub.gets("sample/100BT/000.parquet") == hub.gets("README.md") == []
+    got = pq.read_table(out / "data.parquet").column("text").to_pylist()
+    want = [t for name in ("000", "001")
+            for t in pq.read_table(pa.BufferReader(files[f"sample/10BT/{name}.parquet"]))
+            .column("text").to_pylist()]  # fmt: skip
+    assert got == want
+    for name in ("sample/10BT/000.parquet", "sample/10BT/001.parquet"):
+        assert (out / "files" / name).read_bytes() == files[name]
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["commit"] == COMMIT and prov["rows"] == 70_300
+    assert prov["files"] == {n: len(files[n]) for n in ("sample/10BT/000.parquet",
+                                                        "sample/10BT/001.parquet")}  # fmt: skip
+    # the parts are counted from the chosen files' bytes: as the download recorded them, and
+    # before it (another directory) as the Hub lists them
+    from huggingface_hub import constants
+
+    from snaketune.plan.stages import sources_bytes
+
+    config, chosen = {"datasets": {"corpus": spec}}, sum(prov["files"].values())
+    monkeypatch.chdir(tmp_path)
+    assert sources_bytes(config, "corpus") == chosen == sum(
+        len(files[n]) for n in ("sample/10BT/000.parquet", "sample/10BT/001.parquet"))  # fmt: skip
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert sources_bytes(config, "corpus") is None  # offline: not known yet
+    with FakeHub("org/corpus", files) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        assert sources_bytes(config, "corpus") == chosen
+    # again (the outputs gone): the complete files are not fetched again
+    (out / "data.parquet").unlink()
+    with FakeHub("org/corpus", files) as hub:
+        assert download(hub, spec).returncode == 0
+        assert [m for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p] == []
+        proc = download(hub, {**spec, "files": ["sample/1BT/*.parquet"]})
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: datasets.corpus.files: no file of org/corpus at {COMMIT[:12]} matches "
+        "sample/1BT/*.parquet (its files include: README.md, sample/100BT/000.parquet, "
+        "sample/10BT/000.parquet, sample/10BT/001.parquet); fix the globs"
+    )

@@ -451,3 +451,21 @@ def test_status_counts_a_set_s_parts_done_and_running(tmp_path):
     assert status(tmp_path) == ["tokenize corpus__tiny__0123456789ab: 2 of 3 parts done, 1 running"]
     (folder / "parts.json").write_text("{}")
     assert status(tmp_path) == [f"no run has started under {tmp_path / 'results'} yet"]
+
+
+def test_a_tokenize_job_runs_a_worker_per_cpu_of_its_allocation(monkeypatch):
+    """On SLURM a profile's cpus_per_task (above the rule's 8 threads) is what the job has;
+    elsewhere its threads; never more than the cores it may run on."""
+    import os
+
+    from snaketune.core.parts import job_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert job_cores(8) == 8
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
+    assert job_cores(8) == 16
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")
+    assert job_cores(8) == 32
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert job_cores(8) == 1

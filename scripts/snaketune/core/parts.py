@@ -200,3 +200,14 @@ def in_processes(
         for piece in pieces:
             piece.unlink(missing_ok=True)
     return results
+
+
+def job_cores(threads: int) -> int:
+    """The worker processes a tokenize job runs: its SLURM allocation's CPUs where it runs in
+    one (``SLURM_CPUS_PER_TASK``: a profile's cpus_per_task, which may be above the rule's
+    threads), else its ``threads``; at most the cores it may run on."""
+    import os
+
+    given = os.environ.get("SLURM_CPUS_PER_TASK")
+    wanted = int(given) if given and given.isdigit() else threads
+    return max(1, min(wanted, len(os.sched_getaffinity(0))))

@@ -32,6 +32,7 @@ OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"
 # Keys of a single (non-mixture) dataset: where its rows come from and how they read.
 SINGLE_DATASET_KEYS = (
     "id",
+    "files",
     "path",
     "subset",
     "split",

@@ -127,15 +127,23 @@ def file_format(path: Path, forced: str | None = None) -> str:
     return fmt
 
 
+def _files(path: Path | list[Path]) -> list[Path]:
+    """The files of a local dataset: a file, a directory's files, or a list of files."""
+    if isinstance(path, list):
+        return path
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
 def _is_json_array(path: Path) -> bool:
     with open(path, "rb") as fh:
         head = fh.read(4096).lstrip()
     return head.startswith(b"[")
 
 
-def iter_local_batches(path: Path, fmt: str):
-    """Stream a local dataset as record batches (a JSON array file is read whole)."""
-    if fmt == "json" and path.is_file() and _is_json_array(path):
+def iter_local_batches(path: Path | list[Path], fmt: str):
+    """Stream a local dataset (a file, a directory or a list of files) as record batches (a
+    JSON array file is read whole)."""
+    if fmt == "json" and isinstance(path, Path) and path.is_file() and _is_json_array(path):
         with open(path, encoding="utf-8") as fh:
             rows = json.load(fh)
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
@@ -144,7 +152,8 @@ def iter_local_batches(path: Path, fmt: str):
         yield from table.to_batches(max_chunksize=BATCH_ROWS)
         return
     arrow_fmt = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}[fmt]
-    dataset = pads.dataset(str(path), format=arrow_fmt)
+    where = [str(p) for p in path] if isinstance(path, list) else str(path)
+    dataset = pads.dataset(where, format=arrow_fmt)
     if fmt != "parquet" and _empty_struct(dataset.schema):
         # {} values (a call with no arguments, a tool with no parameters) are structs of no
         # fields, which parquet cannot hold: read as null (the tool-call reader takes it as {})
@@ -190,15 +199,14 @@ SHAPES = {
 }
 
 
-def jsonl_row_problem(path: Path) -> str | None:
+def jsonl_row_problem(path: Path | list[Path]) -> str | None:
     """Why a JSON lines file cannot be one table, in the user's terms (pyarrow only says
     which kinds clashed): the first row whose field holds another kind of value than the
     first row that gives that field (row and line numbers from 0 and 1), or a line that is
     not a JSON object. None: every row agrees."""
     first: dict[str, tuple[str, int]] = {}
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     row = 0
-    for file in files:
+    for file in _files(path):
         with open(file, encoding="utf-8", errors="replace") as fh:
             for number, line in enumerate(fh, 1):
                 if not line.strip():
@@ -224,12 +232,11 @@ def jsonl_row_problem(path: Path) -> str | None:
     return None
 
 
-def check_utf8(path: Path) -> None:
+def check_utf8(path: Path | list[Path]) -> None:
     """Fail on the first byte sequence that is not UTF-8, naming its line."""
     import codecs
 
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
+    for file in _files(path):
         decoder = codecs.getincrementaldecoder("utf-8")()
         line, offset = 1, 0
         with open(file, "rb") as fh:
@@ -254,8 +261,9 @@ def check_utf8(path: Path) -> None:
                 ) from None
 
 
-def convert_local(path: Path, fmt: str, out: Path) -> int:
-    """Convert a local dataset to one parquet file in batches; return the row count."""
+def convert_local(path: Path | list[Path], fmt: str, out: Path) -> int:
+    """Convert a local dataset (a file, a directory or a list of files) to one parquet file
+    in batches; return the row count."""
     if fmt != "parquet":
         check_utf8(path)
     writer = None
@@ -298,23 +306,7 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
                 raise DataError(f"datasets.{name}.path: {exc}") from None
             extra = {"path": str(src.resolve()), "file_format": fmt, "files": sha256_tree(src)}
         else:
-            import datasets
-            from huggingface_hub import HfApi
-
-            revision = spec.get("revision", "main")
-            split = spec.get("split", "train")
-            commit = HfApi().dataset_info(spec["id"], revision=revision).sha
-            log.info("dataset %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
-            ds = datasets.load_dataset(spec["id"], spec.get("subset"), split=split, revision=commit)
-            ds.to_parquet(str(tmp))
-            rows = ds.num_rows
-            extra = {
-                "id": spec["id"],
-                "subset": spec.get("subset"),
-                "split": split,
-                "revision": revision,
-                "commit": commit,
-            }
+            rows, extra = _from_hub(name, spec, tmp, out_dir / "files")
         if rows == 0:
             raise DataError(
                 f"datasets.{name}: the dataset has no rows; check the path, split or file"
@@ -334,6 +326,34 @@ def download_dataset(name: str, spec: dict[str, Any], out_dir: str | Path) -> Pa
         write_provenance(tmp_prov, prov)
     log.info("dataset %s: %d rows -> %s", name, rows, data)
     return data
+
+
+def _from_hub(name: str, spec: dict[str, Any], tmp: Path, folder: Path) -> tuple[int, dict]:
+    """A Hub dataset at its resolved commit into the parquet ``tmp``: its ``files`` (globs)
+    fetched one by one into ``folder`` and converted (snaketune.core.hubfiles), else the
+    split ``datasets`` loads. Returns the rows and the provenance's fields."""
+    from huggingface_hub import HfApi
+
+    revision = spec.get("revision", "main")
+    commit = HfApi().dataset_info(spec["id"], revision=revision).sha
+    log.info("dataset %s: %s@%s resolved to commit %s", name, spec["id"], revision, commit)
+    extra = {"id": spec["id"], "revision": revision, "commit": commit}
+    if "files" in spec:
+        from snaketune.core.hubfiles import chosen, fetch
+
+        files = chosen(name, spec["id"], commit, spec["files"])
+        local = fetch(spec["id"], commit, files, folder)
+        try:
+            rows = convert_local(local, file_format(local[0]), tmp)
+        except DataError as exc:
+            raise DataError(f"datasets.{name}.files: {exc}") from None
+        return rows, {**extra, "files": files}
+    import datasets
+
+    split = spec.get("split", "train")
+    ds = datasets.load_dataset(spec["id"], spec.get("subset"), split=split, revision=commit)
+    ds.to_parquet(str(tmp))
+    return ds.num_rows, {**extra, "subset": spec.get("subset"), "split": split}
 
 
 @functools.cache

@@ -72,7 +72,12 @@ def _check_dataset(name: str, spec: Mapping[str, Any], datasets: Mapping[str, An
         return
     require("mixture" not in spec, f"{where}.mixture: only for source mixture")
     require("seed" not in spec, f"{where}.seed: only for source mixture")
-    _check_source("datasets", name, spec, {"id", "subset", "split", "revision"})
+    _check_source("datasets", name, spec, {"id", "files", "subset", "split", "revision"})
+    for key in ("subset", "split"):
+        require(
+            not ("files" in spec and key in spec),
+            f"{where}.{key}: not used with `files` (the files chosen are the rows); remove one",
+        )
     require(
         "file_format" not in spec or spec["source"] == "local",
         f"{where}.file_format: only for source local",

@@ -108,6 +108,12 @@ def sources_bytes(config: dict[str, Any], dataset: str) -> int | None:
     total = 0
     for comp in components(config, dataset):
         spec = config["datasets"][comp["name"]]
+        if "files" in spec:  # a Hub dataset's chosen files
+            chosen = chosen_bytes(comp["name"], spec)
+            if chosen is None:
+                return None
+            total += int(chosen * comp["weight"])
+            continue
         where = Path(spec["path"]) if spec["source"] == "local" else Path("resources/datasets")
         if spec["source"] != "local":
             where = where / comp["name"] / "data.parquet"
@@ -116,6 +122,29 @@ def sources_bytes(config: dict[str, Any], dataset: str) -> int | None:
         files = [where] if where.is_file() else [f for f in where.rglob("*") if f.is_file()]
         total += int(sum(f.stat().st_size for f in files) * comp["weight"])
     return total
+
+
+def chosen_bytes(name: str, spec: dict[str, Any]) -> int | None:
+    """The bytes of the files a Hub dataset's ``files`` choose: as its download recorded them
+    (for these globs), else as the Hub lists them where it answers (offline or unreachable:
+    None), so its parts are counted alike before and after the download."""
+    from huggingface_hub import HfApi, constants
+
+    from snaketune.core.hubfiles import chosen
+    from snaketune.data.sources import hub_reachable
+
+    provenance = Path("resources/datasets") / name / "provenance.json"
+    if provenance.is_file():
+        record = json.loads(provenance.read_text(encoding="utf-8"))
+        if record.get("spec", {}).get("files") == spec["files"] and record.get("files"):
+            return sum(record["files"].values())
+    if constants.HF_HUB_OFFLINE or not hub_reachable(constants.ENDPOINT):
+        return None
+    try:
+        commit = HfApi().dataset_info(spec["id"], revision=spec.get("revision", "main")).sha
+        return sum(chosen(name, spec["id"], commit, spec["files"]).values())
+    except Exception:  # noqa: BLE001 -- gated, no such repo, no file matched: the download says
+        return None
 
 
 def run_tokenize_spec(config: dict[str, Any], run: str, root: Path = Path(".")) -> dict[str, Any]:
