@@ -56,3 +56,27 @@ def test_setup_script_pins_the_same_torch():
     text = (ROOT / "scripts" / "setup_env.sh").read_text()
     assert "torch==$TORCH_VERSION" in text
     assert "pyproject.toml" in text  # the version is read from there, not repeated
+
+
+def test_one_version_everywhere():
+    """snaketune.__version__ is the version: the installed metadata's (pyproject reads it),
+    `snaketune --version`'s, and the top of CHANGELOG.md's."""
+    import re
+    import subprocess
+    from importlib import metadata
+
+    from conftest import BIN, ENV
+
+    from snaketune import __version__
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "snaketune.__version__"
+    }
+    assert metadata.version("snaketune") == __version__
+    out = subprocess.run([str(BIN / "snaketune"), "--version"], env=ENV, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.strip() == f"snaketune {__version__}"
+    (top,) = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)[:1]
+    assert top == __version__

@@ -9,6 +9,8 @@ import subprocess
 
 from conftest import BIN, ENV, ROOT
 
+from snaketune import __version__
+
 ARTEFACTS = {
     "resources/models/tiny": "download_model",
     "resources/datasets/arith": "download_dataset",
@@ -39,12 +41,14 @@ def test_every_artefact_directory_has_provenance(demo):
         assert prov["stage"] == stage, path
         assert prov["artefact"] == path
         assert prov["workflow"]["commit"] == commit
+        assert prov["workflow"]["version"] == prov["versions"]["snaketune"] == __version__
         assert {"torch", "transformers", "peft", "deepspeed", "snaketune"} <= set(prov["versions"])
         assert prov["host"] and prov["time"]
         assert prov["outputs"], path  # the sha256 of what the stage wrote
         assert isinstance(prov["config"], dict), path
         for name, entry in prov["inputs"].items():  # each input pinned by a hash
             assert {"sha256", "provenance_sha256", "files"} & set(entry), (path, name)
+    assert f"Made by snaketune {__version__}." in (demo / "results/summary.html").read_text()
     train = json.loads((demo / "results/demo/train/provenance.json").read_text())
     assert train["config"]["learning_rate"] == 6e-3 and len(train["hosts"]) == 2
     assert train["inputs"]["shards"]["provenance"] == "results/demo/shards/provenance.json"

@@ -8,6 +8,6 @@ and scipy's optimizers, which transformers' object-detection losses import with 
 
 from snaketune.core.imports import defer_at_import
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # a release: CHANGELOG.md and a tag v<version> (docs/releases.md)
 
 defer_at_import()

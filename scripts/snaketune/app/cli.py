@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from snaketune import __version__
 from snaketune.core.errors import UserError, print_error
 
 # (This module is also the entry scripts' shared plumbing: setup_logging and run.)
@@ -63,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="snaketune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"snaketune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     root_help = f"workflow directory (holds workflow/schemas/ and config/deepspeed/; default {WORKFLOW_ROOT})"  # noqa: E501
     _validate_parser(sub, root_help)

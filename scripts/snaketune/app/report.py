@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from snaketune import __version__
 from snaketune.app.comparison import (
     comparison_svg,
     comparison_table,
@@ -291,7 +292,8 @@ def summary_html(
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
         f"<style>{STYLE}</style></head><body><h1>snaketune: all runs</h1>"
-        "<p>Every figure is also in results/summary.tsv (full precision).</p>"
+        "<p>Every figure is also in results/summary.tsv (full precision). Made by snaketune "
+        f"{__version__}.</p>"
         f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
         f"{''.join(sweeps or [])}"
         f"{''.join(sections)}</body></html>\n"

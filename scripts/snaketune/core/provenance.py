@@ -7,7 +7,8 @@ Every artefact directory holds a ``provenance.json`` written by the stage that m
      "inputs": {"adapter": {"path": "results/demo/lora_adapters", "provenance_sha256": "..."},
                 "base": {"path": "resources/models/tiny", "provenance_sha256": "..."}},
      "outputs": {"model.safetensors": "<sha256>", ...},
-     "workflow": {"commit": "<git commit>", "dirty": false}, "versions": {...},
+     "workflow": {"commit": "<git commit>", "dirty": false, "version": "0.2.0"},
+     "versions": {...},
      "host": "...", "hosts": [...], "slurm_job_id": "...", "time": "..."}
 
 An input that is itself an artefact is recorded by the sha256 of its provenance.json (which
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from snaketune import __version__
 from snaketune.core.errors import UserError
 from snaketune.core.io import run_context, sha256_file, sha256_tree, versions
 
@@ -112,7 +114,7 @@ def record(
         "config": config,
         "inputs": {name: describe_input(p) for name, p in inputs.items()},
         "outputs": outputs,
-        "workflow": workflow_commit(),
+        "workflow": {**workflow_commit(), "version": __version__},
         "versions": versions(),
         **hosts_and_jobs(),
         **extra,
