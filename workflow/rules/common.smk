@@ -1,6 +1,8 @@
 # Input functions of the rules, grouped by stage (no rules here). What they return is
 # computed in the library (snaketune.plan.stages): these only look it up for a job's wildcards.
 import json
+import shlex
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -15,8 +17,14 @@ from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
 from snaketune.core.parts import PART_PATTERN  # a set's part: 00003-of-00008
 
-# Entry scripts, found from the Snakefile so that --directory can move a run elsewhere.
-SCRIPTS = Path(workflow.basedir) / "scripts"
+# Entry scripts, found from the workflow's folder (ROOT: workflow/Snakefile) so that
+# --directory, or a project using the workflow as a module, runs them from anywhere.
+SCRIPTS = ROOT / "scripts"
+# The rules' `python` is the interpreter Snakemake runs in (its environment holds the
+# stack, whether or not it was activated: its bin/ first on the jobs' PATH), unless a
+# software-deployment method (conda, apptainer) provides the rule's own.
+if not workflow.deployment_settings.deployment_method:
+    shell.prefix(f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH; ")
 # {sweep: [members]} of the runs with `sweep` (expanded by validate_config)
 SWEEPS = sweeps_of(config["runs"])
 # {key: (stage, job)} of the scoring stages the runs need (snaketune.budget.scoring: a DPO
@@ -132,9 +140,7 @@ def run_model(wildcards):
 
 
 def run_deepspeed(wildcards):
-    return str(
-        resolve_deepspeed(run_of(wildcards)["deepspeed"], Path(workflow.basedir))
-    )
+    return str(resolve_deepspeed(run_of(wildcards)["deepspeed"], ROOT))
 
 
 def run_spec(wildcards):

@@ -289,35 +289,37 @@ def check_partitions(jobs: list[Job]) -> list[str]:
     return leads + check_jobs(asked, [job.wildcards.get("run") for job in jobs])
 
 
-def check_workflow(config: dict[str, Any], workflow: Any, dry_run: bool) -> None:
-    """The workflow's door to ``before_queueing``, given Snakemake's ``workflow`` object: the
-    jobs about to run (``workflow.dag.needrun_jobs()``), before any runs (onstart) or once
-    they are known in a dry run; one line per problem, then exit 1. On SLURM (a real run),
-    a watch then cancels a pending job whose reason can never clear (snaketune.budget.slurmfit)."""
+def check_workflow(
+    config: dict[str, Any], workflow: Any, root: Path, all_name: str, dry_run: bool
+) -> None:
+    """The workflow's door to ``before_queueing``, given Snakemake's ``workflow`` object, the
+    workflow's folder ``root`` and what our rule ``all`` is called (a module's prefix:
+    snaketune.plan.rulenames): the jobs about to run (``workflow.dag.needrun_jobs()``), before
+    any runs (onstart) or once they are known in a dry run; one line per problem, then exit
+    1. On SLURM (a real run), a watch then cancels a pending job whose reason can never clear
+    (snaketune.budget.slurmfit)."""
     import os
 
     from snaketune.budget.slurmfit import PendingWatch
+    from snaketune.plan.rulenames import local_name, local_names
     from snaketune.plan.targets import until_problem
 
     # `--until` a rule between training and the final model, on a config whose runs start
     # from others: Snakemake would train the first runs and stop ("BUG: Out of jobs ready to
     # be started"); refused before anything runs, naming the targets that do the same
-    problem = until_problem(config, set(workflow.dag_settings.until or ()))
+    problem = until_problem(config, local_names(workflow.dag_settings.until or (), all_name))
     if problem:
         refuse([problem], dry_run)
     # a dry run runs every job locally; whether a rule is local on the cluster is its own
     local_rules = {r.name for r in workflow.rules if r.norun} | set(workflow._localrules)
+    named = [(local_name(j.rule.name, all_name), j) for j in workflow.dag.needrun_jobs()]
     jobs = [
-        Job(
-            job.rule.name,
-            dict(job.wildcards_dict),
-            dict(job.resources.items()),
-            job.rule.name in local_rules,
-        )
-        for job in workflow.dag.needrun_jobs()
+        Job(ours, dict(j.wildcards_dict), dict(j.resources.items()), j.rule.name in local_rules)
+        for ours, j in named
+        if ours is not None  # a rule of the project around the module: not ours to check
     ]
     local = workflow.local_exec and not (dry_run and meant_for_slurm(jobs))
-    found = before_queueing(config, jobs, Path("."), Path(workflow.basedir), local, not dry_run)
+    found = before_queueing(config, jobs, Path("."), root, local, not dry_run)
     if found:
         refuse(found, dry_run)
     if not local and not dry_run:
@@ -351,7 +353,8 @@ class _OnceTheJobsAreKnown:
 
 def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.logging") -> None:
     """Run ``callback`` in a dry run (``dry_run()`` true) once the jobs are known: Snakemake
-    runs no ``onstart`` handler in a dry run, but logs the job counts there at that point."""
+    runs no ``onstart`` handler in a dry run (nor a module's in any run), but logs the job
+    counts there at that point."""
     import logging
 
     logging.getLogger(logger_name).addFilter(_OnceTheJobsAreKnown(callback, dry_run))
