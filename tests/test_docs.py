@@ -286,3 +286,19 @@ def test_the_newcomer_example_validates_plans_and_dry_runs(places, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "publish_run" in proc.stdout and "math_grpo" in proc.stdout
     assert shutil.which("sinfo", path=str(places["bin"]))  # the partitions were checked
+
+
+def test_the_catalog_s_files_name_every_key_of_the_demo_config():
+    """config/README.md (the Workflow Catalog's page of the config) names every top-level
+    key and every key of every run of config/config.yaml; the catalog's usage file says how
+    the software is deployed and whether snakemake's own report is made."""
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    named = set(re.findall(r"`([a-z_]+)`", (ROOT / "config/README.md").read_text()))
+    keys = {*config, *(k for run in config["runs"].values() for k in run)}
+    assert sorted(keys - named) == []
+    usage = yaml.safe_load((ROOT / ".snakemake-workflow-catalog.yml").read_text())["usage"]
+    assert set(usage["software-stack-deployment"]) >= {"conda"}
+    assert isinstance(usage["report"], bool)
+    assert (ROOT / "workflow/Snakefile").is_file() and (ROOT / "Snakefile").resolve() == (
+        ROOT / "workflow/Snakefile"
+    ).resolve()
