@@ -469,3 +469,26 @@ def test_a_tokenize_job_runs_a_worker_per_cpu_of_its_allocation(monkeypatch):
     assert job_cores(8) == 32
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert job_cores(8) == 1
+
+
+def test_reading_a_corpus_holds_one_batch_not_every_row_group_read(tmp_path):
+    """A source of many row groups read through to its end: the Arrow memory held stays a
+    batch's, not the file's (pre-buffered reads kept every row group read until the file
+    closed: a million documents grew a tokenize worker to 2 GB)."""
+    import gc
+
+    from snaketune.data.conversations import Stats, iter_conversations
+
+    rng = random.Random(0)
+    path = tmp_path / "corpus.parquet"
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+        for _ in range(120):  # 120 row groups of 100 documents of 2-4 KB: about 36 MB
+            docs = [rng.randbytes(rng.randint(1000, 2000)).hex() for _ in range(100)]
+            writer.write_table(pa.table({"text": docs}))
+    gc.collect()
+    base, held = pa.total_allocated_bytes(), []
+    for _, items in iter_conversations([Source("c", path, {"format": "text"})], Stats()):
+        del items
+        held.append(pa.total_allocated_bytes() - base)
+    assert len(held) > 10
+    assert max(held) < 8 * 2**20, [round(h / 2**20, 1) for h in held]

@@ -240,7 +240,9 @@ def text_sha(turns: tuple[Turn, ...] | Pair) -> str:
 
 
 def _open_source(source: Source) -> pq.ParquetFile:
-    pf = pq.ParquetFile(source.path)
+    # pre-buffered reads keep every row group read until the file is closed: a corpus of
+    # a million documents grew a tokenize worker to 2 GB (docs/benchmarks.md)
+    pf = pq.ParquetFile(source.path, pre_buffer=False)
     problem = missing_columns(source.name, source.spec, pf.schema_arrow.names)
     if problem:
         raise DataError(problem)
