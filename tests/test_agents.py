@@ -140,8 +140,8 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
         "runs": {
             "sft": {"model": "llama", "dataset": "calls", "method": "full", "max_length": 2048,
                     "nodes": 1, "gpus_per_node": 1,
-                    "micro_batch_size": 4, "max_steps": 90, "learning_rate": 3e-3,
-                    "warmup_ratio": 0.0, "save_steps": 90, "packing": False},
+                    "micro_batch_size": 4, "max_steps": 120, "learning_rate": 3e-3,
+                    "warmup_ratio": 0.0, "save_steps": 120, "packing": False},
             "agent": {"init_from": "sft", "dataset": "asks", "eval_dataset": "held",
                       "method": "grpo", "eval": {"max_new_tokens": 48, "batch_size": 2},
                       "nodes": 2, "gpus_per_node": 1, "micro_batch_size": 4, "max_length": 2048,

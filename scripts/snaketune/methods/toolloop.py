@@ -34,6 +34,7 @@ class ToolLoop:
             s["tools"], s["tool_timeout_s"], s["tool_max_chars"], s.get("environment")
         )
         add_response_schema(tokenizer)
+        fixed_day(tokenizer)
         messages = prompt_messages([r["example_id"] for r in rows], s["sources"])
         texts, stopped = [], []
         try:
@@ -156,3 +157,17 @@ def shown(trajectory: list[dict]) -> str:
             f = call.get("function", {})
             lines.append(f"-> {f.get('name')}({json.dumps(f.get('arguments'), default=str)})")
     return "\n".join(lines)
+
+
+def fixed_day(tokenizer) -> None:
+    """Render the prompts on the day the training rows were rendered on
+    (snaketune.data.chat.TEMPLATE_DATE), not today, for a template that prints the date:
+    apply_chat_template cannot be handed a clock (it turns a callable into its name), so the
+    compiled template's own ``strftime_now`` is set, in this evaluation's process."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from snaketune.data.chat import TEMPLATE_DATE, fixed_clock, prints_date
+
+    template = tokenizer.get_chat_template(None, tools=[{}])
+    if prints_date(template):
+        _compile_jinja_template(template).globals["strftime_now"] = fixed_clock(TEMPLATE_DATE)
