@@ -91,6 +91,7 @@ def test_a_project_using_the_workflow_as_a_prefixed_module_runs_to_the_report(tm
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the CI tier's budget: the prefixed module above runs the same entry
 def test_the_project_snakedeploy_lays_out_runs_the_workflow_from_workflow_snakefile(tmp_path):
     """`snakedeploy deploy-workflow <clone> <dest>` (its module pointed at the clone's
     workflow/Snakefile, as github(...) points at the repository's): the project has the
