@@ -98,15 +98,16 @@ def _bytes(value: Any) -> int:
 
 def tokens_of(
     config: dict[str, Any], dataset: str, max_length: int, workdir: Path
-) -> tuple[float, str] | None:
-    """Tokens ``dataset`` tokenizes to (a mixture's components by their weights) and how
-    they were counted; None where a source cannot be read yet."""
+) -> tuple[float, int, str] | None:
+    """Tokens ``dataset`` tokenizes to and its rows (a mixture's components by their
+    weights, as snaketune.budget.cost.source_rows counts them) and how the tokens were
+    counted; None where a source cannot be read yet."""
     from snaketune.budget.cost import source_rows
     from snaketune.data.conversations import needed_columns
     from snaketune.data.formats import components
     from snaketune.data.kinds import kind_of_source
 
-    total = 0.0
+    total, weighted = 0.0, 0.0
     for comp in components(config, dataset):
         spec = config["datasets"][comp["name"]]
         path = workdir / "resources/datasets" / comp["name"] / "data.parquet"
@@ -120,7 +121,8 @@ def tokens_of(
         if kind_of_source(spec).chat:
             per_row = min(per_row, max_length)
         total += rows * comp["weight"] * per_row
-    return total, f"its rows' text at {BYTES_PER_TOKEN:g} bytes a token"
+        weighted += rows * comp["weight"]
+    return total, int(weighted), f"its rows' text at {BYTES_PER_TOKEN:g} bytes a token"
 
 
 def tokenize_plan(
@@ -128,16 +130,14 @@ def tokenize_plan(
 ) -> dict[str, Any]:
     """One part's seconds (the parts side by side), the tokens, the bytes written and the
     basis of a dataset's tokenization; seconds None where the rows cannot be read yet."""
-    from snaketune.budget.cost import source_rows
     from snaketune.data.tokenization import MIN_ROWS_PER_WORKER
 
     kind = kind_word(config, dataset)
-    counted = tokens_of(config, dataset, max_length, workdir)
-    rows = source_rows(config, dataset, workdir)
-    if counted is None or rows is None:
+    counted = tokens_of(config, dataset, max_length, workdir)  # each source read once
+    if counted is None:
         why = "not estimated: the dataset is not readable yet"
         return {"s": None, "tokens": None, "bytes": None, "basis": why}
-    tokens, how = counted
+    tokens, rows, how = counted
     rate, where = measured_rate(workdir, kind) or (
         TOKENS_S_PER_CORE[kind],
         f"bench/corpus.py's {kind} figure per core",
