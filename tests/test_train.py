@@ -365,6 +365,44 @@ def test_sigterm_saves_a_checkpoint_at_that_step(demo, tmp_path):
     assert not (tmp_path / "results/x/train/model").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # the quick test holds the signal in one process; this sends it to a start
+def test_slurms_time_warning_while_the_ranks_load_is_a_save_at_their_first_step(demo, tmp_path):
+    """SLURM sends ``--signal=USR1@...`` to every process of a job's step, up to a minute
+    before the time asked: on a slow CI machine it reached the torchrun agents and ranks
+    while they still loaded torch, which it killed (exit 138, the job failed). Sent here to
+    each agent and rank of the first start half a second after it began (still loading):
+    held, the ranks save at step 1 and stop to continue (as a SLURM job requeues); the
+    launcher starts the next segment at once and the run ends at its last step."""
+    from snaketune.train.commands import AGENT
+
+    spec = run_spec(max_steps=12, save_steps=1000)
+    proc = launch_train(
+        tmp_path, spec, demo / "results/demo/shards", demo / "resources/models/tiny", "zero2"
+    )
+    live = tmp_path / "results/x/train/checkpoints/metrics.jsonl"
+    sent: set[int] = set()
+    try:
+        while proc.poll() is None and _last_step(live) == 0 and len(sent) < 4:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    line = " ".join(p.cmdline())
+                    loading = time.time() - p.create_time() > 0.5  # begun, not yet training
+                    if ("--worker" in line or AGENT in line) and p.pid not in sent and loading:
+                        p.send_signal(signal.SIGUSR1)
+                        sent.add(p.pid)
+            time.sleep(0.05)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert len(sent) == 4, (sent, out)  # 2 agents, 2 ranks: each before any step
+    assert proc.returncode == 0 and "exited with code 138" not in out, out[-4000:]
+    segments = read_jsonl(tmp_path / "results/x/train/checkpoints/segments.jsonl")
+    assert [(s["from_step"], s["to_step"], s["reason"]) for s in segments] == [
+        (0, 1, "time"), (1, 12, "done")]  # fmt: skip
+    assert "stopped at step 1 ahead of the time limit (SIGUSR1)" in out
+
+
 def test_full_zero3_two_nodes_by_two_sees_every_example_once(full_zero3):
     tmp_path = full_zero3
     shards, ids_dir = tmp_path / "shards", tmp_path / "ids"

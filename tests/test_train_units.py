@@ -298,6 +298,43 @@ def test_sigint_saves_and_stops_like_sigterm_and_a_repeat_is_the_same_request():
             sig.signal(s, handler)
 
 
+def test_slurms_time_warning_while_a_rank_loads_is_a_stop_at_its_first_step():
+    """SLURM's SIGUSR1 ahead of the time limit may come up to a minute early, while a rank
+    or an agent still imports torch (a slow node, a short job): by default it ends the
+    process (the CI SLURM demo's train job failed with exit 138 so). Held from the entry
+    script's first line, it is noted, and the rank's StopRequest takes it as SLURM's
+    warning (a save at the first step's end, a stop to continue in the next job)."""
+    import os
+    import signal as sig
+
+    from snaketune.core import imports
+    from snaketune.train.progress import StopRequest
+
+    previous = {s: sig.getsignal(s) for s in (sig.SIGINT, sig.SIGTERM, sig.SIGUSR1)}
+    try:
+        imports.hold_time_warning()
+        assert not imports.held_time_warning()
+        quiet = StopRequest()
+        quiet.install()
+        assert quiet.signal is None  # none came: no request
+        imports.hold_time_warning()
+        os.kill(os.getpid(), sig.SIGUSR1)  # while "loading": noted, the process lives
+        assert imports.held_time_warning()
+        stop = StopRequest()
+        stop.install()
+        assert stop.signal == "SIGUSR1" and stop.signal not in StopRequest.STOPS
+    finally:
+        imports._HELD.clear()
+        for s, handler in previous.items():
+            sig.signal(s, handler)
+    # the entry scripts of an agent and a rank hold it before they load anything heavy
+    for script, before in ((ROOT / "scripts/snaketune/train/torchrun.py", "quiet_torchrun()"),
+                           (ROOT / "scripts/train.py", "Job.read(")):  # fmt: skip
+        text = script.read_text()
+        assert "hold_time_warning()" in text
+        assert text.rindex("hold_time_warning()") < text.rindex(before), script
+
+
 def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):
     """Each check on the metrics rows a run writes, against rows made here: GRPO rewards
     equal in every group with every completion clipped, a zero gradient, a learning rate

@@ -49,6 +49,7 @@ import gc
 import importlib
 import importlib.abc
 import importlib.machinery
+import signal
 import sys
 import types
 from typing import Any
@@ -182,3 +183,22 @@ def load(*modules: str) -> None:
     with loading():
         for name in modules:
             importlib.import_module(name)
+
+
+# SLURM's warning ahead of a job's time limit (``--signal=USR1@<seconds>``, sent to every
+# process of the job's steps) comes up to a minute before the time it was asked for (SLURM
+# checks its timers once a minute); on a short job or a slow node it can reach a torchrun
+# agent or a training rank while it still loads torch, before it handles the signal, and
+# SIGUSR1's default action ends the process (exit 138: the job failed instead of saving).
+_HELD: list[str] = []
+
+
+def hold_time_warning() -> None:
+    """From now until the process installs its own handler, a SIGUSR1 is noted, not fatal
+    (``held_time_warning`` says whether one came). Called first by an agent and a rank."""
+    signal.signal(signal.SIGUSR1, lambda _signum, _frame: _HELD.append("SIGUSR1"))
+
+
+def held_time_warning() -> bool:
+    """Whether SLURM's time warning came while this process was loading."""
+    return bool(_HELD)

@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from snaketune.core.checkpoints import mark_complete, prune
 from snaketune.core.collective import barrier, gather_combined
 from snaketune.core.heartbeat import Heartbeat
+from snaketune.core.imports import held_time_warning
 from snaketune.core.job import Handoff
 from snaketune.core.throughput import FlopsModel, mfu, step_flops
 from snaketune.train.health import LEVEL, STATUS, Watchdog
@@ -64,6 +65,8 @@ class StopRequest:
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._handle)
+        if held_time_warning():  # it came while the rank was loading: the same request
+            self._handle(signal.SIGUSR1, None)
 
     def _handle(self, signum, _frame) -> None:
         again = self.signal is not None

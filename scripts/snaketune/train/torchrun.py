@@ -58,4 +58,7 @@ def quiet_torchrun() -> int:
 
 
 if __name__ == "__main__":
+    from snaketune.core.imports import hold_time_warning
+
+    hold_time_warning()  # until torchrun handles it: its workers stop by their deadline
     sys.exit(quiet_torchrun())
