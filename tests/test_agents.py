@@ -124,8 +124,12 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
     (w / "data/calls.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     asks = [{"prompt": p, "response": ANSWERS[t]} for p, t, *_ in ASKS] * 4
     (w / "data/asks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in asks))
-    held = [("Use add on 2 and 3, please.", "5"), ("Use boom, please.", "failed"),
-            ("Use loud, please.", "Done")]  # fmt: skip
+    # held-out prompts as the transcripts ask them, with the transcripts' answers as
+    # references (not the GRPO rows': the shard job refuses an eval set sharing rows with
+    # the training set). The evaluation's tool loop is checked, not what a 180k-weight model
+    # makes of new words: with ", please" added it wrote a malformed call for 2 of 3 here,
+    # a rounding away from none, and the test needs calls
+    held = [(p, said) for p, _, _, _, said in (ASKS[0], ASKS[1], ASKS[3])]
     (w / "data/held.jsonl").write_text(
         "".join(json.dumps({"prompt": p, "response": a}) + "\n" for p, a in held)
     )

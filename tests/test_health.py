@@ -206,7 +206,9 @@ def test_training_stops_on_a_failing_gpu_after_a_checkpoint(demo, tmp_path, webh
     declared = ("final_checkpoint", "model", "metrics.jsonl", "run_config.json",
                 "provenance.json", "probe.safetensors")  # fmt: skip
     assert not [name for name in declared if (train / name).exists()]
-    assert {r["event"] for r in received} == {"gpu_fatal"} and len(received) == 2  # one per rank
+    # one per rank that posted before the job stopped: the first fatal rank's always; the
+    # other's may be cut off when the stop reaches it mid-post (1 of 2 on a loaded machine)
+    assert {r["event"] for r in received} == {"gpu_fatal"} and 1 <= len(received) <= 2
     records = sorted((train / "checkpoints/health").glob("node-*.jsonl"))
     assert len(records) == 2 and all(r.read_text().count('"status": "fatal"') for r in records)
     assert "GPU health watchdog: every 0.2s (samples from" in out

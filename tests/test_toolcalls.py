@@ -217,6 +217,8 @@ def arithmetic_rows(n: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the CI tier's budget: the GRPO-with-tools chain's SFT (test_agents.py)
+# takes tool-call rows through the pipeline there; their masks are the quick tests' above
 def test_lora_on_tool_call_rows_trains_on_two_nodes_and_evaluates(tmp_path):
     """Tool-call rows through the whole pipeline (tokenize, shard, LoRA on 2 emulated nodes,
     export, evaluation, report) on a tiny Qwen3.5 with its Hub template: every trained
