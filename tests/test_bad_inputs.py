@@ -165,8 +165,14 @@ PARSE = [
     Case("neither-epochs-nor-max-steps", "config", drop("runs/demo/epochs"),
          "config error: runs.demo: give exactly one of `epochs` and `max_steps`"),
     Case("deepspeed-preset-unknown", "config", put("runs/demo/deepspeed", "zero4"),
-         "config error: runs.demo.deepspeed: 'zero4' is neither a preset (zero1, zero2, zero3, "
-         "zero3_offload) nor an existing JSON file"),
+         "config error: runs.demo.deepspeed: 'zero4' is not valid here (DeepSpeed preset name "
+         "(zero1, zero2, zero3, zero3_offload, from config/deepspeed/) or a path"),
+    Case("deepspeed-file-missing", "config", put("runs/demo/deepspeed", "ds/zero4.json"),
+         "config error: runs.demo.deepspeed: 'ds/zero4.json' is neither a preset (zero1, zero2, "
+         "zero3, zero3_offload) nor an existing JSON file"),
+    Case("number-in-quotes", "config", put("runs/demo/epochs", "6"),
+         "config error: runs.demo.epochs: '6' is in quotes, so text, not a number; write it "
+         "without them (epochs: 6)"),
     Case("deepspeed-json-invalid", "config",
          with_file("ds.json", b'{"zero_optimization": {"stage": 2,}}', "runs/demo/deepspeed"),
          "config error: runs.demo.deepspeed: ds.json is not valid JSON"),

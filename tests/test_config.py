@@ -147,7 +147,7 @@ BAD = [
     (_delete("runs.demo.epochs"), "runs.demo: give exactly one of `epochs` and `max_steps`"),
     (
         _set("runs.demo.deepspeed", "zero4"),
-        "runs.demo.deepspeed: 'zero4' is neither a preset (zero1, zero2, zero3, zero3_offload) nor an existing JSON file",
+        "runs.demo.deepspeed: 'zero4' is not valid here (DeepSpeed preset name (zero1, zero2, zero3, zero3_offload, from config/deepspeed/) or a path to a DeepSpeed JSON file; batch sizes and precision set to `auto` are filled from this run.)",
     ),
     (_set(("runs", "../x"), {}), "runs: name '../x' is not a safe identifier"),
     (_set("runs.my run", {}), "runs: name 'my run' is not a safe identifier"),
@@ -326,16 +326,16 @@ def test_snaketune_validate_command(capsys):
 
 
 def _bad_config(tmp_path: Path) -> Path:
-    """The demo with six independent problems, of each kind the parse-time check finds: an
-    unknown key (the schema), a run starting from a run that is not there, a DeepSpeed
-    preset that does not exist (the cross-key checks), two missing local paths, a dataset
-    without the columns its format reads (its first rows)."""
+    """The demo with seven independent problems, of each kind the parse-time check finds: a
+    number in quotes (the file read again), an unknown key, a misspelt DeepSpeed preset
+    (the schema), a run starting from a run that is not there (the cross-key checks), two
+    missing local paths, a dataset without the columns its format reads (its first rows):
+    all named in one pass."""
     import yaml
 
     cfg = load_yaml(ROOT / "config/config.yaml")
     cfg["models"]["tiny"]["path"] = "nowhere/tiny-llama"
     cfg["datasets"]["arith_test"]["path"] = "nowhere/test.jsonl"
-    cfg["runs"]["demo"]["deepspeed"] = "zero9"
     rows = tmp_path / "qa.jsonl"
     rows.write_text("".join(json.dumps({"question": f"{i}+{i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(8)))  # fmt: skip
@@ -343,15 +343,18 @@ def _bad_config(tmp_path: Path) -> Path:
     cfg["runs"]["mine"] = {**cfg["runs"]["demo"], "dataset": "mine", "lerning_rate": 1e-4}
     later = {k: v for k, v in cfg["runs"]["demo"].items() if k != "model"}
     cfg["runs"]["later"] = {**later, "deepspeed": "zero2", "init_from": "nobody"}
+    cfg["runs"]["demo"]["deepspeed"] = "zero_2"
+    cfg["runs"]["demo"]["epochs"] = "6"  # written '6': text (PyYAML's 1e-4 is text too)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 EXPECTED_PROBLEMS = [
+    "runs.demo.epochs: '6' is in quotes, so text, not a number; write it without them (epochs: 6)",
     "runs.mine.lerning_rate: unknown key; did you mean 'learning_rate'?",
+    "runs.demo.deepspeed: 'zero_2' is not valid here (DeepSpeed preset name (zero1, zero2, ",
     "runs.later.init_from: unknown run or sweep 'nobody' (defined: demo, later, mine)",
-    "runs.demo.deepspeed: 'zero9' is neither a preset",
     "models.tiny.path: nowhere/tiny-llama does not exist",
     "datasets.arith_test.path: nowhere/test.jsonl does not exist",
     "datasets.mine: columns 'prompt', 'response' not found (columns: question, answer)",

@@ -62,22 +62,22 @@ def at_parse(
     workdir: Path = Path("."),
 ) -> Parsed:
     """Validate ``config`` in place (defaults filled, sweeps expanded) and check what the
-    workflow needs of this machine. Raises ConfigError (ConfigProblems: a line per
-    problem) with every problem found once the schema holds."""
+    workflow needs of this machine. Raises ConfigError (ConfigProblems: a line a problem)."""
     from snaketune.core.io import check_writable
     from snaketune.plan.config import check_local_sources, validate_config
-    from snaketune.plan.schema import check_config_files
+    from snaketune.plan.schema import check_config_files, load_schema
     from snaketune.plan.stages import base_evaluations, parts_notes, tokenize_jobs
     from snaketune.plan.topology import adapt_accumulation
 
-    check_config_files(list(config_files))
+    quoted = check_config_files(list(config_files), load_schema(basedir))
     lines: list[str] = []
     try:
         validate_config(config, basedir)
     except UserError as exc:
-        if not isinstance(exc, ConfigProblems):  # the schema or a chain: nothing else holds
+        if not (quoted or isinstance(exc, ConfigProblems)):  # the schema or a chain
             raise
-        lines += exc.lines
+        lines += error_lines(exc)
+    lines = quoted + [line for line in lines if line not in quoted]
     try:
         check_local_sources(config, set(FIXTURE_OUTPUTS))
     except UserError as exc:
@@ -181,11 +181,12 @@ def before_queueing(
     training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
     runs, waiting = unreadable_models(config, training, workdir)
     for why, names in waiting.items():
-        hub = config["models"][config["runs"][names[0]]["model"]]["source"] == "hub"
+        model = config["runs"][names[0]]["model"]
+        hub = config["models"][model]["source"] == "hub"
         print(
             f"plans: not checked yet: run(s) {', '.join(names)} ({why}); memory and disk "
             "are checked when the workflow runs once the model is there"
-            + (f"; to check them now, {download_advice()}" if hub else ""),
+            + (f"; to check them now, {download_advice(model=model)}" if hub else ""),
             file=sys.stderr,
         )
     mem_mb = {

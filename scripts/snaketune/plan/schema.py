@@ -27,9 +27,30 @@ SCALARS = ("integer", "number", "boolean")
 WORKFLOW_ROOT = Path(__file__).resolve().parents[3]
 
 
+class Quoted(str):
+    """A number written in quotes in a config file (``epochs: "6"``): a string the schema
+    does not read as a number, as it reads a number Snakemake's ``--config`` passes as text
+    or PyYAML's ``1e-4`` (YAML 1.1 reads an exponent without a dot as a string)."""
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 class _UniqueKeyLoader(yaml_safe_loader()):
     """A safe loader that refuses a key given twice in one mapping (plain YAML keeps the
-    last one silently, so a second `runs: {demo: ...}` would replace the first)."""
+    last one silently, so a second `runs: {demo: ...}` would replace the first), and marks a
+    quoted number (Quoted)."""
+
+    def construct_scalar(self, node):
+        value = super().construct_scalar(node)
+        if node.style in ("'", '"') and _number(value):
+            return Quoted(value)
+        return value
 
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
@@ -63,8 +84,11 @@ def load_yaml(path: str | Path) -> Any:
 def _coerce(value: str, kind: str) -> Any:
     """A string as the schema's scalar type, or the string itself when it is not one.
 
-    Snakemake's ``--config runs={demo: {nodes: 4}}`` passes nested values as strings.
+    Snakemake's ``--config runs={demo: {nodes: 4}}`` passes nested values as strings; a
+    number quoted in a config file stays a string (Quoted), to be named.
     """
+    if isinstance(value, Quoted):
+        return value
     try:
         if kind == "integer":
             return int(value)
@@ -120,7 +144,12 @@ def format_error(error: jsonschema.ValidationError) -> str:
     if error.validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"{path}: missing required key {missing!r}"
-    if error.validator == "oneOf":
+    if error.validator == "type" and isinstance(error.instance, Quoted):
+        return (
+            f"{path}: {str(error.instance)!r} is in quotes, so text, not a number; "
+            f"write it without them ({error.absolute_path[-1]}: {error.instance})"
+        )
+    if error.validator in ("oneOf", "anyOf"):
         return (
             f"{path}: {error.instance!r} is not valid here ({error.schema.get('description', '')})"
         )
@@ -212,12 +241,20 @@ def run_default(key: str, root: str | Path = WORKFLOW_ROOT) -> Any:
     return run["properties"][key]["default"]
 
 
-def check_config_files(paths: list[str | Path]) -> None:
-    """Re-read the config files Snakemake loaded, to catch what its loader lets through
-    (a key given twice)."""
+def check_config_files(paths: list[str | Path], schema: Mapping[str, Any]) -> list[str]:
+    """Re-read the config files Snakemake loaded, to catch what its loader lets through: a
+    key given twice (raised), and a line per number in quotes where the schema takes a
+    number (Snakemake's loader gives it as the text ``--config`` gives, which it reads)."""
+    quoted = []
     for path in paths:
         if Path(path).suffix in (".yaml", ".yml"):
-            load_yaml(path)
+            content = load_yaml(path)  # one file of maybe several: only its quoted numbers
+            quoted += [
+                format_error(e)
+                for e in Validator(schema).iter_errors(content)
+                if e.validator == "type" and isinstance(e.instance, Quoted)
+            ]
+    return quoted
 
 
 def check_sweep_publish(config: dict[str, Any], schema: Mapping[str, Any]) -> None:
