@@ -305,6 +305,23 @@ def test_a_conversion_job_asking_less_memory_than_its_plan_is_refused():
     assert stage_memory("r", stages, {("convert_checkpoint", "r"): 64000}) == []
 
 
+def test_a_small_models_conversion_is_planned_at_its_size_not_a_shards():
+    """The gate's load budget is a shard (export.max_shard_size, 5GB by default), but a
+    model smaller than a shard is loaded whole: the demo's 180k-weight model (its
+    conversion peaked at 0.4 GB) was planned at 9.7 GiB. A 70B model keeps the shard."""
+    from conftest import run_spec
+
+    from snaketune.budget.stageplan import export_plans
+
+    run = run_spec(method="full")
+    shape = Shape.from_config(TINY)
+    got = export_plans(run, shape)["convert_checkpoint"]["cpu_gib"]
+    want = 0.35 + (4 * shape.largest_layer + 2 * 4 * shape.params) / 2**30
+    assert got == pytest.approx(want, abs=0.01) and got < 0.5
+    big = export_plans(run, Shape.from_config(LLAMA_70B))["convert_checkpoint"]["cpu_gib"]
+    assert big == pytest.approx(0.35 + (4 * 1_050_673_152 + 2 * 5e9) / 2**30, abs=0.01)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_the_evaluate_stages_plan_is_what_evaluation_holds():

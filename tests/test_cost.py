@@ -143,6 +143,10 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
     del config["runs"]["x"]["gpu"]
     e = estimate(config, "x", tmp_path, shape, s)
     assert "wall_s" not in e and "no finished run" in e["basis"]  # a CPU run: calibrate
+    # the run itself finished here (a dry run after it): said so, not "no finished run"
+    finished(tmp_path, "x", config["runs"]["x"], 80.0, 45.0, 1_280_000, 20, 40, "cpu", LLAMA_8B)
+    e = estimate(config, "x", tmp_path, shape, s)
+    assert "wall_s" not in e and e["basis"].startswith("no estimate: run x has finished here")
 
 
 def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,

@@ -308,7 +308,8 @@ def test_plan_without_a_downloaded_model_says_so(tmp_path):
     # offline (the tests' HF_HUB_OFFLINE): said at once, with commands that work
     assert "this machine is offline (HF_HUB_OFFLINE is set)" in line
     assert f"(snakemake --profile <profile> --configfile {config} --until download_model)" in line
-    assert "a folder holding its config.json alone" in line
+    assert "a folder holding its config.json alone" in line  # and the command that plans so
+    assert f"(snaketune plan {config} --model-config deepseek_coder_6_7b=<folder>;" in line
 
 
 def test_workflow_refuses_a_run_that_cannot_fit_before_any_job(tmp_path):

@@ -227,8 +227,12 @@ def estimate(
             "basis": f"calibrated from run {cal['run']}",
         }
     elif gpu is None:
-        return {
-            "basis": "no estimate: no finished run of this model and method on this "
+        done = (workdir / "results" / name / "train/provenance.json").is_file()
+        return {  # a run is not its own calibration: its estimate is kept beside its time
+            "basis": f"no estimate: run {name} has finished here (its time is in its "
+            "provenance), and no other run of this model and method has to calibrate from"
+            if done
+            else "no estimate: no finished run of this model and method on this "
             "machine to calibrate from (a short run calibrates it: max_steps: 20)"
         }
     elif generates:

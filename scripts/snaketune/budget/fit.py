@@ -128,7 +128,8 @@ def plan_config(
         if path is None:
             raise UserError(
                 f"runs.{name}: cannot plan: the config.json of model {run['model']} is not "
-                f"in {model_dir_of(config, run, workdir)}: {why}; " + download_advice(config_path)
+                f"in {model_dir_of(config, run, workdir)}: {why}; "
+                + download_advice(config_path, run["model"])
             )
         shape, deepspeed = shape_and_deepspeed(path, run, basedir)
         chosen = gpu_memory(gpu if gpu is not None else run.get("gpu", config.get("gpu")))

@@ -21,13 +21,15 @@ def model_dir_of(config: dict[str, Any], run: dict[str, Any], root: Path) -> Pat
     return model_folder(config, run["model"], root)
 
 
-def download_advice(config_path: str | Path | None = None) -> str:
-    """How to get a Hub model's config.json before planning, with commands that work."""
-    cfg = f" --configfile {config_path}" if config_path else " --configfile <your config>"
+def download_advice(config_path: str | Path | None = None, model: str = "<model>") -> str:
+    """How to get a Hub model's config.json before planning, with commands that work: the
+    download, or the plan from a folder holding config.json alone (--model-config)."""
+    path = str(config_path) if config_path else "<your config>"
     return (
-        f"download it first (snakemake --profile <profile>{cfg} --until download_model), "
-        "or plan from a folder holding its config.json alone (set the model to source: "
-        "local, path: that folder; config.json is all the plan reads)"
+        f"download it first (snakemake --profile <profile> --configfile {path} --until "
+        f"download_model), or plan offline from a folder holding its config.json alone "
+        f"(snaketune plan {path} --model-config {model}=<folder>; config.json is all the "
+        "plan reads)"
     )
 
 

@@ -232,7 +232,8 @@ def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]
     from snaketune.plan.runspec import RunSpec
 
     spec = RunSpec.of(run)
-    shard = parse_size(run["export"]["max_shard_size"])
+    # a shard holds at most the whole model (fp32: the widest a conversion writes)
+    shard = min(parse_size(run["export"]["max_shard_size"]), 4 * shape.params)
     streamed = LIBRARIES_GIB + (4 * shape.largest_layer + 2 * shard) / GIB
     out = {
         "convert_checkpoint": {
