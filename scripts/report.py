@@ -98,8 +98,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             lineages[name] = (href, str(final), "\n".join(lineage(final)))
         write_summary(rows, summary)
         sweeps = sweep_sections(runs, rows, curves_of, evals)
+        # runs another config trained in this directory: named, since the page is this one's
+        others = sorted(
+            p.parents[1].name
+            for p in args.results.glob("*/train/provenance.json")
+            if p.parents[1].name not in runs
+        )
         html.write_text(
-            summary_html(rows, svgs, evals, samples, lineages, sweeps=sweeps, attempts=attempts)
+            summary_html(
+                rows,
+                svgs,
+                evals,
+                samples,
+                lineages,
+                sweeps=sweeps,
+                attempts=attempts,
+                others=others,
+            )
         )
     return 0
 

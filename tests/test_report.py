@@ -85,3 +85,32 @@ def test_a_preference_run_is_summarised_by_what_its_trainer_logs():
     kto = [{k: v for k, v in m.items() if k != "reward_accuracy"} for m in dpo]
     assert preference_quarter(kto) == pytest.approx({"reward_margin_last_quarter": 1.5})
     assert preference_quarter([{"step": 1, "loss": 0.1}]) == {}
+
+
+def test_the_page_names_the_runs_another_config_left_in_results(demo, tmp_path):
+    """The page is the config's runs; a run another config trained in the same directory
+    (its results/<run>/ there) is named on it, not dropped without a word (the demo's row
+    vanished from a page titled "all runs" after another config ran)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ENV, ROOT, run_spec
+
+    (tmp_path / "results/old/train").mkdir(parents=True)
+    (tmp_path / "results/old/train/provenance.json").write_text("{}")
+    (tmp_path / "results/demo").symlink_to(demo / "results/demo")
+    (tmp_path / "results/tokenized").mkdir()  # not a run
+    runs = json.dumps({"demo": run_spec()})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/report.py"), "--runs", runs, "--summary",
+         "out/summary.tsv", "--curves", "out/curves", "--html", "out/summary.html"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = (tmp_path / "out/summary.html").read_text()
+    assert "<h1>snaketune: the runs of this config</h1>" in page
+    assert "runs of another config (not on this page;" in page and "): old.</p>" in page
+    assert 'id="run-demo"' in page and 'id="run-old"' not in page
+    # the run's name never wraps mid-word in the table (its model's name below it may)
+    assert "<span class='run'>demo</span>" in page and "span.run{white-space:nowrap}" in page

@@ -149,10 +149,56 @@ def test_the_report_shows_the_reference_text_and_marks_only_what_a_checker_decid
                 "correct": True, "generation": "#### 2"}]  # fmt: skip
     assert "✓ right" in samples_table(numeric, 8) and "1 of 1 answered right" in samples_table(
         numeric, 8)  # fmt: skip
+    # where the evaluation ran math_verify, the marks are its (the table's figure): "The
+    # answer is 8." is right though it has no "#### 8" line (the agent demo read "0 of 24
+    # answered right" under a math_verify of 1.0)
+    said = [{"prompt": "5 + 3", "reference": "8", "reference_answer": "8", "correct": False,
+             "math_verify": True, "generation": "The answer is 8."},
+            {"prompt": "2 + 2", "reference": "4", "reference_answer": "4", "correct": False,
+             "math_verify": False, "generation": "The answer is 5."}]  # fmt: skip
+    html = samples_table(said, 8)
+    assert html.count("✓ right") == 1 and html.count("✗ wrong") == 1
+    assert "1 of 2 answered right: the mark is math_verify's" in html
     table = comparison_table(evaluation())
     assert table.index("preference accuracy") < table.index("held-out loss") < table.index(
         "chrF")  # fmt: skip
     assert "<b>preference accuracy" in table and "exact match" not in table
+
+
+def test_an_agents_comparison_names_its_start_and_shows_its_tool_calls():
+    """An agent started from an SFT run is compared with that run's model, not a base: the
+    column and heading say so; the calls per question of both are in the table (they were
+    only in metrics.json). A run on a base model keeps "base model"."""
+    from snaketune.app.comparison import base_label, comparison_table
+    from snaketune.evaluation.evaluate import against_base, describe
+
+    start = {
+        "format": "numeric",
+        "loss": 1.2,
+        "exact_match": 0.0,
+        "math_verify": 0.5,
+        "model": "results/sft/hf",
+        "tools": {"calls_per_sample": 0.25, "failures": 0.0},
+    }
+    agent = {
+        "format": "numeric",
+        "loss": 1.0,
+        "exact_match": 0.0,
+        "math_verify": 0.75,
+        "model": "results/agent/hf",
+        "tools": {"calls_per_sample": 1.5, "failures": 0.125},
+    }
+    against_base(agent, start)
+    describe(agent, ("math_verify",), [])
+    assert base_label(agent) == "start: run sft"
+    table = comparison_table(agent)
+    assert "<th>start: run sft</th>" in table and "base model" not in table
+    row = table[table.index("tool calls per question") :].split("</tr>")[0]
+    assert ">0.250<" in row and ">1.5<" in row, row
+    plain = evaluation()  # a base model's evaluation (no model path, no tools)
+    assert base_label(plain) == "base model" and "tool calls" not in comparison_table(plain)
+    against_base(agent, {**start, "model": "resources/models/tiny"})
+    assert base_label(agent) == "base model"
 
 
 METRIC = """

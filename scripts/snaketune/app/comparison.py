@@ -48,6 +48,23 @@ class Comparison(NamedTuple):
     headline: bool = False  # one of the figures the run leads with
 
 
+# an agent's evaluation (metrics.json's ``tools``): the figures its report shows
+TOOL_FIGURES = (
+    ("calls_per_sample", "tool calls per question"),
+    ("failures", "tool calls that failed, per question"),
+)
+
+
+def base_label(ev: dict[str, Any]) -> str:
+    """What the "base" column holds: the base model, or (a run that starts from another
+    run's model: init_from) that run's model, which its evaluation runs beside it."""
+    model = str((ev.get("base") or {}).get("model") or "")
+    parts = model.split("/")
+    if len(parts) > 2 and parts[0] == "results":
+        return f"start: run {parts[1]}"
+    return "base model"
+
+
 def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
     """Every figure the evaluation measured (metrics.json's ``figures``: its headline
     first, snaketune.evaluation.figures), then each lm-eval figure (with its stderr)."""
@@ -69,6 +86,9 @@ def comparison_rows(ev: dict[str, Any]) -> list[Comparison]:
                 key in lead,
             )
         )
+    tools, before = ev.get("tools"), (ev.get("base") or {}).get("tools") or {}
+    for key, label in TOOL_FIGURES if tools else ():  # an agent's tool loop, both models'
+        rows.append(Comparison(label, before.get(key), tools.get(key), None, False, True))
     for label, f in lm_eval_figures(ev):
         rows.append(
             Comparison(
@@ -137,6 +157,7 @@ def comparison_table(ev: dict[str, Any]) -> str:
             f"{_gain(r.gain, r.percent, r.higher_is_better)}</tr>"
         )
     return (
-        "<table class='comparison'><tr><th>metric</th><th>base model</th><th>tuned</th>"
+        f"<table class='comparison'><tr><th>metric</th><th>{escape(base_label(ev))}</th>"
+        "<th>tuned</th>"
         f"<th>gain</th></tr>{''.join(trs)}</table>"
     )

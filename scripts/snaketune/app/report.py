@@ -9,6 +9,7 @@ from typing import Any
 
 from snaketune import __version__
 from snaketune.app.comparison import (
+    base_label,
     comparison_svg,
     comparison_table,
     pretty,
@@ -31,6 +32,7 @@ STYLE = (
     "font-weight:bold}.gain-pos{color:#167a2c}.gain-neg{color:#b3261e}"
     "tr.best td{background:#eef7ee}tr.best td.mark{color:#167a2c;font-weight:bold}"
     "div.wide{max-width:100%;overflow-x:auto}td.name{overflow-wrap:anywhere;min-width:6em}"
+    "span.run{white-space:nowrap}"
     "p.warn{border-left:4px solid #b3261e;padding:.3em .6em;background:#fbeeee}"
 )
 # the summary table's columns: (summary.tsv column, label, shown as a share); `results` is
@@ -94,11 +96,14 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
     from html import escape
 
     checked = [s for s in samples if s.get("reference_answer") is not None]
-    right = sum(bool(s.get("correct")) for s in checked)
+    # right by math_verify where the evaluation ran it (the figure the table shows beside
+    # exact match: "The answer is 8." is right; exact match reads only a "#### 8" line)
+    verify = any("math_verify" in s for s in checked)
+    right = sum(bool(s.get("math_verify" if verify else "correct")) for s in checked)
     trs = []
     for s in samples[:n]:
         if s.get("reference_answer") is not None:
-            ok = bool(s.get("correct"))
+            ok = bool(s.get("math_verify" if verify else "correct"))
             mark, cls = ("✓ right" if ok else "✗ wrong"), ("right" if ok else "wrong")
         else:
             mark, cls = sample_scores(s), "scored"
@@ -110,8 +115,12 @@ def samples_table(samples: list[dict[str, Any]], n: int) -> str:
             "</pre></td></tr>"
         )
     said = (
-        f"{right} of {len(checked)} answered right: the mark is exact match on the number "
-        "after ####"
+        f"{right} of {len(checked)} answered right: the mark is "
+        + (
+            "math_verify's (the final answer equal to the reference's)"
+            if verify
+            else "exact match on the number after ####"
+        )
         if checked
         else "the references have no final answer to check, so each sample shows its scores"
     )
@@ -248,7 +257,8 @@ def summary_cell(row: dict[str, str], key: str, percent: bool) -> str:
 
     if key == "run":
         return (
-            f"<td class='name'>{escape(row['run'])}<br><small>{escape(row['model'])}</small></td>"
+            f"<td class='name'><span class='run'>{escape(row['run'])}</span><br>"
+            f"<small>{escape(row['model'])}</small></td>"
         )
     if key == "method":
         return f"<td class='name'>{escape(row[key])}</td>"
@@ -266,10 +276,12 @@ def summary_html(
     n_samples: int = 8,
     sweeps: list[str] | None = None,
     attempts: dict[str, list[dict[str, Any]]] | None = None,
+    others: list[str] | None = None,
 ) -> str:
     """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
     run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
-    and its provenance link and lineage."""
+    and its provenance link and lineage. ``others``: runs of another config trained in the
+    same directory (results/<run>/), named, not shown."""
     from html import escape
 
     # a mixture of experts' router columns only where a run has them
@@ -291,10 +303,17 @@ def summary_html(
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width'><title>snaketune summary</title>"
-        f"<style>{STYLE}</style></head><body><h1>snaketune: all runs</h1>"
+        f"<style>{STYLE}</style></head><body><h1>snaketune: the runs of this config</h1>"
         "<p>Every figure is also in results/summary.tsv (full precision). Made by snaketune "
         f"{__version__}.</p>"
-        f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
+        + (
+            f"<p class='others'>Also under results/, runs of another config (not on this "
+            f"page; each in results/&lt;run&gt;/, its report made by its own config): "
+            f"{escape(', '.join(others))}.</p>"
+            if others
+            else ""
+        )
+        + f'<div class="wide"><table id="summary"><tr>{head}</tr>{body}</table></div>'
         f"{''.join(sweeps or [])}"
         f"{''.join(sections)}</body></html>\n"
     )
@@ -315,7 +334,8 @@ def run_section(run: str, svg: str, row: dict[str, str], ev: dict[str, Any] | No
     for line in filter(None, (row.get("warnings") or "").split(" | ")):
         parts.append(f'<p class="warn">Training warned: {escape(line)}</p>')
     if ev is not None:
-        parts.append("<h3>Base model versus tuned</h3>" + comparison_table(ev))
+        parts.append(f"<h3>{base_label(ev).capitalize()} versus tuned</h3>")
+        parts.append(comparison_table(ev))
         parts.append(comparison_svg(ev, f"{run}: base versus tuned") or "")
     return "".join(parts)
 

@@ -150,6 +150,8 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
     metrics["gain"]["loss"] = base_metrics["loss"] - metrics["loss"]
     if "tools" in metrics and "tools" in base_metrics:  # an agent's calls, base and tuned
         metrics["base"]["tools"] = base_metrics["tools"]
+    if base_metrics.get("model"):  # the base model's path, or the run's it started from
+        metrics["base"]["model"] = base_metrics["model"]
     mine, theirs = metrics.get("preference"), base_metrics.get("preference")
     if mine and theirs:
         # the starting model's implicit rewards against itself are all 0
