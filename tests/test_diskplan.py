@@ -89,6 +89,34 @@ def test_optimizer_last_needs_a_fraction_of_all_for_a_full_fine_tune():
     )
 
 
+def test_each_fix_of_a_disk_that_is_short_says_what_it_saves():
+    """The 32B QLoRA example was told to lower save_total_limit, which saves a reduced
+    adapter checkpoint, of 55 GiB short; its merged export and its download are 61 GiB
+    each. Each fix now carries what it saves, largest first, by hand here."""
+    import dataclasses
+
+    from snaketune.budget.diskplan import fixes
+    from snaketune.budget.memplan import Setup
+
+    shape = Shape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                  head_dim=128, vocab=128256, tied=False, qkv_bias=False)  # fmt: skip
+    full = Setup("full", 2, False, False, 2, 8, 1, 4096, True, "sdpa", False, 2)
+    one = checkpoint_size(shape, full, True, 0.0)
+    got = fixes(shape, full, 3, "all", True, 0.0, 0.0)
+    assert got == [("save_total_limit: 1 (now 3)", pytest.approx(2 * one.whole)),
+                   ("checkpoints.optimizer: last", pytest.approx(2 * (one.whole - one.reduced)))]  # fmt: skip
+    lora = dataclasses.replace(full, adapter="lora", lora_r=16)
+    merged = lora.bytes_per_weight * shape.params
+    got = dict(fixes(shape, lora, 2, "last", True, 0.0, 5e9))
+    assert list(got) == ["export.merged: false (the adapter alone)",
+                         "resources/models on another filesystem (a symlink)",
+                         "save_total_limit: 1 (now 2)"]  # fmt: skip
+    assert got["export.merged: false (the adapter alone)"] == pytest.approx(merged)
+    reduced = checkpoint_size(shape, lora, True, 0.0).reduced
+    assert reduced > 0 and got["save_total_limit: 1 (now 2)"] == pytest.approx(reduced)
+    assert fixes(shape, dataclasses.replace(lora, merged=False), 1, "last", True, 0.0, 0.0) == []
+
+
 @pytest.mark.slow
 def test_the_estimate_matches_real_checkpoints(demo, full_zero3):
     """One checkpoint's estimated bytes within 10% of what DeepSpeed and Trainer wrote:
@@ -123,8 +151,8 @@ def test_a_run_that_cannot_fit_is_refused_before_any_worker_starts(demo, tmp_pat
         errors = [ln for ln in out.splitlines() if ln.startswith("error: ")]
         assert len(errors) == 1, out[-3000:]
         assert errors[0].startswith("error: disk: x: needs ") and "does NOT fit" in errors[0]
-        assert "MiB free" in errors[0] and "lower save_total_limit (now 2)" in errors[0]
-        assert "put results/ on a larger filesystem" in errors[0]
+        assert "MiB free" in errors[0] and "save_total_limit: 1 (now 2) saves " in errors[0]
+        assert "or put results/ on a larger filesystem" in errors[0]
         assert took < 60 and "launching" not in out
         assert not (tmp_path / "results/x/train/checkpoints").exists()
 

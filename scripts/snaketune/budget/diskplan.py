@@ -170,7 +170,8 @@ def plan_disk(
     gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
     keep = run["save_total_limit"]
     optimizer = run["checkpoints"]["optimizer"]
-    need = run_need(shape, s, keep, optimizer, gathered, small_files(model_dir, s.gpus))
+    small = small_files(model_dir, s.gpus)
+    need = run_need(shape, s, keep, optimizer, gathered, small)
     held = folder_bytes(run_dir / "train") + sum(
         folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")
     )
@@ -188,7 +189,31 @@ def plan_disk(
         "save_total_limit": keep,
         "optimizer": optimizer,
         "fits": need["total"] <= free + held,
+        "fixes": fixes(shape, s, keep, optimizer, gathered, small, download),
     }
+
+
+def fixes(
+    shape: Shape, s: Setup, keep: int, optimizer: str, gathered: bool, small: float, download: float
+) -> list[tuple[str, float]]:
+    """What each change of the run's settings saves on its results filesystem, largest
+    first: fewer kept checkpoints, the optimizer states in the last one only, the adapter
+    exported alone (a LoRA run's merged model is a whole model), the download elsewhere."""
+    now = run_need(shape, s, keep, optimizer, gathered, small)["checkpoints"]
+    found = []
+    if keep > 1:
+        fewer = run_need(shape, s, 1, optimizer, gathered, small)["checkpoints"]
+        found.append((f"save_total_limit: 1 (now {keep})", now - fewer))
+    if optimizer != "last":
+        last = run_need(shape, s, keep, "last", gathered, small)["checkpoints"]
+        found.append(("checkpoints.optimizer: last", now - last))
+    if s.adapter != "full" and s.merged:
+        found.append(
+            ("export.merged: false (the adapter alone)", s.bytes_per_weight * shape.params)
+        )
+    if download:
+        found.append(("resources/models on another filesystem (a symlink)", download))
+    return sorted(found, key=lambda f: -f[1])
 
 
 # what else a run writes to its results filesystem, when it does: the plan's key, its words
@@ -217,13 +242,9 @@ def format_disk(name: str, plan: dict[str, Any]) -> str:
     )
     if plan["fits"]:
         return f"{line}: fits"
-    fixes = []
-    if plan["save_total_limit"] > 1:
-        fixes.append(f"lower save_total_limit (now {plan['save_total_limit']})")
-    if plan["optimizer"] != "last":
-        fixes.append("set checkpoints.optimizer: last")
-    fixes.append("put results/ on a larger filesystem (e.g. a symlink to scratch)")
-    return f"{line}: does NOT fit, {gib(n['total'] - have)} short; {', '.join(fixes)}"
+    said = [f"{what} saves {gib(saved)}" for what, saved in plan.get("fixes", ())]
+    said.append("or put results/ on a larger filesystem (e.g. a symlink to scratch)")
+    return f"{line}: does NOT fit, {gib(n['total'] - have)} short; {', '.join(said)}"
 
 
 def disk_plan_of(
