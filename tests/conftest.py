@@ -200,6 +200,12 @@ if "SNAKETUNE_NET_LOG" not in os.environ:
     _net = os.environ.get("SNAKETUNE_SHARED_DIR") or _tempfile.mkdtemp(prefix="snaketune-net-")
     os.environ["SNAKETUNE_NET_LOG"] = str(Path(_net) / "net.log")
 NET_LOG = Path(os.environ["SNAKETUNE_NET_LOG"])
+# The library's caches of model counts and model-class facts (snaketune.core.cache) in a
+# folder of the test session's own, never the user's (~/.cache/snaketune): a change to the
+# counting must not pass on figures an earlier run left there. The side-by-side runs of a
+# tier share theirs (tests/run.sh), so a fact is computed once a tier, as on a fresh machine.
+_cache = os.environ.get("SNAKETUNE_SHARED_DIR") or _tempfile.mkdtemp(prefix="snaketune-")
+os.environ["SNAKETUNE_CACHE"] = str(Path(_cache) / "cache")
 OFFLINE = ROOT / "tests/offline"
 ENV = {
     **os.environ,

@@ -80,3 +80,22 @@ def test_one_version_everywhere():
     assert out.strip() == f"snaketune {__version__}"
     (top,) = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)[:1]
     assert top == __version__
+
+
+def test_the_tests_keep_the_librarys_caches_out_of_the_users():
+    """Model counts and class facts (snaketune.core.cache) go to the session's own folder,
+    in this process and in every process a test starts, not to ~/.cache/snaketune."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import ENV
+
+    from snaketune.core.cache import cache_dir
+
+    home = Path.home() / ".cache/snaketune"
+    assert cache_dir() != home and str(cache_dir()) == os.environ["SNAKETUNE_CACHE"]
+    code = "from snaketune.core.cache import cache_dir; print(cache_dir())"
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
+    assert out.stdout.strip() == str(cache_dir()), out.stderr
