@@ -90,17 +90,19 @@ def test_a_project_using_the_workflow_as_a_prefixed_module_runs_to_the_report(tm
     assert clone_files() == before
 
 
-@pytest.mark.slow
-@pytest.mark.extended  # the CI tier's budget: the prefixed module above runs the same entry
-def test_the_project_snakedeploy_lays_out_runs_the_workflow_from_workflow_snakefile(tmp_path):
-    """`snakedeploy deploy-workflow <clone> <dest>` (its module pointed at the clone's
-    workflow/Snakefile, as github(...) points at the repository's): the project has the
-    workflow's config/ and profiles/, and its Snakefile runs the stages into the project."""
-    before = clone_files()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+def deployed(tmp_path: Path) -> Path:
+    """`snakedeploy deploy-workflow <clone> <dest>`, its module pointed at the clone's
+    workflow/Snakefile (as github(...) points at the repository's), the demo's config (runs
+    short): the project's folder."""
+    # from a shallow clone of the clone's last commit: snakedeploy reads a local path's whole
+    # folder (the clone's .venv too: 94 s, most of it the kernel's), as GitHub's would not be
+    source = tmp_path / "source"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(source)],
+                   check=True)  # fmt: skip
+    commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()  # fmt: skip
     dest = tmp_path / "deployed"
-    subprocess.run([str(BIN / "snakedeploy"), "deploy-workflow", str(ROOT), str(dest),
+    subprocess.run([str(BIN / "snakedeploy"), "deploy-workflow", str(source), str(dest),
                     "--commit", commit], env=ENV, check=True, capture_output=True)  # fmt: skip
     assert (dest / "config/config.yaml").is_file() and (dest / "profiles/local").is_dir()
     snakefile = dest / "workflow/Snakefile"
@@ -110,7 +112,31 @@ def test_the_project_snakedeploy_lays_out_runs_the_workflow_from_workflow_snakef
     assert module and module.group(1).endswith('Snakefile"'), text
     clone = json.dumps(str(ROOT / "workflow/Snakefile"))
     snakefile.write_text(text[: module.start(1)] + clone + text[module.end(1) :])
-    quick_config(dest / "config/config.yaml")  # the demo's, runs short
+    quick_config(dest / "config/config.yaml")
+    return dest
+
+
+def test_the_project_snakedeploy_lays_out_plans_every_stage(tmp_path):
+    """The project snakedeploy lays out, dry run (the CI tier's share of the test below):
+    the workflow's config/ and profiles/ are there, and its Snakefile plans every stage of
+    the demo through the module, its checks before queueing passed, nothing written into
+    the clone."""
+    before = clone_files()
+    dest = deployed(tmp_path)
+    proc = run(dest, "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    for rule in ("make_fixtures", "tokenize_dataset", "train", "merge_lora", "report"):
+        assert re.search(rf"^rule {rule}:$", out, re.MULTILINE), (rule, out[-3000:])
+    assert "plan: demo:" in out and clone_files() == before
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the CI tier's budget: the dry run above and the prefixed module's run
+def test_the_project_snakedeploy_lays_out_runs_the_workflow_from_workflow_snakefile(tmp_path):
+    """The project snakedeploy lays out runs the stages into the project."""
+    before = clone_files()
+    dest = deployed(tmp_path)
     proc = run(dest, "--until", "shard_dataset")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]

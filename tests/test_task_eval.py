@@ -156,9 +156,12 @@ def test_the_report_shows_the_reference_text_and_marks_only_what_a_checker_decid
              "math_verify": True, "generation": "The answer is 8."},
             {"prompt": "2 + 2", "reference": "4", "reference_answer": "4", "correct": False,
              "math_verify": False, "generation": "The answer is 5."}]  # fmt: skip
-    html = samples_table(said, 8)
+    html = samples_table(said, 8, "math_verify loss")
     assert html.count("✓ right") == 1 and html.count("✗ wrong") == 1
     assert "1 of 2 answered right: the mark is math_verify's" in html
+    # a run that leads with exact match is marked by it
+    html = samples_table(said, 8, "exact_match loss")
+    assert html.count("✗ wrong") == 2 and "0 of 2 answered right: the mark is exact match" in html
     table = comparison_table(evaluation())
     assert table.index("preference accuracy") < table.index("held-out loss") < table.index(
         "chrF")  # fmt: skip

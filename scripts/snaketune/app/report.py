@@ -89,16 +89,18 @@ def sample_scores(s: dict[str, Any]) -> str:
     return "; ".join(f"{k} {v}" for k, v in shown.items())
 
 
-def samples_table(samples: list[dict[str, Any]], n: int) -> str:
+def samples_table(samples: list[dict[str, Any]], n: int, headline: str = "") -> str:
     """The first ``n`` generations with their prompts and reference texts; marked right or
     wrong where a checker decides (a reference with a final answer), otherwise with their
     scores."""
     from html import escape
 
     checked = [s for s in samples if s.get("reference_answer") is not None]
-    # right by math_verify where the evaluation ran it (the figure the table shows beside
-    # exact match: "The answer is 8." is right; exact match reads only a "#### 8" line)
-    verify = any("math_verify" in s for s in checked)
+    # marked by the run's headline figure: math_verify ("The answer is 8." is right) unless
+    # the run leads with exact match (only a "#### 8" line counts), or its samples lack it
+    verify = any("math_verify" in s for s in checked) and (
+        "math_verify" in headline.split() or "exact_match" not in headline.split()
+    )
     right = sum(bool(s.get("math_verify" if verify else "correct")) for s in checked)
     trs = []
     for s in samples[:n]:
@@ -345,7 +347,9 @@ def samples_html(row: dict[str, str], samples: list[dict[str, Any]] | None, n: i
     if not samples:
         return ""
     pairs = not method_named(row["method"]).writes_text if row else False
-    return "<h3>Samples</h3>" + (scores_table if pairs else samples_table)(samples, n)
+    if pairs:
+        return "<h3>Samples</h3>" + scores_table(samples, n)
+    return "<h3>Samples</h3>" + samples_table(samples, n, (row or {}).get("headline") or "")
 
 
 def lineage_html(run: str, lineages: dict[str, tuple[str, str, str]] | None) -> str:
