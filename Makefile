@@ -7,13 +7,15 @@
 #   make test-touched  the extended tests whose code your change touches (BASE=rev, default HEAD)
 #   make test-extended the extended tier (documented lengths, each chain's faults, benchmarks)
 #   make test-all      every tier: ci, extended, bench
+#   make mutants       mutation testing (MODULES="scripts/snaketune/..." or those changed since
+#                      BASE): each module's survivors under mutants/ (not in CI)
 # Timings of each: docs/testing.md.
 
 VENV ?= .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: setup demo test test-ci test-extended test-touched test-all test-bench bench lint clean
+.PHONY: setup demo test test-ci test-extended test-touched test-all test-bench bench lint clean mutants
 
 setup: $(VENV)/.installed
 
@@ -55,6 +57,11 @@ test-all: setup
 # before recording a benchmark's figures or after changing bench/.
 test-bench: setup
 	bash tests/run.sh bench
+
+# Mutation testing (tests/mutate.py): MODULES="scripts/snaketune/data/chat.py ..." or, without
+# them, the library modules changed since BASE (default HEAD: what is not committed yet).
+mutants: setup
+	python tests/mutate.py $(if $(MODULES),$(MODULES),--base $(BASE))
 
 bench: setup
 	python bench/tokenize.py
