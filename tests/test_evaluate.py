@@ -102,7 +102,15 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo, tmp_path):
     assert metrics["examples"] == 64
     assert metrics["base"]["exact_match"] <= 0.05 and metrics["exact_match"] >= 0.5
     assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
-    assert set(metrics["base"]) == {"loss", "perplexity", "exact_match", "math_verify", "stop_rate"}
+    assert set(metrics["base"]) == {
+        "loss",
+        "perplexity",
+        "exact_match",
+        "math_verify",
+        "stop_rate",
+        "model",
+    }  # the model it ran on (the report's column names it)
+    assert metrics["base"]["model"].endswith("resources/models/tiny")
     # stop rates: the share of each model's samples that ended on a stop token, counted
     # here from the samples (measured: base 0 of 64, the random model never ends a turn;
     # tuned 64 of 64)
@@ -197,7 +205,7 @@ def test_demo_learns_and_goes_all_the_way_to_the_report(demo, tmp_path):
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
     table = page.split('<table id="summary">')[1].split("</table>")[0]
-    assert '<td class="name">demo<br><small>tiny</small></td>' in table
+    assert '<td class="name"><span class="run">demo</span><br><small>tiny</small></td>' in table
     assert '<td class="name">lora</td>' in table
     # the results column leads with the run's headline: exact match, base then tuned
     shown = f"{100 * metrics['base']['exact_match']:.1f}% → {100 * metrics['exact_match']:.1f}%"

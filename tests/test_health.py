@@ -206,10 +206,13 @@ def test_training_stops_on_a_failing_gpu_after_a_checkpoint(demo, tmp_path, webh
     declared = ("final_checkpoint", "model", "metrics.jsonl", "run_config.json",
                 "provenance.json", "probe.safetensors")  # fmt: skip
     assert not [name for name in declared if (train / name).exists()]
-    # one per rank that posted before the job stopped: the first fatal rank's always; the
-    # other's may be cut off when the stop reaches it mid-post (1 of 2 on a loaded machine)
-    assert {r["event"] for r in received} == {"gpu_fatal"} and 1 <= len(received) <= 2
+    # each rank's watchdog samples on its own clock: the first to read the failure stops
+    # every rank at that step's end, and the other may not have sampled it by then (so on
+    # a loaded CI machine), or may be cut off mid-post by the stop: one post per rank whose
+    # records say fatal at most, and at least the first's
     records = sorted((train / "checkpoints/health").glob("node-*.jsonl"))
-    assert len(records) == 2 and all(r.read_text().count('"status": "fatal"') for r in records)
+    fatal = [r for r in records if '"status": "fatal"' in r.read_text()]
+    assert len(records) == 2 and fatal, [r.read_text() for r in records]
+    assert {r["event"] for r in received} == {"gpu_fatal"} and 1 <= len(received) <= len(fatal)
     assert "GPU health watchdog: every 0.2s (samples from" in out
     assert os.environ.get("SNAKETUNE_GPU_HEALTH_FILE") is None  # the test's env only

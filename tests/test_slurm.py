@@ -447,7 +447,7 @@ def test_results_too_small_for_a_run_fail_before_anything_is_queued(cluster, dem
         assert len(errors) == 2 and errors[0].startswith("error: disk plan: demo: needs "), (
             proc.stdout[-3000:]
         )
-        assert "does NOT fit" in errors[0] and "lower save_total_limit" in errors[0]
+        assert "does NOT fit" in errors[0] and "save_total_limit: 1 (now 2) saves" in errors[0]
         assert errors[1] == "error: 1 problem(s) found before queueing; nothing was run"
         assert "has been submitted" not in proc.stdout
         assert not list((work / "results").iterdir())
