@@ -389,6 +389,24 @@ def test_the_workflow_and_validate_say_the_same(tmp_path):
         assert line.startswith(expected), proc.stderr
 
 
+def test_a_quoted_number_where_text_is_meant_reads_and_writes_as_text(tmp_path):
+    """A number in quotes is text: refused where the schema takes a number (epochs), kept
+    where it takes text (a Hub revision "2024"), and written back by a YAML dump as the
+    quoted text it was (snaketune calibrate writes the user's config again)."""
+    import yaml
+
+    from snaketune.plan.schema import Quoted
+
+    path = tmp_path / "c.yaml"
+    path.write_text('models: {m: {source: hub, id: a/b, revision: "2024"}}\nx: 1e-4\n')
+    loaded = load_yaml(path)
+    revision = loaded["models"]["m"]["revision"]
+    assert isinstance(revision, Quoted) and revision == "2024"
+    assert not isinstance(loaded["x"], Quoted)  # PyYAML's 1e-4: text, not quoted
+    again = yaml.safe_load(yaml.safe_dump(loaded))
+    assert again["models"]["m"]["revision"] == "2024"  # still text, not the number 2024
+
+
 def test_validate_without_the_schema_names_root(tmp_path, capsys):
     from snaketune.app.cli import main
 

@@ -33,6 +33,10 @@ class Quoted(str):
     or PyYAML's ``1e-4`` (YAML 1.1 reads an exponent without a dot as a string)."""
 
 
+# written back as the text it is (snaketune calibrate writes a config the user gave)
+yaml.SafeDumper.add_representer(Quoted, yaml.representer.SafeRepresenter.represent_str)
+
+
 def _number(text: str) -> bool:
     try:
         float(text)
