@@ -407,6 +407,28 @@ def test_a_quoted_number_where_text_is_meant_reads_and_writes_as_text(tmp_path):
     assert again["models"]["m"]["revision"] == "2024"  # still text, not the number 2024
 
 
+def test_the_workflow_names_a_quoted_number_in_a_methods_block(tmp_path):
+    """The workflow's check reads the config files again against the schema validate reads,
+    each method's block put in: a DPO run's `beta: "0.1"` (which Snakemake's loader makes
+    plain text, read as 0.1) is named as validate names it."""
+    import yaml
+
+    from snaketune.budget.checks import at_parse
+    from snaketune.core.errors import UserError, error_lines
+
+    cfg = load_yaml(ROOT / "config/config.yaml")
+    cfg["runs"]["demo"].update(method="dpo", dpo={"beta": "0.1"})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert "beta: '0.1'" in path.read_text()
+    with pytest.raises(UserError) as caught:
+        at_parse(yaml.safe_load(path.read_text()), ROOT, [str(path)], tmp_path)
+    assert error_lines(caught.value)[0] == (
+        "runs.demo.dpo.beta: '0.1' is in quotes, so text, not a number; write it without "
+        "them (beta: 0.1)"
+    )
+
+
 def test_validate_without_the_schema_names_root(tmp_path, capsys):
     from snaketune.app.cli import main
 

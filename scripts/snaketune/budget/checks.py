@@ -64,20 +64,20 @@ def at_parse(
     """Validate ``config`` in place (defaults filled, sweeps expanded) and check what the
     workflow needs of this machine. Raises ConfigError (ConfigProblems: a line a problem)."""
     from snaketune.core.io import check_writable
+    from snaketune.methods import compose_schema  # the schema validate_config reads
     from snaketune.plan.config import check_local_sources, validate_config
     from snaketune.plan.schema import check_config_files, load_schema
     from snaketune.plan.stages import base_evaluations, parts_notes, tokenize_jobs
     from snaketune.plan.topology import adapt_accumulation
 
-    quoted = check_config_files(list(config_files), load_schema(basedir))
-    lines: list[str] = []
+    quoted = check_config_files(list(config_files), compose_schema(load_schema(basedir)))
+    lines = list(quoted)
     try:
         validate_config(config, basedir)
     except UserError as exc:
         if not (quoted or isinstance(exc, ConfigProblems)):  # the schema or a chain
             raise
-        lines += error_lines(exc)
-    lines = quoted + [line for line in lines if line not in quoted]
+        lines += [line for line in error_lines(exc) if line not in quoted]
     try:
         check_local_sources(config, set(FIXTURE_OUTPUTS))
     except UserError as exc:
