@@ -3,35 +3,55 @@
     python tests/mutate.py scripts/snaketune/core/lora_targets.py [MODULE ...]
     python tests/mutate.py --base origin/main      # the modules changed since that commit
 
-cosmic-ray (pinned in the dev extra) plants one-line slips in a module, one at a time, in
-place (a comparison turned, a number moved by one, a boolean flipped, a `break` made a
-`continue`, ...), runs the module's tests against each and restores the file. A module's
-tests are the quick tier's (`-m "not slow"`) of the test files that name it (its dotted
-name, or `from snaketune.<wing> import <module>`), and the test files MORE adds where a
-module is tested under another's name. In place: the processes the tests start (snakemake,
-a training's ranks) run the mutated module too; do not edit the tree while it runs.
+cosmic-ray (pinned in the dev extra) lists the one-line slips of a module (a comparison
+turned, a number moved by one, a boolean flipped, a `break` made a `continue`, ...); this
+tool plants each in place, runs the tests that can see it, and restores the file.
+
+The tests that can see a mutant: the quick tier (`-m "not slow"`) is run once, unmutated,
+in this process under coverage, each test its own context, so each line of the modules
+knows the quick tests that run it. A mutant's tests are those of its lines, fastest first,
+stopping at the first failure. A line no quick test runs in the test process is given the
+quick tests of the files that name the module (tests_for, MORE) that start processes (a
+CLI, snakemake), since the line may run there; with none, the mutant survives unrun and is
+listed as such. Each mutant's tests run in a fork of this process after the unmutated run
+has loaded torch, transformers and the rest, with the library and the test modules
+unloaded, so a mutant costs its tests' own seconds, not pytest's and torch's start.
+
+In place: the library of this checkout is mutated (its scripts/ first on the path of this
+process and of every process a test starts: snakemake, a training's ranks), so run it in a
+checkout you are not editing (`git worktree add /tmp/mut` and run the tool there).
 
 Writes, under --out (default mutants/, ignored by git): <module>.toml and <module>.sqlite
-(cosmic-ray's config and session: `cr-report mutants/<module>.sqlite`, `cr-html ...`), and
-<module>.survivors.txt (each surviving mutant: its line, operator and change). Prints a
-line per module: mutants, killed, survived, timed out, the score (killed and timed out over
-all but the incompetent ones, which cannot run) and the minutes it took.
+(cosmic-ray's config and session: `cr-report mutants/<module>.sqlite`, `cr-html ...`),
+<module>.survivors.txt (each surviving mutant: its line, operator and change) and
+scores.json. Prints a line per module: mutants, killed, survived (of which unrun), timed
+out, the score (killed and timed out over all that could run) and the minutes it took.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # test files that test a module under another module's name (module -> more test files)
-MORE: dict[str, list[str]] = {}
+MORE: dict[str, list[str]] = {
+    "scripts/snaketune/data/fullrender.py": ["tests/test_templates.py", "tests/test_toolcalls.py"],
+    "scripts/snaketune/data/picture_pairs.py": ["tests/test_pictures.py"],
+    "scripts/snaketune/budget/calibrate.py": ["tests/test_config.py", "tests/test_cost.py"],
+}
+QUICK = ["-q", "-p", "no:cacheprovider", "-m", "not slow"]
+UNRUN = "no quick test runs this line"
 
 
 def dotted(module: str) -> str:
@@ -67,12 +87,12 @@ def changed_modules(base: str, root: Path = ROOT) -> list[str]:
 
 def test_command(tests: list[str]) -> list[str]:
     """The quick tier's tests of ``tests``, stopping at the first failure."""
-    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-            "-m", "not slow", *tests]  # fmt: skip
+    return [sys.executable, "-m", "pytest", "-x", *QUICK, *tests]
 
 
 def config_text(module: str, tests: list[str], timeout: float) -> str:
-    """cosmic-ray's config of one module's session."""
+    """cosmic-ray's config of one module's session (its test command: the module's test
+    files whole, for `cosmic-ray exec` by hand; this tool runs each mutant's own tests)."""
     command = test_command(tests)
     return (
         "[cosmic-ray]\n"
@@ -84,9 +104,165 @@ def config_text(module: str, tests: list[str], timeout: float) -> str:
     )
 
 
+class Recorder:
+    """A pytest plugin for the unmutated run: each test a coverage context of its own, its
+    seconds (setup, call, teardown), and whether it started a process."""
+
+    def __init__(self, cov):
+        self.cov, self.seconds, self.spawns, self.failed = cov, defaultdict(float), set(), []
+        self.current = ""
+
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.current = item.nodeid
+        self.cov.switch_context(item.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] += report.duration
+        if report.failed:
+            self.failed.append(report.nodeid)
+
+    def popen(self, real):
+        def started(*args, **kwargs):
+            self.spawns.add(self.current)
+            return real(*args, **kwargs)
+
+        return started
+
+
+def record(modules: list[str], files: list[str], root: Path) -> dict:
+    """The quick tests of ``files`` run once, unmutated, in this process: for each module,
+    line -> the tests that ran it; each test's seconds; the tests that start processes."""
+    import coverage
+    import pytest
+
+    paths = {m: str((root / m).resolve()) for m in modules}
+    cov = coverage.Coverage(data_file=None, include=list(paths.values()), config_file=False)
+    rec = Recorder(cov)
+    real = subprocess.Popen.__init__
+    subprocess.Popen.__init__ = rec.popen(real)
+    cov.start()
+    try:
+        code = pytest.main([*QUICK, *files], plugins=[rec])
+    finally:
+        cov.stop()
+        subprocess.Popen.__init__ = real
+    if code != 0:
+        raise SystemExit(f"mutate: the quick tests fail unmutated (pytest exit {code}): "
+                         f"{rec.failed[:5]}")  # fmt: skip
+    data = cov.get_data()
+    # "" is the import's context: a line run only then (a constant, a def) is seen by
+    # every test that runs the module
+    lines = {m: {line: sorted(ctx) for line, ctx in data.contexts_by_lineno(p).items()}
+             for m, p in paths.items()}  # fmt: skip
+    return {"lines": lines, "seconds": dict(rec.seconds), "spawns": sorted(rec.spawns - {""})}
+
+
+def unload(root: Path) -> None:
+    """Forget the library and the test modules (the fork re-imports them, mutated), keeping
+    what they loaded (torch, transformers, ...)."""
+    tests = str(root / "tests")
+    for name, mod in list(sys.modules.items()):
+        where = getattr(mod, "__file__", None) or ""
+        if name == "snaketune" or name.startswith("snaketune.") or where.startswith(tests):
+            del sys.modules[name]
+
+
+def run_forked(nodeids: list[str], timeout: float) -> tuple[str, str]:
+    """``nodeids`` in a fork of this process, stopping at the first failure: ("killed" or
+    "survived" or "timeout", the end of its output)."""
+    import pytest
+
+    with tempfile.TemporaryFile() as log:
+        pid = os.fork()
+        if pid == 0:  # the child: its own process group, so a timeout ends what it started
+            os.setsid()
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            code = 1
+            try:
+                code = int(pytest.main(["-x", *QUICK, *nodeids]))
+            finally:
+                os._exit(code)
+        began, status = time.monotonic(), None
+        while status is None:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(code)
+            elif time.monotonic() - began > timeout:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = "timeout"
+            else:
+                time.sleep(0.05)
+        log.seek(0)
+        output = log.read().decode("utf-8", "replace")[-3000:]
+    if status == "timeout":
+        return "timeout", output
+    return ("survived" if status == 0 else "killed"), output
+
+
+def chosen(item, module: str, recorded: dict, root: Path) -> list[str]:
+    """A mutant's tests: the quick tests that run its lines, fastest first; for a line none
+    runs, the tests of the module's files that start processes."""
+    spec = item.mutations[0]
+    lines = {int(n): ts for n, ts in recorded["lines"][module].items()}
+    span = range(spec.start_pos[0], spec.end_pos[0] + 1)
+    tests = {t for n in span for t in lines.get(n, [])}
+    if tests == {""}:  # run at import only
+        tests = {t for ts in lines.values() for t in ts}
+    tests.discard("")
+    if not tests:
+        files = tests_for(module, root)
+        tests = {t for t in recorded["spawns"] if t.split("::")[0] in files}
+    return sorted(tests, key=lambda t: recorded["seconds"].get(t, 0.0))
+
+
+def mutate_module(module: str, recorded: dict, out: Path, root: Path) -> dict:
+    """Every mutant of ``module``: planted, its tests run in a fork, the file restored, the
+    outcome stored in its cosmic-ray session. The module's figures."""
+    import cosmic_ray.mutating as mutating
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    stem = dotted(module)
+    cfg, session = out / f"{stem}.toml", out / f"{stem}.sqlite"
+    cfg.write_text(config_text(module, tests_for(module, root), 60))
+    session.unlink(missing_ok=True)
+    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)],
+                   cwd=root, check=True)  # fmt: skip
+    began, unrun = time.monotonic(), []
+    real = mutating.run_tests
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            tests = chosen(item, module, recorded, root)
+            if not tests:
+                unrun.append(item.mutations[0].start_pos[0])
+                db.set_result(item.job_id, WorkResult(
+                    output=UNRUN, test_outcome=TestOutcome.SURVIVED,
+                    worker_outcome=WorkerOutcome.NORMAL))  # fmt: skip
+                continue
+            timeout = 30 + 5 * sum(recorded["seconds"].get(t, 0.0) for t in tests)
+            mutating.run_tests = lambda _cmd, _timeout, t=tests, s=timeout: _outcome(t, s)
+            try:
+                result = mutating.mutate_and_test(item.mutations, "", timeout)
+            finally:
+                mutating.run_tests = real
+            db.set_result(item.job_id, result)
+    return {"minutes": (time.monotonic() - began) / 60, "unrun": len(unrun)}
+
+
+def _outcome(tests: list[str], timeout: float):
+    """cosmic-ray's (TestOutcome, output) of a forked run (a timeout is a kill)."""
+    from cosmic_ray.work_item import TestOutcome
+
+    outcome, output = run_forked(tests, timeout)
+    return (TestOutcome.SURVIVED if outcome == "survived" else TestOutcome.KILLED,
+            "timeout" if outcome == "timeout" else output)  # fmt: skip
+
+
 def outcomes(dump: str) -> list[dict]:
     """Each mutant of a session (``cosmic-ray dump``'s lines): its line, operator, change
-    and outcome (killed, survived, timeout or incompetent)."""
+    and outcome (killed, survived, timeout or incompetent; unrun: no test runs its line)."""
     found = []
     for line in dump.splitlines():
         if not line.strip():
@@ -95,7 +271,7 @@ def outcomes(dump: str) -> list[dict]:
         mutation = item["mutations"][0]
         result = result or {}
         outcome = result.get("test_outcome") or "not run"
-        if result.get("worker_outcome") == "timeout":
+        if result.get("worker_outcome") == "timeout" or result.get("output") == "timeout":
             outcome = "timeout"
         change = [ln for ln in (result.get("diff") or "").splitlines()
                   if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]  # fmt: skip
@@ -104,6 +280,7 @@ def outcomes(dump: str) -> list[dict]:
             "operator": mutation["operator_name"],
             "function": mutation.get("definition_name"),
             "outcome": outcome,
+            "unrun": result.get("output") == UNRUN,
             "change": change,
         })  # fmt: skip
     return found
@@ -114,46 +291,42 @@ def score(found: list[dict]) -> dict:
     over every mutant that could run."""
     count = {k: sum(m["outcome"] == k for m in found)
              for k in ("killed", "survived", "timeout", "incompetent", "not run")}  # fmt: skip
+    count["unrun"] = sum(bool(m.get("unrun")) for m in found)
     ran = count["killed"] + count["survived"] + count["timeout"]
     count["score"] = (count["killed"] + count["timeout"]) / ran if ran else None
     return count
 
 
-def run_module(module: str, out: Path) -> dict:
-    """One module's session: its tests once unmutated (they must pass: their time sets the
-    timeout; the shared demo pipeline a quick test reads is built then, from the unmutated
-    tree, and read by every mutant's run), every mutant, the survivors written. The
-    module's figures."""
-    import os
-
-    env = {**os.environ, "SNAKETUNE_SHARED_DIR": str(out / "shared"),
-           "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
-    (out / "shared").mkdir(exist_ok=True)
-    tests = tests_for(module)
-    if not tests:
-        raise SystemExit(f"mutate: no test file names {dotted(module)}; add one to MORE")
+def report(module: str, out: Path, root: Path) -> dict:
+    """A module's session read back: its survivors written, its counts."""
     stem = dotted(module)
-    cfg, session = out / f"{stem}.toml", out / f"{stem}.sqlite"
-    began = time.monotonic()
-    base = subprocess.run(test_command(tests), cwd=ROOT, env=env, capture_output=True, text=True)
-    if base.returncode != 0:
-        raise SystemExit(f"mutate: {module}: its tests fail unmutated:\n{base.stdout[-3000:]}")
-    timeout = max(60.0, 3 * (time.monotonic() - began))
-    cfg.write_text(config_text(module, tests, timeout))
-    session.unlink(missing_ok=True)
-    cosmic = [sys.executable, "-m", "cosmic_ray.cli"]
-    for step in (["init", str(cfg), str(session)], ["exec", str(cfg), str(session)]):
-        subprocess.run([*cosmic, *step], cwd=ROOT, env=env, check=True)
-    dump = subprocess.run([*cosmic, "dump", str(session)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    dump = subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "dump",
+                           str(out / f"{stem}.sqlite")], cwd=root, capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
     found = outcomes(dump)
-    survivors = [m for m in found if m["outcome"] == "survived"]
     (out / f"{stem}.survivors.txt").write_text("".join(
-        f"{module}:{m['line']} ({m['function']}) {m['operator']}\n"
+        f"{module}:{m['line']} ({m['function']}) {m['operator']}"
+        + (f" [{UNRUN}]" if m["unrun"] else "") + "\n"
         + "".join(f"    {c}\n" for c in m["change"])
-        for m in survivors))  # fmt: skip
-    return {"module": module, "tests": tests, **score(found),
-            "minutes": (time.monotonic() - began) / 60}  # fmt: skip
+        for m in sorted(found, key=lambda m: m["line"]) if m["outcome"] == "survived"))  # fmt: skip
+    return {"module": module, **score(found)}
+
+
+def prepare(root: Path, out: Path) -> None:
+    """This process and those the tests start import the library of ``root``; the shared
+    demo pipeline a quick test reads is built once, unmutated, under ``out``."""
+    scripts = str(root / "scripts")
+    sys.path.insert(0, scripts)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [scripts, *filter(None, [os.environ.get("PYTHONPATH")])])  # fmt: skip
+    (out / "shared").mkdir(parents=True, exist_ok=True)
+    os.environ.update(SNAKETUNE_SHARED_DIR=str(out / "shared"), PYTHONDONTWRITEBYTECODE="1",
+                      PYTHONWARNINGS="ignore::FutureWarning")  # fmt: skip
+    os.chdir(root)
+    import torch
+
+    # one thread: a fork after torch's OpenMP pool has run hangs in the child's first op
+    torch.set_num_threads(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,19 +334,37 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("modules", nargs="*", help="scripts/snaketune/... modules")
     parser.add_argument("--base", help="the modules changed since this commit")
+    parser.add_argument("--tests", nargs="+", default=["tests"],
+                        help="the test files run unmutated to map lines to tests "
+                             "(default: the whole quick tier)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "mutants")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to mutate")
     args = parser.parse_args(argv)
-    modules = args.modules or (changed_modules(args.base) if args.base else [])
+    root = args.root.resolve()
+    modules = args.modules or (changed_modules(args.base, root) if args.base else [])
     if not modules:
         parser.error("name modules, or --base REV for those changed since REV")
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = [run_module(m, args.out) for m in modules]
-    for r in rows:
+    out = args.out.resolve()
+    prepare(root, out)
+    began = time.monotonic()
+    recorded = record(modules, args.tests, root)
+    (out / "coverage.json").write_text(json.dumps(recorded))
+    unload(root)
+    print(f"mutate: the quick tests ran unmutated in {(time.monotonic() - began) / 60:.1f} min")
+    rows = []
+    for module in modules:
+        sample = sorted({t for ts in recorded["lines"][module].values() for t in ts} - {""},
+                        key=lambda t: recorded["seconds"].get(t, 0.0))[:20]  # fmt: skip
+        if sample and run_forked(sample, 600)[0] != "survived":
+            raise SystemExit(f"mutate: {module}: its tests fail in a fork, unmutated")
+        figures = mutate_module(module, recorded, out, root)
+        rows.append({**report(module, out, root), **figures})
+        r = rows[-1]
         shown = "-" if r["score"] is None else f"{100 * r['score']:.0f}%"
-        print(f"{r['module']}: {r['killed']} killed, {r['survived']} survived, "
-              f"{r['timeout']} timed out, {r['incompetent']} incompetent: {shown} "
-              f"({r['minutes']:.1f} min; tests: {' '.join(r['tests'])})")  # fmt: skip
-    (args.out / "scores.json").write_text(json.dumps(rows, indent=1))
+        print(f"{module}: {r['killed']} killed, {r['survived']} survived ({r['unrun']} on "
+              f"lines no quick test runs), {r['timeout']} timed out, {r['incompetent']} "
+              f"incompetent: {shown} ({r['minutes']:.1f} min)", flush=True)  # fmt: skip
+        (out / "scores.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@ cosmic-ray's session read back, the score."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -23,27 +24,45 @@ def test_a_modules_tests_are_the_files_that_name_it():
     assert "tests/test_moe.py" in targets and "tests/test_templates.py" not in targets
 
 
-def test_a_session_on_a_small_module_counts_its_survivors(tmp_path):
-    """cosmic-ray with the tool's config on a module of four lines, its test by hand: the
-    mutant `x < lo` -> `x <= lo` survives (an equivalent one: at x == lo both return lo),
-    the others are killed, and the file is as it was."""
-    source = "def clip(x, lo=0):\n    if x < lo:\n        return lo\n    return x\n"
-    (tmp_path / "mod.py").write_text(source)
-    (tmp_path / "test_mod.py").write_text(
-        "from mod import clip\n\n\ndef test_clip():\n    assert clip(-1) == 0 and clip(3) == 3\n"
+TINY = '''LIMIT = 3
+
+
+def clip(x, lo=0):
+    if x < lo:
+        return lo
+    return min(x, LIMIT)
+
+
+def unused(x):
+    return x + 1
+'''
+
+
+def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
+    """`tests/mutate.py` on a checkout of one module of eleven lines and its test: the line
+    map from the unmutated run, each mutant's tests in a fork. The equivalent `x < lo` ->
+    `x <= lo` survives; the constant's mutants (a line run only at import) are killed by the
+    test that uses it; an unused function's survive unrun (no test runs them); the score
+    counts them; the file is as it was."""
+    (tmp_path / "scripts/snaketune").mkdir(parents=True)
+    (tmp_path / "scripts/snaketune/__init__.py").write_text("")
+    (tmp_path / "scripts/snaketune/tiny.py").write_text(TINY)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_tiny.py").write_text(
+        "from snaketune.tiny import clip\n\n\n"
+        "def test_clip():\n    assert (clip(-1), clip(2), clip(9)) == (0, 2, 3)\n"
     )
-    (tmp_path / "cr.toml").write_text(mutate.config_text("mod.py", ["test_mod.py"], 60))
-    cosmic = [sys.executable, "-m", "cosmic_ray.cli"]
-    for step in ("init", "exec"):
-        subprocess.run([*cosmic, step, "cr.toml", "s.sqlite"], cwd=tmp_path, env=ENV,
-                       check=True, capture_output=True)  # fmt: skip
-    dump = subprocess.run([*cosmic, "dump", "s.sqlite"], cwd=tmp_path, env=ENV, check=True,
-                          capture_output=True, text=True).stdout  # fmt: skip
-    found = mutate.outcomes(dump)
-    survived = [m for m in found if m["outcome"] == "survived"]
-    assert [(m["line"], m["change"]) for m in survived if "LtE" in m["operator"]] == [
-        (2, ["-    if x < lo:", "+    if x <= lo:"])]  # fmt: skip
-    counts = mutate.score(found)
-    assert counts["killed"] + counts["survived"] + counts["timeout"] == len(found) >= 6
-    assert counts["score"] == (counts["killed"] + counts["timeout"]) / len(found)
-    assert (tmp_path / "mod.py").read_text() == source  # restored after every mutant
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "tests/mutate.py"), "scripts/snaketune/tiny.py",
+                    "--root", str(tmp_path), "--tests", "tests/test_tiny.py", "--out", str(out)],
+                   env=ENV, check=True, capture_output=True, text=True)  # fmt: skip
+    [row] = json.loads((out / "scores.json").read_text())
+    survivors = (out / "snaketune.tiny.survivors.txt").read_text()
+    lines = {int(line.split(":")[1].split()[0]) for line in survivors.splitlines()
+             if line.startswith("scripts/")}  # fmt: skip
+    assert lines == {5, 11}, survivors  # `x < lo` turned to `x <= lo`; the unused function's
+    assert "if x <= lo:" in survivors and "[no quick test runs this line]" in survivors
+    assert row["unrun"] == survivors.count("[no quick test runs this line]") >= 3
+    assert row["killed"] >= 6 and row["survived"] == row["unrun"] + 1
+    assert row["score"] == row["killed"] / (row["killed"] + row["survived"])
+    assert (tmp_path / "scripts/snaketune/tiny.py").read_text() == TINY
