@@ -24,7 +24,7 @@ def test_a_modules_tests_are_the_files_that_name_it():
     assert "tests/test_moe.py" in targets and "tests/test_templates.py" not in targets
 
 
-TINY = '''LIMIT = 3
+TINY = """LIMIT = 3
 
 
 def clip(x, lo=0):
@@ -35,7 +35,7 @@ def clip(x, lo=0):
 
 def unused(x):
     return x + 1
-'''
+"""
 
 
 def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
