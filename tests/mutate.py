@@ -31,6 +31,7 @@ out, the score (killed and timed out over all that could run) and the minutes it
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -281,6 +282,7 @@ def outcomes(dump: str) -> list[dict]:
             "function": mutation.get("definition_name"),
             "outcome": outcome,
             "unrun": result.get("output") == UNRUN,
+            "span": (tuple(mutation["start_pos"]), tuple(mutation["end_pos"])),
             "change": change,
         })  # fmt: skip
     return found
@@ -290,26 +292,58 @@ def score(found: list[dict]) -> dict:
     """Counts by outcome and the score: killed (a test failed or it ran past its time)
     over every mutant that could run."""
     count = {k: sum(m["outcome"] == k for m in found)
-             for k in ("killed", "survived", "timeout", "incompetent", "not run")}  # fmt: skip
+             for k in ("killed", "survived", "timeout", "incompetent", "not run",
+                       "equivalent")}  # fmt: skip
     count["unrun"] = sum(bool(m.get("unrun")) for m in found)
     ran = count["killed"] + count["survived"] + count["timeout"]
     count["score"] = (count["killed"] + count["timeout"]) / ran if ran else None
     return count
 
 
+def annotations(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The spans (line, column) of a module's annotations where they are never evaluated
+    (``from __future__ import annotations``): a mutant inside one is equivalent."""
+    tree = ast.parse(source)
+    future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+                 and any(a.name == "annotations" for a in n.names) for n in tree.body)  # fmt: skip
+    found = []
+    for node in ast.walk(tree) if future else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            args = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            found += [node.returns, *(arg.annotation for arg in args if arg is not None)]
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+    return [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in found if n]
+
+
 def report(module: str, out: Path, root: Path) -> dict:
-    """A module's session read back: its survivors written, its counts."""
+    """A module's session read back: mutants inside an annotation never evaluated marked
+    equivalent, its survivors written, its counts."""
     stem = dotted(module)
     dump = subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "dump",
                            str(out / f"{stem}.sqlite")], cwd=root, capture_output=True,
                           text=True, check=True).stdout  # fmt: skip
     found = outcomes(dump)
+    spans = annotations((root / module).read_text(encoding="utf-8"))
+    for m in found:
+        (start, end) = m["span"]
+        if any(a <= start and end <= b for a, b in spans):
+            m["outcome"] = "equivalent"
     (out / f"{stem}.survivors.txt").write_text("".join(
         f"{module}:{m['line']} ({m['function']}) {m['operator']}"
         + (f" [{UNRUN}]" if m["unrun"] else "") + "\n"
         + "".join(f"    {c}\n" for c in m["change"])
         for m in sorted(found, key=lambda m: m["line"]) if m["outcome"] == "survived"))  # fmt: skip
     return {"module": module, **score(found)}
+
+
+def line_of(r: dict) -> str:
+    """A module's figures in a line."""
+    shown = "-" if r["score"] is None else f"{100 * r['score']:.0f}%"
+    return (f"{r['module']}: {r['killed']} killed, {r['survived']} survived ({r['unrun']} on "
+            f"lines no quick test runs), {r['timeout']} timed out, {r['equivalent']} in "
+            f"annotations (equivalent), {r['incompetent']} incompetent: {shown}")  # fmt: skip
 
 
 def prepare(root: Path, out: Path) -> None:
@@ -339,12 +373,19 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: the whole quick tier)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "mutants")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to mutate")
+    parser.add_argument("--report", action="store_true",
+                        help="read the sessions under --out back; run nothing")  # fmt: skip
     args = parser.parse_args(argv)
     root = args.root.resolve()
     modules = args.modules or (changed_modules(args.base, root) if args.base else [])
     if not modules:
         parser.error("name modules, or --base REV for those changed since REV")
     out = args.out.resolve()
+    if args.report:
+        rows = [report(m, out, root) for m in modules]
+        for r in rows:
+            print(line_of(r))
+        return 0
     prepare(root, out)
     began = time.monotonic()
     recorded = record(modules, args.tests, root)
@@ -359,11 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"mutate: {module}: its tests fail in a fork, unmutated")
         figures = mutate_module(module, recorded, out, root)
         rows.append({**report(module, out, root), **figures})
-        r = rows[-1]
-        shown = "-" if r["score"] is None else f"{100 * r['score']:.0f}%"
-        print(f"{module}: {r['killed']} killed, {r['survived']} survived ({r['unrun']} on "
-              f"lines no quick test runs), {r['timeout']} timed out, {r['incompetent']} "
-              f"incompetent: {shown} ({r['minutes']:.1f} min)", flush=True)  # fmt: skip
+        print(f"{line_of(rows[-1])} ({rows[-1]['minutes']:.1f} min)", flush=True)
         (out / "scores.json").write_text(json.dumps(rows, indent=1))
     return 0
 

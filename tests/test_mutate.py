@@ -24,10 +24,12 @@ def test_a_modules_tests_are_the_files_that_name_it():
     assert "tests/test_moe.py" in targets and "tests/test_templates.py" not in targets
 
 
-TINY = """LIMIT = 3
+TINY = """from __future__ import annotations
+
+LIMIT = 3
 
 
-def clip(x, lo=0):
+def clip(x, lo=0) -> int | None:
     if x < lo:
         return lo
     return min(x, LIMIT)
@@ -39,11 +41,11 @@ def unused(x):
 
 
 def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
-    """`tests/mutate.py` on a checkout of one module of eleven lines and its test: the line
+    """`tests/mutate.py` on a checkout of one module of thirteen lines and its test: the line
     map from the unmutated run, each mutant's tests in a fork. The equivalent `x < lo` ->
     `x <= lo` survives; the constant's mutants (a line run only at import) are killed by the
-    test that uses it; an unused function's survive unrun (no test runs them); the score
-    counts them; the file is as it was."""
+    test that uses it; an unused function's survive unrun (no test runs them); those in an
+    annotation never evaluated are equivalent, out of the score; the file is as it was."""
     (tmp_path / "scripts/snaketune").mkdir(parents=True)
     (tmp_path / "scripts/snaketune/__init__.py").write_text("")
     (tmp_path / "scripts/snaketune/tiny.py").write_text(TINY)
@@ -60,9 +62,10 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
     survivors = (out / "snaketune.tiny.survivors.txt").read_text()
     lines = {int(line.split(":")[1].split()[0]) for line in survivors.splitlines()
              if line.startswith("scripts/")}  # fmt: skip
-    assert lines == {5, 11}, survivors  # `x < lo` turned to `x <= lo`; the unused function's
+    assert lines == {7, 13}, survivors  # `x < lo` turned to `x <= lo`; the unused function's
     assert "if x <= lo:" in survivors and "[no quick test runs this line]" in survivors
     assert row["unrun"] == survivors.count("[no quick test runs this line]") >= 3
     assert row["killed"] >= 6 and row["survived"] == row["unrun"] + 1
+    assert row["equivalent"] >= 5 and "int & None" not in survivors  # the annotation's
     assert row["score"] == row["killed"] / (row["killed"] + row["survived"])
     assert (tmp_path / "scripts/snaketune/tiny.py").read_text() == TINY
