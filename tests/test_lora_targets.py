@@ -73,6 +73,8 @@ def test_names_are_read_from_a_modules_path():
     assert lt.targeted("model.layers.0.self_attn.q_proj", True, set())
     assert lt.suffix("model.layers.3.mlp.experts") == "mlp.experts"
     assert lt.suffix("model.layers.12.self_attn.q_proj") == "self_attn.q_proj"
+    # the index at an odd place in the path (i + 1 is not i | 1 nor i ^ 1 there)
+    assert lt.suffix("model.language_model.layers.7.self_attn.q_proj") == "self_attn.q_proj"
     assert lt.suffix("lm_head") == "lm_head"  # no layer index: the name itself
     kinds = {
         "model.layers.0.mlp.gate": "router", "gate": "router", "router": "router",
