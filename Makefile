@@ -61,7 +61,7 @@ test-bench: setup
 # Mutation testing (tests/mutate.py): MODULES="scripts/snaketune/data/chat.py ..." or, without
 # them, the library modules changed since BASE (default HEAD: what is not committed yet).
 mutants: setup
-	python tests/mutate.py $(if $(MODULES),$(MODULES),--base $(BASE))
+	python tests/mutate.py $(if $(MODULES),$(MODULES),--base $(BASE)) $(if $(TESTS),--tests $(TESTS))
 
 bench: setup
 	python bench/tokenize.py

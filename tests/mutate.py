@@ -202,13 +202,26 @@ def run_forked(nodeids: list[str], timeout: float) -> tuple[str, str]:
     return ("survived" if status == 0 else "killed"), output
 
 
+def statement_starts(source: str) -> dict[int, int]:
+    """Each line of a statement that spans several, to the statement's first line (the one
+    coverage counts: a ``def``'s own line for its arguments' lines); the innermost wins."""
+    starts: dict[int, int] = {}
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt)]
+    for node in sorted(nodes, key=lambda n: n.end_lineno - n.lineno, reverse=True):
+        for line in range(node.lineno, node.end_lineno + 1):
+            starts[line] = node.lineno
+    return starts
+
+
 def chosen(item, module: str, recorded: dict, root: Path) -> list[str]:
-    """A mutant's tests: the quick tests that run its lines, fastest first; for a line none
-    runs, the tests of the module's files that start processes."""
+    """A mutant's tests: the quick tests that run its lines (or their statements' first
+    lines), fastest first; for a line none runs, the tests of the module's files that start
+    processes."""
     spec = item.mutations[0]
     lines = {int(n): ts for n, ts in recorded["lines"][module].items()}
+    starts = statement_starts((root / module).read_text(encoding="utf-8"))
     span = range(spec.start_pos[0], spec.end_pos[0] + 1)
-    tests = {t for n in span for t in lines.get(n, [])}
+    tests = {t for n in span for t in lines.get(n, lines.get(starts.get(n, n), []))}
     if tests == {""}:  # run at import only
         tests = {t for ts in lines.values() for t in ts}
     tests.discard("")

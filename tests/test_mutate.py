@@ -29,10 +29,12 @@ TINY = """from __future__ import annotations
 LIMIT = 3
 
 
-def clip(x, lo=0) -> int | None:
+def clip(
+    x, lo=min(0, LIMIT), hi=LIMIT
+) -> int | None:
     if x < lo:
         return lo
-    return min(x, LIMIT)
+    return min(x, hi)
 
 
 def unused(x):
@@ -41,10 +43,11 @@ def unused(x):
 
 
 def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
-    """`tests/mutate.py` on a checkout of one module of thirteen lines and its test: the line
+    """`tests/mutate.py` on a checkout of one module of fifteen lines and its test: the line
     map from the unmutated run, each mutant's tests in a fork. The equivalent `x < lo` ->
     `x <= lo` survives; the constant's mutants (a line run only at import) are killed by the
-    test that uses it; an unused function's survive unrun (no test runs them); those in an
+    test that uses it, as are those on a line of a `def` coverage does not count (its
+    statement's first line does); an unused function's survive unrun (no test runs them); those in an
     annotation never evaluated are equivalent, out of the score; the file is as it was."""
     (tmp_path / "scripts/snaketune").mkdir(parents=True)
     (tmp_path / "scripts/snaketune/__init__.py").write_text("")
@@ -62,7 +65,8 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
     survivors = (out / "snaketune.tiny.survivors.txt").read_text()
     lines = {int(line.split(":")[1].split()[0]) for line in survivors.splitlines()
              if line.startswith("scripts/")}  # fmt: skip
-    assert lines == {7, 13}, survivors  # `x < lo` turned to `x <= lo`; the unused function's
+    # `x < lo` turned to `x <= lo`; the unused function's (none on line 7: the def's tests)
+    assert lines == {9, 15}, survivors
     assert "if x <= lo:" in survivors and "[no quick test runs this line]" in survivors
     assert row["unrun"] == survivors.count("[no quick test runs this line]") >= 3
     assert row["killed"] >= 6 and row["survived"] == row["unrun"] + 1
