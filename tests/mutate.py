@@ -231,19 +231,26 @@ def chosen(item, module: str, recorded: dict, root: Path) -> list[str]:
     return sorted(tests, key=lambda t: recorded["seconds"].get(t, 0.0))
 
 
-def mutate_module(module: str, recorded: dict, out: Path, root: Path) -> dict:
-    """Every mutant of ``module``: planted, its tests run in a fork, the file restored, the
-    outcome stored in its cosmic-ray session. The module's figures."""
+def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: bool) -> dict:
+    """Every mutant of ``module`` (``again``: only the last session's survivors): planted,
+    its tests run in a fork, the file restored, the outcome stored in its cosmic-ray
+    session. The module's figures."""
     import cosmic_ray.mutating as mutating
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
     stem = dotted(module)
     cfg, session = out / f"{stem}.toml", out / f"{stem}.sqlite"
-    cfg.write_text(config_text(module, tests_for(module, root), 60))
-    session.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)],
-                   cwd=root, check=True)  # fmt: skip
+    if again and session.is_file():
+        import sqlite3
+
+        with sqlite3.connect(session) as db:
+            db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+    else:
+        cfg.write_text(config_text(module, tests_for(module, root), 60))
+        session.unlink(missing_ok=True)
+        subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)],
+                       cwd=root, check=True)  # fmt: skip
     began, unrun = time.monotonic(), []
     real = mutating.run_tests
     with use_db(str(session), WorkDB.Mode.open) as db:
@@ -386,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: the whole quick tier)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "mutants")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to mutate")
+    parser.add_argument("--again", action="store_true",
+                        help="run only the survivors of the sessions under --out (after new "
+                             "tests: the others were killed already)")  # fmt: skip
     parser.add_argument("--report", action="store_true",
                         help="read the sessions under --out back; run nothing")  # fmt: skip
     args = parser.parse_args(argv)
@@ -411,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                         key=lambda t: recorded["seconds"].get(t, 0.0))[:20]  # fmt: skip
         if sample and run_forked(sample, 600)[0] != "survived":
             raise SystemExit(f"mutate: {module}: its tests fail in a fork, unmutated")
-        figures = mutate_module(module, recorded, out, root)
+        figures = mutate_module(module, recorded, out, root, args.again)
         rows.append({**report(module, out, root), **figures})
         print(f"{line_of(rows[-1])} ({rows[-1]['minutes']:.1f} min)", flush=True)
         (out / "scores.json").write_text(json.dumps(rows, indent=1))

@@ -58,9 +58,9 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
         "def test_clip():\n    assert (clip(-1), clip(2), clip(9)) == (0, 2, 3)\n"
     )
     out = tmp_path / "out"
-    subprocess.run([sys.executable, str(ROOT / "tests/mutate.py"), "scripts/snaketune/tiny.py",
-                    "--root", str(tmp_path), "--tests", "tests/test_tiny.py", "--out", str(out)],
-                   env=ENV, check=True, capture_output=True, text=True)  # fmt: skip
+    command = [sys.executable, str(ROOT / "tests/mutate.py"), "scripts/snaketune/tiny.py",
+               "--root", str(tmp_path), "--tests", "tests/test_tiny.py", "--out", str(out)]  # fmt: skip
+    subprocess.run(command, env=ENV, check=True, capture_output=True, text=True)
     [row] = json.loads((out / "scores.json").read_text())
     survivors = (out / "snaketune.tiny.survivors.txt").read_text()
     lines = {int(line.split(":")[1].split()[0]) for line in survivors.splitlines()
@@ -73,3 +73,11 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
     assert row["equivalent"] >= 5 and "int & None" not in survivors  # the annotation's
     assert row["score"] == row["killed"] / (row["killed"] + row["survived"])
     assert (tmp_path / "scripts/snaketune/tiny.py").read_text() == TINY
+    # a test of the unused function, then --again: only the survivors run, those now killed
+    with open(tmp_path / "tests/test_tiny.py", "a") as f:
+        f.write("\n\ndef test_unused():\n    from snaketune.tiny import unused\n\n"
+                "    assert unused(5) == 6\n")  # fmt: skip
+    subprocess.run([*command, "--again"], env=ENV, check=True, capture_output=True, text=True)
+    [again] = json.loads((out / "scores.json").read_text())
+    assert (again["survived"], again["unrun"]) == (1, 0)
+    assert again["killed"] == row["killed"] + row["unrun"]

@@ -703,3 +703,76 @@ def test_adapt_vision_left_at_its_default_changes_no_run_s_settings():
     on = copy.deepcopy(run)
     on["lora"]["adapt_vision"] = True
     assert json.loads(train_spec(on))["lora"]["adapt_vision"] is True
+
+
+def test_picture_pairs_at_the_length_limit_and_their_bad_rows(tmp_path):
+    """The tokenize job's picture pairs at the edges (quick): the image tokens counted are
+    the chosen sides' own; at a limit some pairs pass, a pair over it is dropped and the
+    pairs after it are kept; truncation cuts a side only after its last image token (below
+    it, the pair is dropped); a picture in a response, or in an assistant turn, is refused;
+    the trainer's table is handed without the pictures."""
+    from transformers import AutoProcessor
+
+    from snaketune.core.errors import DataError
+    from snaketune.data import picture_pairs, pictures
+    from snaketune.data.conversations import Source
+    from snaketune.data.tokenization import tokenize
+
+    vlm = tmp_path / "vlm"
+    build_vlm(vlm)
+    make_picture_pairs(tmp_path / "pairs", train=6, test=1)
+    raw = read_jsonl(tmp_path / "pairs/train.jsonl")
+    image = set(pictures.image_ids_of(AutoProcessor.from_pretrained(vlm)))
+
+    def run(rows, limit, overlong="drop"):
+        data = tmp_path / "pairs/train.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), data)
+        spec = {"source": "local", "path": str(data), "format": "preference",
+                "columns": {"images": "images"}}  # fmt: skip
+        out = tmp_path / "tok.parquet"
+        stats = tokenize([Source("pp", data, spec)], vlm, out, limit, overlong, model_name="vlm")
+        return stats, pq.read_table(out).to_pylist()
+
+    stats, rows = run(raw, 256)
+    assert stats.image_tokens == sum(sum(t in image for t in r["input_ids"]) for r in rows) > 0
+    longest = [max(len(r["input_ids"]), len(r["rejected_input_ids"])) for r in rows]
+    i, j = next((i, j) for i in range(6) for j in range(i + 1, 6) if longest[j] < longest[i])
+    stats, kept = run(raw, longest[j])  # pair i over the limit, pair j after it within
+    assert [r["example_id"] for r in kept] == [
+        f"pp:{k}" for k in range(6) if longest[k] <= longest[j]]  # fmt: skip
+    assert stats.dropped_overlong == sum(n > longest[j] for n in longest) >= 1
+    last_image = max(k for k, t in enumerate(rows[i]["input_ids"]) if t in image)
+    start = min(k for k, t in enumerate(rows[i]["labels"]) if t != -100)  # its response
+    stats, cut = run(raw, start + 1, "truncate")  # cuts responses, after the pictures
+    assert stats.truncated >= 1 and stats.dropped_overlong == 0 and len(cut) == 6
+    assert all(len(r["input_ids"]) <= start + 1 for r in cut)
+    with pytest.raises(DataError, match="6 longer than max_length"):  # into the pictures
+        run(raw, last_image, "truncate")
+    in_response = [
+        {"role": "assistant", "content": [{"type": "text", "text": f"red {pictures.MARK}"}]}
+    ]
+    for field, line in (("chosen", "pictures belong in the prompt"),
+                        ("rejected", "pictures belong in user turns")):  # fmt: skip
+        bad = json.loads(json.dumps(raw))
+        bad[1][field] = (
+            in_response
+            if field == "chosen"
+            else [
+                {"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}
+            ]
+        )
+        with pytest.raises(DataError, match=line):
+            run(bad, 256)
+    mixed = [
+        {"role": "system", "content": "s"},
+        "not a message",
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]},
+    ]
+    marked = picture_pairs._marked_messages(mixed, "w")
+    assert marked[:2] == mixed[:2] and marked[2]["content"] == pictures.MARK + "q"
+    import datasets
+
+    table = datasets.Dataset.from_dict({"input_ids": [[1]], "images": [[b"png"]]})
+    assert picture_pairs.trainer_table(table).column_names == ["input_ids"]
+    plain = table.remove_columns(["images"])
+    assert picture_pairs.trainer_table(plain).column_names == ["input_ids"]

@@ -299,3 +299,86 @@ def test_a_jsonl_file_whose_calls_take_no_arguments_downloads_and_renders_them(t
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.decode(tokenized(rows, model_dir, tmp_path)[0]["input_ids"])
     assert '"name": "ping", "parameters": {}' in text and "null" not in text
+
+
+def test_tools_and_calls_read_each_edge_of_their_values():
+    """snaketune.data.toolcalls on the values a dataset holds at the edges: no tools (None,
+    "", [] all mean none), a list that is not of schemas, calls of no call, a call with an
+    empty name, arguments as a dict with Arrow's nulls, as text, as empty text; the canonical
+    JSON keeps non-ASCII text as written and sorts the keys (one row's calls compare equal
+    to another's)."""
+    from snaketune.core.errors import DataError
+    from snaketune.data import toolcalls as tc
+
+    for none in (None, "", []):
+        assert tc.tools_of(none, "w") is None, none
+    for bad in ([1], {"name": "add"}, [{"name": "add"}, "add"]):
+        with pytest.raises(DataError, match="must be a list of function schemas"):
+            tc.tools_of(bad, "w")
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"properties": None}}}
+    assert tc.tools_of(json.dumps([schema]), "w")[0]["function"]["parameters"] == {"properties": {}}
+    assert tc.calls_of({"tool_calls": []}, "w") is None
+    assert tc.calls_of({"content": "hi"}, "w") is None
+    with pytest.raises(DataError, match="tool_calls must be a list"):
+        tc.calls_of({"tool_calls": "add(1, 2)"}, "w")
+    for call in ({"name": ""}, {"function": {"name": None}}, "add"):
+        with pytest.raises(DataError, match="needs a function name"):
+            tc.calls_of({"tool_calls": [call]}, "w")
+    got = tc.calls_of({"tool_calls": [
+        {"function": {"name": "note", "arguments": {"zeta": "café", "alpha": 1, "beta": None}}},
+        {"name": "ping", "arguments": "  "},
+        {"name": "add", "arguments": '{"b": 2, "a": 1}'},
+    ]}, "w")  # fmt: skip
+    assert got == (
+        '[{"function": {"arguments": {"alpha": 1, "zeta": "café"}, "name": "note"}, '
+        '"type": "function"}, {"function": {"arguments": {}, "name": "ping"}, '
+        '"type": "function"}, {"function": {"arguments": {"a": 1, "b": 2}, "name": "add"}, '
+        '"type": "function"}]'
+    )
+
+
+def call_turn(*names: str) -> tuple:
+    calls = [{"type": "function", "function": {"name": n, "arguments": {"x": "é"}}} for n in names]
+    return ("assistant", "", None, json.dumps(calls))
+
+
+def test_a_tool_turn_follows_a_call_or_another_tool_turn():
+    from snaketune.core.errors import DataError
+    from snaketune.data import toolcalls as tc
+
+    user, tool, said = (
+        ("user", "q", None, None),
+        ("tool", "5", None, None),
+        ("assistant", "a", None, None),
+    )
+    tools = [{"name": "add"}, {"name": "mul"}]
+    tc.check_calls((user, call_turn("add", "mul"), tool, tool, said), tools, "w")
+    tc.check_calls((user, call_turn("other"), tool), None, "w")  # no tools declared: any call
+    for turns, j in [
+        ((tool, said), 0),
+        ((user, said, tool), 2),
+        ((user, call_turn("add"), said, tool), 3),
+    ]:
+        with pytest.raises(DataError, match=f"w turn {j}: a tool turn with no call before it"):
+            tc.check_calls(turns, tools, "w")
+    with pytest.raises(DataError, match=r"turn 1: a call to tool 'sub'.*\(declared: add, mul\)"):
+        tc.check_calls((user, call_turn("add", "sub"), tool), tools, "w")
+    assert tc.any_calls((user, call_turn("add"))) and tc.any_calls((user, tool))
+    assert not tc.any_calls((user, said)) and not tc.any_calls(())
+    assert not tc.called(("assistant", "a", None)) and not tc.called(said)
+
+
+def test_a_marked_field_is_where_the_render_shows_it():
+    """Text fields between the marks; a calling turn's empty text left as it is (Gemma 4
+    prints it after the results), a plain turn's marked; the calls' marks an argument of the
+    last call, non-ASCII arguments as written."""
+    from snaketune.data import toolcalls as tc
+
+    calling, plain = call_turn("add", "mul"), ("assistant", "", None, None)
+    assert tc.marked_field(calling, 1, "", "<", ">") == ""
+    assert tc.marked_field(calling, 1, "so", "<", ">") == "<so>"
+    assert tc.marked_field(plain, 1, "", "<", ">") == "<>"
+    assert tc.marked_field(calling, 2, "", "<", ">") == "<>"  # reasoning: marked, even empty
+    calls = json.loads(tc.marked_field(calling, 3, calling[3], "<", ">"))
+    assert [c["function"]["arguments"] for c in calls] == [{"x": "é"}, {"x": "é", "<>": ""}]
+    assert "é" in tc.marked_field(calling, 3, calling[3], "<", ">")
