@@ -776,3 +776,54 @@ def test_picture_pairs_at_the_length_limit_and_their_bad_rows(tmp_path):
     assert picture_pairs.trainer_table(table).column_names == ["input_ids"]
     plain = table.remove_columns(["images"])
     assert picture_pairs.trainer_table(plain).column_names == ["input_ids"]
+
+
+def test_the_picture_plan_measures_what_each_set_holds(tmp_path):
+    """snaketune.budget.pictureplan at its edges (quick): the first SAMPLED rows' named
+    files scaled to all rows (not one row more or less), a file not there and embedded
+    bytes not counted, one row its own size; a Hub set its parquet alone, a set not
+    downloaded nothing; a text training set beside a picture held-out set: the held-out
+    set's pictures alone."""
+    from snaketune.budget import pictureplan as pp
+
+    pics = tmp_path / "resources/pics"
+    pics.mkdir(parents=True)
+    (pics / "small.png").write_bytes(b"x" * 10)
+    (pics / "big.png").write_bytes(b"x" * 1000)
+    spec = {"source": "local", "format": "messages", "path": "resources/pics/train.jsonl",
+            "columns": {"images": "images"}}  # fmt: skip
+    data = tmp_path / "data.parquet"
+    rows = [{"images": ["small.png"]}] * (pp.SAMPLED + 1001)
+    rows[pp.SAMPLED - 1] = {"images": ["big.png"]}  # the last row sampled
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    sampled = (pp.SAMPLED - 1) * 10 + 1000
+    assert pp.named_files_bytes(data, spec, pics) == sampled * len(rows) / pp.SAMPLED
+    parts = [
+        {"images": [{"bytes": b"png", "path": "big.png"}, {"bytes": None, "path": "small.png"}]}
+    ]
+    pq.write_table(pa.Table.from_pylist(parts), data)  # a Hub layout: bytes, or a path
+    assert pp.named_files_bytes(data, spec, pics) == 10
+    one = [{"images": ["small.png", "gone.png"]}]
+    pq.write_table(pa.Table.from_pylist(one), data)
+    assert pp.named_files_bytes(data, spec, pics) == 10
+    config = {"datasets": {"hubset": {"source": "hub", "format": "messages", "repo": "o/r",
+                                      "columns": {"images": "images"}},
+                           "mine": {**spec, "source": "".join(["lo", "cal"])}}}  # fmt: skip
+    for name in ("hubset", "mine"):
+        assert pp.downloaded_bytes(config, name, tmp_path) == 0.0  # not downloaded
+        (tmp_path / f"resources/datasets/{name}").mkdir(parents=True)
+        pq.write_table(
+            pa.Table.from_pylist(one), tmp_path / f"resources/datasets/{name}/data.parquet"
+        )
+    size = (tmp_path / "resources/datasets/hubset/data.parquet").stat().st_size
+    assert pp.downloaded_bytes(config, "hubset", tmp_path) == size
+    assert pp.downloaded_bytes(config, "mine", tmp_path) == size + 10  # a read string too
+
+    text = {"source": "local", "format": "messages", "path": "t.jsonl", "columns": {}}
+    (tmp_path / "resources/datasets/txt").mkdir(parents=True)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "resources/datasets/txt/data.parquet")
+    config["datasets"]["txt"] = text
+    config["runs"] = {"r": {"model": "m", "dataset": "txt", "eval_dataset": "mine"}}
+    assert pp.picture_bytes(config, "r", tmp_path) == size + 10  # the held-out set's, once
+    config["runs"]["r"]["eval_dataset"] = None
+    assert pp.picture_bytes(config, "r", tmp_path) == 0
