@@ -346,9 +346,10 @@ def test_a_tool_turn_follows_a_call_or_another_tool_turn():
     from snaketune.core.errors import DataError
     from snaketune.data import toolcalls as tc
 
+    role = "".join(["to", "ol"])  # read from a file: equal to "tool", not the same object
     user, tool, said = (
         ("user", "q", None, None),
-        ("tool", "5", None, None),
+        (role, "5", None, None),
         ("assistant", "a", None, None),
     )
     tools = [{"name": "add"}, {"name": "mul"}]
@@ -356,6 +357,8 @@ def test_a_tool_turn_follows_a_call_or_another_tool_turn():
     tc.check_calls((user, call_turn("other"), tool), None, "w")  # no tools declared: any call
     for turns, j in [
         ((tool, said), 0),
+        ((tool, call_turn("add")), 0),  # the first turn: nothing before it, not the last
+        ((tool, tool), 0),
         ((user, said, tool), 2),
         ((user, call_turn("add"), said, tool), 3),
     ]:
