@@ -50,6 +50,7 @@ MORE: dict[str, list[str]] = {
     "scripts/snaketune/data/fullrender.py": ["tests/test_templates.py", "tests/test_toolcalls.py"],
     "scripts/snaketune/data/picture_pairs.py": ["tests/test_pictures.py"],
     "scripts/snaketune/budget/calibrate.py": ["tests/test_config.py", "tests/test_cost.py"],
+    "scripts/snaketune/data/tokens.py": ["tests/test_tokenize.py"],
 }
 QUICK = ["-q", "-p", "no:cacheprovider", "-m", "not slow"]
 UNRUN = "no quick test runs this line"
