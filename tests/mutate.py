@@ -132,8 +132,33 @@ class Recorder:
 
 
 def record(modules: list[str], files: list[str], root: Path) -> dict:
-    """The quick tests of ``files`` run once, unmutated, in this process: for each module,
-    line -> the tests that ran it; each test's seconds; the tests that start processes."""
+    """The quick tests of ``files`` run once, unmutated, in a fork of this process (which
+    then collects them: torch, transformers and the rest loaded, no tensor op run, so that
+    each mutant's fork starts from a process whose OpenMP pool never ran: a fork after it
+    has hangs in the child's first parallel op): for each module, line -> the tests that
+    ran it; each test's seconds; the tests that start processes."""
+    import pytest
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                Path(out.name).write_text(json.dumps(_record(modules, files, root)))
+                code = 0
+            except SystemExit as exc:
+                Path(out.name).write_text(json.dumps({"error": str(exc)}))
+            finally:
+                os._exit(code)
+        os.waitpid(pid, 0)
+        recorded = json.loads(Path(out.name).read_text() or '{"error": "the run died"}')
+    if "error" in recorded:
+        raise SystemExit(recorded["error"])
+    pytest.main(["--collect-only", *QUICK, *files])
+    return recorded
+
+
+def _record(modules: list[str], files: list[str], root: Path) -> dict:
     import coverage
     import pytest
 
@@ -378,10 +403,6 @@ def prepare(root: Path, out: Path) -> None:
     os.environ.update(SNAKETUNE_SHARED_DIR=str(out / "shared"), PYTHONDONTWRITEBYTECODE="1",
                       PYTHONWARNINGS="ignore::FutureWarning")  # fmt: skip
     os.chdir(root)
-    import torch
-
-    # one thread: a fork after torch's OpenMP pool has run hangs in the child's first op
-    torch.set_num_threads(1)
 
 
 def main(argv: list[str] | None = None) -> int:
