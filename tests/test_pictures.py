@@ -793,11 +793,19 @@ def test_the_picture_plan_measures_what_each_set_holds(tmp_path):
     spec = {"source": "local", "format": "messages", "path": "resources/pics/train.jsonl",
             "columns": {"images": "images"}}  # fmt: skip
     data = tmp_path / "data.parquet"
-    rows = [{"images": ["small.png"]}] * (pp.SAMPLED + 1001)
-    rows[pp.SAMPLED - 1] = {"images": ["big.png"]}  # the last row sampled
+    sampled = 1000  # the rows measured, as the module's docstring says
+    rows = [{"images": ["small.png"]}] * (sampled + 1001)
+    rows[sampled - 1] = {"images": ["big.png"]}  # the last row sampled
     pq.write_table(pa.Table.from_pylist(rows), data)
-    sampled = (pp.SAMPLED - 1) * 10 + 1000
-    assert pp.named_files_bytes(data, spec, pics) == sampled * len(rows) / pp.SAMPLED
+    measured = (sampled - 1) * 10 + 1000
+    assert pp.named_files_bytes(data, spec, pics) == measured * len(rows) / sampled
+    for table in (
+        pa.table({"other": ["small.png"]}),
+        pa.table({"images": pa.array([], pa.list_(pa.string()))}),
+    ):
+        pq.write_table(table, data)  # no pictures column; no rows
+        assert pp.named_files_bytes(data, spec, pics) == 0.0
+    assert pp.named_files_bytes(data, {**spec, "columns": {}}, pics) == 0.0  # a text set
     parts = [
         {"images": [{"bytes": b"png", "path": "big.png"}, {"bytes": None, "path": "small.png"}]}
     ]
