@@ -211,16 +211,19 @@ def run_forked(nodeids: list[str], timeout: float) -> tuple[str, str]:
             finally:
                 os._exit(code)
         began, status = time.monotonic(), None
-        while status is None:
-            done, code = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = os.waitstatus_to_exitcode(code)
-            elif time.monotonic() - began > timeout:
+        try:
+            while status is None:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status = os.waitstatus_to_exitcode(code)
+                elif time.monotonic() - began > timeout:
+                    status = "timeout"
+                else:
+                    time.sleep(0.05)
+        finally:  # past its time, or this process stopped: the fork and what it started
+            if status is None or status == "timeout":
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                status = "timeout"
-            else:
-                time.sleep(0.05)
         log.seek(0)
         output = log.read().decode("utf-8", "replace")[-3000:]
     if status == "timeout":
@@ -277,6 +280,7 @@ def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: boo
         session.unlink(missing_ok=True)
         subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)],
                        cwd=root, check=True)  # fmt: skip
+    kept = out / f"{stem}.original"  # the module as it was, while a mutant is planted
     began, unrun = time.monotonic(), []
     real = mutating.run_tests
     with use_db(str(session), WorkDB.Mode.open) as db:
@@ -290,10 +294,12 @@ def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: boo
                 continue
             timeout = 30 + 5 * sum(recorded["seconds"].get(t, 0.0) for t in tests)
             mutating.run_tests = lambda _cmd, _timeout, t=tests, s=timeout: _outcome(t, s)
+            kept.write_bytes((root / module).read_bytes())
             try:
                 result = mutating.mutate_and_test(item.mutations, "", timeout)
             finally:
                 mutating.run_tests = real
+            kept.unlink()
             db.set_result(item.job_id, result)
     return {"minutes": (time.monotonic() - began) / 60, "unrun": len(unrun)}
 
@@ -384,6 +390,17 @@ def report(module: str, out: Path, root: Path) -> dict:
     return {"module": module, **score(found)}
 
 
+def put_back(modules: list[str], out: Path, root: Path) -> None:
+    """Each module a run that died with a mutant planted left mutated, as it was (its
+    original is kept under ``out`` while a mutant is planted)."""
+    for module in modules:
+        kept = out / f"{dotted(module)}.original"
+        if kept.is_file():
+            (root / module).write_bytes(kept.read_bytes())
+            kept.unlink()
+            print(f"mutate: {module} put back as it was before a run that died mid-mutant")
+
+
 def line_of(r: dict) -> str:
     """A module's figures in a line."""
     shown = "-" if r["score"] is None else f"{100 * r['score']:.0f}%"
@@ -426,11 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     if not modules:
         parser.error("name modules, or --base REV for those changed since REV")
     out = args.out.resolve()
+    # a stop (kill, ^C) leaves through the restoring `finally`s, not with a mutant planted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.report:
         rows = [report(m, out, root) for m in modules]
         for r in rows:
             print(line_of(r))
         return 0
+    put_back(modules, out, root)
     prepare(root, out)
     began = time.monotonic()
     recorded = record(modules, args.tests, root)

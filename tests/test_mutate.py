@@ -46,7 +46,8 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
     """`tests/mutate.py` on a checkout of one module of fifteen lines and its test: the line
     map from the unmutated run, each mutant's tests in a fork. The equivalent `x < lo` ->
     `x <= lo` survives; the constant's mutants (a line run only at import) are killed by the
-    test that uses it, as are those on a line of a `def` coverage does not count (its
+    test that uses it (the module first put back as it was: a run that died mid-mutant left
+    it mutated), as are those on a line of a `def` coverage does not count (its
     statement's first line does); an unused function's survive unrun (no test runs them); those in an
     annotation never evaluated are equivalent, out of the score; the file is as it was."""
     (tmp_path / "scripts/snaketune").mkdir(parents=True)
@@ -58,6 +59,10 @@ def test_the_tool_gives_each_mutant_the_tests_that_run_its_line(tmp_path):
         "def test_clip():\n    assert (clip(-1), clip(2), clip(9)) == (0, 2, 3)\n"
     )
     out = tmp_path / "out"
+    # a run that died with a mutant planted left the module mutated and its original kept
+    out.mkdir()
+    (out / "snaketune.tiny.original").write_text(TINY)
+    (tmp_path / "scripts/snaketune/tiny.py").write_text(TINY.replace("LIMIT = 3", "LIMIT = 4"))
     command = [sys.executable, str(ROOT / "tests/mutate.py"), "scripts/snaketune/tiny.py",
                "--root", str(tmp_path), "--tests", "tests/test_tiny.py", "--out", str(out)]  # fmt: skip
     subprocess.run(command, env=ENV, check=True, capture_output=True, text=True)
