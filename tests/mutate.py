@@ -242,16 +242,36 @@ def statement_starts(source: str) -> dict[int, int]:
     return starts
 
 
+def import_time(source: str) -> set[int]:
+    """The first lines of the statements a module runs when it is imported (its constants,
+    its classes' bodies, each ``def`` line with its defaults and decorators), whichever test
+    first imported it: a mutant there is seen by every test of the module."""
+    found: set[int] = set()
+
+    def visit(body: list) -> None:
+        for node in body:
+            found.add(node.lineno)
+            found.update(d.lineno for d in getattr(node, "decorator_list", ()))
+            if isinstance(node, ast.ClassDef):
+                visit(node.body)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):  # a guarded import, say
+                visit([n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt)])
+
+    visit(ast.parse(source).body)
+    return found
+
+
 def chosen(item, module: str, recorded: dict, root: Path) -> list[str]:
     """A mutant's tests: the quick tests that run its lines (or their statements' first
     lines), fastest first; for a line none runs, the tests of the module's files that start
     processes."""
     spec = item.mutations[0]
     lines = {int(n): ts for n, ts in recorded["lines"][module].items()}
-    starts = statement_starts((root / module).read_text(encoding="utf-8"))
+    source = (root / module).read_text(encoding="utf-8")
+    starts = statement_starts(source)
     span = range(spec.start_pos[0], spec.end_pos[0] + 1)
     tests = {t for n in span for t in lines.get(n, lines.get(starts.get(n, n), []))}
-    if tests == {""}:  # run at import only
+    if tests and any(starts.get(n, n) in import_time(source) for n in span):
         tests = {t for ts in lines.values() for t in ts}
     tests.discard("")
     if not tests:
