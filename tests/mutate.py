@@ -190,6 +190,8 @@ def unload(root: Path) -> None:
     tests = str(root / "tests")
     for name, mod in list(sys.modules.items()):
         where = getattr(mod, "__file__", None) or ""
+        if name == "__main__":  # this tool (multiprocessing's spawn reads it)
+            continue
         if name == "snaketune" or name.startswith("snaketune.") or where.startswith(tests):
             del sys.modules[name]
 
