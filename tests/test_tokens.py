@@ -155,3 +155,42 @@ def test_the_end_of_turn_added_keeps_the_rest_of_the_generation_config(tiny_mode
     (model / "config.json").write_text(json.dumps({**cfg, "eos_token_id": end + 1}))
     assert "-> [" in tokens.add_end_of_turn(model)
     assert end in json.loads(path.read_text())["eos_token_id"]
+
+
+def test_the_end_of_turn_is_the_assistants_where_a_user_turn_ends_with_another(tokenizer):
+    """A template whose user turn closes with a token of its own: the probe reads the
+    markup after the assistant's message, not the user's."""
+    from snaketune.data.chat import ChatRenderer
+
+    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|u|>", "<|u_end|>", "<|a|>", "<|a_end|>"]}
+    )
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|u|>{{ m['content'] }}<|u_end|>"
+        "{% else %}<|a|>{{ m['content'] }}<|a_end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|a|>{% endif %}"
+    )
+    end = tokens.end_of_turn_id(tok, ChatRenderer(tok, template))
+    assert tok.convert_ids_to_tokens(end) == "<|a_end|>"
+
+
+def test_the_end_of_turn_is_added_from_local_files_only(tiny_model, tmp_path, monkeypatch):
+    """A compute node has no network: the export's tokenizer and generation config are read
+    from its folder alone."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [7]}))
+    asked = []
+    for cls in (AutoTokenizer, GenerationConfig):
+        real = cls.from_pretrained
+
+        def local(path, *args, _real=real, **kwargs):
+            asked.append(kwargs.get("local_files_only"))
+            return _real(path, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", local)
+    assert tokens.add_end_of_turn(model) and asked == [True, True]
