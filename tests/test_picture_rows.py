@@ -101,9 +101,10 @@ def test_the_labels_carry_where_the_tokens_agree():
     full = [5, 90, 90, 90, 6, 7, 8]  # a picture expanded after the first token
     assert pics.carried_labels(plain, labels, full).tolist() == [-100] * 5 + [7, 8]
     assert pics.carried_labels(plain, labels, [5, 90, 6, 9, 8]) is None  # a label changed
-    many = [1] * 300 + [2]  # difflib's autojunk would drop the popular token 1
-    got = pics.carried_labels(many, np.array([-100] * 300 + [2], np.int32), [3, *many])
-    assert got.tolist() == [-100] * 301 + [2]
+    many = [1] * 300 + [2]  # difflib's autojunk would drop the popular token 1, labelled too
+    labelled = np.array([-100] * 290 + [1] * 10 + [2], np.int32)
+    got = pics.carried_labels(many, labelled, [3, *many])
+    assert got.tolist() == [-100] * 291 + [1] * 10 + [2]
     all_labelled = np.array([5, 6], np.int32)
     assert pics.carried_labels([5, 6], all_labelled, [5, 6]).tolist() == [5, 6]
 
@@ -122,6 +123,53 @@ def test_the_length_policy_cuts_after_the_last_picture_or_drops():
     assert stats.dropped_overlong == 3 and stats.longest_overlong == (6, "key7")
     assert pics._policy("k", ids, labels, image, 4, "truncate", stats) is None  # no response left
     assert stats.dropped_no_response == 1
+
+
+def test_the_length_policy_at_its_edges():
+    """Within the limit: kept with a label, dropped without one (all labelled or none);
+    `overlong: error` keeps the first longest row (not a later one as long, not a shorter
+    one), the other policies none; a picture past the limit: dropped, not cut."""
+    image, stats = {90}, Stats()
+    assert pics._policy("k", [1, 2], np.array([1, 2]), image, 8, "drop", stats)[0] == [1, 2]
+    assert pics._policy("k", [1, 2], np.array([-100, -100]), image, 8, "drop", stats) is None
+    assert stats.dropped_no_response == 1
+    error = "".join(["er", "ror"])
+    for key, n in (("a", 12), ("b", 12), ("c", 10)):
+        pics._policy(key, [1] * n, np.ones(n), image, 8, error, stats)
+    assert stats.longest_overlong == (12, "a")
+    other = Stats()
+    pics._policy("d", [1] * 12, np.ones(12), image, 8, "drop", other)
+    assert other.longest_overlong == (0, "")
+    ids, labels = [5, 3, 90, 90, 4], np.array([-100, 3, -100, -100, 4])
+    assert pics._policy("k", ids, labels, image, 2, "truncate", other) is None
+    assert other.dropped_overlong == 2 and other.truncated == 0
+    truncate = "".join(["trun", "cate"])  # read from a config
+    assert pics._policy("k", [5, 3, 4], np.array([-100, 3, 4]), image, 2, truncate, other)[0] == [
+        5,
+        3,
+    ]
+
+
+def test_a_rows_tokens_are_the_processors_without_special_tokens_added():
+    from types import SimpleNamespace
+
+    asked = []
+
+    def tokenizer(text, **kwargs):
+        asked.append(kwargs)
+        return {"input_ids": [1, 2]}
+
+    def processor(**kwargs):
+        asked.append({k: v for k, v in kwargs.items() if k == "add_special_tokens"})
+        return {"input_ids": [[3, 4]]}
+
+    processor.tokenizer = tokenizer
+    assert pics.expanded(processor, "t", ()) == [1, 2]
+    assert pics.expanded(processor, "t", (PNG,)) == [3, 4]
+    assert asked == [{"add_special_tokens": False}] * 2
+    bare = SimpleNamespace(model_input_names=["pixel_values"])  # no token type ids to make
+    assert pics.model_inputs(bare, [[]], None) == {}
+    assert pics.inputs_of(None, [], None) == {}
 
 
 def test_an_examples_hash_holds_its_pictures():
@@ -171,3 +219,8 @@ def test_a_picture_tokenize_pass_counts_its_rows_and_labels(tmp_path):
     assert stats.conversations == stats.rows == len(made) == 5
     assert stats.label_tokens == sum(sum(t != -100 for t in r["labels"]) for r in made) > 0
     assert stats.tokens == sum(len(r["input_ids"]) for r in made)
+    lengths = [len(r["input_ids"]) for r in made]
+    i, j = next((i, j) for i in range(5) for j in range(i + 1, 5) if lengths[j] < lengths[i])
+    stats = tokenize([Source("p", data, spec)], vlm, out, lengths[j], model_name="vlm")
+    kept = [r["example_id"] for r in pq.read_table(out).to_pylist()]
+    assert kept == [f"p:{k}" for k in range(5) if lengths[k] <= lengths[j]]  # after a drop too
