@@ -305,8 +305,16 @@ def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: boo
     kept = out / f"{stem}.original"  # the module as it was, while a mutant is planted
     began, unrun = time.monotonic(), []
     real = mutating.run_tests
+    spans = annotations((root / module).read_text(encoding="utf-8"))
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
+            spec = item.mutations[0]
+            where = (tuple(spec.start_pos), tuple(spec.end_pos))
+            if any(a <= where[0] and where[1] <= b for a, b in spans):  # equivalent: not run
+                db.set_result(item.job_id, WorkResult(
+                    output="in an annotation", test_outcome=TestOutcome.SURVIVED,
+                    worker_outcome=WorkerOutcome.NORMAL))  # fmt: skip
+                continue
             tests = chosen(item, module, recorded, root)
             if not tests:
                 unrun.append(item.mutations[0].start_pos[0])
