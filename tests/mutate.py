@@ -9,8 +9,11 @@ tool plants each in place, runs the tests that can see it, and restores the file
 
 The tests that can see a mutant: the quick tier (`-m "not slow"`) is run once, unmutated,
 in this process under coverage, each test its own context, so each line of the modules
-knows the quick tests that run it. A mutant's tests are those of its lines, fastest first,
-stopping at the first failure. A line no quick test runs in the test process is given the
+knows the quick tests that run it. A mutant's tests are those of its lines (a line of a
+statement that spans several: its first line's; a line run when the module is imported: every
+test of the module), fastest first, stopping at the first failure. A mutant inside an
+annotation is equivalent (never evaluated under `from __future__ import annotations`): not
+run, out of the score. A line no quick test runs in the test process is given the
 quick tests of the files that name the module (tests_for, MORE) that start processes (a
 CLI, snakemake), since the line may run there; with none, the mutant survives unrun and is
 listed as such. Each mutant's tests run in a fork of this process after the unmutated run
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import re
@@ -177,8 +181,8 @@ def _record(modules: list[str], files: list[str], root: Path) -> dict:
         raise SystemExit(f"mutate: the quick tests fail unmutated (pytest exit {code}): "
                          f"{rec.failed[:5]}")  # fmt: skip
     data = cov.get_data()
-    # "" is the import's context: a line run only then (a constant, a def) is seen by
-    # every test that runs the module
+    # "" is the collection's context (the test files' imports); `chosen` gives a line the
+    # module runs when imported every test of the module, whichever context ran it
     lines = {m: {line: sorted(ctx) for line, ctx in data.contexts_by_lineno(p).items()}
              for m, p in paths.items()}  # fmt: skip
     return {"lines": lines, "seconds": dict(rec.seconds), "spawns": sorted(rec.spawns - {""})}
@@ -224,8 +228,9 @@ def run_forked(nodeids: list[str], timeout: float) -> tuple[str, str]:
                     time.sleep(0.05)
         finally:  # past its time, or this process stopped: the fork and what it started
             if status is None or status == "timeout":
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
         log.seek(0)
         output = log.read().decode("utf-8", "replace")[-3000:]
     if status == "timeout":
