@@ -8,7 +8,7 @@ turned, a number moved by one, a boolean flipped, a `break` made a `continue`, .
 tool plants each in place, runs the tests that can see it, and restores the file.
 
 The tests that can see a mutant: the quick tier (`-m "not slow"`) is run once, unmutated,
-in this process under coverage, each test its own context, so each line of the modules
+in a fork under coverage, each test its own context, so each line of the modules
 knows the quick tests that run it. A mutant's tests are those of its lines (a line of a
 statement that spans several: its first line's; a line run when the module is imported: every
 test of the module), fastest first, stopping at the first failure. A mutant inside an
@@ -16,8 +16,8 @@ annotation is equivalent (never evaluated under `from __future__ import annotati
 run, out of the score. A line no quick test runs in the test process is given the
 quick tests of the files that name the module (tests_for, MORE) that start processes (a
 CLI, snakemake), since the line may run there; with none, the mutant survives unrun and is
-listed as such. Each mutant's tests run in a fork of this process after the unmutated run
-has loaded torch, transformers and the rest, with the library and the test modules
+listed as such. Each mutant's tests run in a fork of this process once it has collected
+the tests (torch, transformers and the rest loaded, no tensor op run), with the library and the test modules
 unloaded, so a mutant costs its tests' own seconds, not pytest's and torch's start.
 
 In place: the library of this checkout is mutated (its scripts/ first on the path of this
