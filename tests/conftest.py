@@ -96,6 +96,17 @@ def tokenizer(tiny_model):
     return load_tokenizer(tiny_model)
 
 
+def failing_load(exc: BaseException, asked: dict):
+    """A ``from_pretrained`` stand-in that notes its keyword arguments in ``asked`` and
+    raises ``exc`` (a model folder that cannot load)."""
+
+    def load(path, **kwargs):
+        asked.update(kwargs)
+        raise exc
+
+    return load
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

@@ -181,7 +181,7 @@ def _record(modules: list[str], files: list[str], root: Path) -> dict:
         raise SystemExit(f"mutate: the quick tests fail unmutated (pytest exit {code}): "
                          f"{rec.failed[:5]}")  # fmt: skip
     data = cov.get_data()
-    # "" is the collection's context (the test files' imports); `chosen` gives a line the
+    # "" is the collection's context (the test files' imports); `picker` gives a line the
     # module runs when imported every test of the module, whichever context ran it
     lines = {m: {line: sorted(ctx) for line, ctx in data.contexts_by_lineno(p).items()}
              for m, p in paths.items()}  # fmt: skip
@@ -268,23 +268,33 @@ def import_time(source: str) -> set[int]:
     return found
 
 
-def chosen(item, module: str, recorded: dict, root: Path) -> list[str]:
-    """A mutant's tests: the quick tests that run its lines (or their statements' first
-    lines), fastest first; for a line none runs, the tests of the module's files that start
-    processes."""
-    spec = item.mutations[0]
+def picker(module: str, recorded: dict, root: Path):
+    """A function from a mutant to its tests: the quick tests that run its lines (or their
+    statements' first lines), fastest first; for a line none runs, the tests of the
+    module's files that start processes. The module read and parsed once, unmutated."""
     lines = {int(n): ts for n, ts in recorded["lines"][module].items()}
     source = (root / module).read_text(encoding="utf-8")
-    starts = statement_starts(source)
-    span = range(spec.start_pos[0], spec.end_pos[0] + 1)
-    tests = {t for n in span for t in lines.get(n, lines.get(starts.get(n, n), []))}
-    if tests and any(starts.get(n, n) in import_time(source) for n in span):
-        tests = {t for ts in lines.values() for t in ts}
-    tests.discard("")
-    if not tests:
-        files = tests_for(module, root)
-        tests = {t for t in recorded["spawns"] if t.split("::")[0] in files}
-    return sorted(tests, key=lambda t: recorded["seconds"].get(t, 0.0))
+    starts, imported = statement_starts(source), import_time(source)
+    every = {t for ts in lines.values() for t in ts}
+    files = tests_for(module, root)
+    spawners = {t for t in recorded["spawns"] if t.split("::")[0] in files}
+
+    def pick(item) -> list[str]:
+        spec = item.mutations[0]
+        span = range(spec.start_pos[0], spec.end_pos[0] + 1)
+        tests = {t for n in span for t in lines.get(n, lines.get(starts.get(n, n), []))}
+        if tests and any(starts.get(n, n) in imported for n in span):
+            tests = set(every)
+        tests.discard("")
+        return sorted(tests or spawners, key=lambda t: recorded["seconds"].get(t, 0.0))
+
+    return pick
+
+
+def in_annotation(spans: list, start, end) -> bool:
+    """Whether the mutant at ``start``..``end`` (line, column) lies inside one of
+    ``annotations``' spans."""
+    return any(a <= tuple(start) and tuple(end) <= b for a, b in spans)
 
 
 def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: bool) -> dict:
@@ -308,24 +318,20 @@ def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: boo
         subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(session)],
                        cwd=root, check=True)  # fmt: skip
     kept = out / f"{stem}.original"  # the module as it was, while a mutant is planted
-    began, unrun = time.monotonic(), []
+    began, unrun = time.monotonic(), 0
     real = mutating.run_tests
     spans = annotations((root / module).read_text(encoding="utf-8"))
+    pick = picker(module, recorded, root)
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
             spec = item.mutations[0]
-            where = (tuple(spec.start_pos), tuple(spec.end_pos))
-            if any(a <= where[0] and where[1] <= b for a, b in spans):  # equivalent: not run
+            equivalent = in_annotation(spans, spec.start_pos, spec.end_pos)
+            tests = [] if equivalent else pick(item)
+            if not tests:  # in an annotation (equivalent), or unrun: survived, not run
+                unrun += not equivalent
                 db.set_result(item.job_id, WorkResult(
-                    output="in an annotation", test_outcome=TestOutcome.SURVIVED,
-                    worker_outcome=WorkerOutcome.NORMAL))  # fmt: skip
-                continue
-            tests = chosen(item, module, recorded, root)
-            if not tests:
-                unrun.append(item.mutations[0].start_pos[0])
-                db.set_result(item.job_id, WorkResult(
-                    output=UNRUN, test_outcome=TestOutcome.SURVIVED,
-                    worker_outcome=WorkerOutcome.NORMAL))  # fmt: skip
+                    output="in an annotation" if equivalent else UNRUN,
+                    test_outcome=TestOutcome.SURVIVED, worker_outcome=WorkerOutcome.NORMAL))  # fmt: skip
                 continue
             timeout = 30 + 5 * sum(recorded["seconds"].get(t, 0.0) for t in tests)
             mutating.run_tests = lambda _cmd, _timeout, t=tests, s=timeout: _outcome(t, s)
@@ -336,7 +342,7 @@ def mutate_module(module: str, recorded: dict, out: Path, root: Path, again: boo
                 mutating.run_tests = real
             kept.unlink()
             db.set_result(item.job_id, result)
-    return {"minutes": (time.monotonic() - began) / 60, "unrun": len(unrun)}
+    return {"minutes": (time.monotonic() - began) / 60, "unrun": unrun}
 
 
 def _outcome(tests: list[str], timeout: float):
@@ -414,8 +420,7 @@ def report(module: str, out: Path, root: Path) -> dict:
     found = outcomes(dump)
     spans = annotations((root / module).read_text(encoding="utf-8"))
     for m in found:
-        (start, end) = m["span"]
-        if any(a <= start and end <= b for a, b in spans):
+        if in_annotation(spans, *m["span"]):
             m["outcome"] = "equivalent"
     (out / f"{stem}.survivors.txt").write_text("".join(
         f"{module}:{m['line']} ({m['function']}) {m['operator']}"

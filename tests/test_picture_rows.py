@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import failing_load
 from pictures import build_vlm, make_picture_data, picture
 
 from snaketune.core.errors import DataError
@@ -184,16 +185,8 @@ def test_a_processor_that_cannot_load_or_takes_no_pictures_is_one_line(monkeypat
     from transformers import AutoProcessor
 
     asked = {}
-
-    def fails(exc):
-        def load(path, **kwargs):
-            asked.update(kwargs)
-            raise exc
-
-        return load
-
     for n, exc in enumerate((OSError("no files"), ValueError("unknown"))):
-        monkeypatch.setattr(AutoProcessor, "from_pretrained", fails(exc))
+        monkeypatch.setattr(AutoProcessor, "from_pretrained", failing_load(exc, asked))
         with pytest.raises(DataError, match=f"^m{n}: no processor to read pictures with"):
             pics.processor_of(f"m{n}")
     assert asked == {"local_files_only": True}

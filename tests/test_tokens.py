@@ -11,6 +11,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+from conftest import failing_load
 
 from snaketune.core.errors import DataError
 from snaketune.data import tokens
@@ -78,18 +79,10 @@ def test_a_tokenizer_that_cannot_load_is_one_line_naming_the_first_line(tmp_path
     from transformers import AutoTokenizer
 
     asked = {}
-
-    def raising(exc):
-        def load(path, **kwargs):
-            asked.update(kwargs)
-            raise exc
-
-        return load
-
     for exc, reason in [(OSError("no tokenizer.json\nsee the docs"), "no tokenizer.json"),
                         (ValueError(""), "ValueError"), (KeyError("llama9"), "'llama9'"),
                         (OSError("y" * 300), "y" * 200)]:  # fmt: skip
-        monkeypatch.setattr(AutoTokenizer, "from_pretrained", raising(exc))
+        monkeypatch.setattr(AutoTokenizer, "from_pretrained", failing_load(exc, asked))
         with pytest.raises(DataError) as info:
             tokens.load_tokenizer(tmp_path)
         assert f"{tmp_path}: cannot load its tokenizer ({reason}); the model directory" in str(
