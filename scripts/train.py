@@ -122,7 +122,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> int:
     from snaketune.core.imports import hold_time_warning, load, loading
 
-    hold_time_warning()  # until the rank's StopRequest handles it (then a stop at step 1)
+    hold_time_warning()  # held (and in what the rank starts) until its StopRequest takes it
     from snaketune.core.job import Job
     from snaketune.core.qlora import hide_bitsandbytes
     from snaketune.plan.runspec import RunSpec

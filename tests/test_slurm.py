@@ -185,7 +185,7 @@ def slurm_demo(cluster, tmp_path_factory) -> tuple[Path, str]:
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     # (SLURM's output of each job kept, successful ones too: it names the attempt's log)
     proc = tupi(workdir, "--configfile", str(workdir / "config.yaml"),
-                "--slurm-keep-successful-logs", profile=profile, timeout=1200,
+                "--slurm-keep-successful-logs", profile=profile, timeout=1800,
                 requeued_limit_min=REQUEUED_LIMIT_MIN)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:]
     return workdir, proc.stdout

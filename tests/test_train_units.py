@@ -299,13 +299,17 @@ def test_sigint_saves_and_stops_like_sigterm_and_a_repeat_is_the_same_request():
 
 
 def test_slurms_time_warning_while_a_rank_loads_is_a_stop_at_its_first_step():
-    """SLURM's SIGUSR1 ahead of the time limit may come up to a minute early, while a rank
-    or an agent still imports torch (a slow node, a short job): by default it ends the
-    process (the CI SLURM demo's train job failed with exit 138 so). Held from the entry
-    script's first line, it is noted, and the rank's StopRequest takes it as SLURM's
-    warning (a save at the first step's end, a stop to continue in the next job)."""
+    """SLURM's SIGUSR1 ahead of the time limit may come up to a minute early, to every
+    process of the job's step: while a rank or an agent still imports torch (a slow node, a
+    short job), or to a process a rank started (the CI SLURM demo's train job failed with
+    exit 138 once from the first, and once from the second: DeepSpeed's JIT build's `ninja`
+    died of it). Held from the entry script's first line, it ends no process, a process
+    started afterwards included, and the rank's StopRequest takes it at its step end as
+    SLURM's warning (a save, a stop to continue in the next job); a stop for good stays."""
     import os
     import signal as sig
+    import subprocess
+    import time
 
     from snaketune.core import imports
     from snaketune.train.progress import StopRequest
@@ -313,26 +317,39 @@ def test_slurms_time_warning_while_a_rank_loads_is_a_stop_at_its_first_step():
     previous = {s: sig.getsignal(s) for s in (sig.SIGINT, sig.SIGTERM, sig.SIGUSR1)}
     try:
         imports.hold_time_warning()
-        assert not imports.held_time_warning()
         quiet = StopRequest()
         quiet.install()
         assert quiet.signal is None  # none came: no request
-        imports.hold_time_warning()
-        os.kill(os.getpid(), sig.SIGUSR1)  # while "loading": noted, the process lives
-        assert imports.held_time_warning()
+        child = subprocess.Popen(["sleep", "30"])  # started by a "rank": the build's ninja
+        time.sleep(0.2)
+        os.kill(os.getpid(), sig.SIGUSR1)  # while "loading": held, the process lives
+        child.send_signal(sig.SIGUSR1)
+        time.sleep(0.3)
+        assert child.poll() is None, f"the child died of SIGUSR1 ({child.returncode})"
+        child.kill()
+        child.wait()
         stop = StopRequest()
         stop.install()
         assert stop.signal == "SIGUSR1" and stop.signal not in StopRequest.STOPS
+        assert not imports.take_time_warning()  # taken once
+        os.kill(os.getpid(), sig.SIGUSR1)  # a step later: the same request
+        stop.poll()
+        assert stop.signal == "SIGUSR1"
+        stop.signal = "SIGTERM"
+        os.kill(os.getpid(), sig.SIGUSR1)
+        stop.poll()
+        assert stop.signal == "SIGTERM"  # a stop for good is not made a stop to continue
     finally:
-        imports._HELD.clear()
+        imports.take_time_warning()
+        sig.pthread_sigmask(sig.SIG_UNBLOCK, {sig.SIGUSR1})
         for s, handler in previous.items():
             sig.signal(s, handler)
     # the entry scripts of an agent and a rank hold it before they load anything heavy
     for script, before in ((ROOT / "scripts/snaketune/train/torchrun.py", "quiet_torchrun()"),
                            (ROOT / "scripts/train.py", "Job.read(")):  # fmt: skip
         text = script.read_text()
-        assert "hold_time_warning()" in text
-        assert text.rindex("hold_time_warning()") < text.rindex(before), script
+        assert "hold_time_warning(" in text
+        assert text.rindex("hold_time_warning(") < text.rindex(before), script
 
 
 def test_a_run_that_cannot_learn_is_warned_about_in_its_first_steps(tmp_path):

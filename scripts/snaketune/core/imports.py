@@ -187,18 +187,34 @@ def load(*modules: str) -> None:
 
 # SLURM's warning ahead of a job's time limit (``--signal=USR1@<seconds>``, sent to every
 # process of the job's steps) comes up to a minute before the time it was asked for (SLURM
-# checks its timers once a minute); on a short job or a slow node it can reach a torchrun
-# agent or a training rank while it still loads torch, before it handles the signal, and
-# SIGUSR1's default action ends the process (exit 138: the job failed instead of saving).
+# checks its timers once a minute). SIGUSR1's default action ends a process: on a short job
+# or a slow node it reached a torchrun agent or a rank still loading torch (exit 138), and a
+# process a rank started, whose handlers exec resets: DeepSpeed's JIT build of its CPU
+# collectives (`ninja` died of it, the rank's build failed, the job with it). Blocked from
+# the entry scripts' first lines, it stays pending until the rank takes it at a step end;
+# a blocked signal stays blocked in every thread and process started afterwards, across
+# fork and exec, so no process of the job dies of it.
 _HELD: list[str] = []
 
 
-def hold_time_warning() -> None:
-    """From now until the process installs its own handler, a SIGUSR1 is noted, not fatal
-    (``held_time_warning`` says whether one came). Called first by an agent and a rank."""
+def hold_time_warning(block: bool = True) -> None:
+    """From now on, a SIGUSR1 to this process, and (``block``) to any process or thread it
+    starts later, is held, not fatal (``take_time_warning`` takes it). Called first by a
+    rank; by a torchrun agent with ``block=False``: only noted, until torchrun's handler
+    replaces the note and passes it on to the workers (a blocked one never reaches it). A
+    thread that existed before (none does at an entry script's first line) would still
+    receive it: there too it is noted by the handler."""
     signal.signal(signal.SIGUSR1, lambda _signum, _frame: _HELD.append("SIGUSR1"))
+    if block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 
 
-def held_time_warning() -> bool:
-    """Whether SLURM's time warning came while this process was loading."""
-    return bool(_HELD)
+def take_time_warning() -> bool:
+    """Whether SLURM's time warning came since the last call (held, or noted by the
+    handler); a held one is taken, so the next call says no unless another comes."""
+    came = bool(_HELD)
+    _HELD.clear()
+    if signal.SIGUSR1 in signal.sigpending():
+        signal.sigtimedwait({signal.SIGUSR1}, 0)
+        came = True
+    return came

@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 from snaketune.core.checkpoints import mark_complete, prune
 from snaketune.core.collective import barrier, gather_combined
 from snaketune.core.heartbeat import Heartbeat
-from snaketune.core.imports import held_time_warning
+from snaketune.core.imports import hold_time_warning, take_time_warning
 from snaketune.core.job import Handoff
 from snaketune.core.throughput import FlopsModel, mfu, step_flops
 from snaketune.train.health import LEVEL, STATUS, Watchdog
@@ -63,9 +63,15 @@ class StopRequest:
         self.signal: str | None = None
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
-        if held_time_warning():  # it came while the rank was loading: the same request
+        hold_time_warning()  # SIGUSR1 held (core.imports: the processes a rank starts live)
+        self.poll()  # one that came while the rank was loading: the same request
+
+    def poll(self) -> None:
+        """Take SLURM's time warning if it came (held since the entry script's first line);
+        called at every step end, before the request is read."""
+        if take_time_warning() and self.signal not in self.STOPS:  # a stop for good stays
             self._handle(signal.SIGUSR1, None)
 
     def _handle(self, signum, _frame) -> None:
@@ -215,6 +221,7 @@ class StepCallback(TrainerCallback):
         # flag: 1 = a rank got a stop signal, 2 = a rank's GPU is failing; timeup: the time
         # limit is near (a rank's deadline or SIGUSR1): stop, save, continue in the next job
         self.deadline.step_done()
+        self.stop.poll()
         unhealthy = self.watchdog is not None and self.watchdog.fatal is not None
         last = self.watchdog.last if self.watchdog is not None else None
         counts = {k: getattr(self.collator, k) - v for k, v in self._seen.items()}

@@ -60,5 +60,5 @@ def quiet_torchrun() -> int:
 if __name__ == "__main__":
     from snaketune.core.imports import hold_time_warning
 
-    hold_time_warning()  # until torchrun handles it: its workers stop by their deadline
+    hold_time_warning(block=False)  # noted until torchrun handles it (passes it on)
     sys.exit(quiet_torchrun())
