@@ -200,3 +200,110 @@ def test_an_environment_s_instances_keep_their_own_state_in_the_tool_process(tmp
         assert runner.counts.timeouts == 1 and runner.counts.errors == 1
     finally:
         runner.close()
+
+
+COUNTER = '''
+class Counter:
+    """Counts its resets (a state reset does not clear)."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self, **kwargs):
+        self.resets += 1
+        return self.resets
+
+    def bump(self, by: int) -> int:
+        """Adds to the count.
+
+        Args:
+            by: How much.
+        """
+        self.resets += by
+        return self.resets
+
+    def get_reward(self) -> float:
+        return self.resets / 2
+'''
+
+LOOP_TOOLS = '''
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def same(text: str) -> str:
+    return text
+
+
+def shout(text: str) -> str:
+    print("said", text)
+    return text.upper()
+
+
+def boom(x: int) -> int:
+    raise ValueError(f"no {x}")
+'''
+
+
+def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, monkeypatch):
+    """The tool process's side (``_serve``, ``_dispatch``: the tests above run it in a
+    spawned process, out of a mutant's reach) run here in a thread on a pipe: a value as
+    JSON and a text as it is; a failure as its type and message; what a tool prints after
+    its result (within ``max_chars``); a text of exactly ``max_chars`` whole and uncut, one more cut and said so;
+    an environment's slots (reset makes one once, a second reset keeps its state, a slot
+    not made has no reward and its tool calls are told the state is lost); reset's and
+    get_reward's values as JSON; the streams put back after a failure; None or the
+    rank's end ends the loop."""
+    import json
+    import multiprocessing
+    import sys
+    import threading
+
+    from snaketune.methods.toolrunner import _serve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text(LOOP_TOOLS)
+    (tmp_path / "c.py").write_text(COUNTER)
+    keys = [f"t.py:{n}" for n in ("add", "same", "shout", "boom")]
+
+    def serve(environment=None):
+        parent, child = multiprocessing.Pipe()
+        loop = threading.Thread(target=_serve, args=(child, keys, 20, environment), daemon=True)
+        loop.start()
+
+        def ask(name, kwargs):
+            parent.send((name, kwargs))
+            assert parent.poll(10), name
+            return parent.recv()
+
+        return parent, loop, ask
+
+    streams = (sys.stdout, sys.stderr)
+    parent, loop, ask = serve("c.py:Counter")
+    assert ask("add", {"a": 2, "b": 3}) == ("ok", "5", False)
+    assert ask("same", {"text": "hi"}) == ("ok", "hi", False)  # a text is not quoted
+    assert ask("same", {"text": ""}) == ("ok", "", False)
+    assert ask("boom", {"x": 7}) == ("error", "ValueError: no 7", False)
+    assert (sys.stdout, sys.stderr) == streams
+    assert ask("shout", {"text": "a"}) == ("ok", "A\n[printed] said a\n", False)
+    assert ask("same", {"text": "x" * 20}) == ("ok", "x" * 20, False)
+    assert ask("same", {"text": "x" * 21}) == ("ok", "x" * 20, True)
+    assert ask("shout", {"text": "b" * 5}) == ("ok", "BBBBB\n[printed] said", True)
+    assert ask((1, "get_reward"), {}) == ("ok", "null", False)  # no slot 1 yet
+    # its call told the state is lost (cut to 20 here; whole above)
+    assert ask((1, "bump"), {"by": 1}) == ("error", "RuntimeError: the en", True)
+    assert ask((0, "reset"), {"prompt": "p"}) == ("ok", "1", False)
+    assert ask((0, "reset"), {}) == ("ok", "2", False)  # the same instance
+    assert ask((0, "bump"), {"by": 3}) == ("ok", "5", False)
+    assert ask((0, "get_reward"), {}) == ("ok", json.dumps(2.5), False)
+    assert ask((2, "reset"), {}) == ("ok", "1", False)  # another slot: its own instance
+    assert ask("boom", {"x": 0}) == ("error", "ValueError: no 0", False)
+    assert (sys.stdout, sys.stderr) == streams
+    parent.send(None)
+    loop.join(10)
+    assert not loop.is_alive()
+    parent, loop, ask = serve()  # no environment
+    assert ask("add", {"a": 0, "b": 0}) == ("ok", "0", False)
+    parent.close()  # the rank is gone
+    loop.join(10)
+    assert not loop.is_alive()

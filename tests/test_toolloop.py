@@ -1,0 +1,171 @@
+"""The evaluation's tool loop (snaketune.methods.toolloop) in this process, with a scripted
+model: the real family tokenizers and templates (Qwen3.5's XML calls, Llama 3's JSON ones
+and its printed date), TRL's parser, the user's tools in the runner's process. What each
+held-out prompt's trajectory holds, when the loop stops (no call, the rounds spent, a
+generation cut by its token limit), a call to a tool that is not there, batches split
+across rows, and the figures and the report's text of each trajectory."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from families import build
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+'''
+
+QUESTIONS = ["What is 2 plus 3?", "Use nope.", "Say hi.", "Loop forever."]
+
+
+def call(name: str, **arguments) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+
+
+def said(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+# what the model says to each question, round by round (the last repeats)
+SCRIPT = {
+    "What is 2 plus 3?": [call("add", a=2, b=3), said("The answer is 5.")],
+    "Use nope.": [call("nope", x=1), said("Sorry.")],
+    "Say hi.": [said("hi " * 300)],  # past max_new_tokens: cut, no stop token
+    "Loop forever.": [call("add", a=1, b=1)],
+}
+
+
+class Scripted:
+    """A model whose greedy generation is SCRIPT's next message for the question in each
+    prompt, rendered by the model's own template (its tokens up to its stop token). Each
+    prompt it was given is kept."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, model_dir, tools):
+        from transformers import GenerationConfig
+
+        self.tokenizer, self.tools = tokenizer, tools
+        self.generation_config = GenerationConfig.from_pretrained(model_dir)
+        self.rounds: dict[str, int] = {}
+        self.prompts: list[str] = []
+
+    def completion(self, question: str, message: dict) -> list[int]:
+        tok, convo = self.tokenizer, [{"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(convo, tools=self.tools, add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+        whole = tok.apply_chat_template([*convo, message], tools=self.tools, tokenize=False)
+        assert whole.startswith(prompt)
+        ids = tok(whole[len(prompt) :], add_special_tokens=False)["input_ids"]
+        stops = self.generation_config.eos_token_id
+        end = next(k + 1 for k, t in enumerate(ids) if t in stops)
+        return ids[:end]
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, **_):
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            prompt = self.tokenizer.decode(ids[mask.bool()])
+            self.prompts.append(prompt)
+            (question,) = [q for q in SCRIPT if q in prompt]
+            k = self.rounds.get(question, 0)
+            self.rounds[question] = k + 1
+            script = SCRIPT[question]
+            rows.append(self.completion(question, script[min(k, len(script) - 1)])[:max_new_tokens])
+        width = max(map(len, rows))
+        new = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+        return torch.cat([input_ids, new], dim=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "llama3"])
+def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from snaketune.methods.rewards import _load
+    from snaketune.methods.toolloop import ToolLoop
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    data = tmp_path / "resources/datasets/calc"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"question": ["unused", *QUESTIONS],
+                             "answer": ["0", "5", "-", "hi", "2"]}), data / "data.parquet")  # fmt: skip
+    model_dir = build(family, QUESTIONS * 2, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = Scripted(tokenizer, model_dir, [_load("tools.py:add")])
+    settings = {
+        "tools": ["tools.py:add"], "tool_timeout_s": 10, "tool_max_chars": 100,
+        "max_tool_calls": 2,
+        "sources": {"calc": {"format": "prompt_response",
+                             "columns": {"prompt": "question", "response": "answer"}}},
+    }  # fmt: skip
+    rows = [{"example_id": f"calc:{i + 1}", "input_ids": [], "labels": []} for i in range(4)]
+    loop = ToolLoop(settings)
+    texts, stopped = loop(model, tokenizer, rows, batch_size=3, max_new_tokens=120)
+
+    assert texts[0] == "The answer is 5." and texts[1] == "Sorry."
+    assert texts[2].startswith("hi hi") and texts[3] == ""  # cut; a call past the rounds
+    assert stopped == [True, True, False, True]
+    add, answer = loop.trajectories["calc:1"][:2], loop.trajectories["calc:1"][2]
+    assert add[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert add[1] == {"role": "tool", "name": "add", "content": "5"}
+    assert answer["role"] == "assistant" and not answer.get("tool_calls")
+    nope = loop.trajectories["calc:2"][1]
+    assert nope == {"role": "tool", "name": "nope", "content": "{'error': 'Tool nope not found.'}"}
+    assert len(loop.trajectories["calc:3"]) == 1
+    # rounds 0 and 1 run their call, round 2's call is said but not run
+    looping = loop.trajectories["calc:4"]
+    assert [m["role"] for m in looping] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["content"] for m in looping if m["role"] == "tool"] == ["2", "2"]
+    assert model.rounds == {"What is 2 plus 3?": 2, "Use nope.": 2, "Say hi.": 1,
+                            "Loop forever.": 3}  # fmt: skip
+    # the second round's prompt holds the first's call and its result
+    second = [p for p in model.prompts if "What is 2 plus 3?" in p][1]
+    assert second.count("add") >= 2 and "5" in second.split("What is 2 plus 3?")[1]
+    if family == "llama3":  # its template prints the day: the training rows' day, not today
+        assert all("26 Jul 2024" in p for p in model.prompts), model.prompts[0][:300]
+
+    samples = [{"example_id": r["example_id"]} for r in rows]
+    metrics: dict = {}
+    loop.finish(samples, metrics)
+    assert metrics["tools"] == {"calls_per_sample": 4 / 4, "failures": 1 / 4, "timeouts": 0,
+                                "cut": 0, "turns_per_sample": (2 + 2 + 1 + 3) / 4}  # fmt: skip
+    assert samples[0]["trajectory"] == loop.trajectories["calc:1"]
+    assert samples[0]["trajectory_text"] == '-> add({"a": 2, "b": 3})\n<- 5\nThe answer is 5.'
+
+
+def test_a_trajectory_is_shown_call_by_call_and_figures_of_no_samples_are_zero():
+    from snaketune.methods.toolloop import ToolLoop, shown
+
+    trajectory = [
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [
+            {"function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+            {"function": {"name": "now", "arguments": None}}]},
+        {"role": "tool", "name": "add", "content": "3"},
+        {"role": "tool", "name": "now"},
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "3"},
+    ]  # fmt: skip
+    assert shown(trajectory) == 'Let me add.\n-> add({"a": 1, "b": 2})\n-> now(null)\n<- 3\n<- \n3'
+    assert shown([]) == ""
+    loop = ToolLoop({})
+    metrics: dict = {}
+    loop.finish([], metrics)
+    assert metrics["tools"] == {"calls_per_sample": 0.0, "failures": 0.0, "timeouts": 0,
+                                "cut": 0, "turns_per_sample": 0.0}  # fmt: skip
+    loop.tally.update(calls=3, failures=3, timeouts=1, cut=2)
+    loop.trajectories = {"a": trajectory}
+    samples = [{"example_id": "a"}, {"example_id": "b"}]
+    loop.finish(samples, metrics)
+    assert metrics["tools"] == {"calls_per_sample": 1.5, "failures": 1.0, "timeouts": 1,
+                                "cut": 2, "turns_per_sample": 1.5}  # fmt: skip
+    assert samples[1]["trajectory"] == [] and samples[1]["trajectory_text"] == ""
