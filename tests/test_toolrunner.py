@@ -226,7 +226,7 @@ class Counter:
         return self.resets / 2
 '''
 
-LOOP_TOOLS = '''
+LOOP_TOOLS = """
 def add(a: int, b: int) -> int:
     return a + b
 
@@ -242,7 +242,7 @@ def shout(text: str) -> str:
 
 def boom(x: int) -> int:
     raise ValueError(f"no {x}")
-'''
+"""
 
 
 def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, monkeypatch):
