@@ -3,7 +3,8 @@ model: the real family tokenizers and templates (Qwen3.5's XML calls, Llama 3's 
 and its printed date), TRL's parser, the user's tools in the runner's process. What each
 held-out prompt's trajectory holds, when the loop stops (no call, the rounds spent, a
 generation cut by its token limit), a call to a tool that is not there, batches split
-across rows, and the figures and the report's text of each trajectory."""
+across rows, and the figures and the report's text of each trajectory. And the rank's side
+of GRPO with tools (snaketune.methods.tooluse.Tools) with a stand-in trainer."""
 
 from __future__ import annotations
 
@@ -169,3 +170,105 @@ def test_a_trajectory_is_shown_call_by_call_and_figures_of_no_samples_are_zero()
     assert metrics["tools"] == {"calls_per_sample": 1.5, "failures": 1.0, "timeouts": 1,
                                 "cut": 2, "turns_per_sample": 1.5}  # fmt: skip
     assert samples[1]["trajectory"] == [] and samples[1]["trajectory_text"] == ""
+
+
+ROOM = '''
+class Room:
+    def reset(self, **kwargs):
+        return None
+
+    def look(self) -> str:
+        """Looks around."""
+        return "a door"
+'''
+
+
+def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    """The rank's side of GRPO with tools (snaketune.methods.tooluse.Tools) with a stand-in
+    trainer: the rollout table's prompts made the source rows' conversations, TRL's trainer
+    and config arguments (the environment's factory only with one), the first trajectory's
+    runs of trained and untrained tokens as the loss masks them (rank 0 only), and the
+    runner's counts of this batch, summed, with the mean assistant turns."""
+    import json
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from snaketune.methods.tooluse import Tools
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "room.py").write_text(ROOM)
+    data = tmp_path / "resources/datasets/calc"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"question": ["What is 1 plus 1?", "What is 2 plus 3?"],
+                             "answer": ["2", "5"]}), data / "data.parquet")  # fmt: skip
+    block = {"tools": ["tools.py:add"], "tool_timeout_s": 5, "tool_max_chars": 50,
+             "max_tool_calls": 3}  # fmt: skip
+    sources = {"calc": {"format": "prompt_response", "system_prompt": "Be brief.",
+                        "columns": {"prompt": "question", "response": "answer"}}}  # fmt: skip
+    from datasets import Dataset
+
+    table = Dataset.from_dict({"example_id": ["calc:1", "calc:0:1"], "prompt": [[1, 2], [3]]})
+    tools = Tools({"grpo": block, "prompt_sources": sources}, "grpo", table)
+    try:
+        assert tools.table.column_names == ["example_id", "prompt"]
+        assert list(tools.table["prompt"]) == [
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 3?"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 plus 1?"}],
+        ]  # fmt: skip
+        assert [f.__name__ for f in tools.trainer_args["tools"]] == ["add"]
+        assert "environment_factory" not in tools.trainer_args
+        assert tools.config_args == {"max_tool_calling_iterations": 3}
+
+        metrics = defaultdict(lambda: defaultdict(list))
+        trainer = SimpleNamespace(
+            accelerator=SimpleNamespace(process_index=0, device="cpu", gather=lambda t: t * 2),
+            model=SimpleNamespace(training=True), _metrics=metrics,
+            state=SimpleNamespace(global_step=4),
+            processing_class=SimpleNamespace(decode=lambda ids: ",".join(map(str, ids))),
+        )  # fmt: skip
+        path = tmp_path / "trajectories.jsonl"
+        out = {"completion_ids": torch.tensor([[5, 6, 7, 8, 9, 0]]),
+               "completion_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]),
+               "tool_mask": torch.tensor([[1, 1, 0, 0, 1, 1]])}  # fmt: skip
+        inputs = [{"example_id": "calc:1", "prompt": "p"}]
+        tools.record(trainer, inputs, out, path)
+        assert not path.exists()  # no completions seen yet
+        trajectories = [[{"role": "assistant"}, {"role": "tool"}, {"role": "assistant"}],
+                        [{"role": "assistant"}]]  # fmt: skip
+        tools.observe(trajectories)
+        assert tools.turns == [2, 1]
+        tools.record(trainer, inputs, out, path)
+        (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+        assert line == {"step": 5, "example_id": "calc:1", "prompt": "p",
+                        "completion": trajectories[0],
+                        "runs": [{"text": "5,6", "trained": True}, {"text": "7,8", "trained": False},
+                                 {"text": "9", "trained": True}]}  # fmt: skip
+        del out["tool_mask"]  # no tool turn in the batch: the completion mask alone
+        tools.record(trainer, inputs, out, path)
+        last = json.loads(path.read_text().splitlines()[-1])
+        assert last["runs"] == [{"text": "5,6,7,8,9", "trained": True}]
+        trainer.accelerator.process_index = 1
+        tools.record(trainer, inputs, out, path)
+        assert len(path.read_text().splitlines()) == 2  # rank 0's only
+
+        tools.runner.counts.timeouts, tools.runner.counts.cut = 1, 2
+        tools.figures(trainer)
+        got = {k: v for k, v in metrics["train"].items()}
+        assert got == {"tools/timeouts": [2], "tools/died": [0], "tools/cut": [4],
+                       "tools/turns": [1.5]}  # fmt: skip
+        tools.observe([])
+        trainer.model.training = False
+        tools.figures(trainer)  # nothing new since: zeros, and no completions no turns
+        assert {k: v for k, v in metrics["eval"].items()} == {
+            "tools/timeouts": [0], "tools/died": [0], "tools/cut": [0], "tools/turns": [0.0]}  # fmt: skip
+    finally:
+        tools.close()
+    with_room = Tools({"grpo": {**block, "environment": "room.py:Room"},
+                       "prompt_sources": sources}, "grpo", table)  # fmt: skip
+    try:
+        factory = with_room.trainer_args["environment_factory"]
+        assert factory.__name__ == "Room" and hasattr(factory(), "look")
+    finally:
+        with_room.close()
