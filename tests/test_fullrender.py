@@ -4,6 +4,7 @@ spans of every family's template are test_templates.py's."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,3 +31,109 @@ def test_the_common_prefix_at_its_edges():
     for a, b, n in [("", "", 0), ("", "x", 0), ("abc", "abc", 3), ("abc", "abd", 2),
                     ("abc", "xbc", 0), ("ab", "abc", 2), ("a" * 99 + "b", "a" * 99 + "c", 99)]:  # fmt: skip
         assert fullrender._common_prefix(a, b) == n == fullrender._common_prefix(b, a)
+
+
+# Templates built to hit each rule of spans_full, rendered by the product's ChatRenderer with
+# a real tokenizer (Qwen3.5's, whose <|im_start|> and <|im_end|> are special tokens).
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+# the message count first: the prompt for a turn differs from the full render from char 1
+COUNTED = "[{{ messages|length }}]" + CHATML
+# no turn closed: a turn ends at the next one's opening token; the last, with none, at stop
+OPEN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+# what the model writes before its reasoning ("Thought: ") is trained, the prompt is not
+THOUGHT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}"
+           "Thought: {{ m.reasoning_content }}\nAnswer: {% endif %}{{ m.content }}<|im_end|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+# earlier assistant turns left out, every content trimmed (not verbatim: one message at a time)
+LAST_ONLY = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>"
+             "{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+TURNS = (("user", "hi", None, None), ("assistant", "yo", None, None),
+         ("user", "and", None, None), ("assistant", "ok", None, None))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from families import build
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build("qwen3.5", ["hi yo and ok"] * 4,
+                                               tmp_path_factory.mktemp("qwen")))  # fmt: skip
+
+
+def spans_of(tokenizer, template, turns=TURNS):
+    from snaketune.data.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, template=template, stop="<|im_end|>")
+    text, spans = renderer.spans_full(turns)
+    return text, [text[a:b] for a, b in spans], renderer.stopped_rows
+
+
+@pytest.mark.parametrize("template", [CHATML, COUNTED])
+def test_each_assistant_turn_is_its_text_through_its_end_of_turn(tokenizer, template):
+    text, spans, stopped = spans_of(tokenizer, template)
+    assert spans == ["yo<|im_end|>", "ok<|im_end|>"] and stopped == 0
+    assert text.endswith("<|im_start|>assistant\nok<|im_end|>\n")
+
+
+def test_a_template_that_closes_no_turn_ends_each_at_the_next_and_the_last_at_stop(tokenizer):
+    text, spans, stopped = spans_of(tokenizer, OPEN)
+    assert spans == ["yo<|im_start|>", "ok<|im_end|>"] and stopped == 1
+    assert text.endswith("assistant\nok<|im_end|>")  # the stop added to the text
+
+
+def test_what_the_model_writes_before_its_reasoning_is_trained(tokenizer):
+    turns = (("user", "hi", None, None), ("assistant", "yo", "think", None))
+    _, spans, _ = spans_of(tokenizer, THOUGHT, turns)
+    assert spans == ["Thought: think\nAnswer: yo<|im_end|>"]
+
+
+def test_a_turn_the_render_leaves_out_is_empty_and_a_changed_text_is_found_alone(tokenizer):
+    """An earlier assistant turn the template drops: an empty span at the text's end; the
+    contents trimmed (the marks' render is not the render: each message found by changing
+    it alone, _region)."""
+    from snaketune.data import fullrender
+
+    turns = (("user", " hi ", None, None), ("assistant", " yo ", None, None),
+             ("user", "and", None, None), ("assistant", " ok ", None, None))  # fmt: skip
+    text, spans, _ = spans_of(tokenizer, LAST_ONLY, turns)
+    assert "yo" not in text and spans == ["", "ok<|im_end|>"]
+    from snaketune.data.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer, template=LAST_ONLY)
+    assert fullrender._marked_regions(renderer, turns, text) is None
+    assert fullrender._region(renderer, turns, 1, text) is None
+    start, end = fullrender._region(renderer, turns, 3, text)
+    assert text[start:end] == "ok"
+
+
+class Plain:
+    """A renderer of each message's text after its role, as it is."""
+
+    def render(self, turns, add_generation_prompt=False):
+        return "".join(f"<{t[0]}>{t[1]}" for t in turns) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
+
+
+def test_the_marked_regions_are_where_each_message_sits_up_to_the_mark_count():
+    """One render with every message's text between marks of its own: each region where a
+    plain search finds the message (unique texts); ``_MAX_MARKED`` messages at most (one
+    more: None, found one at a time)."""
+    from snaketune.data import fullrender
+
+    turns = tuple((("user", "assistant")[j % 2], f"m{j}.", None, None) for j in range(6))
+    text = Plain().render(turns)
+    regions = fullrender._marked_regions(Plain(), turns, text)
+    for j, turn in enumerate(turns):
+        at = text.index(turn[1])
+        assert regions[j] == (at, at + len(turn[1])), j
+    many = tuple(("user", "x", None, None) for _ in range(fullrender._MAX_MARKED))
+    text = Plain().render(many)
+    regions = fullrender._marked_regions(Plain(), many, text)
+    assert len(regions) == len(many) and regions[len(many) - 1] == (len(text) - 1, len(text))
+    more = (*many, ("user", "x", None, None))
+    assert fullrender._marked_regions(Plain(), more, Plain().render(more)) is None
