@@ -704,3 +704,52 @@ def test_the_trainers_flop_count_reads_the_parameter_count_once_and_is_transform
         assert lean.floating_point_ops(batch) == Trainer.floating_point_ops(plain, batch)
     assert len(counted) == 1 + 3  # Lean's one count, then Trainer's own each time
     assert lean.floating_point_ops({"labels": torch.zeros(1, 2)}) == 0
+
+
+def test_a_build_lock_its_killed_builder_left_is_removed_and_the_load_goes_on(tmp_path,
+                                                                             monkeypatch):  # fmt: skip
+    """A rank killed while it built a DeepSpeed op left torch's lock file in the op's build
+    directory, and every later job's load of the op waited on it forever (seen here: a
+    killed build's lock hung every training of two test suites sharing the cache). A lock
+    made before the load began, in a directory quiet for STALE_BUILD_S, is removed and the
+    load goes on; a lock of a live build (a file changed lately) or one made after the load
+    began (this process's own) is kept."""
+    import os
+    import threading
+    import time
+
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.file_baton import FileBaton
+
+    from snaketune.train import startup
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    (tmp_path / "shm.o").touch()
+    now = time.time()
+    for f in (lock, tmp_path / "shm.o"):
+        os.utime(f, (now - 1000, now - 1000))
+    assert not startup.clear_stale_lock(tmp_path, since=now - 1001, now=now)  # made after
+    assert not startup.clear_stale_lock(tmp_path, since=now, now=now - 1000 + 899)  # quiet < 900
+    os.utime(tmp_path / "shm.o", (now - 10, now - 10))
+    assert not startup.clear_stale_lock(tmp_path, since=now, now=now)  # a file changed lately
+    os.utime(tmp_path / "shm.o", (now - 1000, now - 1000))
+    assert startup.clear_stale_lock(tmp_path, since=now, now=now) and not lock.exists()
+    assert not startup.clear_stale_lock(tmp_path, since=now, now=now)  # none there
+
+    # the load itself: torch's wait on the dead builder's lock ends
+    lock.touch()
+    os.utime(lock, (now - 1000, now - 1000))
+    monkeypatch.setattr(startup, "STALE_BUILD_S", 0.2)
+    monkeypatch.setitem(startup._BUILDS, "compile_s", 0.0)  # the wait counts as a build here
+    monkeypatch.setattr(startup, "STALE_POLL_S", 0.05)
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: FileBaton(str(lock)).wait() or "loaded")  # fmt: skip
+    startup.watch_builds()
+    got = []
+    load = threading.Thread(target=lambda: got.append(OpBuilder.jit_load(type("Op", (), {"name": "shm"})())),
+                            daemon=True)  # fmt: skip
+    load.start()
+    load.join(10)
+    assert got == ["loaded"], "the load still waits on the dead build's lock"

@@ -11,11 +11,24 @@ process started, when its first step began, and the seconds of op builds it wait
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 _BUILDS = {"compile_s": 0.0}
+
+# A process that builds an op holds a lock file in the op's build directory (torch's
+# FileBaton) until the build ends; one killed while building (SIGKILL, a job's time limit, a
+# lost node) leaves the file, and every later load of that op, on any machine sharing the
+# cache, waits on it forever. A lock made before this load began, in a directory where no
+# file changed for STALE_BUILD_S (a live build writes its objects and ninja's log), is its
+# dead builder's: removed, with a warning; the load then goes on (a rebuild where needed).
+STALE_BUILD_S = 900.0
+STALE_POLL_S = 10.0
 
 
 def watch_builds() -> None:
@@ -33,14 +46,57 @@ def watch_builds() -> None:
     def jit_load(self, verbose=True):
         cached = in_cache(self.name)
         began = time.monotonic()
+        done = threading.Event()
+        watcher = threading.Thread(
+            target=_clear_stale, args=(self.name, time.time(), done), daemon=True
+        )
+        watcher.start()
         try:
             return original(self, verbose)
         finally:
+            done.set()
             if not cached:
                 _BUILDS["compile_s"] += time.monotonic() - began
 
     jit_load.snaketune_timed = True
     OpBuilder.jit_load = jit_load
+
+
+def _clear_stale(name: str, since: float, done: threading.Event) -> None:
+    """While op ``name`` loads (until ``done``), remove its stale build lock."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        directory = Path(_get_build_directory(name, verbose=False))
+    except Exception:  # a torch without the helper: no lock to find
+        return
+    while not done.wait(STALE_POLL_S):
+        if clear_stale_lock(directory, since):
+            return
+
+
+def clear_stale_lock(directory: Path, since: float, now: float | None = None) -> bool:
+    """Remove ``directory``'s build lock when it is a dead builder's: made before ``since``
+    (epoch seconds: this process's load began, so not its own) and no file of the directory
+    changed for STALE_BUILD_S. Whether it was removed."""
+    lock = directory / "lock"
+    now = time.time() if now is None else now
+    try:
+        if lock.stat().st_mtime >= since:
+            return False
+        newest = max(f.stat().st_mtime for f in directory.iterdir())
+        if now - newest < STALE_BUILD_S:
+            return False
+        lock.unlink()
+    except (OSError, ValueError):  # gone meanwhile (its builder ended), or unreadable
+        return False
+    log.warning(
+        "removed %s: a build of this DeepSpeed op stopped %.0f minutes ago without "
+        "ending (its process was killed); every load of the op waited on it",
+        lock,
+        (now - newest) / 60,
+    )
+    return True
 
 
 def in_cache(name: str) -> bool:
