@@ -105,7 +105,7 @@ def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_pat
     model = Scripted(tokenizer, model_dir, [_load("tools.py:add")])
     settings = {
         "tools": ["tools.py:add"], "tool_timeout_s": 10, "tool_max_chars": 100,
-        "max_tool_calls": 2,
+        "max_tool_calls": 3,  # odd: 3 + 1 rounds, not 3 | 1
         "sources": {"calc": {"format": "prompt_response",
                              "columns": {"prompt": "question", "response": "answer"}}},
     }  # fmt: skip
@@ -123,12 +123,12 @@ def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_pat
     nope = loop.trajectories["calc:2"][1]
     assert nope == {"role": "tool", "name": "nope", "content": "{'error': 'Tool nope not found.'}"}
     assert len(loop.trajectories["calc:3"]) == 1
-    # rounds 0 and 1 run their call, round 2's call is said but not run
+    # rounds 0 to 2 run their call, round 3's call is said but not run
     looping = loop.trajectories["calc:4"]
-    assert [m["role"] for m in looping] == ["assistant", "tool", "assistant", "tool", "assistant"]
-    assert [m["content"] for m in looping if m["role"] == "tool"] == ["2", "2"]
+    assert [m["role"] for m in looping] == ["assistant", "tool"] * 3 + ["assistant"]
+    assert [m["content"] for m in looping if m["role"] == "tool"] == ["2", "2", "2"]
     assert model.rounds == {"What is 2 plus 3?": 2, "Use nope.": 2, "Say hi.": 1,
-                            "Loop forever.": 3}  # fmt: skip
+                            "Loop forever.": 4}  # fmt: skip
     # the second round's prompt holds the first's call and its result
     second = [p for p in model.prompts if "What is 2 plus 3?" in p][1]
     assert second.count("add") >= 2 and "5" in second.split("What is 2 plus 3?")[1]
@@ -138,8 +138,8 @@ def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_pat
     samples = [{"example_id": r["example_id"]} for r in rows]
     metrics: dict = {}
     loop.finish(samples, metrics)
-    assert metrics["tools"] == {"calls_per_sample": 4 / 4, "failures": 1 / 4, "timeouts": 0,
-                                "cut": 0, "turns_per_sample": (2 + 2 + 1 + 3) / 4}  # fmt: skip
+    assert metrics["tools"] == {"calls_per_sample": 5 / 4, "failures": 1 / 5, "timeouts": 0,
+                                "cut": 0, "turns_per_sample": (2 + 2 + 1 + 4) / 4}  # fmt: skip
     assert samples[0]["trajectory"] == loop.trajectories["calc:1"]
     assert samples[0]["trajectory_text"] == '-> add({"a": 2, "b": 3})\n<- 5\nThe answer is 5.'
 
