@@ -272,3 +272,63 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
         assert factory.__name__ == "Room" and hasattr(factory(), "look")
     finally:
         with_room.close()
+
+
+DESK = '''
+class Desk:
+    """One held-out prompt's desk."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def reset(self, **kwargs):
+        self.seen = kwargs
+        return " (desk " + kwargs["example_id"] + ")"
+
+    def look(self) -> str:
+        """Looks at the desk."""
+        return "answer " + ",".join(map(str, self.seen["answer"]))
+
+    def _private(self) -> str:
+        return "never a tool"
+
+    def get_reward(self) -> float:
+        return 1.0
+'''
+
+
+def test_the_tool_loop_with_an_environment_resets_one_per_prompt_and_offers_its_methods(
+    tmp_path, monkeypatch
+):
+    """An environment in the evaluation: each prompt's own instance, reset as training
+    resets it (the prompt's messages, the row's answer tokens, its example id), what reset
+    returns added to the user's turn, its public methods (not reset, get_reward or a
+    private one) the model's tools beside the run's."""
+    from transformers import AutoTokenizer
+
+    from snaketune.methods.rewards import _load
+    from snaketune.methods.toolloop import ToolLoop
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(TOOLS)
+    (tmp_path / "desk.py").write_text(DESK)
+    data = tmp_path / "resources/datasets/calc"
+    data.mkdir(parents=True)
+    pq.write_table(pa.table({"question": ["Look around."], "answer": ["-"]}), data / "data.parquet")
+    model_dir = build("qwen3.5", ["Look around."] * 4, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    monkeypatch.setitem(SCRIPT, "Look around.", [call("look"), said("Done.")])
+    model = Scripted(tokenizer, model_dir, [_load("tools.py:add")])
+    settings = {"tools": ["tools.py:add"], "environment": "desk.py:Desk", "tool_timeout_s": 10,
+                "tool_max_chars": 100, "max_tool_calls": 2,
+                "sources": {"calc": {"format": "prompt_response",
+                                     "columns": {"prompt": "question", "response": "answer"}}}}  # fmt: skip
+    rows = [{"example_id": "calc:0", "input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}]
+    loop = ToolLoop(settings)
+    texts, _ = loop(model, tokenizer, rows, batch_size=4, max_new_tokens=120)
+    assert texts == ["Done."]
+    assert loop.trajectories["calc:0"][1] == {"role": "tool", "name": "look",
+                                              "content": "answer 7,8"}  # fmt: skip
+    assert all("Look around. (desk calc:0)" in p for p in model.prompts)
+    assert "_private" not in model.prompts[0] and '"look"' in model.prompts[0]
+    assert "get_reward" not in model.prompts[0] and '"add"' in model.prompts[0]
