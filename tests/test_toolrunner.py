@@ -211,16 +211,16 @@ class Counter:
 
     def reset(self, **kwargs):
         self.resets += 1
-        return self.resets
+        return f"{self.resets}"
 
-    def bump(self, by: int) -> int:
+    def tally(self, by: int) -> str:
         """Adds to the count.
 
         Args:
             by: How much.
         """
         self.resets += by
-        return self.resets
+        return f"{self.resets}"
 
     def get_reward(self) -> float:
         return self.resets / 2
@@ -291,12 +291,12 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
     assert ask("shout", {"text": "b" * 5}) == ("ok", "BBBBB\n[printed] said", True)
     assert ask((1, "get_reward"), {}) == ("ok", "null", False)  # no slot 1 yet
     # its call told the state is lost (cut to 20 here; whole above)
-    assert ask((1, "bump"), {"by": 1}) == ("error", "RuntimeError: the en", True)
-    assert ask((0, "reset"), {"prompt": "p"}) == ("ok", "1", False)
-    assert ask((0, "reset"), {}) == ("ok", "2", False)  # the same instance
-    assert ask((0, "bump"), {"by": 3}) == ("ok", "5", False)
+    assert ask((1, "tally"), {"by": 1}) == ("error", "RuntimeError: the en", True)
+    assert ask((0, "reset"), {"prompt": "p"}) == ("ok", '"1"', False)  # its value: JSON
+    assert ask((0, "reset"), {}) == ("ok", '"2"', False)  # the same instance
+    assert ask((0, "tally"), {"by": 3}) == ("ok", "5", False)  # a tool's text as it is
     assert ask((0, "get_reward"), {}) == ("ok", json.dumps(2.5), False)
-    assert ask((2, "reset"), {}) == ("ok", "1", False)  # another slot: its own instance
+    assert ask((2, "reset"), {}) == ("ok", '"1"', False)  # another slot: its own instance
     assert ask("boom", {"x": 0}) == ("error", "ValueError: no 0", False)
     assert (sys.stdout, sys.stderr) == streams
     parent.send(None)
