@@ -170,6 +170,10 @@ def test_a_trajectory_is_shown_call_by_call_and_figures_of_no_samples_are_zero()
     assert metrics["tools"] == {"calls_per_sample": 1.5, "failures": 1.0, "timeouts": 1,
                                 "cut": 2, "turns_per_sample": 1.5}  # fmt: skip
     assert samples[1]["trajectory"] == [] and samples[1]["trajectory_text"] == ""
+    one: dict = {}
+    loop.tally.update(calls=1, failures=1)
+    loop.finish([{"example_id": "a"}], one)  # one prompt, one call: shares of one
+    assert (one["tools"]["calls_per_sample"], one["tools"]["failures"]) == (1.0, 1.0)
 
 
 ROOM = '''
@@ -321,7 +325,7 @@ def test_the_tool_loop_with_an_environment_resets_one_per_prompt_and_offers_its_
     model = Scripted(tokenizer, model_dir, [_load("tools.py:add")])
     settings = {"tools": ["tools.py:add"], "environment": "desk.py:Desk", "tool_timeout_s": 10,
                 "tool_max_chars": 100, "max_tool_calls": 2,
-                "sources": {"calc": {"format": "prompt_response",
+                "sources": {"calc": {"format": "prompt_response", "system_prompt": "Be brief.",
                                      "columns": {"prompt": "question", "response": "answer"}}}}  # fmt: skip
     rows = [{"example_id": "calc:0", "input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}]
     loop = ToolLoop(settings)
