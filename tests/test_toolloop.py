@@ -229,14 +229,15 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
         trainer = SimpleNamespace(
             accelerator=SimpleNamespace(process_index=0, device="cpu", gather=lambda t: t * 2),
             model=SimpleNamespace(training=True), _metrics=metrics,
-            state=SimpleNamespace(global_step=4),
+            state=SimpleNamespace(global_step=5),
             processing_class=SimpleNamespace(decode=lambda ids: ",".join(map(str, ids))),
         )  # fmt: skip
         path = tmp_path / "trajectories.jsonl"
-        out = {"completion_ids": torch.tensor([[5, 6, 7, 8, 9, 0]]),
-               "completion_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]),
-               "tool_mask": torch.tensor([[1, 1, 0, 0, 1, 1]])}  # fmt: skip
-        inputs = [{"example_id": "calc:1", "prompt": "p"}]
+        # two completions: the first is recorded
+        out = {"completion_ids": torch.tensor([[5, 6, 7, 8, 9, 0], [1, 1, 1, 1, 1, 1]]),
+               "completion_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]]),
+               "tool_mask": torch.tensor([[1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]])}  # fmt: skip
+        inputs = [{"example_id": "calc:1", "prompt": "p"}, {"example_id": "calc:0", "prompt": "q"}]
         tools.record(trainer, inputs, out, path)
         assert not path.exists()  # no completions seen yet
         trajectories = [[{"role": "assistant"}, {"role": "tool"}, {"role": "assistant"}],
@@ -245,7 +246,7 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
         assert tools.turns == [2, 1]
         tools.record(trainer, inputs, out, path)
         (line,) = [json.loads(x) for x in path.read_text().splitlines()]
-        assert line == {"step": 5, "example_id": "calc:1", "prompt": "p",
+        assert line == {"step": 6, "example_id": "calc:1", "prompt": "p",
                         "completion": trajectories[0],
                         "runs": [{"text": "5,6", "trained": True}, {"text": "7,8", "trained": False},
                                  {"text": "9", "trained": True}]}  # fmt: skip
@@ -262,6 +263,13 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
         got = {k: v for k, v in metrics["train"].items()}
         assert got == {"tools/timeouts": [2], "tools/died": [0], "tools/cut": [4],
                        "tools/turns": [1.5]}  # fmt: skip
+        tools.runner.counts.timeouts = 4  # 3 more since: a difference, not 4 ^ 1 or 4 >> 1
+        tools.observe([trajectories[0]])  # one completion of 2 turns
+        tools.figures(trainer)
+        assert (
+            metrics["train"]["tools/timeouts"][-1] == 6
+            and metrics["train"]["tools/turns"][-1] == 2.0
+        )
         tools.observe([])
         trainer.model.training = False
         tools.figures(trainer)  # nothing new since: zeros, and no completions no turns
