@@ -13,17 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from families import build
-
-TOOLS = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
-'''
+from test_toolrunner import TOOLS  # the user's tools file: add, and failing ones
 
 QUESTIONS = ["What is 2 plus 3?", "Use nope.", "Say hi.", "Loop forever."]
 

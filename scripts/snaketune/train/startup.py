@@ -64,11 +64,8 @@ def watch_builds() -> None:
 
 def _clear_stale(name: str, since: float, done: threading.Event) -> None:
     """While op ``name`` loads (until ``done``), remove its stale build lock."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        directory = Path(_get_build_directory(name, verbose=False))
-    except Exception:  # a torch without the helper: no lock to find
+    directory = build_directory(name)
+    if directory is None:  # no lock to find
         return
     while not done.wait(STALE_POLL_S):
         if clear_stale_lock(directory, since):
@@ -99,14 +96,21 @@ def clear_stale_lock(directory: Path, since: float, now: float | None = None) ->
     return True
 
 
-def in_cache(name: str) -> bool:
-    """Whether torch's extension cache holds op ``name`` compiled."""
+def build_directory(name: str) -> Path | None:
+    """Op ``name``'s folder in torch's extension cache (None: a torch without the helper)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
-    except Exception:  # a torch without the helper: taken as compiled (not one-time)
-        return True
+        return Path(_get_build_directory(name, verbose=False))
+    except Exception:
+        return None
+
+
+def in_cache(name: str) -> bool:
+    """Whether torch's extension cache holds op ``name`` compiled (no cache to read: taken
+    as compiled, not one-time)."""
+    directory = build_directory(name)
+    return directory is None or any(directory.glob(f"{name}*.so"))
 
 
 def process_started() -> float | None:
