@@ -115,6 +115,38 @@ def test_the_lora_config_is_the_run_s_and_a_full_run_has_none():
     assert peft_config(run, tiny_llama()) is None
 
 
+def test_a_reward_model_s_lora_trains_a_score_head_and_fused_experts_take_no_dropout():
+    """A reward model's adapters are a sequence classifier's (peft trains the new score head
+    whole); on a mixture of experts with fused expert parameters the config carries no
+    dropout (peft refuses one there), on a dense model the run's."""
+    from snaketune.methods.training import peft_config
+
+    run = demo_run()
+    run["lora"]["dropout"] = 0.125
+    run["method"] = "reward"
+    assert peft_config(run, tiny_llama()).task_type == "SEQ_CLS"
+    run["method"] = "lora"
+    moe = peft_config(run, tiny_mixtral())
+    assert moe.target_parameters and moe.lora_dropout == 0.0
+    assert peft_config(run, tiny_llama()).lora_dropout == 0.125
+
+
+def test_the_settings_read_from_yaml_compare_by_value(tmp_path):
+    """Strings built at run time (as YAML's are), not the interned literals of the code:
+    the precision, ``auto`` of the router's coefficient."""
+    from snaketune.methods.training import Router, training_args, trl_coef
+
+    bf16, auto = "".join(["bf", "16"]), "".join(["au", "to"])
+    args = training_args(context(tmp_path, demo_run(), precision=bf16), dict)
+    assert (args["bf16"], args["fp16"]) == (True, False)
+    fp16 = "".join(["fp", "16"])
+    assert training_args(context(tmp_path, demo_run(), precision=fp16), dict)["fp16"] is True
+    model = tiny_mixtral(router_aux_loss_coef=0.02)
+    assert trl_coef({"router_aux_loss_coef": auto}, model) is None
+    assert Router.prepare(model, {"router_aux_loss_coef": auto,
+                                  "gradient_accumulation_steps": 1}).coef == 0.02  # fmt: skip
+
+
 def test_the_flop_count_reads_the_parameters_once_and_is_stored_without_a_broadcast():
     from snaketune.methods.training import Lean
 
@@ -199,6 +231,11 @@ def test_the_router_s_coefficient_term_load_and_figures():
                              to_dict=lambda: {"n_routed_experts": 8})  # fmt: skip
     bias = SimpleNamespace(config=config, modules=lambda: [])  # a bias balances its experts
     assert Router.prepare(bias, run).coef == 0.0 and config.output_router_logits is True
+    # experts chosen per token but no router logits to ask for; no experts chosen: no router
+    no_logits = SimpleNamespace(num_experts_per_tok=2, model_type="x")
+    assert Router.prepare(SimpleNamespace(config=no_logits), run) is None
+    no_top_k = SimpleNamespace(num_experts_per_tok=None, output_router_logits=False)
+    assert Router.prepare(SimpleNamespace(config=no_top_k), run) is None
 
     torch.manual_seed(0)
     layers = (torch.randn(6, 4), torch.randn(6, 4))  # 2 sequences of 3 tokens, 2 layers
@@ -212,6 +249,15 @@ def test_the_router_s_coefficient_term_load_and_figures():
     outputs = SimpleNamespace(logits=torch.zeros(1), router_logits=layers, aux_loss=None)
     assert router.load(outputs, mask).tolist() == want
     assert router.load(outputs).sum().item() == 2 * 6 * 2  # no mask: every token
+    # router logits not one row per token of the mask (fewer, more): counted whole
+    for rows in (3, 9):
+        odd = SimpleNamespace(logits=torch.zeros(1), router_logits=(torch.randn(rows, 4),))
+        assert router.load(odd, mask).sum().item() == rows * 2
+    # a long batch (shapes past the small integers Python keeps one object of)
+    long_mask = torch.ones(2, 150, dtype=torch.long)
+    long_mask[1, :40] = 0
+    long = SimpleNamespace(logits=torch.zeros(1), router_logits=(torch.randn(300, 4),))
+    assert router.load(long, long_mask).sum().item() == (300 - 40) * 2
     assert router.aux(outputs, mask) == load_balancing_loss_func(layers, 4, 2, mask)
     own = SimpleNamespace(**{**vars(outputs), "aux_loss": torch.tensor(0.6)})
     assert router.aux(own) == torch.tensor(0.6)
@@ -224,6 +270,15 @@ def test_the_router_s_coefficient_term_load_and_figures():
     router.record(trainer, own, {"attention_mask": mask})
     assert metrics["train"]["aux_loss"] == [pytest.approx(0.6)]
     assert metrics["train"]["expert_load"] == [pytest.approx(max(want) / (sum(want) / 4))]
+    # an uneven total (7 choices over 4 experts: an even share 1.75, not 1) and a total of
+    # one choice per expert (an even share of exactly 1)
+    for counts, share in (([3.0, 2.0, 1.0, 1.0], 3 / 1.75), ([1.0, 1.0, 1.0, 1.0], 1.0)):
+        one_rank = SimpleNamespace(**{**vars(trainer), "accelerator": SimpleNamespace(
+            gather=lambda t: t)})  # fmt: skip
+        router.load = lambda outputs, mask=None, c=counts: torch.tensor(c)
+        router.record(one_rank, own, {})
+        assert metrics["train"]["expert_load"][-1] == pytest.approx(share)
+    del router.load
     empty = SimpleNamespace(logits=torch.zeros(1), router_logits=(), aux_loss=torch.tensor(0.0))
     router.record(trainer, empty, {})
     assert metrics["train"]["expert_load"][-1] == 0.0  # no choices: no share
