@@ -96,6 +96,61 @@ def test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived(run
     assert (c.calls, c.errors, c.timeouts, c.died, c.cut) == (6, 1, 1, 1, 1)
 
 
+SLOW_IMPORT = '''
+import time
+
+time.sleep(2.5)  # a heavy import on a loaded node
+
+
+def add(a: int, b: int) -> str:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return str(a + b)
+
+
+def hang(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+'''
+
+
+def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeypatch):
+    """The tool process's start (a spawned interpreter importing the user's tools: here
+    2.5 s, past the 1.5 s a call may take) is not the call's: the first call and the first
+    after a hang are answered, where both were ended as hung before; a tools file that
+    cannot load is told as a process that did not start, counted as died."""
+    from snaketune.methods.toolrunner import ToolFailed, ToolRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow.py").write_text(SLOW_IMPORT)
+    runner = ToolRunner(["slow.py:add", "slow.py:hang"], timeout_s=1.5, max_chars=100)
+    try:
+        assert runner.call("add", {"a": 1, "b": 2}) == "3"
+        with pytest.raises(ToolFailed, match="did not finish within 1.5 s"):
+            runner.call("hang", {"seconds": 30})
+        assert runner.call("add", {"a": 2, "b": 2}) == "4"  # a new process, its start not timed
+        assert (runner.counts.calls, runner.counts.timeouts) == (3, 1)
+    finally:
+        runner.close()
+    (tmp_path / "broken.py").write_text("raise ImportError('no such thing')\n")
+    broken = ToolRunner(["broken.py:add"], timeout_s=1.5, max_chars=100)
+    try:
+        with pytest.raises(ToolFailed, match="add's process did not start"):
+            broken.call("add", {"a": 1, "b": 2})
+        assert (broken.counts.calls, broken.counts.died, broken._process) == (1, 1, None)
+    finally:
+        broken.close()
+
+
 def test_the_hung_tools_process_is_gone_and_close_leaves_no_process(runner):
     import psutil
 
@@ -270,6 +325,7 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
         parent, child = multiprocessing.Pipe()
         loop = threading.Thread(target=_serve, args=(child, keys, 20, environment), daemon=True)
         loop.start()
+        assert parent.poll(10) and parent.recv() == "ready"  # its tools loaded, before a call
 
         def ask(name, kwargs):
             parent.send((name, kwargs))

@@ -44,6 +44,10 @@ class Counts:
 
 # an environment's methods that are not tools: their values go back as they are (JSON)
 ENVIRONMENT_OWN = ("reset", "get_reward")
+# a tool process's start (a spawned interpreter importing the user's tools): not counted in
+# a call's ``timeout_s``, which would otherwise end every restarted process of a slow start
+STARTUP_S = 300.0
+READY = "ready"  # what the tool process sends once its tools are loaded
 
 
 def _dispatch(tools: dict, environment, held: dict, name, kwargs: dict) -> Any:
@@ -72,6 +76,7 @@ def _serve(conn, keys: list[str], max_chars: int, environment: str | None = None
 
     tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
     cls, held = (_load(environment) if environment else None), {}
+    conn.send(READY)
     while True:
         try:
             message = conn.recv()
@@ -115,7 +120,7 @@ class ToolRunner:
         self.counts = Counts()
         self._process = self._conn = None
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
         context = multiprocessing.get_context("spawn")  # no fork of a rank's threads
         self._conn, child = context.Pipe()
         self._process = context.Process(
@@ -125,6 +130,14 @@ class ToolRunner:
         )
         self._process.start()
         child.close()
+        # a call's time limit counts from a loaded process: a first call that waited on the
+        # start of an interpreter on a loaded node was ended, and so was the next process's
+        try:
+            if self._conn.poll(STARTUP_S) and self._conn.recv() == READY:
+                return True
+        except EOFError:  # it died loading the tools
+            return False
+        return False
 
     def _end(self) -> None:
         if self._process is not None:
@@ -137,7 +150,14 @@ class ToolRunner:
         method); ``ToolFailed`` with the text the model is told."""
         if self._process is None or not self._process.is_alive():
             self._end()
-            self._start()
+            if not self._start():
+                self._end()
+                self.counts.calls += 1
+                self.counts.died += 1
+                raise ToolFailed(
+                    f"{name}'s process did not start: it died loading the tools, or took "
+                    f"over {STARTUP_S:g} s"
+                )
         self.counts.calls += 1
         self._conn.send((name, kwargs))
         if not self._conn.poll(self.timeout_s):
