@@ -163,3 +163,24 @@ def test_a_dry_run_with_a_too_long_signal_lead_says_so(tmp_path):
     assert ("error: train: slurm_extra's --signal=USR1@600 comes 600 s before the end of a "
             "3-minute job") in proc.stderr  # fmt: skip
     assert "lower the lead to at most 90 s" in proc.stderr
+
+
+def test_the_progress_says_the_first_eta_however_long_the_start_took():
+    """The job's progress on the terminal: its first line with an ETA as soon as there is
+    one, then one line a minute. A start of 70 s (a loaded machine) said the first step's
+    line (no ETA yet) and then nothing for a minute: a short training ended without one
+    ETA on the terminal (test_terminal's demo check, flaky under load)."""
+    from snaketune.train.attempts import Pace
+
+    step1, eta = "step 1/192, loss 2.0, 10 tok/s", "step 2/192, loss 1.9, 10 tok/s, ETA 0:00:30"
+    late = Pace(60.0, began=0.0)
+    assert late.reading(70.0) and late.due(step1, 70.0)  # a minute passed: said
+    assert late.reading(72.0) and late.due(eta, 72.0)  # the first ETA, at once
+    assert not late.reading(74.0) and late.reading(132.0)  # then a beat a minute
+    assert not late.due(eta, 132.0)  # the same line is not said twice
+    assert late.due(eta.replace("2/", "9/"), 132.0)
+    early = Pace(60.0, began=0.0)
+    assert not early.due(None, 1.0) and not early.due(step1, 5.0)  # no ETA, within a minute
+    assert early.reading(7.0) and early.due(eta, 7.0)
+    assert not early.due(eta.replace("2/", "3/"), 30.0)  # within the minute after it
+    assert early.due(eta.replace("2/", "4/"), 67.0)

@@ -96,6 +96,33 @@ def _deaf() -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+class Pace:
+    """When the training's progress is said on the job's output: its first line with an
+    ETA as soon as there is one (however long the start took), then a line every ``every``
+    seconds; a line without an ETA before that only once ``every`` seconds have passed."""
+
+    def __init__(self, every: float, began: float):
+        self.every, self.began = every, began
+        self.said, self.last, self.eta_said = -math.inf, None, False
+
+    def reading(self, now: float) -> bool:
+        """Whether to read the live metrics now (until the first ETA, at each beat)."""
+        return not self.eta_said or now - self.said >= self.every
+
+    def due(self, line: str | None, now: float) -> bool:
+        new = line is not None and line != self.last
+        self.last = line
+        if not new:
+            return False
+        eta = "ETA" in line
+        if (eta and not self.eta_said) or (
+            now - self.said >= self.every and (self.eta_said or now - self.began >= self.every)
+        ):
+            self.said, self.eta_said = now, self.eta_said or eta
+            return True
+        return False
+
+
 class _LastWarning(logging.Handler):
     """The newest warning or error the launcher logged: the reason of an attempt that
     ended without a UserError."""
@@ -188,21 +215,17 @@ class Attempt:
             return
         self._live = live
 
-        def beat() -> None:  # the first ETA at once, then one line every `every` seconds
-            last, said, began = None, -math.inf, time.monotonic()
+        def beat() -> None:
+            pace = Pace(every, time.monotonic())
             while not self._ended.wait(min(every, 2.0)):
-                now = time.monotonic()
-                if now - said < every:
+                if not pace.reading(time.monotonic()):
                     continue
                 try:
                     line = live_progress(live)
                 except (OSError, ValueError):  # a file moved or torn: the next beat reads it
                     continue
-                first = said == -math.inf and now - began < every
-                if line is not None and line != last and (not first or "ETA" in line):
+                if pace.due(line, time.monotonic()):
                     self.say(line)
-                    said = now
-                last = line
 
         threading.Thread(target=beat, daemon=True, name="progress").start()
 
