@@ -249,7 +249,7 @@ def test_training_past_the_time_limit_continues_across_jobs(slurm_demo, demo):
     those of the uninterrupted local demo run."""
     workdir, output = slurm_demo
     jobs = submitted(output)["train"]
-    states = {job: sacct(job, "State,Elapsed,Timelimit,Restarts") for job in jobs}
+    states = {job: sacct(job, "State,Elapsed,Timelimit") for job in jobs}
     segments = read_jsonl(workdir / "results/demo/train/checkpoints/segments.jsonl")
     # one submission: continuations are requeues (what a failure prints: SLURM's account)
     assert len(jobs) == 1, (states, segments)
