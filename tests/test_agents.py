@@ -332,6 +332,13 @@ def test_a_model_whose_template_s_calls_cannot_be_parsed_is_named_before_queuein
     problem = template_problem(model_dir)
     assert (problem is None) == parses, problem
     assert template_problem(tmp_path) is None  # no model there yet: the train job checks
+    # a model whose template is in its tokenizer_config.json (no chat_template.jinja)
+    older = tmp_path / "older"
+    older.mkdir()
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = (model_dir / "chat_template.jinja").read_text()
+    (older / "tokenizer_config.json").write_text(json.dumps(config))
+    assert template_problem(older) == problem
 
 
 def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
@@ -347,6 +354,14 @@ def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
     assert format_reward([trajectory, "#### 7", trajectory[:1]]) == [1.0, 1.0, 0.0]
 
 
+# an environment class whose own methods and helper have no docstring or type hints
+SHOP_OWN = (
+    "class Shop:\n    def _helper(self, x):\n        return x\n\n"
+    "    def get_reward(self):\n        return 1.0\n\n"
+    "    def reset(self, **kw):\n        pass\n\n"
+)
+
+
 @pytest.mark.parametrize(
     ("source", "line"),
     [
@@ -355,6 +370,11 @@ def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
         ("class Shop:\n    def reset(self, **kw):\n        pass\n\n"
          "    def buy(self, item):\n        return item\n", "its method buy cannot be told"),
         ("Shop = 3\n", "not a class with a reset"),
+        ("raise SystemExit(3)\n", "importing it failed (SystemExit: 3)"),
+        (None, "is not a class of yours"),  # no such file
+        # its own reset and get_reward, and a private helper, need no schema; a tool after
+        # them (in name order) is still checked
+        (f"{SHOP_OWN}    def zap(self, x):\n        return x\n", "its method zap cannot be told"),
     ],
 )  # fmt: skip
 def test_an_environment_that_cannot_be_used_is_one_line_naming_it(source, line, tmp_path,
@@ -363,12 +383,33 @@ def test_an_environment_that_cannot_be_used_is_one_line_naming_it(source, line, 
     from snaketune.methods import tooluse
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "shop.py").write_text(source)
+    if source is not None:
+        (tmp_path / "shop.py").write_text(source)
     block = {"tools": [], "environment": "shop.py:Shop", "rewards": {"correctness": 1.0}}
     with pytest.raises(ConfigError) as err:
         tooluse.check("runs.agent", block)
     assert str(err.value).startswith("runs.agent.grpo.environment: 'shop.py:Shop'")
     assert line in str(err.value)
+
+
+def test_an_environment_s_own_methods_and_helpers_need_no_schema(tmp_path, monkeypatch):
+    from snaketune.methods import tooluse
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shop.py").write_text(SHOP_OWN)
+    tooluse.check("runs.agent", {"tools": [], "environment": "shop.py:Shop",
+                                 "rewards": {"correctness": 1.0}})  # fmt: skip
+
+
+def test_a_run_calls_tools_only_with_tools_or_an_environment_and_a_tool_is_its_name():
+    from snaketune.methods.tooluse import calls_tools, name_of
+
+    assert not calls_tools({"method": "grpo", "grpo": {"tools": [], "environment": None}})
+    assert calls_tools({"method": "grpo", "grpo": {"tools": ["t.py:add"]}})
+    assert calls_tools({"method": "grpo", "grpo": {"tools": [], "environment": "e.py:E"}})
+    assert not calls_tools({"method": "lora"})
+    assert name_of("tools/t.py:add") == "add"
+    assert name_of("dir:with/colon/t.py:add") == "add"  # the name after the last colon
 
 
 def test_the_agent_demo_s_fixtures_describe_its_calculator_as_trl_will(tmp_path):

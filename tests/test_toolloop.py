@@ -260,6 +260,14 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
             metrics["train"]["tools/timeouts"][-1] == 6
             and metrics["train"]["tools/turns"][-1] == 2.0
         )
+        one_rank = SimpleNamespace(**{**vars(trainer), "accelerator": SimpleNamespace(
+            process_index=0, device="cpu", gather=lambda t: t)})  # fmt: skip
+        tools.observe([trajectories[0]])  # one completion on one rank: its 2 turns, not 1
+        tools.figures(one_rank)
+        assert metrics["train"]["tools/turns"][-1] == 2.0
+        # roles as a parsed generation makes them (strings built at run time)
+        tools.observe([[{"role": "".join(["assis", "tant"])}, {"role": "".join(["to", "ol"])}]])
+        assert tools.turns == [1]
         tools.observe([])
         trainer.model.training = False
         tools.figures(trainer)  # nothing new since: zeros, and no completions no turns
