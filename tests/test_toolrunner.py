@@ -5,6 +5,8 @@ goes on; the functions the trainer is handed describe the tools as the user wrot
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -323,7 +325,14 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
 
     def serve(environment=None):
         parent, child = multiprocessing.Pipe()
-        loop = threading.Thread(target=_serve, args=(child, keys, 20, environment), daemon=True)
+
+        def loop_of():  # what the loop raises is kept: the rank's end is a plain return
+            try:
+                _serve(child, keys, 20, environment)
+            except BaseException as exc:
+                raised.append(exc)
+
+        loop = threading.Thread(target=loop_of, daemon=True)
         loop.start()
         assert parent.poll(10) and parent.recv() == "ready"  # its tools loaded, before a call
 
@@ -334,6 +343,7 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
 
         return parent, loop, ask
 
+    raised = []
     streams = (sys.stdout, sys.stderr)
     parent, loop, ask = serve("c.py:Counter")
     assert ask("add", {"a": 2, "b": 3}) == ("ok", "5", False)
@@ -362,4 +372,19 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
     assert ask("add", {"a": 0, "b": 0}) == ("ok", "0", False)
     parent.close()  # the rank is gone
     loop.join(10)
-    assert not loop.is_alive()
+    assert not loop.is_alive() and raised == []
+
+
+def test_a_rank_that_ends_without_closing_its_runner_exits(tmp_path):
+    """A rank that dies or returns without ``close`` (an exception past the trainer) must
+    not wait at its exit for its tool process, which waits for the next call."""
+    (tmp_path / "t.py").write_text(LOOP_TOOLS)
+    script = (
+        "from snaketune.methods.toolrunner import ToolRunner\n"
+        "runner = ToolRunner(['t.py:add'], timeout_s=30, max_chars=100)\n"
+        "assert runner.call('add', {'a': 1, 'b': 2}) == '3'\n"
+    )
+    # (a wait at exit would be for ever: the timeout ends it, and the test fails)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=60,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
