@@ -143,6 +143,15 @@ def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeyp
         assert (runner.counts.calls, runner.counts.timeouts) == (3, 1)
     finally:
         runner.close()
+    # a start past its limit (here 1 s) is a process that did not start
+    monkeypatch.setattr("snaketune.methods.toolrunner.STARTUP_S", 1.0)
+    late = ToolRunner(["slow.py:add"], timeout_s=30, max_chars=100)
+    try:
+        with pytest.raises(ToolFailed, match="add's process did not start: .* over 1 s"):
+            late.call("add", {"a": 1, "b": 2})
+        assert (late.counts.died, late._process) == (1, None)
+    finally:
+        late.close()
     (tmp_path / "broken.py").write_text("raise ImportError('no such thing')\n")
     broken = ToolRunner(["broken.py:add"], timeout_s=1.5, max_chars=100)
     try:
@@ -270,6 +279,11 @@ class Counter:
         self.resets += 1
         return f"{self.resets}"
 
+    def bump(self) -> str:
+        """Adds one (a method whose name sorts before get_reward)."""
+        self.resets += 1
+        return f"{self.resets}"
+
     def tally(self, by: int) -> str:
         """Adds to the count.
 
@@ -358,6 +372,7 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
     assert ask((1, "get_reward"), {}) == ("ok", "null", False)  # no slot 1 yet
     # its call told the state is lost (cut to 20 here; whole above)
     assert ask((1, "tally"), {"by": 1}) == ("error", "RuntimeError: the en", True)
+    assert ask((1, "bump"), {}) == ("error", "RuntimeError: the en", True)
     assert ask((0, "reset"), {"prompt": "p"}) == ("ok", '"1"', False)  # its value: JSON
     assert ask((0, "reset"), {}) == ("ok", '"2"', False)  # the same instance
     assert ask((0, "tally"), {"by": 3}) == ("ok", "5", False)  # a tool's text as it is
@@ -373,6 +388,21 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
     parent.close()  # the rank is gone
     loop.join(10)
     assert not loop.is_alive() and raised == []
+
+
+def test_close_lets_the_tool_process_end_itself(tmp_path, monkeypatch):
+    """``close`` asks the tool process to end (what it holds flushed, its exit handlers
+    run) before it is killed: a killed one writes nothing more."""
+    from snaketune.methods.toolrunner import ToolRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text(LOOP_TOOLS + "\nimport atexit\n\natexit.register("
+                                   "lambda: open('ended.txt', 'w').write('bye'))\n")  # fmt: skip
+    runner = ToolRunner(["t.py:add"], timeout_s=30, max_chars=100)
+    assert runner.call("add", {"a": 1, "b": 2}) == "3"
+    runner.close()
+    assert (tmp_path / "ended.txt").read_text() == "bye"
+    assert runner._process is None
 
 
 def test_a_rank_that_ends_without_closing_its_runner_exits(tmp_path):

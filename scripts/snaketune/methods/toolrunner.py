@@ -110,8 +110,8 @@ class ToolRunner:
     def __init__(
         self,
         keys: list[str],
-        timeout_s: float = 10.0,
-        max_chars: int = 8192,
+        timeout_s: float,
+        max_chars: int,
         environment: str | None = None,
     ):
         self.keys, self.timeout_s, self.max_chars = list(keys), timeout_s, max_chars
@@ -178,7 +178,7 @@ class ToolRunner:
 
     def close(self) -> None:
         """End the child process (a rank's last call)."""
-        if self._conn is not None and self._process is not None and self._process.is_alive():
+        if self._process is not None and self._process.is_alive():  # (its pipe with it)
             self._conn.send(None)
             self._process.join(timeout=5)
         self._end()
