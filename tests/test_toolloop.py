@@ -342,3 +342,11 @@ def test_the_tool_loop_with_an_environment_resets_one_per_prompt_and_offers_its_
     assert all("Look around. (desk calc:0)" in p for p in model.prompts)
     assert "_private" not in model.prompts[0] and '"look"' in model.prompts[0]
     assert "get_reward" not in model.prompts[0] and '"add"' in model.prompts[0]
+    # a reset that returns nothing (TRL's contract allows it): the user's turn as it was
+    quiet = DESK.replace('return " (desk " + kwargs["example_id"] + ")"', "return None")
+    (tmp_path / "quiet.py").write_text(quiet)
+    model = Scripted(tokenizer, model_dir, [_load("tools.py:add")])
+    loop = ToolLoop({**settings, "environment": "quiet.py:Desk"})
+    texts, _ = loop(model, tokenizer, rows, batch_size=4, max_new_tokens=120)
+    assert texts == ["Done."] and "(desk" not in model.prompts[0]
+    assert "Look around." in model.prompts[0]
