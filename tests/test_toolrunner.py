@@ -168,6 +168,9 @@ def test_the_hung_tools_process_is_gone_and_close_leaves_no_process(runner):
     from snaketune.methods.toolrunner import ToolFailed
 
     runner.call("add", {"a": 1, "b": 1})
+    # a daemon: a rank's exit does not wait for it (a rank that exits without close: the
+    # test below, in a process of its own)
+    assert runner._process.daemon
     hung = runner._process.pid
     with pytest.raises(ToolFailed):
         runner.call("hang", {"seconds": 30})
