@@ -85,6 +85,32 @@ def test_a_template_that_closes_no_turn_ends_each_at_the_next_and_the_last_at_st
     assert text.endswith("assistant\nok<|im_end|>")  # the stop added to the text
 
 
+def test_the_stop_added_to_a_long_text_ends_the_last_span_at_the_text_s_end(tokenizer):
+    """The stop token added where nothing closes the last turn: the span's end is the new
+    text's end (a slice would clip one past it), on a text past 256 characters too (no
+    identity of small integers to lean on)."""
+    from snaketune.data.chat import ChatRenderer
+
+    long = (("user", "x" * 300, None, None), ("assistant", "yo", None, None))
+    for turns in (TURNS, long):
+        renderer = ChatRenderer(tokenizer, template=OPEN, stop="<|im_end|>")
+        text, spans = renderer.spans_full(turns)
+        assert spans[-1][1] == len(text)
+        assert text[spans[-1][0] : spans[-1][1]] == turns[-1][1] + "<|im_end|>"
+        assert renderer.stopped_rows == 1
+
+
+# no special token at all: each turn ends with its text, and the stop is added only where
+# the text itself ends (here it ends with a newline: none is added)
+PLAIN = ("{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+         "{% if add_generation_prompt %}### assistant: {% endif %}")  # fmt: skip
+
+
+def test_a_template_without_special_tokens_ends_each_turn_with_its_text(tokenizer):
+    text, spans, stopped = spans_of(tokenizer, PLAIN)
+    assert spans == ["yo", "ok"] and stopped == 0 and text.endswith("ok\n")
+
+
 def test_what_the_model_writes_before_its_reasoning_is_trained(tokenizer):
     turns = (("user", "hi", None, None), ("assistant", "yo", "think", None))
     _, spans, _ = spans_of(tokenizer, THOUGHT, turns)
