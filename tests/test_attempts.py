@@ -36,6 +36,12 @@ def test_the_killed_rank_is_read_from_torchruns_report():
     both = torchrun_failure((0, 11, -15)) + torchrun_failure((1, 12, 1))
     assert root_cause(both).startswith("rank 1 on ") and "exitcode 1 (pid: 12)" in root_cause(both)
     assert root_cause("Traceback (most recent call last):\nValueError: x") is None
+    # a peer's agent reported first its rank's error exit after the killed one died under
+    # it (seen in CI under load): the killed rank is the cause
+    peer_first = torchrun_failure((0, 21, 1)) + torchrun_failure((1, 22, -9))
+    assert root_cause(peer_first).startswith("rank 1 on ") and "SIGKILL" in root_cause(peer_first)
+    two_errors = torchrun_failure((0, 31, 1)) + torchrun_failure((1, 32, 2))
+    assert "exitcode 1 (pid: 31)" in root_cause(two_errors)  # the report's order otherwise
 
 
 def test_attempt_numbers_are_claimed_once_each(tmp_path):

@@ -110,8 +110,11 @@ _FIELD = re.compile(r"^\s*(host|rank|exitcode|traceback)\s*: (.*)$")
 
 def root_cause(text: str) -> str | None:
     """The failed rank torchrun's agents reported ('rank 1 on host-a: exitcode -9 (pid
-    123) SIGKILL'), preferring a failure that was not the stop the others were sent."""
-    causes = []
+    123) SIGKILL'), preferring a failure that was not the stop the others were sent, and
+    among those a rank a signal ended (killed, out of memory, a crash) over one that exited
+    with an error, which is what its peers do when a rank dies under them (each agent
+    reports its own first failure: a killed rank's and a peer's both come)."""
+    causes, killed = [], set()
     for block in text.split(ROOT_CAUSE)[1:]:
         fields: dict[str, str] = {}
         for line in block.splitlines()[1:12]:
@@ -127,8 +130,11 @@ def root_cause(text: str) -> str | None:
             if trace and not trace.startswith("To enable traceback"):
                 cause += f": {trace}"
             causes.append(cause)
+            if fields.get("exitcode", "").startswith("-"):  # ended by a signal
+                killed.add(cause)
     stops = ("SIGTERM", "SIGINT")
     first = [c for c in causes if not any(s in c for s in stops)] or causes
+    first.sort(key=lambda c: c not in killed)  # stable: the report's order otherwise
     return first[0][:300] if first else None
 
 
