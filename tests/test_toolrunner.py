@@ -98,31 +98,8 @@ def test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived(run
     assert (c.calls, c.errors, c.timeouts, c.died, c.cut) == (6, 1, 1, 1, 1)
 
 
-SLOW_IMPORT = '''
-import time
-
-time.sleep(2.5)  # a heavy import on a loaded node
-
-
-def add(a: int, b: int) -> str:
-    """Adds two numbers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return str(a + b)
-
-
-def hang(seconds: float) -> str:
-    """Sleeps.
-
-    Args:
-        seconds: How long.
-    """
-    time.sleep(seconds)
-    return "woke"
-'''
+# the tools above behind a heavy import on a loaded node
+SLOW_IMPORT = "import time\n\ntime.sleep(2.5)\n" + TOOLS
 
 
 def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeypatch):
