@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -103,10 +105,19 @@ def transcripts(tools: list[dict], n: int) -> list[dict]:
     return rows
 
 
-def spawned_children() -> set[int]:
-    """The multiprocessing spawn children on this machine (tool processes among them)."""
+def spawned_children(under: Path) -> dict[int, str]:
+    """The multiprocessing spawn children (tool processes among them) running in ``under``
+    (a rank's working directory, which its tool process keeps), each with its command line:
+    those of tests running beside this one (CI runs four groups at once) are not counted."""
     out = subprocess.run(["pgrep", "-f", "multiprocessing.spawn"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+    found = {}
+    for pid in map(int, out.stdout.split()):
+        try:
+            if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(under):
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended meanwhile
+    return found
 
 
 @pytest.mark.slow
@@ -158,9 +169,8 @@ def test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them(tmp_pa
         },
     }  # fmt: skip
     (w / "config.yaml").write_text(yaml.safe_dump(config))
-    before = spawned_children()
     snakemake("--configfile", str(w / "config.yaml"), "--directory", str(w))
-    assert not spawned_children() - before  # no tool process outlived its rank
+    assert not spawned_children(w), "a tool process outlived its rank"
 
     steps = [m for m in read_jsonl(w / "results/agent/train/metrics.jsonl") if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]

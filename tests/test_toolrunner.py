@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -398,3 +399,56 @@ def test_a_rank_that_ends_without_closing_its_runner_exits(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=60,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_killed_rank_s_hung_tool_process_ends(tmp_path):
+    """A rank SIGKILLed (the OOM killer, a node's scancel) while its tool hangs: the tool
+    process finds its rank gone and ends, not left running for ever on the node."""
+    import os
+    import signal
+
+    (tmp_path / "my_tools.py").write_text(TOOLS)
+    script = (
+        "import threading, time\n"
+        "from snaketune.methods.toolrunner import ToolRunner\n"
+        "runner = ToolRunner(['my_tools.py:hang'], timeout_s=3600, max_chars=100)\n"
+        "threading.Thread(target=runner.call, args=('hang', {'seconds': 3600})).start()\n"
+        "while runner._process is None or runner._conn is None:\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"
+        "print(runner._process.pid, flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    tool = int(rank.stdout.readline())
+    assert Path(f"/proc/{tool}/cmdline").read_text()  # the tool process runs, hung in its call
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait()
+
+    def ended() -> bool:
+        try:
+            return Path(f"/proc/{tool}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 20
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = not ended()
+    if alive:
+        os.kill(tool, signal.SIGKILL)
+    assert not alive, "the hung tool's process outlived its killed rank"
+
+
+def test_a_tool_process_ends_itself_when_its_rank_is_gone(monkeypatch):
+    """The watch ends the process (``os._exit``) once its parent is another process, and
+    keeps waiting while it is the same."""
+    from snaketune.methods import toolrunner
+
+    ended, parents = [], iter([7, 7, 1])
+    monkeypatch.setattr(toolrunner.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(toolrunner.os, "_exit", ended.append)
+    monkeypatch.setattr(toolrunner, "PARENT_POLL_S", 0.0)
+    toolrunner._watch_parent(7)
+    assert ended == [1]

@@ -18,7 +18,10 @@ import io
 import itertools
 import json
 import multiprocessing
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +51,15 @@ ENVIRONMENT_OWN = ("reset", "get_reward")
 # a call's ``timeout_s``, which would otherwise end every restarted process of a slow start
 STARTUP_S = 300.0
 READY = "ready"  # what the tool process sends once its tools are loaded
+PARENT_POLL_S = 0.5  # how often a tool process looks for its rank
+
+
+def _watch_parent(parent: int) -> None:
+    """End this tool process once its rank is gone: a rank killed (SIGKILL, the OOM killer)
+    while a tool hung left the tool running for ever, its pipe never read again."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 def _dispatch(tools: dict, environment, held: dict, name, kwargs: dict) -> Any:
@@ -74,6 +86,7 @@ def _serve(conn, keys: list[str], max_chars: int, environment: str | None = None
     ``max_chars``) after its result."""
     from snaketune.methods.rewards import _load
 
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
     cls, held = (_load(environment) if environment else None), {}
     conn.send(READY)
