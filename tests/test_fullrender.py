@@ -163,3 +163,101 @@ def test_the_marked_regions_are_where_each_message_sits_up_to_the_mark_count():
     assert len(regions) == len(many) and regions[len(many) - 1] == (len(text) - 1, len(text))
     more = (*many, ("user", "x", None, None))
     assert fullrender._marked_regions(Plain(), more, Plain().render(more)) is None
+
+
+# the last message rendered unlike an earlier one (upper-cased): the prompt for a turn
+# leaves the render inside the previous message's text, which is not the turn's to train
+LAST_UPPER = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.last %}"
+              "{{ m.content | upper }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+# the last message closed unlike an earlier one ("!" after it): the prompt leaves the render
+# right at the previous message's end, and all after it is the turn's (the rule's edge)
+LAST_BANG = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+             "{% if loop.last %}!{% endif %}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+# a generation prompt that writes the first letter of the answer for the model: past the
+# message's start, so the message's whole text is trained
+PREFILL = CHATML.replace(
+    "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\ny{% endif %}"
+)
+FOUR = (("user", "Hi", None, None), ("assistant", "yo", None, None),
+        ("user", "And", None, None), ("assistant", "ok", None, None))  # fmt: skip
+
+
+def test_a_prompt_that_leaves_the_render_before_the_turn_s_place_is_not_trained(tokenizer):
+    """The prompt for a turn leaves the full render inside the previous message (upper-cased
+    there, first message and a later one): the span starts where the message does; at the
+    previous message's very end: from there; past the message's start: the message's text."""
+    text, spans, _ = spans_of(tokenizer, LAST_UPPER, FOUR)
+    assert spans == ["yo<|im_end|>", "OK<|im_end|>"], spans
+    _, spans, _ = spans_of(tokenizer, LAST_BANG, FOUR)
+    assert spans == ["<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>",
+                     "<|im_end|>\n<|im_start|>assistant\nok!<|im_end|>"], spans  # fmt: skip
+    _, spans, _ = spans_of(tokenizer, PREFILL, FOUR)
+    assert spans == ["yo<|im_end|>", "ok<|im_end|>"], spans
+
+
+def test_a_turn_s_end_is_looked_for_before_the_next_message_only(tokenizer):
+    """No special token between the messages (PLAIN): a special token inside the next
+    message's text is its own, not the turn's end (the next message of the second turn, the
+    fourth message, not the message at twice its index)."""
+    turns = (("user", "hi", None, None), ("assistant", "yo", None, None),
+             ("user", "a<|im_end|>b", None, None), ("assistant", "go", None, None),
+             ("user", "c<|im_end|>", None, None), ("assistant", "ok", None, None))  # fmt: skip
+    _, spans, _ = spans_of(tokenizer, PLAIN, turns)
+    assert spans == ["yo", "go", "ok"], spans
+
+
+# a call's turn as Gemma 4 writes it: the call closed by a special token (<|vision_end|>
+# stands for <tool_call|>), the tool's answer opened by another (<|vision_start|> for
+# <|tool_response>), which the call's turn ends with when it is the last message: the model
+# writes it, so it is trained. UNCLOSED closes the call only where a message follows;
+# OTHER ends it with another token when it is the last
+CALL = ("{% for m in messages %}{% if m.role == 'tool' %}<|vision_start|>{{ m.content }}"
+        "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in "
+        "m.tool_calls or [] %}[{{ c.function.name }}{% for k, v in c.function.arguments.items() "
+        "%} {{ k }}={{ v }}{% endfor %}]{% endfor %}{% if m.tool_calls %}CLOSE{% if loop.last "
+        "%}LAST{% endif %}{% else %}<|im_end|>\n{% endif %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+CALL_OPENS = CALL.replace("CLOSE", "<|vision_end|>").replace("LAST", "<|vision_start|>")
+CALL_UNCLOSED = CALL.replace("CLOSE{% if loop.last %}LAST{% endif %}",
+                             "{% if not loop.last %}<|vision_end|>{% endif %}")  # fmt: skip
+CALL_OTHER = CALL.replace("CLOSE", "<|vision_end|>").replace("LAST", "<|im_end|>")
+
+
+def test_a_call_s_turn_is_trained_through_what_the_template_ends_it_with_when_last(tokenizer):
+    """Gemma 4's rule, the call the fourth message (its turn's index not doubled by a
+    shift): the response opener is the call's when the call as the last message ends with
+    it; not where the template ends it with something else or closes it only when a
+    message follows."""
+    import json
+
+    call = json.dumps([{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}])
+    turns = (("user", "hi", None, None), ("assistant", "yo", None, None),
+             ("user", "add", None, None), ("assistant", "", None, call),
+             ("tool", "5", None, None), ("assistant", "ok", None, None))  # fmt: skip
+    _, spans, _ = spans_of(tokenizer, CALL_OPENS, turns)
+    assert spans == ["yo<|im_end|>", "[add a=2]<|vision_end|><|vision_start|>", "ok<|im_end|>"]
+    for template in (CALL_UNCLOSED, CALL_OTHER):
+        _, spans, _ = spans_of(tokenizer, template, turns)
+        assert spans == ["yo<|im_end|>", "[add a=2]<|vision_end|>", "ok<|im_end|>"], spans
+
+
+def test_a_tokenizer_that_adds_a_bos_token_still_ends_each_turn_at_its_end_of_turn(tmp_path):
+    """A tokenizer that adds a BOS token to what it encodes (Llama 3's and Gemma's do): the
+    end of a turn is looked for in the text alone, not at a BOS the text does not hold."""
+    from families import build
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from snaketune.data.chat import ChatRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(build("qwen3.5", ["hi yo and ok"] * 4, tmp_path))
+    bos = (tokenizer.bos_token, tokenizer.bos_token_id)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", special_tokens=[bos]
+    )
+    assert tokenizer("x").input_ids[0] == bos[1]  # it adds one
+    renderer = ChatRenderer(tokenizer, template=CHATML, stop="<|im_end|>")
+    text, spans = renderer.spans_full(TURNS)
+    assert [text[a:b] for a, b in spans] == ["yo<|im_end|>", "ok<|im_end|>"]
