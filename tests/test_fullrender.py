@@ -261,3 +261,34 @@ def test_a_tokenizer_that_adds_a_bos_token_still_ends_each_turn_at_its_end_of_tu
     renderer = ChatRenderer(tokenizer, template=CHATML, stop="<|im_end|>")
     text, spans = renderer.spans_full(TURNS)
     assert [text[a:b] for a, b in spans] == ["yo<|im_end|>", "ok<|im_end|>"]
+
+
+# a message the template leaves out ("note") right before a turn whose prompt leaves the
+# render before the turn's text (the thought's label): the previous message that holds a
+# place is looked for one by one back to the first, and none is the text's start
+NOTE_DROPPED = THOUGHT.replace(
+    "{% for m in messages %}", "{% for m in messages %}{% if m.role != 'note' %}"
+).replace("<|im_end|>\n{% endfor %}", "<|im_end|>\n{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("first", [(), (("user", "hi", None, None),)], ids=["alone", "after-user"])
+def test_a_left_out_message_before_a_turn_leaves_the_turn_its_label(tokenizer, first):
+    turns = (*first, ("note", "x", None, None), ("assistant", "yo", "think", None))
+    text, spans, _ = spans_of(tokenizer, NOTE_DROPPED, turns)
+    assert "x" not in text.replace("Answer", "")
+    assert spans == ["Thought: think\nAnswer: yo<|im_end|>"], spans
+
+
+def test_a_prompt_leaving_the_render_inside_a_message_before_a_left_out_one_is_not_trained(
+    tokenizer,
+):
+    """The prompt leaves the render inside the user's text (upper-cased in a render of an
+    odd count), with a left-out message between it and the turn: the user's text is not
+    the turn's, which starts with its own text (the label is the prompt's, left out)."""
+    odd = NOTE_DROPPED.replace(
+        "{{ m.content }}", "{{ m.content | upper if messages|length is odd else m.content }}"
+    )
+    turns = (("user", "Hi", None, None), ("note", "x", None, None),
+             ("assistant", "yo", "think", None))  # fmt: skip
+    text, spans, _ = spans_of(tokenizer, odd, turns)
+    assert "HI" in text and spans == ["think\nAnswer: YO<|im_end|>"], spans
