@@ -195,7 +195,11 @@ class ChatRenderer:
         if layout is not None:
             for k, probe in enumerate(_PROBES):
                 turns = tuple((r, f"{probe}{k}{j}") for j, r in enumerate(roles))
-                if self._spans_fast(turns, layout) != self.spans_slow(turns):
+                try:
+                    slow = self.spans_slow(turns)
+                except DataError:  # this shape renders unlike its prefixes: no fast path
+                    slow = None
+                if self._spans_fast(turns, layout) != slow:
                     layout = None
                     break
         self._layouts[roles] = layout
