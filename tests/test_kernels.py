@@ -218,3 +218,126 @@ def test_the_kernels_a_model_s_class_has(tmp_path, node):
     assert expected_attention("sdpa", tmp_path) == "sdpa"
     node(())
     assert expected_attention("auto", tmp_path) == "sdpa"
+
+
+def attention_by_hand(query, key, value, cuts, scale):
+    """Causal attention of each example [a, b) of a row alone, written out: the scaled
+    scores with the future masked, softmax, times the values (each query head reads its
+    group's key and value head)."""
+    import torch
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = torch.zeros_like(query)
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        scores = query[:, :, a:b] @ key[:, :, a:b].transpose(-1, -2) * scale
+        future = torch.triu(torch.ones(b - a, b - a, dtype=torch.bool), 1)
+        out[:, :, a:b] = scores.masked_fill(future, float("-inf")).softmax(-1) @ value[:, :, a:b]
+    return out.transpose(1, 2)
+
+
+def test_one_example_at_a_time_is_each_example_s_causal_attention_alone():
+    """sdpa_segments against attention written out, 6 query heads over 2 key heads: the
+    boundaries from a row's cu_seq_lens; from each row's own position ids (two rows
+    restarting at different places), from one row of them shared; a row that starts inside
+    an example (a sequence-parallel slice); no boundaries (plain causal); the default scale
+    and a given one; refused: a padding mask, a KV cache, a sliding window."""
+    import torch
+
+    from snaketune.data.kernels import segment_attention
+
+    torch.manual_seed(0)
+    length, dim = 12, 5
+    q, k, v = (
+        torch.randn(2, 6, length, dim),
+        torch.randn(2, 2, length, dim),
+        torch.randn(2, 2, length, dim),
+    )
+    scale = dim**-0.5
+
+    def check(out, cuts_per_row, s=scale):
+        assert out[1] is None
+        for r, cuts in enumerate(cuts_per_row):
+            want = attention_by_hand(q[r : r + 1], k[r : r + 1], v[r : r + 1], cuts, s)
+            torch.testing.assert_close(out[0][r : r + 1], want, rtol=1e-5, atol=1e-5)
+
+    one = (q[:1], k[:1], v[:1])
+    bounds = torch.tensor([0, 5, 8, 12])
+    check(segment_attention(None, *one, None, cu_seq_lens_q=bounds), [[0, 5, 8, 12]])
+    rows = torch.tensor([[*range(5), *range(7)], [*range(3), *range(9)]])
+    check(segment_attention(None, q, k, v, None, position_ids=rows), [[0, 5, 12], [0, 3, 12]])
+    # two rows: their bounds are the position ids', not a cu_seq_lens of one row
+    check(segment_attention(None, q, k, v, None, position_ids=rows, cu_seq_lens_q=bounds),
+          [[0, 5, 12], [0, 3, 12]])  # fmt: skip
+    shared = torch.tensor([[*range(4), *range(8)]])
+    check(segment_attention(None, q, k, v, None, position_ids=shared), [[0, 4, 12]] * 2)
+    inside = torch.tensor([[3, 4, 5, *range(6), *range(3)]])
+    check(segment_attention(None, *one, None, position_ids=inside), [[0, 3, 9, 12]])
+    check(segment_attention(None, q, k, v, None), [[0, 12]] * 2)
+    check(segment_attention(None, q, k, v, None, scaling=0.3), [[0, 12]] * 2, s=0.3)
+    for refused in ({"attention_mask": torch.ones(2, 1, length, length)},
+                    {"sliding_window": 4}, {"softcap": 30.0}):  # fmt: skip
+        mask = refused.pop("attention_mask", None)
+        with pytest.raises(RuntimeError, match="takes packed or unpadded rows only"):
+            segment_attention(None, q, k, v, mask, **refused)
+    with pytest.raises(RuntimeError, match="takes packed or unpadded rows only"):
+        segment_attention(None, q[:, :, -1:], k, v, None)  # a query against a KV cache
+    check(segment_attention(None, q, k, v, None, sliding_window=None), [[0, 12]] * 2)
+
+
+def test_choices_read_strings_built_at_run_time_as_a_config_s_are(node, tmp_path, monkeypatch):
+    """A config's strings are built at run time (YAML), not the code's literals: each
+    choice compares them by value."""
+    from snaketune.data import kernels
+
+    def built(text):
+        return "".join(list(text))  # equal, not the same object
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    node(("flash_attn", "liger_kernel"), (9, 0))
+    assert kernels.resolve_attention(built("auto"), tmp_path) == "flash_attention_2"
+    assert kernels.resolve_liger(built("auto")) is True
+    assert kernels.expected_attention(built("auto"), tmp_path) == "flash_attention_2"
+    bloom = tmp_path / "bloom"
+    bloom.mkdir()
+    (bloom / "config.json").write_text(json.dumps({"model_type": "bloom"}))
+    assert kernels.resolve_packing(built("auto"), bloom, "sdpa", "r")[0] is False  # padded
+    assert kernels.training_kernel(built("sdpa"), True, {"model_type": "llama"}, split=True) == (
+        kernels.SEGMENTS
+    )
+    node((), None)
+    assert kernels.resolve_attention("sdpa", tmp_path) == "sdpa"  # not flash: not refused
+    with pytest.raises(ConfigError):
+        kernels.check_kernels_installed("r", {"attn_implementation": built("flash_attention_2")})
+    with pytest.raises(UserError):
+        kernels.resolve_attention(built("flash_attention_2"))
+
+
+@pytest.mark.parametrize(
+    ("facts", "attention", "problem"),
+    [
+        ({"flash_attention_2": False, "masking_utils": True}, "flash_attention_2",
+         "M does not support flash attention 2"),
+        ({"flash_attention_2": False, "masking_utils": True}, "sdpa", None),
+        ({"flash_attention_2": True, "masking_utils": False}, "flash_attention_2", None),
+        ({"flash_attention_2": True, "masking_utils": False}, "eager",
+         "M does not build its masks with transformers' masking_utils, so eager attention "
+         "would cross examples"),
+    ],
+)  # fmt: skip
+def test_each_kernel_needs_its_own_support_to_pack(monkeypatch, facts, attention, problem):
+    """Flash attention packs through its varlen path, sdpa and eager through
+    masking_utils' block-diagonal mask: each is asked only of its own kernel."""
+    from snaketune.data import kernels
+
+    monkeypatch.setattr(kernels, "class_facts",
+                        lambda config: {"name": "M", "position_ids": True, **facts})  # fmt: skip
+    assert kernels.packing_problem({"model_type": "m"}, attention) == problem
+
+
+def test_a_model_type_without_a_causal_lm_class_has_no_facts():
+    from snaketune.data.kernels import _class_facts
+
+    assert _class_facts("clip") is None  # a config class, no causal LM
+    assert _class_facts("no-such-model") is None
+    assert _class_facts("llama")["name"] == "LlamaForCausalLM"
