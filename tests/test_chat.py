@@ -197,3 +197,47 @@ def test_a_template_that_fails_on_calls_renders_none_and_marks_must_wrap_each_tu
     assert texts(text, spans) == ["yo<|im_end|>", "ok<|im_end|>"]
     with pytest.raises(DataError, match=r"do not wrap each assistant turn once \(1 marked spans\)"):
         renderer(tokenizer, last).spans(row)
+
+
+def test_named_templates_use_the_default_one_and_the_first_without(tokenizer):
+    from snaketune.data.chat import ChatRenderer
+
+    named = {"tool_use": LAST_LOWER, "default": CHATML}
+    assert ChatRenderer(tokenizer, template=named).template == CHATML
+    assert ChatRenderer(tokenizer, template={"rag": TRIM, "x": CHATML}).template == TRIM
+
+
+def test_the_fast_path_takes_roles_built_at_run_time_and_an_empty_turn(tokenizer):
+    """Roles read from a dataset are strings built at run time, not the code's literals;
+    an assistant turn with no text under a template that closes no turn renders as its
+    prompt: an empty span, not a template refused."""
+    made = renderer(tokenizer, CHATML)
+    row = tuple(("".join(list(role)), text) for role, text in ROWS[0])
+    assert made.spans(row) == made.spans_slow(ROWS[0])
+    assert made._layouts[tuple(t[0] for t in row)] is not None
+    stable_open = CHATML.replace("<|im_end|>\n", "")
+    text, spans = renderer(tokenizer, stable_open).spans_slow(
+        (("user", "hi"), ("assistant", ""), ("user", "x"), ("assistant", "y"))
+    )
+    assert texts(text, spans) == ["", "y"]
+
+
+def test_the_spot_check_drops_a_fast_path_whichever_way_the_texts_differ(tokenizer):
+    """The row's text written out is jinja's by equality: a render that sorts after the
+    fast path's ("z" for "@") is a difference too."""
+    made = renderer(
+        tokenizer, CHATML.replace("{{ m.content }}", "{{ m.content | replace('@', 'zz') }}")
+    )
+    made.check((("user", "a@b"), ("assistant", "c")))
+    assert made._layouts[("user", "assistant")] is None
+
+
+def test_generation_marks_around_more_than_the_assistant_turns_are_refused(tokenizer):
+    from snaketune.core.errors import DataError
+
+    every = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% generation %}{{ m.content }}"
+             "<|im_end|>{% endgeneration %}\n{% endfor %}")  # fmt: skip
+    with pytest.raises(DataError, match=r"\(4 marked spans\)"):
+        renderer(tokenizer, every).spans(
+            (("user", "hi"), ("assistant", "yo"), ("user", "and"), ("assistant", "ok"))
+        )
