@@ -273,6 +273,8 @@ def test_one_example_at_a_time_is_each_example_s_causal_attention_alone():
     check(segment_attention(None, q, k, v, None, position_ids=shared), [[0, 4, 12]] * 2)
     inside = torch.tensor([[3, 4, 5, *range(6), *range(3)]])
     check(segment_attention(None, *one, None, position_ids=inside), [[0, 3, 9, 12]])
+    last_one = torch.tensor([[7, *range(11)]])  # the slice holds one token of an example
+    check(segment_attention(None, *one, None, position_ids=last_one), [[0, 1, 12]])
     check(segment_attention(None, q, k, v, None), [[0, 12]] * 2)
     check(segment_attention(None, q, k, v, None, scaling=0.3), [[0, 12]] * 2, s=0.3)
     for refused in ({"attention_mask": torch.ones(2, 1, length, length)},
@@ -283,6 +285,10 @@ def test_one_example_at_a_time_is_each_example_s_causal_attention_alone():
     with pytest.raises(RuntimeError, match="takes packed or unpadded rows only"):
         segment_attention(None, q[:, :, -1:], k, v, None)  # a query against a KV cache
     check(segment_attention(None, q, k, v, None, sliding_window=None), [[0, 12]] * 2)
+    # a row past 256 tokens (lengths are not small integers Python keeps one object of)
+    q, k, v = torch.randn(1, 2, 300, dim), torch.randn(1, 1, 300, dim), torch.randn(1, 1, 300, dim)
+    check(segment_attention(None, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 260, 300])),
+          [[0, 260, 300]])  # fmt: skip
 
 
 def test_choices_read_strings_built_at_run_time_as_a_config_s_are(node, tmp_path, monkeypatch):
@@ -305,6 +311,8 @@ def test_choices_read_strings_built_at_run_time_as_a_config_s_are(node, tmp_path
     assert kernels.training_kernel(built("sdpa"), True, {"model_type": "llama"}, split=True) == (
         kernels.SEGMENTS
     )
+    node(("liger_kernel",), None)
+    assert kernels.resolve_liger(built("auto")) is False  # no GPU: not refused either
     node((), None)
     assert kernels.resolve_attention("sdpa", tmp_path) == "sdpa"  # not flash: not refused
     with pytest.raises(ConfigError):
@@ -332,7 +340,7 @@ def test_each_kernel_needs_its_own_support_to_pack(monkeypatch, facts, attention
 
     monkeypatch.setattr(kernels, "class_facts",
                         lambda config: {"name": "M", "position_ids": True, **facts})  # fmt: skip
-    assert kernels.packing_problem({"model_type": "m"}, attention) == problem
+    assert kernels.packing_problem({"model_type": "m"}, "".join(list(attention))) == problem
 
 
 def test_a_model_type_without_a_causal_lm_class_has_no_facts():
