@@ -76,6 +76,10 @@ def test_the_special_ids_are_the_tokenizer_s_special_tokens_only(tokenizer):
     ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>", "<think>", "<tool_call>"])
     assert ids[0] in made._special_ids and ids[1] in made._special_ids
     assert ids[2] not in made._special_ids and ids[3] not in made._special_ids  # added, not special
+    assert tokenizer.eos_token_id in made._special_ids  # special by both accounts: kept
+    assert made.render_messages([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n"  # no generation prompt unless asked
+    )
 
 
 def test_a_verbatim_template_takes_the_fast_path_and_it_gives_jinja_s_spans(tokenizer):
@@ -197,6 +201,8 @@ def test_a_template_that_fails_on_calls_renders_none_and_marks_must_wrap_each_tu
     assert texts(text, spans) == ["yo<|im_end|>", "ok<|im_end|>"]
     with pytest.raises(DataError, match=r"do not wrap each assistant turn once \(1 marked spans\)"):
         renderer(tokenizer, last).spans(row)
+    long = row * 150  # 300 assistant turns: counts past the integers Python keeps one of
+    assert len(made.spans(long)[1]) == 300
 
 
 def test_named_templates_use_the_default_one_and_the_first_without(tokenizer):
