@@ -43,6 +43,7 @@ class Tower(nn.Module):
         super().__init__()
         self.patch = nn.Conv2d(3, H, 2)
         self.blocks = nn.ModuleList([nn.Linear(H, H) for _ in range(2)])
+        self.mlps = nn.ModuleList([nn.ModuleDict({"fc": nn.Linear(H, H)}) for _ in range(3)])
         self.proj = nn.Linear(H, 2 * H)
 
 
@@ -91,7 +92,7 @@ def numel(*shapes):
 ATTENTION = numel((H, H), (KV, H), (KV,), (H,), (H,))
 DENSE = numel((2 * W, H), (H, 2 * W), (H,))
 EXPERTS = numel((E, H, 2 * W), (E, W, H), (E, 2 * W))
-TOWER = numel((H, 3, 2, 2), (H,)) + 2 * numel((H, H), (H,)) + numel((2 * H, H), (2 * H,))
+TOWER = numel((H, 3, 2, 2), (H,)) + 5 * numel((H, H), (H,)) + numel((2 * H, H), (2 * H,))
 LINEARS = (("down_proj", 2 * W, H, 1), ("k_proj", H, KV, 3), ("q_proj", H, H, 3),
            ("up_proj", H, 2 * W, 1))  # fmt: skip
 LINEAR = 3 * (H * H + H * KV) + 2 * (H * 2 * W)
@@ -109,7 +110,10 @@ def test_a_vision_language_model_with_experts_is_counted_as_written_out():
     assert counted.linears == LINEARS
     assert counted.stacked == (("down_proj", E, W, H, 2), ("gate_up_proj", E, H, 2 * W, 2))
     assert counted.towers == TOWER
-    assert counted.tower_linears == (("0", H, H, 1), ("1", H, H, 1), ("proj", H, 2 * H, 1))
+    assert counted.tower_linears == (
+        ("0", H, H, 1), ("1", H, H, 1), ("fc", H, H, 3), ("proj", H, 2 * H, 1)
+    )  # fmt: skip
+    assert type(counted.expert_params) is int  # a count, kept as one
 
 
 def test_without_an_output_layer_the_largest_is_the_decoder_s_and_a_tied_weight_counts_once():
@@ -132,12 +136,20 @@ def test_a_model_that_is_its_own_decoder_keeps_its_output_layer_out_of_its_linea
     assert counted.towers == 0 and counted.tower_linears == () and counted.expert_layers == 0
 
 
+LLAMA = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "vocab_size": 64, "tie_word_embeddings": False,
+         "architectures": ["LlamaForCausalLM"], "transformers_version": "0.0",
+         "quantization_config": {"quant_method": "none"}}  # fmt: skip
+
+
 def test_a_count_is_kept_and_read_back_and_a_foreign_file_is_counted_again(monkeypatch):
     from snaketune.budget import modelcount
     from snaketune.core.configfields import Counted
 
     made = Counted(params=10, linear=4, largest=3, expert_layers=0, expert_params=0,
                    linears=(("q", 2, 2, 1),), stacked=(), towers=0, tower_linears=())  # fmt: skip
+    fresh = Counted(params=99, linear=0, largest=0, expert_layers=0, expert_params=0)
     keys = []
 
     def remembered(kind, key, compute):
@@ -145,16 +157,28 @@ def test_a_count_is_kept_and_read_back_and_a_foreign_file_is_counted_again(monke
         return kept
 
     monkeypatch.setattr(modelcount, "remembered", remembered)
-    monkeypatch.setattr(modelcount, "_count", lambda text: made)
+    monkeypatch.setattr(modelcount, "_count", lambda text: fresh)  # counted again
     kept = {**made.__dict__, "linears": [["q", 2, 2, 1]], "stacked": []}  # as JSON keeps it
     assert modelcount.count({"b": 1, "a": 2}) == made
     assert keys == [("model-counts", f'{modelcount.COUNT_VERSION}\0{{"a": 2, "b": 1}}')]
     kept = None  # transformers could not build it
     assert modelcount.count({"a": 2}) is None
     kept = {"params": 1, "not_a_field": 2}  # another version's file
-    assert modelcount.count({"a": 2}) == made
+    assert modelcount.count({"a": 2}) == fresh
     monkeypatch.setattr(modelcount, "transformers_version", lambda: None)
     assert modelcount.count({"a": 2}) is None
+
+
+def test_a_count_goes_through_the_cache_and_what_cannot_be_built_is_kept_as_none(
+    tmp_path, monkeypatch
+):
+    from snaketune.budget import modelcount
+
+    monkeypatch.setenv("SNAKETUNE_CACHE", str(tmp_path))
+    counted = modelcount.count(LLAMA)
+    assert counted is not None and counted.params > 0
+    assert modelcount.count({"model_type": "no-such-model"}) is None
+    assert len(list((tmp_path / "model-counts").iterdir())) == 2  # both kept
 
 
 def test_a_config_is_built_by_the_class_it_names_and_an_unknown_one_is_not_counted():
@@ -162,11 +186,7 @@ def test_a_config_is_built_by_the_class_it_names_and_an_unknown_one_is_not_count
 
     from snaketune.budget.modelcount import _count
 
-    cfg = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
-           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-           "vocab_size": 64, "tie_word_embeddings": False,
-           "architectures": ["LlamaForCausalLM"], "transformers_version": "0.0",
-           "quantization_config": {"quant_method": "none"}}  # fmt: skip
+    cfg = LLAMA
     import json
 
     counted = _count(json.dumps(cfg))
@@ -177,4 +197,6 @@ def test_a_config_is_built_by_the_class_it_names_and_an_unknown_one_is_not_count
     reward = _count(json.dumps({**cfg, "architectures": ["LlamaForSequenceClassification"]}))
     assert reward.params < counted.params  # a score head of 2, not the vocabulary's
     assert _count(json.dumps({**cfg, "architectures": ["NoSuchClass"]})) == counted
+    both = ["LlamaForCausalLM", "LlamaForSequenceClassification"]  # the first is built
+    assert _count(json.dumps({**cfg, "architectures": both})) == counted
     assert _count(json.dumps({"model_type": "no-such-model"})) is None
