@@ -275,6 +275,8 @@ def test_one_example_at_a_time_is_each_example_s_causal_attention_alone():
     check(segment_attention(None, *one, None, position_ids=inside), [[0, 3, 9, 12]])
     last_one = torch.tensor([[7, *range(11)]])  # the slice holds one token of an example
     check(segment_attention(None, *one, None, position_ids=last_one), [[0, 1, 12]])
+    within = torch.tensor([[*range(40, 52)]])  # a slice inside one long example: no restart
+    check(segment_attention(None, *one, None, position_ids=within), [[0, 12]])
     check(segment_attention(None, q, k, v, None), [[0, 12]] * 2)
     check(segment_attention(None, q, k, v, None, scaling=0.3), [[0, 12]] * 2, s=0.3)
     for refused in ({"attention_mask": torch.ones(2, 1, length, length)},
