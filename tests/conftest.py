@@ -96,6 +96,18 @@ def tokenizer(tiny_model):
     return load_tokenizer(tiny_model)
 
 
+@pytest.fixture(scope="session")
+def qwen_tokenizer(tmp_path_factory):
+    """Qwen3.5's tokenizer (its <|im_start|> and <|im_end|> special tokens), for the tests of
+    the chat renderer's rules on templates built to hit each."""
+    from families import build
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        build("qwen3.5", ["hi yo and ok"] * 4, tmp_path_factory.mktemp("qwen"))
+    )
+
+
 def failing_load(exc: BaseException, asked: dict):
     """A ``from_pretrained`` stand-in that notes its keyword arguments in ``asked`` and
     raises ``exc`` (a model folder that cannot load)."""

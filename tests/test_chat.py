@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+from test_fullrender import CHATML
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 TRIM = CHATML.replace("{{ m.content }}", "{{ m.content | trim }}")
 # "@" written out: probes hold none, so only a spot check on a row with one can find it
 AT = CHATML.replace("{{ m.content }}", "{{ m.content | replace('@', ' at ') }}")
@@ -39,13 +38,9 @@ ROWS = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from families import build
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(build("qwen3.5", ["hi yo and ok"] * 4,
-                                               tmp_path_factory.mktemp("qwen")))  # fmt: skip
+@pytest.fixture
+def tokenizer(qwen_tokenizer):
+    return qwen_tokenizer
 
 
 def renderer(tokenizer, template):

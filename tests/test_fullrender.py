@@ -55,13 +55,9 @@ TURNS = (("user", "hi", None, None), ("assistant", "yo", None, None),
          ("user", "and", None, None), ("assistant", "ok", None, None))  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from families import build
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(build("qwen3.5", ["hi yo and ok"] * 4,
-                                               tmp_path_factory.mktemp("qwen")))  # fmt: skip
+@pytest.fixture
+def tokenizer(qwen_tokenizer):
+    return qwen_tokenizer
 
 
 def spans_of(tokenizer, template, turns=TURNS):

@@ -5,6 +5,8 @@ experts, the towers outside the language model; and ``count``'s cache and its re
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -79,13 +81,7 @@ class Flat(nn.Module):
 
 
 def numel(*shapes):
-    out = 0
-    for shape in shapes:
-        size = 1
-        for s in shape:
-            size *= s
-        out += size
-    return out
+    return sum(math.prod(shape) for shape in shapes)
 
 
 # each layer's attention and norm; a dense layer's MLP; an experts module's parameters
