@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--metrics", type=json.loads, default=None,
-        help="the user's metrics as JSON (snaketune.methods.scorers.spec)",
+        help="the user's metrics as JSON (snaketune.evaluation.scorers.spec)",
     )  # fmt: skip
     parser.add_argument(
         "--adapter-base",
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tools", type=json.loads, default=None,
         help="a run with tools: its tools and their settings as JSON (the tool loop runs on "
-        "each held-out prompt: snaketune.methods.tooluse.ToolLoop)",
+        "each held-out prompt: snaketune.tools.tooluse.ToolLoop)",
     )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes the model is sharded over")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs of each node")
@@ -133,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
         from snaketune.evaluation.evaluate import evaluate, recorded_scores
+        from snaketune.evaluation.scorers import scorer
         from snaketune.evaluation.sharded import Share
-        from snaketune.methods.scorers import scorer
 
         load("transformers.modeling_utils")  # what loading a model imports
 
@@ -208,7 +208,7 @@ def tool_loop(settings: dict | None):
     """The evaluation's generation of a run with tools (None: plain generation)."""
     if not settings:
         return None
-    from snaketune.methods.toolloop import ToolLoop
+    from snaketune.tools.toolloop import ToolLoop
 
     return ToolLoop(settings)
 

@@ -39,14 +39,14 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "group-std", "a reward model's per-group z-score divides by the population std, not the sample std TRL uses",
-        f"{LIB}/methods/model_rewards.py",
+        f"{LIB}/evaluation/model_rewards.py",
         "        var = sum((x - mean) ** 2 for x in chunk) / max(1, len(chunk) - 1)\n",
         "        var = sum((x - mean) ** 2 for x in chunk) / len(chunk)\n",
         ("tests/test_model_rewards.py::test_group_normalisation_is_a_z_score_within_each_prompt_s_completions",),
     ),
     Mutation(
         "prompt-turns", "a reward model reads only the prompt's last turn (the dataset's system prompt dropped)",
-        f"{LIB}/methods/model_rewards.py",
+        f"{LIB}/evaluation/model_rewards.py",
         "            turns[(name, row)] = tuple(conv[:last])\n",
         "            turns[(name, row)] = tuple(conv[last - 1 : last])\n",
         ("tests/test_model_rewards.py::test_the_prompt_s_turns_come_from_its_source_row",),
@@ -158,7 +158,7 @@ MUTATIONS = (
     ),
     Mutation(
         "user-columns", "a user's reward function is no longer given the source row's columns",
-        f"{LIB}/methods/rewards.py",
+        f"{LIB}/evaluation/rewards.py",
         '        x.update({k: v for k, v in columns[x["example_id"]].items() if k not in x})',
         "        pass",
         ("tests/test_rewards.py::test_the_source_rows_other_columns_reach_the_function",),
@@ -398,14 +398,14 @@ MUTATIONS = (
     ),
     Mutation(
         "hung-tool-blocks", "a tool that hangs holds its rank until it returns (no time limit in effect)",
-        f"{LIB}/methods/toolrunner.py",
+        f"{LIB}/tools/toolrunner.py",
         "        if not self._conn.poll(self.timeout_s):",
         "        if not self._conn.poll(self.timeout_s * 40):",
         ("tests/test_toolrunner.py::test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived",),
     ),
     Mutation(
         "grpo-tool-limits-ignored", "GRPO's tool runner ignores grpo.tool_timeout_s and tool_max_chars",
-        f"{LIB}/methods/tooluse.py",
+        f"{LIB}/tools/tooluse.py",
         '            b["tools"], b["tool_timeout_s"], b["tool_max_chars"], b.get("environment")',
         '            b["tools"], environment=b.get("environment")',
         ("tests/test_agents.py::test_grpo_with_tools_after_sft_survives_failing_tools_and_counts_them",),

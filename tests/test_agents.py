@@ -1,4 +1,4 @@
-"""GRPO with tools (snaketune.methods.tooluse): a tiny Llama 3.2 (its Hub template) taught
+"""GRPO with tools (snaketune.tools.tooluse): a tiny Llama 3.2 (its Hub template) taught
 the call format by SFT on tool-call transcripts, then trained with GRPO calling the user's
 tools: one that adds, one that raises, one that hangs past its limit, one that prints a
 megabyte. The run goes on; each failure is counted; the rewards see whole trajectories; the
@@ -273,7 +273,7 @@ def check_agent_evaluation(w, held) -> None:
 def test_a_tool_that_cannot_be_used_is_one_line_naming_it(source, key, line, tmp_path,
                                                           monkeypatch):  # fmt: skip
     from snaketune.core.errors import ConfigError
-    from snaketune.methods import tooluse
+    from snaketune.tools import tooluse
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text(source)
@@ -285,7 +285,7 @@ def test_a_tool_that_cannot_be_used_is_one_line_naming_it(source, key, line, tmp
 def test_two_tools_of_one_name_and_a_reward_model_beside_tools_are_refused(tmp_path,
                                                                           monkeypatch):  # fmt: skip
     from snaketune.core.errors import ConfigError
-    from snaketune.methods import tooluse
+    from snaketune.tools import tooluse
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tools.py").write_text(TOOLS_PY)
@@ -336,7 +336,7 @@ def test_a_grpo_run_without_tools_keeps_its_spec_and_a_tool_s_file_is_in_it(tmp_
 def test_a_model_whose_template_s_calls_cannot_be_parsed_is_named_before_queueing(
     family, parses, tmp_path
 ):
-    from snaketune.methods.tooluse import template_problem
+    from snaketune.tools.tooluse import template_problem
 
     model_dir = build(family, ["What is 2 plus 3?"] * 4, tmp_path / family)
     problem = template_problem(model_dir)
@@ -352,7 +352,7 @@ def test_a_model_whose_template_s_calls_cannot_be_parsed_is_named_before_queuein
 
 
 def test_the_built_in_rewards_score_a_trajectory_s_last_answer():
-    from snaketune.methods.rewards import correctness, format_reward
+    from snaketune.evaluation.rewards import correctness, format_reward
 
     trajectory = [
         {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
@@ -390,7 +390,7 @@ SHOP_OWN = (
 def test_an_environment_that_cannot_be_used_is_one_line_naming_it(source, line, tmp_path,
                                                                   monkeypatch):  # fmt: skip
     from snaketune.core.errors import ConfigError
-    from snaketune.methods import tooluse
+    from snaketune.tools import tooluse
 
     monkeypatch.chdir(tmp_path)
     if source is not None:
@@ -403,7 +403,7 @@ def test_an_environment_that_cannot_be_used_is_one_line_naming_it(source, line, 
 
 
 def test_an_environment_s_own_methods_and_helpers_need_no_schema(tmp_path, monkeypatch):
-    from snaketune.methods import tooluse
+    from snaketune.tools import tooluse
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shop.py").write_text(SHOP_OWN)
@@ -412,7 +412,8 @@ def test_an_environment_s_own_methods_and_helpers_need_no_schema(tmp_path, monke
 
 
 def test_a_run_calls_tools_only_with_tools_or_an_environment():
-    from snaketune.methods.tooluse import calls_tools, name_of
+    from snaketune.methods import calls_tools
+    from snaketune.tools.tooluse import name_of
 
     assert not calls_tools({"method": "grpo", "grpo": {"tools": [], "environment": None}})
     assert calls_tools({"method": "grpo", "grpo": {"tools": ["t.py:add"]}})

@@ -13,7 +13,18 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "scripts/snaketune"
 # bottom to top
-WINGS = ("core", "data", "evaluation", "methods", "plan", "budget", "train", "export", "app")
+WINGS = (
+    "core",
+    "data",
+    "evaluation",
+    "tools",
+    "methods",
+    "plan",
+    "budget",
+    "train",
+    "export",
+    "app",
+)
 
 
 def imported(path: Path) -> set[str]:
@@ -118,3 +129,47 @@ def test_the_architecture_doc_lists_every_module_and_no_other():
         named = listed[wing] - {"__init__"}
         missing, stale = modules - named, named - modules
         assert not missing and not stale, (wing, "not listed:", missing, "no such:", stale)
+
+
+def method_layout(imports: dict[str, set[str]], registered: set[str]) -> list[str]:
+    """What breaks "``methods/`` holds methods" in a map of each methods/ module to the
+    snaketune modules it imports: a method (a module the registry names) importing another
+    method, or a module that is no method and that fewer than two methods import (a tool,
+    a scorer, one method's helper: it belongs in its own wing or in its method)."""
+    wrong = []
+    for name, modules in sorted(imports.items()):
+        if name in registered:
+            wrong += [f"method {name} imports method {m}" for m in sorted(modules & registered)]
+        elif name != "snaketune.methods":
+            users = [m for m in registered if name in imports.get(m, set())]
+            if len(users) < 2:
+                wrong.append(f"{name} is no method and is shared by {len(users)} method(s)")
+    return wrong
+
+
+def test_methods_holds_methods_and_no_method_imports_another():
+    from snaketune.methods import REGISTRY
+
+    registered = {module for module, _ in REGISTRY.values()}
+    imports = {}
+    for path in sorted((PACKAGE / "methods").glob("*.py")):
+        name = f"snaketune.methods.{path.stem}".removesuffix(".__init__")
+        imports[name] = {m for m in imported(path) if m.startswith("snaketune.methods.")}
+    assert registered <= set(imports)
+    assert method_layout(imports, registered) == []
+
+
+def test_the_method_layout_check_sees_a_method_importing_another_and_a_stray_module():
+    """(the check above can fail: SimPO importing DPO's collator, a tool runner in methods/)"""
+    m = "snaketune.methods."
+    imports = {
+        f"{m}dpo": {f"{m}training"},
+        f"{m}simpo": {f"{m}dpo", f"{m}dpo.PairCollator", f"{m}training"},
+        f"{m}grpo": {f"{m}training", f"{m}toolrunner"},
+        f"{m}training": set(),
+        f"{m}toolrunner": set(),
+    }
+    assert method_layout(imports, {f"{m}dpo", f"{m}simpo", f"{m}grpo"}) == [
+        f"method {m}simpo imports method {m}dpo",
+        f"{m}toolrunner is no method and is shared by 1 method(s)",
+    ]

@@ -253,7 +253,7 @@ def test_unequal_micro_batches_give_the_global_batch_mean(tmp_path, tiny_model, 
     from trl import DPOConfig
 
     from snaketune.data.pairs import pair_batch
-    from snaketune.methods.dpo import trainer_class
+    from snaketune.methods.pair_trainer import trainer_class
 
     path = fixtures_dir / "gsm8k-demo/pairs-train.jsonl"
     rows, _ = run_tokenize(tmp_path, "gsm8k_pairs", GSM8K_PAIRS, path, tiny_model)
@@ -299,7 +299,7 @@ def test_simpo_of_unequal_micro_batches_equals_the_paper_s_loss(tmp_path, tiny_m
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
-    from snaketune.methods.dpo import trainer_class
+    from snaketune.methods.pair_trainer import trainer_class
     from snaketune.methods.simpo import SimPOCollator
     from snaketune.methods.simpo import step_fields as simpo_step_fields
 

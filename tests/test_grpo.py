@@ -30,8 +30,8 @@ from snaketune.app.plots import training_svg
 from snaketune.app.summary import summary_row
 from snaketune.core.heldout import split_rows
 from snaketune.data.batches import PlanBatches
+from snaketune.evaluation.rewards import correctness, format_reward
 from snaketune.methods import method_named
-from snaketune.methods.rewards import correctness, format_reward
 from snaketune.methods.rollout_trainer import group_batches
 from snaketune.methods.rollouts import step_fields
 from snaketune.plan import stages, trainjob

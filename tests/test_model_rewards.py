@@ -1,4 +1,4 @@
-"""A reward model as a GRPO reward ("model:<run>", snaketune.methods.model_rewards): the
+"""A reward model as a GRPO reward ("model:<run>", snaketune.evaluation.model_rewards): the
 config's refusals, what the workflow hands the train job (the reward run's final model as
 an input, what scoring needs in the spec), the prompts' turns read from the source rows,
 the per-group z-score. The reward model's scores in a GRPO job, against plain
@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT
 
 from snaketune.core.errors import ConfigError
-from snaketune.methods import model_rewards
+from snaketune.evaluation import model_rewards
 from snaketune.plan import trainjob
 from snaketune.plan.config import load_yaml, validate_config
 

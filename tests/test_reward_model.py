@@ -490,7 +490,7 @@ def test_grpo_scores_its_completions_with_a_reward_run_s_model(reward_chain, mon
     ranks right sums above wrong ones."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from snaketune.methods import model_rewards
+    from snaketune.evaluation import model_rewards
 
     w = reward_chain
     metrics = read_jsonl(w / "results/grpo_rm/train/metrics.jsonl")

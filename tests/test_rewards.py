@@ -1,4 +1,4 @@
-"""GRPO's reward functions of the user's own (snaketune.methods.rewards): the checks before
+"""GRPO's reward functions of the user's own (snaketune.evaluation.rewards): the checks before
 anything runs, the wrapper in the training job (one line naming the file, the function and
 the completion), the dataset's other columns as keywords, the code's digest in the train
 job's spec, each reward's figures in metrics.jsonl and summary.tsv. The GRPO demo's run
@@ -19,8 +19,8 @@ from conftest import ROOT
 
 from snaketune.app.summary import extra_columns
 from snaketune.core.errors import ConfigError
-from snaketune.methods import rewards
-from snaketune.methods.rewards import correctness
+from snaketune.evaluation import rewards
+from snaketune.evaluation.rewards import correctness
 from snaketune.methods.rollouts import reward_quarters, step_fields
 from snaketune.plan import trainjob
 from snaketune.plan.config import load_yaml, validate_config

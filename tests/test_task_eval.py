@@ -218,7 +218,7 @@ def country(prompts, completions, country, **kwargs):
 def test_a_user_metric_scores_each_sample_and_the_base_s_with_the_source_columns(
     tmp_path, monkeypatch
 ):
-    from snaketune.methods.scorers import scorer, spec
+    from snaketune.evaluation.scorers import scorer, spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "metrics.py").write_text(METRIC)
@@ -292,7 +292,7 @@ def test_an_edited_metric_reruns_the_evaluation_only(tmp_path, monkeypatch):
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["runs"]["demo"]["eval"]["metrics"] = ["m.py:overlap"]
     run = validate_config(config, ROOT)["runs"]["demo"]
-    from snaketune.methods.scorers import spec
+    from snaketune.evaluation.scorers import spec
 
     before = run_eval_args(run, spec({"runs": {"demo": run}}, "demo", str, lambda m: None))
     trained = train_spec(run)

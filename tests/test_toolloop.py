@@ -1,10 +1,10 @@
-"""The evaluation's tool loop (snaketune.methods.toolloop) in this process, with a scripted
+"""The evaluation's tool loop (snaketune.tools.toolloop) in this process, with a scripted
 model: the real family tokenizers and templates (Qwen3.5's XML calls, Llama 3's JSON ones
 and its printed date), TRL's parser, the user's tools in the runner's process. What each
 held-out prompt's trajectory holds, when the loop stops (no call, the rounds spent, a
 generation cut by its token limit), a call to a tool that is not there, batches split
 across rows, and the figures and the report's text of each trajectory. And the rank's side
-of GRPO with tools (snaketune.methods.tooluse.Tools) with a stand-in trainer."""
+of GRPO with tools (snaketune.tools.tooluse.Tools) with a stand-in trainer."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ class Scripted:
 def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from snaketune.methods.rewards import _load
-    from snaketune.methods.toolloop import ToolLoop
+    from snaketune.evaluation.rewards import _load
+    from snaketune.tools.toolloop import ToolLoop
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tools.py").write_text(TOOLS)
@@ -135,7 +135,7 @@ def test_the_tool_loop_runs_each_prompt_s_calls_until_it_answers(family, tmp_pat
 
 
 def test_a_trajectory_is_shown_call_by_call_and_figures_of_no_samples_are_zero():
-    from snaketune.methods.toolloop import ToolLoop, shown
+    from snaketune.tools.toolloop import ToolLoop, shown
 
     trajectory = [
         {"role": "assistant", "content": "Let me add.", "tool_calls": [
@@ -179,7 +179,7 @@ class Room:
 
 def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_path,
                                                                            monkeypatch):  # fmt: skip
-    """The rank's side of GRPO with tools (snaketune.methods.tooluse.Tools) with a stand-in
+    """The rank's side of GRPO with tools (snaketune.tools.tooluse.Tools) with a stand-in
     trainer: the rollout table's prompts made the source rows' conversations, TRL's trainer
     and config arguments (the environment's factory only with one), the first trajectory's
     runs of trained and untrained tokens as the loss masks them (rank 0 only), and the
@@ -188,7 +188,7 @@ def test_a_ranks_tools_give_trl_its_arguments_and_record_each_steps_figures(tmp_
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from snaketune.methods.tooluse import Tools
+    from snaketune.tools.tooluse import Tools
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tools.py").write_text(TOOLS)
@@ -316,8 +316,8 @@ def test_the_tool_loop_with_an_environment_resets_one_per_prompt_and_offers_its_
     private one) the model's tools beside the run's."""
     from transformers import AutoTokenizer
 
-    from snaketune.methods.rewards import _load
-    from snaketune.methods.toolloop import ToolLoop
+    from snaketune.evaluation.rewards import _load
+    from snaketune.tools.toolloop import ToolLoop
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tools.py").write_text(TOOLS)

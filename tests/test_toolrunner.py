@@ -1,4 +1,4 @@
-"""A user's tools run in a child process of the rank (snaketune.methods.toolrunner): a tool
+"""A user's tools run in a child process of the rank (snaketune.tools.toolrunner): a tool
 that raises, one that hangs past its limit, one that prints and returns megabytes and one
 that kills its process each come back as text the model is told, counted, and the next call
 goes on; the functions the trainer is handed describe the tools as the user wrote them."""
@@ -68,7 +68,7 @@ def die(code: int) -> str:
 
 @pytest.fixture
 def runner(tmp_path, monkeypatch):
-    from snaketune.methods.toolrunner import ToolRunner
+    from snaketune.tools.toolrunner import ToolRunner
 
     (tmp_path / "my_tools.py").write_text(TOOLS)
     monkeypatch.chdir(tmp_path)  # user keys are found from the working directory
@@ -79,7 +79,7 @@ def runner(tmp_path, monkeypatch):
 
 
 def test_each_kind_of_failing_tool_is_told_to_the_model_counted_and_survived(runner):
-    from snaketune.methods.toolrunner import ToolFailed
+    from snaketune.tools.toolrunner import ToolFailed
 
     assert runner.call("add", {"a": 12, "b": 30}) == "42"
     first = runner._process.pid
@@ -108,7 +108,7 @@ def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeyp
     2.5 s, past the 1.5 s a call may take) is not the call's: the first call and the first
     after a hang are answered, where both were ended as hung before; a tools file that
     cannot load is told as a process that did not start, counted as died."""
-    from snaketune.methods.toolrunner import ToolFailed, ToolRunner
+    from snaketune.tools.toolrunner import ToolFailed, ToolRunner
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "slow.py").write_text(SLOW_IMPORT)
@@ -122,7 +122,7 @@ def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeyp
     finally:
         runner.close()
     # a start past its limit (here 1 s) is a process that did not start
-    monkeypatch.setattr("snaketune.methods.toolrunner.STARTUP_S", 1.0)
+    monkeypatch.setattr("snaketune.tools.toolrunner.STARTUP_S", 1.0)
     late = ToolRunner(["slow.py:add"], timeout_s=30, max_chars=100)
     try:
         with pytest.raises(ToolFailed, match="add's process did not start: .* over 1 s"):
@@ -143,7 +143,7 @@ def test_a_call_s_time_limit_counts_from_a_loaded_tool_process(tmp_path, monkeyp
 def test_the_hung_tools_process_is_gone_and_close_leaves_no_process(runner):
     import psutil
 
-    from snaketune.methods.toolrunner import ToolFailed
+    from snaketune.tools.toolrunner import ToolFailed
 
     runner.call("add", {"a": 1, "b": 1})
     # a daemon: a rank's exit does not wait for it (a rank that exits without close: the
@@ -164,7 +164,7 @@ def test_the_functions_describe_the_tools_as_the_user_wrote_them(runner):
     (TRL shows the model the tools from it), and calling it runs the tool in the child."""
     from transformers.utils import get_json_schema
 
-    from snaketune.methods.rewards import _load
+    from snaketune.evaluation.rewards import _load
 
     functions = runner.functions()
     assert [f.__name__ for f in functions] == ["add", "boom", "hang", "chatty", "die"]
@@ -216,8 +216,8 @@ def test_an_environment_s_instances_keep_their_own_state_in_the_tool_process(tmp
 
     from transformers.utils import get_json_schema
 
-    from snaketune.methods.rewards import _load
-    from snaketune.methods.toolrunner import ToolFailed, ToolRunner
+    from snaketune.evaluation.rewards import _load
+    from snaketune.tools.toolrunner import ToolFailed, ToolRunner
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shop.py").write_text(SHOP)
@@ -311,7 +311,7 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
     import sys
     import threading
 
-    from snaketune.methods.toolrunner import _serve
+    from snaketune.tools.toolrunner import _serve
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text(LOOP_TOOLS)
@@ -374,7 +374,7 @@ def test_the_tool_process_loop_answers_each_call_and_each_edge_here(tmp_path, mo
 def test_close_lets_the_tool_process_end_itself(tmp_path, monkeypatch):
     """``close`` asks the tool process to end (what it holds flushed, its exit handlers
     run) before it is killed: a killed one writes nothing more."""
-    from snaketune.methods.toolrunner import ToolRunner
+    from snaketune.tools.toolrunner import ToolRunner
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text(LOOP_TOOLS + "\nimport atexit\n\natexit.register("
@@ -391,7 +391,7 @@ def test_a_rank_that_ends_without_closing_its_runner_exits(tmp_path):
     not wait at its exit for its tool process, which waits for the next call."""
     (tmp_path / "t.py").write_text(LOOP_TOOLS)
     script = (
-        "from snaketune.methods.toolrunner import ToolRunner\n"
+        "from snaketune.tools.toolrunner import ToolRunner\n"
         "runner = ToolRunner(['t.py:add'], timeout_s=30, max_chars=100)\n"
         "assert runner.call('add', {'a': 1, 'b': 2}) == '3'\n"
     )
@@ -410,7 +410,7 @@ def test_a_killed_rank_s_hung_tool_process_ends(tmp_path):
     (tmp_path / "my_tools.py").write_text(TOOLS)
     script = (
         "import threading, time\n"
-        "from snaketune.methods.toolrunner import ToolRunner\n"
+        "from snaketune.tools.toolrunner import ToolRunner\n"
         "runner = ToolRunner(['my_tools.py:hang'], timeout_s=3600, max_chars=100)\n"
         "threading.Thread(target=runner.call, args=('hang', {'seconds': 3600})).start()\n"
         "while runner._process is None or runner._conn is None:\n"
@@ -444,7 +444,7 @@ def test_a_killed_rank_s_hung_tool_process_ends(tmp_path):
 def test_a_tool_process_ends_itself_when_its_rank_is_gone(monkeypatch):
     """The watch ends the process (``os._exit``) once its parent is another process, and
     keeps waiting while it is the same."""
-    from snaketune.methods import toolrunner
+    from snaketune.tools import toolrunner
 
     ended, parents = [], iter([7, 7, 1])
     monkeypatch.setattr(toolrunner.os, "getppid", lambda: next(parents))

@@ -53,7 +53,7 @@ def test_the_map_counts_a_test_s_processes_its_fixtures_and_its_file_s_imports(t
     assert "snaketune.methods.grpo" not in dpo["modules"]
     assert "snaketune.methods.dpo" not in grpo["modules"]
     # test_grpo.py's own imports of the library, with what they import
-    assert "snaketune.methods.rewards" in grpo["modules"]
+    assert "snaketune.evaluation.rewards" in grpo["modules"]
     assert "snaketune.core.errors" in grpo["modules"]
     assert "snaketune.methods.dpo" in the_map["modules_known"]
 

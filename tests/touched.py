@@ -45,8 +45,10 @@ CENTRAL = (
 # A snakemake process loads every method's module to compose the config schema
 # (snaketune.methods.compose_schema) and runs only the methods of the config's runs at
 # parse time: its method modules count through the jobs that train with them, not for it.
-METHOD_MODULES = tuple(f"snaketune.methods.{m}" for m in (
-    "dpo", "grpo", "sft", "reward_model", "rewards", "model_rewards", "moe"))  # fmt: skip
+METHOD_MODULES = (
+    *(f"snaketune.methods.{m}" for m in ("dpo", "grpo", "sft", "reward_model", "moe")),
+    "snaketune.evaluation.rewards", "snaketune.evaluation.model_rewards",
+)  # fmt: skip
 # What no test runs: a change here selects nothing.
 # .ci/base: the commit a session started from (which CI reads), not anything a test runs
 INERT = ("*.md", "docs/*", "LICENSE", ".gitignore", "tests/touched-map.json", ".ci/base")

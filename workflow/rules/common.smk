@@ -6,7 +6,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from snaketune.methods import scorers
+from snaketune.evaluation import scorers
 from snaketune.methods import method_of
 from snaketune.evaluation import settings as evaluations
 from snaketune.budget import fit, scoring, slurmfit

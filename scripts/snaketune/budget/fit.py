@@ -175,7 +175,8 @@ def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Pa
     """Weights of the reward models a GRPO run scores with ("model:<run>" rewards), from
     each reward run's model config.json where it can be read now (an LM head counted where
     the score head will be: a little over)."""
-    from snaketune.methods.model_rewards import reward_runs, settings_run
+    from snaketune.evaluation.model_rewards import settings_run
+    from snaketune.methods import reward_runs
 
     total = 0
     for name in reward_runs(run):
@@ -364,7 +365,8 @@ def model_problems(
                 f"runs.{name}.packing: model {run['model']} cannot train on packed "
                 f"sequences ({why}); set packing: auto (trains it padded) or false"
             )
-    from snaketune.methods.tooluse import calls_tools, template_problem
+    from snaketune.methods import calls_tools
+    from snaketune.tools.tooluse import template_problem
 
     if calls_tools(run) and config_json is not None:
         why = template_problem(config_json.parent)

@@ -193,7 +193,7 @@ def scored(
     log-probs), every rank on its share; the figures and samples of all of them, in the
     eval set's order, on rank 0 (empty on the others). ``teacher``: a teacher's top-k of the
     rows (snaketune.evaluation.topk), the held-out KL to it too. ``generator``: what
-    generates in place of ``generate`` (a run with tools: snaketune.methods.tooluse.ToolLoop,
+    generates in place of ``generate`` (a run with tools: snaketune.tools.tooluse.ToolLoop,
     whose ``finish(samples, metrics)`` adds its own)."""
     pad = pad_id(tokenizer)
     metrics: dict[str, Any] = heldout_loss(model, rows, batch_size, pad, share)
@@ -310,7 +310,7 @@ def evaluate(
     An eval set whose kind scores its rows (pairs) adds their scores to each sample and its
     figures (against ``base_pairs``, the starting model's, with ``beta``). ``first``: its
     method's headline; ``user_scores(samples, metrics)`` adds the user's metrics
-    (snaketune.methods.scorers), returns their keys; ``teacher``: the teacher's top-k of
+    (snaketune.evaluation.scorers), returns their keys; ``teacher``: the teacher's top-k of
     the eval set (a distilled model's held-out KL to it); ``generator``: as ``scored``'s."""
     if train_tokenized is not None:
         check_overlap(train_tokenized, eval_tokenized)

@@ -23,7 +23,7 @@ and, for a method that scores pairs with a beta (DPO), the implicit reward's
 ``preference_accuracy`` and ``reward_margin`` only; a distilled model's adds ``heldout_kl``,
 its forward KL from the teacher's top-k on the eval set, and the teacher's own held-out
 ``teacher_loss`` beside its ``loss``; the user's own metrics (``eval.metrics``,
-snaketune.methods.scorers) are figures under their keys.
+snaketune.evaluation.scorers) are figures under their keys.
 
 A run's *headline* is its method's own figures (snaketune.methods: ``Method.headline``),
 then its data's, then the held-out loss, then the user's metrics: the end-of-run line,

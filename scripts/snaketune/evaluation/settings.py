@@ -23,7 +23,7 @@ def eval_args(
 ) -> str:
     """evaluate.py options for eval settings: a run's (``method``, its name; ``own``, its
     method's settings, snaketune.methods' ``eval_settings``; ``metrics``, the user's
-    metrics, snaketune.methods.scorers.spec) or a base model's (none of them)."""
+    metrics, snaketune.evaluation.scorers.spec) or a base model's (none of them)."""
     import shlex
 
     args = f"--max-new-tokens {settings['max_new_tokens']} --batch-size {settings['batch_size']}"

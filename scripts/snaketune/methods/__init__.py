@@ -47,6 +47,35 @@ def methods() -> dict[str, Method]:
     return {name: method_named(name) for name in REGISTRY}
 
 
+def calls_tools(run: Mapping[str, Any]) -> bool:
+    """Whether a run calls tools (its method's block's ``tools`` or ``environment``)."""
+    from snaketune.tools.tooluse import uses_tools
+
+    block = method_of(run).block
+    return bool(block) and uses_tools(run.get(block, {}))
+
+
+def reward_runs(run: Mapping[str, Any]) -> list[str]:
+    """The runs whose reward models ``run`` scores with (the ``model:`` keys of its
+    method's ``rewards``: GRPO's, RLOO's)."""
+    from snaketune.evaluation.model_rewards import model_runs
+
+    if run.get("method") not in REGISTRY:
+        return []
+    block = method_named(run["method"]).block
+    return model_runs(run.get(block, {}).get("rewards", {})) if block else []
+
+
+def reward_model_runs(runs: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    """The runs of a config that train a reward model (a score head), which ``model:<run>``
+    rewards and metrics may name (a run whose method the schema has not checked: none)."""
+    return {
+        name
+        for name, run in runs.items()
+        if run.get("method") in REGISTRY and method_named(run["method"]).head == "score"
+    }
+
+
 def compose_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """The config schema with what each method owns put into the run schema (in place):
     `method`'s names and what each does, each method's own block, and which methods take

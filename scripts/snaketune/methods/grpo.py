@@ -8,8 +8,9 @@ is snaketune.methods.rollouts (the trainer: snaketune.methods.rollout_trainer).
 
 from __future__ import annotations
 
-from snaketune.methods import rollout_trainer, rollouts, tooluse
+from snaketune.methods import rollout_trainer, rollouts
 from snaketune.methods.training import Context
+from snaketune.tools import tooluse
 
 BLOCK = "grpo"
 

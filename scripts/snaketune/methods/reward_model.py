@@ -6,7 +6,7 @@ The loss of a pair is -log sigmoid(r_chosen - r_rejected - margin) (the margin: 
 dataset column ``reward.margin`` names), plus ``center_rewards_coefficient`` x the mean
 squared sum of the two scores when set (TRL's centring). A pair is one planned example:
 its chosen side and its rejected side are in the same micro batch, as DPO's
-(snaketune.methods.dpo: chosen sides first, padded on the right); the score is read at
+(snaketune.methods.pair_trainer: chosen sides first, padded on the right); the score is read at
 each side's last real token. TRL averages a micro batch's pairs; a token-balanced plan
 gives micro batches of unequal pair counts, so each micro batch's loss is weighted by its
 pairs over ``micro_batch_size``: the step's loss is the mean over every pair of the global
@@ -27,8 +27,8 @@ from snaketune.core.errors import DataError
 from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
-from snaketune.methods.dpo import PairCollator
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
+from snaketune.methods.pair_trainer import PairCollator
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def margins_of(column: str, example_ids: list[str]) -> dict[str, float]:
     example id, as the download stage wrote it)."""
     import math
 
-    from snaketune.methods.rewards import source_columns
+    from snaketune.evaluation.rewards import source_columns
 
     rows = source_columns(example_ids)
     out = {}

@@ -9,9 +9,10 @@ import atexit
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.lora_targets import exact_targets
-from snaketune.methods import model_rewards, rewards, rollouts
-from snaketune.methods.tooluse import Tools, uses_tools
+from snaketune.evaluation import model_rewards, rewards
+from snaketune.methods import rollouts
 from snaketune.methods.training import Context, Lean, peft_config
+from snaketune.tools.tooluse import Tools, uses_tools
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data

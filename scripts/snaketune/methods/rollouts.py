@@ -9,8 +9,8 @@ Each step, every device generates ``num_generations`` completions of each of its
 (TRL's ``steps_per_generation`` is the accumulation); TRL gathers every rank's rewards
 before the group statistics (GRPO's normalised advantages, RLOO's leave-one-out
 baselines), which need only each group contiguous, as it is here. Rewards: the built-ins,
-the user's ``"<file.py>:<function>"`` (snaketune.methods.rewards) and reward models'
-``"model:<run>"`` (snaketune.methods.model_rewards).
+the user's ``"<file.py>:<function>"`` (snaketune.evaluation.rewards) and reward models'
+``"model:<run>"`` (snaketune.evaluation.model_rewards).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
-from snaketune.methods import model_rewards, rewards, tooluse
+from snaketune.evaluation import model_rewards, rewards
+from snaketune.methods import reward_model_runs
 from snaketune.methods.common import Method
 from snaketune.methods.outputs import WINDOW, Panel, holds, quarters
+from snaketune.tools import tooluse
 
 if TYPE_CHECKING:
     from snaketune.data.batches import Data
@@ -121,7 +123,7 @@ LOG_KEYS = {
     "kl": "kl",
     "completions/mean_length": "completion_length",
     "completions/clipped_ratio": "completion_clipped",
-    # GRPO with tools (snaketune.methods.tooluse): calls per completion, the share that
+    # GRPO with tools (snaketune.tools.tooluse): calls per completion, the share that
     # failed, the runner's timeouts, dead processes and cut outputs, assistant turns
     "tools/call_frequency": "tool_calls",
     "tools/failure_frequency": "tool_failures",
@@ -177,7 +179,9 @@ def check(
             )
     rewards.check(where, b["rewards"], f"{block}.rewards")
     tooluse.check(where, b)
-    model_rewards.check(where, b["rewards"], config, f"{block}.rewards")
+    model_rewards.check(
+        where, b["rewards"], config, f"{block}.rewards", reward_model_runs(config["runs"])
+    )
     if b["use_vllm"] is True and not installed("vllm"):
         raise ConfigError(
             f"{where}.{block}.use_vllm: true asked for but vLLM is not installed (no "
@@ -348,8 +352,8 @@ SHARED_SCHEMA = """\
       method reward, or a sweep of them: its best member) on the prompt and completion
       in its own chat template (docs/rewards.md).
     type: object
-    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.methods.rewards),
-    # "model:<run>" (snaketune.methods.model_rewards)
+    # other keys: "<path/to/file.py>:<function>" (checked by snaketune.evaluation.rewards),
+    # "model:<run>" (snaketune.evaluation.model_rewards)
     additionalProperties:
       description: Weight of a reward function of yours or of a reward model.
       type: number

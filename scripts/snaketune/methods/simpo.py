@@ -10,7 +10,7 @@ it only in trl.experimental (CPOTrainer, loss_type simpo). The stable DPOTrainer
 exactly: its ``sigmoid_norm`` loss is -log sigmoid(beta * (dc / |chosen| - dr / |rejected|))
 with d = log p - log p_ref of each side; with the reference's log-probs 0 for the chosen
 side and -(gamma / beta) * |rejected| for the rejected one, that is SimPO's loss. So SimPO
-trains on the DPO trainer (snaketune.methods.dpo.pair_trainer), its collator giving each
+trains on the DPO trainer (snaketune.methods.pair_trainer.pair_trainer), its collator giving each
 pair that constant "reference": no reference model, no reference stage, and the DPO
 trainer's pair weighting across unequal micro batches and ragged gathers.
 
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
-from snaketune.methods.dpo import PairCollator, pair_trainer
-from snaketune.methods.dpo import step_fields as dpo_step_fields
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
+from snaketune.methods.pair_trainer import PairCollator, pair_trainer
+from snaketune.methods.pair_trainer import step_fields as dpo_step_fields
 from snaketune.methods.training import Context
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def trainer(ctx: Context, model, data: Data, callbacks: list):
 
 
 def step_fields(logs: dict[str, Any]) -> dict[str, float]:
-    """The DPO trainer's figures of a step (snaketune.methods.dpo.step_fields) but its
+    """The DPO trainer's figures of a step (snaketune.methods.pair_trainer.step_fields) but its
     rewards (DPO's, not SimPO's): each side's log-probs, a mixture of experts' aux_loss."""
     return {k: v for k, v in dpo_step_fields(logs).items() if not k.startswith("reward_")}
 

@@ -20,7 +20,8 @@ from snaketune.data import sequence
 from snaketune.data.formats import FORMAT_FIELDS, SINGLE_DATASET_KEYS, components, has_pictures
 from snaketune.data.kernels import check_kernels_installed
 from snaketune.data.kinds import kind_named, mixes_kinds, own_fields, unread
-from snaketune.methods import compose_schema, method_of, methods, scorers
+from snaketune.evaluation import scorers
+from snaketune.methods import compose_schema, method_of, methods, reward_model_runs
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
     WORKFLOW_ROOT,
@@ -184,7 +185,7 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
                 f"{run['method']} does not train on; set method: {' or '.join(pictures)}",
             )
     method.check(where, run, cfg)
-    scorers.check(where, run, cfg)  # the run's own eval metrics
+    scorers.check(where, run, cfg, method.writes_text, reward_model_runs(cfg["runs"]))
 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:

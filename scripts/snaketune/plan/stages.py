@@ -25,7 +25,7 @@ from snaketune.core.io import digest
 from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
 from snaketune.evaluation.settings import eval_args, shared_eval
-from snaketune.methods import method_of, tooluse
+from snaketune.methods import calls_tools, method_of
 from snaketune.plan.runspec import RunSpec
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
@@ -178,7 +178,7 @@ def tokenize_jobs(config: dict[str, Any], root: Path = Path(".")) -> dict[str, d
 def own_start(run: dict[str, Any]) -> bool:
     """Whether a run's start is scored as the run is and by no other run: its method says so
     (a reward model's new head), or it calls tools (its start is evaluated with them)."""
-    return method_of(run).evaluates_start or tooluse.calls_tools(run)
+    return method_of(run).evaluates_start or calls_tools(run)
 
 
 def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
@@ -202,7 +202,7 @@ def evaluates_its_start(config: dict[str, Any], run: str) -> bool:
 
 def run_eval_args(run: dict[str, Any], metrics: dict[str, Any] | None = None) -> str:
     """evaluate.py options of a run's evaluation: its method (its config name) and the
-    method's own settings, and ``metrics``, the user's (snaketune.methods.scorers.spec)."""
+    method's own settings, and ``metrics``, the user's (snaketune.evaluation.scorers.spec)."""
     return eval_args(run["eval"], run["method"], method_of(run).eval_settings(run), metrics)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
-from snaketune.methods import method_of, model_rewards, tooluse
+from snaketune.evaluation import model_rewards
+from snaketune.methods import calls_tools, method_of, reward_runs
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import (
     as_json,
@@ -20,6 +21,7 @@ from snaketune.plan.stages import (
     tokenize_key,
     tokenized,
 )
+from snaketune.tools import tooluse
 
 # Run keys later stages read; left out of the train rule's params so that changing them
 # does not retrain.
@@ -91,7 +93,7 @@ def prompt_sources(
     from snaketune.data.formats import components
 
     r = config["runs"][run]
-    if not tooluse.calls_tools(r):
+    if not calls_tools(r):
         return None
     keys = ("format", "columns", "system_prompt")
     return {
@@ -107,7 +109,7 @@ def eval_tools_args(config: dict[str, Any], run: str) -> str:
     import shlex
 
     r = config["runs"][run]
-    if not tooluse.calls_tools(r) or "eval_dataset" not in r:
+    if not calls_tools(r) or "eval_dataset" not in r:
         return ""
     b = r[method_of(r).block]
     settings = {k: b[k] for k in tooluse.KEYS if k in b}
@@ -123,6 +125,7 @@ def reward_models(config: dict[str, Any], run: str, resolve: Callable[[str], str
         run,
         lambda name: final_model(config, resolve(name)),
         lambda model: chat_template(config, model),
+        reward_runs(config["runs"][run]),
     )
 
 

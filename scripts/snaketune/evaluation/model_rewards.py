@@ -22,12 +22,12 @@ other rewards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import ConfigError
-from snaketune.methods.rewards import DATASETS, MODEL_KEY, source_of, source_rows
+from snaketune.evaluation.rewards import DATASETS, MODEL_KEY, source_of, source_rows
 
 BATCH = 16  # completions per forward pass of a reward model
 
@@ -37,26 +37,19 @@ def model_runs(rewards: Mapping[str, Any]) -> list[str]:
     return [m["run"] for key in rewards if (m := MODEL_KEY.match(key))]
 
 
-def reward_runs(run: Mapping[str, Any]) -> list[str]:
-    """The runs whose reward models ``run`` scores with (the ``model:`` keys of a rollout
-    method's ``rewards``: GRPO's, RLOO's)."""
-    from snaketune.methods import REGISTRY, method_named
-
-    if run.get("method") not in REGISTRY:
-        return []
-    block = method_named(run["method"]).block
-    return model_runs(run.get(block, {}).get("rewards", {})) if block else []
-
-
 def check(
-    where: str, rewards: Mapping[str, Any], config: Mapping[str, Any], block: str = "grpo.rewards"
+    where: str,
+    rewards: Mapping[str, Any],
+    config: Mapping[str, Any],
+    block: str,
+    reward_models: Collection[str],
 ) -> None:
     """One line for the first ``model:<run>`` key that cannot be scored with: no such run
-    (or sweep), a run that trains no reward model, the run itself."""
-    from snaketune.methods import REGISTRY, method_named
+    (or sweep), a run that trains no reward model (``reward_models``: those that do,
+    snaketune.methods.reward_model_runs), the run itself."""
 
-    def scores(run: Mapping[str, Any]) -> bool:  # a reward run (one the schema let through)
-        return run.get("method") in REGISTRY and method_named(run["method"]).head == "score"
+    def scores(name: str) -> bool:
+        return name in reward_models
 
     runs = config["runs"]
     me = where.removeprefix("runs.")
@@ -67,13 +60,13 @@ def check(
             raise ConfigError(f"{at} names this run itself; name a reward run (method: reward)")
         member = settings_run(runs, name)
         if member not in runs:
-            known = [r for r, v in runs.items() if scores(v)]
+            known = [r for r in runs if scores(r)]
             raise ConfigError(
                 f"{at}: there is no run {name!r}; name a run of method reward ("
                 + (", ".join(known) if known else "none in this config")
                 + ")"
             )
-        if not scores(runs[member]):
+        if not scores(member):
             raise ConfigError(
                 f"{at}: run {name!r} is method {runs[member].get('method')}, not a reward "
                 "model; name a run of method reward (docs/rewards.md)"
@@ -92,19 +85,19 @@ def spec(
     run: str,
     final_model: Callable[[str], str],
     template: Callable[[str], dict[str, str] | None],
-    names: list[str] | None = None,
+    names: list[str],
     dataset: str = "dataset",
 ) -> dict[str, Any] | None:
     """What a GRPO run's train job needs to score with its reward models (None: it has
     none): per reward run, its final model's folder (``final_model``), its chat template
     (``template``: path and sha256 of the model's configured file, or None) and
     max_length (a sweep's: its first member's, as every member's); the settings of the
-    run's datasets (their prompts' turns). ``names``: these reward runs instead of the
-    GRPO run's, the prompts of its ``dataset`` key (eval_dataset: its evaluation's)."""
+    run's datasets (their prompts' turns). ``names``: the reward runs (a GRPO run's,
+    snaketune.methods.reward_runs; a run's metrics'), the prompts of its ``dataset`` key
+    (eval_dataset: its evaluation's)."""
     from snaketune.data.formats import components
 
     r = config["runs"][run]
-    names = reward_runs(r) if names is None else names
     if not names:
         return None
     models = {}

@@ -12,7 +12,7 @@ A reward is named by its key in ``grpo.rewards`` (its value the weight):
   ``answer`` (the reference answer), the source dataset's other columns of each
   completion's row, ``trainer_state`` and TRL's logging hooks; it returns one float (or
   None: no reward for that completion) per completion;
-- ``"model:<run>"``: the score of that run's reward model (snaketune.methods.model_rewards).
+- ``"model:<run>"``: the score of that run's reward model (snaketune.evaluation.model_rewards).
 
 ``check`` runs where the config is read (``snaketune validate``, every dry run, before any
 job): the file exists and imports, the function exists and takes keyword arguments

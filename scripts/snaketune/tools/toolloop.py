@@ -1,4 +1,4 @@
-"""The evaluation of a run with tools (snaketune.methods.tooluse): the tool loop on each
+"""The evaluation of a run with tools (snaketune.tools.tooluse): the tool loop on each
 held-out prompt, its trajectories in the samples and the report, its figures."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from snaketune.methods.rewards import text_of
-from snaketune.methods.tooluse import prompt_messages
+from snaketune.evaluation.rewards import text_of
+from snaketune.tools.tooluse import prompt_messages
 
 
 class ToolLoop:
@@ -27,7 +27,7 @@ class ToolLoop:
     def __call__(self, model, tokenizer, rows, batch_size, max_new_tokens, calls=None):
         from trl.chat_template_utils import add_response_schema
 
-        from snaketune.methods.toolrunner import ToolRunner
+        from snaketune.tools.toolrunner import ToolRunner
 
         s = self.settings
         runner = ToolRunner(

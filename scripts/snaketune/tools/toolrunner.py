@@ -7,7 +7,7 @@ returns or prints beyond ``max_chars`` is cut. Each kind is counted (``Counts``)
 
 ``functions()`` gives each tool as a function with the user's own name, signature and
 docstring (what TRL's GRPOTrainer reads to describe the tool to the model) that calls the
-runner: GRPO with tools (snaketune.methods.tooluse) hands them to TRL's GRPOTrainer.
+runner: GRPO with tools (snaketune.tools.tooluse) hands them to TRL's GRPOTrainer.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _serve(conn, keys: list[str], max_chars: int, environment: str | None = None
     """The child's loop: load the tools (and the environment class), then answer (name,
     kwargs) with (status, text, cut) until told None; what a tool prints is kept (to
     ``max_chars``) after its result."""
-    from snaketune.methods.rewards import _load
+    from snaketune.evaluation.rewards import _load
 
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     tools = {key.rsplit(":", 1)[1]: _load(key) for key in keys}
@@ -198,7 +198,7 @@ class ToolRunner:
 
     def functions(self) -> list[Callable[..., str]]:
         """Each tool as a function with the user's name, signature and docstring."""
-        from snaketune.methods.rewards import _load
+        from snaketune.evaluation.rewards import _load
 
         out = []
         for key in self.keys:
@@ -219,7 +219,7 @@ class ToolRunner:
         """The environment as a class TRL's ``environment_factory`` makes: each instance a
         slot of the child's, each public method (``reset``, ``get_reward`` and the tools)
         with the user's name, signature and docstring, run there as a tool call is."""
-        from snaketune.methods.rewards import _load
+        from snaketune.evaluation.rewards import _load
 
         if self._environment_class is not None:  # one class: its instances, distinct slots
             return self._environment_class

@@ -2,7 +2,7 @@
 scoring the evaluate stage's greedy generations.
 
 - ``"<path/to/file.py>:<function>"``: a function of the user's, called as a GRPO reward
-  function is (snaketune.methods.rewards): keywords ``prompts`` (each example's prompt as
+  function is (snaketune.evaluation.rewards): keywords ``prompts`` (each example's prompt as
   the model saw it), ``completions`` (the generations), ``answer`` (each reference
   response), ``example_id`` and the source dataset's other columns of each row; it
   returns one number per example (None: no figure for that one);
@@ -22,7 +22,7 @@ evaluate stage's settings: an edited function reruns the evaluation only.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,22 @@ def keys_of(run: Mapping[str, Any]) -> list[str]:
     return list((run.get("eval") or {}).get("metrics") or [])
 
 
-def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-    """One line for the first metric that cannot be used (before any job)."""
-    from snaketune.methods import method_of, model_rewards, rewards
+def check(
+    where: str,
+    run: Mapping[str, Any],
+    config: Mapping[str, Any],
+    writes_text: bool,
+    reward_models: Collection[str],
+) -> None:
+    """One line for the first metric that cannot be used (before any job): ``writes_text``,
+    whether the run's model generates; ``reward_models``, the config's runs that train one
+    (snaketune.methods.reward_model_runs)."""
+    from snaketune.evaluation import model_rewards, rewards
 
     keys = keys_of(run)
     if not keys:
         return
-    if not method_of(run).writes_text:
+    if not writes_text:
         raise ConfigError(
             f"{where}.{BLOCK}: a {run['method']} run generates nothing to score; "
             "drop eval.metrics, or put them on a run that generates"
@@ -51,7 +59,7 @@ def check(where: str, run: Mapping[str, Any], config: Mapping[str, Any]) -> None
     if "eval_dataset" not in run:
         raise ConfigError(f"{where}.{BLOCK}: nothing is evaluated; set eval_dataset")
     rewards.check(where, keys, BLOCK)
-    model_rewards.check(where, keys, config, BLOCK)
+    model_rewards.check(where, keys, config, BLOCK, reward_models)
 
 
 def spec(
@@ -63,7 +71,7 @@ def spec(
     """What the evaluate stage needs to score a run's metrics (None: it has none): the
     keys, each file's sha256 (an edit reruns the evaluation), and for ``model:`` keys
     each reward model's folder, template and max_length with the eval set's sources."""
-    from snaketune.methods import model_rewards, rewards
+    from snaketune.evaluation import model_rewards, rewards
 
     r = config["runs"][run]
     keys = keys_of(r)
@@ -87,8 +95,8 @@ def score(settings: Mapping[str, Any], samples: list[dict[str, Any]]) -> dict[st
     """Each metric's value per sample (None where the function gave none), by key."""
     import torch
 
+    from snaketune.evaluation import model_rewards, rewards
     from snaketune.evaluation.model import DTYPES, resolve_precision
-    from snaketune.methods import model_rewards, rewards
 
     keys = settings["keys"]
     ids = [s["example_id"] for s in samples]

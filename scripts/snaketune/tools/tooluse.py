@@ -1,5 +1,5 @@
 """GRPO with tools (``grpo.tools``): the model calls the user's functions during its
-rollouts, TRL's GRPOTrainer runs the loop, snaketune.methods.toolrunner runs the calls.
+rollouts, TRL's GRPOTrainer runs the loop, snaketune.tools.toolrunner runs the calls.
 
 A tool is named as a user's reward is (``"<path/to/file.py>:<function>"``); its name,
 signature and docstring are what the model is told (transformers' ``get_json_schema``: the
@@ -73,14 +73,6 @@ def uses_tools(block: Mapping[str, Any]) -> bool:
     return bool(block.get("tools") or block.get("environment"))
 
 
-def calls_tools(run: Mapping[str, Any]) -> bool:
-    """Whether a run calls tools (a GRPO run's ``grpo.tools`` or ``grpo.environment``)."""
-    from snaketune.methods import method_of
-
-    block = method_of(run).block
-    return bool(block) and uses_tools(run.get(block, {}))
-
-
 def in_spec(block: Mapping[str, Any]) -> dict[str, Any]:
     """The block as the train job's spec holds it: without the tool keys when it has no
     tools (a run made before them keeps its settings, and does not retrain)."""
@@ -98,7 +90,7 @@ def check(where: str, block: Mapping[str, Any]) -> None:
     transformers can make of it; a reward model beside tools."""
     from transformers.utils import get_json_schema
 
-    from snaketune.methods.rewards import USER_KEY, _load, located
+    from snaketune.evaluation.rewards import USER_KEY, _load, located
 
     seen: set[str] = set()
     for key in block.get("tools", []):
@@ -138,7 +130,7 @@ def check_environment(where: str, key: str) -> None:
     that does not import, no such class, no ``reset``, a method the model cannot be told of."""
     from transformers.utils import get_json_schema
 
-    from snaketune.methods.rewards import USER_KEY, _load, located
+    from snaketune.evaluation.rewards import USER_KEY, _load, located
 
     at = f"{where}.grpo.environment: {key!r}"
     if not USER_KEY.match(key) or located(key) is None:
@@ -164,7 +156,7 @@ def check_environment(where: str, key: str) -> None:
 def digests(block: Mapping[str, Any]) -> dict[str, str]:
     """sha256 of each tool's file (and the environment's), by ``tool <key>`` (a changed
     tool retrains the run)."""
-    from snaketune.methods.rewards import located
+    from snaketune.evaluation.rewards import located
 
     out = {}
     for key in [*block.get("tools", []), *filter(None, [block.get("environment")])]:
@@ -203,7 +195,7 @@ def prompt_messages(example_ids: list[str], sources: Mapping[str, Any]) -> dict[
     """Each example's prompt as messages (its source row's turns before the answer), by
     example id; ``sources``: the datasets' specs by name (the spec's ``prompt_sources``)."""
     from snaketune.data.conversations import Source, conversations
-    from snaketune.methods.rewards import DATASETS, source_of, source_rows
+    from snaketune.evaluation.rewards import DATASETS, source_of, source_rows
 
     turns = {}
     for name, (order, table) in source_rows(example_ids).items():
@@ -220,7 +212,7 @@ class Tools:
     rollout table with conversational prompts, and each step's figures (``figures``)."""
 
     def __init__(self, run: Mapping[str, Any], block: str, table):
-        from snaketune.methods.toolrunner import ToolRunner
+        from snaketune.tools.toolrunner import ToolRunner
 
         b = run[block]
         self.runner = ToolRunner(
