@@ -829,3 +829,29 @@ def test_grpo_logits_are_the_completions_and_the_kv_cache_what_generation_holds(
     )
     assert hybrid.attention_layers == {"full": 12, "sliding": 0, "linear": 12}
     assert activations(hybrid, g) == activations(hybrid, replace(g, vllm_share=0.5)) < held
+
+
+def test_eager_attention_keeps_a_sliding_window_layer_s_whole_score_matrix():
+    """transformers' eager kernel applies a sliding window as a mask on the whole
+    length x length matrix: a Gemma 3 whose layers slide (window 16 of 64 tokens) keeps
+    what the same model with full attention keeps for backward, to the byte, and the plan
+    counts it so (it counted length x window, a quarter here: Gemma 3's 1,024-token window
+    at 8,192 tokens was an eighth of the truth)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def gemma(kinds: list[str]):
+        torch.manual_seed(0)
+        config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                  layer_types=kinds, attn_implementation="eager")  # fmt: skip
+        return Gemma3ForCausalLM(config).train()
+
+    sliding, full = gemma(["sliding_attention"] * 2), gemma(["full_attention"] * 2)
+    assert saved_bytes(sliding, 2, 64) == saved_bytes(full, 2, 64)
+    s = setup(nodes=1, gpus_per_node=1, micro_batch_size=2, max_length=64,
+              bytes_per_weight=4, liger=True, attention="eager")  # fmt: skip
+    plans = [Shape.from_config(m.config.to_dict()) for m in (sliding, full)]
+    assert plans[0].attention_layers["sliding"] == 2 and plans[0].window == 16
+    assert activations(plans[0], s) == activations(plans[1], s)

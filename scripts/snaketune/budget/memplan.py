@@ -17,9 +17,10 @@ fine-tuning; the adapters' for LoRA), w bytes per 16-bit (or 32-bit) weight:
   or not) x per layer (8h + 4·kv + 4·I)·w bytes (the tensors a Llama-shaped decoder layer
   keeps for backward), for every layer without gradient checkpointing, or the layer inputs
   (h·w per token per layer) plus one layer recomputed with it; eager attention adds its
-  micro x heads x max_length^2 score and probability matrices per full-attention layer
-  (max_length x the window per sliding-window layer, none per linear-attention layer: the
-  config's layer_types); the logits add
+  micro x heads x max_length^2 score and probability matrices per attention layer, a
+  sliding-window layer's too (transformers' eager kernel applies the window as a mask on
+  the whole matrix), none per linear-attention layer (the config's layer_types); the
+  logits add
   tokens x vocab x (w + 8) bytes (16-bit logits, the fp32 copy the loss takes and its
   gradient), none with Liger's fused linear cross-entropy; with ``sequence_parallel: N``
   each GPU holds 1/N of the tokens (and of their logits); weights, gradients and optimizer
@@ -187,8 +188,8 @@ def activations(shape: Shape, s: Setup) -> float:
     tokens = s.micro_batch_size * s.sequence / s.sequence_parallel  # this GPU's slice
     layer = tokens * (8 * h + 4 * kv + 4 * shape.ffn_width) * w
     kinds = shape.attention_layers  # eager attention's scores: by each layer's attention
-    window = min(shape.window or s.sequence, s.sequence)
-    scores = {"full": s.sequence**2, "sliding": s.sequence * window, "linear": 0}
+    # the eager kernel masks a sliding window on the whole matrix: as a full layer's
+    scores = {"full": s.sequence**2, "sliding": s.sequence**2, "linear": 0}
     eager = 2 * s.micro_batch_size * shape.heads * w if s.attention == "eager" else 0
     if s.gradient_checkpointing:
         one = max(scores[k] for k, n in kinds.items() if n)
