@@ -702,6 +702,7 @@ def test_offloaded_states_are_counted_in_cpu_memory_per_node():
     p = shape.params
     full = "".join(["fu", "ll"])
     optim = setup(adapter=full, stage=2, nodes=2, offload_optimizer=True)
+    assert model_states(shape, setup(adapter=full))["optimizer"] == pytest.approx(12 * p / 16)
     assert cpu_per_node(shape, optim) == pytest.approx(16 * p / 2 * 1.5)
     both = setup(adapter=full, stage=3, nodes=4, offload_optimizer=True, offload_params=True)
     assert cpu_per_node(shape, both) == pytest.approx((16 + 2) * p / 4 * 1.5)
@@ -822,13 +823,18 @@ def test_grpo_logits_are_the_completions_and_the_kv_cache_what_generation_holds(
     sft = replace(g, max_length=prompt + completion, completion_length=0)
     assert activations(tiny, sft) < held
     assert activations(tiny, sft) == activations(tiny, replace(g, vllm_share=0.5))
-    # half its layers linear attention (a fixed state, no cache): half the cache, now under
-    # what training keeps, which is the plan
-    hybrid = Shape.from_config(
-        {**model.config.to_dict(), "layer_types": ["linear_attention", "full_attention"] * 12}
-    )
-    assert hybrid.attention_layers == {"full": 12, "sliding": 0, "linear": 12}
-    assert activations(hybrid, g) == activations(hybrid, replace(g, vllm_share=0.5)) < held
+
+    # linear attention layers keep a fixed state, no cache: with 2 of 24 the cache is 22
+    # layers' (still over what training keeps); with half of them, it is under it
+    def hybrid(linear: int) -> Shape:
+        kinds = ["linear_attention"] * linear + ["full_attention"] * (24 - linear)
+        return Shape.from_config({**model.config.to_dict(), "layer_types": kinds})
+
+    assert hybrid(2).attention_layers == {"full": 22, "sliding": 0, "linear": 2}
+    assert activations(hybrid(2), g) == held * 22 / 24
+    half = hybrid(12)
+    training = activations(half, replace(g, vllm_share=0.5))  # vLLM holds the cache
+    assert activations(half, g) == training > held * 12 / 24
 
 
 def test_eager_attention_keeps_a_sliding_window_layer_s_whole_score_matrix():
