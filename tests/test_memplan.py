@@ -565,7 +565,7 @@ def test_cpu_memory_per_node_is_counted_in_the_run_s_precision():
     converts the whole model to 4 bytes a weight before DeepSpeed moves it; trained in bf16
     (the checkpoint's own dtype) it stays memory-mapped and each process holds its largest
     layer at a time; a 4-bit base streams the same way."""
-    from snaketune.budget.memplan import cpu_per_node
+    from snaketune.budget.memplan import cpu_per_node, cpu_why
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-70B-Instruct"])
     assert shape.saved_bytes == 2
@@ -659,6 +659,9 @@ def test_zero1_partitions_the_optimizer_and_keeps_an_fp32_master_even_of_fp32_we
         one = model_states(shape, setup(stage=1, bytes_per_weight=w))
         assert one["optimizer"] == pytest.approx(12 * p / n)
         assert one["gradients"] == pytest.approx((w + 4 if w == 2 else 4) * p)
+    for stage in (2, 3):  # a ZeRO optimizer's fp32 partition, even of fp32 weights
+        fp32 = model_states(shape, setup(stage=stage, bytes_per_weight=4))
+        assert fp32["optimizer"] == pytest.approx(12 * p / n)
     zero = model_states(shape, setup(stage=0, bytes_per_weight=4))
     assert zero["optimizer"] == pytest.approx(8 * p)
     # torch's AdamW on fp32 weights: exp_avg and exp_avg_sq, 8 bytes a weight
@@ -696,7 +699,7 @@ def test_offloaded_states_are_counted_in_cpu_memory_per_node():
     split over the nodes, times DeepSpeed's buffer factor (1.5); a LoRA run trains its
     adapters only, whose states are too small to count. The adapter's name is built at
     run time, as YAML's are (an ``is`` against the code's literal fails)."""
-    from snaketune.budget.memplan import cpu_per_node
+    from snaketune.budget.memplan import cpu_per_node, cpu_why
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
     p = shape.params
@@ -704,6 +707,7 @@ def test_offloaded_states_are_counted_in_cpu_memory_per_node():
     optim = setup(adapter=full, stage=2, nodes=2, offload_optimizer=True)
     assert model_states(shape, setup(adapter=full))["optimizer"] == pytest.approx(12 * p / 16)
     assert cpu_per_node(shape, optim) == pytest.approx(16 * p / 2 * 1.5)
+    assert "the states offloaded to CPU memory" in cpu_why(shape, optim)
     both = setup(adapter=full, stage=3, nodes=4, offload_optimizer=True, offload_params=True)
     assert cpu_per_node(shape, both) == pytest.approx((16 + 2) * p / 4 * 1.5)
     lora = setup(adapter="lora", lora_r=16, stage=3, nodes=2, offload_optimizer=True)
@@ -737,7 +741,8 @@ def test_eager_attention_keeps_every_layer_s_scores_and_checkpointing_one_layer_
     shape = Shape.from_config(tiny_llama(2, "sdpa", **sizes).config.to_dict())
     s = setup(nodes=1, gpus_per_node=1, micro_batch_size=micro, max_length=length,
               bytes_per_weight=4, liger=True)  # fmt: skip
-    planned = (activations(shape, replace(s, attention="eager")) - activations(shape, s)) / 2
+    eager = "".join(["ea", "ger"])  # built at run time, as YAML's strings are
+    planned = (activations(shape, replace(s, attention=eager)) - activations(shape, s)) / 2
     assert measured <= planned <= 2 * measured, (planned, measured)
     # Qwen3.5: 8 of its 32 layers full attention, 24 linear ones (no scores)
     qwen = Shape.from_config(VLM_SHAPES["Qwen/Qwen3.5-9B"])
