@@ -565,7 +565,7 @@ def test_cpu_memory_per_node_is_counted_in_the_run_s_precision():
     converts the whole model to 4 bytes a weight before DeepSpeed moves it; trained in bf16
     (the checkpoint's own dtype) it stays memory-mapped and each process holds its largest
     layer at a time; a 4-bit base streams the same way."""
-    from snaketune.budget.memplan import cpu_per_node, cpu_why
+    from snaketune.budget.memplan import cpu_per_node
 
     shape = Shape.from_config(SHAPES["meta-llama/Llama-3.1-70B-Instruct"])
     assert shape.saved_bytes == 2
