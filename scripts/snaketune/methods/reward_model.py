@@ -6,8 +6,8 @@ The loss of a pair is -log sigmoid(r_chosen - r_rejected - margin) (the margin: 
 dataset column ``reward.margin`` names), plus ``center_rewards_coefficient`` x the mean
 squared sum of the two scores when set (TRL's centring). A pair is one planned example:
 its chosen side and its rejected side are in the same micro batch, as DPO's
-(snaketune.methods.pair_trainer: chosen sides first, padded on the right); the score is read at
-each side's last real token. TRL averages a micro batch's pairs; a token-balanced plan
+(snaketune.methods.pair_trainer: chosen sides first, padded on the right); the score is
+read at each side's last real token. TRL averages a micro batch's pairs; a token-balanced plan
 gives micro batches of unequal pair counts, so each micro batch's loss is weighted by its
 pairs over ``micro_batch_size``: the step's loss is the mean over every pair of the global
 batch.
