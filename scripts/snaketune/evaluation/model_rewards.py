@@ -47,10 +47,6 @@ def check(
     """One line for the first ``model:<run>`` key that cannot be scored with: no such run
     (or sweep), a run that trains no reward model (``reward_models``: those that do,
     snaketune.methods.reward_model_runs), the run itself."""
-
-    def scores(name: str) -> bool:
-        return name in reward_models
-
     runs = config["runs"]
     me = where.removeprefix("runs.")
     mine = {me, runs.get(me, {}).get("sweep_of", {}).get("run")}
@@ -60,13 +56,13 @@ def check(
             raise ConfigError(f"{at} names this run itself; name a reward run (method: reward)")
         member = settings_run(runs, name)
         if member not in runs:
-            known = [r for r in runs if scores(r)]
+            known = [r for r in runs if r in reward_models]
             raise ConfigError(
                 f"{at}: there is no run {name!r}; name a run of method reward ("
                 + (", ".join(known) if known else "none in this config")
                 + ")"
             )
-        if not scores(member):
+        if member not in reward_models:
             raise ConfigError(
                 f"{at}: run {name!r} is method {runs[member].get('method')}, not a reward "
                 "model; name a run of method reward (docs/rewards.md)"

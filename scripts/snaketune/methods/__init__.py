@@ -62,7 +62,7 @@ def reward_runs(run: Mapping[str, Any]) -> list[str]:
 
     if run.get("method") not in REGISTRY:
         return []
-    block = method_named(run["method"]).block
+    block = method_of(run).block
     return model_runs(run.get(block, {}).get("rewards", {})) if block else []
 
 
