@@ -23,6 +23,32 @@ def _beats(tmp_path, n: int) -> list[Heartbeat]:
     return beats
 
 
+def test_a_worker_s_last_write_beside_its_daemon_s_beat_never_loses_the_file(tmp_path):
+    """A scoring worker writes "done" itself while the daemon may be beating: two writers of
+    one file and one .tmp. Unserialized, one's rename found the other's .tmp gone
+    (FileNotFoundError, a teacher stage failed in CI). Four threads, 300 writes each."""
+    import threading
+
+    beat = Heartbeat(tmp_path / "heartbeat", 0, 0)
+    failed: list[BaseException] = []
+
+    def writes() -> None:
+        try:
+            for _ in range(300):
+                beat.write()
+        except OSError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=writes) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == []
+    assert beat.beats == 1200  # no count lost either
+    assert [p.name for p in beat.path.parent.iterdir()] == ["rank-0.json"]
+
+
 def test_the_rank_that_stopped_moving_while_the_others_moved_on_is_named(tmp_path):
     beats = _beats(tmp_path, 4)
     watch = StallWatch(tmp_path, limit_s=60)

@@ -51,6 +51,9 @@ class Heartbeat:
         self.fixed = {"rank": rank, "node": node, "host": host_name(), "pid": os.getpid()}
         self.step, self.phase, self.moves, self.beats = 0, "start", 0, 0
         self._stop = threading.Event()
+        # the daemon's beat and the worker's last write (its "done") share the file and its
+        # .tmp: one writer at a time, or one's rename finds the other's .tmp already moved
+        self._writing = threading.Lock()
         folder.mkdir(parents=True, exist_ok=True)
 
     def move(self, phase: str, step: int | None = None) -> None:
@@ -61,17 +64,18 @@ class Heartbeat:
         self.moves += 1
 
     def write(self) -> None:
-        self.beats += 1
-        record = {
-            **self.fixed,
-            "step": self.step,
-            "phase": self.phase,
-            "moves": self.moves,
-            "beats": self.beats,
-        }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        with self._writing:
+            self.beats += 1
+            record = {
+                **self.fixed,
+                "step": self.step,
+                "phase": self.phase,
+                "moves": self.moves,
+                "beats": self.beats,
+            }
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):
