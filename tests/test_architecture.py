@@ -173,3 +173,71 @@ def test_the_method_layout_check_sees_a_method_importing_another_and_a_stray_mod
         f"method {m}simpo imports method {m}dpo",
         f"{m}toolrunner is no method and is shared by 1 method(s)",
     ]
+
+
+def stage_names_written(source: str, names: set[str]) -> list[str]:
+    """The code sites of ``source`` that write one of ``names`` (a scoring stage's rule): a
+    string (a docstring aside: prose may name a rule) or an identifier containing it, as
+    ``line: what``."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = None if id(node) in docstrings else node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            text = node.arg
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            text = node.name
+        else:
+            continue
+        if text and any(name in text for name in names):
+            found.append(f"{node.lineno}: {text!r}")
+    return found
+
+
+def test_the_scoring_stages_rule_names_are_written_only_in_the_registry_and_its_methods():
+    """The registry of needs (snaketune.methods.needs) names each stage need's rule; a plan,
+    check or stage asks the record. The methods that declare a need may read its output
+    by that name; no other library module writes it."""
+    from snaketune.methods import REGISTRY
+    from snaketune.methods.needs import STAGE_NEEDS
+
+    names = {need.name for need in STAGE_NEEDS}
+    allowed = {PACKAGE / "methods/needs.py"} | {
+        PACKAGE / f"{module.replace('.', '/').removeprefix('snaketune/')}.py"
+        for module, _ in REGISTRY.values()
+    }
+    assert all(path.is_file() for path in allowed), allowed
+    written = {
+        str(path.relative_to(PACKAGE)): sites
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in allowed and (sites := stage_names_written(path.read_text(), names))
+    }
+    assert written == {}
+
+
+def test_the_stage_name_check_sees_a_string_and_a_name_but_not_a_docstring():
+    """(the check above can fail: a plan keyed by the rule's name, a variable named for it)"""
+    source = '''"""The teacher stage (rule teacher_logps)."""
+def plan(run):
+    """Keyed by reference_logps."""
+    teacher_logps_plan = {}  # rule teacher_logps
+    return {"reference_logps": run, "x": teacher_logps_plan}
+'''
+    assert stage_names_written(source, {"reference_logps", "teacher_logps"}) == [
+        "4: 'teacher_logps_plan'",
+        "5: 'reference_logps'",
+        "5: 'teacher_logps_plan'",
+    ]

@@ -346,8 +346,14 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
     """A full 70B DPO run with a precomputed reference on 80 GB GPUs: each reference_logps
     worker would hold the whole bf16 model (131.4 GiB): refused, naming the stage and
     `dpo.reference: live`; a 4-bit run's reference (its 4-bit base) fits."""
-    from snaketune.budget.stageplan import reference_plan, stage_problems
+    from snaketune.budget.stageplan import stage_plans, stage_problems
     from snaketune.plan.config import validate_config
+
+    def reference_plan(**change) -> dict:
+        """The run's stage plans' reference entry alone ({} where it has none)."""
+        config = {"runs": {"r": dpo_run(**change)}}
+        plans = stage_plans(config, "r", shape, 79.6)
+        return {k: v for k, v in plans.items() if k == "reference_logps"}
 
     def dpo_run(**change) -> dict:
         run = {"model": "m", "dataset": "pairs", "method": "dpo", "deepspeed": "zero3",
@@ -360,7 +366,7 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
         return config["runs"]["r"]
 
     shape = Shape.from_config(LLAMA_70B)
-    full = reference_plan(dpo_run(), shape, 79.6)
+    full = reference_plan()
     assert full["reference_logps"]["fits"] is False
     (line,) = stage_problems("r", full, 79.6)
     assert (
@@ -368,9 +374,9 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
         and "(each worker holds the whole reference model (131.4 GiB))" in line
         and "set dpo.reference: live" in line
     ), line
-    qlora = reference_plan(dpo_run(lora={"r": 16, "quantize": "4bit"}), shape, 79.6)
+    qlora = reference_plan(lora={"r": 16, "quantize": "4bit"})
     assert qlora["reference_logps"]["fits"] is True, qlora
-    assert reference_plan(dpo_run(dpo={"reference": "live"}), shape, 79.6) == {}
+    assert reference_plan(dpo={"reference": "live"}) == {}
 
 
 def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
@@ -380,7 +386,7 @@ def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
     whole (converted to 2 bytes a weight) from an fp32 one; a profile's 240000 MB is refused
     for the fp32 base, naming the stage and the key, and passes for the bf16 one."""
     from snaketune.budget import checks, scoring
-    from snaketune.budget.stageplan import reference_plan, stage_memory
+    from snaketune.budget.stageplan import stage_memory
     from snaketune.plan.config import validate_config
 
     assert {s.name for s in scoring.STAGES} <= set(checks.PLANNED_JOBS)
@@ -394,7 +400,9 @@ def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
     gib = 1024**3
     for dtype, asked in (("bfloat16", []), ("float32", ["runs.r: its reference_logps job"])):
         shape = Shape.from_config({**LLAMA_70B, "dtype": dtype})
-        plan = reference_plan(config["runs"]["r"], shape, 79.6)
+        plan = {
+            "reference_logps": scoring.reference_memory(config, config["runs"]["r"], shape, 79.6)
+        }
         held = shape.largest_layer if dtype == "bfloat16" else shape.params
         assert plan["reference_logps"]["cpu_gib"] == round(8 * (0.35 + held * 2 / gib), 2)
         lines = stage_memory("r", plan, {("reference_logps", "r"): 240000})

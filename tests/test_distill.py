@@ -530,16 +530,16 @@ def test_the_plans_count_the_teacher_stage(distill_chain):
     bytes per token of the tokenized sets (at most: every token); its time is a forward
     pass of the teacher's size over those tokens."""
     from snaketune.budget.diskplan import disk_plan_of
-    from snaketune.budget.stagecost import teacher_seconds
+    from snaketune.budget.scoring import teacher_seconds
     from snaketune.budget.teacherplan import memory_plan, sharded, tokens
 
     w = distill_chain
     config = validate_config(yaml.safe_load((w / "config.yaml").read_text()), ROOT)
     run = config["runs"]["student"]
-    whole = memory_plan(config, run, None, w)["teacher_logps"]
+    whole = memory_plan(config, run, None, w)
     assert whole["sharded"] is False and whole["fits"] is None
     small = whole["per_gpu_gib"] - 0.001
-    tight = memory_plan(config, run, small, w)["teacher_logps"]
+    tight = memory_plan(config, run, small, w)
     assert tight["sharded"] is True and tight["per_gpu_gib"] <= whole["per_gpu_gib"]
     assert "sharded over 2 GPUs" in tight["why"]
     assert not sharded(config, run, w)  # no `gpu`: a CPU run, never sharded

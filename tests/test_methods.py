@@ -85,7 +85,7 @@ def test_each_method_answers_the_config_side(name):
     m = method_named(name)
     assert m.trains_on in KINDS and m.adapter in ADAPTERS
     assert m.block is None or m.block == name  # a method's block is named after it
-    assert not (m.reference_stage is None or m.memory is None or m.check is None)
+    assert not (m.needs is None or m.memory is None or m.check is None)
 
 
 def test_no_data_kind_is_asked_outside_the_kinds():

@@ -154,15 +154,11 @@ def run_spec(wildcards):
 
 
 def train_extras(wildcards):
-    """What a run's training reads besides its shards and model: a DPO run's precomputed
-    reference log-probs (rule reference_logps), the eval set it scores while training
-    (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards), a
-    distillation run's teacher top-k (rule teacher_logps); the scoring stages' outputs
-    under their stage's name."""
-    extras = trainjob.train_extras(config, wildcards.run, reward_run)
-    if teacher := teachers.teacher_path(config, wildcards.run):
-        extras["teacher_logps"] = teacher
-    return extras
+    """What a run's training reads besides its shards and model (trainjob.train_extras): the
+    outputs of its needs' stages under their stage's name (a DPO run's precomputed reference
+    log-probs, a distillation run's teacher top-k), the eval set it scores while training
+    (eval_steps), the reward models a GRPO run scores with ("model:<run>" rewards)."""
+    return trainjob.train_extras(config, wildcards.run, reward_run)
 
 
 def stage_inputs(wildcards, input):

@@ -172,10 +172,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from snaketune.budget.checks import at_parse
+    from snaketune.budget.scoring import STAGES
     from snaketune.plan.schema import load_yaml
     from snaketune.plan.sweep import sweeps_of
-    from snaketune.plan.teacher import teacher_jobs
-    from snaketune.plan.trainjob import reference_runs
 
     config = load_yaml(args.config)
     parsed = at_parse(config, Path(args.root), [args.config])
@@ -185,10 +184,10 @@ def _validate(args: argparse.Namespace) -> int:
         "runs": sorted(config["runs"]),
         "sweeps": sweeps_of(config["runs"]),
         "tokenized": sorted(parsed.tokenize),
-        # DPO runs' precomputed reference log-probs, each computed once: key -> its runs
-        "reference_logps": reference_runs(config),
-        # distillation runs' teacher top-k, each computed once: key -> the run and set it serves
-        "teacher_logps": teacher_jobs(config),
+        # each stage need's jobs, each computed once (DPO runs' precomputed reference
+        # log-probs: key -> its runs; distillation runs' teacher top-k: key -> the run and
+        # set it serves)
+        **{stage.name: stage.listing(config) for stage in STAGES},
     }
     print(json.dumps(plan, indent=2))
     for line in _template_lines(config, Path.cwd(), args.show_row, args.run):

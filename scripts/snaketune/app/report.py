@@ -346,7 +346,7 @@ def samples_html(row: dict[str, str], samples: list[dict[str, Any]] | None, n: i
     """The run's samples marked right or wrong (a scoring model's: its scored pairs)."""
     if not samples:
         return ""
-    pairs = not method_named(row["method"]).writes_text if row else False
+    pairs = method_named(row["method"]).reward_model if row else False
     if pairs:
         return "<h3>Samples</h3>" + scores_table(samples, n)
     return "<h3>Samples</h3>" + samples_table(samples, n, (row or {}).get("headline") or "")

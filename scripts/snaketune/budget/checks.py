@@ -25,6 +25,7 @@ from typing import Any
 from snaketune.budget.planlines import check_steps
 from snaketune.budget.scoring import STAGES as SCORING_STAGES
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
+from snaketune.methods.needs import NEEDS
 
 # What rules make_fixtures and make_agent_fixtures make (workflow/rules/fixtures.smk;
 # tests/test_config.py checks they agree): local paths under them need not exist before the
@@ -362,8 +363,7 @@ def in_dry_runs(callback: Any, dry_run: Any, logger_name: str = "snakemake.loggi
 
 
 MAX_CHANGES = 12  # keys named per run (a new run's whole spec is no news)
-# paths and sources, not keys
-EXTRAS = ("heldout", "reference_logps", "teacher_logps", "reward_models", "prompt_sources")
+EXTRAS = ("heldout", *(need.name for need in NEEDS), "prompt_sources")  # paths and sources
 UNSET = object()
 
 

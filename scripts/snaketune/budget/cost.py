@@ -33,6 +33,21 @@ MFU_SOURCE = "measured on one H200, a 1B Llama at 8,192 tokens a step, 2026-11-2
 # torch's c10d rendezvous: an agent waiting for the others polls once a second
 # (torch.distributed.elastic.rendezvous.dynamic_rendezvous, its SYNC action)
 RENDEZVOUS_POLL_S = 1.0
+# a forward pass without gradients (a scoring stage's): the full fine-tune's measured MFU
+FORWARD_MFU = ASSUMED_MFU["full"]
+DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem (assumed)
+MB = 1e6
+
+
+def stage(seconds: float | None, gpus: int, basis: str) -> dict[str, Any]:
+    """One stage's figure: seconds, GPU-hours (``gpus`` held while it runs) and basis."""
+    hours = None if seconds is None or not gpus else seconds * gpus / 3600
+    return {"s": seconds, "gpu_hours": hours, "gpus": gpus, "basis": basis}
+
+
+def weight_bytes(shape: Any) -> float:
+    """A model's saved weights (its config.json's dtype; bf16 when unsaid)."""
+    return shape.params * (shape.saved_bytes or 2)
 
 
 def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:

@@ -37,8 +37,10 @@ from typing import Any
 
 from snaketune.budget.memplan import GIB, Setup, Shape
 from snaketune.budget.modelcount import shape_of
+from snaketune.budget.scoring import plan_of
 from snaketune.core.errors import UserError
 from snaketune.methods import method_of
+from snaketune.methods.needs import NEEDS
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,7 @@ def plan_disk(
     already holds there, which it replaces), and whether it fits. ``download``: the bytes
     of its base model's download still to come, counted where it lands on the same
     filesystem; ``extra``: the bytes of other outputs its stages write there, by name (a
-    distillation run's teacher top-k, ``teacher_logps``)."""
+    distillation run's teacher top-k, by its need's name)."""
     zero = deepspeed.get("zero_optimization", {})
     gathered = bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
     keep = run["save_total_limit"]
@@ -220,7 +222,7 @@ def fixes(
 OTHER_NEEDS = (
     ("download", "the base model download"),
     ("tokens", "tokenized sets and shards"),
-    ("teacher_logps", "teacher top-k"),
+    *((need.name, need.label) for need in NEEDS),  # what a need's stage writes (its plan's disk)
     ("pictures", "pictures in tokenized data and shards"),
 )
 
@@ -273,10 +275,9 @@ def disk_plan_of(
     pictures = picture_bytes(config, name, root)  # snaketune.budget.pictureplan
     if pictures:
         extra["pictures"] = pictures
-    if method_of(run).teacher(run) is not None:  # its teacher's top-k (rule teacher_logps)
-        from snaketune.budget.teacherplan import disk_bytes
-
-        extra["teacher_logps"] = disk_bytes(config, name, root) or 0.0
+    for need in method_of(run).needs(run):  # its needs' outputs (a teacher's top-k)
+        if (disk := plan_of(need).disk) is not None:
+            extra[need.name] = disk(config, name, root)
     return plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download, extra)
 
 

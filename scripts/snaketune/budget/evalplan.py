@@ -128,7 +128,7 @@ def eval_layout(
         )
     from snaketune.methods import method_of
 
-    if not method_of(run).writes_text:  # snaketune.evaluation.reward_eval: one process
+    if method_of(run).reward_model:  # snaketune.evaluation.reward_eval: one process
         return EvalLayout(1, 1, figure(1), "a reward model is scored on one GPU")
 
     if nodes != "auto" and gpus != "auto":

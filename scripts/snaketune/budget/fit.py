@@ -172,17 +172,11 @@ def run_setup(
 
 
 def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
-    """Weights of the reward models a GRPO run scores with ("model:<run>" rewards), from
-    each reward run's model config.json where it can be read now (an LM head counted where
-    the score head will be: a little over)."""
-    from snaketune.evaluation.model_rewards import settings_run
-    from snaketune.methods import reward_runs
+    """The weights a run's train job holds whole on every GPU for its needs (a GRPO run's
+    reward models: snaketune.budget.scoring, through the registry of needs)."""
+    from snaketune.budget.scoring import held_params
 
-    total = 0
-    for name in reward_runs(run):
-        path = find_config_json(config, config["runs"][settings_run(config["runs"], name)], workdir)
-        total += _shape(str(path)).params if path is not None else 0
-    return total
+    return held_params(config, run, workdir)
 
 
 def check_runs(

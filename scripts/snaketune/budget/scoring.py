@@ -1,42 +1,79 @@
-"""Scoring stages as records: work that depends only on a model and tokenized rows, computed
-once in a data-parallel stage on the GPUs of the run it serves and read by every run that
-shares it (the precomputed reference log-probs of DPO-like runs; a teacher's top-k for
-distillation). Each is a ``ScoringStage`` in ``STAGES``, registered like a method: its rule
-(workflow/rules/scoring.smk: one rule body, the others ``use rule ... with:`` it), its jobs
-and their keys, inputs, the settings its output depends on, its layout (the batch of a
-forward pass, whether the model is sharded over the workers), its output's name. The SLURM
-profiles give each registered stage its resources (tests/test_slurm_scripts.py checks them).
+"""The plans of the registry of needs (snaketune.methods.needs): for each record, what its
+stage's jobs are and read, what its output depends on, and what it costs (its memory on the
+run's GPUs, its seconds, its disk) or, for a need met inside the train job, what that job
+holds for it. One ``NeedPlan`` per record in ``PLANS``; the stage, memory, disk and cost
+plans, the checks before queueing and ``snaketune status`` ask ``plan_of(need)`` and never
+name a need.
 
-Adding a scoring stage: its entry script (scripts/<name>.py taking the flags of
-``ScoringStage``), its logic in the wing it belongs to, one record here, one ``use rule``
-line in workflow/rules/scoring.smk, its resources in each cluster profile.
+A stage need (``STAGES``: the precomputed reference log-probs of DPO-like runs, a teacher's
+top-k for distillation) is work that depends only on a model and tokenized rows, computed
+once in a data-parallel stage on the GPUs of the run it serves and read by every run that
+shares it: its rule (workflow/rules/scoring.smk: one rule body, the others ``use rule ...
+with:`` it), its jobs and their keys, inputs, the settings its output depends on, its
+layout (whether the model is sharded over the workers). The SLURM profiles give each its
+resources (tests/test_slurm_scripts.py checks them).
+
+Adding a need: its record in snaketune.methods.needs, its plan here; for a stage, its entry
+script (scripts/<name>.py taking the flags of ``NeedPlan``), its logic in the wing it
+belongs to, one ``use rule`` line in workflow/rules/scoring.smk, its resources in each
+cluster profile.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from snaketune.budget import teacherplan
+from snaketune.budget.cost import DISK_MB_S, FORWARD_MFU, MB, stage, weight_bytes
+from snaketune.budget.evalplan import EVAL_BYTES, four_bit_base, scoring_cpu_gib
+from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
+from snaketune.methods.needs import NEEDS, REFERENCE, REWARD_MODELS, TEACHER_TOPK, Need
 from snaketune.plan import stages, trainjob
 from snaketune.plan import teacher as teachers
 
 
 @dataclass(frozen=True)
-class ScoringStage:
-    """One scoring stage: the rule ``name`` (its script scripts/<name>.py, its outputs
-    results/<name>/<key>/<output>) and what its rule reads of the config."""
+class NeedPlan:
+    """What the budget and the workflow know of one need (``need``, its record)."""
 
-    name: str
-    output: str  # the file it writes in its key's folder
+    need: Need
+    # --- a stage's (None for a need met inside the train job)
     # key -> the job (``run``: the first run that reads it, and what else the stage needs)
-    jobs: Callable[[dict[str, Any]], dict[str, dict[str, Any]]]
+    jobs: Callable[[dict[str, Any]], dict[str, dict[str, Any]]] | None = None
     # what a job reads: tokenized (rows), model, and any further input (a flag of the
     # script); given the workflow's model_of (a run's starting model) and resolve (a run or
     # sweep's name -> the run whose final model it means)
-    inputs: Callable[..., dict[str, str]]
-    settings: Callable[[dict[str, Any]], str]  # what the output depends on, as flags
-    sharded: Callable[[dict[str, Any], dict[str, Any]], bool]  # the model over the workers
+    inputs: Callable[..., dict[str, str]] | None = None
+    settings: Callable[[dict[str, Any]], str] | None = None  # what the output depends on
+    sharded: Callable[[dict[str, Any], dict[str, Any]], bool] = lambda config, run: False
+    # key -> what ``snaketune validate`` lists of its jobs (the runs or the run it serves)
+    listing: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # --- its cost
+    # (config, run, the run's shape, GPU GiB) -> its stage's memory plan on the run's GPUs
+    # (nodes, gpus_per_node, per_gpu_gib, cpu_gib, fits, sharded, why, fix); None: unknown yet
+    memory: Callable[..., dict[str, Any] | None] | None = None
+    # (config, run name, its shape, one epoch's tokens, a GPU's peak TFLOPs, workdir) -> its
+    # stage's figure (snaketune.budget.cost.stage); None: not estimated
+    seconds: Callable[..., dict[str, Any] | None] | None = None
+    # (config, run name, workdir) -> bytes its output takes on the run's results filesystem
+    disk: Callable[[dict[str, Any], str, Path], float | None] | None = None
+    # (config, run, workdir) -> weights the train job holds whole on every GPU for it
+    held_params: Callable[[dict[str, Any], dict[str, Any], Path], int] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.need.name
+
+    @property
+    def output(self) -> str | None:
+        return self.need.output
+
+
+# ----------------------------------------------------------------------------- reference
 
 
 def _reference_jobs(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -51,44 +88,166 @@ def _reference_inputs(
     return {"tokenized": stages.tokenized(config, job["run"]), "model": model_of(job["run"])}
 
 
-def _teacher_sharded(config: dict[str, Any], run: dict[str, Any]) -> bool:
-    from snaketune.budget import teacherplan
+def reference_memory(
+    config: dict[str, Any], run: dict[str, Any], shape: Shape, gpu_gib: float | None
+) -> dict[str, Any]:
+    """The reference log-probs stage of a run that needs it (a DPO run's precomputed
+    reference): data parallel on the run's GPUs, each worker holding the whole reference
+    model (its 4-bit base for a 4-bit run) and one batch of pairs through one layer at a
+    time (no gradients; TRL's fused head: no whole logits)."""
+    from snaketune.plan.runspec import RunSpec
 
-    return teacherplan.sharded(config, run)
+    spec = RunSpec.of(run)
+    w = EVAL_BYTES
+    weights = shape.params * w
+    if spec.quantized:
+        weights = four_bit_base(shape, bool(spec.quantization["double_quant"]))
+    tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
+    passing = tokens * (4 * shape.hidden + shape.mlp_pass) * w
+    total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
+    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], False, spec.quantized)
+    return {
+        "nodes": run["nodes"],
+        "gpus_per_node": run["gpus_per_node"],
+        "per_gpu_gib": total,
+        "cpu_gib": cpu_gib,
+        "cpu_why": cpu_why,
+        "fits": None if gpu_gib is None else total <= gpu_gib,
+        "sharded": False,
+        "why": f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)",
+        "fix": f"set {spec.method.block}.reference: live (the training job holds the "
+        "reference, sharded with the policy under ZeRO-3), or use GPUs with more memory",
+    }
 
 
-REFERENCE = ScoringStage(
-    name="reference_logps",
-    output="logps.parquet",
-    jobs=_reference_jobs,
-    inputs=_reference_inputs,
-    settings=trainjob.reference_settings,
-    sharded=lambda config, run: False,
+def reference_seconds(
+    config: dict[str, Any], name: str, shape: Shape, epoch: float, peak: float | None, workdir
+) -> dict[str, Any] | None:
+    """The reference stage on the run's GPUs: its model read, and a forward pass over one
+    epoch's tokens at FORWARD_MFU (None without the GPU's peak)."""
+    if not peak:
+        return None
+    run = config["runs"][name]
+    devices = run["nodes"] * run["gpus_per_node"]
+    forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
+    basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.1%}"
+    return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+def teacher_seconds(
+    config: dict[str, Any],
+    name: str,
+    workdir: Path,
+    peak: float | None,
+) -> dict[str, Any] | None:
+    """A distillation run's teacher stage on the run's GPUs (``peak``: one GPU's TFLOPs):
+    the teacher read, and its forward pass over the sets' tokens at FORWARD_MFU; None for
+    another run, or before the teacher or the tokens are known."""
+    run = config["runs"][name]
+    shape = teacherplan.teacher_shape(config, run, workdir)
+    counted = teacherplan.tokens(config, name, workdir)
+    if shape is None or counted is None or not peak:
+        return None
+    devices = run["nodes"] * run["gpus_per_node"]
+    forward = 2 * shape.active_params * counted / (devices * peak * 1e12 * FORWARD_MFU)
+    basis = (
+        f"the teacher's forward pass over {counted:,.0f} tokens (the tokenized sets') at "
+        f"assumed MFU {FORWARD_MFU:.1%}, read {weight_bytes(shape) / 1e9:.1f} GB"
+    )
+    return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
+
+
+# ----------------------------------------------------------------------------- reward models
+
+
+@functools.lru_cache(maxsize=64)
+def _params(path: str) -> int:
+    import json
+
+    from snaketune.budget.modelcount import shape_of
+
+    return shape_of(json.loads(Path(path).read_text()), path).params
+
+
+def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
+    """Weights of the reward models a GRPO run scores with ("model:<run>" rewards), from
+    each reward run's model config.json where it can be read now (an LM head counted where
+    the score head will be: a little over)."""
+    from snaketune.budget.modelfiles import find_config_json
+    from snaketune.evaluation.model_rewards import settings_run
+    from snaketune.methods import method_of
+
+    total = 0
+    for name in method_of(run).needs(run)[REWARD_MODELS]["runs"]:
+        path = find_config_json(config, config["runs"][settings_run(config["runs"], name)], workdir)
+        total += _params(str(path)) if path is not None else 0
+    return total
+
+
+# ----------------------------------------------------------------------------- the registry
+
+PLANS = (
+    NeedPlan(
+        need=REFERENCE,
+        jobs=_reference_jobs,
+        inputs=_reference_inputs,
+        settings=trainjob.reference_settings,
+        listing=trainjob.reference_runs,
+        memory=reference_memory,
+        seconds=reference_seconds,
+    ),
+    NeedPlan(
+        need=TEACHER_TOPK,
+        jobs=teachers.teacher_jobs,
+        inputs=lambda config, job, model_of, resolve: teachers.teacher_inputs(config, job, resolve),
+        settings=teachers.teacher_settings,
+        sharded=teacherplan.sharded,
+        listing=teachers.teacher_jobs,
+        memory=lambda config, run, shape, gpu_gib: teacherplan.memory_plan(config, run, gpu_gib),
+        seconds=lambda config, name, shape, epoch, peak, workdir: teacher_seconds(
+            config, name, workdir, peak
+        ),
+        disk=lambda config, name, workdir: teacherplan.disk_bytes(config, name, workdir) or 0.0,
+    ),
+    NeedPlan(need=REWARD_MODELS, held_params=reward_model_params),
 )
-TEACHER = ScoringStage(
-    name="teacher_logps",
-    output="topk.parquet",
-    jobs=teachers.teacher_jobs,
-    inputs=lambda config, job, model_of, resolve: teachers.teacher_inputs(config, job, resolve),
-    settings=teachers.teacher_settings,
-    sharded=_teacher_sharded,
-)
-STAGES = (REFERENCE, TEACHER)
+assert tuple(p.need for p in PLANS) == NEEDS, "a plan per record of the registry, in its order"
+STAGES = tuple(p for p in PLANS if p.need.stage)
 
 
-def stage_named(name: str) -> ScoringStage:
+def plan_of(need: Need) -> NeedPlan:
+    return next(p for p in PLANS if p.need == need)
+
+
+def stage_named(name: str) -> NeedPlan:
     return next(s for s in STAGES if s.name == name)
 
 
-def jobs(config: dict[str, Any]) -> dict[str, tuple[ScoringStage, dict[str, Any]]]:
+def held_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
+    """The weights a run's train job holds whole on every GPU for its needs (reward models)."""
+    from snaketune.methods import method_of
+
+    return sum(
+        plan_of(need).held_params(config, run, workdir)
+        for need in method_of(run).needs(run)
+        if plan_of(need).held_params is not None
+    )
+
+
+def jobs(config: dict[str, Any]) -> dict[str, tuple[NeedPlan, dict[str, Any]]]:
     """Every scoring job the config's runs need: key -> (its stage, the job). A key is
     unique across the stages (each names its model and a digest of what it depends on)."""
-    found: dict[str, tuple[ScoringStage, dict[str, Any]]] = {}
-    for stage in STAGES:
-        for key, job in stage.jobs(config).items():
+    found: dict[str, tuple[NeedPlan, dict[str, Any]]] = {}
+    for stage_plan in STAGES:
+        for key, job in stage_plan.jobs(config).items():
             if key in found:
-                raise ValueError(f"scoring key {key} of {stage.name} is {found[key][0].name}'s")
-            found[key] = (stage, job)
+                raise ValueError(
+                    f"scoring key {key} of {stage_plan.name} is {found[key][0].name}'s"
+                )
+            found[key] = (stage_plan, job)
     return found
 
 

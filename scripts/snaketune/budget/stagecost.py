@@ -12,14 +12,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from snaketune.budget.cost import ASSUMED_MFU
+from snaketune.budget.cost import DISK_MB_S, MB, stage, weight_bytes
+from snaketune.budget.scoring import plan_of
+from snaketune.methods.needs import STAGE_NEEDS
 
 # Assumed rates, replaced by a calibration's measurements (docs/benchmarks.md).
 DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
-DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
-# a forward pass without gradients (the reference log-probs): the full fine-tune's measured MFU
-FORWARD_MFU = ASSUMED_MFU["full"]
 HBM_TB_S = {
     "H200": 4.8,
     "H100": 3.35,
@@ -28,12 +27,10 @@ HBM_TB_S = {
     "A100": 1.55,
     "L40S": 0.864,
 }
-MB = 1e6
 # a run's own stages in the order it goes through them
 ORDER = (
     "shard_dataset",
-    "reference_logps",
-    "teacher_logps",
+    *(need.name for need in STAGE_NEEDS),  # the stages of runs' needs
     "train",
     "convert_checkpoint",
     "merge_lora",
@@ -52,20 +49,9 @@ def bandwidth(gpu: str) -> float | None:
     return None
 
 
-def stage(seconds: float | None, gpus: int, basis: str) -> dict[str, Any]:
-    """One stage's figure: seconds, GPU-hours (``gpus`` held while it runs) and basis."""
-    hours = None if seconds is None or not gpus else seconds * gpus / 3600
-    return {"s": seconds, "gpu_hours": hours, "gpus": gpus, "basis": basis}
-
-
 def weights_in(folder: Path) -> bool:
     """Whether a model's weights are there (its download done)."""
     return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
-
-
-def weight_bytes(shape: Any) -> float:
-    """A model's saved weights (its config.json's dtype; bf16 when unsaid)."""
-    return shape.params * (shape.saved_bytes or 2)
 
 
 def eval_examples(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int | None:
@@ -91,7 +77,7 @@ def evaluate_seconds(
     gpus = layout.processes
     if examples is None:
         return stage(None, gpus, "not estimated: its eval set is not readable yet")
-    if not method_of(run).writes_text:  # a reward model: one forward pass per pair
+    if method_of(run).reward_model:  # one forward pass per pair
         return stage(
             load,
             gpus,
@@ -132,19 +118,19 @@ def assumed_stages(
     run = config["runs"][name]
     given = run.get("gpu", config.get("gpu"))  # a GPU type, or its memory in GiB
     gpu = str(given)
-    spec, devices, size = RunSpec.of(run), run["nodes"] * run["gpus_per_node"], weight_bytes(shape)
+    spec, size = RunSpec.of(run), weight_bytes(shape)
     disk = f"at {DISK_MB_S:g} MB/s (assumed disk rate)"
     out: dict[str, dict[str, Any]] = {}
     if tokens is not None and "steps_per_epoch" in steps:
         epoch = tokens * steps["steps_per_epoch"]  # int32 ids and labels, read and written
         out["shard_dataset"] = stage(epoch * 16 / (DISK_MB_S * MB), 0, f"one epoch's tokens {disk}")
         peak = peak_tflops(gpu.upper())
-        if spec.reference_stage and peak:
-            forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
-            basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.1%}"
-            out["reference_logps"] = stage(size / (DISK_MB_S * MB) + forward, devices, basis)
-        if teacher := teacher_seconds(config, name, workdir, peak):
-            out["teacher_logps"] = teacher
+        for need in spec.needs:  # the stages of its needs (snaketune.budget.scoring)
+            plan = plan_of(need)
+            if plan.seconds is not None and (
+                figure := plan.seconds(config, name, shape, epoch, peak, workdir)
+            ):
+                out[need.name] = figure
     if method_of(run).adapter_of(run) == "lora":
         out["convert_checkpoint"] = stage(0.0, 0, "the adapter alone: seconds")
         if merged(run):
@@ -159,30 +145,6 @@ def assumed_stages(
             layout = eval_layout(run, shape, gpu_memory(given), final)
             out[rule] = evaluate_seconds(run, shape, examples, layout, gpu)
     return out
-
-
-def teacher_seconds(
-    config: dict[str, Any],
-    name: str,
-    workdir: Path,
-    peak: float | None,
-) -> dict[str, Any] | None:
-    """A distillation run's teacher stage on the run's GPUs (``peak``: one GPU's TFLOPs):
-    the teacher read, and its forward pass over the sets' tokens at FORWARD_MFU; None for
-    another run, or before the teacher or the tokens are known."""
-    from snaketune.budget.teacherplan import teacher_shape, tokens
-
-    run = config["runs"][name]
-    shape, counted = teacher_shape(config, run, workdir), tokens(config, name, workdir)
-    if shape is None or counted is None or not peak:
-        return None
-    devices = run["nodes"] * run["gpus_per_node"]
-    forward = 2 * shape.active_params * counted / (devices * peak * 1e12 * FORWARD_MFU)
-    basis = (
-        f"the teacher's forward pass over {counted:,.0f} tokens (the tokenized sets') at "
-        f"assumed MFU {FORWARD_MFU:.1%}, read {weight_bytes(shape) / 1e9:.1f} GB"
-    )
-    return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
 
 
 def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:

@@ -8,15 +8,12 @@ import math
 from typing import Any
 
 from snaketune.budget.evalplan import (
-    EVAL_BYTES,
     EVAL_FIX,
     LIBRARIES_GIB,
     eval_bytes,
     eval_cpu_gib,
     eval_four_bit,
     eval_layout,
-    four_bit_base,
-    scoring_cpu_gib,
 )
 from snaketune.budget.memplan import (
     CONTEXT_GIB,
@@ -43,14 +40,15 @@ def stage_plans(
     training job (with its ``setup``), the reference and teacher stages, each evaluate stage
     it runs (its layout, GiB per GPU, whether that fits ``gpu_gib``, its CPU memory per node)
     and the CPU memory of conversion and merging."""
-    run = config["runs"][name]
-    from snaketune.budget.teacherplan import memory_plan
+    from snaketune.budget.scoring import plan_of
+    from snaketune.methods import method_of
 
-    out: dict[str, dict[str, Any]] = {
-        **export_plans(run, shape),
-        **reference_plan(run, shape, gpu_gib),
-        **memory_plan(config, run, gpu_gib),
-    }
+    run = config["runs"][name]
+    out: dict[str, dict[str, Any]] = export_plans(run, shape)
+    for need in method_of(run).needs(run):  # its needs' stages (snaketune.budget.scoring)
+        memory = plan_of(need).memory
+        if memory is not None and (plan := memory(config, run, shape, gpu_gib)) is not None:
+            out[need.name] = plan
     if setup is not None:
         out.update(training_pass_plans(run, shape, setup, gpu_gib))
     if "eval_dataset" not in run:
@@ -91,42 +89,6 @@ def saved_bytes(run: dict[str, Any], shape: Shape, final: bool) -> int | None:
     if dtype == "auto":
         return 4 if run["precision"] == "fp32" else 2
     return SAVED_BYTES.get(dtype)
-
-
-def reference_plan(
-    run: dict[str, Any], shape: Shape, gpu_gib: float | None
-) -> dict[str, dict[str, Any]]:
-    """The reference log-probs stage of a run that needs it (a DPO run's precomputed
-    reference): data parallel on the run's GPUs, each worker holding the whole reference
-    model (its 4-bit base for a 4-bit run) and one batch of pairs through one layer at a
-    time (no gradients; TRL's fused head: no whole logits)."""
-    from snaketune.plan.runspec import RunSpec
-
-    spec = RunSpec.of(run)
-    if not spec.reference_stage:
-        return {}
-    w = EVAL_BYTES
-    weights = shape.params * w
-    if spec.quantized:
-        weights = four_bit_base(shape, bool(spec.quantization["double_quant"]))
-    tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
-    passing = tokens * (4 * shape.hidden + shape.mlp_pass) * w
-    total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
-    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], False, spec.quantized)
-    return {
-        "reference_logps": {
-            "nodes": run["nodes"],
-            "gpus_per_node": run["gpus_per_node"],
-            "per_gpu_gib": total,
-            "cpu_gib": cpu_gib,
-            "cpu_why": cpu_why,
-            "fits": None if gpu_gib is None else total <= gpu_gib,
-            "sharded": False,
-            "why": f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)",
-            "fix": f"set {spec.method.block}.reference: live (the training job holds the "
-            "reference, sharded with the policy under ZeRO-3), or use GPUs with more memory",
-        }
-    }
 
 
 def training_pass_plans(

@@ -1,6 +1,6 @@
-"""What a distillation run's teacher stage (rule teacher_logps) costs, before queueing: its
+"""What a distillation run's teacher stage (the need TEACHER_TOPK) costs, before queueing: its
 GPUs (the run's own: one worker per GPU, each holding the whole teacher), their memory, the
-tokens it reads (its time: snaketune.budget.stagecost.teacher_seconds) and the disk of what
+tokens it reads (its time: snaketune.budget.scoring.teacher_seconds) and the disk of what
 it writes (k x 8 + 4 bytes per label token before compression: snaketune.evaluation.topk). The
 student's own memory plan has no teacher in it: the training job never holds one (its loss
 reads the logits, as a method without a fused loss: memplan's ``fused_loss``).
@@ -72,14 +72,15 @@ def disk_bytes(config: dict[str, Any], name: str, workdir: Path) -> float | None
 
 def memory_plan(
     config: dict[str, Any], run: dict[str, Any], gpu_gib: float | None, workdir: Path = Path(".")
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, Any] | None:
     """The teacher stage's GPU memory: the whole teacher, a batch (micro_batch_size rows of
     max_length) through one layer at a time, the batch's logits and one row's log-softmax
     in float32; where the whole teacher does not fit ``gpu_gib``, its weights sharded over
-    the run's GPUs (ZeRO-3, a layer gathered at a time: the stage's ``--sharded``)."""
+    the run's GPUs (ZeRO-3, a layer gathered at a time: the stage's ``--sharded``). None
+    before the teacher's config can be read."""
     shape = teacher_shape(config, run, workdir)
     if shape is None:
-        return {}
+        return None
     devices = run["nodes"] * run["gpus_per_node"]
     weights = shape.params * EVAL_BYTES
     batch = run["micro_batch_size"] * run["max_length"]
@@ -101,18 +102,16 @@ def memory_plan(
     )
     cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], sharded, False)
     return {
-        "teacher_logps": {
-            "nodes": run["nodes"],
-            "gpus_per_node": run["gpus_per_node"],
-            "per_gpu_gib": total,
-            "cpu_gib": cpu_gib,
-            "cpu_why": cpu_why,
-            "fits": None if gpu_gib is None else total <= gpu_gib,
-            "sharded": sharded,
-            "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
-            "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
-            "more GPUs, or GPUs with more memory",
-        }
+        "nodes": run["nodes"],
+        "gpus_per_node": run["gpus_per_node"],
+        "per_gpu_gib": total,
+        "cpu_gib": cpu_gib,
+        "cpu_why": cpu_why,
+        "fits": None if gpu_gib is None else total <= gpu_gib,
+        "sharded": sharded,
+        "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
+        "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
+        "more GPUs, or GPUs with more memory",
     }
 
 
@@ -122,4 +121,4 @@ def sharded(config: dict[str, Any], run: dict[str, Any], workdir: Path = Path(".
     from snaketune.budget.memplan import gpu_memory
 
     plan = memory_plan(config, run, gpu_memory(run.get("gpu", config.get("gpu"))), workdir)
-    return bool(plan.get("teacher_logps", {}).get("sharded"))
+    return bool(plan and plan["sharded"])

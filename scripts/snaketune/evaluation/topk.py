@@ -219,18 +219,18 @@ def stored_k(table: pa.Table) -> int:
 def divergence(
     student_logits,
     teacher_ids,
-    teacher_logps,
+    teacher_values,
     temperature: float = 1.0,
     kind: str = "forward",
     mix: float = 0.5,
 ):
     """The per-target divergence of the student from the teacher's top-k (see the module
-    docstring): ``student_logits`` [N, V], ``teacher_ids`` [N, k], ``teacher_logps`` [N, k];
-    float32 [N]."""
+    docstring): ``student_logits`` [N, V], ``teacher_ids`` [N, k], ``teacher_values`` [N, k]
+    (their log-probs); float32 [N]."""
     import torch
 
     s = torch.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_ids)
-    t = torch.log_softmax(teacher_logps.float() / temperature, dim=-1)
+    t = torch.log_softmax(teacher_values.float() / temperature, dim=-1)
     forward = (t.exp() * (t - s)).sum(-1)
     if kind == "forward":
         return forward

@@ -230,7 +230,7 @@ def card_text(
         "",
         *exported_lines(sources.get("exported")),
         *(loading_lines(repo_id, base.get("id")) if adapter else []),
-        *(scoring_lines(repo_id) if not method.writes_text else []),
+        *(scoring_lines(repo_id) if method.reward_model else []),
         "## Evaluation",
         "",
         "| dataset | metric | value |",
@@ -270,7 +270,7 @@ def card_data(
         eval_results=eval_results(metrics, spec.get("eval_dataset", "eval"), method.writes_text)
         or None,
     )
-    if not method.writes_text:  # a reward model
+    if method.reward_model:
         data.pipeline_tag, data.tags = "text-classification", [*data.tags, "reward-model"]
     if sources.get("adapter", False):  # the adapter alone (export.merged: false)
         data.library_name, data.tags = "peft", [*data.tags, "lora"]

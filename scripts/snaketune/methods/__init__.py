@@ -56,14 +56,13 @@ def calls_tools(run: Mapping[str, Any]) -> bool:
 
 
 def reward_runs(run: Mapping[str, Any]) -> list[str]:
-    """The runs whose reward models ``run`` scores with (the ``model:`` keys of its
-    method's ``rewards``: GRPO's, RLOO's)."""
-    from snaketune.evaluation.model_rewards import model_runs
+    """The runs whose reward models ``run`` scores with (its method's need of reward models,
+    snaketune.methods.needs: the ``model:`` keys of GRPO's and RLOO's ``rewards``)."""
+    from snaketune.methods.needs import REWARD_MODELS
 
     if run.get("method") not in REGISTRY:
         return []
-    block = method_of(run).block
-    return model_runs(run.get(block, {}).get("rewards", {})) if block else []
+    return list(method_of(run).needs(run).get(REWARD_MODELS, {}).get("runs", []))
 
 
 def reward_model_runs(runs: Mapping[str, Mapping[str, Any]]) -> set[str]:
@@ -72,7 +71,7 @@ def reward_model_runs(runs: Mapping[str, Mapping[str, Any]]) -> set[str]:
     return {
         name
         for name, run in runs.items()
-        if run.get("method") in REGISTRY and method_named(run["method"]).head == "score"
+        if run.get("method") in REGISTRY and method_named(run["method"]).reward_model
     }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snaketune.methods.needs import Need
 from snaketune.methods.outputs import Panel, no_figures, no_warnings
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Method:
 
     name: str
     # (run, table, batches, tokenizer, kernel, ids_log, inputs) -> this rank's data; `inputs`:
-    # the scoring stages' outputs the job reads, by stage name (reference_logps, teacher_logps)
+    # the outputs of its needs' stages the job reads, by the need's name (snaketune.methods.needs)
     data: Callable[[dict, Any, PlanBatches, Any, str, Path | None, Mapping[str, str]], Data]
     # (ctx, model, data, callbacks) -> a Trainer
     trainer: Callable[..., Any]
@@ -92,11 +93,11 @@ class Method:
     # reference model, vLLM's share) and fused_loss (False: its loss reads the whole
     # logits, Liger or not)
     memory: Callable[[Mapping[str, Any], bool], dict[str, Any]] = nothing
-    # the run needs the reference log-probs stage (rule reference_logps)
-    reference_stage: Callable[[Mapping[str, Any]], bool] = lambda run: False
-    # (run) -> what rule teacher_logps computes for it (snaketune.plan.teacher): `teacher`,
-    # the model or run that teaches it, and `top_k`, the log-probs kept per token; None
-    teacher: Callable[[Mapping[str, Any]], Mapping[str, Any] | None] = lambda run: None
+    # (run) -> what the run needs besides its rows and model, each record of the registry
+    # (snaketune.methods.needs) with what it asks of it: the precomputed reference log-probs
+    # ({}), a teacher's top-k (`teacher`, the model or run that teaches, `top_k`, the
+    # log-probs kept per token), reward models (`runs`, the runs that trained them)
+    needs: Callable[[Mapping[str, Any]], Mapping[Need, Mapping[str, Any]]] = lambda run: {}
     # --- what its outputs show (the report, plots, summary, card and export ask these)
     # (run) -> the evaluate stage's settings of its own: `beta`, the beta held-out pairs'
     # implicit rewards are scored with (DPO); `seed`, a new score head's (a reward model)
@@ -129,6 +130,12 @@ class Method:
     evaluates_start: bool = False
     # its block as a model card shows it (local paths left out)
     card_block: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda b: b)
+
+    @property
+    def reward_model(self) -> bool:
+        """Whether it trains a reward model: its model outputs one score per sequence, which
+        every stage loads, evaluates, exports and reports as such."""
+        return self.head == "score"
 
     def adapter_of(self, run: Mapping[str, Any]) -> str:
         """`lora` or `full`: what a run of this method trains (its checkpoint holds): an

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.errors import ConfigError
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods.common import Method
+from snaketune.methods.needs import TEACHER_TOPK
 from snaketune.methods.training import (
     ROUTER_FIELDS,
     Context,
@@ -103,7 +104,7 @@ def data(
 
     block = run[BLOCK]
     ids = list(table["example_id"])
-    teacher = read_topk(inputs["teacher_logps"], ids, block["top_k"])  # rule teacher_logps
+    teacher = read_topk(inputs[TEACHER_TOPK.name], ids, block["top_k"])  # its stage's output
     missing = [i for i in ids if i not in teacher]
     if missing:
         raise RuntimeError(
@@ -363,7 +364,7 @@ METHOD = Method(
     check=check,
     # its loss reads the logits (no fused cross-entropy); the teacher is not in memory
     memory=lambda run, on_gpu: {"fused_loss": False},
-    teacher=lambda run: {k: run[BLOCK][k] for k in ("teacher", "top_k")},
+    needs=lambda run: {TEACHER_TOPK: {k: run[BLOCK][k] for k in ("teacher", "top_k")}},
     # the KL to the teacher; the data's figures and held-out loss follow, the teacher's own
     # held-out loss beside them (snaketune.evaluation.figures)
     headline=("heldout_kl", "teacher_loss"),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.errors import ConfigError
 from snaketune.core.rows import pad_id
 from snaketune.methods.common import Method
+from snaketune.methods.needs import REFERENCE
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.pair_trainer import PairCollator, extra_of, pair_trainer, step_fields
 from snaketune.methods.training import (
@@ -57,7 +58,7 @@ def data(
 
     reference = None
     if run["dpo"]["reference"] == "precomputed":
-        reference = read_reference(inputs["reference_logps"])  # rule reference_logps
+        reference = read_reference(inputs[REFERENCE.name])  # its stage's output
         missing = [i for i in table["example_id"] if i not in reference]
         if missing:
             raise RuntimeError(
@@ -198,7 +199,7 @@ METHOD = Method(
         "sequences_per_example": 2,
         "reference": run["dpo"]["reference"] == "live",
     },
-    reference_stage=lambda run: run["dpo"]["reference"] == "precomputed",
+    needs=lambda run: {REFERENCE: {}} if run["dpo"]["reference"] == "precomputed" else {},
     eval_settings=lambda run: {"beta": run["dpo"]["beta"]},
     headline=("preference_accuracy",),
     panel=PREFERENCE_PANEL,

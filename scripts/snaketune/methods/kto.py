@@ -40,6 +40,7 @@ from snaketune.core.lora_targets import exact_targets
 from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
 from snaketune.methods.common import Method
+from snaketune.methods.needs import REFERENCE
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
 from snaketune.methods.training import (
     Context,
@@ -118,7 +119,7 @@ def data(
 
     logps = None
     if reference(run) == "precomputed":
-        logps = read_reference(inputs["reference_logps"])  # rule reference_logps
+        logps = read_reference(inputs[REFERENCE.name])  # its stage's output
         missing = [i for i in table["example_id"] if i not in logps]
         if missing:
             raise RuntimeError(
@@ -308,7 +309,7 @@ METHOD = Method(
         "sequences_per_example": 2,
         "reference": reference(run) == "live",
     },
-    reference_stage=lambda run: reference(run) == "precomputed",
+    needs=lambda run: {REFERENCE: {}} if reference(run) == "precomputed" else {},
     eval_settings=lambda run: {"beta": run["kto"]["beta"]},
     headline=("preference_accuracy",),
     summary_figures=preference_quarter,

@@ -28,6 +28,7 @@ from snaketune.core.throughput import Counted
 from snaketune.evaluation import model_rewards, rewards
 from snaketune.methods import reward_model_runs
 from snaketune.methods.common import Method
+from snaketune.methods.needs import REWARD_MODELS, Need
 from snaketune.methods.outputs import WINDOW, Panel, holds, quarters
 from snaketune.tools import tooluse
 
@@ -295,7 +296,15 @@ def method(name: str, label: str, trainer, schema: str, summary: str) -> Method:
         check=partial(check, name, label),
         memory=partial(memory, name),
         code=partial(code, name),
+        needs=partial(needs, name),
     )
+
+
+def needs(block: str, run: Mapping[str, Any]) -> dict[Need, dict[str, Any]]:
+    """A rollout run's reward models (the ``model:`` keys of its rewards), held whole on its
+    GPUs beside the policy (snaketune.evaluation.model_rewards)."""
+    runs = model_rewards.model_runs(run.get(block, {}).get("rewards", {}))
+    return {REWARD_MODELS: {"runs": runs}} if runs else {}
 
 
 def code(block: str, run: Mapping[str, Any]) -> dict[str, str]:

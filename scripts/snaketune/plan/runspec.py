@@ -19,6 +19,7 @@ from typing import Any
 from snaketune.core.heldout import greater_is_better
 from snaketune.data.kinds import kind_named
 from snaketune.methods import Method, method_of
+from snaketune.methods.needs import Need
 
 # The directory under results/<run>/ of the model a run ends with, by what it trains.
 FINAL_MODEL = {"lora": "merged_model", "full": "hf"}
@@ -42,7 +43,8 @@ class RunSpec:
     lora: Mapping[str, Any] | None
     # a 4-bit base's settings (QUANTIZATION_KEYS of the LoRA block), None: not quantized
     quantization: Mapping[str, Any] | None
-    reference_stage: bool  # it needs rule reference_logps
+    # what it needs besides its rows and model (snaketune.methods.needs), with its settings
+    needs: Mapping[Need, Mapping[str, Any]]
     balances_tokens: bool  # its shard plan balances each step's tokens across ranks
     final_model: str  # results/<run>/<this>: the model the run ends with
 
@@ -57,7 +59,7 @@ class RunSpec:
             adapter=adapter,
             lora=lora,
             quantization={k: lora[k] for k in QUANTIZATION_KEYS} if quantized else None,
-            reference_stage=method.reference_stage(run),
+            needs=method.needs(run),
             balances_tokens=bool(run["packing"]) or kind_named(method.trains_on).balances_tokens,
             final_model=ADAPTER_ONLY
             if adapter == "lora" and not merged(run)

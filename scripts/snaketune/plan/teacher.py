@@ -1,4 +1,4 @@
-"""The teacher stage of distillation runs (rule teacher_logps): which jobs the runs need, by
+"""The teacher stage of distillation runs (the need TEACHER_TOPK): which jobs the runs need, by
 what their output depends on, and what each job reads.
 
 A distillation run (snaketune.methods.distill) names its teacher (what its method's
@@ -16,18 +16,19 @@ from typing import Any
 
 from snaketune.core.io import digest
 from snaketune.methods import method_of
+from snaketune.methods.needs import TEACHER_TOPK
 from snaketune.plan import stages
 
 
 def teacher_of(run: dict[str, Any]) -> str | None:
     """The name of a run's teacher (None: not a distillation run)."""
-    stage = method_of(run).teacher(run)
+    stage = method_of(run).needs(run).get(TEACHER_TOPK)
     return None if stage is None else stage["teacher"]
 
 
 def top_k(run: dict[str, Any]) -> int:
     """The log-probs per token a distillation run's teacher stage keeps."""
-    return method_of(run).teacher(run)["top_k"]
+    return method_of(run).needs(run)[TEACHER_TOPK]["top_k"]
 
 
 def teacher_model(config: dict[str, Any], name: str, resolve: Callable[[str], str] = str) -> str:
@@ -58,7 +59,7 @@ def teacher_key(config: dict[str, Any], run: str, eval_set: bool = False) -> str
 
 def teacher_path(config: dict[str, Any], run: str, eval_set: bool = False) -> str | None:
     key = teacher_key(config, run, eval_set)
-    return f"results/teacher_logps/{key}/topk.parquet" if key else None
+    return TEACHER_TOPK.path(key) if key else None
 
 
 def teacher_jobs(config: dict[str, Any]) -> dict[str, dict[str, Any]]:

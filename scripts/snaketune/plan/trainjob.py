@@ -12,6 +12,7 @@ from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
 from snaketune.evaluation import model_rewards
 from snaketune.methods import calls_tools, method_of, reward_runs
+from snaketune.methods.needs import REFERENCE, REWARD_MODELS, TEACHER_TOPK
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import (
     as_json,
@@ -69,17 +70,22 @@ def train_extras(
     run: str,
     resolve: Callable[[str], str] = str,
 ) -> dict[str, Any]:
-    """What a run's training reads besides its shards and model, by name: ``reference_logps``
-    (a DPO run's precomputed log-probs: the stage's name), ``heldout`` (the eval set of a
-    run with eval_steps), ``reward_models`` (a GRPO run's: reward_models' folders)."""
+    """What a run's training reads besides its shards and model, by name: its needs' (a DPO
+    run's precomputed log-probs and a distillation run's teacher top-k, by the need's name: the
+    stages' outputs; a GRPO run's reward models' folders)
+    and ``heldout`` (the eval set of a run with eval_steps)."""
+    from snaketune.plan.teacher import teacher_path
+
     out: dict[str, Any] = {}
     reference = reference_path(config, run)
     if reference:
-        out["reference_logps"] = reference
+        out[REFERENCE.name] = reference
+    if teacher := teacher_path(config, run):  # a distillation run's teacher top-k
+        out[TEACHER_TOPK.name] = teacher
     if config["runs"][run].get("eval_steps"):
         out["heldout"] = tokenized(config, run, eval_set=True)
     if models := reward_models(config, run, resolve):
-        out["reward_models"] = [m["path"] for m in models["models"].values()]
+        out[REWARD_MODELS.name] = [m["path"] for m in models["models"].values()]
     return out
 
 
@@ -134,10 +140,10 @@ def reference_key(config: dict[str, Any], run: str) -> str | None:
     depend on: the model it starts from (a base model, or the final model of the run or
     sweep it starts from), its tokenized pairs, the precision, the attention kernel and a
     4-bit base's quantization.
-    Runs and sweep members that share these share one reference_logps job. None for others."""
+    Runs and sweep members that share these share one job of the stage. None for others."""
     r = config["runs"][run]
     spec = RunSpec.of(r)
-    if not spec.reference_stage:
+    if REFERENCE not in spec.needs:
         return None
     start = {"run": r["init_from"]} if "init_from" in r else {"model": r["model"]}
     what = {
@@ -153,11 +159,11 @@ def reference_key(config: dict[str, Any], run: str) -> str | None:
 
 def reference_path(config: dict[str, Any], run: str) -> str | None:
     key = reference_key(config, run)
-    return f"results/reference_logps/{key}/logps.parquet" if key else None
+    return REFERENCE.path(key) if key else None
 
 
 def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
-    """Every reference_logps job the runs need: key -> the runs that read it."""
+    """Every job of the reference stage the runs need: key -> the runs that read it."""
     jobs: dict[str, list[str]] = {}
     for run in config["runs"]:
         key = reference_key(config, run)
@@ -167,7 +173,7 @@ def reference_runs(config: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def reference_jobs(config: dict[str, Any]) -> dict[str, str]:
-    """Every reference_logps job the runs need: key -> the first run that reads it."""
+    """Every job of the reference stage the runs need: key -> the first run that reads it."""
     return {key: runs[0] for key, runs in reference_runs(config).items()}
 
 
