@@ -37,7 +37,6 @@ from typing import Any
 
 from snaketune.budget.memplan import GIB, Setup, Shape
 from snaketune.budget.modelcount import shape_of
-from snaketune.budget.scoring import plan_of
 from snaketune.core.errors import UserError
 from snaketune.methods import method_of
 from snaketune.methods.needs import NEEDS
@@ -275,6 +274,8 @@ def disk_plan_of(
     pictures = picture_bytes(config, name, root)  # snaketune.budget.pictureplan
     if pictures:
         extra["pictures"] = pictures
+    from snaketune.budget.scoring import plan_of  # the plans: not in the launcher's imports
+
     for need in method_of(run).needs(run):  # its needs' outputs (a teacher's top-k)
         if (disk := plan_of(need).disk) is not None:
             extra[need.name] = disk(config, name, root)
