@@ -107,6 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "teacher_logps): the held-out KL to the teacher too",
     )
     parser.add_argument(
+        "--teacher-model",
+        type=Path,
+        default=None,
+        help="an on-policy distilled model's teacher: its NLL of the model's greedy "
+        "completions (and of the base's) too (snaketune.evaluation.teacher_nll)",
+    )
+    parser.add_argument(
         "--tools", type=json.loads, default=None,
         help="a run with tools: its tools and their settings as JSON (the tool loop runs on "
         "each held-out prompt: snaketune.tools.tooluse.ToolLoop)",
@@ -132,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         from snaketune.core.provenance import NAME, output_hashes, record, write_provenance
+        from snaketune.evaluation import teacher_nll
         from snaketune.evaluation.evaluate import evaluate, recorded_scores
         from snaketune.evaluation.scorers import scorer
         from snaketune.evaluation.sharded import Share
@@ -145,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs.update({"train": args.train} if args.train else {})
     inputs.update({"base_metrics": args.base_metrics} if args.base_metrics else {})
     inputs.update({"teacher_topk": args.teacher_topk} if args.teacher_topk else {})
+    inputs.update({"teacher_model": args.teacher_model} if args.teacher_model else {})
     config = {"limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "batch_size": args.batch_size, "lm_eval": args.lm_eval}  # fmt: skip
     config.update({k: getattr(args, k) for k in ("method", "beta", "seed", "metrics", "tools")
@@ -164,9 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if method is not None and not method.writes_text:  # it scores held-out pairs
+    if method is not None and method.reward_model:  # it scores held-out pairs
         return reward(args, base, finish, sharded, method.headline)
     share, beat = Share.from_environ() if sharded else Share(), None
+    base_samples = args.base_metrics.with_name("samples.jsonl") if args.base_metrics else None
     if sharded:
         from snaketune.core.heartbeat import Heartbeat
         from snaketune.core.runlock import die_with_parent
@@ -191,9 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         None if beat is None else beat.watch,
         args.adapter_base,
         method.headline if method is not None else (),
-        scorer(
-            args.metrics,
-            args.base_metrics.with_name("samples.jsonl") if args.base_metrics else None,
+        teacher_nll.both(
+            scorer(args.metrics, base_samples),
+            teacher_nll.scorer(args.teacher_model, args.eval, base_samples),
         ),
         args.teacher_topk,
         tool_loop(args.tools),

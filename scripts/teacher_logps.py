@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace, parts: Path) -> int:
 def launch(args: argparse.Namespace, shared: list[str], out: Path) -> int:
     """The tokenizers compared, every worker through the shared launcher as one attempt of
     the stage, then the output once every chunk is there."""
-    from snaketune.methods.distill import check_tokenizers
+    from snaketune.methods.teachers import check_tokenizers
     from snaketune.train.scoring import Stage
     from snaketune.train.scoring import launch as run_stage
 

@@ -55,8 +55,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="STAGE=PATH",
-        help="a scoring stage's output the run's method reads (reference_logps=..., "
-        "teacher_logps=...)",
+        help="what the run's method needs, by the need's name: a scoring stage's output "
+        "(reference_logps=..., teacher_logps=...), a live teacher's model (teacher=...)",
     )
     parser.add_argument(
         "--launcher",
@@ -143,18 +143,16 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def stage_inputs(given: list[str]) -> dict[str, str]:
-    """``--stage-input NAME=PATH`` by stage name."""
-    from snaketune.budget.scoring import STAGES
+    """``--stage-input NAME=PATH`` by need name (snaketune.methods.needs)."""
     from snaketune.core.errors import UserError
+    from snaketune.methods.needs import PASSED_NEEDS
 
     out = {}
+    names = [n.name for n in PASSED_NEEDS]
     for item in given:
         name, _, path = item.partition("=")
-        if name not in {s.name for s in STAGES} or not path:
-            raise UserError(
-                f"--stage-input {item}: give STAGE=PATH, STAGE one of "
-                f"{', '.join(s.name for s in STAGES)}"
-            )
+        if name not in names or not path:
+            raise UserError(f"--stage-input {item}: give NEED=PATH, NEED one of {', '.join(names)}")
         out[name] = path
     return out
 

@@ -139,6 +139,8 @@ def shrink(run: dict[str, Any], tools: bool = False) -> None:
             grpo["rewards"] = {**rewards, "rewards_mini.py:varied": 0.5}
     else:
         run["micro_batch_size"] = min(run["micro_batch_size"], 4)
+    if run["method"] == "opd":  # on-policy distillation's samples: as short as the eval's
+        run["opd"]["max_completion_length"] = 16
     run["eval"] = {**run.get("eval", {}), "limit": 8, "batch_size": 8,
                    "max_new_tokens": min(run.get("eval", {}).get("max_new_tokens", 16), 16)}  # fmt: skip
 

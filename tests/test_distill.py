@@ -5,11 +5,15 @@ teacher_logps).
 One pipeline (``distill_chain``) proves the pieces meet: a larger tiny model tuned first
 (run ``teacher``, full fine-tuning), a student distilled from it on 2 nodes (run
 ``student``, LoRA) and the same student tuned by SFT alone on the same data and steps (run
-``sft``). Its outputs are checked against computations written out with plain
-transformers and torch (tests/oracles.py): the stored top-k, the student's first logged
-step, the held-out KL. In the CI tier the teacher and the student train 16 steps and the
-run ``sft`` is left out: every stage and figure runs, and the comparison that needs the
-student to have learnt (closer to its teacher than SFT alone) is the extended tier's.
+``sft``), and an on-policy student from the same teacher (run ``opd``, method opd: the
+student samples, the teacher scores each token live; tests/test_opd.py has its per-step
+oracle). Its outputs are checked against computations written out with plain transformers
+and torch (tests/oracles.py): the stored top-k, the student's first logged step, the
+held-out KL, the teacher's NLL of the on-policy student's greedy completions. In the CI
+tier the teacher and the student train 16 steps, the on-policy student 4, and the run
+``sft`` is left out: every stage and figure runs, and the comparisons that need the
+students to have learnt (closer to the teacher than SFT alone; completions the teacher
+finds likelier than the base student's) are the extended tier's.
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ STUDENT = {
     "eval": {"max_new_tokens": 16, "batch_size": 64},
 }
 DISTILL = {"teacher": "teacher"}  # the schema's defaults: top-k 32, alpha 0.5, T 1, forward KL
+# on-policy distillation from the same teacher (the schema's defaults: reverse KL, T 1, every
+# step on-policy), completions as long as the eval's; its adapter leaves the head alone (TRL's
+# divergence reads the heads' weights)
+OPD = {
+    **STUDENT,
+    "method": "opd",
+    "lora": {k: v for k, v in LORA.items() if k != "modules_to_save"},
+    "opd": {"teacher": "teacher", "max_completion_length": 16},
+    "micro_batch_size": 8,
+    "max_steps": 24,
+    "learning_rate": 2.0e-3,
+}
 
 
 def build_model(
@@ -115,12 +131,14 @@ def chain_config(workdir: Path) -> dict:
         },
         "student": {**STUDENT, "method": "distill", "distill": DISTILL},
         "sft": {**STUDENT, "method": "lora"},
+        "opd": OPD,
     }
     del cfg["runs"]["teacher"]["lora"]
     if ci_tier():  # every stage and figure, not learning (the module's docstring)
         del cfg["runs"]["sft"]
         cfg["runs"]["teacher"].update(max_steps=16, save_steps=16)
         cfg["runs"]["student"].update(max_steps=16)
+        cfg["runs"]["opd"].update(max_steps=4, save_steps=4)
     return cfg
 
 
@@ -301,6 +319,75 @@ def test_the_distilled_students_headline_is_its_kl_to_the_teacher_in_plain_torch
     assert metrics["teacher_loss"] == pytest.approx(teacher_nll, abs=1e-5)  # beside its own
     line = (w / "snakemake.out").read_text()
     assert re.search(r"student: kl_to_teacher [0-9.]+, teacher loss [0-9.]+", line), line[-2000:]
+
+
+def completion_nll(teacher, eval_rows: dict, samples: Path, tokenizer) -> float:
+    """The teacher's mean NLL per token of the greedy completions in ``samples`` (each
+    generation encoded again after its eval row's prompt), with plain transformers."""
+    from snaketune.core.rows import prompt_and_answer
+
+    total, count = [], 0
+    for line in samples.read_text().splitlines():
+        s = json.loads(line)
+        row = eval_rows[s["example_id"]]
+        prompt = prompt_and_answer(row["input_ids"], row["labels"])[0]
+        completion = tokenizer(s["generation"], add_special_tokens=False).input_ids
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp = torch.log_softmax(teacher(input_ids=ids).logits[0].double(), -1)
+        total += [-logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion)]
+        count += len(completion)
+    return math.fsum(total) / count
+
+
+def opd_figures(w: Path) -> tuple[float, float, dict]:
+    """The on-policy student's teacher_nll and its base's, written out, and its metrics."""
+    from transformers import AutoTokenizer
+
+    metrics = json.loads((w / "results/opd/eval/metrics.json").read_text())
+    rows = {r["example_id"]: r for r in pq.read_table(tokenized_set(w, eval_set=True)).to_pylist()}
+    teacher = model(w / "results/teacher/hf")
+    tokenizer = AutoTokenizer.from_pretrained(w / "results/teacher/hf")
+    tuned = completion_nll(teacher, rows, w / "results/opd/eval/samples.jsonl", tokenizer)
+    prov = json.loads((w / "results/opd/eval/provenance.json").read_text())
+    base_metrics = w / prov["inputs"]["base_metrics"]["path"]
+    base = completion_nll(teacher, rows, base_metrics.with_name("samples.jsonl"), tokenizer)
+    return tuned, base, metrics
+
+
+@pytest.mark.slow
+def test_the_on_policy_student_reaches_evaluation_with_its_teachers_nll_of_its_completions(
+    distill_chain,
+):
+    """Run ``opd`` (2 nodes, the teacher run's final model held live) trains and reaches its
+    evaluation; its headline leads with teacher_nll, the teacher's mean NLL of the student's
+    own greedy completions of the held-out prompts, and the base student's beside it, both
+    written out with plain transformers (1e-4); each step logged its figures."""
+    w = distill_chain
+    tuned, base, metrics = opd_figures(w)
+    assert metrics["headline"][0] == "teacher_nll"
+    assert metrics["figures"]["teacher_nll"]["value"] == pytest.approx(tuned, rel=1e-4)
+    assert metrics["figures"]["teacher_nll"]["base"] == pytest.approx(base, rel=1e-4)
+    steps = read_jsonl(w / "results/opd/train/metrics.jsonl")
+    assert steps and all(
+        {"divergence", "teacher_nll", "completion_length", "on_policy"} <= set(s) for s in steps
+    )
+    job = json.loads((w / "results/opd/train/job.json").read_text())
+    assert job["inputs"]["teacher"] == "results/teacher/hf"
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_the_on_policy_student_writes_what_its_teacher_finds_likelier_than_the_base(
+    distill_chain,
+):
+    """After 24 on-policy steps the teacher's NLL of the student's greedy completions of the
+    held-out prompts is below the base student's, measured with plain transformers."""
+    tuned, base, _ = opd_figures(distill_chain)
+    assert tuned < base, (tuned, base)
+    print(
+        f"the teacher's NLL of greedy completions: on-policy student {tuned:.4f}, base {base:.4f}"
+    )
 
 
 @pytest.mark.extended

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from snaketune.evaluation import scorers
 from snaketune.methods import method_of
+from snaketune.methods.needs import PASSED_NEEDS
 from snaketune.evaluation import settings as evaluations
 from snaketune.budget import fit, scoring, slurmfit
 from snaketune.plan import stages, targets, trainjob
@@ -162,10 +163,11 @@ def train_extras(wildcards):
 
 
 def stage_inputs(wildcards, input):
-    """The train job's --stage-input flags: each scoring stage's output it reads."""
+    """The train job's --stage-input flags: each need's path it reads (a scoring stage's
+    output, a live teacher's model)."""
     return " ".join(
         f"--stage-input {name}={input[name]}"
-        for name in (stage.name for stage in scoring.STAGES)
+        for name in (need.name for need in PASSED_NEEDS)
         if name in input.keys()  # noqa: SIM118 (a rule's input: a list with names)
     )
 
@@ -350,16 +352,25 @@ def eval_adapter_arg(wildcards, input):
 
 
 def eval_teacher_inputs(wildcards):
-    """A distillation run: its teacher's top-k of the eval set (the held-out KL)."""
-    path = teachers.teacher_path(config, wildcards.run, eval_set=True)
-    return {"teacher": path} if path else {}
+    """A distillation run: its teacher's top-k of the eval set (the held-out KL); an
+    on-policy one: its teacher's model (its NLL of the greedy completions)."""
+    out = {}
+    if path := teachers.teacher_path(config, wildcards.run, eval_set=True):
+        out["teacher"] = path
+    if live := trainjob.live_teacher(config, wildcards.run, reward_run):
+        out["teacher_model"] = live
+    return out
 
 
 def eval_teacher_arg(wildcards, input):
     # a rule's input is a list of paths with names: `in` alone would look among the paths
-    return (
-        f"--teacher-topk {input.teacher}" if "teacher" in input.keys() else ""
-    )  # noqa: SIM118
+    names = input.keys()
+    flags = []
+    if "teacher" in names:
+        flags.append(f"--teacher-topk {input.teacher}")
+    if "teacher_model" in names:
+        flags.append(f"--teacher-model {input.teacher_model}")
+    return " ".join(flags)
 
 
 def eval_metrics(run):

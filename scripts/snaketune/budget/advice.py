@@ -186,12 +186,14 @@ def format_plan(run: str, plan: dict[str, Any]) -> str:
         "not_at_once",
         "reference",
         "reward_models",
+        "teacher",
         "vllm",
         "margin",
     )
     labels = {
         "reference": "reference copy",
         "reward_models": "reward models",
+        "teacher": "live teacher",
         "vllm": "vLLM",
         "not_at_once": "gradients and activations not held at once",
     }

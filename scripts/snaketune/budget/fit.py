@@ -148,11 +148,11 @@ def check_cpu_run(
     run: dict[str, Any],
     deepspeed: dict[str, Any],
     machine_gib: float,
-    reward_params: int = 0,
+    held: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A run on this machine's CPU (every emulated node here): all its processes' memory
-    against the machine's (``reward_params``: its reward models', reward_model_params)."""
-    s = replace(setup_of(run, deepspeed, on_gpu=False), reward_model_params=reward_params)
+    against the machine's (``held``: the weights its needs hold, by Setup field: held)."""
+    s = replace(setup_of(run, deepspeed, on_gpu=False), **(held or {}))
     per_process = estimate(shape, s)["total"] - CONTEXT_GIB
     out = plan_run(shape, s, None)
     out["per_gpu_gib"]["total"] = round(per_process, 2)
@@ -165,15 +165,14 @@ def check_cpu_run(
 def run_setup(
     config: dict[str, Any], run: dict[str, Any], deepspeed: dict[str, Any], workdir: Path
 ) -> Setup:
-    """A run's Setup (setup_of) with the reward models it scores with counted."""
-    return replace(
-        setup_of(run, deepspeed), reward_model_params=reward_model_params(config, run, workdir)
-    )
+    """A run's Setup (setup_of) with the weights its needs hold in the train job counted
+    (reward models, a live teacher: held)."""
+    return replace(setup_of(run, deepspeed), **held(config, run, workdir))
 
 
-def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
-    """The weights a run's train job holds whole on every GPU for its needs (a GRPO run's
-    reward models: snaketune.budget.scoring, through the registry of needs)."""
+def held(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> dict[str, int]:
+    """The weights a run's train job holds for its needs, by Setup field (a GRPO run's reward
+    models, a live teacher: snaketune.budget.scoring, through the registry of needs)."""
     from snaketune.budget.scoring import held_params
 
     return held_params(config, run, workdir)
@@ -221,7 +220,7 @@ def check_runs(
             line = format_plan(name, plan)
         elif local:
             plan = check_cpu_run(
-                shape, run, deepspeed, machine_memory_gib(), setup.reward_model_params
+                shape, run, deepspeed, machine_memory_gib(), held(config, run, workdir)
             )
             line = cpu_line(name, plan)
         else:

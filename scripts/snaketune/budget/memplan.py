@@ -127,6 +127,8 @@ class Setup:
     merged: bool = True  # a LoRA run writes its merged model (export.merged)
     sequence_parallel: int = 1  # GPUs sharing each sequence: activations and logits split
     reward_model_params: int = 0  # GRPO's "model:<run>" rewards: held whole on every GPU
+    # on-policy distillation's live teacher: whole on every GPU, or sharded over them (ZeRO-3)
+    teacher_params: int = 0
     accumulation: int = 1  # micro batches per optimizer step (gradient_accumulation_steps)
 
     @property
@@ -274,6 +276,9 @@ def estimate(shape: Shape, s: Setup, gpu_gib: float | None = None) -> dict[str, 
         parts["reference"] = reference_copy(shape, s)
     if s.reward_model_params:  # whole on every GPU, in the run's precision
         parts["reward_models"] = float(s.reward_model_params * s.bytes_per_weight)
+    if s.teacher_params:  # in the run's precision; ZeRO-3 shards it as it does the student
+        held = s.teacher_params / (s.gpus if s.stage == 3 else 1)
+        parts["teacher"] = float(held * s.bytes_per_weight)
     overlap = not_at_once(parts, s)
     if overlap:
         parts["not_at_once"] = -overlap

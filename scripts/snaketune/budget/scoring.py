@@ -31,7 +31,14 @@ from snaketune.budget import teacherplan
 from snaketune.budget.cost import DISK_MB_S, FORWARD_MFU, MB, stage, weight_bytes
 from snaketune.budget.evalplan import EVAL_BYTES, four_bit_base, scoring_cpu_gib
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
-from snaketune.methods.needs import NEEDS, REFERENCE, REWARD_MODELS, TEACHER_TOPK, Need
+from snaketune.methods.needs import (
+    LIVE_TEACHER,
+    NEEDS,
+    REFERENCE,
+    REWARD_MODELS,
+    TEACHER_TOPK,
+    Need,
+)
 from snaketune.plan import stages, trainjob
 from snaketune.plan import teacher as teachers
 
@@ -61,8 +68,11 @@ class NeedPlan:
     seconds: Callable[..., dict[str, Any] | None] | None = None
     # (config, run name, workdir) -> bytes its output takes on the run's results filesystem
     disk: Callable[[dict[str, Any], str, Path], float | None] | None = None
-    # (config, run, workdir) -> weights the train job holds whole on every GPU for it
+    # (config, run, workdir) -> weights the train job holds for it (whole on every GPU, or
+    # sharded under ZeRO-3 where the need's field says so), counted in memplan.Setup's field
+    # ``held_as``
     held_params: Callable[[dict[str, Any], dict[str, Any], Path], int] | None = None
+    held_as: str | None = None
 
     @property
     def name(self) -> str:
@@ -187,6 +197,16 @@ def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Pa
     return total
 
 
+def live_teacher_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
+    """Weights of an on-policy distillation run's teacher (its model's config.json, or its
+    run's model's, where it can be read now; 0 before)."""
+    from snaketune.methods import method_of
+
+    name = method_of(run).needs(run)[LIVE_TEACHER]["teacher"]
+    shape = teacherplan.teacher_shape(config, run, workdir, name)
+    return shape.params if shape is not None else 0
+
+
 # ----------------------------------------------------------------------------- the registry
 
 PLANS = (
@@ -212,7 +232,12 @@ PLANS = (
         ),
         disk=lambda config, name, workdir: teacherplan.disk_bytes(config, name, workdir) or 0.0,
     ),
-    NeedPlan(need=REWARD_MODELS, held_params=reward_model_params),
+    NeedPlan(need=REWARD_MODELS, held_params=reward_model_params, held_as="reward_model_params"),
+    NeedPlan(
+        need=LIVE_TEACHER,
+        held_params=lambda config, run, workdir: live_teacher_params(config, run, workdir),
+        held_as="teacher_params",
+    ),
 )
 assert tuple(p.need for p in PLANS) == NEEDS, "a plan per record of the registry, in its order"
 STAGES = tuple(p for p in PLANS if p.need.stage)
@@ -226,15 +251,17 @@ def stage_named(name: str) -> NeedPlan:
     return next(s for s in STAGES if s.name == name)
 
 
-def held_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
-    """The weights a run's train job holds whole on every GPU for its needs (reward models)."""
+def held_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> dict[str, int]:
+    """The weights a run's train job holds for its needs, by memplan.Setup field (reward
+    models, a live teacher)."""
     from snaketune.methods import method_of
 
-    return sum(
-        plan_of(need).held_params(config, run, workdir)
-        for need in method_of(run).needs(run)
-        if plan_of(need).held_params is not None
-    )
+    out: dict[str, int] = {}
+    for need in method_of(run).needs(run):
+        plan = plan_of(need)
+        if plan.held_params is not None:
+            out[plan.held_as] = out.get(plan.held_as, 0) + plan.held_params(config, run, workdir)
+    return out
 
 
 def jobs(config: dict[str, Any]) -> dict[str, tuple[NeedPlan, dict[str, Any]]]:

@@ -16,26 +16,31 @@ from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
 from snaketune.budget.modelcount import shape_of
 
 
-def teacher_base(config: dict[str, Any], run: dict[str, Any]) -> str | None:
-    """The model of the config whose shape a run's teacher has: the teacher itself, or the
-    teacher run's (a sweep's first member's) model; None for a run without a teacher."""
+def teacher_base(
+    config: dict[str, Any], run: dict[str, Any], name: str | None = None
+) -> str | None:
+    """The model of the config whose shape a run's teacher has (its teacher stage's, or
+    ``name``: a live teacher): the teacher itself, or the teacher run's (a sweep's first
+    member's) model; None for a run without a teacher."""
     from snaketune.plan.sweep import sweeps_of
     from snaketune.plan.teacher import teacher_of
 
-    name = teacher_of(run)
+    name = name or teacher_of(run)
     if name is None or name in config["models"]:
         return name
     runs = config["runs"]
     return (runs.get(name) or runs[sweeps_of(runs)[name][0]])["model"]
 
 
-def teacher_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Shape | None:
-    """The teacher's shape from its config.json where it is on this machine now
-    (snaketune.data.sources.model_folder: its download, or a local model's path), else
-    None."""
+def teacher_shape(
+    config: dict[str, Any], run: dict[str, Any], workdir: Path, name: str | None = None
+) -> Shape | None:
+    """The teacher's shape (its stage's, or ``name``'s) from its config.json where it is on
+    this machine now (snaketune.data.sources.model_folder: its download, or a local model's
+    path), else None."""
     import json
 
-    model = teacher_base(config, run)
+    model = teacher_base(config, run, name)
     if model is None:
         return None
     from snaketune.data.sources import model_folder

@@ -22,8 +22,10 @@ and, for a method that scores pairs with a beta (DPO), the implicit reward's
 ``preference_accuracy`` and ``reward_margin``; a reward model's evaluation has its scores'
 ``preference_accuracy`` and ``reward_margin`` only; a distilled model's adds ``heldout_kl``,
 its forward KL from the teacher's top-k on the eval set, and the teacher's own held-out
-``teacher_loss`` beside its ``loss``; the user's own metrics (``eval.metrics``,
-snaketune.evaluation.scorers) are figures under their keys.
+``teacher_loss`` beside its ``loss``; an on-policy distilled model's adds ``teacher_nll``,
+its teacher's NLL of the model's own greedy completions (snaketune.evaluation.teacher_nll);
+the user's own metrics (``eval.metrics``, snaketune.evaluation.scorers) are figures under
+their keys.
 
 A run's *headline* is its method's own figures (snaketune.methods: ``Method.headline``),
 then its data's, then the held-out loss, then the user's metrics: the end-of-run line,
@@ -96,6 +98,12 @@ DESCRIBED = {
     ),
     "teacher_loss": Described(
         "the teacher's held-out loss (nats/token)", False, False, "teacher loss"
+    ),
+    "teacher_nll": Described(
+        "the teacher's NLL of the model's greedy completions (nats/token)",
+        False,
+        False,
+        "teacher_nll",
     ),
 }
 

@@ -29,6 +29,7 @@ REGISTRY = {
     "kto": ("snaketune.methods.kto", "METHOD"),
     "rloo": ("snaketune.methods.rloo", "METHOD"),
     "distill": ("snaketune.methods.distill", "METHOD"),
+    "opd": ("snaketune.methods.opd", "METHOD"),
 }
 
 

@@ -5,7 +5,8 @@ it, the teacher and its top-k, the reward models' runs); nothing else decides th
 either has its own stage (``runs_in == "stage"``: a Snakemake rule of that name,
 workflow/rules/scoring.smk, computed once on the GPUs of the run it serves and read by every
 run that shares it, its output results/<name>/<key>/<output>) or is held inside the train
-job on the run's GPUs (``runs_in == "train"``: a reward model scoring completions). What a
+job on the run's GPUs (``runs_in == "train"``: a reward model scoring completions, a live
+teacher scoring the student's). What a
 need costs, its jobs and their inputs are the budget's (snaketune.budget.scoring: one plan
 per record, which the stage, memory, disk and cost plans, the checks before queueing and
 ``snaketune status`` read); the SLURM profiles give each stage need its resources.
@@ -35,6 +36,9 @@ class Need:
     label: str
     runs_in: str
     output: str | None = None
+    # the train job reads its path as ``--stage-input <name>=<path>`` (a stage's output, a
+    # live teacher's model; reward models' folders travel in the job's spec instead)
+    passed: bool = True
 
     def __post_init__(self) -> None:
         assert self.runs_in in PLACES, self.runs_in
@@ -56,10 +60,14 @@ REFERENCE = Need("reference_logps", "reference log-probs", "stage", "logps.parqu
 TEACHER_TOPK = Need("teacher_logps", "teacher top-k", "stage", "topk.parquet")
 # GRPO's and RLOO's reward models (settings: runs, the runs that trained them), held whole on
 # every GPU of the train job
-REWARD_MODELS = Need("reward_models", "reward models", "train")
+REWARD_MODELS = Need("reward_models", "reward models", "train", passed=False)
+# on-policy distillation's teacher (settings: teacher), held on the run's GPUs beside the
+# student (sharded with it under ZeRO-3) and scoring each completion the student samples
+LIVE_TEACHER = Need("teacher", "live teacher", "train")
 
-NEEDS = (REFERENCE, TEACHER_TOPK, REWARD_MODELS)
+NEEDS = (REFERENCE, TEACHER_TOPK, REWARD_MODELS, LIVE_TEACHER)
 STAGE_NEEDS = tuple(n for n in NEEDS if n.stage)
+PASSED_NEEDS = tuple(n for n in NEEDS if n.passed)  # the train job's --stage-input names
 
 
 def need_named(name: str) -> Need:

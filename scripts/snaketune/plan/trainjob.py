@@ -12,7 +12,7 @@ from snaketune.core.heldout import spec_of as held_out_spec
 from snaketune.core.io import digest
 from snaketune.evaluation import model_rewards
 from snaketune.methods import calls_tools, method_of, reward_runs
-from snaketune.methods.needs import REFERENCE, REWARD_MODELS, TEACHER_TOPK
+from snaketune.methods.needs import LIVE_TEACHER, REFERENCE, REWARD_MODELS, TEACHER_TOPK
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import (
     as_json,
@@ -82,11 +82,23 @@ def train_extras(
         out[REFERENCE.name] = reference
     if teacher := teacher_path(config, run):  # a distillation run's teacher top-k
         out[TEACHER_TOPK.name] = teacher
+    if live := live_teacher(config, run, resolve):  # on-policy distillation's teacher
+        out[LIVE_TEACHER.name] = live
     if config["runs"][run].get("eval_steps"):
         out["heldout"] = tokenized(config, run, eval_set=True)
     if models := reward_models(config, run, resolve):
         out[REWARD_MODELS.name] = [m["path"] for m in models["models"].values()]
     return out
+
+
+def live_teacher(config: dict[str, Any], run: str, resolve: Callable[[str], str] = str):
+    """The model an on-policy distillation run's teacher is (a model's download, or a run's
+    final model: ``resolve``, a sweep's best member); None for other runs."""
+    from snaketune.plan.teacher import teacher_model
+
+    r = config["runs"][run]
+    live = method_of(r).needs(r).get(LIVE_TEACHER)
+    return None if live is None else teacher_model(config, live["teacher"], resolve)
 
 
 def prompt_sources(
