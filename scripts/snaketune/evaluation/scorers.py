@@ -139,6 +139,21 @@ def mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
+def base_generations(
+    base_samples: Path | None, samples: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The base model's samples (its samples.jsonl, where it generated) of the examples in
+    ``samples``; none where it has no such file."""
+    if base_samples is None or not base_samples.is_file():
+        return []
+    wanted = {s["example_id"] for s in samples}
+    return [
+        s
+        for line in base_samples.read_text().splitlines()
+        if (s := json.loads(line)).get("example_id") in wanted and "generation" in s
+    ]
+
+
 def scorer(
     settings: Mapping[str, Any] | None, base_samples: Path | None
 ) -> Callable[[list[dict[str, Any]], dict[str, Any]], list[str]] | None:
@@ -153,14 +168,7 @@ def scorer(
         for i, sample in enumerate(samples):
             sample["scores"] = {k: v[i] for k, v in values.items()}
         metrics.update({k: mean(v) for k, v in values.items()})
-        theirs = []
-        if base_samples is not None and base_samples.is_file():
-            wanted = {s["example_id"] for s in samples}
-            theirs = [
-                s
-                for line in base_samples.read_text().splitlines()
-                if (s := json.loads(line)).get("example_id") in wanted and "generation" in s
-            ]
+        theirs = base_generations(base_samples, samples)
         if theirs and "base" in metrics:
             before = score(settings, theirs)
             metrics["base"].update({k: mean(v) for k, v in before.items()})

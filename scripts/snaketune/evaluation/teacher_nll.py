@@ -14,7 +14,6 @@ time, at the evaluation's precision.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,28 +71,20 @@ def scorer(
 
     def apply(samples: list[dict[str, Any]], metrics: dict[str, Any]) -> list[str]:
         import torch
-        from transformers import AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from snaketune.evaluation.model import DTYPES, resolve_precision
+        from snaketune.evaluation.scorers import base_generations
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tokenizer = AutoTokenizer.from_pretrained(teacher, local_files_only=True)
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(
             teacher, dtype=DTYPES[resolve_precision("auto")], local_files_only=True
         )
         model = model.to(device).eval()
         total, count = nll_sums(model, pairs(eval_tokenized, samples, tokenizer))
         metrics[KEY] = total / count if count else None
-        theirs = []
-        if base_samples is not None and base_samples.is_file():
-            wanted = {s["example_id"] for s in samples}
-            theirs = [
-                s
-                for line in base_samples.read_text().splitlines()
-                if (s := json.loads(line)).get("example_id") in wanted and "generation" in s
-            ]
+        theirs = base_generations(base_samples, samples)
         if theirs and "base" in metrics:
             total, count = nll_sums(model, pairs(eval_tokenized, theirs, tokenizer))
             metrics["base"][KEY] = total / count if count else None
