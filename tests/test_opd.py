@@ -189,6 +189,8 @@ def test_a_two_rank_opd_step_logs_the_divergence_written_out_in_plain_torch(
     assert logged["teacher_nll"] == pytest.approx(nll / tokens, rel=1e-4)
     assert logged["completion_length"] == pytest.approx(tokens / completions)
     assert [m["on_policy"] for m in metrics] == [1.0] * STEPS
+    print(f"beta {beta}: divergence off by {abs(logged['divergence'] * tokens / div - 1):.1e}, "
+          f"teacher_nll by {abs(logged['teacher_nll'] * tokens / nll - 1):.1e} (relative)")  # fmt: skip
 
 
 def test_an_adapter_on_the_output_head_is_refused_in_one_line():
