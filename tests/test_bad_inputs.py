@@ -116,7 +116,7 @@ PARSE = [
     Case("missing-required-key", "config", drop("runs/demo/model"),
          "config error: runs.demo: missing required key 'model'"),
     Case("unknown-enum", "config", put("runs/demo/method", "lorra"),
-         "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill']"),
+         "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill', 'opd']"),
     Case("grpo-init-from-unknown-run", "config", grpo_run(init_from="demoo"),
          "config error: runs.rl.init_from: unknown run or sweep 'demoo' (defined: demo, rl)"),
     Case("grpo-init-from-loop", "config", grpo_loop,

@@ -109,7 +109,7 @@ def _delete(path: str) -> Callable[[dict], None]:
 BAD = [
     (
         _set("runs.demo.method", "lorra"),
-        "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill']",
+        "runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill', 'opd']",
     ),
     (
         _rename("runs.demo.learning_rate", "lerning_rate"),

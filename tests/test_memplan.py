@@ -693,6 +693,20 @@ def test_reward_models_are_held_whole_on_every_gpu_in_the_run_s_precision():
         assert got["reward_models"] == round(1_240_000_000 * w / 2**30, 2)  # not split by ZeRO-3
 
 
+def test_a_live_teacher_is_held_whole_or_sharded_over_the_gpus_under_zero3():
+    """On-policy distillation's teacher (snaketune.methods.opd): in the run's precision,
+    whole on every GPU under ZeRO-0 to 2, split over every GPU of the run under ZeRO-3 (as
+    DeepSpeed shards it with the student)."""
+    shape = Shape.from_config(SHAPES["meta-llama/Llama-3.2-1B-Instruct"])
+    teacher = 8_030_000_000
+    for stage, share in ((0, 1), (2, 1), (3, 16)):
+        s = setup(stage=stage, completion_length=256)  # 2 nodes x 8 GPUs
+        assert "teacher" not in estimate(shape, s)
+        for w in (2, 4):
+            got = estimate(shape, replace(s, teacher_params=teacher, bytes_per_weight=w))
+            assert got["teacher"] == round(teacher / share * w / 2**30, 2), (stage, w)
+
+
 def test_offloaded_states_are_counted_in_cpu_memory_per_node():
     """Offload puts Adam's fp32 master and moments and the fp32 gradients (16 bytes a trained
     weight) in CPU memory, and with offload_params the 16-bit weights (2 bytes a weight),

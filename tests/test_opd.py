@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, ROOT, defaults_spec, train_as_planned
+from conftest import ENV, ROOT, defaults_spec, launch_train, read_jsonl
 from oracles import planned_steps
 from test_distill import build_model
 from test_tokenize import run_tokenize
@@ -150,38 +150,38 @@ def rollouts_of(ids, ranks: int) -> dict[int, list[dict]]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_a_two_rank_opd_step_logs_the_divergence_written_out_in_plain_torch(
-    beta, opd_prompts, tiny_model, tmp_path
-):
-    """2 ranks, prompts of unequal length, 2 micro batches a step: the first step's
-    ``divergence`` is the per-token divergence (reverse KL at beta 1, the default; the JSD
-    at 0.5) summed over every completion token both ranks sampled in the step and divided
-    by their count, written out on the base student (a LoRA adapter starts as the identity)
-    and the teacher with plain transformers (1e-4); ``teacher_nll`` the teacher's mean NLL
-    of those tokens; ``completion_length`` their mean length; every step on-policy."""
+def first_step_against_plain_torch(workdir, prompts, tiny_model, beta: float, preset: str):
+    """Train the opd spec with ``beta`` under DeepSpeed ``preset`` on 2 ranks, each logging
+    its rows and completions; check each rank trained its planned prompts, and the first
+    step's figures against plain transformers' logits of the logged completions (the test
+    below says what)."""
     from transformers import AutoModelForCausalLM
 
-    (tmp_path / "resources").symlink_to(opd_prompts / "resources")
-    spec = opd_spec(beta=beta)
+    (workdir / "resources").symlink_to(prompts / "resources")
+    spec = {**opd_spec(beta=beta), "deepspeed": preset}
     # each rank's rows of a step in the order of its micro batches
     plan = [[sorted(rows, key=lambda r: r["micro"]) for rows in step]
-            for step in planned_steps(opd_prompts / "shards", STEPS)]  # fmt: skip
+            for step in planned_steps(prompts / "shards", STEPS)]  # fmt: skip
     assert len({len(r["input_ids"]) for rows in plan[0] for r in rows}) > 1  # unequal prompts
-    metrics = train_as_planned(tmp_path, spec, opd_prompts / "shards", tiny_model, plan,
-                               "--stage-input", f"teacher={opd_prompts / 'teacher'}")  # fmt: skip
-    first = rollouts_of(tmp_path / "ids", 2)[1]
+    proc = launch_train(workdir, spec, prompts / "shards", tiny_model, preset,
+                        "--log-example-ids", str(workdir / "ids"),
+                        "--stage-input", f"teacher={prompts / 'teacher'}")  # fmt: skip
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    metrics = read_jsonl(workdir / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for q in range(2):
+        trained = (workdir / "ids" / f"rank-{q}.txt").read_text().split()
+        assert trained == [r["example_id"] for step in plan for r in step[q]]
+    first = rollouts_of(workdir / "ids", 2)[1]
     assert len(first) == 2  # a record a rank: both its micro batches, generated at once
     student = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    teacher = AutoModelForCausalLM.from_pretrained(
-        opd_prompts / "teacher", dtype=torch.float32
-    ).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(prompts / "teacher", dtype=torch.float32)
     div = nll = 0.0
     tokens = completions = 0
     for record in first:
         for prompt, completion in zip(record["prompt_ids"], record["completion_ids"], strict=True):
-            d, n, c = divergence_sums(student, teacher, prompt, completion, beta)
+            d, n, c = divergence_sums(student, teacher.eval(), prompt, completion, beta)
             div, nll, tokens, completions = div + d, nll + n, tokens + c, completions + 1
     logged = metrics[0]
     assert completions == 8 and tokens > 0
@@ -189,8 +189,33 @@ def test_a_two_rank_opd_step_logs_the_divergence_written_out_in_plain_torch(
     assert logged["teacher_nll"] == pytest.approx(nll / tokens, rel=1e-4)
     assert logged["completion_length"] == pytest.approx(tokens / completions)
     assert [m["on_policy"] for m in metrics] == [1.0] * STEPS
-    print(f"beta {beta}: divergence off by {abs(logged['divergence'] * tokens / div - 1):.1e}, "
+    print(f"beta {beta}, {preset}: divergence off by {abs(logged['divergence'] * tokens / div - 1):.1e}, "
           f"teacher_nll by {abs(logged['teacher_nll'] * tokens / nll - 1):.1e} (relative)")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_a_two_rank_opd_step_logs_the_divergence_written_out_in_plain_torch(
+    beta, opd_prompts, tiny_model, tmp_path
+):
+    """2 ranks (ZeRO-2), prompts of unequal length, 2 micro batches a step: the first step's
+    ``divergence`` is the per-token divergence (reverse KL at beta 1, the default; the JSD
+    at 0.5) summed over every completion token both ranks sampled in the step and divided
+    by their count, written out on the base student (a LoRA adapter starts as the identity)
+    and the teacher with plain transformers (1e-4); ``teacher_nll`` the teacher's mean NLL
+    of those tokens; ``completion_length`` their mean length; every step on-policy."""
+    first_step_against_plain_torch(tmp_path, opd_prompts, tiny_model, beta, "zero2")
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_under_zero3_the_teacher_sharded_with_the_student_gives_the_same_figures(
+    opd_prompts, tiny_model, tmp_path
+):
+    """Under ZeRO-3 DeepSpeed shards the teacher over the ranks as it does the student (a
+    teacher larger than one GPU); the first step's figures are still plain torch's on the
+    whole models."""
+    first_step_against_plain_torch(tmp_path, opd_prompts, tiny_model, 1.0, "zero3")
 
 
 def test_an_adapter_on_the_output_head_is_refused_in_one_line():
@@ -199,3 +224,32 @@ def test_an_adapter_on_the_output_head_is_refused_in_one_line():
     for key in ("modules_to_save", "target_modules"):
         with pytest.raises(ConfigError, match=rf"runs\.x\.lora\.{key}: lm_head trained in "):
             defaults_spec("opd", opd={"teacher": "m"}, lora={key: ["lm_head", "q_proj"]})
+
+
+def test_the_plans_hold_the_live_teacher_s_weights_from_its_config(tmp_path, tiny_model):
+    """The run's need of a live teacher (snaketune.budget.scoring): the teacher's weights
+    from its config.json (a model of the config, or a teacher run's model), in the Setup's
+    teacher_params; the train job reads its folder as the need's input."""
+    from transformers import AutoModelForCausalLM
+
+    from snaketune.budget.scoring import held_params
+    from snaketune.plan import trainjob
+    from snaketune.plan.config import validate_config
+
+    teacher = build_model(tiny_model, tmp_path / "resources/models/big", seed=3)
+    params = AutoModelForCausalLM.from_pretrained(teacher).num_parameters()
+    run = {"model": "big", "dataset": "d", "epochs": 1, "nodes": 2, "gpus_per_node": 1,
+           "max_length": 64, "micro_batch_size": 2, "learning_rate": 1e-3}  # fmt: skip
+    config = validate_config({
+        "models": {"big": {"source": "local", "path": str(teacher)},
+                   "small": {"source": "local", "path": str(tiny_model)}},
+        "datasets": {"d": {"source": "local", "path": "d.jsonl", "format": "prompt_response"}},
+        "runs": {"t": {**run, "method": "full"},
+                 "x": {**run, "model": "small", "method": "opd", "opd": {"teacher": "t"}},
+                 "y": {**run, "model": "small", "method": "opd", "opd": {"teacher": "big"}}},
+    }, ROOT)  # fmt: skip
+    for name in ("x", "y"):
+        assert held_params(config, config["runs"][name], tmp_path) == {"teacher_params": params}
+    assert held_params(config, config["runs"]["t"], tmp_path) == {}
+    assert trainjob.train_extras(config, "x")["teacher"] == "results/t/hf"
+    assert trainjob.train_extras(config, "y")["teacher"] == "resources/models/big"

@@ -122,7 +122,7 @@ def test_config_error_is_one_line_without_traceback(tmp_path):
     )
     assert proc.returncode != 0
     assert (
-        "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill']"
+        "config error: runs.demo.method: 'lorra' is not one of ['lora', 'full', 'grpo', 'dpo', 'reward', 'simpo', 'orpo', 'kto', 'rloo', 'distill', 'opd']"
         in proc.stderr
     )
     assert "Traceback" not in proc.stderr and 'File "' not in proc.stderr
