@@ -150,15 +150,17 @@ def rollouts_of(ids, ranks: int) -> dict[int, list[dict]]:
     return out
 
 
-def first_step_against_plain_torch(workdir, prompts, tiny_model, beta: float, preset: str):
-    """Train the opd spec with ``beta`` under DeepSpeed ``preset`` on 2 ranks, each logging
-    its rows and completions; check each rank trained its planned prompts, and the first
-    step's figures against plain transformers' logits of the logged completions (the test
-    below says what)."""
+def first_step_against_plain_torch(
+    workdir, prompts, tiny_model, beta: float, preset: str, lmbda: float = 1.0
+):
+    """Train the opd spec with ``beta`` (and ``lmbda``) under DeepSpeed ``preset`` on 2
+    ranks, each logging its rows and completions; check each rank trained its planned
+    prompts, and the first step's figures against plain transformers' logits of the logged
+    completions (the test below says what)."""
     from transformers import AutoModelForCausalLM
 
     (workdir / "resources").symlink_to(prompts / "resources")
-    spec = {**opd_spec(beta=beta), "deepspeed": preset}
+    spec = {**opd_spec(beta=beta, lmbda=lmbda), "deepspeed": preset}
     # each rank's rows of a step in the order of its micro batches
     plan = [[sorted(rows, key=lambda r: r["micro"]) for rows in step]
             for step in planned_steps(prompts / "shards", STEPS)]  # fmt: skip
@@ -188,9 +190,10 @@ def first_step_against_plain_torch(workdir, prompts, tiny_model, beta: float, pr
     assert logged["divergence"] == pytest.approx(div / tokens, rel=1e-4)
     assert logged["teacher_nll"] == pytest.approx(nll / tokens, rel=1e-4)
     assert logged["completion_length"] == pytest.approx(tokens / completions)
-    assert [m["on_policy"] for m in metrics] == [1.0] * STEPS
-    print(f"beta {beta}, {preset}: divergence off by {abs(logged['divergence'] * tokens / div - 1):.1e}, "
-          f"teacher_nll by {abs(logged['teacher_nll'] * tokens / nll - 1):.1e} (relative)")  # fmt: skip
+    assert [m["on_policy"] for m in metrics] == [float(lmbda)] * STEPS  # lmbda 1 or 0 here
+    off = abs(logged["divergence"] * tokens / div - 1)
+    print(f"beta {beta}, {preset}: divergence off by {off:.1e}, teacher_nll by "
+          f"{abs(logged['teacher_nll'] * tokens / nll - 1):.1e} (relative)")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -253,3 +256,21 @@ def test_the_plans_hold_the_live_teacher_s_weights_from_its_config(tmp_path, tin
     assert held_params(config, config["runs"]["t"], tmp_path) == {}
     assert trainjob.train_extras(config, "x")["teacher"] == "results/t/hf"
     assert trainjob.train_extras(config, "y")["teacher"] == "resources/models/big"
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_with_lmbda_0_every_step_trains_on_the_dataset_s_responses(
+    opd_prompts, tiny_model, tmp_path
+):
+    """lmbda 0: no step samples; each step's completions are the dataset's responses (the
+    logged completions are the rows' labelled tokens), and the figures are plain torch's
+    divergence and teacher NLL on them."""
+    import pyarrow.parquet as pq
+
+    first_step_against_plain_torch(tmp_path, opd_prompts, tiny_model, 1.0, "zero2", 0.0)
+    rows = pq.read_table(opd_prompts / "resources/datasets/gsm8k_demo.tok.parquet").to_pylist()
+    answers = {r["example_id"]: [t for t in r["labels"] if t != -100] for r in rows}
+    for record in rollouts_of(tmp_path / "ids", 2)[1]:
+        for i, completion in zip(record["example_ids"], record["completion_ids"], strict=True):
+            assert completion == answers[i]
