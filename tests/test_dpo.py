@@ -574,7 +574,7 @@ def dpo_config(**run) -> dict:
          "only methods dpo, reward, simpo, orpo, kto train and evaluate on; set method: dpo or "
          "reward or simpo or orpo or kto"),
         ({"runs": {"demo": {"method": "full"}}},
-         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto, rloo, distill); remove it "
+         "runs.demo.lora: only for method lora (or grpo, dpo, reward, simpo, orpo, kto, rloo, distill, opd); remove it "
          "or set "
          "method: lora"),
         ({"runs": {"p": {"method": "kto", "dpo": None, "lora": None,

@@ -501,7 +501,7 @@ def test_the_run_s_settings_travel_in_one_job_file(tmp_path, monkeypatch):
     assert args.worker and args.job == out / "job.json" and args.run_spec is None
     with pytest.raises(SystemExit):  # a worker needs its job file
         entry.parse(["--worker"])
-    with pytest.raises(UserError, match="--stage-input nope=x: give STAGE=PATH"):
+    with pytest.raises(UserError, match="--stage-input nope=x: give NEED=PATH"):
         entry.stage_inputs(["nope=x"])
 
 
