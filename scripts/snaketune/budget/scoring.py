@@ -235,7 +235,7 @@ PLANS = (
     NeedPlan(need=REWARD_MODELS, held_params=reward_model_params, held_as="reward_model_params"),
     NeedPlan(
         need=LIVE_TEACHER,
-        held_params=lambda config, run, workdir: live_teacher_params(config, run, workdir),
+        held_params=live_teacher_params,
         held_as="teacher_params",
     ),
 )
