@@ -23,10 +23,10 @@ LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "head_dim": 128, "torch_dtype": "bfloat16"}  # fmt: skip
 
 
-def config_with(tmp_path: Path, rows: int, **run) -> dict:
-    """A validated config: model m (LLAMA_8B's config.json), a local jsonl of ``rows``
-    prompt/response rows of unequal length (dataset d), an eval set of 50 rows (e), run x
-    with ``run``."""
+def config_with(tmp_path: Path, rows: int, models: dict | None = None, **run) -> dict:
+    """A validated config: model m (LLAMA_8B's config.json) and ``models``, a local jsonl of
+    ``rows`` prompt/response rows of unequal length (dataset d), an eval set of 50 rows (e),
+    run x with ``run``."""
     from snaketune.plan.config import validate_config
 
     (tmp_path / "m").mkdir(exist_ok=True)
@@ -39,7 +39,7 @@ def config_with(tmp_path: Path, rows: int, **run) -> dict:
                             for _ in range(50)))  # fmt: skip
     written = {"nodes": 2, "gpus_per_node": 4, "max_length": 256, "micro_batch_size": 4,
                "learning_rate": 1e-4, "epochs": 2, "method": "lora", **run}  # fmt: skip
-    config = {"models": {"m": {"source": "local", "path": str(tmp_path / "m")}},
+    config = {"models": {"m": {"source": "local", "path": str(tmp_path / "m")}, **(models or {})},
               "datasets": {"d": {"source": "local", "path": str(data),
                                  "format": "prompt_response"},
                            "e": {"source": "local", "path": str(held),
@@ -147,6 +147,71 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
     finished(tmp_path, "x", config["runs"]["x"], 80.0, 45.0, 1_280_000, 20, 40, "cpu", LLAMA_8B)
     e = estimate(config, "x", tmp_path, shape, s)
     assert "wall_s" not in e and e["basis"].startswith("no estimate: run x has finished here")
+
+
+def llama_params(c: dict) -> int:
+    """A Llama's weights counted by hand from its config.json: the embedding (and an untied
+    head), each layer's q, k, v, o, three MLP matrices and two norms, the final norm."""
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * c["intermediate_size"] + 2 * h
+    head = 0 if c["tie_word_embeddings"] else c["vocab_size"] * h
+    return c["vocab_size"] * h + head + c["num_hidden_layers"] * layer + h
+
+
+@pytest.mark.parametrize("method", ["opd", "grpo"])
+def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(tmp_path,
+                                                                                method):  # fmt: skip
+    """Before a calibration, a GPU run that generates while it trains is estimated step by
+    step: every GPU decoding its micro batches' completions at their limit (the student's
+    bf16 bytes a decode step, at half an H100's 3.35 TB/s; opd's lmbda the share of steps
+    that generate), a forward pass of what scores them (opd: its teacher, the 8B; GRPO with
+    beta > 0: the reference, the student's size) and the training over prompt plus
+    completion, each at its assumed MFU of 989 TFLOP/s a GPU."""
+    from snaketune.budget.cost import estimate, format_estimate, steps_of
+    from snaketune.plan.stages import tokenized
+
+    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
+    block = ({"opd": {"teacher": "t", "max_completion_length": 128, "lmbda": 0.5}}
+             if method == "opd" else
+             {"grpo": {"num_generations": 4, "max_completion_length": 128, "beta": 0.04}})  # fmt: skip
+    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
+    config = config_with(tmp_path, 1000, teacher, gpu="h100-80gb", method=method,
+                         lora={"r": 16}, gradient_accumulation_steps=2, **block)  # fmt: skip
+    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    path = tmp_path / tokenized(config, "x")
+    path.parent.mkdir(parents=True)
+    lengths = [40 + (i % 30) for i in range(1000)]  # the prompts' tokens
+    pq.write_table(pa.table({"length": lengths}), path)
+    s = steps_of(config, "x", tmp_path)
+    e = estimate(config, "x", tmp_path, Shape.from_config(small), s)
+
+    rows = 1 if method == "opd" else 4  # completions of a prompt
+    prompts = 8 * 2 * 4 // rows  # a step's: 8 GPUs x 2 micro batches x 4 rows
+    assert s["per_step"] == prompts
+    student, teacher = llama_params(small), llama_params(LLAMA_8B)
+    share = 0.5 if method == "opd" else 1.0
+    generation = share * 2 * 128 * student * 2 / (3.35e12 * 0.5)
+    mean = sum(lengths) / len(lengths)
+    squares = sum((x + 128) ** 2 for x in lengths) / len(lengths) * prompts * rows
+    tokens = (mean + 128) * prompts * rows
+    scored = teacher if method == "opd" else student
+    scoring = 2 * scored * tokens / (8 * 989e12 * 0.317)
+    n = student  # the matmuls': the tied embedding is the head's (norms' few left in)
+    training = (4 * n * tokens + 6 * 16 * 2048 * squares) / (8 * 989e12 * 0.252)
+    parts = e["step_parts"]
+    assert parts["generation"] == pytest.approx(generation, rel=1e-3)
+    assert parts["scoring"] == pytest.approx(scoring, rel=1e-3)
+    assert parts["training"] == pytest.approx(training, rel=1e-3)
+    assert e["train_s"] == pytest.approx(s["steps"] * (generation + scoring + training), rel=1e-3)
+    line = format_estimate("x", e, 8)
+    assert f"generation {generation:.1f} s ({share:.0%} of steps, 256 decode steps" in line
+    assert "GPU-hours" in line and "not calibrated" in line
+    config["runs"]["x"]["gpu"] = "tpu-v9"  # no figures known (a name from elsewhere)
+    e = estimate(config, "x", tmp_path, Shape.from_config(small), s)
+    assert e == {"basis": "no estimate: no peak FLOP/s known for GPU tpu-v9"}
 
 
 def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,

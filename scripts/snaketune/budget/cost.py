@@ -24,30 +24,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from snaketune.budget import rolloutcost
+from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE
+
 FEW = 10  # fewer optimizer steps than this in all: warned about
-# MFU assumed for a GPU run with no calibration of its own: what the product's train stage
-# measured (bench/gpu_check.py, docs/benchmarks.md "GPU check"), per kind of update; a run's
-# first finished job on its machine replaces it (a calibration)
-ASSUMED_MFU = {"lora": 0.252, "full": 0.317}
-MFU_SOURCE = "measured on one H200, a 1B Llama at 8,192 tokens a step, 2026-11-28"
 # torch's c10d rendezvous: an agent waiting for the others polls once a second
 # (torch.distributed.elastic.rendezvous.dynamic_rendezvous, its SYNC action)
 RENDEZVOUS_POLL_S = 1.0
-# a forward pass without gradients (a scoring stage's): the full fine-tune's measured MFU
-FORWARD_MFU = ASSUMED_MFU["full"]
-DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem (assumed)
-MB = 1e6
-
-
-def stage(seconds: float | None, gpus: int, basis: str) -> dict[str, Any]:
-    """One stage's figure: seconds, GPU-hours (``gpus`` held while it runs) and basis."""
-    hours = None if seconds is None or not gpus else seconds * gpus / 3600
-    return {"s": seconds, "gpu_hours": hours, "gpus": gpus, "basis": basis}
-
-
-def weight_bytes(shape: Any) -> float:
-    """A model's saved weights (its config.json's dtype; bf16 when unsaid)."""
-    return shape.params * (shape.saved_bytes or 2)
 
 
 def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
@@ -250,13 +233,10 @@ def estimate(
             else "no estimate: no finished run of this model and method on this "
             "machine to calibrate from (a short run calibrates it: max_steps: 20)"
         }
-    elif generates:
-        return {
-            "basis": "no estimate: its generation time is measured, not derived from "
-            "FLOPs; a short run calibrates it (max_steps: 5)"
-        }
-    else:
-        out = from_flops(run, shape, steps, measured, gpu, devices)
+    else:  # generating while it trains: generation, scoring and training a step
+        out = (rolloutcost.estimate if generates else from_flops)(
+            config, name, workdir, shape, steps, measured, str(gpu)
+        )
         if "train_s" not in out:
             return out
     out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
@@ -294,12 +274,13 @@ def startup_change(cal: dict[str, Any], run: dict[str, Any]) -> float:
 
 
 def from_flops(
-    run: dict[str, Any],
+    config: dict[str, Any],
+    name: str,
+    workdir: Path,
     shape: Any,
     steps: dict[str, Any],
     measured: tuple[float, float] | None,
     gpu: str,
-    devices: int,
 ) -> dict[str, Any]:
     """The train stage's seconds from its FLOPs at the MFU assumed for its kind (LoRA or
     full); ``measured``: its tokens and squared tokens per step (None before tokenization:
@@ -307,6 +288,8 @@ def from_flops(
     from snaketune.core.throughput import peak_tflops, step_flops
     from snaketune.methods import method_of
 
+    run = config["runs"][name]
+    devices = run["nodes"] * run["gpus_per_node"]
     method = method_of(run)
     bound = measured is None  # before tokenization: every example max_length tokens
     if bound:  # each sequence of an example (a pair's two sides) at max_length

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget import teacherplan
-from snaketune.budget.cost import DISK_MB_S, FORWARD_MFU, MB, stage, weight_bytes
 from snaketune.budget.evalplan import EVAL_BYTES, four_bit_base, scoring_cpu_gib
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
+from snaketune.budget.rates import DISK_MB_S, FORWARD_MFU, MB, stage, weight_bytes
 from snaketune.methods.needs import (
     LIVE_TEACHER,
     NEEDS,
@@ -64,7 +64,7 @@ class NeedPlan:
     # (nodes, gpus_per_node, per_gpu_gib, cpu_gib, fits, sharded, why, fix); None: unknown yet
     memory: Callable[..., dict[str, Any] | None] | None = None
     # (config, run name, its shape, one epoch's tokens, a GPU's peak TFLOPs, workdir) -> its
-    # stage's figure (snaketune.budget.cost.stage); None: not estimated
+    # stage's figure (snaketune.budget.rates.stage); None: not estimated
     seconds: Callable[..., dict[str, Any] | None] | None = None
     # (config, run name, workdir) -> bytes its output takes on the run's results filesystem
     disk: Callable[[dict[str, Any], str, Path], float | None] | None = None

@@ -12,21 +12,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from snaketune.budget.cost import DISK_MB_S, MB, stage, weight_bytes
+from snaketune.budget.rates import (
+    DECODE_SHARE,
+    DISK_MB_S,
+    DOWNLOAD_MB_S,
+    MB,
+    bandwidth,
+    stage,
+    weight_bytes,
+)
 from snaketune.budget.scoring import plan_of
 from snaketune.methods.needs import STAGE_NEEDS
 
-# Assumed rates, replaced by a calibration's measurements (docs/benchmarks.md).
-DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
-DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
-HBM_TB_S = {
-    "H200": 4.8,
-    "H100": 3.35,
-    "A100 80GB": 2.04,
-    "A100 64GB": 1.64,
-    "A100": 1.55,
-    "L40S": 0.864,
-}
 # a run's own stages in the order it goes through them
 ORDER = (
     "shard_dataset",
@@ -38,15 +35,6 @@ ORDER = (
     "evaluate_start",
     "evaluate",
 )
-
-
-def bandwidth(gpu: str) -> float | None:
-    """A GPU's memory bandwidth in bytes/s (None: not known)."""
-    name = str(gpu).upper().replace("-", " ")
-    for key, tb in HBM_TB_S.items():  # most specific first
-        if all(part in name for part in key.split()):
-            return tb * 1e12
-    return None
 
 
 def weights_in(folder: Path) -> bool:

@@ -367,7 +367,11 @@ METHOD = Method(
     check=check,
     # completions as long as max_completion_length; the divergence never holds whole logits
     # (TRL's chunked loss); the teacher's weights: its need (snaketune.budget.scoring)
-    memory=lambda run, on_gpu: {"completion_length": run[BLOCK]["max_completion_length"]},
+    # generated_share: the steps that generate (the cost estimate's, budget.rolloutcost)
+    memory=lambda run, on_gpu: {
+        "completion_length": run[BLOCK]["max_completion_length"],
+        "generated_share": run[BLOCK]["lmbda"],
+    },
     needs=lambda run: {LIVE_TEACHER: {"teacher": run[BLOCK]["teacher"]}},
     # the teacher's NLL of the student's greedy completions of the held-out prompts
     # (snaketune.evaluation.teacher_nll), then the data's figures

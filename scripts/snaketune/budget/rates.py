@@ -1,0 +1,49 @@
+"""The rates a cost estimate assumes where no calibration measured them (a finished run
+like it replaces them): the MFU of an update and of a forward pass, the disk's and the
+Hub's rates, the share of a GPU's memory bandwidth a decode step reaches, each GPU's
+bandwidth; docs/benchmarks.md says where each figure comes from. And the two figures every
+plan builds on: a stage's record, and a model's bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# MFU assumed for a GPU run with no calibration of its own: what the product's train stage
+# measured (bench/gpu_check.py, docs/benchmarks.md "GPU check"), per kind of update; a run's
+# first finished job on its machine replaces it (a calibration)
+ASSUMED_MFU = {"lora": 0.252, "full": 0.317}
+MFU_SOURCE = "measured on one H200, a 1B Llama at 8,192 tokens a step, 2026-11-28"
+# a forward pass without gradients (a scoring stage's): the full fine-tune's measured MFU
+FORWARD_MFU = ASSUMED_MFU["full"]
+DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem (assumed)
+MB = 1e6
+DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
+DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
+HBM_TB_S = {
+    "H200": 4.8,
+    "H100": 3.35,
+    "A100 80GB": 2.04,
+    "A100 64GB": 1.64,
+    "A100": 1.55,
+    "L40S": 0.864,
+}
+
+
+def stage(seconds: float | None, gpus: int, basis: str) -> dict[str, Any]:
+    """One stage's figure: seconds, GPU-hours (``gpus`` held while it runs) and basis."""
+    hours = None if seconds is None or not gpus else seconds * gpus / 3600
+    return {"s": seconds, "gpu_hours": hours, "gpus": gpus, "basis": basis}
+
+
+def weight_bytes(shape: Any) -> float:
+    """A model's saved weights (its config.json's dtype; bf16 when unsaid)."""
+    return shape.params * (shape.saved_bytes or 2)
+
+
+def bandwidth(gpu: str) -> float | None:
+    """A GPU's memory bandwidth in bytes/s (None: not known)."""
+    name = str(gpu).upper().replace("-", " ")
+    for key, tb in HBM_TB_S.items():  # most specific first
+        if all(part in name for part in key.split()):
+            return tb * 1e12
+    return None
