@@ -258,6 +258,35 @@ def test_the_plans_hold_the_live_teacher_s_weights_from_its_config(tmp_path, tin
     assert trainjob.train_extras(config, "y")["teacher"] == "resources/models/big"
 
 
+def test_a_hub_teacher_is_planned_before_its_download(tmp_path, capsys, monkeypatch):
+    """The example's plan before any download, from config.json files named on the command
+    line (as a user plans before queueing): the student's GPUs hold the teacher run's 8B
+    model, its bf16 bytes counted by hand; it was left out (0 GiB) until the teacher was
+    downloaded, so the check before queueing passed a run its GPUs could not hold."""
+    import json
+
+    from test_cost import LLAMA_8B, llama_params
+
+    from snaketune.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("snaketune.budget.diskplan.free_bytes", lambda path: 2**50)
+    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+    for folder, fields in (("big", LLAMA_8B), ("small", small)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(fields))
+    example = ROOT / "config/examples/llama3.2-1b-opd-from-8b-gsm8k-2x4.yaml"
+    code = main(["plan", str(example), "--root", str(ROOT), "--json",
+                 "--model-config", f"llama31_8b_instruct={tmp_path / 'big'}",
+                 "--model-config", f"llama32_1b_instruct={tmp_path / 'small'}"])  # fmt: skip
+    plans = {p["run"]: p for p in json.loads(capsys.readouterr().out)}
+    assert code == 0
+    teacher_gib = llama_params(LLAMA_8B) * 2 / 2**30
+    assert plans["gsm8k_student"]["per_gpu_gib"]["teacher"] == pytest.approx(teacher_gib, abs=0.01)
+    assert "teacher" not in plans["gsm8k_teacher"]["per_gpu_gib"]
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_with_lmbda_0_every_step_trains_on_the_dataset_s_responses(

@@ -35,18 +35,17 @@ def teacher_base(
 def teacher_shape(
     config: dict[str, Any], run: dict[str, Any], workdir: Path, name: str | None = None
 ) -> Shape | None:
-    """The teacher's shape (its stage's, or ``name``'s) from its config.json where it is on
-    this machine now (snaketune.data.sources.model_folder: its download, or a local model's
-    path), else None."""
+    """The teacher's shape (its stage's, or ``name``'s) from its config.json where it can be
+    read now, as the run's own model's is (snaketune.budget.modelfiles.locate_config_json:
+    its download, a local model's path, the Hub's config.json alone, or the one ``snaketune
+    plan --model-config`` names), else None."""
     import json
 
-    model = teacher_base(config, run, name)
-    if model is None:
-        return None
-    from snaketune.data.sources import model_folder
+    from snaketune.budget.modelfiles import find_config_json
 
-    path = model_folder(config, model, workdir) / "config.json"
-    return shape_of(json.loads(path.read_text()), str(path)) if path.is_file() else None
+    model = teacher_base(config, run, name)
+    path = None if model is None else find_config_json(config, {"model": model}, workdir)
+    return None if path is None else shape_of(json.loads(path.read_text()), str(path))
 
 
 def tokens(config: dict[str, Any], name: str, workdir: Path) -> float | None:
