@@ -13,12 +13,13 @@ is tests/test_distill.py's chain.
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ENV, ROOT, defaults_spec, launch_train, read_jsonl
+from conftest import ENV, ROOT, defaults_spec, kill_two_steps_on, launch_train, read_jsonl
 from oracles import planned_steps
 from test_distill import build_model
 from test_tokenize import run_tokenize
@@ -303,3 +304,50 @@ def test_with_lmbda_0_every_step_trains_on_the_dataset_s_responses(
     for record in rollouts_of(tmp_path / "ids", 2)[1]:
         for i, completion in zip(record["example_ids"], record["completion_ids"], strict=True):
             assert completion == answers[i]
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_killed_opd_run_resumes_exactly(opd_prompts, tiny_model, tmp_path):
+    """The 2-node opd run of 6 steps, lmbda 0.5 (steps on and off policy, each drawn from
+    the seed and the step), a checkpoint a step, against itself resumed: from its
+    checkpoint-3, the launcher killed two steps on (no orphan worker), then rerun. Each step
+    is logged once; steps 4 to 6 sample the same completions with the same teacher and have
+    the uninterrupted run's figures, their on- or off-policy draw among them."""
+    steps, start = 6, 3
+    spec = {**opd_spec(lmbda=0.5), "deepspeed": "zero2"}
+    spec.update(max_steps=steps, save_steps=1, save_total_limit=steps,
+                checkpoints={**spec["checkpoints"], "optimizer": "all"})  # fmt: skip
+    teacher = ("--stage-input", f"teacher={opd_prompts / 'teacher'}")
+    shards = opd_prompts / "shards"
+
+    def launch(w, *extra):
+        return launch_train(w, spec, shards, tiny_model, "zero2", *teacher, *extra)
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for w in (a, b):
+        w.mkdir()
+        (w / "resources").symlink_to(opd_prompts / "resources")
+    out, _ = launch(a, "--log-example-ids", str(a / "ids")).communicate(timeout=900)
+    metrics = read_jsonl(a / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1)), out[-3000:]
+    assert {m["on_policy"] for m in metrics} == {0.0, 1.0}  # both kinds of step drawn
+    shutil.copytree(a / "results/x/train/checkpoints", b / "results/x/train/checkpoints")
+    for k in range(start + 1, steps + 1):
+        shutil.rmtree(b / f"results/x/train/checkpoints/checkpoint-{k}")
+    live = b / "results/x/train/checkpoints/metrics.jsonl"
+    reached = kill_two_steps_on(launch(b), live, start, steps)  # no orphan worker
+    first = (b / "results/x/train/logs/attempt-1.log").read_text()
+    assert f"resuming from checkpoint-{start}" in first and reached, first[-3000:]
+    out, _ = launch(b, "--log-example-ids", str(b / "ids")).communicate(timeout=900)
+    assert "resuming from checkpoint-" in out, out[-3000:]
+    resumed = read_jsonl(b / "results/x/train/metrics.jsonl")
+    assert [m["step"] for m in resumed] == list(range(1, steps + 1))  # each step once
+    for got, want in zip(resumed, metrics, strict=True):
+        for key in ("loss", "grad_norm", "divergence", "teacher_nll", "completion_length",
+                    "on_policy"):  # fmt: skip
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (got["step"], key)
+    before, again = rollouts_of(a / "ids", 2), rollouts_of(b / "ids", 2)
+    assert min(again) > start  # the rerun resumed past step 3
+    for k, ranks in again.items():
+        assert [r["completion_ids"] for r in ranks] == [r["completion_ids"] for r in before[k]]

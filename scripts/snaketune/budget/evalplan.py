@@ -219,3 +219,30 @@ def scoring_cpu_gib(
     a bf16 checkpoint, a 4-bit base or a sharded load, else whole."""
     mapped = sharded or four_bit or shape.saved_bytes == EVAL_BYTES
     return loading_gib(shape, per_node, mapped, "worker(s)")
+
+
+def scoring_plan(
+    run: dict[str, Any],
+    shape: Shape,
+    per_gpu_gib: float,
+    gpu_gib: float | None,
+    sharded: bool,
+    why: str,
+    fix: str,
+    four_bit: bool = False,
+) -> dict[str, Any]:
+    """A scoring stage's memory plan (the reference's or the teacher's log-probs) on the
+    run's GPUs: ``per_gpu_gib`` against ``gpu_gib`` (None: not checked), its CPU memory per
+    node (scoring_cpu_gib), why it holds what it does and what would lower it."""
+    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], sharded, four_bit)
+    return {
+        "nodes": run["nodes"],
+        "gpus_per_node": run["gpus_per_node"],
+        "per_gpu_gib": per_gpu_gib,
+        "cpu_gib": cpu_gib,
+        "cpu_why": cpu_why,
+        "fits": None if gpu_gib is None else per_gpu_gib <= gpu_gib,
+        "sharded": sharded,
+        "why": why,
+        "fix": fix,
+    }

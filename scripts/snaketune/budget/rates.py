@@ -47,3 +47,9 @@ def bandwidth(gpu: str) -> float | None:
         if all(part in name for part in key.split()):
             return tb * 1e12
     return None
+
+
+def forward_seconds(params: float, tokens: float, devices: int, peak: float) -> float:
+    """A forward pass without gradients of ``params`` weights over ``tokens`` tokens on
+    ``devices`` GPUs of ``peak`` TFLOP/s each: 2 FLOPs a weight a token at FORWARD_MFU."""
+    return 2 * params * tokens / (devices * peak * 1e12 * FORWARD_MFU)

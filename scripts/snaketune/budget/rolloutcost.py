@@ -28,6 +28,7 @@ from snaketune.budget.rates import (
     FORWARD_MFU,
     MFU_SOURCE,
     bandwidth,
+    forward_seconds,
     weight_bytes,
 )
 
@@ -74,7 +75,7 @@ def step_parts(
     scored = sum(held_params(config, run, workdir).values())
     if facts.get("reference"):
         scored += shape.active_params
-    scoring = 2 * scored * tokens / (devices * peak * 1e12 * FORWARD_MFU)
+    scoring = forward_seconds(scored, tokens, devices, peak)
 
     kind = method.adapter_of(run)
     n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)

@@ -28,9 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget import teacherplan
-from snaketune.budget.evalplan import EVAL_BYTES, four_bit_base, scoring_cpu_gib
+from snaketune.budget.evalplan import EVAL_BYTES, four_bit_base, scoring_plan
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
-from snaketune.budget.rates import DISK_MB_S, FORWARD_MFU, MB, stage, weight_bytes
+from snaketune.budget.rates import (
+    DISK_MB_S,
+    FORWARD_MFU,
+    MB,
+    forward_seconds,
+    stage,
+    weight_bytes,
+)
 from snaketune.methods.needs import (
     LIVE_TEACHER,
     NEEDS,
@@ -115,19 +122,12 @@ def reference_memory(
     tokens = 2 * run["micro_batch_size"] * run["max_length"]  # both sides of each pair
     passing = tokens * (4 * shape.hidden + shape.mlp_pass) * w
     total = round(((weights + passing) / GIB) * (1 + FRAGMENTATION) + CONTEXT_GIB, 2)
-    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], False, spec.quantized)
-    return {
-        "nodes": run["nodes"],
-        "gpus_per_node": run["gpus_per_node"],
-        "per_gpu_gib": total,
-        "cpu_gib": cpu_gib,
-        "cpu_why": cpu_why,
-        "fits": None if gpu_gib is None else total <= gpu_gib,
-        "sharded": False,
-        "why": f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)",
-        "fix": f"set {spec.method.block}.reference: live (the training job holds the "
-        "reference, sharded with the policy under ZeRO-3), or use GPUs with more memory",
-    }
+    why = f"each worker holds the whole reference model ({weights / GIB:.1f} GiB)"
+    fix = (
+        f"set {spec.method.block}.reference: live (the training job holds the reference, "
+        "sharded with the policy under ZeRO-3), or use GPUs with more memory"
+    )
+    return scoring_plan(run, shape, total, gpu_gib, False, why, fix, spec.quantized)
 
 
 def reference_seconds(
@@ -139,7 +139,7 @@ def reference_seconds(
         return None
     run = config["runs"][name]
     devices = run["nodes"] * run["gpus_per_node"]
-    forward = 2 * shape.active_params * epoch / (devices * peak * 1e12 * FORWARD_MFU)
+    forward = forward_seconds(shape.active_params, epoch, devices, peak)
     basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.1%}"
     return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
 
@@ -162,7 +162,7 @@ def teacher_seconds(
     if shape is None or counted is None or not peak:
         return None
     devices = run["nodes"] * run["gpus_per_node"]
-    forward = 2 * shape.active_params * counted / (devices * peak * 1e12 * FORWARD_MFU)
+    forward = forward_seconds(shape.active_params, counted, devices, peak)
     basis = (
         f"the teacher's forward pass over {counted:,.0f} tokens (the tokenized sets') at "
         f"assumed MFU {FORWARD_MFU:.1%}, read {weight_bytes(shape) / 1e9:.1f} GB"

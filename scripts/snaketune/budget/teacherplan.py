@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from snaketune.budget.evalplan import EVAL_BYTES, scoring_cpu_gib
+from snaketune.budget.evalplan import EVAL_BYTES, scoring_plan
 from snaketune.budget.memplan import CONTEXT_GIB, FRAGMENTATION, GIB, Shape
 from snaketune.budget.modelcount import shape_of
 
@@ -104,19 +104,12 @@ def memory_plan(
         if sharded
         else f"each worker holds the whole teacher ({weights / GIB:.1f} GiB)"
     )
-    cpu_gib, cpu_why = scoring_cpu_gib(shape, run["gpus_per_node"], sharded, False)
-    return {
-        "nodes": run["nodes"],
-        "gpus_per_node": run["gpus_per_node"],
-        "per_gpu_gib": total,
-        "cpu_gib": cpu_gib,
-        "cpu_why": cpu_why,
-        "fits": None if gpu_gib is None else total <= gpu_gib,
-        "sharded": sharded,
-        "why": f"{held} and a batch's logits ({logits / GIB:.1f} GiB)",
-        "fix": "lower micro_batch_size (the stage's rows per forward pass), or give the run "
-        "more GPUs, or GPUs with more memory",
-    }
+    why = f"{held} and a batch's logits ({logits / GIB:.1f} GiB)"
+    fix = (
+        "lower micro_batch_size (the stage's rows per forward pass), or give the run more "
+        "GPUs, or GPUs with more memory"
+    )
+    return scoring_plan(run, shape, total, gpu_gib, sharded, why, fix)
 
 
 def sharded(config: dict[str, Any], run: dict[str, Any], workdir: Path = Path(".")) -> bool:
