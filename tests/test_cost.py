@@ -166,52 +166,103 @@ def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(
     bf16 bytes a decode step, at half an H100's 3.35 TB/s; opd's lmbda the share of steps
     that generate), a forward pass of what scores them (opd: its teacher, the 8B; GRPO with
     beta > 0: the reference, the student's size) and the training over prompt plus
-    completion, each at its assumed MFU of 989 TFLOP/s a GPU."""
+    completion, each at its assumed MFU of 989 TFLOP/s a GPU. opd: LoRA on a 1B-shaped
+    student with a tied head; GRPO: a full fine-tune of one with its own head. Before
+    tokenization every prompt is max_length long."""
     from snaketune.budget.cost import estimate, format_estimate, steps_of
     from snaketune.plan.stages import tokenized
 
+    lora = method == "opd"
     small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
-             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+             "num_hidden_layers": 16, "tie_word_embeddings": lora}  # fmt: skip
     (tmp_path / "t").mkdir()
     (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
-    block = ({"opd": {"teacher": "t", "max_completion_length": 128, "lmbda": 0.5}}
-             if method == "opd" else
+    block = ({"opd": {"teacher": "t", "max_completion_length": 128, "lmbda": 0.5},
+              "lora": {"r": 16}}
+             if lora else
              {"grpo": {"num_generations": 4, "max_completion_length": 128, "beta": 0.04}})  # fmt: skip
     teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
-    config = config_with(tmp_path, 1000, teacher, gpu="h100-80gb", method=method,
-                         lora={"r": 16}, gradient_accumulation_steps=2, **block)  # fmt: skip
+    config = config_with(tmp_path, 1000, teacher, **{"method": method, **block},
+                         gpu="h100-80gb", gradient_accumulation_steps=2)  # fmt: skip
     (tmp_path / "m/config.json").write_text(json.dumps(small))
+    shape = Shape.from_config(small)
+    rows = 1 if lora else 4  # completions of a prompt
+    prompts = 8 * 2 * 4 // rows  # a step's: 8 GPUs x 2 micro batches x 4 rows
+    student, teacher = llama_params(small), llama_params(LLAMA_8B)
+    share = 0.5 if lora else 1.0
+    scored = teacher if lora else student
+
+    def by_hand(lengths):
+        mean = sum(lengths) / len(lengths)
+        squares = sum((x + 128) ** 2 for x in lengths) / len(lengths) * prompts * rows
+        tokens = (mean + 128) * prompts * rows
+        n = student if lora else student - 128256 * 2048  # the input embedding: a lookup
+        update = (4 if lora else 6) * n * tokens + 6 * 16 * 2048 * squares
+        return {"generation": share * 2 * 128 * student * 2 / (3.35e12 * 0.5),
+                "scoring": 2 * scored * tokens / (8 * 989e12 * 0.317),
+                "training": update / (8 * 989e12 * (0.252 if lora else 0.317))}  # fmt: skip
+
+    s = steps_of(config, "x", tmp_path)  # before tokenization: each prompt max_length (256)
+    e = estimate(config, "x", tmp_path, shape, s)
+    for part, want in by_hand([256]).items():
+        assert e["step_parts"][part] == pytest.approx(want, rel=1e-9), part
+    assert "every prompt taken at max_length until the data is tokenized" in e["basis"]
     path = tmp_path / tokenized(config, "x")
     path.parent.mkdir(parents=True)
     lengths = [40 + (i % 30) for i in range(1000)]  # the prompts' tokens
     pq.write_table(pa.table({"length": lengths}), path)
     s = steps_of(config, "x", tmp_path)
-    e = estimate(config, "x", tmp_path, Shape.from_config(small), s)
-
-    rows = 1 if method == "opd" else 4  # completions of a prompt
-    prompts = 8 * 2 * 4 // rows  # a step's: 8 GPUs x 2 micro batches x 4 rows
+    e = estimate(config, "x", tmp_path, shape, s)
     assert s["per_step"] == prompts
-    student, teacher = llama_params(small), llama_params(LLAMA_8B)
-    share = 0.5 if method == "opd" else 1.0
-    generation = share * 2 * 128 * student * 2 / (3.35e12 * 0.5)
-    mean = sum(lengths) / len(lengths)
-    squares = sum((x + 128) ** 2 for x in lengths) / len(lengths) * prompts * rows
-    tokens = (mean + 128) * prompts * rows
-    scored = teacher if method == "opd" else student
-    scoring = 2 * scored * tokens / (8 * 989e12 * 0.317)
-    n = student  # the matmuls': the tied embedding is the head's (norms' few left in)
-    training = (4 * n * tokens + 6 * 16 * 2048 * squares) / (8 * 989e12 * 0.252)
-    parts = e["step_parts"]
-    assert parts["generation"] == pytest.approx(generation, rel=1e-3)
-    assert parts["scoring"] == pytest.approx(scoring, rel=1e-3)
-    assert parts["training"] == pytest.approx(training, rel=1e-3)
-    assert e["train_s"] == pytest.approx(s["steps"] * (generation + scoring + training), rel=1e-3)
+    want = by_hand(lengths)
+    for part in want:
+        assert e["step_parts"][part] == pytest.approx(want[part], rel=1e-9), part
+    assert e["train_s"] == pytest.approx(s["steps"] * sum(want.values()), rel=1e-9)
     line = format_estimate("x", e, 8)
-    assert f"generation {generation:.1f} s ({share:.0%} of steps, 256 decode steps" in line
-    assert "GPU-hours" in line and "not calibrated" in line
+    assert (f"generation {want['generation']:.1f} s ({share:.0%} of steps, 256 decode steps "
+            f"a GPU at 50% of h100-80gb's memory bandwidth") in line  # fmt: skip
+    assert f"a forward pass of {scored / 1e9:.2f}B held weights" in line
+    assert "GPU-hours" in line and "not calibrated" in line and "max_length" not in line
     config["runs"]["x"]["gpu"] = "tpu-v9"  # no figures known (a name from elsewhere)
-    e = estimate(config, "x", tmp_path, Shape.from_config(small), s)
+    e = estimate(config, "x", tmp_path, shape, s)
     assert e == {"basis": "no estimate: no peak FLOP/s known for GPU tpu-v9"}
+
+
+def test_a_gpu_s_memory_bandwidth_is_its_own_not_a_neighbour_s(monkeypatch):
+    """Each GPU name the config takes, and the names torch reports for the H100's three
+    forms, get their own datasheet bandwidth, not that of a name they contain (an H100 PCIe
+    is not an SXM H100); a GPU whose peak is known but not its bandwidth gets no generating
+    estimate, said so."""
+    from snaketune.budget import rates
+    from snaketune.core.throughput import peak_tflops
+
+    datasheet = {"h200-141gb": 4.8, "h100-80gb": 3.35, "NVIDIA H100 80GB HBM3": 3.35,
+                 "NVIDIA H100 PCIe": 2.0, "NVIDIA H100 NVL": 3.9, "a100-80gb": 2.04,
+                 "a100-64gb": 1.64, "a100-40gb": 1.55, "NVIDIA A100-SXM4-40GB": 1.55,
+                 "l40s-48gb": 0.864}  # fmt: skip
+    for name, tb_s in datasheet.items():
+        assert rates.bandwidth(name) == pytest.approx(tb_s * 1e12, rel=1e-12), name
+    assert rates.bandwidth("80") is None and rates.bandwidth("tpu-v9") is None
+    peaks = {"NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H100 80GB HBM3": 989.0,
+             "h100-80gb": 989.0, "H100 PCIE": 756.0}  # fmt: skip
+    for name, tflops in peaks.items():
+        assert peak_tflops(name) == tflops, name
+    monkeypatch.setattr(rates, "HBM_TB_S", {k: v for k, v in rates.HBM_TB_S.items() if k != "L40S"})
+    from snaketune.budget.rolloutcost import step_parts
+
+    got = step_parts(
+        {"runs": {"x": {"method": "grpo"}}}, "x", Path("."), None, 1, None, "l40s-48gb"
+    )
+    assert got == {"basis": "no estimate: no memory bandwidth known for GPU l40s-48gb"}
+
+
+def test_a_model_s_bytes_are_its_saved_dtype_s_and_bf16_when_unsaid():
+    from snaketune.budget.rates import weight_bytes
+
+    fp32 = Shape.from_config({**LLAMA_8B, "torch_dtype": "float32"})
+    unsaid = Shape.from_config({k: v for k, v in LLAMA_8B.items() if k != "torch_dtype"})
+    assert weight_bytes(fp32) == llama_params(LLAMA_8B) * 4
+    assert weight_bytes(unsaid) == llama_params(LLAMA_8B) * 2
 
 
 def finished(work: Path, run: str, spec: dict, train_s: float, outside_s: float,

@@ -19,8 +19,10 @@ DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem (assum
 MB = 1e6
 DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
-HBM_TB_S = {
+HBM_TB_S = {  # datasheets; most specific first
     "H200": 4.8,
+    "H100 PCIe": 2.0,
+    "H100 NVL": 3.9,
     "H100": 3.35,
     "A100 80GB": 2.04,
     "A100 64GB": 1.64,
@@ -44,7 +46,7 @@ def bandwidth(gpu: str) -> float | None:
     """A GPU's memory bandwidth in bytes/s (None: not known)."""
     name = str(gpu).upper().replace("-", " ")
     for key, tb in HBM_TB_S.items():  # most specific first
-        if all(part in name for part in key.split()):
+        if all(part.upper() in name for part in key.split()):
             return tb * 1e12
     return None
 

@@ -71,9 +71,9 @@ def peak_tflops(device_name: str, override: float | None = None) -> float | None
     """Peak dense bf16 TFLOP/s of one GPU named ``device_name`` (None when unknown)."""
     if override:
         return float(override)
-    name = device_name.replace("-", " ")
+    name = device_name.upper().replace("-", " ")  # torch's "NVIDIA H100 PCIe", a config's
     for key, value in PEAK_BF16_TFLOPS.items():  # most specific first
-        if all(part in name for part in key.split()):
+        if all(part.upper() in name for part in key.split()):
             return value
     return None
 
