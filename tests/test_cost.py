@@ -72,6 +72,22 @@ def test_steps_per_epoch_are_the_examples_over_one_step_s_examples(tmp_path):
     assert steps_of(config, "x", tmp_path)["steps"] == 25
 
 
+def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():
+    """Each rate a plan assumes without a calibration (snaketune.budget.rates) is the figure
+    docs/benchmarks.md's table of assumed rates gives for it, in its unit."""
+    import re
+
+    from snaketune.budget import rates
+
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    stated = dict(re.findall(r"^\| `([A-Z_]+)` \| ([0-9.,]+) ?(?:MB/s|%)", text, flags=re.M))
+    assert rates.MB == 1e6
+    assert float(stated["DOWNLOAD_MB_S"]) == rates.DOWNLOAD_MB_S
+    assert float(stated["DISK_MB_S"]) == rates.DISK_MB_S
+    assert float(stated["DECODE_SHARE"]) / 100 == rates.DECODE_SHARE
+    assert float(stated["FORWARD_MFU"]) / 100 == pytest.approx(rates.FORWARD_MFU, abs=5e-4)
+
+
 @pytest.mark.parametrize("rows, run, said", [
     (40, {}, ["one optimizer step per epoch", "2 optimizer step(s) in all: fewer than 10"]),
     (400, {"epochs": 1, "warmup_ratio": 1.0}, ["warmup_ratio 1.0 of 12 steps is the whole run"]),
@@ -205,7 +221,7 @@ def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(
     s = steps_of(config, "x", tmp_path)  # before tokenization: each prompt max_length (256)
     e = estimate(config, "x", tmp_path, shape, s)
     for part, want in by_hand([256]).items():
-        assert e["step_parts"][part] == pytest.approx(want, rel=1e-9), part
+        assert e["step_parts"][part] == pytest.approx(want, rel=1e-12), part
     assert "every prompt taken at max_length until the data is tokenized" in e["basis"]
     path = tmp_path / tokenized(config, "x")
     path.parent.mkdir(parents=True)
@@ -216,7 +232,7 @@ def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(
     assert s["per_step"] == prompts
     want = by_hand(lengths)
     for part in want:
-        assert e["step_parts"][part] == pytest.approx(want[part], rel=1e-9), part
+        assert e["step_parts"][part] == pytest.approx(want[part], rel=1e-12), part
     assert e["train_s"] == pytest.approx(s["steps"] * sum(want.values()), rel=1e-9)
     line = format_estimate("x", e, 8)
     assert (f"generation {want['generation']:.1f} s ({share:.0%} of steps, 256 decode steps "
