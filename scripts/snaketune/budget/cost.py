@@ -200,7 +200,8 @@ def estimate(
     """The train stage's estimated seconds (``train_s``: the steps; ``wall_s``: with the
     time outside them where a calibration measured it) and GPU-hours, and its ``basis``:
     calibrated from a finished run like it (``calibration``), else for a GPU run its FLOPs
-    at an assumed MFU; none for a CPU run without a calibration."""
+    at an assumed MFU (a run that generates while it trains: budget.rolloutcost, a step's
+    generation, scoring and update); none for a CPU run without a calibration."""
     from snaketune.budget.calibrate import calibration, stage_seconds
     from snaketune.data.kinds import kind_named
     from snaketune.methods import method_of
@@ -233,7 +234,7 @@ def estimate(
             else "no estimate: no finished run of this model and method on this "
             "machine to calibrate from (a short run calibrates it: max_steps: 20)"
         }
-    else:  # generating while it trains: generation, scoring and training a step
+    else:  # a GPU run, uncalibrated: its FLOPs; generating, a step's three parts
         out = (rolloutcost.estimate if generates else from_flops)(
             config, name, workdir, shape, steps, measured, str(gpu)
         )
