@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget import rolloutcost
-from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE
+from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE, update_seconds
 
 FEW = 10  # fewer optimizer steps than this in all: warned about
 # torch's c10d rendezvous: an agent waiting for the others polls once a second
@@ -286,7 +286,7 @@ def from_flops(
     """The train stage's seconds from its FLOPs at the MFU assumed for its kind (LoRA or
     full); ``measured``: its tokens and squared tokens per step (None before tokenization:
     every example at max_length)."""
-    from snaketune.core.throughput import peak_tflops, step_flops
+    from snaketune.core.throughput import peak_tflops
     from snaketune.methods import method_of
 
     run = config["runs"][name]
@@ -300,10 +300,9 @@ def from_flops(
     peak, mfu = peak_tflops(str(gpu).upper()), ASSUMED_MFU[kind]
     if peak is None:
         return {"basis": f"no estimate: no peak FLOP/s known for GPU {gpu}"}
-    n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
-    flops = step_flops(n, measured[0], measured[1], shape.layers, shape.hidden, kind == "lora")
+    step_s = update_seconds(shape, measured[0], measured[1], kind, devices, peak)
     return {
-        "train_s": steps["steps"] * flops / (devices * peak * 1e12 * mfu),
+        "train_s": steps["steps"] * step_s,
         "outside_s": None,
         "basis": f"assumed MFU {mfu:.1%} of {gpu}'s {peak:g} TFLOP/s a GPU "
         f"({MFU_SOURCE}), not calibrated (a short run calibrates it)"

@@ -55,3 +55,18 @@ def forward_seconds(params: float, tokens: float, devices: int, peak: float) -> 
     """A forward pass without gradients of ``params`` weights over ``tokens`` tokens on
     ``devices`` GPUs of ``peak`` TFLOP/s each: 2 FLOPs a weight a token at FORWARD_MFU."""
     return 2 * params * tokens / (devices * peak * 1e12 * FORWARD_MFU)
+
+
+def update_seconds(
+    shape: Any, tokens: float, squares: float, kind: str, devices: int, peak: float
+) -> float:
+    """An optimizer step's update over ``tokens`` tokens (``squares``: the sum of its
+    sequences' squared lengths, attention's share) on ``devices`` GPUs of ``peak`` TFLOP/s
+    each, at the MFU assumed for ``kind`` ("lora" or "full"): its FLOPs
+    (snaketune.core.throughput.step_flops) over the matmuls' weights, every weight but an
+    input embedding that is not also the head."""
+    from snaketune.core.throughput import step_flops
+
+    n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
+    flops = step_flops(n, tokens, squares, shape.layers, shape.hidden, kind == "lora")
+    return flops / (devices * peak * 1e12 * ASSUMED_MFU[kind])

@@ -29,6 +29,7 @@ from snaketune.budget.rates import (
     MFU_SOURCE,
     bandwidth,
     forward_seconds,
+    update_seconds,
     weight_bytes,
 )
 
@@ -47,7 +48,7 @@ def step_parts(
     FLOP/s or memory bandwidth is not known. ``measured``: the tokenized prompts' tokens and
     squared tokens per step (None before tokenization: every prompt max_length long)."""
     from snaketune.budget.scoring import held_params
-    from snaketune.core.throughput import peak_tflops, step_flops
+    from snaketune.core.throughput import peak_tflops
     from snaketune.methods import method_of
 
     run = config["runs"][name]
@@ -78,9 +79,7 @@ def step_parts(
     scoring = forward_seconds(scored, tokens, devices, peak)
 
     kind = method.adapter_of(run)
-    n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
-    flops = step_flops(n, tokens, squares, shape.layers, shape.hidden, kind == "lora")
-    training = flops / (devices * peak * 1e12 * ASSUMED_MFU[kind])
+    training = update_seconds(shape, tokens, squares, kind, devices, peak)
     parts = {"generation": generation, "scoring": scoring, "training": training}
     said = (share, decode_steps, completion, scored, kind, peak, measured is not None)
     return {**parts, "basis": basis(parts, str(gpu), *said)}
