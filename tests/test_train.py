@@ -118,14 +118,14 @@ def test_killed_launcher_killed_rank_and_ctrl_c_each_resume_to_the_same_losses(d
     ends with one line (where it stopped, the checkpoint, how to resume), no traceback and no
     process of the run left, `snaketune status` showing each state. Each retry and the rerun
     resume; the losses are an uninterrupted run's, every step logged once. On a copy of the
-    finished demo without its training, checkpointing every 10 steps (the math is the
+    finished demo without its training, checkpointing every 40 steps (the math is the
     demo's), only as far as training: one training of the 192-step demo for the three."""
     work = tmp_path / "w"
     subprocess.run(["cp", "-a", str(demo), str(work)], check=True)
     shutil.rmtree(work / "results/demo/train")
     command = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
                "--profile", str(ROOT / "profiles/local"), "--configfile", CONFIG, "--directory",
-               str(work), "--config", "runs={'demo': {'save_steps': 10}}", "--",
+               str(work), "--config", "runs={'demo': {'save_steps': 40}}", "--",
                "results/demo/train/metrics.jsonl"]  # fmt: skip
     env = {**ENV, "SNAKETUNE_PROGRESS_S": "3"}
     # as a terminal's foreground job: its own process group, SIGINT not ignored (a shell's
@@ -141,24 +141,24 @@ def test_killed_launcher_killed_rank_and_ctrl_c_each_resume_to_the_same_losses(d
 
     try:
         # 1. SIGKILL the launcher (what Snakemake runs) after the first checkpoint
-        _wait_for(lambda: _last_step(live) >= 11, 300, "step 11")
+        _wait_for(lambda: _last_step(live) >= 41, 300, "step 41")
         launcher = _launcher(work)
         family = launcher.children(recursive=True)
         assert len([p for p in family if "--worker" in p.cmdline()]) >= 2, family  # 2 ranks
         launcher.kill()
         gone, alive = psutil.wait_procs(family, timeout=15)
         assert not alive, [p.cmdline() for p in alive]  # no orphan agent or worker
-        # 2. the retry resumes from checkpoint-10; kill one of its ranks at step 13
-        _wait_for(lambda: _last_step(live) in range(1, 11), 120, "the retry to resume")
-        _wait_for(lambda: _last_step(live) >= 13, 300, "step 13 of the retry")
+        # 2. the retry resumes from checkpoint-40; kill one of its ranks at step 43
+        _wait_for(lambda: _last_step(live) in range(1, 41), 120, "the retry to resume")
+        _wait_for(lambda: _last_step(live) >= 43, 300, "step 43 of the retry")
         victim = _workers(work)[-1]
         victim.kill()
         killed = time.monotonic()
-        _wait_for(lambda: not _workers(work) or _last_step(live) < 13, 90, "the job to stop")
+        _wait_for(lambda: not _workers(work) or _last_step(live) < 43, 90, "the job to stop")
         stopped = time.monotonic() - killed
-        # 3. the third attempt resumes from checkpoint-10 (the rank died at 13, before the
-        # next checkpoint); Ctrl-C once it trains past step 20
-        _wait_for(lambda: _last_step(live) >= 20, 300, "step 20 of the third attempt")
+        # 3. the third attempt resumes from checkpoint-40 (the rank died at 43, before the
+        # next checkpoint); Ctrl-C once it trains past step 50
+        _wait_for(lambda: _last_step(live) >= 50, 300, "step 50 of the third attempt")
         running = status()
         os.killpg(proc.pid, signal.SIGINT)
         seen = _last_step(live)
@@ -187,7 +187,7 @@ def test_killed_launcher_killed_rank_and_ctrl_c_each_resume_to_the_same_losses(d
     # log: the rule's log is the last attempt's; the terminal shows a log's error lines)
     second = (work / "results/demo/train/logs/attempt-2.log").read_text()
     assert "taking it over" in second and "is gone" in second, second[-5000:]
-    assert out.count("resuming from checkpoint-10") >= 1
+    assert out.count("resuming from checkpoint-40") >= 1
 
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     again = rerun.stdout + rerun.stderr
@@ -217,15 +217,15 @@ def _check_every_attempt_kept_its_log(
     logs = {n: (folder / f"attempt-{n}.log").read_text() for n in (1, 2, 3, 4)}
     assert sorted(p.name for p in folder.glob("attempt-*.log")) == [
         "attempt-1.log", "attempt-2.log", "attempt-3.log", "attempt-4.log"]  # fmt: skip
-    # 1: trained past checkpoint-10, then nothing: SIGKILL leaves no line of its own
-    assert "checkpoint checkpoint-10 complete" in logs[1] and "step 11/" in logs[1]
+    # 1: trained past checkpoint-40, then nothing: SIGKILL leaves no line of its own
+    assert "checkpoint checkpoint-40 complete" in logs[1] and "step 41/" in logs[1]
     assert "attempts of run demo" not in logs[1]  # it never got to write its outcome
     # 2: resumed, then the rank killed: torchrun's report of it and the launcher's line
-    assert "resuming from checkpoint-10" in logs[2]
+    assert "resuming from checkpoint-40" in logs[2]
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in logs[2], logs[2][-3000:]
     assert "training exited with code" in logs[2]
     # 3: resumed, then Ctrl-C: the step under way saved
-    assert "resuming from checkpoint-10" in logs[3]
+    assert "resuming from checkpoint-40" in logs[3]
     assert f"checkpoint checkpoint-{stopped_at} complete" in logs[3], logs[3][-3000:]
     # 4: the rule's log is this attempt's: the attempt's file holds all of it from its start
     # (anything the launcher printed before, e.g. while it imported, came before; since the
