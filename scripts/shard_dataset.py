@@ -63,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--run", default="run", help="run name (for messages)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--manifest",
+        help="also write the manifest here (the train stage's input: Snakemake compares its "
+        "checksum, so shards cut again byte for byte retrain nothing)",
+    )
     args = parser.parse_args(argv)
     layout = Layout(args.nodes, args.gpus_per_node, args.micro_batch_size,
                     args.gradient_accumulation_steps, args.sequence_parallel)  # fmt: skip
@@ -81,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = {k: v for k, v in vars(args).items() if k not in skip}
             prov = record("shard_dataset", args.out, config, inputs, output_hashes(tmp))
             write_provenance(tmp / NAME, prov)
+        if args.manifest:
+            write_json(args.manifest, manifest)
     except DataError as exc:
         raise DataError(f"runs.{args.run}: {exc}") from None
     return 0

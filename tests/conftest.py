@@ -444,8 +444,8 @@ def quick_config(path: Path, **run: object) -> Path:
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     demo = cfg["runs"]["demo"]
     del demo["epochs"]
-    demo.update(max_steps=2, save_steps=1,
-                eval={"limit": 8, "max_new_tokens": 8, "batch_size": 8}, **run)  # fmt: skip
+    demo.update({"max_steps": 2, "save_steps": 1,
+                 "eval": {"limit": 8, "max_new_tokens": 8, "batch_size": 8}, **run})  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -17,6 +17,7 @@ from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.sweep import sweeps_of
 from snaketune.core.parts import PART_PATTERN  # a set's part: 00003-of-00008
+from snaketune.train.rerun import request_fresh
 
 # Entry scripts, found from the workflow's folder (ROOT: workflow/Snakefile) so that
 # --directory, or a project using the workflow as a module, runs them from anywhere.
@@ -113,7 +114,26 @@ def shard_eval_arg(wildcards, input):
 
 
 def run_shards(wildcards):
+    """The manifest of the shards a run trains on (the folder beside it: shards_folder)."""
+    return stages.shards_of(config, SWEEPS, wildcards.run) + ".manifest.json"
+
+
+def shards_folder(wildcards):
     return stages.shards_of(config, SWEEPS, wildcards.run)
+
+
+def request_fresh_train():
+    """--forcerun train (-R train, -F, or a train output named with -f): the user's word that
+    those runs start from step 0. The submitting Snakemake hands its train jobs one token
+    (inherited, locally and through sbatch); a retry or requeue of the same job resumes what
+    it began; any other rerun resumes when its inputs are the same (snaketune.train.rerun).
+    """
+    settings = workflow.dag_settings
+    request_fresh(
+        [*settings.forcerun, *(settings.targets if settings.forcetargets else ())],
+        settings.forceall,
+        rules.train.rule.name,
+    )
 
 
 def best_member(sweep):

@@ -83,8 +83,12 @@ rule shard_dataset:
     input:
         unpack(shard_inputs),
         script=f"{SCRIPTS}/shard_dataset.py",
+    # manifest: the shards' manifest again, beside them; the train stage reads the shards
+    # through it, so shards cut again byte for byte (same manifest, same checksum) retrain
+    # nothing (Snakemake compares a small input's checksum before its mtime)
     output:
         shards=directory("results/{run}/shards"),
+        manifest="results/{run}/shards.manifest.json",
     log:
         "logs/shard_dataset/{run}.log",
     benchmark:
@@ -102,4 +106,5 @@ rule shard_dataset:
     shell:
         "python {input.script} --tokenized {input.tokenized} {params.layout}"
         " {params.packing} --model {input.model} --attn-implementation {params.attention}"
-        " {params.eval} --run {wildcards.run} --out {output.shards} > {log} 2>&1"
+        " {params.eval} --run {wildcards.run} --out {output.shards}"
+        " --manifest {output.manifest} > {log} 2>&1"

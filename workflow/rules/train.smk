@@ -5,7 +5,7 @@ rule train:
     input:
         unpack(train_extras),
         script=f"{SCRIPTS}/train.py",
-        shards=run_shards,
+        shard_manifest=run_shards,
         model=run_model,
         deepspeed=run_deepspeed,
     output:
@@ -38,6 +38,7 @@ rule train:
         tasks_per_gpu=0,
     params:
         spec=run_spec,
+        shards=shards_folder,
         out="results/{run}/train",
         margin=config["stop_margin_seconds"],
         flags=train_flags,
@@ -48,7 +49,7 @@ rule train:
     # Ahead of the time limit (runtime; on SLURM the job's end time) the job saves and
     # continues: on SLURM it requeues itself (docs/slurm.md), locally it trains on.
     shell:
-        "python {input.script} --run-spec {params.spec:q} --shards {input.shards}"
+        "python {input.script} --run-spec {params.spec:q} --shards {params.shards}"
         " --model {input.model} --deepspeed {input.deepspeed} --out {params.out}"
         " --time-limit {resources.runtime} --stop-margin {params.margin} {params.flags}"
         " {params.stage_inputs}"

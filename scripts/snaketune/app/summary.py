@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +148,6 @@ def summary_row(
         ev = json.loads(eval_metrics.read_text())
         row.update(figure_columns(ev))  # what the evaluation measured, base beside tuned
         row.update(lm_eval_columns(ev))
-        if "loss" in (ev.get("gain") or {}):
-            row["gain_loss"] = ev["gain"]["loss"]  # base - tuned: positive is better
     seconds = None  # the train job's, its rule's own start in (Snakemake's benchmark)
     if train_benchmark is not None and train_benchmark.is_file():
         seconds = benchmark_seconds(train_benchmark)
@@ -180,7 +179,8 @@ def column_of(key: str) -> str:
 
 def figure_columns(ev: dict[str, Any]) -> dict[str, Any]:
     """Every figure an evaluation shows (metrics.json's ``figures``: snaketune.evaluation.figures)
-    as ``<figure>``, ``base_<figure>`` and ``gain_<figure>`` (tuned - base), and its
+    as ``<figure>``, ``base_<figure>`` and ``gain_<figure>`` (tuned - base, every one: a
+    lower loss is a negative gain), and its
     ``headline``: the figures the run leads with, space-separated."""
     row: dict[str, Any] = {"headline": " ".join(ev.get("headline") or ())}
     for key, figure in (ev.get("figures") or {}).items():
@@ -188,8 +188,8 @@ def figure_columns(ev: dict[str, Any]) -> dict[str, Any]:
         row[column] = figure["value"]
         if "base" in figure:
             row[f"base_{column}"] = figure["base"]
-            if key != "loss":  # gain_loss: base - tuned, below
-                row[f"gain_{column}"] = figure["gain"]
+            # tuned - base, every one (the held-out loss's column is gain_loss)
+            row["gain_loss" if key == "loss" else f"gain_{column}"] = figure["gain"]
     return row
 
 
@@ -265,10 +265,20 @@ def headline_figures(row: dict[str, str]) -> list[tuple[Any, str, str]]:
     return out
 
 
-def headline(summary_tsv: Path, html: Path) -> str:
-    """One line for the end of a pipeline: where the report is, and each run's result."""
+def headline(summary_tsv: Path, html: Path, runs: Collection[str] | None = None) -> str:
+    """One line for the end of a pipeline: where the report is, and each run's result (only
+    ``runs``, the config's, where given: a summary in the same directory may hold another
+    config's runs; none of them there is said so)."""
     with open(summary_tsv) as fh:
         rows = list(csv.DictReader(fh, delimiter="\t"))
+    if runs is not None:
+        rows = [r for r in rows if r["run"] in runs]
+        if not rows:
+            return (
+                f"report: {html} holds no run of this config ({', '.join(sorted(runs))}): "
+                "it is from another config or an earlier invocation; run without --until to "
+                "evaluate them and write theirs"
+            )
     parts = [f"report: {html}"]
     for r in rows:
         figures = [
@@ -281,10 +291,13 @@ def headline(summary_tsv: Path, html: Path) -> str:
     return " | ".join(parts)
 
 
-def report_line(results: Path = Path("results")) -> None:
-    """After a successful pipeline: the report's path and each run's result, one line."""
+def report_line(runs: Collection[str] | None = None, results: Path = Path("results")) -> None:
+    """After a successful pipeline: the report's path and the result of each of ``runs`` (the
+    config's), one line; a config with no runs (data stages only) gets none."""
     import sys
 
     html, tsv = results / "summary.html", results / "summary.tsv"
+    if runs is not None and not runs:
+        return
     if html.is_file() and tsv.is_file():
-        print(headline(tsv, html.resolve()), file=sys.stderr)
+        print(headline(tsv, html.resolve(), runs), file=sys.stderr)

@@ -120,10 +120,16 @@ def run_need(
 
 
 def folder_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (0 when it is not there)."""
+    """Bytes of the files under ``path`` (0 when it is not there), a file with several hard
+    links once (a finished run's outputs and their kept links: snaketune.train.rerun)."""
     if not path.exists():
         return 0
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    seen: dict[tuple[int, int], int] = {}
+    for f in path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            st = f.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def small_files(model_dir: Path, ranks: int) -> float:

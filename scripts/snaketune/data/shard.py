@@ -306,6 +306,10 @@ def shard(
         "seed": seed,
         "packing": packing,
         "plan_sha256": plan_digest(written.ids, p),
+        # the content key of the run's data, the same on every topology: the tokenized files
+        # the shards were cut from (a train job resumes only checkpoints of the same;
+        # snaketune.train.rerun)
+        "data_sha256": digest([sha256_file(f) for f in parts.files(tokenized)]),
         "token_balance": balance,
         "dropped_for_balance": {"count": len(leftover), "example_ids": leftover},
         "shards": [

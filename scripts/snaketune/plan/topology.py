@@ -59,13 +59,23 @@ OPERATIONAL = (
     "early_stopping",
     "heldout",
 )
+# How far a run trains: raised, a run continues (snaketune.train.rerun.decide)
+LENGTH = ("max_steps", "epochs")
 STAMP = "fingerprint"
 
 
 def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) -> dict[str, Any]:
-    """What a checkpoint must match to be continued from (``math``), and the topology."""
-    math = {k: v for k, v in spec.items() if k not in TOPOLOGY and k not in OPERATIONAL}
+    """What a checkpoint must match to be continued from (``math``), how far the run trains
+    (``length``: raised, it continues) and the topology."""
+    math = {
+        k: v
+        for k, v in spec.items()
+        if k not in TOPOLOGY and k not in OPERATIONAL and k not in LENGTH
+    }
     math["global_batch"] = manifest["global_batch"]
+    # the shards' content, whatever the topology (older manifests: the plan alone)
+    if manifest.get("data_sha256"):
+        math["data"] = manifest["data_sha256"]
     math["steps_per_epoch"] = manifest["steps_per_epoch"]
     # older manifests have no plan digest: their shards must then match byte for byte
     math["plan"] = manifest.get("plan_sha256") or manifest.get("shards")
@@ -74,7 +84,8 @@ def stamp(spec: dict[str, Any], manifest: dict[str, Any], deepspeed_sha: str) ->
     topology = {
         k: spec[k] for k in TOPOLOGY if k in spec and (k != "sequence_parallel" or spec[k] > 1)
     }
-    return {"math": math, "topology": topology, "origin": topology}
+    length = {k: spec.get(k) for k in LENGTH}
+    return {"math": math, "length": length, "topology": topology, "origin": topology}
 
 
 def read_stamp(ckpt: Path) -> dict[str, Any] | None:

@@ -35,6 +35,43 @@ from snaketune.train.resume import DiskGuard
 log = logging.getLogger(__name__)
 
 
+class NothingToTrain(Exception):
+    """The checkpoint resumed is at (or past) the run's last step."""
+
+
+def last_step_guard():
+    """A callback that ends ``train()`` before its first step when the resumed checkpoint is
+    already at the run's last step: transformers' loop would otherwise train one step past
+    ``max_steps`` when that step falls inside an epoch (it checks the limit only after a
+    step). Every rank reads the same step from the checkpoint, so all of them stop."""
+    from transformers import TrainerCallback
+
+    class LastStepGuard(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.max_steps > 0 and state.global_step >= state.max_steps:
+                raise NothingToTrain(state.global_step)
+
+    return LastStepGuard()
+
+
+def train_or_export(trainer, resume: Path | None, callback: StepCallback, rank: int) -> None:
+    """Train from ``resume``; a checkpoint already at the last step trains no step: its
+    weights (loaded into the engine) are what finish() writes out again, the records as
+    they were (a finished run resumed after a rerun that changed nothing)."""
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except NothingToTrain as done:
+        callback.on_train_end(trainer.args, trainer.state, trainer.control)
+        if rank == 0:
+            log.info(
+                "%s is the run's last step (%s of %d): nothing left to train; its outputs are "
+                "written again from it",
+                resume.name if resume else "the checkpoint",
+                done,
+                trainer.state.max_steps,
+            )
+
+
 def finish(
     trainer,
     callback: StepCallback,

@@ -19,13 +19,14 @@ from snaketune.core.checkpoints import checkpoint_step, newest_complete
 from snaketune.core.errors import UserError, error_lines
 from snaketune.core.heartbeat import stall_verdict
 from snaketune.core.io import publish, sha256_file, write_json
-from snaketune.core.job import SEGMENT, Handoff, Job, read_segment
+from snaketune.core.job import SEGMENT, WORKER_OUTPUTS, Handoff, Job, read_segment
 from snaketune.core.runlock import RunLock
 from snaketune.plan.runspec import RunSpec
 from snaketune.train.agents import Workers, flight_recorder, flight_recorder_dir, worker_environment
 from snaketune.train.agents import start as start_agents
 from snaketune.train.network import RESULT as NETWORK
 from snaketune.train.network import read_result
+from snaketune.train.rerun import keep_published, restore_published, resume_words
 from snaketune.train.resume import needs_universal, prepare_checkpoints
 from snaketune.train.segments import (
     allocation_end,
@@ -36,6 +37,9 @@ from snaketune.train.segments import (
 )
 
 log = logging.getLogger(__name__)
+
+# Every output of the train stage, published at once (a finished run's are kept for a rerun)
+PUBLISHED = (*WORKER_OUTPUTS, "run_config.json", "provenance.json")
 
 
 def check_job(job: Job) -> tuple[int, int]:
@@ -160,9 +164,10 @@ def outcome(job: Job, code: int, signalled: str | None, ended: dict | None = Non
         # The agents exit 1 on a forwarded signal whatever their workers did; report the stop.
         saved = newest_complete(job.ckpt)
         log.warning(
-            "stopped by %s; newest complete checkpoint: %s; run the same command again to resume",
+            "stopped by %s; newest complete checkpoint: %s; %s",
             "Ctrl-C (SIGINT)" if signalled == "SIGINT" else signalled,
             saved.name if saved else "none",
+            resume_words(job.out.parent.name),
         )
         return STOPPED_EXIT_CODE
     if code == 0:
@@ -226,7 +231,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     them renamed into place at once. ``attempt``: this one (snaketune.train.attempts), recorded
     as done."""
     from snaketune.budget.diskplan import folder_bytes
-    from snaketune.core.job import WORKER_OUTPUTS, staged
+    from snaketune.core.job import staged
     from snaketune.core.lora_targets import read_description
     from snaketune.core.provenance import output_hashes, record
     from snaketune.train import attemptlog, attempts
@@ -267,8 +272,9 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         ],
     )
     write_json(staged(job.out, "provenance.json"), prov)
-    names = (*WORKER_OUTPUTS, "run_config.json", "provenance.json")
+    names = PUBLISHED
     publish([(staged(job.out, n), job.out / n) for n in names])
+    keep_published(job.ckpt, job.out, names, segments[-1].get("to_step"))
 
 
 # ----------------------------------------------------------------------------- continuation
@@ -357,8 +363,15 @@ def train_job(job: Job, attempt) -> int | str:
     nodes, gpus = check_job(job)
     checkpoint_bytes = check_disk(job)
     with RunLock(job.out / "train.lock", job.lock_wait_s):
-        prepare_checkpoints(job)
+        if (set_aside := prepare_checkpoints(job)) is not None:
+            attempt.say(set_aside)
         job.write()  # <out>/job.json: what every worker of this start reads, once
         if (resume := newest_complete(job.ckpt)) is not None:
+            if restore_published(job.ckpt, job.out, PUBLISHED, checkpoint_step(resume)):
+                attempt.say(
+                    f"{resume.name} is the run's last step: its outputs put back as they "
+                    "were (the same shards, model and settings), no step trained"
+                )
+                return 0
             attempt.say(f"resuming from {resume.name}")
         return train_segments(job, nodes, gpus, attempt.number, checkpoint_bytes)

@@ -77,33 +77,42 @@ def make_universal(checkpoint: Path, workers: int = 1) -> Path:
 
 def fingerprint(job: Job) -> dict:
     """What a checkpoint must match to be continued from, and the topology it ran on
-    (snaketune.plan.topology)."""
+    (snaketune.plan.topology), with the model's content key (snaketune.train.rerun)."""
     from snaketune.plan.topology import stamp
+    from snaketune.train.rerun import model_key
 
     manifest = json.loads((job.shards / "manifest.json").read_text())
-    return stamp(job.spec, manifest, sha256_file(job.deepspeed))
+    now = stamp(job.spec, manifest, sha256_file(job.deepspeed))
+    if (model := model_key(job.model)) is not None:
+        now["math"]["model"] = model
+    return now
 
 
-def prepare_checkpoints(job: Job) -> None:
-    """Keep the checkpoints a rerun continues from (same math, any topology); move those of
-    other settings aside, naming what changed."""
-    from snaketune.plan.topology import STAMP, changed_keys, describe, read_stamp
+def prepare_checkpoints(job: Job) -> str | None:
+    """Keep the checkpoints a rerun resumes or continues from (the same key: shards, model
+    and math, on any topology, to a raised length); move those of another key, or of a
+    train the user forced, aside as history, saying why (snaketune.train.rerun). Returns
+    that line when they were set aside."""
+    from snaketune.plan.topology import STAMP, describe, read_stamp
+    from snaketune.train.rerun import decide, fresh_token, verify_shards
 
     job.out.mkdir(parents=True, exist_ok=True)
     name, now = job.out.parent.name, fingerprint(job)
+    verify_shards(job.shards, json.loads((job.shards / "manifest.json").read_text()))
+    token = fresh_token(name)
     old = read_stamp(job.ckpt) if job.ckpt.exists() else None
     saved = newest_complete(job.ckpt) if job.ckpt.exists() else None
-    if job.ckpt.exists() and (old is None or old["math"] != now["math"]):
-        changed = changed_keys(old["math"], now["math"]) if old else ["no stamp of this version"]
-        aside = job.out / f"checkpoints.previous-{digest(old)[:8]}"
-        shutil.rmtree(aside, ignore_errors=True)
+    keep, why = decide(old, now, checkpoint_step(saved) if saved else None, token)
+    moved = job.ckpt.exists() and not keep
+    if moved:
+        # history, never resumed: each attempt's own folder (the key's digest and the time)
+        aside = job.out / f"checkpoints.previous-{digest(old)[:8]}-{time.strftime('%Y%m%d-%H%M%S')}"
         job.ckpt.rename(aside)
-        log.warning(
-            "run settings changed (%s): old checkpoints moved to %s; starting fresh",
-            ", ".join(changed[:6]) + (", ..." if len(changed) > 6 else ""),
-            aside,
-        )
-    elif old is not None:  # the same math: continue, on whatever topology
+        why = f"{why}; the earlier checkpoints moved to {aside}"
+        log.warning("%s", why)
+    elif old is not None:  # the same key: continue, on whatever topology, to its length
+        if why:
+            log.warning("%s: %s", name, why)
         if saved is not None and old["topology"] != now["topology"]:
             log.warning(
                 "continuing %s at step %d on %s (was %s), global batch %d unchanged",
@@ -114,9 +123,14 @@ def prepare_checkpoints(job: Job) -> None:
                 now["math"]["global_batch"],
             )
         now["origin"] = old.get("origin", old["topology"])
+    if token is not None:  # a retry or requeue of this invocation resumes what it began
+        now["fresh_token"] = token
+    elif old is not None and keep and "fresh_token" in old:
+        now["fresh_token"] = old["fresh_token"]
     job.ckpt.mkdir(exist_ok=True)
     (job.ckpt / STAMP).write_text(json.dumps(now, sort_keys=True, default=str))
     (job.ckpt / "health" / "fatal.json").unlink(missing_ok=True)  # from an earlier attempt
+    return why if moved else None
 
 
 def needs_universal(job: Job, ranks: int) -> bool:

@@ -83,7 +83,7 @@ from snaketune.evaluation.model import (
 from snaketune.methods.common import Method
 from snaketune.methods.training import Context
 from snaketune.plan.runspec import RunSpec, heldout_metric, kept_best
-from snaketune.train.ending import finish
+from snaketune.train.ending import finish, last_step_guard, train_or_export
 from snaketune.train.health import start_watchdog
 from snaketune.train.progress import Deadline, HeartbeatCallback, StepCallback, StopRequest
 from snaketune.train.resume import DiskGuard
@@ -295,11 +295,12 @@ def run_worker(job: Job, spec: RunSpec, ids_log: Path | None = None) -> int:
     if ctx.heldout is not None:
         fixes.append(heldout_pass.callback(schedule, ctx.heldout))
     method = spec.method
-    trainer = method.trainer(ctx, model, data, [callback, HeartbeatCallback(beat), *fixes])
+    callbacks = [last_step_guard(), callback, HeartbeatCallback(beat), *fixes]
+    trainer = method.trainer(ctx, model, data, callbacks)
     made_ready(trainer, ctx)
     if env.rank == 0:
         log_start(method, ctx, manifest, kernel, data, resume)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    train_or_export(trainer, resume, callback, env.rank)
     if watchdog is not None:
         watchdog.stop()
     beat.stop()
