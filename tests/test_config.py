@@ -315,6 +315,7 @@ def test_snaketune_validate_command(capsys):
     assert main(["validate", str(ROOT / "config/config.yaml"), "--root", str(ROOT)]) == 0
     out = capsys.readouterr()
     plan = json.loads(out.out)
+    assert out.out.endswith("}\n")  # the JSON apart: nothing runs into its closing brace
     assert plan["runs"] == ["demo"] and len(plan["tokenized"]) == 2  # train and eval sets
     # and one line saying what was checked and that it passed
     (line,) = out.err.strip().splitlines()
@@ -326,11 +327,11 @@ def test_snaketune_validate_command(capsys):
 
 
 def _bad_config(tmp_path: Path) -> Path:
-    """The demo with seven independent problems, of each kind the parse-time check finds: a
+    """The demo with eight independent problems, of each kind the parse-time check finds: a
     number in quotes (the file read again), an unknown key, a misspelt DeepSpeed preset
-    (the schema), a run starting from a run that is not there (the cross-key checks), two
-    missing local paths, a dataset without the columns its format reads (its first rows):
-    all named in one pass."""
+    (the schema), an unknown dataset in the run with the unknown key and a run starting
+    from a run that is not there (the cross-references), two missing local paths, a dataset
+    without the columns its format reads (its first rows): all named in one pass."""
     import yaml
 
     cfg = load_yaml(ROOT / "config/config.yaml")
@@ -340,7 +341,8 @@ def _bad_config(tmp_path: Path) -> Path:
     rows.write_text("".join(json.dumps({"question": f"{i}+{i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(8)))  # fmt: skip
     cfg["datasets"]["mine"] = {"source": "local", "path": str(rows), "format": "prompt_response"}
-    cfg["runs"]["mine"] = {**cfg["runs"]["demo"], "dataset": "mine", "lerning_rate": 1e-4}
+    cfg["runs"]["mine"] = {**cfg["runs"]["demo"], "dataset": "mine", "lerning_rate": 1e-4,
+                           "eval_dataset": "arith_tset"}  # fmt: skip
     later = {k: v for k, v in cfg["runs"]["demo"].items() if k != "model"}
     cfg["runs"]["later"] = {**later, "deepspeed": "zero2", "init_from": "nobody"}
     cfg["runs"]["demo"]["deepspeed"] = "zero_2"
@@ -354,6 +356,8 @@ EXPECTED_PROBLEMS = [
     "runs.demo.epochs: '6' is in quotes, so text, not a number; write it without them (epochs: 6)",
     "runs.mine.lerning_rate: unknown key; did you mean 'learning_rate'?",
     "runs.demo.deepspeed: 'zero_2' is not valid here (DeepSpeed preset name (zero1, zero2, ",
+    "runs.mine.eval_dataset: unknown dataset 'arith_tset' (defined: arith, arith_test, "
+    "gsm8k_demo, gsm8k_demo_test, mine)",
     "runs.later.init_from: unknown run or sweep 'nobody' (defined: demo, later, mine)",
     "models.tiny.path: nowhere/tiny-llama does not exist",
     "datasets.arith_test.path: nowhere/test.jsonl does not exist",

@@ -130,6 +130,10 @@ def test_the_end_line_summary_and_card_lead_with_the_headline(tmp_path):
     assert line.endswith("chat_dpo: preference_accuracy 0.75 (base 0.0), eval loss 3.25 "
                          "(base 3.5), chrF 31.5 (base 20.0)"), line  # fmt: skip
     assert "exact_match" not in line and "math_verify" not in line
+    # the end-of-run line of another config in the same directory: its own runs only
+    assert headline(tsv, tmp_path / "summary.html", ["chat_dpo", "other"]) == line
+    other = headline(tsv, tmp_path / "summary.html", ["cpt"])
+    assert "chat_dpo" not in other and "holds no run of this config (cpt)" in other, other
     names = [r.metric_type for r in eval_results(metrics, "chat_pairs")]
     assert names[:3] == ["preference_accuracy", "loss", "chrf"] and "exact_match" not in names
 

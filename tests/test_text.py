@@ -319,10 +319,11 @@ def test_the_parts_of_a_set_cover_every_row_once():
             parse_part(bad)
 
 
-def test_a_set_tokenized_in_parts_is_the_set_tokenized_whole(tmp_path, tiny_model):
+def test_a_set_tokenized_in_parts_is_the_set_tokenized_whole(tmp_path, tiny_model, caplog):
     """Each part reads its own rows (of sources laid end to end, from the row groups that
     hold them): in part order they are the rows one job writes, a mixture's weights and
-    filters included, and the parts' stats sum to the whole's."""
+    filters included, and the parts' stats sum to the whole's; each part's log has its
+    own summary (its rows, documents split, tokens)."""
     import dataclasses
 
     from snaketune.core.parts import summed
@@ -346,10 +347,16 @@ def test_a_set_tokenized_in_parts_is_the_set_tokenized_whole(tmp_path, tiny_mode
         sources.append(Source(name, small, spec, weight, seed=5))
     whole = tokenize(sources, tiny_model, tmp_path / "whole.parquet", 48)
     stats, tables = [], []
+    caplog.set_level("INFO", logger="snaketune.data.tokenization")
     for p in range(3):
         out = tmp_path / f"part-{p}.parquet"
+        caplog.clear()
         stats.append(dataclasses.asdict(tokenize(sources, tiny_model, out, 48, part=(p, 3))))
         tables.append(pq.read_table(out))
+        said = caplog.text
+        assert f"part 0000{p}-of-00003: rows " in said
+        assert f"-> {stats[-1]['rows']} examples, {stats[-1]['tokens']} tokens" in said, said
+        assert f"{stats[-1]['documents_split']} longer than max_length split into pieces" in said
     assert pa.concat_tables(tables).equals(pq.read_table(tmp_path / "whole.parquet"))
     assert all(t.num_rows for t in tables)
     assert summed(stats, Stats) == {

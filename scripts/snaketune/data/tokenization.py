@@ -285,9 +285,16 @@ def tokenize(
     span = part_rows(sources, part) or (0, sum(num_rows(s.path) for s in sources))
     n = max(1, min(workers, (span[1] - span[0]) // max(min_rows, 1)))
     args = (sources, model_dir, max_length, overlong, chat_template, model_name, template_date)
+    if part is not None:
+        log.info("part %05d-of-%05d: rows %d-%d of the sources", part[0], part[1], *span)
     if n == 1:
-        return tokenize_rows(*args, out, span, whole=part is None)
-    return in_workers(args, Path(out), span, n, whole=part is None)
+        stats = tokenize_rows(*args, out, span, whole=part is None)
+    else:
+        stats = in_workers(args, Path(out), span, n, whole=part is None)
+    if part is not None:  # a part's own summary (a whole set's is logged where it is checked)
+        kind = kind_of_sources(s.spec for s in sources)
+        _log_result(stats, kind, [kind.impl(), *(module_of(kind, s) for s in sources)])
+    return stats
 
 
 def tokenize_rows(

@@ -147,7 +147,8 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
         for k in ("exact_match", "math_verify", "bits_per_byte")
         if k in metrics and k in base_metrics
     }
-    metrics["gain"]["loss"] = base_metrics["loss"] - metrics["loss"]
+    # one sign for every gain, as in ``figures``: tuned - base (a lower loss is negative)
+    metrics["gain"]["loss"] = metrics["loss"] - base_metrics["loss"]
     if "tools" in metrics and "tools" in base_metrics:  # an agent's calls, base and tuned
         metrics["base"]["tools"] = base_metrics["tools"]
     if base_metrics.get("model"):  # the base model's path, or the run's it started from

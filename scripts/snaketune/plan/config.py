@@ -22,6 +22,7 @@ from snaketune.data.kernels import check_kernels_installed
 from snaketune.data.kinds import kind_named, mixes_kinds, own_fields, unread
 from snaketune.evaluation import scorers
 from snaketune.methods import compose_schema, method_of, methods, reward_model_runs
+from snaketune.plan.references import check_references
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
     WORKFLOW_ROOT,
@@ -190,17 +191,6 @@ def _check_method(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any]) -> 
 
 def _check_run(name: str, run: Mapping[str, Any], cfg: Mapping[str, Any], root: Path) -> None:
     where = f"runs.{name}"
-    for key, section in (
-        ("model", "models"),
-        ("dataset", "datasets"),
-        ("eval_dataset", "datasets"),
-    ):
-        if key in run:
-            require(
-                run[key] in cfg[section],
-                f"{where}.{key}: unknown {section[:-1]} {run[key]!r} "
-                f"(defined: {', '.join(sorted(cfg[section]))})",
-            )
     require(
         ("epochs" in run) != ("max_steps" in run),
         f"{where}: give exactly one of `epochs` and `max_steps`",
@@ -300,6 +290,16 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     ):
         found.raise_all()
     bad = {path[:2] for path, _ in problems if len(path) >= 2}
+    # every run's unknown names, a refused run's too (its init_from: resolve_init says a
+    # usable run's), in this one pass
+    unknown = set()
+    for name, run in config["runs"].items():
+        if isinstance(run, dict):
+            lines = check_references(name, run, config)
+            if ("runs", name) not in bad:
+                lines = [line for line in lines if ".init_from: " not in line]
+            found.lines += lines
+            unknown |= {("runs", name)} if lines else set()
     found.check(check_sweep_publish, config, schema)
     for name, spec in config["models"].items():
         if ("models", name) not in bad:
@@ -310,7 +310,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     bad |= {("datasets", d) for d in _mixtures_of(config, bad)}
     init_lines, unresolved = resolve_init(config, {n for kind, n in bad if kind == "runs"})
     found.lines += init_lines
-    bad |= {("runs", n) for n in unresolved}
+    bad |= {("runs", n) for n in unresolved} | unknown
     good = {n: r for n, r in config["runs"].items() if _usable(n, r, bad, config)}
     for run in good.values():
         method = method_of(run)
