@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     sta.add_argument(
         "--watch", type=float, metavar="SECONDS", help="print it again every SECONDS until Ctrl-C"
     )
+    _deploy_parser(sub, root_help)
     cal = sub.add_parser(
         "calibrate",
         help="write the config of a short run that calibrates a run's time estimate, and the "
@@ -114,6 +115,18 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", help="where to write its config (default calibrate-<run>.yaml)")
     cal.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
     return parser
+
+
+def _deploy_parser(sub, root_help: str) -> None:
+    from snaketune.plan.schema import WORKFLOW_ROOT
+
+    dep = sub.add_parser(
+        "deploy",
+        help="lay out a project of your own that uses this workflow as a Snakemake module "
+        "(snakedeploy's layout, from this clone, its module path absolute)",
+    )
+    dep.add_argument("dest", help="the project's folder (new or empty)")
+    dep.add_argument("--root", default=str(WORKFLOW_ROOT), help=root_help)
 
 
 def _validate_parser(sub, root_help: str) -> None:
@@ -189,7 +202,10 @@ def _validate(args: argparse.Namespace) -> int:
         # set it serves)
         **{stage.name: stage.listing(config) for stage in STAGES},
     }
-    print(json.dumps(plan, indent=2))
+    # the JSON whole, then the lines on stderr: one write and a flush, so that a terminal
+    # showing both never gets a line run into its closing brace
+    sys.stdout.write(json.dumps(plan, indent=2) + "\n")
+    sys.stdout.flush()
     for line in _template_lines(config, Path.cwd(), args.show_row, args.run):
         print(line, file=sys.stderr)
     read = parsed.datasets_read
@@ -311,6 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "deploy":
+            from snaketune.app.deploy import deploy
+
+            written = deploy(Path(args.root), Path(args.dest))
+            print(
+                f"deploy: {args.dest}: {', '.join(written)}; then: cd {args.dest} && "
+                "snakemake --profile profiles/local"
+            )
+            return 0
         if args.command == "lineage":
             from snaketune.core.provenance import lineage
 
