@@ -306,3 +306,34 @@ def test_the_catalog_s_files_name_every_key_of_the_demo_config():
     assert (ROOT / "workflow/Snakefile").is_file() and (ROOT / "Snakefile").resolve() == (
         ROOT / "workflow/Snakefile"
     ).resolve()
+
+
+@pytest.mark.slow
+def test_the_readme_s_module_steps_work_from_the_clone(tmp_path):
+    """README.md's "Use it from a project of your own" block, step by step, in a folder
+    beside a scratch directory: `snaketune deploy ../my-project`, `cd ../my-project`, then
+    its snakemake command (a dry run: the whole pipeline planned from the project, the
+    workflow found through the module's absolute path, nothing of the clone's copied but
+    what git tracks)."""
+    text = (ROOT / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+                if "snaketune deploy" in b]  # fmt: skip
+    steps = [re.split(r"\s+#\s", line)[0].strip() for line in block.splitlines() if line.strip()]
+    assert steps[0].startswith("snaketune deploy ") and steps[1].startswith("cd "), steps
+    here = tmp_path / "scratch"
+    here.mkdir()
+    proc = subprocess.run([str(BIN / "snaketune"), *shlex.split(steps[0])[1:]], cwd=here,
+                          env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    project = (here / shlex.split(steps[1])[1]).resolve()
+    assert sorted(p.name for p in project.iterdir()) == ["config", "profiles", "workflow"]
+    assert (
+        json.dumps(str(ROOT / "workflow/Snakefile")) in (project / "workflow/Snakefile").read_text()
+    )
+    assert not list(project.rglob(".venv")) and not list(project.rglob("results"))
+    argv = shlex.split(steps[2])
+    assert argv[0] == "snakemake"
+    proc = subprocess.run([str(BIN / "snakemake"), *argv[1:], "-n"], cwd=project, env=ENV,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "train" in proc.stdout and "report" in proc.stdout
