@@ -183,3 +183,41 @@ def test_a_line_of_the_workflow_waits_for_the_lines_snakemake_has_logged(capfd):
     settled("snaketune-test-settled", wait_s=0.2)
     log.handlers.clear()
     assert time.monotonic() - started < 2
+
+
+def _job_error(jobid, rule, logs):
+    return record(f"Error in rule {rule}, jobid: {jobid}", level=logging.ERROR,
+                  event="job_error", rule_name=rule, rule_msg=None, jobid=jobid, input=[],
+                  output=[], log=[str(p) for p in logs], conda_env=None, container_img=None,
+                  aux={}, indent=False, shellcmd="python x")  # fmt: skip
+
+
+def test_a_person_s_stop_ends_on_its_line_the_command_and_exceptions_in_the_log_only(tmp_path):
+    """Ctrl-C (Snakemake's own line first) and scancel (the train job's log says it was
+    stopped): the stopped job's error block, Snakemake's RuleException with the whole train
+    command and its closing WorkflowError are left to its log file; a failure is not."""
+    stopped = tmp_path / "train.log"
+    stopped.write_text("step 3\nWARNING snaketune.train.launch: stopped by SIGTERM; newest "
+                       "complete checkpoint: checkpoint-2; run the same command again to "
+                       "resume\n")  # fmt: skip
+    failed = tmp_path / "eval.log"
+    failed.write_text("Traceback (most recent call last):\nRuntimeError: out of memory\n")
+    command = ("RuleException:\nCalledProcessError in file \"train.smk\", line 56:\nCommand "
+               "'python train.py --run-spec {...}' returned non-zero exit status 3.")  # fmt: skip
+    verdict = "WorkflowError:\nAt least one job did not complete successfully."
+    for first in (record("Terminating processes on user request, this might take some time."),
+                  None):  # fmt: skip
+        h = handler()
+        lines = shown(h, *[r for r in (first,) if r], job_info(4, "train", {"run": "demo"}),
+                      record(command, level=logging.ERROR), _job_error(4, "train", [stopped]),
+                      record("Complete log(s): .snakemake/log/x.log"),
+                      record("Elapsed time: 0:00:25"), record(verdict, level=logging.ERROR))  # fmt: skip
+        shown_text = "\n".join(lines)
+        assert "Error in rule" not in shown_text and "WorkflowError" not in shown_text, lines
+        assert lines[-1] == "Complete log(s): .snakemake/log/x.log", lines
+        if first is not None:  # Ctrl-C: known before the command's exception arrives
+            assert "RuleException" not in shown_text and "python train.py" not in shown_text
+    # a job that failed on its own keeps its block and Snakemake's verdict
+    lines = shown(handler(), job_info(5, "evaluate"), _job_error(5, "evaluate", [failed]),
+                  record(verdict, level=logging.ERROR))  # fmt: skip
+    assert "Error in rule evaluate" in lines[1] and lines[-1].startswith("At least one job")

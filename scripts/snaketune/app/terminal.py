@@ -38,6 +38,15 @@ NOISE = (
 REASON_CHARS = 160  # a dry run's reason, each part
 EXCERPT_LINES = 8  # a failed job's log lines shown
 ERROR_LINE = re.compile(r"^(config )?error: |^stopped |^Traceback|^\w*Error: ")
+# A person's stop (Ctrl-C: Snakemake's own line; scancel: a train job's log saying it was
+# stopped): what Snakemake then prints of the stopped jobs (their whole command, its
+# exception, the verdict) goes to its log file only; the terminal ends on the stop line
+USER_STOP = "Terminating processes on user request"
+STOPPED_JOB = re.compile(r"\bstopped by [^;]+; newest complete checkpoint")  # the launcher's
+STOP_NOISE = re.compile(
+    r"^(RuleException|CalledProcessError|WorkflowError)|At least one job did not complete"
+    r"|^Elapsed time:"
+)
 
 
 def settled(logger_name: str = "snakemake.logging", wait_s: float = 5.0) -> None:
@@ -111,6 +120,7 @@ class LogHandler(LogHandlerBase):
         self.jobs: dict[int, tuple[str, dict[str, Any]]] = {}  # job id: rule, wildcards
         self.finished: list[int] = []
         self.targets = 0  # the jobs of rule all (the targets), not counted as work done
+        self.stopping = False  # a person stopped the run (USER_STOP, STOPPED_JOB)
 
     writes_to_stream = True
     writes_to_file = False
@@ -158,6 +168,10 @@ class LogHandler(LogHandlerBase):
                 if self.jobs.get(j, ("all",))[0] != "all"
             ]
         if event == "job_error":
+            said = log_excerpt(list(record.log or []))
+            if self.stopping or any(STOPPED_JOB.search(ln) for ln in said):
+                self.stopping = True  # its one stop line comes last (the Snakefile's onerror)
+                return []
             return self.error_lines(now, record)
         if event == "run_info" and isinstance(getattr(record, "stats", None), dict):
             self.targets = record.stats.get("all", 0)
@@ -175,6 +189,10 @@ class LogHandler(LogHandlerBase):
         if event in ("group_error",):
             return [self.default.format(record)]
         message = record.getMessage() if record.msg is not None else ""
+        if message.startswith(USER_STOP):
+            self.stopping = True
+        elif self.stopping and STOP_NOISE.search(message.strip()):
+            return []  # in Snakemake's log file, not the terminal
         if record.levelno < logging.WARNING and (
             not message.strip() or message.strip().startswith(NOISE)
         ):
