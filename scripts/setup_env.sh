@@ -47,9 +47,12 @@ fi
 pip_install -e ".[dev,eval,qlora]"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
 # Without a GPU, DeepSpeed's CPU collective op is compiled (about 30 s) the first time a
-# training starts; compile it here once, into torch's extension cache, instead.
+# training starts; compile it here once, into this environment's own extension cache
+# (snaketune.core.cache.extensions_dir: the train jobs use the same), instead.
 if "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
   echo "building DeepSpeed's CPU communication op (once)"
+  TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$VENV/bin/python" -c \
+    "from snaketune.core.cache import extensions_dir; print(extensions_dir())")} \
   PYTHONWARNINGS=ignore "$VENV/bin/python" -c "
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 ShareMemCommBuilder().load(verbose=False)" >/dev/null

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +26,23 @@ def cache_dir() -> Path:
         return Path(os.environ["SNAKETUNE_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "snaketune"
+
+
+def extensions_dir(prefix: str | None = None, base_prefix: str | None = None) -> Path:
+    """torch's extension cache (DeepSpeed's JIT-built ops) of this Python environment: its
+    own folder, so that two environments on one machine (two clones, a user's two venvs on
+    a cluster's shared home) never rebuild each other's ops in turn, as torch's one default
+    folder makes them do. Inside a virtual environment where it is writable
+    (``<venv>/torch_extensions``), else ``~/.cache/torch_extensions/env-<digest of the
+    environment's path>``. ``TORCH_EXTENSIONS_DIR`` set by the user wins (the callers only
+    set it where it is unset)."""
+    prefix = prefix or sys.prefix
+    base_prefix = base_prefix or sys.base_prefix
+    if prefix != base_prefix and os.access(prefix, os.W_OK):
+        return Path(prefix) / "torch_extensions"
+    key = hashlib.sha256(str(Path(prefix).resolve()).encode()).hexdigest()[:12]
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "torch_extensions" / f"env-{key}"
 
 
 def transformers_version() -> str | None:

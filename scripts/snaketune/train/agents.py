@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from snaketune.core.cache import extensions_dir
 from snaketune.core.errors import UserError
 from snaketune.core.heartbeat import StallWatch
 from snaketune.core.runlock import die_with_parent
@@ -185,6 +186,8 @@ def worker_environment() -> dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    # this environment's own op builds (snaketune.core.cache.extensions_dir)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     return env
 
 
