@@ -753,3 +753,24 @@ def test_a_build_lock_its_killed_builder_left_is_removed_and_the_load_goes_on(tm
     load.start()
     load.join(10)
     assert got == ["loaded"], "the load still waits on the dead build's lock"
+
+
+def test_each_environment_builds_its_ops_in_its_own_folder(tmp_path, monkeypatch):
+    """Two environments on one machine never share torch's extension folder (each rebuilt
+    the other's DeepSpeed op at every job: docs/benchmarks.md); a user's own setting wins."""
+    from snaketune.core.cache import extensions_dir
+    from snaketune.train.agents import worker_environment
+
+    a, b, base = tmp_path / "a", tmp_path / "b", tmp_path / "python"
+    for p in (a, b, base):
+        p.mkdir()
+    assert extensions_dir(str(a), str(base)) == a / "torch_extensions"
+    assert extensions_dir(str(b), str(base)) == b / "torch_extensions"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    system = extensions_dir(str(base), str(base))  # not a venv: keyed by its path
+    assert system.parent == tmp_path / "cache/torch_extensions" and system.name.startswith("env-")
+    assert extensions_dir(str(a / "x"), str(base)) != system  # a read-only or other prefix
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert worker_environment()["TORCH_EXTENSIONS_DIR"] == str(extensions_dir())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/mine")
+    assert worker_environment()["TORCH_EXTENSIONS_DIR"] == "/mine"
