@@ -39,6 +39,8 @@ def config_with(tmp_path: Path, rows: int, models: dict | None = None, **run) ->
                             for _ in range(50)))  # fmt: skip
     written = {"nodes": 2, "gpus_per_node": 4, "max_length": 256, "micro_batch_size": 4,
                "learning_rate": 1e-4, "epochs": 2, "method": "lora", **run}  # fmt: skip
+    if "max_steps" in run:
+        del written["epochs"]
     config = {"models": {"m": {"source": "local", "path": str(tmp_path / "m")}, **(models or {})},
               "datasets": {"d": {"source": "local", "path": str(data),
                                  "format": "prompt_response"},
@@ -70,6 +72,32 @@ def test_steps_per_epoch_are_the_examples_over_one_step_s_examples(tmp_path):
     config["runs"]["x"]["max_steps"] = 25
     del config["runs"]["x"]["epochs"]
     assert steps_of(config, "x", tmp_path)["steps"] == 25
+
+
+def test_max_steps_fixes_the_steps_and_their_time_before_the_data_is_there(tmp_path):
+    """A Hub dataset not downloaded (offline): with max_steps the steps are known, and so is
+    the FLOPs estimate (every example at max_length, as before tokenization); with epochs
+    they are not counted yet."""
+    from snaketune.budget.cost import ASSUMED_MFU, estimate, format_steps, steps_of
+
+    config = config_with(tmp_path, 100, gpu="a100-80gb", max_steps=400)
+    config["datasets"]["d"] = {"source": "hub", "id": "someone/qa", "format": "prompt_response"}
+    s = steps_of(config, "x", tmp_path)
+    assert (s["steps"], s["examples"], s["per_step"]) == (400, None, 32)
+    (line,) = format_steps("x", s)
+    assert line == ("x: 400 optimizer steps (max_steps (the dataset is not downloaded: its "
+                    "epochs not counted yet); 32 a step)")  # fmt: skip
+    e = estimate(config, "x", tmp_path, Shape.from_config(LLAMA_8B), s)
+    h, layers = 4096, 32
+    n = layers * (2 * h * h + 2 * h * 1024 + 3 * h * 14336) + 128256 * h
+    flops = 4 * n * 256 * 32 + 6 * layers * h * 256**2 * 32  # 32 examples at max_length 256
+    assert e["train_s"] == pytest.approx(400 * flops / (8 * 312e12 * ASSUMED_MFU["lora"]), rel=1e-3)
+    config["runs"]["x"]["epochs"] = 2  # epochs instead: the steps wait for the data
+    del config["runs"]["x"]["max_steps"]
+    s = steps_of(config, "x", tmp_path)
+    assert "steps" not in s and format_steps("x", s) == [
+        "x: steps: not counted yet: the dataset is not downloaded"
+    ]
 
 
 def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():

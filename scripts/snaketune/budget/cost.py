@@ -98,6 +98,12 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
         "per_step": per_step(run),
         "warnings": [],
     }
+    if examples is None and run.get("max_steps") is not None:  # the steps are fixed: no data
+        out.update(
+            steps=run["max_steps"],
+            basis="max_steps (the dataset is not downloaded: its epochs not counted yet)",
+        )
+        return out
     if examples is None:
         out["basis"] = "not counted yet: the dataset is not downloaded"
         return out
@@ -160,6 +166,8 @@ def estimate_columns(run_dir: Path, wall_s: float | None) -> dict[str, Any]:
 
 def format_steps(name: str, s: dict[str, Any]) -> list[str]:
     """The plan's lines of a run's steps (and its warnings)."""
+    if "steps_per_epoch" not in s and "steps" in s:  # max_steps, the data not there yet
+        return [f"{name}: {s['steps']:,} optimizer steps ({s['basis']}; {s['per_step']} a step)"]
     if "steps_per_epoch" not in s:
         return [f"{name}: steps: {s['basis']}"]
     if "problem" in s:
