@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conftest import ROOT as ROOT_DIR
 from conftest import snakemake, started, write_jsonl
 
 from snaketune.core.errors import DataError
@@ -499,3 +500,83 @@ def test_reading_a_corpus_holds_one_batch_not_every_row_group_read(tmp_path):
         held.append(pa.total_allocated_bytes() - base)
     assert len(held) > 10
     assert max(held) < 8 * 2**20, [round(h / 2**20, 1) for h in held]
+
+
+def _real_corpora() -> dict[str, list[str]]:
+    """Corpora of this machine, real text: 80 of Python's own modules in a seeded draw
+    (code: long documents), the licence texts Debian ships (long prose works), and both cut
+    at blank lines (paragraphs: short documents); each in a seeded order, as a dataset's
+    rows are."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))
+    code = [p.read_text(errors="replace") for p in random.Random(3).sample(files, 80)]
+    books = [p.read_text(errors="replace") for p in sorted(Path("/usr/share/common-licenses").glob("*"))
+             if p.is_file()]  # fmt: skip
+    paragraphs = [p.strip() for doc in code[:30] + books for p in doc.split("\n\n") if p.strip()]
+    out = {"code": code, "paragraphs": paragraphs}
+    if len(books) >= 10:  # Debian's base-files ships them
+        out["books"] = books
+    for docs in out.values():
+        random.Random(7).shuffle(docs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("corpus", "max_length"), [("code", 512), ("books", 256),
+                                                    ("paragraphs", 128)])  # fmt: skip
+def test_a_corpus_s_rows_before_tokenization_are_within_10_percent_from_a_sample(
+    corpus, max_length, tmp_path, tiny_model
+):
+    """Before tokenization the plan reads the first part of the source and tokenizes it
+    with the run's tokenizer (snaketune.plan.corpus): a long document is several rows. Its
+    estimate from a sample of about a fifth of each corpus against the rows the tokenize
+    job writes: within 10% (a document counted as one row was 16x off on a code corpus)."""
+    from snaketune.plan.corpus import sample
+
+    docs = _real_corpora().get(corpus)
+    if docs is None:
+        pytest.skip("no licence texts on this machine (Debian's base-files)")
+    path = write_jsonl(tmp_path / f"{corpus}.jsonl", [{"text": d} for d in docs])
+    spec = {"source": "local", "path": str(path), "format": "text"}
+    data = download_dataset(corpus, spec, tmp_path / corpus)
+    truth = tokenize([Source(corpus, data, spec)], tiny_model, tmp_path / "t.parquet",
+                     max_length)  # fmt: skip
+    size = sum(len(d.encode()) for d in docs)
+    found = sample(path, "text", tiny_model, max_length, limit=size // 5)
+    assert not found.whole and found.documents < len(docs)
+    estimate = found.rows_for(len(docs))
+    error = estimate / truth.rows - 1
+    print(f"{corpus}: {len(docs)} documents, {truth.rows} rows at max_length {max_length}; "
+          f"estimated {estimate} from {found.read / size:.0%} of it ({error:+.1%})")  # fmt: skip
+    assert abs(error) < 0.10, (corpus, max_length, estimate, truth.rows)
+    if corpus != "paragraphs":  # long works: far more rows than documents
+        assert truth.rows > 1.5 * len(docs)
+    whole = sample(path, "text", tiny_model, max_length, limit=size + 1)
+    assert whole.whole and whole.rows_for(len(docs)) == truth.rows  # the whole: exact
+
+
+def test_the_plan_counts_a_corpus_s_rows_from_its_sample_then_its_tokenized_set(
+    tmp_path, tiny_model
+):
+    """`snaketune plan` before tokenization: the steps of a text corpus from its sample
+    (said so), not a document a row; the tokenized set's count once there is one."""
+    from snaketune.budget.cost import steps_of
+    from snaketune.plan.config import validate_config
+
+    docs = _real_corpora()["code"][:15]
+    path = write_jsonl(tmp_path / "code.jsonl", [{"text": d} for d in docs])
+    config = validate_config({
+        "models": {"m": {"source": "local", "path": str(tiny_model)}},
+        "datasets": {"code": {"source": "local", "path": str(path), "format": "text"}},
+        "runs": {"cpt": {"model": "m", "dataset": "code", "method": "full", "max_length": 256,
+                         "micro_batch_size": 4, "nodes": 1, "gpus_per_node": 1, "epochs": 1,
+                         "learning_rate": 1e-4}},
+    }, ROOT_DIR)  # fmt: skip
+    s = steps_of(config, "cpt", tmp_path)
+    assert s["basis"].startswith("estimated from a sample of ") and "15 documents" in s["basis"]
+    spec = config["datasets"]["code"]
+    truth = tokenize([Source("code", download_dataset("code", spec, tmp_path / "d"), spec)],
+                     tiny_model, tmp_path / "t.parquet", 256)  # fmt: skip
+    assert s["examples"] == truth.rows > 3 * len(docs)  # the sample is the whole file here

@@ -8,8 +8,9 @@ gradient_accumulation_steps x the data-parallel ranks (nodes x gpus_per_node ove
 sequence_parallel). The examples are counted from the tokenized set where it is made
 already (exact: overlong rows dropped), else from the source rows (the downloaded copy,
 else the local file; a mixture's components by their weights): ``about``, since
-tokenization may drop overlong rows. A run with ``max_steps`` takes that many; with
-``epochs``, that many epochs of steps.
+tokenization may drop overlong rows; a text corpus's rows from a sample of it tokenized with
+the run's tokenizer (snaketune.plan.corpus: a long document is several rows). A run with
+``max_steps`` takes that many, counted or not; with ``epochs``, that many epochs of steps.
 
 What it advises, before any GPU time is spent: a run with fewer examples than one step
 takes is refused by the shard stage (said here first); one with one step per epoch or
@@ -67,8 +68,48 @@ def examples_of(config: dict[str, Any], name: str, workdir: Path) -> tuple[int |
     path = workdir / tokenized(config, name)
     if parts.exists(path):
         return parts.num_rows(path), "the tokenized set"
-    rows = source_rows(config, config["runs"][name]["dataset"], workdir)
+    run = config["runs"][name]
+    sampled = corpus_rows(config, run, workdir)
+    if sampled is not None:
+        return sampled
+    rows = source_rows(config, run["dataset"], workdir)
     return rows, "about, from the source rows (tokenization may drop overlong ones)"
+
+
+def corpus_rows(
+    config: dict[str, Any], run: dict[str, Any], workdir: Path
+) -> tuple[int, str] | None:
+    """A run's rows where its data holds text documents, before tokenization: each text
+    component's rows from a sample tokenized with the run's tokenizer (snaketune.plan.corpus:
+    a long document is several rows), the other components' source rows; a mixture's by its
+    weights. None where there is no text component, or a sample cannot be read yet."""
+    from snaketune.data.formats import components
+    from snaketune.plan import corpus
+
+    parts = components(config, run["dataset"])
+    if not any(config["datasets"][p["name"]].get("format") == "text" for p in parts):
+        return None
+    model = corpus.model_folder(config, run["model"], workdir)
+    total, read, docs = 0.0, 0, 0
+    for part in parts:
+        spec = config["datasets"][part["name"]]
+        source = corpus.source_file(spec, part["name"], workdir)
+        documents = source_rows(config, part["name"], workdir)
+        if spec.get("format") != "text":
+            if documents is None:
+                return None
+            total += documents * part["weight"]
+            continue
+        column = (spec.get("columns") or {}).get("text", "text")
+        found = corpus.sample(source, column, model, run["max_length"]) if source else None
+        if found is None or documents is None:
+            return None
+        total += found.rows_for(documents) * part["weight"]
+        read, docs = read + found.text_bytes, docs + found.documents
+    return int(total), (
+        f"estimated from a sample of {read / 2**20:.1f} MiB ({docs:,} documents, split at "
+        f"max_length {run['max_length']} with the run's tokenizer)"
+    )
 
 
 def per_step(run: dict[str, Any]) -> int:
