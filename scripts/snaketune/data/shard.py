@@ -216,6 +216,13 @@ def plan_digest(example_ids: list[str], p: Plan) -> str:
     return digest([sorted(s) for s in steps])
 
 
+def data_digest(tokenized: str | Path) -> str:
+    """The content key of a run's data, the same on every topology: the sha256 of the
+    tokenized files the shards are cut from (a train job resumes only checkpoints of the
+    same; snaketune.train.rerun)."""
+    return digest([sha256_file(f) for f in parts.files(tokenized)])
+
+
 def token_balance(lengths: np.ndarray, p: Plan, ranks: int) -> dict[str, Any]:
     """Per step, the most tokens a rank processes over the mean across ranks."""
     kept = p.step >= 0
@@ -306,10 +313,7 @@ def shard(
         "seed": seed,
         "packing": packing,
         "plan_sha256": plan_digest(written.ids, p),
-        # the content key of the run's data, the same on every topology: the tokenized files
-        # the shards were cut from (a train job resumes only checkpoints of the same;
-        # snaketune.train.rerun)
-        "data_sha256": digest([sha256_file(f) for f in parts.files(tokenized)]),
+        "data_sha256": data_digest(tokenized),
         "token_balance": balance,
         "dropped_for_balance": {"count": len(leftover), "example_ids": leftover},
         "shards": [
