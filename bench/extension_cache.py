@@ -4,18 +4,20 @@ extension cache (what every environment used before) and with each environment's
 (snaketune.core.cache.extensions_dir, what the train jobs use now). A train job on CPU loads
 this op before its first step, so the figure is what its start-up gains or loses.
 
-    python bench/extension_cache.py --other /tmp/venv-b/bin/python   # a second environment
-    python bench/extension_cache.py --other /tmp/venv-b/bin/python --rounds 2
+    python bench/extension_cache.py --rounds 3                  # B: a copy of this environment
+    python bench/extension_cache.py --other /tmp/venv-b/bin/python   # B: another one
 
-The second environment can be a copy of the first (``cp -a .venv /tmp/venv-b``): its torch
-sits elsewhere, so its build flags differ, as two clones' or two venvs' do. Prints one line
-per load and the median of each environment's loads after its first, per mode.
+Without ``--other`` the second environment is a copy of the first (``cp -a`` of
+``sys.prefix`` into a temporary folder, removed after): its torch sits elsewhere, so its
+build flags differ, as two clones' or two venvs' do. Prints one line per load and the
+median of each environment's loads after its first, per mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,18 +49,34 @@ def own_cache(python: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--other", required=True, help="the second environment's python")
+    parser.add_argument("--other", help="the second environment's python (default: a copy)")
     parser.add_argument("--rounds", type=int, default=3, help="loads of each environment")
     args = parser.parse_args(argv)
-    envs = {"A": sys.executable, "B": args.other}
-    shared = tempfile.mkdtemp(prefix="torch-ext-shared-")
+    work = Path(tempfile.mkdtemp(prefix="bench-ext-"))
+    try:
+        return compare(args.other or copy_of_this(work), args.rounds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def copy_of_this(work: Path) -> str:
+    """A copy of this environment (its python, its packages) without its op builds."""
+    copy = work / "venv-b"
+    subprocess.run(["cp", "-a", sys.prefix, str(copy)], check=True)
+    shutil.rmtree(copy / "torch_extensions", ignore_errors=True)
+    return str(copy / "bin" / Path(sys.executable).name)
+
+
+def compare(other: str, rounds: int) -> int:
+    envs = {"A": sys.executable, "B": other}
+    shared = tempfile.mkdtemp(prefix="torch-ext-shared-")  # torch's one folder, as before
     modes = {
         "shared (torch's one folder)": dict.fromkeys(envs, shared),
         "own (extensions_dir)": {k: own_cache(p) for k, p in envs.items()},
     }
     for mode, caches in modes.items():
         seen: dict[str, list[float]] = {k: [] for k in envs}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for name, python in envs.items():
                 s = load_seconds(python, caches[name])
                 seen[name].append(s)

@@ -29,6 +29,7 @@ SHORT = {
     "cost_estimate.py": ["--demo-steps", "16", "--steps", "8"],
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
+    "extension_cache.py": ["--rounds", "2"],  # builds the op 3 times and more: heavy
     "gpu_check.py": [],  # its CPU form is the short one (test_the_gpu_check_s_cpu_form_runs)
     "gpu_prepare.py": ["--dry-run"],  # the list of what to carry, nothing fetched
     "heldout_cost.py": ["--pairs", "1", "--max-steps", "4", "--every", "2"],
@@ -51,6 +52,7 @@ SHORT = {
 # trainings or model processes (together ~1,000 CPU-seconds). They run in `make test-bench`
 # (marker bench); the others are in the extended tier (docs/testing.md).
 HEAVY = {"checkpoint_disk.py", "convert.py", "corpus.py", "cost_estimate.py", "dpo_reference.py",
+         "extension_cache.py",
          "heldout_cost.py", "omp_wait.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
          "train_overhead.py", "train_throughput.py"}  # fmt: skip
 
@@ -85,7 +87,7 @@ def documented() -> list[str]:
 # runs): the command with them covers the one without, and runs in its place.
 SIZE = {"--steps", "--warmup", "--repeats", "--repeat", "--micro-batch-size", "--pairs",
         "--every", "--rows", "--layers", "--keep", "--mib", "--ranks", "--layout-batches",
-        "--max-steps", "--side-by-side", "--hidden"}  # fmt: skip
+        "--max-steps", "--side-by-side", "--hidden", "--rounds"}  # fmt: skip
 ADDS = {"--answers"}
 
 
