@@ -152,6 +152,8 @@ def summary_row(
     if train_benchmark is not None and train_benchmark.is_file():
         seconds = benchmark_seconds(train_benchmark)
     segments = provenance.get("segments") or {}
+    if segments.get("before_launcher_s") is not None:  # one job: its own, as it ran
+        seconds = segments["wall_s"] + segments["before_launcher_s"]
     if segments.get("jobs"):
         if segments["jobs"] > 1 or seconds is None:  # every job of the run (continuations,
             seconds = segments["wall_s"]  # retries): first start to last end, waits between

@@ -74,6 +74,8 @@ def before_launcher(workdir: Path, run: str, seg: dict[str, Any]) -> float:
     and Python start, which its segments do not see): its Snakemake benchmark less the
     segments' wall time; 0 without a benchmark, or for a run of several jobs (whose wall
     time holds the waits between them)."""
+    if seg.get("before_launcher_s") is not None:  # recorded by the job itself
+        return float(seg["before_launcher_s"])
     path = workdir / "benchmarks" / "train" / f"{run}.tsv"
     if seg.get("jobs") != 1 or not path.is_file() or seg.get("wall_s") is None:
         return 0.0

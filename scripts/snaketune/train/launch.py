@@ -259,7 +259,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         hosts={h.name: h.read_text() for h in hosts},
         device="cuda" if cuda_available() else "cpu",
         final_checkpoint_bytes=folder_bytes(final),
-        segments=segments_summary(segments),
+        segments=job_summary(segments),
         network=read_result(job.ckpt),
         adapters=read_description(job.ckpt),
         shards_manifest_sha256=sha256_file(job.shards / "manifest.json"),
@@ -275,6 +275,20 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     names = PUBLISHED
     publish([(staged(job.out, n), job.out / n) for n in names])
     keep_published(job.ckpt, job.out, names, segments[-1].get("to_step"))
+
+
+def job_summary(segments: list[dict]) -> dict:
+    """The segments' summary, and for a run of one job the seconds its process ran before
+    the launcher began (its Python and imports), which its benchmark counted: kept in the
+    provenance, so that a rerun that puts its outputs back (snaketune.train.rerun) leaves
+    the summary's wall time that run's."""
+    from snaketune.train.segments import process_started
+
+    out = segments_summary(segments)
+    began = process_started()
+    if out.get("jobs") == 1 and began is not None:
+        out["before_launcher_s"] = round(max(0.0, segments[0]["began"] - began), 1)
+    return out
 
 
 # ----------------------------------------------------------------------------- continuation

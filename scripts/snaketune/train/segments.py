@@ -93,6 +93,20 @@ def record_segment(job: Job, began: float, from_step: int, ended: dict, attempt:
         log.warning("could not record this job in %s: %s", SEGMENTS, exc)
 
 
+def process_started() -> float | None:
+    """When this process started (epoch seconds; Linux's /proc), None where unknown: the
+    train job's own start, its Python's and its imports' time included, as Snakemake's
+    benchmark of the rule counts it."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as fh:
+            boot = next(ln for ln in fh if ln.startswith("btime"))
+        return float(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def segments_summary(segments: list[dict]) -> dict:
     """Jobs the run took, its wall time from the first start to the last end (queue waits
     between jobs included) and the part of it spent outside training steps."""
