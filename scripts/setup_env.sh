@@ -51,9 +51,11 @@ pip_install -e ".[dev,eval,qlora]"
 # (snaketune.core.cache.extensions_dir: the train jobs use the same), instead.
 if "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
   echo "building DeepSpeed's CPU communication op (once)"
+  # (with the environment's own ninja first on PATH, as the jobs run it: a build by another
+  # ninja version, whose log it cannot read, is built again by the next)
   TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$VENV/bin/python" -c \
     "from snaketune.core.cache import extensions_dir; print(extensions_dir())")} \
-  PYTHONWARNINGS=ignore "$VENV/bin/python" -c "
+  PATH="$(cd "$VENV/bin" && pwd):$PATH" PYTHONWARNINGS=ignore "$VENV/bin/python" -c "
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 ShareMemCommBuilder().load(verbose=False)" >/dev/null
 fi

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -771,6 +773,9 @@ def test_each_environment_builds_its_ops_in_its_own_folder(tmp_path, monkeypatch
     assert system.parent == tmp_path / "cache/torch_extensions" and system.name.startswith("env-")
     assert extensions_dir(str(a / "x"), str(base)) != system  # a read-only or other prefix
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    assert worker_environment()["TORCH_EXTENSIONS_DIR"] == str(extensions_dir())
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the system's ninja first: not the one used
+    env = worker_environment()
+    assert env["TORCH_EXTENSIONS_DIR"] == str(extensions_dir())
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/mine")
     assert worker_environment()["TORCH_EXTENSIONS_DIR"] == "/mine"

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,8 +187,13 @@ def worker_environment() -> dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    # this environment's own op builds (snaketune.core.cache.extensions_dir)
+    # this environment's own op builds (snaketune.core.cache.extensions_dir), by its own
+    # ninja: two ninja versions (pip's, the system's) cannot read each other's build log,
+    # and each rebuilt the op the other had built
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    own_bin = str(Path(sys.executable).parent)
+    if env.get("PATH", "").split(os.pathsep)[0] != own_bin:
+        env["PATH"] = os.pathsep.join([own_bin, env.get("PATH", "")])
     return env
 
 
