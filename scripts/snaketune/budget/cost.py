@@ -40,20 +40,18 @@ def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | No
     import pyarrow.parquet as pq
 
     from snaketune.data.formats import components
+    from snaketune.plan.corpus import source_file
 
     total = 0.0
     for part in components(config, dataset):
         name, spec = part["name"], config["datasets"][part["name"]]
-        downloaded = workdir / "resources/datasets" / name / "data.parquet"
-        local = Path(spec["path"]) if spec.get("source") == "local" else None
-        if local is not None and not local.is_absolute():
-            local = workdir / local
-        if downloaded.is_file():
-            rows = pq.ParquetFile(downloaded).metadata.num_rows
-        elif local is not None and local.is_file() and local.suffix == ".parquet":
-            rows = pq.ParquetFile(local).metadata.num_rows
-        elif local is not None and local.is_file() and local.suffix == ".jsonl":
-            rows = sum(1 for line in local.open() if line.strip())
+        path = source_file(spec, name, workdir)  # downloaded, else local
+        if path is None or not path.is_file():
+            return None
+        if path.suffix == ".parquet":
+            rows = pq.ParquetFile(path).metadata.num_rows
+        elif path.suffix == ".jsonl":
+            rows = sum(1 for line in path.open() if line.strip())
         else:
             return None
         total += rows * part["weight"]
@@ -84,12 +82,13 @@ def corpus_rows(
     a long document is several rows), the other components' source rows; a mixture's by its
     weights. None where there is no text component, or a sample cannot be read yet."""
     from snaketune.data.formats import components
+    from snaketune.data.sources import model_folder
     from snaketune.plan import corpus
 
     parts = components(config, run["dataset"])
     if not any(config["datasets"][p["name"]].get("format") == "text" for p in parts):
         return None
-    model = corpus.model_folder(config, run["model"], workdir)
+    model = model_folder(config, run["model"], workdir)
     total, read, docs = 0.0, 0, 0
     for part in parts:
         spec = config["datasets"][part["name"]]

@@ -141,13 +141,3 @@ def source_file(spec: dict[str, Any], name: str, workdir: Path) -> Path | None:
         local = Path(spec["path"])
         return local if local.is_absolute() else workdir / local
     return None
-
-
-def model_folder(config: dict[str, Any], model: str, workdir: Path) -> Path:
-    """The run's model folder: downloaded, else its local path."""
-    downloaded = workdir / "resources/models" / model
-    spec = config["models"][model]
-    if downloaded.is_dir() or spec.get("source") != "local":
-        return downloaded
-    local = Path(spec["path"])
-    return local if local.is_absolute() else workdir / local

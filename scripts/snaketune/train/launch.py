@@ -272,9 +272,8 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
         ],
     )
     write_json(staged(job.out, "provenance.json"), prov)
-    names = PUBLISHED
-    publish([(staged(job.out, n), job.out / n) for n in names])
-    keep_published(job.ckpt, job.out, names, segments[-1].get("to_step"))
+    publish([(staged(job.out, n), job.out / n) for n in PUBLISHED])
+    keep_published(job.ckpt, job.out, PUBLISHED, segments[-1].get("to_step"))
 
 
 def job_summary(segments: list[dict]) -> dict:

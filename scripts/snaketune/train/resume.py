@@ -75,13 +75,13 @@ def make_universal(checkpoint: Path, workers: int = 1) -> Path:
     return done
 
 
-def fingerprint(job: Job) -> dict:
+def fingerprint(job: Job, manifest: dict) -> dict:
     """What a checkpoint must match to be continued from, and the topology it ran on
-    (snaketune.plan.topology), with the model's content key (snaketune.train.rerun)."""
+    (snaketune.plan.topology), with the model's content key (snaketune.train.rerun);
+    ``manifest``: the shards'."""
     from snaketune.plan.topology import stamp
     from snaketune.train.rerun import model_key
 
-    manifest = json.loads((job.shards / "manifest.json").read_text())
     now = stamp(job.spec, manifest, sha256_file(job.deepspeed))
     if (model := model_key(job.model)) is not None:
         now["math"]["model"] = model
@@ -97,8 +97,9 @@ def prepare_checkpoints(job: Job) -> str | None:
     from snaketune.train.rerun import decide, fresh_token, verify_shards
 
     job.out.mkdir(parents=True, exist_ok=True)
-    name, now = job.out.parent.name, fingerprint(job)
-    verify_shards(job.shards, json.loads((job.shards / "manifest.json").read_text()))
+    manifest = json.loads((job.shards / "manifest.json").read_text())
+    name, now = job.out.parent.name, fingerprint(job, manifest)
+    verify_shards(job.shards, manifest)
     token = fresh_token(name)
     old = read_stamp(job.ckpt) if job.ckpt.exists() else None
     saved = newest_complete(job.ckpt) if job.ckpt.exists() else None
