@@ -1,6 +1,6 @@
 """A Hub on localhost for the download tests: the few routes huggingface_hub calls to resolve
 a dataset's revision, list its files and download one (HEAD, then GET with a Range to resume),
-serving files from a dict. A file named in ``cut`` is cut off half-way the first time it is
+serving files from a dict, and its card's metadata (``card``) with its info. A file named in ``cut`` is cut off half-way the first time it is
 served (its full length promised, the connection closed), as a broken link does; every
 request is logged with its Range header."""
 
@@ -16,8 +16,14 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class FakeHub:
-    def __init__(self, repo: str, files: dict[str, bytes], cut: tuple[str, ...] = ()):
-        self.repo, self.files, self.cut = repo, files, set(cut)
+    def __init__(
+        self,
+        repo: str,
+        files: dict[str, bytes],
+        cut: tuple[str, ...] = (),
+        card: dict | None = None,
+    ):
+        self.repo, self.files, self.cut, self.card = repo, files, set(cut), card
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         hub = self
 
@@ -51,8 +57,9 @@ class FakeHub:
         path = unquote(urlparse(h.path).path)
         self.requests.append((h.command, path, h.headers.get("Range")))
         api = f"/api/datasets/{self.repo}"
-        if path.startswith(f"{api}/revision/"):
-            return self.json(h, {"id": self.repo, "sha": COMMIT, "siblings": []}, body)
+        if path == api or path.startswith(f"{api}/revision/"):  # its info (card: its YAML)
+            info = {"id": self.repo, "sha": COMMIT, "siblings": []}
+            return self.json(h, {**info, "cardData": self.card} if self.card else info, body)
         if path.startswith(f"{api}/tree/"):
             tree = [{"type": "file", "path": p, "size": len(b), "oid": sha1(b)}
                     for p, b in sorted(self.files.items())]  # fmt: skip

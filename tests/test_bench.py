@@ -27,6 +27,7 @@ SHORT = {
     "convert.py": ["--layers", "2", "--hidden", "128", "--repeat", "1"],
     "corpus.py": ["--docs", "600"],
     "cost_estimate.py": ["--demo-steps", "16", "--steps", "8"],
+    "decode_floor.py": ["--tokens", "8", "--layers", "2", "4", "--batches", "1", "--repeats", "1"],
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
     "extension_cache.py": ["--rounds", "2"],  # builds the op 3 times and more: heavy

@@ -96,8 +96,56 @@ def test_max_steps_fixes_the_steps_and_their_time_before_the_data_is_there(tmp_p
     del config["runs"]["x"]["max_steps"]
     s = steps_of(config, "x", tmp_path)
     assert "steps" not in s and format_steps("x", s) == [
-        "x: steps: not counted yet: the dataset is not downloaded"
+        "x: steps: not counted yet: datasets.d is not downloaded and this machine is offline "
+        "(HF_HUB_OFFLINE is set); set datasets.d.size (rows, and tokens for a text set: its "
+        "card's figures)"
     ]
+
+
+def test_a_hub_set_s_steps_before_its_download_are_its_stated_or_carded_rows(tmp_path,
+                                                                             monkeypatch):  # fmt: skip
+    """Before a Hub dataset is downloaded its rows are the ones its `size` states, else the
+    split's num_examples on its card where the Hub answers (a Hub on localhost here): the
+    steps are counted from them, said so; the rows downloaded replace both. A text set's
+    stated documents and tokens become rows by their pieces at max_length (lengths taken
+    as exponential around their mean)."""
+    import math
+
+    from hubserver import FakeHub
+    from huggingface_hub import constants
+
+    from snaketune.budget.cost import steps_of
+    from snaketune.plan import corpus
+    from snaketune.plan.config import validate_config
+
+    raw = config_with(tmp_path, 100, gpu="a100-80gb")
+    hub = {"source": "hub", "id": "org/qa", "split": "train", "format": "prompt_response"}
+    raw["datasets"]["d"] = {**hub, "size": {"rows": 7473}}
+    config = validate_config(raw, ROOT)
+    s = steps_of(config, "x", tmp_path)  # 32 a step: 4 a micro batch x 8 GPUs
+    assert (s["examples"], s["steps_per_epoch"], s["steps"]) == (7473, 233, 466)
+    assert s["basis"] == "datasets.d.size: 7,473 rows"
+    card = {"dataset_info": [
+        {"config_name": "other", "splits": [{"name": "train", "num_examples": 5}]},
+        {"config_name": "main", "splits": [{"name": "test", "num_examples": 1319},
+                                           {"name": "train", "num_examples": 7473}]}]}  # fmt: skip
+    raw["datasets"]["d"] = {**hub, "subset": "main"}
+    config = validate_config(raw, ROOT)
+    with FakeHub("org/qa", {}, card=card) as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        corpus.card_rows.cache_clear()
+        s = steps_of(config, "x", tmp_path)
+        corpus.card_rows.cache_clear()
+    assert (s["examples"], s["basis"]) == (7473, "org/qa's card on the Hub: 7,473 rows")
+    raw["datasets"]["d"] = {**hub, "format": "text", "size": {"rows": 1000, "tokens": 3e6}}
+    config = validate_config(raw, ROOT)
+    s = steps_of(config, "x", tmp_path)  # a mean of 3,000 tokens at max_length 256
+    assert s["examples"] == round(1000 / (1 - math.exp(-256 / 3000)))
+    assert "1,000 documents, 3,000,000 tokens" in s["basis"]
+    from snaketune.plan.stages import download_spec
+
+    assert "size" not in download_spec(config["datasets"]["d"])  # no job reruns for it
 
 
 def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():
@@ -206,9 +254,10 @@ def llama_params(c: dict) -> int:
 def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(tmp_path,
                                                                                 method):  # fmt: skip
     """Before a calibration, a GPU run that generates while it trains is estimated step by
-    step: every GPU decoding its micro batches' completions at their limit (the student's
-    bf16 bytes a decode step, at half an H100's 3.35 TB/s; opd's lmbda the share of steps
-    that generate), a forward pass of what scores them (opd: its teacher, the 8B; GRPO with
+    step: every GPU decoding its micro batches' completions at their limit (a decode step the
+    largest of the student's bf16 bytes at half an H100's 3.35 TB/s, its FLOPs, and
+    generate()'s floor of 19.7 ms over gemma-2b's 18 layers a layer: the floor, 16 layers;
+    opd's lmbda the share of steps that generate), a forward pass of what scores them (opd: its teacher, the 8B; GRPO with
     beta > 0: the reference, the student's size) and the training over prompt plus
     completion, each at its assumed MFU of 989 TFLOP/s a GPU. opd: LoRA on a 1B-shaped
     student with a tied head; GRPO: a full fine-tune of one with its own head. Before
@@ -242,7 +291,10 @@ def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(
         tokens = (mean + 128) * prompts * rows
         n = student if lora else student - 128256 * 2048  # the input embedding: a lookup
         update = (4 if lora else 6) * n * tokens + 6 * 16 * 2048 * squares
-        return {"generation": share * 2 * 128 * student * 2 / (3.35e12 * 0.5),
+        decode = max(student * 2 / (3.35e12 * 0.5), 2 * student * 4 / (989e12 * 0.317),
+                     16 * 19.7e-3 / 18)  # fmt: skip
+        assert decode == 16 * 19.7e-3 / 18  # a 1B's step: the floor, not its bytes
+        return {"generation": share * 2 * 128 * decode,
                 "scoring": 2 * scored * tokens / (8 * 989e12 * 0.317),
                 "training": update / (8 * 989e12 * (0.252 if lora else 0.317))}  # fmt: skip
 
@@ -264,7 +316,8 @@ def test_a_generating_run_s_step_is_its_generation_scoring_and_training_by_hand(
     assert e["train_s"] == pytest.approx(s["steps"] * sum(want.values()), rel=1e-9)
     line = format_estimate("x", e, 8)
     assert (f"generation {want['generation']:.1f} s ({share:.0%} of steps, 256 decode steps "
-            f"a GPU at 50% of h100-80gb's memory bandwidth") in line  # fmt: skip
+            "a GPU of 17.5 ms: the floor of 16 layers launched (transformers' benchmark of "
+            "gemma-2b in eager mode, 19.7 ms a token)") in line  # fmt: skip
     assert f"a forward pass of {scored / 1e9:.2f}B held weights" in line
     assert "GPU-hours" in line and "not calibrated" in line and "max_length" not in line
     config["runs"]["x"]["gpu"] = "tpu-v9"  # no figures known (a name from elsewhere)
@@ -500,8 +553,11 @@ def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_p
     assert stages["merge_lora"]["s"] == pytest.approx(2 * size / 500e6)  # read + write
     assert stages["merge_lora"]["gpu_hours"] is None  # a CPU job
     # evaluate: eval: auto puts the 8B on one A100; 50 examples, 8 a batch: 7 batches of
-    # 256 decode steps, each reading the weights at half of 2.04 TB/s; the load at 500 MB/s
-    decode = 7 * 256 * size / (2.04e12 * 0.5)
+    # 256 decode steps, each the larger of the weights read at half of 2.04 TB/s and
+    # generate()'s floor (19.7 ms over gemma-2b's 18 layers a layer, 32 layers: the floor);
+    # the load at 500 MB/s
+    decode = 7 * 256 * max(size / (2.04e12 * 0.5), 32 * 19.7e-3 / 18)
+    assert decode == pytest.approx(7 * 256 * 32 * 19.7e-3 / 18)
     assert stages["evaluate"]["s"] == pytest.approx(size / 500e6 + decode)
     assert stages["evaluate"]["gpu_hours"] == pytest.approx((size / 500e6 + decode) / 3600)
     assert stages["train"]["gpu_hours"] == pytest.approx(stages["train"]["s"] * 8 / 3600)
@@ -550,6 +606,37 @@ def test_each_stage_of_a_gpu_run_without_calibration_is_worked_out_by_hand(tmp_p
                     tmp_path / "f")  # fmt: skip
     assert "merge_lora" not in c["stages"]
     assert c["stages"]["convert_checkpoint"]["s"] == pytest.approx(LLAMA_8B_PARAMS * 6 / 500e6)
+
+
+def test_a_text_eval_set_is_planned_as_its_loss_with_no_decoding(tmp_path):
+    """An evaluation of documents (format text) generates nothing: its stage is the model's
+    load and one forward pass over its rows (2 FLOPs a weight a token, every row max_length
+    long: at most, at the forward pass's assumed MFU), not 50 rows' worth of decode steps.
+    The same run with a chat eval set decodes: generate()'s floor a step (32 layers)."""
+    from snaketune.budget import stagecost as sc
+    from snaketune.budget.cost import estimate, steps_of
+    from snaketune.plan.config import validate_config
+
+    written = config_with(tmp_path, 1000, gpu="h100-80gb", eval_dataset="e")
+    size = LLAMA_8B_PARAMS * 2
+    shape = Shape.from_config(LLAMA_8B)
+
+    def evaluate(config):
+        s = steps_of(config, "x", tmp_path)
+        c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s),
+                        tmp_path)  # fmt: skip
+        return c["stages"]["evaluate"]
+
+    chat = evaluate(written)
+    assert chat["s"] == pytest.approx(size / 500e6 + 7 * 256 * 32 * 19.7e-3 / 18)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "w " * (i + 1)}) + "\n" for i in range(50)))
+    raw = {**written, "datasets": {**written["datasets"],
+                                   "e": {"source": "local", "path": str(docs), "format": "text"}}}  # fmt: skip
+    text = evaluate(validate_config(raw, ROOT))
+    forward = 2 * LLAMA_8B_PARAMS * 50 * 256 / (989e12 * 0.317)
+    assert text["s"] == pytest.approx(size / 500e6 + forward)
+    assert "no generation" in text["basis"] and "decode" not in text["basis"]
 
 
 def test_a_corpus_s_tokenize_time_and_disk_are_its_tokens_at_a_measured_rate(tmp_path):

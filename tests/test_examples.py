@@ -135,3 +135,65 @@ def test_every_method_runs_from_the_schemas_defaults(demo, tmp_path):
     path = defaults_config(demo, tmp_path / "w")
     snakemake("--configfile", str(path), "--directory", str(tmp_path / "w"))
     check_miniature(tmp_path / "w", yaml.safe_load(path.read_text()))
+
+
+def test_the_cpt_example_s_comment_is_its_plan_before_anything_is_downloaded(tmp_path, capsys):
+    """The continued pre-training example planned offline, before any download (the 1B's
+    published config.json given on the plan's command line; the corpus's size from the
+    example's `size`): its steps and tokens a step are printed, and its comment's figures
+    are the plan's, rounded as the comment rounds them."""
+    import re
+
+    from conftest import SHAPES
+
+    from snaketune.app.cli import main
+
+    example = ROOT / "config/examples/llama3.2-1b-cpt-fineweb-edu-sft-4x8.yaml"
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["meta-llama/Llama-3.2-1B"]))
+    main(["plan", str(example), "--root", str(ROOT), "--model-config",
+          f"llama32_1b={tmp_path / 'config.json'}"])  # fmt: skip
+    out = capsys.readouterr().out
+    steps = int(re.search(r"^cpt: ([\d,]+) optimizer steps", out, re.M)[1].replace(",", ""))
+    step = re.search(r"^cpt: tokens: about ([\d.]+)M a step", out, re.M)
+    assert step is not None, out
+    assert re.search(r"^cpt: train about [\d.]+ h on 32 device\(s\).*GPU-hours", out, re.M), out
+    text = example.read_text()
+    said = re.search(r"\(about ([\d.]+)M tokens, the\s+#\s+documents' mean", text)
+    said_steps = re.search(r"epoch: about ([\d,]+) steps", text)
+    assert said is not None and said_steps is not None
+    assert float(said[1]) == round(float(step[1]), 2)
+    assert int(said_steps[1].replace(",", "")) == round(steps, -2)
+
+
+def test_the_opd_example_is_planned_offline_with_its_generation_time(tmp_path, capsys):
+    """The on-policy distillation example offline (the models' published config.json
+    files given on the command line, GSM8K's rows from the example's `size`): the student's
+    400 steps with each step's generation at generate()'s per-layer floor (16 layers of
+    the 1B at 19.7 ms / 18 a layer, its 256 decode steps a GPU), the teacher's steps
+    from the stated rows, and both runs' GPU-hours."""
+    import re
+
+    from conftest import SHAPES
+
+    from snaketune.app.cli import main
+
+    example = ROOT / "config/examples/llama3.2-1b-opd-from-8b-gsm8k-2x4.yaml"
+    args = ["plan", str(example), "--root", str(ROOT)]
+    for name, repo in (("llama32_1b_instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+                       ("llama31_8b_instruct", "meta-llama/Llama-3.1-8B-Instruct")):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(SHAPES[repo]))
+        args += ["--model-config", f"{name}={tmp_path / name}"]
+    main(args)
+    out = capsys.readouterr().out
+    assert re.search(r"^gsm8k_student: 400 optimizer steps", out, re.M), out
+    generation = re.search(r"^gsm8k_student: train about .* GPU-hours \(a step: generation "
+                           r"([\d.]+) s \(100% of steps, 256 decode steps a GPU of ([\d.]+) ms",
+                           out, re.M)  # fmt: skip
+    assert generation is not None, out
+    assert float(generation[2]) == round(16 * 19.7 / 18, 1)
+    assert float(generation[1]) == round(256 * 16 * 19.7e-3 / 18, 1)
+    # the teacher: 7,473 rows, 4 a micro batch x 8 GPUs = 32 a step: 233 a step x 2 epochs
+    assert re.search(r"^gsm8k_teacher: 466 optimizer steps \(233 per epoch x 2 epochs; 7,473 "
+                     r"examples, datasets.gsm8k_train.size: 7,473 rows", out, re.M), out  # fmt: skip
+    assert re.search(r"^gsm8k_teacher: train about .* GPU-hours", out, re.M), out

@@ -34,81 +34,27 @@ FEW = 10  # fewer optimizer steps than this in all: warned about
 RENDEZVOUS_POLL_S = 1.0
 
 
-def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
-    """Rows of a dataset's source (None: not readable yet): its downloaded copy, else its
-    local file (jsonl lines, a parquet's rows); a mixture's components by their weights."""
-    import pyarrow.parquet as pq
-
-    from snaketune.data.formats import components
-    from snaketune.plan.corpus import source_file
-
-    total = 0.0
-    for part in components(config, dataset):
-        name, spec = part["name"], config["datasets"][part["name"]]
-        path = source_file(spec, name, workdir)  # downloaded, else local
-        if path is None or not path.is_file():
-            return None
-        if path.suffix == ".parquet":
-            rows = pq.ParquetFile(path).metadata.num_rows
-        elif path.suffix == ".jsonl":
-            rows = sum(1 for line in path.open() if line.strip())
-        else:
-            return None
-        total += rows * part["weight"]
-    return int(total)
-
-
-def examples_of(config: dict[str, Any], name: str, workdir: Path) -> tuple[int | None, str]:
-    """A run's training examples and where the count comes from."""
+def examples_of(
+    config: dict[str, Any], name: str, workdir: Path
+) -> tuple[int | None, str, float | None]:
+    """A run's training examples, where the count comes from and their tokens (None: not
+    known yet): the tokenized set, else before it snaketune.plan.corpus.run_rows (a
+    sample, the source's rows, a stated size)."""
     from snaketune.core import parts
+    from snaketune.plan.corpus import run_rows
     from snaketune.plan.stages import tokenized
 
     path = workdir / tokenized(config, name)
     if parts.exists(path):
-        return parts.num_rows(path), "the tokenized set"
-    run = config["runs"][name]
-    sampled = corpus_rows(config, run, workdir)
-    if sampled is not None:
-        return sampled
-    rows = source_rows(config, run["dataset"], workdir)
-    return rows, "about, from the source rows (tokenization may drop overlong ones)"
+        lengths = parts.read_table(path, ["length"]).column("length")
+        return len(lengths), "the tokenized set", float(pa_sum(lengths))
+    return run_rows(config, config["runs"][name], workdir)
 
 
-def corpus_rows(
-    config: dict[str, Any], run: dict[str, Any], workdir: Path
-) -> tuple[int, str] | None:
-    """A run's rows where its data holds text documents, before tokenization: each text
-    component's rows from a sample tokenized with the run's tokenizer (snaketune.plan.corpus:
-    a long document is several rows), the other components' source rows; a mixture's by its
-    weights. None where there is no text component, or a sample cannot be read yet."""
-    from snaketune.data.formats import components
-    from snaketune.data.sources import model_folder
-    from snaketune.plan import corpus
+def pa_sum(column: Any) -> float:
+    import pyarrow.compute as pc
 
-    parts = components(config, run["dataset"])
-    if not any(config["datasets"][p["name"]].get("format") == "text" for p in parts):
-        return None
-    model = model_folder(config, run["model"], workdir)
-    total, read, docs = 0.0, 0, 0
-    for part in parts:
-        spec = config["datasets"][part["name"]]
-        source = corpus.source_file(spec, part["name"], workdir)
-        documents = source_rows(config, part["name"], workdir)
-        if spec.get("format") != "text":
-            if documents is None:
-                return None
-            total += documents * part["weight"]
-            continue
-        column = (spec.get("columns") or {}).get("text", "text")
-        found = corpus.sample(source, column, model, run["max_length"]) if source else None
-        if found is None or documents is None:
-            return None
-        total += found.rows_for(documents) * part["weight"]
-        read, docs = read + found.text_bytes, docs + found.documents
-    return int(total), (
-        f"estimated from a sample of {read / 2**20:.1f} MiB ({docs:,} documents, split at "
-        f"max_length {run['max_length']} with the run's tokenizer)"
-    )
+    return pc.sum(column).as_py() or 0.0
 
 
 def per_step(run: dict[str, Any]) -> int:
@@ -131,10 +77,11 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
     """The run's steps: examples, per step, per epoch, in all, and the advice on them
     (``problem``: the shard stage would refuse it; ``warnings``)."""
     run = config["runs"][name]
-    examples, basis = examples_of(config, name, workdir)
+    examples, basis, tokens = examples_of(config, name, workdir)
     out: dict[str, Any] = {
         "examples": examples,
         "basis": basis,
+        "tokens": tokens,  # the examples' tokens (an epoch's); None: not known yet
         "per_step": per_step(run),
         "warnings": [],
     }
@@ -144,8 +91,7 @@ def steps_of(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> di
             basis="max_steps (the dataset is not downloaded: its epochs not counted yet)",
         )
         return out
-    if examples is None:
-        out["basis"] = "not counted yet: the dataset is not downloaded"
+    if examples is None:  # basis: why not, and how to count them now
         return out
     epoch = examples // out["per_step"]
     out["steps_per_epoch"] = epoch
@@ -217,8 +163,21 @@ def format_steps(name: str, s: dict[str, Any]) -> list[str]:
         f"{s['epochs']:.3g} epochs; {s['examples']:,} examples, {s['basis']}; "
         f"{s['per_step']} a step)"
     ]
+    if s.get("tokens"):
+        step = s["tokens"] / s["examples"] * s["per_step"]
+        lines.append(
+            f"{name}: tokens: about {amount(step)} a step, {amount(step * s['steps'])} in all "
+            f"({amount(s['tokens'])} an epoch, {s['basis']})"
+        )
     lines += [f"{name}: warning: {w}" for w in s["warnings"]]
     return lines
+
+
+def amount(n: float) -> str:
+    """1_234 -> '1,234'; 228_200 -> '0.228M'; 1.1e10 -> '11.0B'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n:,.0f}"
 
 
 # ----------------------------------------------------------------------------- time
@@ -262,6 +221,9 @@ def estimate(
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
     cal = calibration(config, name, workdir, shape)
     measured = tokens_per_step(config, name, workdir, steps["per_step"])
+    if measured is None and steps.get("tokens"):  # before tokenization: the rows' mean
+        mean = steps["tokens"] / steps["examples"] * steps["per_step"]
+        measured = (mean, mean * run["max_length"])  # attention at most: rows' length x max
     if cal is not None:
         scale = 1 if cal["device"] == "cpu" else devices / cal["devices"]  # per GPU
         if generates or measured is None:  # generation: by the step

@@ -19,6 +19,18 @@ DISK_MB_S = 500.0  # one process reading or writing a parallel filesystem (assum
 MB = 1e6
 DOWNLOAD_MB_S = 100.0  # a model's files from the Hub to the cluster's filesystem
 DECODE_SHARE = 0.5  # of a GPU's memory bandwidth one greedy decode step reaches
+# the floor of one decode step of transformers' generate() whatever the bytes and FLOPs:
+# (seconds a layer, seconds a step), its kernels launched one by one from Python.
+# CPU: bench/decode_floor.py on this project's machine (torch 2.13, one thread: 0.42-0.50 ms
+# a layer, 0.74-0.82 ms a step at batches 1 and 8). GPU: transformers' own benchmark
+# (dataset hf-internal-testing/benchmark_results, 2024-09-04 summary.json): gemma-2b in
+# eager mode, no compile, 19.7 ms a token over its 18 layers, its bytes (5 GB) far under
+# that at any datacenter GPU's bandwidth: 1.1 ms a layer, the step's own share in it
+DECODE_FLOOR_S = {"cpu": (0.46e-3, 0.8e-3), "gpu": (19.7e-3 / 18, 0.0)}
+FLOOR_SOURCE = {
+    "cpu": "bench/decode_floor.py",
+    "gpu": "transformers' benchmark of gemma-2b in eager mode, 19.7 ms a token",
+}
 HBM_TB_S = {  # datasheets; most specific first
     "H200": 4.8,
     "H100 PCIe": 2.0,
@@ -49,6 +61,31 @@ def bandwidth(gpu: str) -> float | None:
         if all(part.upper() in name for part in key.split()):
             return tb * 1e12
     return None
+
+
+def decode_step(shape: Any, batch: int, gpu: str | None) -> tuple[float, str]:
+    """One decode step of ``generate()`` for ``batch`` sequences on one device, and what
+    bounds it: the largest of every weight read at DECODE_SHARE of the GPU's memory
+    bandwidth, its FLOPs (2 a weight a sequence) at the peak times FORWARD_MFU, and the
+    floor of its layers launched from Python (DECODE_FLOOR_S). ``gpu`` None: this CPU,
+    the floor alone (a CPU run's bytes and FLOPs are its calibration's to say)."""
+    from snaketune.core.throughput import peak_tflops
+
+    where = "cpu" if gpu is None else "gpu"
+    per_layer, per_step = DECODE_FLOOR_S[where]
+    floor = shape.layers * per_layer + per_step
+    bounds = {f"the floor of {shape.layers} layers launched ({FLOOR_SOURCE[where]})": floor}
+    if gpu is not None:
+        bw, peak = bandwidth(gpu), peak_tflops(str(gpu).upper())
+        if bw is not None:
+            bounds["the weights read at the memory bandwidth"] = weight_bytes(shape) / (
+                bw * DECODE_SHARE
+            )
+        if peak is not None:
+            flops = 2 * shape.active_params * batch
+            bounds["its FLOPs at the assumed MFU"] = flops / (peak * 1e12 * FORWARD_MFU)
+    why = max(bounds, key=bounds.__getitem__)
+    return bounds[why], why
 
 
 def forward_seconds(params: float, tokens: float, devices: int, peak: float) -> float:

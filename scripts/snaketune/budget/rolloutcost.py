@@ -6,8 +6,11 @@ run) replaces it, as for every method.
 
 - **Generation**: each GPU generates its micro batches one after another, each as
   max_completion_length decode steps (every completion taken at its limit: at most), each
-  decode step reading every weight of the student once, bound by memory bandwidth at
-  rates.DECODE_SHARE of the GPU's (transformers' generate; vLLM, where on, is faster).
+  decode step as rates.decode_step plans it: the largest of the student's weights read at
+  rates.DECODE_SHARE of the GPU's memory bandwidth, its FLOPs, and the floor of
+  transformers' ``generate()`` launching each layer's kernels from Python (rates.
+  DECODE_FLOOR_S: a 1B model's step is that floor, not its bytes; vLLM, where on, is
+  faster).
   On-policy distillation generates only on its on-policy share of steps (``lmbda``).
 - **Scoring**: a forward pass (2 FLOPs a weight a token, at rates.FORWARD_MFU) of each model
   the step holds besides the student over the step's sequences: the needs' held weights
@@ -24,13 +27,12 @@ from typing import Any
 
 from snaketune.budget.rates import (
     ASSUMED_MFU,
-    DECODE_SHARE,
     FORWARD_MFU,
     MFU_SOURCE,
     bandwidth,
+    decode_step,
     forward_seconds,
     update_seconds,
-    weight_bytes,
 )
 
 
@@ -71,7 +73,8 @@ def step_parts(
 
     share = facts.get("generated_share", 1.0)
     decode_steps = run["gradient_accumulation_steps"] * completion  # on each GPU
-    generation = share * decode_steps * weight_bytes(shape) / (bw * DECODE_SHARE)
+    step_s, bound = decode_step(shape, run["micro_batch_size"], str(gpu))
+    generation = share * decode_steps * step_s
 
     scored = sum(held_params(config, run, workdir).values())
     if facts.get("reference"):
@@ -81,7 +84,8 @@ def step_parts(
     kind = method.adapter_of(run)
     training = update_seconds(shape, tokens, squares, kind, devices, peak)
     parts = {"generation": generation, "scoring": scoring, "training": training}
-    said = (share, decode_steps, completion, scored, kind, peak, measured is not None)
+    tokenized = measured is not None
+    said = (share, decode_steps, step_s, bound, completion, scored, kind, peak, tokenized)
     return {**parts, "basis": basis(parts, str(gpu), *said)}
 
 
@@ -90,6 +94,8 @@ def basis(
     gpu: str,
     share: float,
     decode_steps: int,
+    step_s: float,
+    bound: str,
     completion: int,
     scored: int,
     kind: str,
@@ -99,8 +105,8 @@ def basis(
     """What step_parts assumed, each part's seconds beside its assumptions."""
     return (
         f"a step: generation {parts['generation']:.1f} s ({share:.0%} of steps, "
-        f"{decode_steps} decode steps a GPU at {DECODE_SHARE:.0%} of {gpu}'s memory "
-        f"bandwidth, every completion {completion} tokens: at most), scoring "
+        f"{decode_steps} decode steps a GPU of {step_s * 1e3:.1f} ms: {bound}; every "
+        f"completion {completion} tokens: at most), scoring "
         f"{parts['scoring']:.1f} s (a forward pass of {scored / 1e9:.2f}B held weights at "
         f"assumed MFU {FORWARD_MFU:.1%}), training {parts['training']:.1f} s (assumed MFU "
         f"{ASSUMED_MFU[kind]:.1%} of {gpu}'s {peak:g} TFLOP/s a GPU, {MFU_SOURCE}); "

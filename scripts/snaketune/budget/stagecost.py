@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget.rates import (
-    DECODE_SHARE,
     DISK_MB_S,
     DOWNLOAD_MB_S,
     MB,
     bandwidth,
+    decode_step,
+    forward_seconds,
     stage,
     weight_bytes,
 )
@@ -44,7 +45,7 @@ def weights_in(folder: Path) -> bool:
 
 def eval_examples(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int | None:
     """The examples an evaluate stage scores: its eval set's rows, at most eval.limit."""
-    from snaketune.budget.cost import source_rows
+    from snaketune.plan.corpus import source_rows
 
     rows = None
     if run.get("eval_dataset") in config["datasets"]:
@@ -54,13 +55,18 @@ def eval_examples(config: dict[str, Any], run: dict[str, Any], workdir: Path) ->
 
 
 def evaluate_seconds(
-    run: dict[str, Any], shape: Any, examples: int | None, layout: Any, gpu: str
+    config: dict[str, Any], run: dict[str, Any], shape: Any, layout: Any, gpu: str, workdir: Path
 ) -> dict[str, Any]:
     """An evaluate stage on a GPU: loading the model, then its greedy generations, each
-    decode step reading every weight once (memory-bound: the model's bytes over the GPU's
-    memory bandwidth at DECODE_SHARE), eval.batch_size examples a step on each process."""
+    decode step as rates.decode_step plans it, eval.batch_size examples a step on each
+    process; a set that generates nothing (documents: their loss) a forward pass over its
+    rows instead."""
+    from snaketune.core.throughput import peak_tflops
+    from snaketune.data.formats import components
+    from snaketune.data.kinds import kind_of_sources
     from snaketune.methods import method_of
 
+    examples = eval_examples(config, run, workdir)
     load = weight_bytes(shape) / (DISK_MB_S * MB)
     gpus = layout.processes
     if examples is None:
@@ -72,18 +78,30 @@ def evaluate_seconds(
             f"loading {weight_bytes(shape) / 1e9:.1f} GB at "
             f"{DISK_MB_S:g} MB/s; scoring {examples} pairs is seconds",
         )
-    bw = bandwidth(gpu)
-    if bw is None:
+    loading = f"loading {weight_bytes(shape) / 1e9:.1f} GB at the assumed disk rate"
+    specs = (config["datasets"][p["name"]] for p in components(config, run["eval_dataset"]))
+    if not kind_of_sources(specs).generates:  # its loss alone: one forward pass a row
+        peak = peak_tflops(gpu.upper())
+        if peak is None:
+            return stage(None, gpus, f"not estimated: no peak FLOP/s known for GPU {gpu}")
+        tokens = examples * run["max_length"]
+        forward = forward_seconds(shape.active_params, tokens, gpus, peak)
+        return stage(
+            load + forward,
+            gpus,
+            f"{examples} rows' loss, no generation: a forward pass of at most {tokens:,} "
+            f"tokens (every row max_length long) at the assumed MFU; {loading}",
+        )
+    if bandwidth(gpu) is None:
         return stage(None, gpus, f"not estimated: no memory bandwidth known for GPU {gpu}")
     batches = math.ceil(examples / (run["eval"]["batch_size"] * gpus))
     steps = batches * run["eval"]["max_new_tokens"]
-    decode = steps * weight_bytes(shape) / (bw * DECODE_SHARE)
+    step_s, bound = decode_step(shape, run["eval"]["batch_size"], gpu)
     return stage(
-        load + decode,
+        load + steps * step_s,
         gpus,
-        f"{examples} examples, {steps} decode steps at "
-        f"{DECODE_SHARE:.0%} of {gpu}'s memory bandwidth (at most: every answer "
-        "max_new_tokens long), loading at the assumed disk rate",
+        f"{examples} examples, {steps} decode steps of {step_s * 1e3:.1f} ms ({bound}; at "
+        f"most: every answer max_new_tokens long), {loading}",
     )
 
 
@@ -128,10 +146,9 @@ def assumed_stages(
         basis = f"fp32 weights read and the model written {disk}"
         out["convert_checkpoint"] = stage(shape.params * 6 / (DISK_MB_S * MB), 0, basis)
     if "eval_dataset" in run:
-        examples = eval_examples(config, run, workdir)
         for rule, final in evaluate_rules(config, name).items():
             layout = eval_layout(run, shape, gpu_memory(given), final)
-            out[rule] = evaluate_seconds(run, shape, examples, layout, gpu)
+            out[rule] = evaluate_seconds(config, run, shape, layout, gpu, workdir)
     return out
 
 
@@ -198,7 +215,12 @@ def run_stages(
         out.update(calibrated_stages(config, name, train["stages"], train["calibrated_from"]))
     elif gpu is not None and "per_step" in steps:
         measured = tokens_per_step(config, name, workdir, steps["per_step"])
-        tokens = measured[0] if measured else steps["per_step"] * run["max_length"]
+        if measured is not None:
+            tokens = measured[0]
+        elif steps.get("tokens"):  # before tokenization: a sample's or a stated size's mean
+            tokens = steps["tokens"] / steps["examples"] * steps["per_step"]
+        else:
+            tokens = steps["per_step"] * run["max_length"]
         out.update(assumed_stages(config, name, shape, steps, tokens, workdir))
     return {rule: out[rule] for rule in ORDER if rule in out}
 

@@ -100,12 +100,12 @@ def tokens_of(
     config: dict[str, Any], dataset: str, max_length: int, workdir: Path
 ) -> tuple[float, int, str] | None:
     """Tokens ``dataset`` tokenizes to and its rows (a mixture's components by their
-    weights, as snaketune.budget.cost.source_rows counts them) and how the tokens were
+    weights, as snaketune.plan.corpus.source_rows counts them) and how the tokens were
     counted; None where a source cannot be read yet."""
-    from snaketune.budget.cost import source_rows
     from snaketune.data.conversations import needed_columns
     from snaketune.data.formats import components
     from snaketune.data.kinds import kind_of_source
+    from snaketune.plan.corpus import source_rows
 
     total, weighted = 0.0, 0.0
     for comp in components(config, dataset):

@@ -13,6 +13,7 @@ documents, are the estimate. The tokenized set's count replaces it once there is
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -141,3 +142,150 @@ def source_file(spec: dict[str, Any], name: str, workdir: Path) -> Path | None:
         local = Path(spec["path"])
         return local if local.is_absolute() else workdir / local
     return None
+
+
+# ----------------------------------------------------------------------------- before download
+
+
+def stated(config: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str]:
+    """A dataset's size before its download: its ``size`` (the card's figures, in the
+    config), else the split's rows on its card on the Hub where the Hub answers; (None, why
+    and how to plan it offline) where neither says."""
+    spec = config["datasets"][name]
+    if "size" in spec:
+        return {**spec["size"], "from": f"datasets.{name}.size"}, ""
+    fix = f"set datasets.{name}.size (rows, and tokens for a text set: its card's figures)"
+    if spec.get("source") != "hub":
+        return None, f"datasets.{name} is not there yet"
+    if "files" in spec:  # the card counts the repository's splits, not these files
+        return None, f"datasets.{name} is not downloaded (its files have no row count); {fix}"
+    rows, why = card_rows(
+        spec["id"], spec.get("revision"), spec.get("subset"), spec.get("split", "train")
+    )
+    if rows is None:
+        return None, f"datasets.{name} is not downloaded and {why}; {fix}"
+    return {"rows": rows, "from": f"{spec['id']}'s card on the Hub"}, ""
+
+
+@functools.cache
+def card_rows(
+    repo_id: str, revision: str | None, subset: str | None, split: str
+) -> tuple[int | None, str]:
+    """The rows a Hub dataset's card states for a split of a subset (its ``dataset_info``),
+    asked once a process; (None, why) offline, unreachable or not stated."""
+    from huggingface_hub import HfApi, constants
+
+    from snaketune.data.sources import hub_reachable
+
+    if constants.HF_HUB_OFFLINE:
+        return None, "this machine is offline (HF_HUB_OFFLINE is set)"
+    if not hub_reachable(constants.ENDPOINT):
+        return None, f"the Hub ({constants.ENDPOINT}) cannot be reached from here"
+    try:
+        card = HfApi().dataset_info(repo_id, revision=revision).card_data
+    except Exception as exc:  # gated without a token, no such repo or revision
+        return None, f"the Hub refused it ({str(exc).splitlines()[0][:200]})"
+    infos = (card.to_dict() if card else {}).get("dataset_info") or []
+    for info in infos if isinstance(infos, list) else [infos]:
+        if subset not in (None, info.get("config_name")):
+            continue
+        for entry in info.get("splits") or []:
+            if entry.get("name") == split and entry.get("num_examples"):
+                return int(entry["num_examples"]), ""
+    return None, f"its card on the Hub states no rows for split {split}"
+
+
+def stated_rows(documents: int, tokens: float, max_length: int) -> int:
+    """Rows of ``documents`` documents of ``tokens`` tokens in all once split at
+    ``max_length``, their lengths taken as exponential around their mean (a card states no
+    more): each document's expected pieces are 1 / (1 - exp(-max_length / mean))."""
+    mean = tokens / documents
+    return round(documents / (1 - math.exp(-max_length / mean)))
+
+
+def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
+    """Rows of a dataset's source (None: not known yet): its downloaded copy, else its local
+    file (jsonl lines, a parquet's rows), else its stated size (``stated``); a mixture's
+    components by their weights."""
+    import pyarrow.parquet as pq
+
+    from snaketune.data.formats import components
+
+    total = 0.0
+    for part in components(config, dataset):
+        name, spec = part["name"], config["datasets"][part["name"]]
+        path = source_file(spec, name, workdir)  # downloaded, else local
+        if path is None or not path.is_file():
+            size, _ = stated(config, name)
+            if size is None:
+                return None
+            rows = size["rows"]
+        elif path.suffix == ".parquet":
+            rows = pq.ParquetFile(path).metadata.num_rows
+        elif path.suffix == ".jsonl":
+            rows = sum(1 for line in path.open() if line.strip())
+        else:
+            return None
+        total += rows * part["weight"]
+    return int(total)
+
+
+def run_rows(
+    config: dict[str, Any], run: dict[str, Any], workdir: Path
+) -> tuple[int | None, str, float | None]:
+    """A run's training rows before tokenization, where the count comes from, and their
+    tokens where they can be told (text: from a sample of its source, else its stated
+    size; None for other rows, whose tokens their tokenization counts). A text source's
+    documents become rows by their pieces at max_length: a sample's, else a stated size's
+    (``stated_rows``), else one row a document (said); other rows count one each."""
+    from snaketune.data.formats import components
+    from snaketune.data.sources import model_folder
+
+    model, length = model_folder(config, run["model"], workdir), run["max_length"]
+    total, read, docs, said = 0.0, 0, 0, []
+    tokens: float | None = 0.0
+    for part in components(config, run["dataset"]):
+        name, spec, weight = part["name"], config["datasets"][part["name"]], part["weight"]
+        documents = source_rows(config, name, workdir)
+        if documents is None:
+            return None, f"not counted yet: {stated(config, name)[1]}", None
+        source = source_file(spec, name, workdir)
+        found = None
+        if spec.get("format") == "text" and source is not None:
+            column = (spec.get("columns") or {}).get("text", "text")
+            found = sample(source, column, model, length)
+        size = None if source is not None and source.is_file() else stated(config, name)[0]
+        if found is not None:
+            rows, read, docs = (
+                found.rows_for(documents),
+                read + found.text_bytes,
+                docs + found.documents,
+            )
+            share = 1 if found.whole else found.total / max(found.read, 1)
+            tokens = None if tokens is None else tokens + weight * found.tokens * share
+        elif spec.get("format") == "text" and size and size.get("tokens"):
+            rows = stated_rows(documents, size["tokens"], length)
+            tokens = None if tokens is None else tokens + weight * size["tokens"]
+            said.append(
+                f"{size['from']}: {documents:,} documents, {size['tokens']:,.0f} tokens, split "
+                f"at max_length {length}, their lengths taken as exponential"
+            )
+        else:
+            rows, tokens = documents, None
+            if spec.get("format") == "text":
+                said.append(f"datasets.{name}: each document one row until its tokens are known")
+            elif size:
+                said.append(f"{size['from']}: {documents:,} rows")
+        total += rows * weight
+    if docs:
+        said.insert(
+            0,
+            f"estimated from a sample of {read / 2**20:.1f} MiB ({docs:,} documents, "
+            f"split at max_length {length} with the run's tokenizer)",
+        )
+    basis = (
+        "; ".join(said)
+        if said
+        else "about, from the source rows (tokenization may drop overlong ones)"
+    )
+    return int(total), basis, tokens

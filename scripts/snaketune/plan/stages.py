@@ -235,8 +235,9 @@ def as_json(value: Any) -> str:
 
 
 def download_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """A dataset's entry as its download reads it (its parts are its tokenization's)."""
-    return {k: v for k, v in spec.items() if k != "parts"}
+    """A dataset's entry as its download reads it (its parts are its tokenization's, its
+    stated size the plan's)."""
+    return {k: v for k, v in spec.items() if k not in ("parts", "size")}
 
 
 def local_source(spec: dict[str, Any]) -> dict[str, str]:
