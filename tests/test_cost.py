@@ -884,3 +884,61 @@ def test_the_dry_run_of_an_8b_chain_says_its_steps_time_and_gpu_hours(tmp_path):
     assert "plan: sft: merge_lora: about 64 s (the base read and the merged" in said
     assert "plan: pipeline: download_model llama: about 2.7 min (16.1 GB at 100 MB/s" in said
     assert "plan: pipeline: every run and stage: about " in said
+
+
+def plan_lines(text: str) -> list[str]:
+    """The plan's lines of a dry run's stderr (or of `snaketune plan`'s stdout), their
+    prefixes off; the free space measured at each call (not a figure of the plan) masked."""
+    import re
+
+    found = re.findall(r"^(?:error: )?(?:(?:memory plan|disk plan|plan): )?(.*)$", text, re.M)
+    return sorted(
+        re.sub(r"[\d.]+ GiB (free|short)", r"_ GiB \1", line)
+        for line in found
+        if ": retrains: " not in line and not line.startswith(("error: ", "Using ", "["))
+    )
+
+
+@pytest.mark.parametrize("which", ["demo", "cpt example"])
+def test_the_dry_run_and_the_plan_print_the_same_figures(which, fixtures_dir, tmp_path):
+    """One code path: every line of the plan a dry run prints before anything is run is the
+    line `snaketune plan` prints, figure for figure, in the same directory. The demo on the
+    local profile (a CPU run: fp32 checkpoints, this machine's memory) before any download;
+    the continued pre-training example through profiles/slurm (its header's dry run: GPU
+    runs, every corpus planned from its stated size). They disagreed: the plan counted a
+    CPU run's checkpoints in bf16 (1.4 against 1.7 MiB) and its memory per GPU."""
+    import re
+    import shutil
+    import subprocess
+
+    from conftest import BIN, ENV, snakemake
+
+    if which == "demo":
+        work = tmp_path / "w"
+        shutil.copytree(fixtures_dir, work / "resources/fixtures")
+        (work / "config").mkdir()
+        shutil.copy(ROOT / "config/config.yaml", work / "config")
+        dry = snakemake("-n", "--directory", str(work)).stderr
+        config = ROOT / "config/config.yaml"
+    else:  # its header's dry run, its model's config.json where the download puts it
+        from conftest import SHAPES, stand_in_slurm
+
+        config = ROOT / "config/examples/llama3.2-1b-cpt-fineweb-edu-sft-4x8.yaml"
+        work = tmp_path / "w"
+        (work / "resources/models/llama32_1b").mkdir(parents=True)
+        (work / "resources/models/llama32_1b/config.json").write_text(
+            json.dumps(SHAPES["meta-llama/Llama-3.2-1B"]))  # fmt: skip
+        shutil.copytree(ROOT / "config/templates", work / "config/templates")
+        env = {**ENV, "PATH": f"{stand_in_slurm(tmp_path / 'bin')}:{ENV['PATH']}"}
+        proc = subprocess.run([str(BIN / "snakemake"), "--profile", "profiles/slurm",
+                               "--configfile", str(config), "-n", "--directory", str(work)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        # its two runs' checkpoints together need more than this disk has: refused
+        assert "does NOT fit" in proc.stderr, (proc.stdout + proc.stderr)[-5000:]
+        dry = proc.stderr
+    plan = subprocess.run([str(BIN / "snaketune"), "plan", str(config), "--root", str(ROOT)],
+                          cwd=work, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    said = [line for line in plan_lines(dry) if line in set(plan_lines(plan.stdout)) or
+            re.match(r"(demo|cpt|chat_sft|pipeline|\d runs?)[: ]", line)]  # fmt: skip
+    assert len(said) > 8, dry[-3000:]
+    assert said == plan_lines(plan.stdout), (dry[-3000:], plan.stdout, plan.stderr)

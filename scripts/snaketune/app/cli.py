@@ -278,9 +278,13 @@ def _plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.root)
     model_configs(config, args.model_config)
     workdir, root = Path("."), Path(args.root)
-    plans = plan_config(config, workdir, root, args.gpu_memory or args.gpu, args.config)
+    chosen = args.gpu_memory or args.gpu
+    plans = plan_config(config, workdir, root, chosen, args.config)
     for plan in plans:  # the model's config.json is there: plan_config read it
-        plan["disk"] = disk_plan_of(config, plan["run"], workdir, root)
+        gpu = chosen or config["runs"][plan["run"]].get("gpu", config.get("gpu"))
+        # a run without a GPU type runs as the local profile runs it (the dry run's figures)
+        plan["disk"] = disk_plan_of(config, plan["run"], workdir, root, gpu is not None)
+        plan["cpu_line"] = None if gpu is not None else _cpu_line(config, plan["run"], root)
     shared = shared_filesystems({p["run"]: p["disk"] for p in plans})
     for plan in plans:  # the runs it shares its filesystem with, added up
         plan["disk"]["shared"] = next((g for g in shared if plan["run"] in g["runs"]), None)
@@ -288,7 +292,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(plans, indent=2))
     else:
         for plan in plans:
-            print(format_plan(plan["run"], plan))
+            print(plan.pop("cpu_line") or format_plan(plan["run"], plan))
             for line in format_steps(plan["run"], plan["steps"]):
                 print(line)
             run = config["runs"][plan["run"]]
@@ -313,6 +317,24 @@ def _plan(args: argparse.Namespace) -> int:
         or any(s.get("fits") is False for s in p["stages"].values())
     ]
     return 1 if bad or any(not g["fits"] for g in shared) else 0
+
+
+def _cpu_line(config: dict, name: str, root: Path) -> str:
+    """The memory line of a run with no GPU type: all its processes on this machine's CPU,
+    as the checks before a local run say it (snaketune.budget.fit.check_runs)."""
+    from snaketune.budget.fit import (
+        check_cpu_run,
+        cpu_line,
+        held,
+        machine_memory_gib,
+        shape_and_deepspeed,
+    )
+    from snaketune.budget.modelfiles import find_config_json
+
+    run = config["runs"][name]
+    shape, deepspeed = shape_and_deepspeed(find_config_json(config, run, Path(".")), run, root)
+    held_weights = held(config, run, Path("."))
+    return cpu_line(name, check_cpu_run(shape, run, deepspeed, machine_memory_gib(), held_weights))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
