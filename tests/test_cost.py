@@ -143,6 +143,14 @@ def test_a_hub_set_s_steps_before_its_download_are_its_stated_or_carded_rows(tmp
     s = steps_of(config, "x", tmp_path)  # a mean of 3,000 tokens at max_length 256
     assert s["examples"] == round(1000 / (1 - math.exp(-256 / 3000)))
     assert "1,000 documents, 3,000,000 tokens" in s["basis"]
+    # the pipeline's stages count its download (its text at 4 bytes a token, at the Hub
+    # rate) and its tokenization from the stated tokens
+    from snaketune.budget import stagecost as sc
+
+    shared = sc.shared_stages(config, {"x": Shape.from_config(LLAMA_8B)}, tmp_path)
+    assert shared["download_dataset d"]["s"] == pytest.approx(3e6 * 4 / 100e6)
+    (tok,) = [v for k, v in shared.items() if k.startswith("tokenize_dataset d__")]
+    assert "about 3.0M tokens (the tokens datasets.d.size states)" in tok["basis"]
     from snaketune.plan.stages import download_spec
 
     assert "size" not in download_spec(config["datasets"]["d"])  # no job reruns for it

@@ -250,10 +250,48 @@ def shared_stages(
         if run.get("eval_dataset") in config["datasets"]:
             sets[run["eval_dataset"]] = tokenized(config, name, eval_set=True)
         for dataset, path in sets.items():
+            out.update({k: v for k, v in download_costs(config, dataset, workdir) if k not in out})
             key = f"tokenize_dataset {Path(path).parent.name}"
             if key not in out and not tokenized_set.exists(workdir / path):
                 parts = parts_of(config, dataset, workdir / Path(path).parent)
                 out[key] = tokenize_cost(config, dataset, run["max_length"], workdir, parts)
+    return out
+
+
+def download_costs(
+    config: dict[str, Any], dataset: str, workdir: Path
+) -> list[tuple[str, dict[str, Any]]]:
+    """The downloads of a dataset's Hub sources not downloaded yet: their files' bytes (a
+    ``files`` choice, as the Hub lists them where it answers), else a text set's stated
+    tokens at the tokenize plan's bytes a token (its text: compressed files are smaller),
+    at the assumed Hub rate; not estimated where neither is known."""
+    from snaketune.budget.tokenizeplan import BYTES_PER_TOKEN
+    from snaketune.data.formats import components
+    from snaketune.plan.corpus import stated
+    from snaketune.plan.stages import sources_bytes
+
+    out = []
+    for part in components(config, dataset):
+        name = part["name"]
+        if config["datasets"][name]["source"] != "hub":
+            continue
+        if (workdir / "resources/datasets" / name / "data.parquet").is_file():
+            continue
+        size, how = sources_bytes(config, name), "its files as the Hub lists them"
+        said = stated(config, name)[0]
+        if size is None and said and said.get("tokens"):
+            size = said["tokens"] * BYTES_PER_TOKEN
+            how = f"the tokens {said['from']} states, at {BYTES_PER_TOKEN:g} bytes a token"
+        if size is None:
+            out.append(
+                (
+                    f"download_dataset {name}",
+                    stage(None, 0, "not estimated: its size is not known before the download"),
+                )
+            )
+            continue
+        basis = f"{size / 1e9:.1f} GB ({how}) at {DOWNLOAD_MB_S:g} MB/s (assumed Hub rate)"
+        out.append((f"download_dataset {name}", stage(size / (DOWNLOAD_MB_S * MB), 0, basis)))
     return out
 
 

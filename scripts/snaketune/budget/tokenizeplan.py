@@ -105,24 +105,31 @@ def tokens_of(
     from snaketune.data.conversations import needed_columns
     from snaketune.data.formats import components
     from snaketune.data.kinds import kind_of_source
-    from snaketune.plan.corpus import source_rows
+    from snaketune.plan.corpus import source_rows, stated
 
-    total, weighted = 0.0, 0.0
+    total, weighted, said, read = 0.0, 0.0, [], False
     for comp in components(config, dataset):
         spec = config["datasets"][comp["name"]]
         path = workdir / "resources/datasets" / comp["name"] / "data.parquet"
         if not path.is_file() and spec.get("source") == "local":
             path = workdir / spec["path"]  # an absolute path stays itself
         rows = source_rows(config, comp["name"], workdir)
+        size = None if path.is_file() else stated(config, comp["name"])[0]
+        if size is not None and size.get("tokens"):  # not downloaded: its card's tokens
+            total += size["tokens"] * comp["weight"]
+            weighted += size["rows"] * comp["weight"]
+            said.append(f"the tokens {size['from']} states")
+            continue
         mean = row_bytes(path, needed_columns(spec)) if path.is_file() else None
         if rows is None or mean is None:
             return None
-        per_row = mean / BYTES_PER_TOKEN
+        per_row, read = mean / BYTES_PER_TOKEN, True
         if kind_of_source(spec).chat:
             per_row = min(per_row, max_length)
         total += rows * comp["weight"] * per_row
         weighted += rows * comp["weight"]
-    return total, int(weighted), f"its rows' text at {BYTES_PER_TOKEN:g} bytes a token"
+    text = [f"its rows' text at {BYTES_PER_TOKEN:g} bytes a token"] if read else []
+    return total, int(weighted), "; ".join(text + said)
 
 
 def tokenize_plan(
