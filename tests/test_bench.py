@@ -30,6 +30,7 @@ SHORT = {
     "decode_floor.py": ["--tokens", "8", "--layers", "2", "4", "--batches", "1", "--repeats", "1"],
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
+    "plan_matrix.py": ["--steps", "8"],
     "extension_cache.py": ["--rounds", "2"],  # builds the op 3 times and more: heavy
     "gpu_check.py": [],  # its CPU form is the short one (test_the_gpu_check_s_cpu_form_runs)
     "gpu_prepare.py": ["--dry-run"],  # the list of what to carry, nothing fetched
@@ -54,7 +55,7 @@ SHORT = {
 # (marker bench); the others are in the extended tier (docs/testing.md).
 HEAVY = {"checkpoint_disk.py", "convert.py", "corpus.py", "cost_estimate.py", "dpo_reference.py",
          "extension_cache.py",
-         "heldout_cost.py", "omp_wait.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
+         "heldout_cost.py", "omp_wait.py", "plan_matrix.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
          "train_overhead.py", "train_throughput.py"}  # fmt: skip
 
 # Benchmarks another slow test already runs, in the documented short form (its table printed,

@@ -242,7 +242,13 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
     config["runs"]["x"]["gpu"] = None
     del config["runs"]["x"]["gpu"]
     e = estimate(config, "x", tmp_path, shape, s)
-    assert "wall_s" not in e and "no finished run" in e["basis"]  # a CPU run: calibrate
+    # a CPU run before a calibration: its update at this machine's assumed rate, 59 us a
+    # token and 4N FLOPs a token (LoRA) at 135 GFLOP/s, its start-up assumed (21.2 s and
+    # the weights at 500 MB/s), no GPU-hours
+    rate = 1 / (59e-6 + 4 * n / 1.35e11)
+    assert e["train_s"] == pytest.approx(s["steps"] * mean * per / rate, rel=1e-4)  # norms
+    assert e["outside_s"] == pytest.approx(21.2 + LLAMA_8B_PARAMS * 2 / 500e6)
+    assert e["gpu_hours"] is None and e["basis"].startswith("not calibrated: this CPU's")
     # the run itself finished here (a dry run after it): said so, not "no finished run"
     finished(tmp_path, "x", config["runs"]["x"], 80.0, 45.0, 1_280_000, 20, 40, "cpu", LLAMA_8B)
     e = estimate(config, "x", tmp_path, shape, s)
@@ -429,7 +435,10 @@ def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
     assert c["total"]["gpu_hours"] == pytest.approx((want + 45.0) * 8 / 3600 + 30.5 / 3600)
     assert "x: evaluate: about 30 s, 0.01 GPU-hours on 1 GPU(s) (as run earlier's took)" in (
         format_costs("x", c))  # fmt: skip
-    # another model shape, method or device kind is no calibration for it
+    import shutil
+
+    # another method (or adapter) on the same model calibrates it by its tokens
+    # (calibrate.from_other_method); another model shape or device kind does not at all
     other = tmp_path / "o"
     other.mkdir()
     config_other = config_with(other, 1000, gpu="h100-80gb", method="full")
@@ -437,7 +446,15 @@ def test_a_calibration_from_a_finished_run_scales_by_tokens_and_gpus(tmp_path):
              "cuda", LLAMA_8B)  # fmt: skip
     e = estimate(config_other, "x", other, Shape.from_config(LLAMA_8B),
                  steps_of(config_other, "x", other))  # fmt: skip
-    assert e["basis"] != "calibrated from run earlier"
+    assert e["basis"].startswith("calibrated from run earlier of method lora (its 32,000 ")
+    assert e["outside_s"] == 45.0 and e["stages"] == {}
+    for shape, device in ((dict(LLAMA_8B, num_hidden_layers=16), "cuda"), (LLAMA_8B, "cpu")):
+        shutil.rmtree(other / "results/earlier")
+        finished(other, "earlier", {**spec, "method": "lora"}, 80.0, 45.0, 1_280_000, 20, 40,
+                 device, shape)  # fmt: skip
+        e = estimate(config_other, "x", other, Shape.from_config(LLAMA_8B),
+                     steps_of(config_other, "x", other))  # fmt: skip
+        assert not e["basis"].startswith("calibrated"), (shape, device)
 
 
 def test_a_first_jobs_op_builds_are_left_out_and_start_up_scales_with_processes_per_core(
@@ -950,3 +967,47 @@ def test_the_dry_run_and_the_plan_print_the_same_figures(which, fixtures_dir, tm
             re.match(r"(demo|cpt|chat_sft|pipeline|\d runs?)[: ]", line)]  # fmt: skip
     assert len(said) > 8, dry[-3000:]
     assert said == plan_lines(plan.stdout), (dry[-3000:], plan.stdout, plan.stderr)
+
+
+def test_a_run_calibrated_from_another_method_is_its_tokens_scoring_and_generation(tmp_path):
+    """A CPU GRPO run whose only calibration is an SFT run of the same model (1,000
+    tokens/s): a step's update is its sequences' tokens (8 prompts x 4 completions, each
+    its prompt at max_length 256 before tokenization and 12 generated) at that rate, its
+    reference's pass (beta > 0: the model's own size) a third of it, and its 12 decode
+    steps at generate()'s CPU floor (32 layers x 0.46 ms + 0.8 ms), all by hand."""
+    from snaketune.budget.calibrate import from_other_method
+    from snaketune.budget.cost import steps_of
+
+    config = config_with(tmp_path, 1000, method="grpo", max_steps=10,
+                         grpo={"num_generations": 4, "max_completion_length": 12,
+                               "beta": 0.04})  # fmt: skip
+    shape = Shape.from_config(LLAMA_8B)
+    s = steps_of(config, "x", tmp_path)
+    assert s["per_step"] == 8  # 8 devices x 4 rows a micro batch / 4 completions a prompt
+    cal = {"run": "c", "method": "lora", "tokens_per_s": 1000.0, "device": "cpu", "devices": 2}
+    e = from_other_method(config, "x", tmp_path, shape, s, None, cal)
+    tokens = 32 * (256 + 12)
+    decode = 32 * 0.46e-3 + 0.8e-3
+    step = tokens / 1000 + tokens / 3000 + 12 * decode
+    assert e["train_s"] == pytest.approx(10 * step)
+    assert e["basis"].startswith("calibrated from run c of method lora (its 1,000 tokens/s)")
+    assert "12 decode steps of 15.5 ms" in e["basis"]
+
+
+def test_a_decode_step_is_its_bytes_its_flops_or_generate_s_floor():
+    """A decode step by hand: a 1B-shaped Llama on an H100 is generate()'s floor (16 layers
+    at 19.7 / 18 ms), the 8B's too (32 layers: 35 ms against its 9.6 ms of bytes), and on
+    this CPU the floor measured here (0.46 ms a layer and 0.8 ms a step); where vLLM
+    generates there is no floor: the 8B's bytes at half of 3.35 TB/s."""
+    from snaketune.budget.rates import decode_step
+
+    small = Shape.from_config({**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192,
+                               "head_dim": 64, "num_hidden_layers": 16})  # fmt: skip
+    big = Shape.from_config(LLAMA_8B)
+    assert decode_step(small, 8, "h100-80gb")[0] == pytest.approx(16 * 19.7e-3 / 18)
+    step, why = decode_step(big, 8, "h100-80gb")
+    assert step == pytest.approx(32 * 19.7e-3 / 18) and why.startswith("the floor of 32 layers")
+    assert decode_step(big, 8, None)[0] == pytest.approx(32 * 0.46e-3 + 0.8e-3)
+    step, why = decode_step(big, 8, "h100-80gb", server=True)
+    assert step == pytest.approx(LLAMA_8B_PARAMS * 2 / (3.35e12 * 0.5))
+    assert why == "the weights read at the memory bandwidth"

@@ -1,7 +1,10 @@
 """Calibrating the time estimate on this cluster: the newest finished run like the one
 planned (its measured throughput, the time its train job spent outside the steps, what its
 other stages took from Snakemake's benchmark files), and a short run made on purpose to be
-one (``snaketune calibrate``: a copy of a run that trains ``max_steps`` steps)."""
+one (``snaketune calibrate``: a copy of a run that trains ``max_steps`` steps). Short of
+one: a finished run of another method on the same model (``from_other_method``: a step
+by its tokens, scoring passes and generation), and on a CPU this machine's assumed rates
+(``cpu_assumed``, ``cpu_stages``: rates.CPU_S_PER_TOKEN, JOB_START_S)."""
 
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ def same_shape(a: Any, b: Any) -> bool:
 
 
 def calibration(
-    config: dict[str, Any], name: str, workdir: Path, shape: Any
+    config: dict[str, Any], name: str, workdir: Path, shape: Any, any_method: bool = False
 ) -> dict[str, Any] | None:
     """The newest finished run under ``workdir``/results like this one (the same model
-    shape, method, adapter and device kind; not the run itself): its measured tokens/s
+    shape, method, adapter and device kind, or with ``any_method`` of any method and
+    adapter; not the run itself): its measured tokens/s
     (over all its devices) and its train job's time outside the steps (start-up, saving,
     export; a first job's one-time op builds left out), from its provenance and shard
     manifest. None: no such run yet."""
@@ -53,8 +57,8 @@ def calibration(
             continue
         same = (
             same_shape(shape_of(model), shape)
-            and method_of(spec) is method_of(run)
-            and method_of(spec).adapter_of(spec) == kind
+            and (any_method or method_of(spec) is method_of(run))
+            and (any_method or method_of(spec).adapter_of(spec) == kind)
             and (record["device"] == "cpu") == (gpu is None)
             and spec.get("gpu", gpu) == gpu
         )
@@ -63,7 +67,7 @@ def calibration(
         rows = split_rows(read_jsonl(prov.parent / "metrics.jsonl"))[0]
         if not rows:
             continue
-        figures = measured(other, record, spec, manifest, rows)
+        figures = {**measured(other, record, spec, manifest, rows), "method": spec["method"]}
         figures["outside_s"] += before_launcher(workdir, other, seg)
         found.append((prov.stat().st_mtime, figures))
     return max(found, key=lambda f: f[0])[1] if found else None
@@ -160,3 +164,175 @@ def calibration_config(config: dict[str, Any], name: str, steps: int) -> dict[st
         run.pop(key, None)
     run["max_steps"] = steps
     return {**copy.deepcopy(config), "runs": {name + CALIBRATION: run}}
+
+
+def from_other_method(
+    config: dict[str, Any],
+    name: str,
+    workdir: Path,
+    shape: Any,
+    steps: dict[str, Any],
+    measured: tuple[float, float] | None,
+    cal: dict[str, Any],
+) -> dict[str, Any]:
+    """The train stage of a run whose only calibration is a finished run of another method
+    on the same model and device kind (``cal``): a step's update over its sequences' tokens
+    at the calibration's seconds a token, the passes that only score them (a live reference,
+    teacher or reward models) at a third of that for each of their weights against the
+    model's, and its generation (a method that generates) as rates.decode_step plans it (on
+    a CPU, generate()'s floor). ``measured``: a step's examples' tokens (the tokenized
+    set's, or its rows' text before it; None: every sequence at max_length, at most)."""
+    from snaketune.budget.rates import decode_step
+    from snaketune.budget.scoring import held_params
+    from snaketune.methods import method_of
+
+    run = config["runs"][name]
+    facts = method_of(run).memory(run, True)
+    per, rows = steps["per_step"], method_of(run).rows_per_example(run)
+    completion = facts.get("completion_length", 0)
+    each = (
+        measured[0] / per if measured else run["max_length"] * facts.get("sequences_per_example", 1)
+    )
+    # an example's tokens; a generating one's prompt beside each of its rows' completions
+    tokens = per * rows * (each + completion) if completion else per * each
+    devices = run["nodes"] * run["gpus_per_node"]
+    rate = cal["tokens_per_s"] * (1 if cal["device"] == "cpu" else devices / cal["devices"])
+    # (a CPU run's emulated nodes share this machine's cores: its rate is the machine's)
+    update = tokens / rate
+    scored = sum(held_params(config, run, workdir).values())
+    scored += shape.active_params if facts.get("reference") else 0
+    scoring = tokens * scored / shape.active_params / (3 * rate)
+    gpu = run.get("gpu", config.get("gpu"))
+    step, bound = decode_step(shape, run["micro_batch_size"], None if gpu is None else str(gpu))
+    decode = run["gradient_accumulation_steps"] * completion  # on each device
+    generation = facts.get("generated_share", 1.0) * decode * step if completion else 0.0
+    return {
+        "train_s": steps["steps"] * (update + scoring + generation),
+        "basis": (
+            cal.get("said")
+            or f"calibrated from run {cal['run']} of method {cal['method']} (its "
+            f"{cal['tokens_per_s']:,.0f} tokens/s)"
+        )
+        + f": a step's update {update:.2f} s over "
+        f"{tokens:,.0f} tokens"
+        + (f", scoring {scoring:.2f} s" if scoring else "")
+        + (
+            f", generation {generation:.2f} s ({decode} decode steps of {step * 1e3:.1f} ms: "
+            f"{bound})"
+            if generation
+            else ""
+        )
+        + ("" if measured else "; every sequence at max_length until the data is readable"),
+    }
+
+
+def cpu_stages(
+    config: dict[str, Any],
+    name: str,
+    shape: Any,
+    steps: dict[str, Any],
+    examples: int | None,
+    rules: Any,
+) -> dict[str, dict[str, Any]]:
+    """A CPU run's own stages besides training where no finished run measured them: each a
+    process's start (rates.JOB_START_S; the shard job's DATA_JOB_START_S) and its work, the
+    bytes at the disk rate; an evaluation's generations as decode steps at generate()'s CPU
+    floor (a text set: none), its loss pass at the CPU's assumed rate: ``examples`` (its
+    eval set's rows scored) for each of its evaluate ``rules``. Seconds; no GPU-hours."""
+    import math
+
+    from snaketune.budget import rates
+    from snaketune.data.formats import components
+    from snaketune.data.kinds import kind_of_sources
+    from snaketune.methods import method_of
+    from snaketune.plan.runspec import merged
+
+    run, disk = config["runs"][name], rates.DISK_MB_S * rates.MB
+    size = shape.params * 4  # fp32 on a CPU
+    out = {}
+    epoch = steps.get("tokens") or steps["per_step"] * run["max_length"] * steps.get(
+        "steps_per_epoch", steps["steps"]
+    )
+    out["shard_dataset"] = rates.stage(
+        rates.DATA_JOB_START_S + epoch * 16 / disk,
+        0,
+        "a data job's start, its tokens at the disk rate",
+    )
+    lora = method_of(run).adapter_of(run) == "lora"
+    out["convert_checkpoint"] = rates.stage(
+        rates.JOB_START_S + (0 if lora else shape.params * 6 / disk), 0, "a job's start (assumed)"
+    )
+    if lora and merged(run):
+        out["merge_lora"] = rates.stage(
+            rates.JOB_START_S + 2 * size / disk, 0, "a job's start, the model read and written"
+        )
+    if "eval_dataset" not in run or examples is None:
+        return out
+    specs = (config["datasets"][p["name"]] for p in components(config, run["eval_dataset"]))
+    loss = examples * run["max_length"] / rates.cpu_tokens_per_s(shape, "lora") / 3
+    seconds = rates.JOB_START_S + size / disk + loss
+    said = f"a job's start, {examples} rows' loss at the CPU's assumed rate"
+    if kind_of_sources(specs).generates:
+        step, _ = rates.decode_step(shape, run["eval"]["batch_size"], None)
+        decode = math.ceil(examples / run["eval"]["batch_size"]) * run["eval"]["max_new_tokens"]
+        seconds += decode * step
+        said += f", {decode} decode steps of {step * 1e3:.1f} ms (generate()'s CPU floor)"
+    for rule in rules:
+        out[rule] = rates.stage(seconds, 0, said)
+    return out
+
+
+def rows_text_tokens(
+    config: dict[str, Any], name: str, workdir: Path, per: int
+) -> tuple[float, float] | None:
+    """Before tokenization, a step's tokens as the tokenize plan counts its rows' text (4
+    bytes a token, a chat row at most max_length; snaketune.budget.tokenizeplan.tokens_of),
+    attention at most each row's tokens x max_length; None where the rows cannot be read."""
+    from snaketune.budget.tokenizeplan import tokens_of
+
+    run = config["runs"][name]
+    counted = tokens_of(config, run["dataset"], run["max_length"], workdir)
+    if counted is None or not counted[1]:
+        return None
+    mean = counted[0] / counted[1] * per
+    return mean, mean * run["max_length"]
+
+
+def cpu_assumed(
+    config: dict[str, Any],
+    name: str,
+    workdir: Path,
+    shape: Any,
+    steps: dict[str, Any],
+    rough: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """A CPU run's train stage with no calibration: its update at this machine's assumed
+    rate (rates.cpu_tokens_per_s), its scoring and generation as a run of another method
+    calibrates them (calibrate.from_other_method), start-up and saving assumed. None for a
+    run that has finished here (a run is not its own calibration)."""
+    from snaketune.budget.rates import cpu_tokens_per_s, outside_steps
+    from snaketune.methods import method_of
+
+    run = config["runs"][name]
+    if (workdir / "results" / name / "train/provenance.json").is_file():
+        return {  # its estimate is kept beside its time
+            "basis": f"no estimate: run {name} has finished here (its time is in its "
+            "provenance), and no other run of this model has to calibrate from"
+        }
+    kind = method_of(run).adapter_of(run)
+    rate = cpu_tokens_per_s(shape, kind)
+    said = (
+        f"not calibrated: this CPU's assumed {rate:,.0f} tokens/s for a {kind} update of "
+        "this model (a short run calibrates it: max_steps: 20)"
+    )
+    out = from_other_method(
+        config,
+        name,
+        workdir,
+        shape,
+        steps,
+        rough,
+        {"said": said, "tokens_per_s": rate, "device": "cpu"},
+    )
+    outside, why = outside_steps(run, shape, steps["steps"], kind)
+    return {**out, "outside_s": outside, "basis": f"{out['basis']}; {why}"}

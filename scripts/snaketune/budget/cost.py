@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget import rolloutcost
-from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE, update_seconds
+from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE, outside_steps, update_seconds
 
 FEW = 10  # fewer optimizer steps than this in all: warned about
 # torch's c10d rendezvous: an agent waiting for the others polls once a second
@@ -201,6 +201,19 @@ def tokens_per_step(
     return mean * per, square * per
 
 
+def step_tokens(
+    config: dict[str, Any], name: str, workdir: Path, steps: dict[str, Any]
+) -> tuple[float, float] | None:
+    """A step's tokens and squared tokens: the tokenized set's, else before tokenization a
+    text set's rows' mean (a sample's, a stated size's), attention at most each row's tokens
+    x max_length; None where not known."""
+    measured = tokens_per_step(config, name, workdir, steps["per_step"])
+    if measured is None and steps.get("tokens"):
+        mean = steps["tokens"] / steps["examples"] * steps["per_step"]
+        measured = (mean, mean * config["runs"][name]["max_length"])
+    return measured
+
+
 def estimate(
     config: dict[str, Any], name: str, workdir: Path, shape: Any, steps: dict[str, Any]
 ) -> dict[str, Any]:
@@ -209,7 +222,13 @@ def estimate(
     calibrated from a finished run like it (``calibration``), else for a GPU run its FLOPs
     at an assumed MFU (a run that generates while it trains: budget.rolloutcost, a step's
     generation, scoring and update); none for a CPU run without a calibration."""
-    from snaketune.budget.calibrate import calibration, stage_seconds
+    from snaketune.budget.calibrate import (
+        calibration,
+        cpu_assumed,
+        from_other_method,
+        rows_text_tokens,
+        stage_seconds,
+    )
     from snaketune.data.kinds import kind_named
     from snaketune.methods import method_of
 
@@ -220,36 +239,35 @@ def estimate(
         return {"basis": "no estimate: the steps are not counted yet"}
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
     cal = calibration(config, name, workdir, shape)
-    measured = tokens_per_step(config, name, workdir, steps["per_step"])
-    if measured is None and steps.get("tokens"):  # before tokenization: the rows' mean
-        mean = steps["tokens"] / steps["examples"] * steps["per_step"]
-        measured = (mean, mean * run["max_length"])  # attention at most: rows' length x max
+    measured = step_tokens(config, name, workdir, steps)
+    rough = measured or rows_text_tokens(config, name, workdir, steps["per_step"])
     if cal is not None:
         scale = 1 if cal["device"] == "cpu" else devices / cal["devices"]  # per GPU
-        if generates or measured is None:  # generation: by the step
+        if generates or rough is None:  # generation: by the step
             step_s = cal["step_s"] * steps["per_step"] / cal["per_step"] / scale
         else:
-            step_s = measured[0] / (cal["tokens_per_s"] * scale)
+            step_s = rough[0] / (cal["tokens_per_s"] * scale)
         out = {
             "train_s": steps["steps"] * step_s,
             "outside_s": cal["outside_s"] + startup_change(cal, run),
             "basis": f"calibrated from run {cal['run']}",
         }
-    elif gpu is None:
-        done = (workdir / "results" / name / "train/provenance.json").is_file()
-        return {  # a run is not its own calibration: its estimate is kept beside its time
-            "basis": f"no estimate: run {name} has finished here (its time is in its "
-            "provenance), and no other run of this model and method has to calibrate from"
-            if done
-            else "no estimate: no finished run of this model and method on this "
-            "machine to calibrate from (a short run calibrates it: max_steps: 20)"
-        }
+    elif (other := calibration(config, name, workdir, shape, any_method=True)) is not None:
+        out = from_other_method(config, name, workdir, shape, steps, rough, other)
+        out["outside_s"] = other["outside_s"] + startup_change(other, run)
+        cal = other  # its other stages too: the same model's
+    elif gpu is None:  # a CPU run, uncalibrated: this machine's assumed rate
+        out = cpu_assumed(config, name, workdir, shape, steps, rough)
+        if "train_s" not in out:
+            return out
     else:  # a GPU run, uncalibrated: its FLOPs; generating, a step's three parts
         out = (rolloutcost.estimate if generates else from_flops)(
             config, name, workdir, shape, steps, measured, str(gpu)
         )
         if "train_s" not in out:
             return out
+        outside, said = outside_steps(run, shape, steps["steps"], method.adapter_of(run))
+        out.update(outside_s=outside, basis=f"{out['basis']}; {said}")
     out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
     out["gpu_hours"] = out["wall_s"] * devices / 3600 if gpu is not None else None
     if cal is not None:  # the other stages of the run, as the calibration's took
@@ -329,7 +347,7 @@ def format_estimate(name: str, e: dict[str, Any], devices: int) -> str:
     if "wall_s" not in e:
         return f"{name}: train time: {e['basis']}"
     outside = (
-        f", {e['outside_s']:.0f} s of it start-up and saving"
+        f", {duration(e['outside_s'])} of it start-up and saving"
         if e["outside_s"]
         else ", start-up and saving not counted (a calibration measures them)"
     )

@@ -31,6 +31,22 @@ FLOOR_SOURCE = {
     "cpu": "bench/decode_floor.py",
     "gpu": "transformers' benchmark of gemma-2b in eager mode, 19.7 ms a token",
 }
+# a train job's start-up besides loading its weights, where no calibration measured it: the
+# demo's train job on this project's machine (2 cores, 2026-12-06): its workers' imports,
+# DeepSpeed's engine and the rendezvous, 21.2 s from its launcher's start to its first step
+STARTUP_S = 21.2
+# a CPU run's training where no calibration measured it: a step's seconds a token, a fixed
+# part (Python, the collectives, the optimizer) and one per FLOP of its update, fitted to
+# two trainings on this project's machine (2 cores): the demo's LoRA on its tiny model (0.64
+# MFLOP a token, 15,700 tokens/s over its 2 emulated nodes) and bench/train_throughput.py's
+# full fine-tune of a 13M Llama (80 MFLOP a token, 1,535 tokens/s)
+CPU_S_PER_TOKEN = 59e-6
+CPU_FLOP_S = 1.35e11
+# a CPU stage's process before its work, where no calibration measured it: importing
+# torch, transformers and peft on this project's machine, bench/import_cost.py's 9.9-11.5
+# CPU-seconds (docs/benchmarks.md); a data job (pyarrow and numpy alone) about 2 s
+JOB_START_S = 10.0
+DATA_JOB_START_S = 2.0
 HBM_TB_S = {  # datasheets; most specific first
     "H200": 4.8,
     "H100 PCIe": 2.0,
@@ -63,18 +79,21 @@ def bandwidth(gpu: str) -> float | None:
     return None
 
 
-def decode_step(shape: Any, batch: int, gpu: str | None) -> tuple[float, str]:
+def decode_step(shape: Any, batch: int, gpu: str | None, server: bool = False) -> tuple[float, str]:
     """One decode step of ``generate()`` for ``batch`` sequences on one device, and what
     bounds it: the largest of every weight read at DECODE_SHARE of the GPU's memory
     bandwidth, its FLOPs (2 a weight a sequence) at the peak times FORWARD_MFU, and the
     floor of its layers launched from Python (DECODE_FLOOR_S). ``gpu`` None: this CPU,
-    the floor alone (a CPU run's bytes and FLOPs are its calibration's to say)."""
+    the floor alone (a CPU run's bytes and FLOPs are its calibration's to say). ``server``:
+    vLLM generates (CUDA graphs, continuous batching): no launch floor, its bytes and FLOPs."""
     from snaketune.core.throughput import peak_tflops
 
     where = "cpu" if gpu is None else "gpu"
     per_layer, per_step = DECODE_FLOOR_S[where]
     floor = shape.layers * per_layer + per_step
     bounds = {f"the floor of {shape.layers} layers launched ({FLOOR_SOURCE[where]})": floor}
+    if server and gpu is not None:  # its graphs replay a step's kernels at once
+        bounds = {"vLLM: no launch floor": 0.0}
     if gpu is not None:
         bw, peak = bandwidth(gpu), peak_tflops(str(gpu).upper())
         if bw is not None:
@@ -107,3 +126,28 @@ def update_seconds(
     n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
     flops = step_flops(n, tokens, squares, shape.layers, shape.hidden, kind == "lora")
     return flops / (devices * peak * 1e12 * ASSUMED_MFU[kind])
+
+
+def outside_steps(run: dict[str, Any], shape: Any, steps: int, kind: str) -> tuple[float, str]:
+    """A train job's seconds outside its steps where no calibration measured them: its
+    start-up (STARTUP_S and its weights read at DISK_MB_S) and its checkpoints, each written
+    at DISK_MB_S by one writer (at most: ranks write their shares side by side): a full
+    fine-tune's bf16 weights and fp32 master weights and Adam moments, 14 bytes a weight; a
+    LoRA's adapter, seconds."""
+    load = weight_bytes(shape) / (DISK_MB_S * MB)
+    saves = steps // run["save_steps"] + (steps % run["save_steps"] > 0)
+    each = 14 * shape.params / (DISK_MB_S * MB) if kind == "full" else 0.0
+    said = f"start-up {STARTUP_S + load:.0f} s (assumed, the weights read at the disk rate)"
+    if each:
+        said += f", {saves} checkpoint(s) of {each:.0f} s (14 bytes a weight at the disk rate)"
+    return STARTUP_S + load + saves * each, said
+
+
+def cpu_tokens_per_s(shape: Any, kind: str) -> float:
+    """The tokens/s a CPU run's update is assumed to train at (CPU_S_PER_TOKEN, CPU_FLOP_S):
+    its FLOPs a token as update_seconds counts them (attention's apart)."""
+    from snaketune.core.throughput import step_flops
+
+    n = shape.active_params - (0 if shape.tied else shape.vocab * shape.hidden)
+    flops = step_flops(n, 1, 0, shape.layers, shape.hidden, kind == "lora")
+    return 1 / (CPU_S_PER_TOKEN + flops / CPU_FLOP_S)

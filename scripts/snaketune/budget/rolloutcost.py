@@ -9,8 +9,8 @@ run) replaces it, as for every method.
   decode step as rates.decode_step plans it: the largest of the student's weights read at
   rates.DECODE_SHARE of the GPU's memory bandwidth, its FLOPs, and the floor of
   transformers' ``generate()`` launching each layer's kernels from Python (rates.
-  DECODE_FLOOR_S: a 1B model's step is that floor, not its bytes; vLLM, where on, is
-  faster).
+  DECODE_FLOOR_S: a 1B model's step is that floor, not its bytes); where vLLM generates
+  (``use_vllm``, installed) its CUDA graphs have no such floor: the bytes and FLOPs alone.
   On-policy distillation generates only on its on-policy share of steps (``lmbda``).
 - **Scoring**: a forward pass (2 FLOPs a weight a token, at rates.FORWARD_MFU) of each model
   the step holds besides the student over the step's sequences: the needs' held weights
@@ -73,7 +73,10 @@ def step_parts(
 
     share = facts.get("generated_share", 1.0)
     decode_steps = run["gradient_accumulation_steps"] * completion  # on each GPU
-    step_s, bound = decode_step(shape, run["micro_batch_size"], str(gpu))
+    from snaketune.data.kernels import installed
+
+    server = bool(facts.get("vllm_share")) and installed("vllm")  # vLLM generates
+    step_s, bound = decode_step(shape, run["micro_batch_size"], str(gpu), server)
     generation = share * decode_steps * step_s
 
     scored = sum(held_params(config, run, workdir).values())

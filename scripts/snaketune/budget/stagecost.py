@@ -213,6 +213,12 @@ def run_stages(
         out["train"] = stage(train["wall_s"], devices, train["basis"])
     if "stages" in train:
         out.update(calibrated_stages(config, name, train["stages"], train["calibrated_from"]))
+    elif gpu is None and "wall_s" in train:  # a CPU run before a calibration
+        from snaketune.budget.calibrate import cpu_stages
+
+        examples = eval_examples(config, run, workdir) if "eval_dataset" in run else None
+        rules = evaluate_rules(config, name) if "eval_dataset" in run else {}
+        out.update(cpu_stages(config, name, shape, steps, examples, rules))
     elif gpu is not None and "per_step" in steps:
         measured = tokens_per_step(config, name, workdir, steps["per_step"])
         if measured is not None:
