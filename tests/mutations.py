@@ -397,6 +397,27 @@ MUTATIONS = (
         ("tests/test_toolcalls.py::test_a_tool_call_rows_calls_and_answers_are_trained_and_its_tool_results_are_not",),
     ),
     Mutation(
+        "falsy-argument-dropped", "a tool call's argument that is present but falsy (0, \"\", false) dropped with Arrow's nulls: add(a=0, b=3) trains as add(b=3)",
+        f"{LIB}/data/toolcalls.py",
+        "            arguments = {key: v for key, v in arguments.items() if v is not None}\n",
+        "            arguments = {key: v for key, v in arguments.items() if v}\n",
+        ("tests/test_toolcalls.py::test_an_argument_present_but_falsy_is_kept_where_a_null_is_dropped",),
+    ),
+    Mutation(
+        "falsy-value-downloaded-away", "the download's struct cleaning drops a falsy value with the nulls Arrow filled in",
+        f"{LIB}/data/sources.py",
+        "        kept = {k: _no_empty(v) for k, v in value.items() if v is not None}\n",
+        "        kept = {k: _no_empty(v) for k, v in value.items() if v}\n",
+        ("tests/test_toolcalls.py::test_an_argument_present_but_falsy_is_kept_where_a_null_is_dropped",),
+    ),
+    Mutation(
+        "picture-set-by-prefix", "the disk plan takes any tokenized set whose name starts with the dataset and model for the run's own (another model's, or another max_length's)",
+        f"{LIB}/budget/pictureplan.py",
+        '            "tokenized": parts.exists(root / tokenized(config, name, key == "eval_dataset")),\n',
+        '            "tokenized": any((root / "results/tokenized").glob(f"{dataset}__{run[\'model\']}__*/data.parquet")),\n',
+        ("tests/test_pictures.py::test_the_disk_plan_counts_the_pictures_the_tokenized_files_and_shards_will_hold",),
+    ),
+    Mutation(
         "hung-tool-blocks", "a tool that hangs holds its rank until it returns (no time limit in effect)",
         f"{LIB}/tools/toolrunner.py",
         "        if not self._conn.poll(self.timeout_s):",

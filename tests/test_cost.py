@@ -170,6 +170,14 @@ def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():
     assert float(stated["DISK_MB_S"]) == rates.DISK_MB_S
     assert float(stated["DECODE_SHARE"]) / 100 == rates.DECODE_SHARE
     assert float(stated["FORWARD_MFU"]) / 100 == pytest.approx(rates.FORWARD_MFU, abs=5e-4)
+    per_layer, per_step = rates.DECODE_FLOOR_S["cpu"]
+    assert (f"| `DECODE_FLOOR_S` | {per_layer * 1e3:.2f} ms a layer + {per_step * 1e3:.1f} ms a "
+            f"step (CPU); {rates.DECODE_FLOOR_S['gpu'][0] * 1e3:.2f} ms a layer (GPU) |") in text  # fmt: skip
+    assert f"| `STARTUP_S` | {rates.STARTUP_S:g} s," in text
+    assert (f"| `CPU_S_PER_TOKEN`, `CPU_FLOP_S` | {rates.CPU_S_PER_TOKEN * 1e6:g} us a token, "
+            f"{rates.CPU_FLOP_S / 1e9:g} GFLOP/s |") in text  # fmt: skip
+    assert (f"| `JOB_START_S`, `DATA_JOB_START_S` | {rates.JOB_START_S:g} s, "
+            f"{rates.DATA_JOB_START_S:g} s |") in text  # fmt: skip
 
 
 @pytest.mark.parametrize("rows, run, said", [

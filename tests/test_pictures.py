@@ -633,19 +633,26 @@ def test_lora_adapts_the_language_model_alone_unless_adapt_vision_says_so(tmp_pa
         assert planned == trainable, (vision, planned, trainable)
 
 
-def test_the_disk_plan_counts_the_pictures_the_tokenized_files_and_shards_will_hold(tmp_path):
+def test_the_disk_plan_counts_the_pictures_the_tokenized_files_and_shards_will_hold(
+    tmp_path, monkeypatch
+):
     """A local picture set, downloaded: its pictures (the files its rows name, summed here
     from the folder) count once for the training set's tokenized file, once for its shards
-    and once for the held-out set's tokenized file, each until it is written; a text run
+    and once for the held-out set's tokenized file, each until it is written (this run's
+    own set: a set of the same dataset for another model, whose name starts like it, or at
+    another max_length, is not it; nor is a set in parts not all written); a text run
     counts none."""
     import pyarrow as pa
 
     from snaketune.budget.diskplan import format_disk
     from snaketune.budget.pictureplan import picture_bytes
+    from snaketune.plan.config import validate_config
+    from snaketune.plan.stages import tokenized
 
     w = tmp_path
     make_picture_data(w / "resources/pics")
-    config = picture_config()
+    monkeypatch.chdir(w)
+    config = validate_config(picture_config(), ROOT)
     raw = {}
     for name, split in (("pics", "train"), ("pics_test", "test")):
         rows = [
@@ -661,8 +668,15 @@ def test_the_disk_plan_counts_the_pictures_the_tokenized_files_and_shards_will_h
     assert picture_bytes(config, "see", w) == pytest.approx(2 * raw["pics"] + raw["pics_test"])
     (w / "results/see/shards").mkdir(parents=True)
     assert picture_bytes(config, "see", w) == pytest.approx(raw["pics"] + raw["pics_test"])
-    (w / "results/tokenized/pics__vlm__0123/data.parquet").parent.mkdir(parents=True)
-    (w / "results/tokenized/pics__vlm__0123/data.parquet").write_bytes(b"")
+    for neighbour in ("pics__vlm__big__0123", "pics__vlm__4567"):  # model vlm__big; max_length
+        (w / "results/tokenized" / neighbour).mkdir(parents=True)
+        pq.write_table(
+            pa.table({"length": [1]}), w / "results/tokenized" / neighbour / "data.parquet"
+        )
+    assert picture_bytes(config, "see", w) == pytest.approx(raw["pics"] + raw["pics_test"])
+    own = w / tokenized(config, "see")
+    own.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"length": [1]}), own)
     assert picture_bytes(config, "see", w) == pytest.approx(raw["pics_test"])
     text = {**config, "datasets": {k: {**v, "columns": {}} for k, v in config["datasets"].items()}}
     assert picture_bytes(text, "see", tmp_path / "nothing") == 0

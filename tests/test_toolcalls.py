@@ -337,6 +337,23 @@ def test_tools_and_calls_read_each_edge_of_their_values():
     )
 
 
+@pytest.mark.parametrize("falsy", [0, 0.0, "", False, []])
+def test_an_argument_present_but_falsy_is_kept_where_a_null_is_dropped(falsy):
+    """``add(a=<falsy>, b=3)`` as a row holds it (a dict with Arrow's null filler beside,
+    or JSON text), and as the download writes it back (sources._no_empty): ``a`` kept with
+    its value, only the null left out; dropping it with the nulls would train add(b=3)."""
+    from snaketune.data import toolcalls as tc
+    from snaketune.data.sources import _no_empty
+
+    want = {"a": falsy, "b": 3}
+    for arguments in ({"a": falsy, "b": 3, "c": None}, json.dumps({"a": falsy, "b": 3})):
+        got = json.loads(
+            tc.calls_of({"tool_calls": [{"name": "add", "arguments": arguments}]}, "w")
+        )
+        assert got[0]["function"]["arguments"] == want, arguments
+    assert _no_empty({"a": falsy, "b": 3, "c": None}) == want
+
+
 def call_turn(*names: str) -> tuple:
     calls = [{"type": "function", "function": {"name": n, "arguments": {"x": "é"}}} for n in names]
     return ("assistant", "", None, json.dumps(calls))

@@ -21,7 +21,9 @@ SAMPLED = 1000  # rows of a local set whose named pictures are measured
 
 def picture_bytes(config: dict[str, Any], name: str, root: Path) -> float:
     """Bytes run ``name``'s pictures will take in the files not written yet (0 for text)."""
+    from snaketune.core import parts
     from snaketune.data.formats import components, has_pictures
+    from snaketune.plan.stages import tokenized
 
     run = config["runs"][name]
     total = 0.0
@@ -30,9 +32,8 @@ def picture_bytes(config: dict[str, Any], name: str, root: Path) -> float:
         if dataset is None or not has_pictures(config, dataset):
             continue
         raw = sum(downloaded_bytes(config, c["name"], root) for c in components(config, dataset))
-        tokenized = root / "results/tokenized"
-        written = {
-            "tokenized": any(tokenized.glob(f"{dataset}__{run['model']}__*/data.parquet")),
+        written = {  # this run's own set (its key), not another model's or length's beside it
+            "tokenized": parts.exists(root / tokenized(config, name, key == "eval_dataset")),
             "shards": (root / "results" / name / "shards").is_dir(),
         }
         total += raw * sum(not written[c] for c in copies)
