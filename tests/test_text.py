@@ -532,7 +532,8 @@ def test_a_corpus_s_rows_before_tokenization_are_within_10_percent_from_a_sample
     """Before tokenization the plan reads the first part of the source and tokenizes it
     with the run's tokenizer (snaketune.plan.corpus): a long document is several rows. Its
     estimate from a sample of about a fifth of each corpus against the rows the tokenize
-    job writes: within 10% (a document counted as one row was 16x off on a code corpus)."""
+    job writes, and its tokens against theirs: within 10% (a document counted as one row was
+    16x off on a code corpus)."""
     from snaketune.plan.corpus import sample
 
     docs = _real_corpora().get(corpus)
@@ -551,6 +552,9 @@ def test_a_corpus_s_rows_before_tokenization_are_within_10_percent_from_a_sample
     print(f"{corpus}: {len(docs)} documents, {truth.rows} rows at max_length {max_length}; "
           f"estimated {estimate} from {found.read / size:.0%} of it ({error:+.1%})")  # fmt: skip
     assert abs(error) < 0.10, (corpus, max_length, estimate, truth.rows)
+    tokens = found.source_tokens() / truth.tokens - 1  # the plan's tokens a step and in all
+    print(f"{corpus}: {truth.tokens} tokens, estimated {found.source_tokens():.0f} ({tokens:+.1%})")
+    assert abs(tokens) < 0.10, (corpus, found.source_tokens(), truth.tokens)
     if corpus != "paragraphs":  # long works: far more rows than documents
         assert truth.rows > 1.5 * len(docs)
     whole = sample(path, "text", tiny_model, max_length, limit=size + 1)

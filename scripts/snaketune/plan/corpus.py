@@ -44,6 +44,10 @@ class Sample:
         extra = (self.rows - self.documents) * self.total / max(self.read, 1)
         return round(documents + extra)
 
+    def source_tokens(self) -> float:
+        """The source's tokens: the sample's, at its rate per byte of the source."""
+        return self.tokens if self.whole else self.tokens * self.total / max(self.read, 1)
+
 
 def tokenizer_of(model_dir: Path):
     """The fast tokenizer of a model folder (no torch, no transformers), the ids it puts
@@ -261,8 +265,7 @@ def run_rows(
                 read + found.text_bytes,
                 docs + found.documents,
             )
-            share = 1 if found.whole else found.total / max(found.read, 1)
-            tokens = None if tokens is None else tokens + weight * found.tokens * share
+            tokens = None if tokens is None else tokens + weight * found.source_tokens()
         elif spec.get("format") == "text" and size and size.get("tokens"):
             rows = stated_rows(documents, size["tokens"], length)
             tokens = None if tokens is None else tokens + weight * size["tokens"]
