@@ -1019,3 +1019,32 @@ def test_a_decode_step_is_its_bytes_its_flops_or_generate_s_floor():
     step, why = decode_step(big, 8, "h100-80gb", server=True)
     assert step == pytest.approx(LLAMA_8B_PARAMS * 2 / (3.35e12 * 0.5))
     assert why == "the weights read at the memory bandwidth"
+
+
+def test_a_cpu_run_s_other_stages_before_a_calibration_are_worked_out_by_hand(tmp_path):
+    """A CPU LoRA run with no calibration: its shard job's start (2 s) and an epoch's tokens
+    at 16 bytes each at 500 MB/s; conversion a job's start (10 s: the adapter alone); the
+    merge a job's start and the fp32 model read and written; its evaluation a job's start,
+    the fp32 model read, the 50 rows' loss at a third of the CPU's assumed rate (every row
+    max_length) and 7 batches of 256 decode steps at generate()'s CPU floor (32 layers)."""
+    from snaketune.budget import stagecost as sc
+    from snaketune.budget.cost import estimate, steps_of
+
+    config = config_with(tmp_path, 1000, eval_dataset="e")
+    shape = Shape.from_config(LLAMA_8B)
+    s = steps_of(config, "x", tmp_path)
+    c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s), tmp_path)
+    stages, fp32 = c["stages"], LLAMA_8B_PARAMS * 4
+    assert list(stages) == ["shard_dataset", "train", "convert_checkpoint", "merge_lora",
+                            "evaluate"]  # fmt: skip
+    epoch = s["per_step"] * 256 * s["steps_per_epoch"]  # before tokenization: max_length
+    assert stages["shard_dataset"]["s"] == pytest.approx(2 + epoch * 16 / 500e6)
+    assert stages["convert_checkpoint"]["s"] == 10
+    assert stages["merge_lora"]["s"] == pytest.approx(10 + 2 * fp32 / 500e6)
+    n = LLAMA_8B_PARAMS - 128256 * 4096  # the input embedding: a lookup
+    rate = 1 / (59e-6 + 4 * n / 1.35e11)
+    loss = 50 * 256 / rate / 3
+    decode = 7 * 256 * (32 * 0.46e-3 + 0.8e-3)  # 50 rows, 8 a batch (the schema's default)
+    assert config["runs"]["x"]["eval"]["batch_size"] == 8
+    assert stages["evaluate"]["s"] == pytest.approx(10 + fp32 / 500e6 + loss + decode, rel=1e-4)
+    assert all(v["gpu_hours"] is None for v in stages.values())
