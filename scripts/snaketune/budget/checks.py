@@ -1,13 +1,13 @@
 """The checks a user needs before anything runs: one function each, two doors.
 
-``at_parse`` is what the Snakefile runs when it reads the config, and what
-``snaketune validate`` runs: the schema and the cross-key checks (every bad entry at once),
-local paths (every missing one at once), the first rows of each dataset a run reads
-(snaketune.data.peek), the working directory, a run moved to another node count, the
-tokenize and base-evaluation plans. ``before_queueing`` is what the
-workflow runs once it knows which jobs it will run, in a real run (``onstart``) and in a
-dry run alike: the memory and disk plans of the runs about to train, lm-eval's task
-names, and on SLURM every job's resources against its partition.
+``at_parse`` is what the Snakefile runs when it reads the config, and what ``snaketune
+validate`` runs: the schema and the cross-key checks (every bad entry at once), local paths
+(every missing one at once), the first rows of each dataset a run reads (snaketune.data.peek),
+the working directory, a run moved to another node count, the tokenize and base-evaluation
+plans. ``before_queueing`` is what the workflow runs once it knows which jobs it will run,
+in a real run (``onstart``) and in a dry run alike: the memory and disk plans of the runs
+about to train, lm-eval's task names, and on SLURM every job's resources against its
+partition; a real run keeps each train estimate once nothing is refused.
 
     snaketune validate my.yaml          # at_parse, from any directory
     snakemake --profile P -n            # at_parse, then before_queueing, nothing run
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snaketune.budget.planlines import check_steps
+from snaketune.budget.planlines import check_steps, keep_all
 from snaketune.budget.scoring import STAGES as SCORING_STAGES
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
 from snaketune.methods.needs import NEEDS
@@ -206,22 +206,22 @@ def before_queueing(
         job.wildcards["run"]: job.resources.get("runtime") for job in jobs if job.rule == "train"
     }
     shapes = {name: readable_shape(config, config["runs"][name], workdir) for name in training}
-    found += check_steps(config, shapes, workdir, runtime, record)
+    found += check_steps(config, shapes, workdir, runtime, estimates := [] if record else None)
     for name in training:  # what changed since a run's last training, by key
         for line in changed_settings(config, name, workdir)[:MAX_CHANGES]:
             print(f"plan: {name}: retrains: {line}", file=sys.stderr)
     if not local_exec:
         found += check_partitions([job for job in jobs if not job.local])
+    if not found and estimates:  # nothing refused: each estimate kept for the summary
+        keep_all(estimates)
     return found
 
 
 def meant_for_slurm(jobs: list[Job]) -> bool:
-    """Whether the jobs are meant for SLURM, seen from a dry run (which runs every job
-    through Snakemake's dry-run executor, local to it): a job that names a SLURM partition
-    or account (the cluster profiles' default resources)."""
-    return any(
-        job.resources.get("slurm_partition") or job.resources.get("slurm_account") for job in jobs
-    )
+    """Whether the jobs are meant for SLURM, seen from a dry run (whose executor is local): a
+    job that names a SLURM partition or account (the cluster profiles' default resources)."""
+    named = ("slurm_partition", "slurm_account")
+    return any(job.resources.get(key) for job in jobs for key in named)
 
 
 # Jobs whose memory (mem_mb) is checked against their stage's plan before queueing: the

@@ -14,24 +14,17 @@ def check_steps(
     shapes: dict[str, Any],
     workdir: Path,
     runtime: dict[str, float] | None = None,
-    record: bool = False,
+    record: list[tuple[Path, dict[str, Any]]] | None = None,
 ) -> list[str]:
     """The check before queueing, of each run of ``shapes`` (its model's Shape, None where
     its config.json cannot be read yet): its steps, warnings and train estimate on stderr;
     a line per run the shard stage would refuse, or whose estimate needs more continuations
     of its train job (``runtime``: its time limit in minutes, by run) than
-    max_continuations allows. ``record`` (a real run, not a dry one): each estimate is kept
-    in results/<run>/estimate.json, which the summary and the report compare with what the
-    run took."""
+    max_continuations allows. ``record`` (a real run, not a dry one): each estimate and the
+    results/<run>/estimate.json to keep it in (the summary and the report compare it with
+    what the run took), appended for the caller to write once nothing is refused."""
 
-    from snaketune.budget.cost import (
-        ESTIMATE,
-        estimate,
-        format_estimate,
-        format_steps,
-        keep,
-        steps_of,
-    )
+    from snaketune.budget.cost import ESTIMATE, estimate, format_estimate, format_steps, steps_of
     from snaketune.budget.stagecost import costs_of, format_costs, format_pipeline
 
     found, costs = [], []
@@ -47,8 +40,8 @@ def check_steps(
             lines.append(format_estimate(name, e, run["nodes"] * run["gpus_per_node"]))
             costs.append(costs_of(config, name, shape, s, e, workdir))
             lines += format_costs(name, costs[-1])
-            if record and "wall_s" in e:
-                keep(workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]})
+            if record is not None and "wall_s" in e:
+                record.append((workdir / "results" / name / ESTIMATE, {**e, "steps": s["steps"]}))
             problem, said = continuations(name, run, e, (runtime or {}).get(name))
             if problem:
                 found.append(problem)
@@ -59,6 +52,14 @@ def check_steps(
     for line in format_pipeline(costs):
         print(f"plan: {line}", file=sys.stderr)
     return found
+
+
+def keep_all(estimates: list[tuple[Path, dict[str, Any]]]) -> None:
+    """Write each estimate check_steps recorded (snaketune.budget.cost.keep)."""
+    from snaketune.budget.cost import keep
+
+    for path, figures in estimates:
+        keep(path, figures)
 
 
 def continuations(
