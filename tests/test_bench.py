@@ -31,6 +31,7 @@ SHORT = {
     "dpo_reference.py": ["--steps", "4", "--pairs", "512"],  # step time: median of steps 2..n
     "eval_memory.py": ["--short"],
     "plan_matrix.py": ["--steps", "8"],
+    "tokenize_startup.py": [],
     "extension_cache.py": ["--rounds", "2"],  # builds the op 3 times and more: heavy
     "gpu_check.py": [],  # its CPU form is the short one (test_the_gpu_check_s_cpu_form_runs)
     "gpu_prepare.py": ["--dry-run"],  # the list of what to carry, nothing fetched

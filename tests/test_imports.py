@@ -174,3 +174,43 @@ def test_the_collector_is_off_while_an_entry_script_loads_and_what_stays_is_froz
     assert out["frozen"] >= 300_000, out
     assert out["on after"] and out["on after a raise"] and out["off stays off"], out
     assert out["garbage of the load kept, frozen"] and out["garbage made after collected"], out
+
+
+def test_a_tokenize_job_of_chat_rows_or_documents_imports_no_torch(tiny_model, tmp_path):
+    """A tokenize job's imports (scripts/tokenize_dataset.py's) and its work, on chat rows
+    and on documents, with a plain fast tokenizer (the fixture's class; Llama 3's
+    PreTrainedTokenizerFast): torch is never imported (transformers' AutoTokenizer imports
+    it through the model configs: 1.4 s in each of a corpus's 64 part jobs); the rows are
+    the ones AutoTokenizer's tokenizer makes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import ROOT
+    from transformers import AutoTokenizer
+
+    chat = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2 + 3?", "Name a colour."],
+                             "response": ["5", "Blue, like the sky."]}), chat)  # fmt: skip
+    docs = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["A short document.", "Another, longer one " * 9]}), docs)
+    code = f"""
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("job", {str(ROOT / "scripts/tokenize_dataset.py")!r})
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+from snaketune.data.conversations import Source
+from snaketune.data.tokenization import tokenize
+sources = {{"chat": ({str(chat)!r}, {{"format": "prompt_response"}}, 256),
+            "docs": ({str(docs)!r}, {{"format": "text"}}, 16)}}
+for name, (path, fmt, length) in sources.items():
+    spec = {{"source": "local", "path": path, **fmt}}
+    tokenize([Source(name, Path(path), spec)], Path({str(tiny_model)!r}),
+             Path({str(tmp_path)!r}) / (name + ".tok.parquet"), length)
+print(json.dumps({{"torch": "torch" in sys.modules}}))
+"""
+    assert json.loads(stdout_of(code).splitlines()[-1]) == {"torch": False}
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = pq.read_table(tmp_path / "docs.tok.parquet").to_pylist()
+    ids = [i for r in rows for i in r["input_ids"]]  # the documents' tokens, end-of-text after each
+    want = [i for t in ("A short document.", "Another, longer one " * 9)
+            for i in tok(t, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]]  # fmt: skip
+    assert ids == want

@@ -119,9 +119,23 @@ def add_end_of_turn(model_dir: Path) -> str | None:
     )
 
 
+# tokenizer_config.json's classes that are transformers' plain fast tokenizer, the class
+# AutoTokenizer makes of them: loaded as that class directly, which imports no torch
+# (AutoTokenizer's module imports the model configs, and they torch)
+PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: str | Path):
-    """The model's fast tokenizer (local files only)."""
-    from transformers import AutoTokenizer
+    """The model's fast tokenizer (local files only), the class AutoTokenizer makes: a
+    plain fast tokenizer without importing torch (a tokenize job has no use for it)."""
+    try:
+        named = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        named = {}
+    if named.get("tokenizer_class") in PLAIN_FAST:
+        from transformers import PreTrainedTokenizerFast as AutoTokenizer
+    else:
+        from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
