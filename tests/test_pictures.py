@@ -845,7 +845,9 @@ def test_the_picture_plan_measures_what_each_set_holds(tmp_path):
     (tmp_path / "resources/datasets/txt").mkdir(parents=True)
     pq.write_table(pa.table({"x": [1]}), tmp_path / "resources/datasets/txt/data.parquet")
     config["datasets"]["txt"] = text
-    config["runs"] = {"r": {"model": "m", "dataset": "txt", "eval_dataset": "mine"}}
+    config["models"] = {"m": {"source": "local", "path": "m"}}  # what the sets' keys read
+    config["runs"] = {"r": {"model": "m", "dataset": "txt", "eval_dataset": "mine",
+                            "max_length": 64, "overlong": "drop"}}  # fmt: skip
     assert pp.picture_bytes(config, "r", tmp_path) == size + 10  # the held-out set's, once
     config["runs"]["r"]["eval_dataset"] = None
     assert pp.picture_bytes(config, "r", tmp_path) == 0
