@@ -320,21 +320,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _cpu_line(config: dict, name: str, root: Path) -> str:
-    """The memory line of a run with no GPU type: all its processes on this machine's CPU,
-    as the checks before a local run say it (snaketune.budget.fit.check_runs)."""
-    from snaketune.budget.fit import (
-        check_cpu_run,
-        cpu_line,
-        held,
-        machine_memory_gib,
-        shape_and_deepspeed,
-    )
+    """The memory line of a run with no GPU type, as the checks before a local run say it."""
+    from snaketune.budget.fit import local_check, shape_and_deepspeed
     from snaketune.budget.modelfiles import find_config_json
 
     run = config["runs"][name]
     shape, deepspeed = shape_and_deepspeed(find_config_json(config, run, Path(".")), run, root)
-    held_weights = held(config, run, Path("."))
-    return cpu_line(name, check_cpu_run(shape, run, deepspeed, machine_memory_gib(), held_weights))
+    return local_check(config, name, shape, deepspeed, Path("."))[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

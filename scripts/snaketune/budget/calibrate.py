@@ -231,19 +231,17 @@ def cpu_stages(
     name: str,
     shape: Any,
     steps: dict[str, Any],
-    examples: int | None,
-    rules: Any,
+    evaluation: tuple[int | None, Any, bool],
 ) -> dict[str, dict[str, Any]]:
     """A CPU run's own stages besides training where no finished run measured them: each a
     process's start (rates.JOB_START_S; the shard job's DATA_JOB_START_S) and its work, the
     bytes at the disk rate; an evaluation's generations as decode steps at generate()'s CPU
-    floor (a text set: none), its loss pass at the CPU's assumed rate: ``examples`` (its
-    eval set's rows scored) for each of its evaluate ``rules``. Seconds; no GPU-hours."""
+    floor (a text set: none), its loss pass at the CPU's assumed rate; ``evaluation``: its
+    eval set's rows scored, its evaluate rules and whether they generate (stagecost's).
+    Seconds; no GPU-hours."""
     import math
 
     from snaketune.budget import rates
-    from snaketune.data.formats import components
-    from snaketune.data.kinds import kind_of_sources
     from snaketune.methods import method_of
     from snaketune.plan.runspec import merged
 
@@ -266,13 +264,13 @@ def cpu_stages(
         out["merge_lora"] = rates.stage(
             rates.JOB_START_S + 2 * size / disk, 0, "a job's start, the model read and written"
         )
+    examples, rules, generates = evaluation
     if "eval_dataset" not in run or examples is None:
         return out
-    specs = (config["datasets"][p["name"]] for p in components(config, run["eval_dataset"]))
     loss = examples * run["max_length"] / rates.cpu_tokens_per_s(shape, "lora") / 3
     seconds = rates.JOB_START_S + size / disk + loss
     said = f"a job's start, {examples} rows' loss at the CPU's assumed rate"
-    if kind_of_sources(specs).generates:
+    if generates:
         step, _ = rates.decode_step(shape, run["eval"]["batch_size"], None)
         decode = math.ceil(examples / run["eval"]["batch_size"]) * run["eval"]["max_new_tokens"]
         seconds += decode * step

@@ -143,6 +143,16 @@ def plan_config(
     return plans
 
 
+def local_check(
+    config: dict[str, Any], name: str, shape: Shape, deepspeed: dict[str, Any], workdir: Path
+) -> tuple[dict[str, Any], str]:
+    """The plan and line of run ``name`` with no GPU type, all its processes on this machine
+    (as a local run checks it, and `snaketune plan` prints it)."""
+    run = config["runs"][name]
+    plan = check_cpu_run(shape, run, deepspeed, machine_memory_gib(), held(config, run, workdir))
+    return plan, cpu_line(name, plan)
+
+
 def check_cpu_run(
     shape: Shape,
     run: dict[str, Any],
@@ -219,10 +229,7 @@ def check_runs(
             plan = plan_run(shape, setup, gpu_memory(gpu))
             line = format_plan(name, plan)
         elif local:
-            plan = check_cpu_run(
-                shape, run, deepspeed, machine_memory_gib(), held(config, run, workdir)
-            )
-            line = cpu_line(name, plan)
+            plan, line = local_check(config, name, shape, deepspeed, workdir)
         else:
             say(
                 f"{name}: not checked: no GPU type set (set `gpu:` in the config, or "

@@ -62,8 +62,7 @@ def evaluate_seconds(
     process; a set that generates nothing (documents: their loss) a forward pass over its
     rows instead."""
     from snaketune.core.throughput import peak_tflops
-    from snaketune.data.formats import components
-    from snaketune.data.kinds import kind_of_sources
+    from snaketune.evaluation.settings import generates
     from snaketune.methods import method_of
 
     examples = eval_examples(config, run, workdir)
@@ -79,8 +78,7 @@ def evaluate_seconds(
             f"{DISK_MB_S:g} MB/s; scoring {examples} pairs is seconds",
         )
     loading = f"loading {weight_bytes(shape) / 1e9:.1f} GB at the assumed disk rate"
-    specs = (config["datasets"][p["name"]] for p in components(config, run["eval_dataset"]))
-    if not kind_of_sources(specs).generates:  # its loss alone: one forward pass a row
+    if not generates(config, run):  # its loss alone: one forward pass a row
         peak = peak_tflops(gpu.upper())
         if peak is None:
             return stage(None, gpus, f"not estimated: no peak FLOP/s known for GPU {gpu}")
@@ -215,10 +213,13 @@ def run_stages(
         out.update(calibrated_stages(config, name, train["stages"], train["calibrated_from"]))
     elif gpu is None and "wall_s" in train:  # a CPU run before a calibration
         from snaketune.budget.calibrate import cpu_stages
+        from snaketune.evaluation.settings import generates
 
-        examples = eval_examples(config, run, workdir) if "eval_dataset" in run else None
-        rules = evaluate_rules(config, name) if "eval_dataset" in run else {}
-        out.update(cpu_stages(config, name, shape, steps, examples, rules))
+        evaluated = "eval_dataset" in run
+        examples = eval_examples(config, run, workdir) if evaluated else None
+        rules = evaluate_rules(config, name) if evaluated else {}
+        generating = evaluated and generates(config, run)
+        out.update(cpu_stages(config, name, shape, steps, (examples, rules, generating)))
     elif gpu is not None and "per_step" in steps:
         measured = tokens_per_step(config, name, workdir, steps["per_step"])
         if measured is not None:

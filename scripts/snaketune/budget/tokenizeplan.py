@@ -113,13 +113,13 @@ def tokens_of(
         path = workdir / "resources/datasets" / comp["name"] / "data.parquet"
         if not path.is_file() and spec.get("source") == "local":
             path = workdir / spec["path"]  # an absolute path stays itself
-        rows = source_rows(config, comp["name"], workdir)
         size = None if path.is_file() else stated(config, comp["name"])[0]
         if size is not None and size.get("tokens"):  # not downloaded: its card's tokens
             total += size["tokens"] * comp["weight"]
             weighted += size["rows"] * comp["weight"]
             said.append(f"the tokens {size['from']} states")
             continue
+        rows = source_rows(config, comp["name"], workdir)
         mean = row_bytes(path, needed_columns(spec)) if path.is_file() else None
         if rows is None or mean is None:
             return None

@@ -1,6 +1,7 @@
 """The evaluate stages' settings: which of a run's eval settings its base model's
 evaluation shares, and the options evaluate.py gets (a run's: its method and the method's
-own settings, the user's metrics; a base model's: the shared settings alone)."""
+own settings, the user's metrics; a base model's: the shared settings alone), and whether
+they generate."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def eval_args(
             f" --metrics {shlex.quote(json.dumps(metrics, sort_keys=True, separators=(',', ':')))}"
         )
     return args
+
+
+def generates(config: dict[str, Any], run: dict[str, Any]) -> bool:
+    """Whether a run's evaluate stages generate: its eval set's kind (documents have no
+    prompt: their loss alone)."""
+    from snaketune.data.formats import components
+    from snaketune.data.kinds import kind_of_sources
+
+    specs = (config["datasets"][p["name"]] for p in components(config, run["eval_dataset"]))
+    return kind_of_sources(specs).generates
