@@ -178,6 +178,8 @@ def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():
             f"{rates.CPU_FLOP_S / 1e9:g} GFLOP/s |") in text  # fmt: skip
     assert (f"| `JOB_START_S`, `DATA_JOB_START_S` | {rates.JOB_START_S:g} s, "
             f"{rates.DATA_JOB_START_S:g} s |") in text  # fmt: skip
+    assert f"| `CPU_STEP_S` | {rates.CPU_STEP_S:g} s a step |" in text
+    assert f"| `GENERATING_STARTUP_S` | {rates.GENERATING_STARTUP_S:g} s |" in text
 
 
 @pytest.mark.parametrize("rows, run, said", [
@@ -979,12 +981,14 @@ def test_the_dry_run_and_the_plan_print_the_same_figures(which, fixtures_dir, tm
 
 def test_a_run_calibrated_from_another_method_is_its_tokens_scoring_and_generation(tmp_path):
     """A CPU GRPO run whose only calibration is an SFT run of the same model (1,000
-    tokens/s): a step's update is its sequences' tokens (8 prompts x 4 completions, each
-    its prompt at max_length 256 before tokenization and 12 generated) at that rate, its
-    reference's pass (beta > 0: the model's own size) a third of it, and its 12 decode
-    steps at generate()'s CPU floor (32 layers x 0.46 ms + 0.8 ms), all by hand."""
+    tokens/s, 2 s a step): a step's update is the fixed 0.03 s of a CPU step and its
+    sequences' tokens (8 prompts x 4 completions, each its prompt at max_length 256 before
+    tokenization and 12 generated) at the rate of the rest of the calibration's step
+    (2,000 tokens in 1.97 s), its reference's pass (beta > 0: the model's own size) a third
+    of that, and its 12 decode steps at generate()'s CPU floor (32 layers x 0.46 ms + 0.8
+    ms), all by hand; its start-up 6 s longer than a run's that does not generate."""
     from snaketune.budget.calibrate import from_other_method
-    from snaketune.budget.cost import steps_of
+    from snaketune.budget.cost import startup_change, steps_of
 
     config = config_with(tmp_path, 1000, method="grpo", max_steps=10,
                          grpo={"num_generations": 4, "max_completion_length": 12,
@@ -992,12 +996,16 @@ def test_a_run_calibrated_from_another_method_is_its_tokens_scoring_and_generati
     shape = Shape.from_config(LLAMA_8B)
     s = steps_of(config, "x", tmp_path)
     assert s["per_step"] == 8  # 8 devices x 4 rows a micro batch / 4 completions a prompt
-    cal = {"run": "c", "method": "lora", "tokens_per_s": 1000.0, "device": "cpu", "devices": 2}
+    cal = {"run": "c", "method": "lora", "tokens_per_s": 1000.0, "step_s": 2.0, "device": "cpu",
+           "devices": 2, "nodes": 2, "startup_s": 16.0, "launch_s": 4.0}  # fmt: skip
     e = from_other_method(config, "x", tmp_path, shape, s, None, cal)
-    tokens = 32 * (256 + 12)
+    tokens, rate = 32 * (256 + 12), 2000 / 1.97
     decode = 32 * 0.46e-3 + 0.8e-3
-    step = tokens / 1000 + tokens / 3000 + 12 * decode
-    assert e["train_s"] == pytest.approx(10 * step)
+    step = 0.03 + tokens / rate + tokens / (3 * rate) + 12 * decode
+    assert e["train_s"] == pytest.approx(10 * step, rel=1e-12)
+    lora = {**config["runs"]["x"], "method": "lora"}
+    assert startup_change(cal, config["runs"]["x"]) - startup_change(cal, lora) == 6.0
+    assert startup_change({**cal, "method": "grpo"}, lora) - startup_change(cal, lora) == -6.0
     assert e["basis"].startswith("calibrated from run c of method lora (its 1,000 tokens/s)")
     assert "12 decode steps of 15.5 ms" in e["basis"]
 
@@ -1048,3 +1056,92 @@ def test_a_cpu_run_s_other_stages_before_a_calibration_are_worked_out_by_hand(tm
     assert config["runs"]["x"]["eval"]["batch_size"] == 8
     assert stages["evaluate"]["s"] == pytest.approx(10 + fp32 / 500e6 + loss + decode, rel=1e-4)
     assert all(v["gpu_hours"] is None for v in stages.values())
+
+
+def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teacher(tmp_path):
+    """A CPU opd run's own evaluation (before a calibration) is a job's start, its student
+    read, the 50 rows' loss and their greedy decode steps, as any generating run's, and then
+    its live teacher (the 8B) read in fp32 and its NLL of the run's 50 completions and of the
+    base's 50 (the base is evaluated too: evaluate_base), one at a time: generate()'s CPU
+    floor of the teacher's 32 layers and max_length tokens at a third of its assumed rate;
+    the base's evaluation has no teacher. Worked out by hand from the rates' constants."""
+    from snaketune.budget import stagecost as sc
+    from snaketune.budget.cost import estimate, steps_of
+
+    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
+    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
+    block = {"opd": {"teacher": "t", "max_completion_length": 32}, "lora": {"r": 8}}
+    config = config_with(tmp_path, 200, teacher, method="opd", eval_dataset="e", max_steps=4,
+                         **block)  # fmt: skip
+    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    shape = Shape.from_config(small)
+    s = steps_of(config, "x", tmp_path)
+    c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s), tmp_path)
+    stages = {**c["stages"], **{k.split()[0]: v for k, v in c["shared"].items()}}
+    assert {"evaluate", "evaluate_base"} <= set(stages)
+
+    def rate(params, untied_embedding):  # cpu_tokens_per_s by hand: 4 FLOPs a weight (LoRA)
+        return 1 / (59e-6 + 4 * (params - untied_embedding) / 1.35e11)
+
+    student, big = llama_params(small), llama_params(LLAMA_8B)
+    own = 10 + student * 4 / 500e6 + 50 * 256 / rate(student, 0) / 3
+    own += 7 * 256 * (16 * 0.46e-3 + 0.8e-3)  # 50 rows, 8 a batch, 256 new tokens at most
+    assert config["runs"]["x"]["eval"]["max_new_tokens"] == 256
+    each = 32 * 0.46e-3 + 0.8e-3 + 256 / (rate(big, 128256 * 4096) * 3)
+    teacher_pass = big * 4 / 500e6 + 2 * 50 * each
+    assert stages["evaluate_base"]["s"] == pytest.approx(own, rel=1e-9)
+    assert stages["evaluate"]["s"] == pytest.approx(own + teacher_pass, rel=1e-9)
+    assert "the teacher read and its NLL of 2 x 50 completions" in stages["evaluate"]["basis"]
+
+
+def test_a_calibrated_cpu_run_s_evaluation_adds_what_it_does_beyond_the_calibration_s(tmp_path):
+    """Calibrated from a finished LoRA run of the same model and eval set (its evaluate stage
+    took 30.5 s), an on-policy distillation's own evaluation is those 30.5 s and its
+    teacher's pass at the assumed rates (the 8B read in fp32, its NLL of 2 x 50
+    completions); its base's evaluation, which the calibration did not run (its base
+    evaluated before it) and which does what the calibration's did, is the calibration's
+    30.5 s; a run that evaluates alike is the calibration's alone."""
+    from snaketune.budget import stagecost as sc
+    from snaketune.budget.cost import estimate, steps_of
+    from snaketune.plan.config import validate_config
+
+    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
+    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
+    block = {"opd": {"teacher": "t", "max_completion_length": 32}, "lora": {"r": 8}}
+    config = config_with(tmp_path, 200, teacher, method="opd", eval_dataset="e", max_steps=4,
+                         **block)  # fmt: skip
+    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    earlier = {"model": "m", "dataset": "d", "eval_dataset": "e", "method": "lora",
+               "max_length": 256, "micro_batch_size": 4, "learning_rate": 1e-4,
+               "max_steps": 4, "nodes": 2, "gpus_per_node": 4}  # fmt: skip
+    config = validate_config({**config, "runs": {**config["runs"], "earlier": earlier}}, ROOT)
+    finished(tmp_path, "earlier", config["runs"]["earlier"], 80.0, 45.0, 1_280_000, 20, 40,
+             "cpu", small)  # fmt: skip
+    (tmp_path / "benchmarks/evaluate").mkdir(parents=True)
+    (tmp_path / "benchmarks/evaluate/earlier.tsv").write_text("s\th:m:s\n30.5\t0\n")
+    shape = Shape.from_config(small)
+
+    def stages_of(name):
+        s = steps_of(config, name, tmp_path)
+        e = estimate(config, name, tmp_path, shape, s)
+        assert e["calibrated_from"] == "earlier"
+        c = sc.costs_of(config, name, shape, s, e, tmp_path)
+        return {**c["stages"], **{k.split()[0]: v for k, v in c["shared"].items()}}
+
+    big = llama_params(LLAMA_8B)
+    rate = 1 / (59e-6 + 4 * (big - 128256 * 4096) / 1.35e11)  # the teacher's, by hand
+    teacher_pass = big * 4 / 500e6 + 2 * 50 * (32 * 0.46e-3 + 0.8e-3 + 256 / (3 * rate))
+    x = stages_of("x")
+    assert x["evaluate"]["s"] == pytest.approx(30.5 + teacher_pass, rel=1e-9)
+    assert x["evaluate"]["basis"].startswith(f"as run earlier's took, +{teacher_pass:.1f} s ")
+    assert x["evaluate_base"] == {"s": 30.5, "gpu_hours": None, "gpus": 0,
+                                  "basis": "as run earlier's evaluate took"}  # fmt: skip
+    # a third run evaluating as the calibration does: its times as they are
+    config["runs"]["y"] = {**config["runs"]["earlier"], "learning_rate": 2e-4}
+    assert stages_of("y")["evaluate"]["s"] == 30.5

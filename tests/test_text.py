@@ -584,3 +584,29 @@ def test_the_plan_counts_a_corpus_s_rows_from_its_sample_then_its_tokenized_set(
     truth = tokenize([Source("code", download_dataset("code", spec, tmp_path / "d"), spec)],
                      tiny_model, tmp_path / "t.parquet", 256)  # fmt: skip
     assert s["examples"] == truth.rows > 3 * len(docs)  # the sample is the whole file here
+
+
+def test_a_text_eval_set_is_planned_as_its_pieces_at_max_length(tmp_path, tiny_model):
+    """An evaluate stage scores a text eval set's rows after its documents are split at
+    max_length: before tokenization the plan counts them from a sample, as a training
+    corpus's (not a document a row), and with eval.limit at most the limit."""
+    from snaketune.budget.evalplan import eval_examples
+    from snaketune.plan.config import validate_config
+
+    docs = _real_corpora()["code"][15:22]
+    path = write_jsonl(tmp_path / "held.jsonl", [{"text": d} for d in docs[2:]])
+    spec = {"source": "local", "path": str(path), "format": "text"}
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": d} for d in docs[:2]])
+    run = {"model": "m", "dataset": "train", "eval_dataset": "held", "method": "full",
+           "max_length": 256, "micro_batch_size": 4, "nodes": 1, "gpus_per_node": 1,
+           "epochs": 1, "learning_rate": 1e-4}  # fmt: skip
+    config = validate_config({
+        "models": {"m": {"source": "local", "path": str(tiny_model)}},
+        "datasets": {"held": spec, "train": {**spec, "path": str(train)}}, "runs": {"cpt": run},
+    }, ROOT_DIR)  # fmt: skip
+    truth = tokenize([Source("held", download_dataset("held", spec, tmp_path / "d"), spec)],
+                     tiny_model, tmp_path / "t.parquet", 256)  # fmt: skip
+    assert truth.rows > 3 * 5
+    assert eval_examples(config, "cpt", tmp_path) == truth.rows
+    config["runs"]["cpt"]["eval"]["limit"] = 7
+    assert eval_examples(config, "cpt", tmp_path) == 7

@@ -166,6 +166,18 @@ def calibration_config(config: dict[str, Any], name: str, steps: int) -> dict[st
     return {**copy.deepcopy(config), "runs": {name + CALIBRATION: run}}
 
 
+def step_split(cal: dict[str, Any]) -> tuple[float, float]:
+    """A calibration's step as a fixed part and the tokens/s of the rest: on a CPU
+    rates.CPU_STEP_S (at most half its step) and its tokens over what is left; on GPUs its
+    tokens/s alone (over all its devices)."""
+    from snaketune.budget.rates import CPU_STEP_S
+
+    if cal["device"] != "cpu" or "step_s" not in cal:
+        return 0.0, cal["tokens_per_s"]
+    fixed = min(CPU_STEP_S, cal["step_s"] / 2)
+    return fixed, cal["tokens_per_s"] * cal["step_s"] / (cal["step_s"] - fixed)
+
+
 def from_other_method(
     config: dict[str, Any],
     name: str,
@@ -177,11 +189,12 @@ def from_other_method(
 ) -> dict[str, Any]:
     """The train stage of a run whose only calibration is a finished run of another method
     on the same model and device kind (``cal``): a step's update over its sequences' tokens
-    at the calibration's seconds a token, the passes that only score them (a live reference,
-    teacher or reward models) at a third of that for each of their weights against the
-    model's, and its generation (a method that generates) as rates.decode_step plans it (on
-    a CPU, generate()'s floor). ``measured``: a step's examples' tokens (the tokenized
-    set's, or its rows' text before it; None: every sequence at max_length, at most)."""
+    at the calibration's seconds a token (and on a CPU its fixed part: ``step_split``),
+    the passes that only score them (a live reference, teacher or reward models) at a third
+    of that for each of their weights against the model's, and its generation (a method
+    that generates) as rates.decode_step plans it (on a CPU, generate()'s floor).
+    ``measured``: a step's examples' tokens (the tokenized set's, or its rows' text before
+    it; None: every sequence at max_length, at most)."""
     from snaketune.budget.rates import decode_step
     from snaketune.budget.scoring import held_params
     from snaketune.methods import method_of
@@ -196,9 +209,10 @@ def from_other_method(
     # an example's tokens; a generating one's prompt beside each of its rows' completions
     tokens = per * rows * (each + completion) if completion else per * each
     devices = run["nodes"] * run["gpus_per_node"]
-    rate = cal["tokens_per_s"] * (1 if cal["device"] == "cpu" else devices / cal["devices"])
+    fixed, rate = step_split(cal)
+    rate *= 1 if cal["device"] == "cpu" else devices / cal["devices"]
     # (a CPU run's emulated nodes share this machine's cores: its rate is the machine's)
-    update = tokens / rate
+    update = fixed + tokens / rate
     scored = sum(held_params(config, run, workdir).values())
     scored += shape.active_params if facts.get("reference") else 0
     scoring = tokens * scored / shape.active_params / (3 * rate)
@@ -231,16 +245,13 @@ def cpu_stages(
     name: str,
     shape: Any,
     steps: dict[str, Any],
-    evaluation: tuple[int | None, Any, bool],
+    evaluation: tuple[int | None, Any, bool, Any],
 ) -> dict[str, dict[str, Any]]:
     """A CPU run's own stages besides training where no finished run measured them: each a
     process's start (rates.JOB_START_S; the shard job's DATA_JOB_START_S) and its work, the
     bytes at the disk rate; an evaluation's generations as decode steps at generate()'s CPU
-    floor (a text set: none), its loss pass at the CPU's assumed rate; ``evaluation``: its
-    eval set's rows scored, its evaluate rules and whether they generate (stagecost's).
-    Seconds; no GPU-hours."""
-    import math
-
+    floor (a text set: none), its loss pass at the CPU's assumed rate (``cpu_evaluation``;
+    ``evaluation``: stagecost.cpu_evaluation_of's). Seconds; no GPU-hours."""
     from snaketune.budget import rates
     from snaketune.methods import method_of
     from snaketune.plan.runspec import merged
@@ -264,20 +275,67 @@ def cpu_stages(
         out["merge_lora"] = rates.stage(
             rates.JOB_START_S + 2 * size / disk, 0, "a job's start, the model read and written"
         )
-    examples, rules, generates = evaluation
-    if "eval_dataset" not in run or examples is None:
-        return out
-    loss = examples * run["max_length"] / rates.cpu_tokens_per_s(shape, "lora") / 3
-    seconds = rates.JOB_START_S + size / disk + loss
+    if "eval_dataset" in run and evaluation[0] is not None:
+        out.update(cpu_evaluation(run, shape, evaluation))
+    return out
+
+
+def cpu_evaluation(
+    run: dict[str, Any], shape: Any, evaluation: tuple[int, Any, bool, Any]
+) -> dict[str, dict[str, Any]]:
+    """A CPU run's evaluate stages at the assumed rates (``evaluation``: its eval set's rows
+    scored, its evaluate rules, whether they generate, and its live teacher's shape or
+    None): a job's start, the model read, its loss pass and its greedy decode steps; the
+    run's own evaluation also loads the teacher and scores its completions, and the base's
+    where the base generated, one example at a time (snaketune.evaluation.teacher_nll)."""
+    import math
+
+    from snaketune.budget import rates
+
+    examples, rules, generates, teacher = evaluation
+    disk, length = rates.DISK_MB_S * rates.MB, run["max_length"]
+    loss = examples * length / rates.cpu_tokens_per_s(shape, "lora") / 3
+    seconds = rates.JOB_START_S + shape.params * 4 / disk + loss
     said = f"a job's start, {examples} rows' loss at the CPU's assumed rate"
     if generates:
         step, _ = rates.decode_step(shape, run["eval"]["batch_size"], None)
         decode = math.ceil(examples / run["eval"]["batch_size"]) * run["eval"]["max_new_tokens"]
         seconds += decode * step
         said += f", {decode} decode steps of {step * 1e3:.1f} ms (generate()'s CPU floor)"
-    for rule in rules:
+    out = {}
+    for rule, own in rules.items():
         out[rule] = rates.stage(seconds, 0, said)
+        if own and teacher is not None and generates:
+            passes = 1 + any(not o for o in rules.values())  # the base's completions too
+            each = rates.decode_step(teacher, 1, None)[0] + length / (
+                rates.cpu_tokens_per_s(teacher, "lora") * 3
+            )
+            scored = teacher.params * 4 / disk + passes * examples * each
+            out[rule] = rates.stage(
+                seconds + scored,
+                0,
+                f"{said}; the teacher read and its NLL of {passes} x {examples} completions "
+                f"({scored:.1f} s)",
+            )
     return out
+
+
+def cpu_evaluation_of(
+    config: dict[str, Any], name: str, shape: Any, workdir: Path
+) -> tuple[int | None, dict[str, bool], bool, Any]:
+    """What a CPU run's evaluate stages do (calibrate.cpu_evaluation's ``evaluation``): its
+    eval set's rows scored, its evaluate rules, whether they generate, its live teacher's
+    shape (None: none, or not readable now)."""
+    from snaketune.budget.evalplan import eval_examples, evaluate_rules
+    from snaketune.budget.teacherplan import live_shape
+    from snaketune.evaluation.settings import generates
+
+    run = config["runs"][name]
+    if "eval_dataset" not in run:
+        return None, {}, False, None
+    rules = evaluate_rules(config, name)
+    teacher = live_shape(config, run, workdir)
+    return eval_examples(config, name, workdir), rules, generates(config, run), teacher
 
 
 def rows_text_tokens(

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.budget import rolloutcost
-from snaketune.budget.rates import ASSUMED_MFU, MFU_SOURCE, outside_steps, update_seconds
+from snaketune.budget.rates import (
+    ASSUMED_MFU,
+    GENERATING_STARTUP_S,
+    MFU_SOURCE,
+    outside_steps,
+    update_seconds,
+)
 
 FEW = 10  # fewer optimizer steps than this in all: warned about
 # torch's c10d rendezvous: an agent waiting for the others polls once a second
@@ -228,13 +234,13 @@ def estimate(
         from_other_method,
         rows_text_tokens,
         stage_seconds,
+        step_split,
     )
-    from snaketune.data.kinds import kind_named
     from snaketune.methods import method_of
 
     run = config["runs"][name]
     method = method_of(run)
-    generates = kind_named(method.trains_on).generated_in_training  # a step's time: generating
+    generates = generates_in_training(run)  # a step's time: generating
     if "steps" not in steps:
         return {"basis": "no estimate: the steps are not counted yet"}
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
@@ -245,8 +251,9 @@ def estimate(
         scale = 1 if cal["device"] == "cpu" else devices / cal["devices"]  # per GPU
         if generates or rough is None:  # generation: by the step
             step_s = cal["step_s"] * steps["per_step"] / cal["per_step"] / scale
-        else:
-            step_s = rough[0] / (cal["tokens_per_s"] * scale)
+        else:  # on a CPU a fixed part and the rest by the tokens
+            fixed, rate = step_split(cal)
+            step_s = fixed + rough[0] / (rate * scale)
         out = {
             "train_s": steps["steps"] * step_s,
             "outside_s": cal["outside_s"] + startup_change(cal, run),
@@ -287,11 +294,14 @@ def startup_change(cal: dict[str, Any], run: dict[str, Any]) -> float:
     - The workers' part (imports, loading, the engine: the calibration's start-up less
       its launch) is CPU work of every process at once: on a CPU run, whose emulated
       nodes share this machine's cores, it scales with the processes over the cores; on
-      GPUs each node's processes have cores of their own and it stays as measured."""
+      GPUs each node's processes have cores of their own and it stays as measured.
+    - On a CPU, a method that generates while it trains starts up in GENERATING_STARTUP_S
+      more than one that does not (and one that does not in as much less)."""
     import os
 
     if cal.get("startup_s") is None:
         return 0.0
+    generating = generates_in_training(run) - generates_in_training({"method": cal["method"]})
     nodes = cal.get("nodes")
     launch = 0.0 if nodes is None else RENDEZVOUS_POLL_S * ((run["nodes"] > 1) - (nodes > 1))
     if cal["device"] != "cpu":
@@ -299,7 +309,17 @@ def startup_change(cal: dict[str, Any], run: dict[str, Any]) -> float:
     workers = cal["startup_s"] - (cal.get("launch_s") or 0.0)
     cores = os.cpu_count() or 1
     load = max(1.0, run["nodes"] * run["gpus_per_node"] / cores)
-    return launch + workers * (load / max(1.0, cal["devices"] / cores) - 1)
+    more = workers * (load / max(1.0, cal["devices"] / cores) - 1)
+    return launch + more + generating * GENERATING_STARTUP_S
+
+
+def generates_in_training(run: dict[str, Any]) -> bool:
+    """Whether a run's method generates while it trains (GRPO, RLOO, on-policy
+    distillation)."""
+    from snaketune.data.kinds import kind_named
+    from snaketune.methods import method_of
+
+    return kind_named(method_of(run).trains_on).generated_in_training
 
 
 def from_flops(

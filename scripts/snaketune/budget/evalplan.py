@@ -14,6 +14,7 @@ are `auto` by default: one GPU where the model fits it, else the fewest GPUs of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from snaketune.budget.memplan import (
@@ -246,3 +247,37 @@ def scoring_plan(
         "why": why,
         "fix": fix,
     }
+
+
+def eval_examples(config: dict[str, Any], name: str, workdir: Path) -> int | None:
+    """The examples an evaluate stage scores, at most eval.limit: its tokenized eval set's
+    rows, else before it its source's (a text set's documents by their pieces at
+    max_length, as snaketune.plan.corpus.run_rows counts a training set's); None where
+    they are not known yet."""
+    from snaketune.core import parts
+    from snaketune.plan.corpus import run_rows
+    from snaketune.plan.stages import tokenized
+
+    run = config["runs"][name]
+    if run.get("eval_dataset") not in config["datasets"]:
+        rows = None
+    elif parts.exists(path := workdir / tokenized(config, name, True)):
+        rows = parts.read_table(path, ["length"]).num_rows
+    else:
+        rows = run_rows(config, run, workdir, "eval_dataset")[0]
+    limit = run["eval"].get("limit")
+    return limit if rows is None else min(rows, limit or rows)
+
+
+def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:
+    """The evaluate stages run ``name`` has (rule -> whether it scores the run's own model):
+    its own, and its start's (the base's, shared by the runs of one base and eval set)."""
+    from snaketune.plan.stages import evaluates_its_start
+
+    run = config["runs"][name]
+    out = {"evaluate": True}
+    if evaluates_its_start(config, name):
+        out["evaluate_start"] = False
+    elif "init_from" not in run:
+        out["evaluate_base"] = False
+    return out

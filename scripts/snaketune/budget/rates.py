@@ -42,6 +42,18 @@ STARTUP_S = 21.2
 # full fine-tune of a 13M Llama (80 MFLOP a token, 1,535 tokens/s)
 CPU_S_PER_TOKEN = 59e-6
 CPU_FLOP_S = 1.35e11
+# once a CPU run is calibrated: its step's fixed part (the DeepSpeed step, the gradients'
+# all-reduce between the emulated nodes, the trainer's logging), the rest of the calibration's
+# step its tokens; fitted to two continued pre-training runs of the demo's tiny model on this
+# project's machine, 16 rows a step of 886 and 4,078 tokens in all, 0.052 and 0.129 s a step
+# (bench/plan_matrix.py, 2026-12-07), which puts SFT's step of 2,368 tokens at 0.087 s
+# (measured: 0.085)
+CPU_STEP_S = 0.030
+# a CPU train job of a method that generates while it trains, its start-up beyond one that
+# does not (the generation's set-up, the scoring model's load, the trainer's own imports):
+# GRPO 5.1 s and on-policy distillation 7.2 s over SFT's 16.3 s on this project's machine
+# (bench/plan_matrix.py, 2026-12-07)
+GENERATING_STARTUP_S = 6.0
 # a CPU stage's process before its work, where no calibration measured it: importing
 # torch, transformers and peft on this project's machine, bench/import_cost.py's 9.9-11.5
 # CPU-seconds (docs/benchmarks.md); a data job (pyarrow and numpy alone) about 2 s

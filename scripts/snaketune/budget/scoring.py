@@ -200,10 +200,7 @@ def reward_model_params(config: dict[str, Any], run: dict[str, Any], workdir: Pa
 def live_teacher_params(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int:
     """Weights of an on-policy distillation run's teacher (its model's config.json, or its
     run's model's, where it can be read now; 0 before)."""
-    from snaketune.methods import method_of
-
-    name = method_of(run).needs(run)[LIVE_TEACHER]["teacher"]
-    shape = teacherplan.teacher_shape(config, run, workdir, name)
+    shape = teacherplan.live_shape(config, run, workdir)
     return shape.params if shape is not None else 0
 
 

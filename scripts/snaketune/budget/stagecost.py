@@ -43,29 +43,19 @@ def weights_in(folder: Path) -> bool:
     return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
 
 
-def eval_examples(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> int | None:
-    """The examples an evaluate stage scores: its eval set's rows, at most eval.limit."""
-    from snaketune.plan.corpus import source_rows
-
-    rows = None
-    if run.get("eval_dataset") in config["datasets"]:
-        rows = source_rows(config, run["eval_dataset"], workdir)
-    limit = run["eval"].get("limit")
-    return limit if rows is None else min(rows, limit or rows)
-
-
 def evaluate_seconds(
-    config: dict[str, Any], run: dict[str, Any], shape: Any, layout: Any, gpu: str, workdir: Path
+    config: dict[str, Any], name: str, shape: Any, layout: Any, gpu: str, workdir: Path
 ) -> dict[str, Any]:
     """An evaluate stage on a GPU: loading the model, then its greedy generations, each
     decode step as rates.decode_step plans it, eval.batch_size examples a step on each
     process; a set that generates nothing (documents: their loss) a forward pass over its
     rows instead."""
+    from snaketune.budget.evalplan import eval_examples
     from snaketune.core.throughput import peak_tflops
     from snaketune.evaluation.settings import generates
     from snaketune.methods import method_of
 
-    examples = eval_examples(config, run, workdir)
+    run, examples = config["runs"][name], eval_examples(config, name, workdir)
     load = weight_bytes(shape) / (DISK_MB_S * MB)
     gpus = layout.processes
     if examples is None:
@@ -113,7 +103,7 @@ def assumed_stages(
 ) -> dict[str, dict[str, Any]]:
     """A GPU run's own stages besides training, from its model's bytes and FLOPs at the
     assumed rates. ``tokens``: one optimizer step's tokens (a bound before tokenization)."""
-    from snaketune.budget.evalplan import eval_layout
+    from snaketune.budget.evalplan import eval_layout, evaluate_rules
     from snaketune.budget.memplan import gpu_memory
     from snaketune.core.throughput import peak_tflops
     from snaketune.methods import method_of
@@ -146,29 +136,22 @@ def assumed_stages(
     if "eval_dataset" in run:
         for rule, final in evaluate_rules(config, name).items():
             layout = eval_layout(run, shape, gpu_memory(given), final)
-            out[rule] = evaluate_seconds(config, run, shape, layout, gpu, workdir)
-    return out
-
-
-def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:
-    """The evaluate stages run ``name`` has (rule -> whether it scores the run's own model):
-    its own, and its start's (the base's, shared by the runs of one base and eval set)."""
-    from snaketune.plan.stages import evaluates_its_start
-
-    run = config["runs"][name]
-    out = {"evaluate": True}
-    if evaluates_its_start(config, name):
-        out["evaluate_start"] = False
-    elif "init_from" not in run:
-        out["evaluate_base"] = False
+            out[rule] = evaluate_seconds(config, name, shape, layout, gpu, workdir)
     return out
 
 
 def calibrated_stages(
-    config: dict[str, Any], name: str, measured: dict[str, float], source: str
+    config: dict[str, Any],
+    name: str,
+    measured: dict[str, float],
+    source: str,
+    shape_at: tuple[Any, Path] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """A run's own stages as the calibration run's took (``measured``: rule -> seconds)."""
-    from snaketune.budget.evalplan import eval_layout
+    """A run's own stages as the calibration run's took (``measured``: rule -> seconds); a
+    CPU run's evaluations (``shape_at``: the model's shape and the working directory) by
+    as much more or less as the assumed rates plan this run's than the calibration run's
+    (another eval set, generating or not, a teacher's pass)."""
+    from snaketune.budget.evalplan import eval_layout, evaluate_rules
     from snaketune.budget.memplan import gpu_memory
     from snaketune.methods import method_of
     from snaketune.plan.runspec import merged
@@ -180,14 +163,31 @@ def calibrated_stages(
         has.add("merge_lora")
     if "eval_dataset" in run:
         has.update(evaluate_rules(config, name))
+    # a rule the calibration did not run (its base evaluated before it) as its evaluate
+    like = {r: r if r in measured else "evaluate" for r in has if r in measured or "evaluate" in r}
+    like = {r: m for r, m in like.items() if m in measured}
     out = {}
-    for rule, seconds in measured.items():
-        if rule not in has:
-            continue
+    for rule, mine in like.items():
         gpus = 0
         if gpu is not None and rule.startswith("evaluate"):
             gpus = eval_layout(run, None, gpu_memory(gpu), rule == "evaluate").processes
-        out[rule] = stage(seconds, gpus, f"as run {source}'s took")
+        said = f"as run {source}'s {'' if rule == mine else mine + ' '}took"
+        out[rule] = stage(measured[mine], gpus, said)
+    if gpu is None and shape_at is not None and source in config["runs"]:
+        from snaketune.budget.calibrate import cpu_evaluation, cpu_evaluation_of
+
+        both = [(r, cpu_evaluation_of(config, r, *shape_at)) for r in (name, source)]
+        mine, theirs = (
+            cpu_evaluation(config["runs"][r], shape_at[0], e) if e[0] is not None else {}
+            for r, e in both
+        )
+        for rule in set(out) & set(mine):
+            if like[rule] not in theirs:
+                continue
+            took, more = out[rule]["s"], mine[rule]["s"] - theirs[like[rule]]["s"]
+            if abs(more) >= 0.05 * took:
+                said = f"{out[rule]['basis']}, {more:+.1f} s for what this one does otherwise"
+                out[rule] = stage(max(took + more, took / 4), 0, f"{said} (assumed rates)")
     return out
 
 
@@ -210,16 +210,13 @@ def run_stages(
         devices = run["nodes"] * run["gpus_per_node"] if gpu is not None else 0
         out["train"] = stage(train["wall_s"], devices, train["basis"])
     if "stages" in train:
-        out.update(calibrated_stages(config, name, train["stages"], train["calibrated_from"]))
+        cal = (train["stages"], train["calibrated_from"])
+        out.update(calibrated_stages(config, name, *cal, (shape, workdir)))
     elif gpu is None and "wall_s" in train:  # a CPU run before a calibration
-        from snaketune.budget.calibrate import cpu_stages
-        from snaketune.evaluation.settings import generates
+        from snaketune.budget.calibrate import cpu_evaluation_of, cpu_stages
 
-        evaluated = "eval_dataset" in run
-        examples = eval_examples(config, run, workdir) if evaluated else None
-        rules = evaluate_rules(config, name) if evaluated else {}
-        generating = evaluated and generates(config, run)
-        out.update(cpu_stages(config, name, shape, steps, (examples, rules, generating)))
+        evaluation = cpu_evaluation_of(config, name, shape, workdir)
+        out.update(cpu_stages(config, name, shape, steps, evaluation))
     elif gpu is not None and "per_step" in steps:
         measured = tokens_per_step(config, name, workdir, steps["per_step"])
         if measured is not None:

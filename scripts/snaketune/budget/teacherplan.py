@@ -48,6 +48,16 @@ def teacher_shape(
     return None if path is None else shape_of(json.loads(path.read_text()), str(path))
 
 
+def live_shape(config: dict[str, Any], run: dict[str, Any], workdir: Path) -> Shape | None:
+    """An on-policy distillation run's live teacher's shape where it can be read now (None
+    for other runs, or before)."""
+    from snaketune.methods import method_of
+    from snaketune.methods.needs import LIVE_TEACHER
+
+    live = method_of(run).needs(run).get(LIVE_TEACHER)
+    return None if live is None else teacher_shape(config, run, workdir, live["teacher"])
+
+
 def tokens(config: dict[str, Any], name: str, workdir: Path) -> float | None:
     """The tokens the teacher stage reads (the training set and the eval set, at most: every
     token counted as a label) from the tokenized sets' lengths (None before they are

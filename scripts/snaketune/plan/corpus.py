@@ -235,9 +235,10 @@ def source_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | No
 
 
 def run_rows(
-    config: dict[str, Any], run: dict[str, Any], workdir: Path
+    config: dict[str, Any], run: dict[str, Any], workdir: Path, key: str = "dataset"
 ) -> tuple[int | None, str, float | None]:
-    """A run's training rows before tokenization, where the count comes from, and their
+    """A run's training rows (``key``: eval_dataset, its held-out rows) before
+    tokenization, where the count comes from, and their
     tokens where they can be told (text: from a sample of its source, else its stated
     size; None for other rows, whose tokens their tokenization counts). A text source's
     documents become rows by their pieces at max_length: a sample's, else a stated size's
@@ -248,7 +249,7 @@ def run_rows(
     model, length = model_folder(config, run["model"], workdir), run["max_length"]
     total, read, docs, said = 0.0, 0, 0, []
     tokens: float | None = 0.0
-    for part in components(config, run["dataset"]):
+    for part in components(config, run[key]):
         name, spec, weight = part["name"], config["datasets"][part["name"]], part["weight"]
         documents = source_rows(config, name, workdir)
         if documents is None:
