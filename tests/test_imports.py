@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from conftest import ENV
@@ -214,3 +215,67 @@ print(json.dumps({{"torch": "torch" in sys.modules}}))
     want = [i for t in ("A short document.", "Another, longer one " * 9)
             for i in tok(t, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]]  # fmt: skip
     assert ids == want
+
+
+BARE = '''
+import pkgutil, sys
+
+HEAVY = {"numpy", "pyarrow", "pandas", "torch", "transformers", "datasets", "tokenizers",
+         "safetensors", "huggingface_hub", "peft", "trl", "deepspeed", "jinja2"}
+OURS = (%r, %r)  # the workflow's files and snaketune's
+
+
+class Bare:
+    """An environment with Snakemake alone: a module of HEAVY imported by the workflow or
+    snaketune is not there."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] not in HEAVY:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
+            frame = frame.f_back
+        where = "" if frame is None else frame.f_code.co_filename
+        if where.startswith(OURS) or where.endswith((".smk", "Snakefile")):
+            raise ModuleNotFoundError(f"No module named {name!r} ({where}:{frame.f_lineno})")
+        return None
+
+
+sys.meta_path.insert(0, Bare())
+_iter = pkgutil.iter_modules  # without the SLURM plugin, which imports pandas as it loads
+pkgutil.iter_modules = lambda *a, **k: (m for m in _iter(*a, **k)
+                                        if not m.name.startswith("snakemake_executor_plugin"))
+'''
+
+
+def test_the_workflow_lints_where_only_snakemake_is_installed(tmp_path):
+    """Snakemake's catalog lints a workflow with Snakemake alone installed: parsing ours (the
+    Snakefile, its rules' input functions, the checks and plans it loads) imports none of
+    numpy, pyarrow, pandas, torch, transformers, tokenizers, peft, TRL or DeepSpeed (each a
+    deferred module, snaketune.core.imports.deferred, where a plan reads a table). Each
+    such import, from the workflow or snaketune, fails here as where it is not installed;
+    the lint passes and names no problem."""
+    from conftest import ENV, ROOT
+
+    site = tmp_path / "site"
+    site.mkdir()
+    workflow, library = str(ROOT / "workflow"), str(ROOT / "scripts" / "snaketune")
+    (site / "sitecustomize.py").write_text(BARE % (workflow, library))
+    env = {**ENV, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "--lint", "--snakefile",
+         str(ROOT / "Snakefile"), "--configfile", str(ROOT / "config/config.yaml"),
+         "--directory", str(tmp_path / "work")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Congratulations, your workflow is in a good condition!" in out, out
+    # the check can fail: a module of "ours" importing pyarrow as it loads is refused
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "sitecustomize.py").write_text(BARE % (str(ours), library))
+    (ours / "probe.py").write_text("import pyarrow\n")
+    probe = subprocess.run([sys.executable, "-c", "import probe"], capture_output=True,
+                           text=True, env={**ENV, "PYTHONPATH": str(ours)})  # fmt: skip
+    assert "No module named 'pyarrow'" in probe.stderr, probe.stderr

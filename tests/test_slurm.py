@@ -350,9 +350,13 @@ def test_status_names_a_queued_job_of_the_workflow_by_its_slurm_id(cluster, tmp_
         subprocess.run(["scancel", job], check=True)
     assert said.splitlines()[:3] == ["run demo", "  shard_dataset      done",
                                      f"  train              pending on SLURM (job {job})"], said  # fmt: skip
-    time.sleep(2)
-    said = subprocess.run([str(BIN / "snaketune"), "status", str(tmp_path)], env=ENV,
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    deadline = time.monotonic() + 120  # until SLURM has forgotten the cancelled job
+    while True:
+        said = subprocess.run([str(BIN / "snaketune"), "status", str(tmp_path)], env=ENV,
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        if "  train              -" in said.splitlines() or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert "  train              -" in said.splitlines(), said
 
 

@@ -29,6 +29,12 @@ the functions it (or a module it loads) takes from the modules named there impor
 first called (the same function, its module imported then). Nothing else changes: a module,
 or any other caller, compiles and imports as it always did.
 
+And a module of snaketune's own that the workflow loads to build its DAG (the Snakefile's
+input functions and checks) takes numpy and pyarrow as ``deferred`` modules: bound as it
+loads, imported on first use, so parsing the workflow needs neither (Snakemake's catalog
+lints it where they are not installed) and a process that never reads a table never pays
+for them.
+
 And one cost of loading that is Python's own: its cyclic garbage collector runs on every 700
 new objects, and as a process imports torch, transformers, peft, TRL and DeepSpeed (some
 450,000 objects in a training rank, nearly all of them live) it scans them again and again,
@@ -218,3 +224,18 @@ def take_time_warning() -> bool:
         signal.sigtimedwait({signal.SIGUSR1}, 0)
         came = True
     return came
+
+
+class deferred(types.ModuleType):  # noqa: N801 (a module's stand-in, named as one)
+    """A module bound now and imported when an attribute of it is first read: ``pa =
+    deferred("pyarrow")`` in place of ``import pyarrow as pa`` (``pa.table(...)`` imports
+    pyarrow then; every read is the module's attribute as it is then)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self.__dict__.get("_deferred_module")
+        if module is None:
+            module = self.__dict__["_deferred_module"] = importlib.import_module(self.__name__)
+        return getattr(module, attr)  # the module's own, as it is now (a test may patch it)

@@ -18,10 +18,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from snaketune.core.errors import ConfigError
+from snaketune.core.imports import deferred
+
+pa = deferred("pyarrow")
+pq = deferred("pyarrow.parquet")
 
 INDEX = "parts.json"  # a set in parts: its index, beside the part files
 PART = re.compile(r"(\d{5})-of-(\d{5})")  # a part's name: 00003-of-00008

@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from snaketune.core.errors import DataError
+from snaketune.core.imports import deferred
 from snaketune.data import toolcalls
 from snaketune.data.chat import Turn
 from snaketune.data.formats import FORMAT_FIELDS, OPTIONAL_FIELDS, filter_mask, multiplicity
 from snaketune.data.kinds import fields_read, kind_of_source
+
+np = deferred("numpy")
+pa = deferred("pyarrow")
+pq = deferred("pyarrow.parquet")
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from snaketune.core.errors import DataError
+from snaketune.core.imports import deferred
+
+np = deferred("numpy")
+pa = deferred("pyarrow")
+pc = deferred("pyarrow.compute")
 
 # For each dataset format: the fields a row must provide (field -> default column name),
 # and which of them may be missing or empty.

@@ -16,14 +16,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
-
 from snaketune.core.errors import DataError
+from snaketune.core.imports import deferred
 from snaketune.data.conversations import Source, conversations, missing_columns
 from snaketune.data.formats import filter_mask
 from snaketune.data.sources import file_format, jsonl_row_problem
+
+pa = deferred("pyarrow")
+pacsv = deferred("pyarrow.csv")
+pq = deferred("pyarrow.parquet")
 
 PEEK_ROWS = 64  # the rows read of each dataset
 MAX_JSON_ARRAY = 64 * 2**20  # a JSON array file is read whole: only up to this size

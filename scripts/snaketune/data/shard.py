@@ -38,15 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-
 from snaketune.core import parts
 from snaketune.core.errors import DataError
+from snaketune.core.imports import deferred
 from snaketune.core.io import digest, sha256_file
 from snaketune.data.kinds import PICTURES
+
+np = deferred("numpy")
+pa = deferred("pyarrow")
+pc = deferred("pyarrow.compute")
+pq = deferred("pyarrow.parquet")
 
 log = logging.getLogger(__name__)
 

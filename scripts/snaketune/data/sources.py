@@ -15,13 +15,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.dataset as pads
-import pyarrow.parquet as pq
-
 from snaketune.core.errors import DataError
+from snaketune.core.imports import deferred
 from snaketune.core.io import atomic_path, atomic_paths, sha256_file, sha256_tree
 from snaketune.core.provenance import NAME, record, write_provenance
+
+pa = deferred("pyarrow")
+pads = deferred("pyarrow.dataset")
+pq = deferred("pyarrow.parquet")
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from snaketune.core.imports import deferred
 from snaketune.core.parts import row_range
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import TEMPLATE_DATE, ChatRenderer
@@ -50,6 +47,10 @@ from snaketune.data.tokens import (
     first_token_at,
     tokenizer_for,
 )
+
+np = deferred("numpy")
+pa = deferred("pyarrow")
+pq = deferred("pyarrow.parquet")
 
 log = logging.getLogger(__name__)
 
