@@ -279,3 +279,26 @@ def test_the_workflow_lints_where_only_snakemake_is_installed(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import probe"], capture_output=True,
                            text=True, env={**ENV, "PYTHONPATH": str(ours)})  # fmt: skip
     assert "No module named 'pyarrow'" in probe.stderr, probe.stderr
+
+
+def test_a_training_worker_imports_its_own_method_s_trainer_alone():
+    """A training rank (scripts/train.py --worker) loads snaketune.train.worker, DeepSpeed,
+    datasets and the method registry with every method, then its own method's trainer as
+    it builds it: no TRL trainer module is loaded before that, and SFT's loads none of the
+    others' (GRPO's, DPO's, KTO's, RLOO's, the distillations', TRL's experimental ones)."""
+    code = """
+import json, sys
+import snaketune.train.worker
+from snaketune.core.imports import load
+from snaketune.methods import method_named
+load("deepspeed", "datasets")
+for name in ("lora", "full", "dpo", "kto", "orpo", "simpo", "grpo", "rloo", "opd", "distill"):
+    method_named(name)
+before = sorted(m for m in sys.modules if m.startswith("trl.trainer.") or m.startswith("trl.experimental"))
+from trl import SFTConfig, SFTTrainer
+after = sorted(m for m in sys.modules if m.endswith("_trainer") and m.startswith("trl."))
+print(json.dumps({"before": before, "after": after}))
+"""
+    got = json.loads(stdout_of(code).splitlines()[-1])
+    assert got["before"] == [], got
+    assert got["after"] == ["trl.trainer.base_trainer", "trl.trainer.sft_trainer"], got
