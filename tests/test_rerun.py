@@ -231,8 +231,10 @@ def test_reruns_resume_what_is_the_same_and_start_over_on_what_changed(demo, tmp
     work = tmp_path / "w"
     work.mkdir()  # the demo's fixtures and model, made once for the suite
     subprocess.run(["cp", "-a", str(demo / "resources"), str(work)], check=True)
-    # GSM8K-like rows (unequal lengths): 512 of them, 8 steps an epoch of 64
-    config = str(quick_config(tmp_path / "c.yaml", max_steps=5, save_steps=2,
+    # GSM8K-like rows (unequal lengths): 512 of them, 16 steps an epoch of 32 on one node
+    # (the rerun rule is the launcher's, the same on any number of nodes; the demo and the
+    # fault tests train on two)
+    config = str(quick_config(tmp_path / "c.yaml", max_steps=5, save_steps=2, nodes=1,
                               dataset="gsm8k_demo", eval_dataset="gsm8k_demo_test"))  # fmt: skip
     run = ("--configfile", config, "--directory", str(work))
     train_out = work / "results/demo/train"
@@ -257,7 +259,7 @@ def test_reruns_resume_what_is_the_same_and_start_over_on_what_changed(demo, tmp
     assert started(proc.stderr, "train") and "no step trained" in proc.stderr
     same_records()
     # without them (a filesystem without hard links): resumed at its last step, which is
-    # inside an epoch (32 steps), it trains no step past max_steps (transformers would)
+    # inside an epoch (16 steps), it trains no step past max_steps (transformers would)
     shutil.rmtree(train_out / "checkpoints/published")
     snakemake(*run, "--forcerun", "shard_dataset", "--until", "train")
     assert "nothing left to train" in _train_log(work)

@@ -238,9 +238,7 @@ def estimate(
     )
     from snaketune.methods import method_of
 
-    run = config["runs"][name]
-    method = method_of(run)
-    generates = generates_in_training(run)  # a step's time: generating
+    run, generates = config["runs"][name], generates_in_training(config["runs"][name])
     if "steps" not in steps:
         return {"basis": "no estimate: the steps are not counted yet"}
     devices, gpu = run["nodes"] * run["gpus_per_node"], run.get("gpu", config.get("gpu"))
@@ -273,7 +271,7 @@ def estimate(
         )
         if "train_s" not in out:
             return out
-        outside, said = outside_steps(run, shape, steps["steps"], method.adapter_of(run))
+        outside, said = outside_steps(run, shape, steps["steps"], method_of(run).adapter_of(run))
         out.update(outside_s=outside, basis=f"{out['basis']}; {said}")
     out["wall_s"] = out["train_s"] + (out["outside_s"] or 0.0)
     out["gpu_hours"] = out["wall_s"] * devices / 3600 if gpu is not None else None
