@@ -116,9 +116,23 @@ def read_texts(path: Path, column: str, limit: int = SAMPLE_BYTES) -> tuple[list
 def sample(
     path: Path, column: str, model_dir: Path, max_length: int, limit: int = SAMPLE_BYTES
 ) -> Sample | None:
-    """The sample's figures; None without a tokenizer or a readable source."""
+    """The sample's figures; None without a tokenizer or a readable source. Read once a
+    process for a file as it is (a plan asks for a set's rows from several stages)."""
+    if path.suffix not in (".jsonl", ".parquet") or not path.is_file():
+        return None
+    tokenizer = model_dir / "tokenizer.json"
+    stamp = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (path, tokenizer) if p.is_file()]
+    return sampled(path, column, model_dir, max_length, limit, tuple(stamp))
+
+
+@functools.lru_cache(maxsize=32)
+def sampled(
+    path: Path, column: str, model_dir: Path, max_length: int, limit: int, stamp: tuple
+) -> Sample | None:
+    """``sample``'s work, for one version of a file and the tokenizer (``stamp``: their
+    sizes and times)."""
     found = tokenizer_of(model_dir)
-    if found is None or path.suffix not in (".jsonl", ".parquet") or not path.is_file():
+    if found is None:
         return None
     tok, before, after = found
     texts, read, total = read_texts(path, column, limit)
