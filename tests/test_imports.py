@@ -302,3 +302,41 @@ print(json.dumps({"before": before, "after": after}))
     got = json.loads(stdout_of(code).splitlines()[-1])
     assert got["before"] == [], got
     assert got["after"] == ["trl.trainer.base_trainer", "trl.trainer.sft_trainer"], got
+
+
+def test_a_shard_job_imports_no_torch_once_its_model_s_facts_are_known(tiny_model, tmp_path):
+    """A shard job (scripts/shard_dataset.py as the shard rule runs it: packing checked
+    against the model, the eval set's overlap, the shards and manifest written) reads
+    tables and a config.json: once the model's class facts are in the cache (its first job
+    on a machine computes them), torch, transformers and DeepSpeed are never imported."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import ROOT
+
+    from snaketune.data.conversations import Source
+    from snaketune.data.kernels import model_supports
+    from snaketune.data.tokenization import tokenize
+
+    for name, rows in (("train", 40), ("held", 5)):
+        data = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"prompt": [f"{name} question {i}" + "?" * (i % 7)
+                                            for i in range(rows)],
+                                 "response": [str(i) for i in range(rows)]}), data)  # fmt: skip
+        spec = {"source": "local", "path": str(data), "format": "prompt_response"}
+        tokenize([Source(name, data, spec)], tiny_model, tmp_path / f"{name}.tok.parquet", 64)
+    assert model_supports(tiny_model)  # the facts in the cache the job reads (conftest's)
+    code = f"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("job", {str(ROOT / "scripts/shard_dataset.py")!r})
+job = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(job)
+job.main(["--tokenized", {str(tmp_path / "train.tok.parquet")!r}, "--nodes", "2",
+          "--gpus-per-node", "1", "--micro-batch-size", "4", "--gradient-accumulation-steps",
+          "1", "--packing", "--model", {str(tiny_model)!r}, "--attn-implementation", "auto",
+          "--eval", {str(tmp_path / "held.tok.parquet")!r}, "--out", {str(tmp_path / "shards")!r},
+          "--manifest", {str(tmp_path / "manifest.json")!r}])
+print(json.dumps([m for m in ("torch", "transformers", "deepspeed") if m in sys.modules]))
+"""
+    assert json.loads(stdout_of(code).splitlines()[-1]) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert sum(s["rows"] for s in manifest["shards"]) == 40 // 8 * 8  # whole steps of 8
