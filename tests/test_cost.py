@@ -1058,6 +1058,30 @@ def test_a_cpu_run_s_other_stages_before_a_calibration_are_worked_out_by_hand(tm
     assert all(v["gpu_hours"] is None for v in stages.values())
 
 
+def opd_on_cpu(tmp_path: Path) -> tuple[dict, dict]:
+    """A CPU on-policy distillation run x (LoRA on a 1B-shaped student with a tied head, the
+    8B its teacher t, eval set e) and its student's config.json."""
+    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
+             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
+    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
+    block = {"opd": {"teacher": "t", "max_completion_length": 32}, "lora": {"r": 8}}
+    config = config_with(tmp_path, 200, teacher, method="opd", eval_dataset="e", max_steps=4,
+                         **block)  # fmt: skip
+    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    return config, small
+
+
+def teacher_pass_by_hand(examples: int = 50) -> float:
+    """The 8B teacher read in fp32 and its NLL of 2 x ``examples`` completions, one at a
+    time: generate()'s CPU floor of its 32 layers and 256 tokens at a third of its assumed
+    rate (cpu_tokens_per_s by hand: 4 FLOPs a weight, its input embedding a lookup)."""
+    big = llama_params(LLAMA_8B)
+    rate = 1 / (59e-6 + 4 * (big - 128256 * 4096) / 1.35e11)
+    return big * 4 / 500e6 + 2 * examples * (32 * 0.46e-3 + 0.8e-3 + 256 / (3 * rate))
+
+
 def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teacher(tmp_path):
     """A CPU opd run's own evaluation (before a calibration) is a job's start, its student
     read, the 50 rows' loss and their greedy decode steps, as any generating run's, and then
@@ -1068,15 +1092,7 @@ def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teac
     from snaketune.budget import stagecost as sc
     from snaketune.budget.cost import estimate, steps_of
 
-    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
-             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
-    (tmp_path / "t").mkdir()
-    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
-    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
-    block = {"opd": {"teacher": "t", "max_completion_length": 32}, "lora": {"r": 8}}
-    config = config_with(tmp_path, 200, teacher, method="opd", eval_dataset="e", max_steps=4,
-                         **block)  # fmt: skip
-    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    config, small = opd_on_cpu(tmp_path)
     shape = Shape.from_config(small)
     s = steps_of(config, "x", tmp_path)
     c = sc.costs_of(config, "x", shape, s, estimate(config, "x", tmp_path, shape, s), tmp_path)
@@ -1086,12 +1102,11 @@ def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teac
     def rate(params, untied_embedding):  # cpu_tokens_per_s by hand: 4 FLOPs a weight (LoRA)
         return 1 / (59e-6 + 4 * (params - untied_embedding) / 1.35e11)
 
-    student, big = llama_params(small), llama_params(LLAMA_8B)
+    student = llama_params(small)
     own = 10 + student * 4 / 500e6 + 50 * 256 / rate(student, 0) / 3
     own += 7 * 256 * (16 * 0.46e-3 + 0.8e-3)  # 50 rows, 8 a batch, 256 new tokens at most
     assert config["runs"]["x"]["eval"]["max_new_tokens"] == 256
-    each = 32 * 0.46e-3 + 0.8e-3 + 256 / (rate(big, 128256 * 4096) * 3)
-    teacher_pass = big * 4 / 500e6 + 2 * 50 * each
+    teacher_pass = teacher_pass_by_hand()
     assert stages["evaluate_base"]["s"] == pytest.approx(own, rel=1e-9)
     assert stages["evaluate"]["s"] == pytest.approx(own + teacher_pass, rel=1e-9)
     assert "the teacher read and its NLL of 2 x 50 completions" in stages["evaluate"]["basis"]
@@ -1108,15 +1123,7 @@ def test_a_calibrated_cpu_run_s_evaluation_adds_what_it_does_beyond_the_calibrat
     from snaketune.budget.cost import estimate, steps_of
     from snaketune.plan.config import validate_config
 
-    small = {**LLAMA_8B, "hidden_size": 2048, "intermediate_size": 8192, "head_dim": 64,
-             "num_hidden_layers": 16, "tie_word_embeddings": True}  # fmt: skip
-    (tmp_path / "t").mkdir()
-    (tmp_path / "t/config.json").write_text(json.dumps(LLAMA_8B))
-    teacher = {"t": {"source": "local", "path": str(tmp_path / "t")}}
-    block = {"opd": {"teacher": "t", "max_completion_length": 32}, "lora": {"r": 8}}
-    config = config_with(tmp_path, 200, teacher, method="opd", eval_dataset="e", max_steps=4,
-                         **block)  # fmt: skip
-    (tmp_path / "m/config.json").write_text(json.dumps(small))
+    config, small = opd_on_cpu(tmp_path)
     earlier = {"model": "m", "dataset": "d", "eval_dataset": "e", "method": "lora",
                "max_length": 256, "micro_batch_size": 4, "learning_rate": 1e-4,
                "max_steps": 4, "nodes": 2, "gpus_per_node": 4}  # fmt: skip
@@ -1134,9 +1141,7 @@ def test_a_calibrated_cpu_run_s_evaluation_adds_what_it_does_beyond_the_calibrat
         c = sc.costs_of(config, name, shape, s, e, tmp_path)
         return {**c["stages"], **{k.split()[0]: v for k, v in c["shared"].items()}}
 
-    big = llama_params(LLAMA_8B)
-    rate = 1 / (59e-6 + 4 * (big - 128256 * 4096) / 1.35e11)  # the teacher's, by hand
-    teacher_pass = big * 4 / 500e6 + 2 * 50 * (32 * 0.46e-3 + 0.8e-3 + 256 / (3 * rate))
+    teacher_pass = teacher_pass_by_hand()
     x = stages_of("x")
     assert x["evaluate"]["s"] == pytest.approx(30.5 + teacher_pass, rel=1e-9)
     assert x["evaluate"]["basis"].startswith(f"as run earlier's took, +{teacher_pass:.1f} s ")
