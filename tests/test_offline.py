@@ -34,12 +34,17 @@ for target in (("huggingface.co", 443), ("1.1.1.1", 443)):
 def test_the_demo_fetched_nothing(demo):
     """The whole demo (download stages included: models and datasets come from the local
     fixtures) and every test before this one in the session: no lookup or connection
-    outside the machine."""
+    outside the machine, and no process that compiled its imports from source."""
     assert (demo / "results/summary.tsv").is_file()
     # the pipeline's processes ran under the watch: Snakemake, the stages, the workers
     seen = NET_LOG.with_name(NET_LOG.name + ".seen").read_text()
     for script in ("snakemake", "download_model.py", "tokenize_dataset.py", "train.py --worker",
                    "evaluate.py"):  # fmt: skip
         assert script in seen, script
+    # and none of them ignored the environment's compiled files: a PYTHONPYCACHEPREFIX set
+    # for the jobs (the Snakefile did, for a workdir other than the clone) made every stage
+    # compile torch and transformers from source, about 6 CPU-s a process
+    prefixed = [line for line in seen.splitlines() if "pycache_prefix=" in line]
+    assert prefixed == [], "\n".join(prefixed[:5])
     outside = NET_LOG.read_text().splitlines() if NET_LOG.exists() else []
     assert outside == [], "\n".join(outside[:20])

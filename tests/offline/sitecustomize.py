@@ -60,7 +60,10 @@ def _outside_name(host) -> bool:
 
 if _LOG:
     # which processes ran under the watch (the test checks the demo's stages did)
-    _append(_LOG + ".seen", f"{os.getpid()} {' '.join(sys.argv[:2])[:200]}\n")
+    # (and a prefix for compiled files, which makes a process compile every module it
+    # imports from source: tests/test_offline.py checks that no process of the demo had one)
+    _prefix = f" pycache_prefix={sys.pycache_prefix}" if sys.pycache_prefix else ""
+    _append(_LOG + ".seen", f"{os.getpid()} {' '.join(sys.argv[:2])[:200]}{_prefix}\n")
     _getaddrinfo = socket.getaddrinfo
     _connect = socket.socket.connect
     _connect_ex = socket.socket.connect_ex
