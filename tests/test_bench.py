@@ -41,6 +41,7 @@ SHORT = {
     "load_memory.py": ["--short"],
     "memory_timing.py": [],  # two small trainings (tests/test_memplan.py runs it)
     "omp_wait.py": ["--steps", "3", "--side-by-side", "1"],  # both policies, one run each
+    "pipeline_cpu.py": ["--steps", "4"],  # the demo pipeline, 4 steps
     "qlora_memory.py": ["--steps", "1", "--cases", "demo"],
     "qlora_merge.py": [],
     "sequence_plan.py": [],  # the plan only: no training
@@ -56,7 +57,7 @@ SHORT = {
 # (marker bench); the others are in the extended tier (docs/testing.md).
 HEAVY = {"checkpoint_disk.py", "convert.py", "corpus.py", "cost_estimate.py", "dpo_reference.py",
          "extension_cache.py",
-         "heldout_cost.py", "omp_wait.py", "plan_matrix.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
+         "heldout_cost.py", "omp_wait.py", "pipeline_cpu.py", "plan_matrix.py", "qlora_memory.py", "qlora_merge.py", "tokenize.py",
          "train_overhead.py", "train_throughput.py"}  # fmt: skip
 
 # Benchmarks another slow test already runs, in the documented short form (its table printed,
