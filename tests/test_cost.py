@@ -253,11 +253,11 @@ def test_a_gpu_run_without_calibration_is_its_flops_at_the_assumed_mfu(tmp_path)
     del config["runs"]["x"]["gpu"]
     e = estimate(config, "x", tmp_path, shape, s)
     # a CPU run before a calibration: its update at this machine's assumed rate, 59 us a
-    # token and 4N FLOPs a token (LoRA) at 135 GFLOP/s, its start-up assumed (21.2 s and
+    # token and 4N FLOPs a token (LoRA) at 135 GFLOP/s, its start-up assumed (9 s and
     # the weights at 500 MB/s), no GPU-hours
     rate = 1 / (59e-6 + 4 * n / 1.35e11)
     assert e["train_s"] == pytest.approx(s["steps"] * mean * per / rate, rel=1e-4)  # norms
-    assert e["outside_s"] == pytest.approx(21.2 + LLAMA_8B_PARAMS * 2 / 500e6)
+    assert e["outside_s"] == pytest.approx(9.0 + LLAMA_8B_PARAMS * 2 / 500e6)
     assert e["gpu_hours"] is None and e["basis"].startswith("not calibrated: this CPU's")
     # the run itself finished here (a dry run after it): said so, not "no finished run"
     finished(tmp_path, "x", config["runs"]["x"], 80.0, 45.0, 1_280_000, 20, 40, "cpu", LLAMA_8B)
@@ -1004,8 +1004,8 @@ def test_a_run_calibrated_from_another_method_is_its_tokens_scoring_and_generati
     step = 0.03 + tokens / rate + tokens / (3 * rate) + 12 * decode
     assert e["train_s"] == pytest.approx(10 * step, rel=1e-12)
     lora = {**config["runs"]["x"], "method": "lora"}
-    assert startup_change(cal, config["runs"]["x"]) - startup_change(cal, lora) == 6.0
-    assert startup_change({**cal, "method": "grpo"}, lora) - startup_change(cal, lora) == -6.0
+    assert startup_change(cal, config["runs"]["x"]) - startup_change(cal, lora) == 0.5
+    assert startup_change({**cal, "method": "grpo"}, lora) - startup_change(cal, lora) == -0.5
     assert e["basis"].startswith("calibrated from run c of method lora (its 1,000 tokens/s)")
     assert "12 decode steps of 15.5 ms" in e["basis"]
 
@@ -1030,8 +1030,8 @@ def test_a_decode_step_is_its_bytes_its_flops_or_generate_s_floor():
 
 
 def test_a_cpu_run_s_other_stages_before_a_calibration_are_worked_out_by_hand(tmp_path):
-    """A CPU LoRA run with no calibration: its shard job's start (2 s) and an epoch's tokens
-    at 16 bytes each at 500 MB/s; conversion a job's start (10 s: the adapter alone); the
+    """A CPU LoRA run with no calibration: its shard job's start (0.6 s) and an epoch's tokens
+    at 16 bytes each at 500 MB/s; conversion a job's start (3.5 s: the adapter alone); the
     merge a job's start and the fp32 model read and written; its evaluation a job's start,
     the fp32 model read, the 50 rows' loss at a third of the CPU's assumed rate (every row
     max_length) and 7 batches of 256 decode steps at generate()'s CPU floor (32 layers)."""
@@ -1046,15 +1046,15 @@ def test_a_cpu_run_s_other_stages_before_a_calibration_are_worked_out_by_hand(tm
     assert list(stages) == ["shard_dataset", "train", "convert_checkpoint", "merge_lora",
                             "evaluate"]  # fmt: skip
     epoch = s["per_step"] * 256 * s["steps_per_epoch"]  # before tokenization: max_length
-    assert stages["shard_dataset"]["s"] == pytest.approx(2 + epoch * 16 / 500e6)
-    assert stages["convert_checkpoint"]["s"] == 10
-    assert stages["merge_lora"]["s"] == pytest.approx(10 + 2 * fp32 / 500e6)
+    assert stages["shard_dataset"]["s"] == pytest.approx(0.6 + epoch * 16 / 500e6)
+    assert stages["convert_checkpoint"]["s"] == 3.5
+    assert stages["merge_lora"]["s"] == pytest.approx(3.5 + 2 * fp32 / 500e6)
     n = LLAMA_8B_PARAMS - 128256 * 4096  # the input embedding: a lookup
     rate = 1 / (59e-6 + 4 * n / 1.35e11)
     loss = 50 * 256 / rate / 3
     decode = 7 * 256 * (32 * 0.46e-3 + 0.8e-3)  # 50 rows, 8 a batch (the schema's default)
     assert config["runs"]["x"]["eval"]["batch_size"] == 8
-    assert stages["evaluate"]["s"] == pytest.approx(10 + fp32 / 500e6 + loss + decode, rel=1e-4)
+    assert stages["evaluate"]["s"] == pytest.approx(3.5 + fp32 / 500e6 + loss + decode, rel=1e-4)
     assert all(v["gpu_hours"] is None for v in stages.values())
 
 
@@ -1083,7 +1083,7 @@ def teacher_pass_by_hand(examples: int = 50) -> float:
 
 
 def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teacher(tmp_path):
-    """A CPU opd run's own evaluation (before a calibration) is a job's start, its student
+    """A CPU opd run's own evaluation (before a calibration) is a job's start (3.5 s), its student
     read, the 50 rows' loss and their greedy decode steps, as any generating run's, and then
     its live teacher (the 8B) read in fp32 and its NLL of the run's 50 completions and of the
     base's 50 (the base is evaluated too: evaluate_base), one at a time: generate()'s CPU
@@ -1103,7 +1103,7 @@ def test_an_on_policy_distillation_s_cpu_evaluation_also_reads_and_runs_its_teac
         return 1 / (59e-6 + 4 * (params - untied_embedding) / 1.35e11)
 
     student = llama_params(small)
-    own = 10 + student * 4 / 500e6 + 50 * 256 / rate(student, 0) / 3
+    own = 3.5 + student * 4 / 500e6 + 50 * 256 / rate(student, 0) / 3
     own += 7 * 256 * (16 * 0.46e-3 + 0.8e-3)  # 50 rows, 8 a batch, 256 new tokens at most
     assert config["runs"]["x"]["eval"]["max_new_tokens"] == 256
     teacher_pass = teacher_pass_by_hand()

@@ -32,9 +32,10 @@ FLOOR_SOURCE = {
     "gpu": "transformers' benchmark of gemma-2b in eager mode, 19.7 ms a token",
 }
 # a train job's start-up besides loading its weights, where no calibration measured it: the
-# demo's train job on this project's machine (2 cores, 2026-12-06): its workers' imports,
-# DeepSpeed's engine and the rendezvous, 21.2 s from its launcher's start to its first step
-STARTUP_S = 21.2
+# SFT run of bench/plan_matrix.py on this project's machine (2 cores, 2026-12-07, the jobs
+# reading the environment's compiled files): its workers' imports, DeepSpeed's engine and
+# the rendezvous, 12.2 s in all less its 40 steps at 0.08 s
+STARTUP_S = 9.0
 # a CPU run's training where no calibration measured it: a step's seconds a token, a fixed
 # part (Python, the collectives, the optimizer) and one per FLOP of its update, fitted to
 # two trainings on this project's machine (2 cores): the demo's LoRA on its tiny model (0.64
@@ -51,14 +52,15 @@ CPU_FLOP_S = 1.35e11
 CPU_STEP_S = 0.030
 # a CPU train job of a method that generates while it trains, its start-up beyond one that
 # does not (the generation's set-up, the scoring model's load, the trainer's own imports):
-# GRPO 5.1 s and on-policy distillation 7.2 s over SFT's 16.3 s on this project's machine
-# (bench/plan_matrix.py, 2026-12-07)
-GENERATING_STARTUP_S = 6.0
-# a CPU stage's process before its work, where no calibration measured it: importing
-# torch, transformers and peft on this project's machine, bench/import_cost.py's 9.9-11.5
-# CPU-seconds (docs/benchmarks.md); a data job (pyarrow and numpy alone) about 2 s
-JOB_START_S = 10.0
-DATA_JOB_START_S = 2.0
+# GRPO 0.9 s and on-policy distillation 0.2 s over SFT's on this project's machine
+# (bench/plan_matrix.py, 2026-12-07, the jobs reading the environment's compiled files)
+GENERATING_STARTUP_S = 0.5
+# a CPU stage's process before its work, where no calibration measured it: a LoRA run's
+# conversion (its start alone: importing torch, transformers and peft) took 3.1-3.7 s in
+# bench/plan_matrix.py on this project's machine (2026-12-07); a data job (pyarrow and numpy
+# alone), a shard job of the demo's rows, 0.4-0.8 s
+JOB_START_S = 3.5
+DATA_JOB_START_S = 0.6
 HBM_TB_S = {  # datasheets; most specific first
     "H200": 4.8,
     "H100 PCIe": 2.0,
