@@ -53,8 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     part = parse_part(args.part) if args.part else None
-    # what loading the tokenizer imports (transformers, torch), with no collections meanwhile
-    load("transformers.models.auto.tokenization_auto")
+    # what loading a plain fast tokenizer imports, with no collections meanwhile (not
+    # transformers' AutoTokenizer: its module imports torch through the model configs; a
+    # family's own tokenizer class still loads it, then)
+    load("transformers.tokenization_utils_tokenizers")
     spec = json.loads(args.spec)
     if len(args.data) != len(spec["sources"]):
         raise SystemExit(f"--data has {len(args.data)} files for {len(spec['sources'])} sources")

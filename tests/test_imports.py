@@ -193,22 +193,25 @@ def test_a_tokenize_job_of_chat_rows_or_documents_imports_no_torch(tiny_model, t
                              "response": ["5", "Blue, like the sky."]}), chat)  # fmt: skip
     docs = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": ["A short document.", "Another, longer one " * 9]}), docs)
-    code = f"""
-import importlib.util, json, sys
-from pathlib import Path
-spec = importlib.util.spec_from_file_location("job", {str(ROOT / "scripts/tokenize_dataset.py")!r})
-spec.loader.exec_module(importlib.util.module_from_spec(spec))
-from snaketune.data.conversations import Source
-from snaketune.data.tokenization import tokenize
-sources = {{"chat": ({str(chat)!r}, {{"format": "prompt_response"}}, 256),
-            "docs": ({str(docs)!r}, {{"format": "text"}}, 16)}}
-for name, (path, fmt, length) in sources.items():
-    spec = {{"source": "local", "path": path, **fmt}}
-    tokenize([Source(name, Path(path), spec)], Path({str(tiny_model)!r}),
-             Path({str(tmp_path)!r}) / (name + ".tok.parquet"), length)
+    # each a whole job through its entry point (its main(), as the rule runs it)
+    for name, path, fmt, length in (("chat", chat, "prompt_response", 256),
+                                    ("docs", docs, "text", 16)):  # fmt: skip
+        spec = {"chat_template": None, "dataset": name, "max_length": length, "model": "tiny",
+                "overlong": "drop", "sources": [{"name": name, "seed": 0, "weight": 1.0,
+                "spec": {"source": "local", "path": str(path), "format": fmt}}]}  # fmt: skip
+        argv = ["tokenize_dataset.py", "--spec", json.dumps(spec), "--data", str(path),
+                "--model", str(tiny_model), "--out", str(tmp_path / f"{name}.tok.parquet"),
+                "--stats", str(tmp_path / f"{name}.stats.json")]  # fmt: skip
+        code = f"""
+import json, runpy, sys
+sys.argv = {argv!r}
+try:
+    runpy.run_path({str(ROOT / "scripts/tokenize_dataset.py")!r}, run_name="__main__")
+except SystemExit as exit:
+    assert not exit.code, exit.code
 print(json.dumps({{"torch": "torch" in sys.modules}}))
 """
-    assert json.loads(stdout_of(code).splitlines()[-1]) == {"torch": False}
+        assert json.loads(stdout_of(code).splitlines()[-1]) == {"torch": False}, name
     tok = AutoTokenizer.from_pretrained(tiny_model)
     rows = pq.read_table(tmp_path / "docs.tok.parquet").to_pylist()
     ids = [i for r in rows for i in r["input_ids"]]  # the documents' tokens, end-of-text after each
