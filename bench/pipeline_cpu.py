@@ -2,7 +2,8 @@
 the local profile from a project folder (a fresh working directory, not the clone), as a
 user runs it: a dry run first, then the pipeline to its report. Each Python process it
 starts appends its own CPU seconds (user + system, from the kernel's accounting) as it
-exits, through a sitecustomize this script writes; the table sums them by kind.
+exits, as in the test tiers (tests/offline/sitecustomize.py, ``$SNAKETUNE_CPU_LOG``); the
+table sums them by kind as tests/durations.py does.
 
     python bench/pipeline_cpu.py                        # this checkout
     python bench/pipeline_cpu.py --root /path/to/other  # another checkout's workflow
@@ -15,7 +16,6 @@ two checkouts in turn are the before and after of a change to what the jobs pay 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import subprocess
 import sys
@@ -27,30 +27,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RECORDER = """
-import atexit, os, resource, sys
-def _note():
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    line = f"{use.ru_utime + use.ru_stime:.3f}\\t{' '.join(sys.argv[:2])[:160]}\\n"
-    fd = os.open(os.environ["PIPELINE_CPU_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    os.write(fd, line.encode())
-    os.close(fd)
-atexit.register(_note)
-"""
-
-KINDS = (  # (what the command holds, its kind), the first match
-    ("train.py --worker", "train worker"),
-    ("torchrun.py", "torchrun agent"),
-    ("snakemake", "snakemake"),
-)
-
-
-def kind(command: str) -> str:
-    for part, name in KINDS:
-        if part in command:
-            return name
-    script = command.split()[0] if command.split() else "?"
-    return Path(script).name
+sys.path[:0] = [str(ROOT / "tests")]
+from durations import cpu  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,13 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root.resolve()
     work = Path(tempfile.mkdtemp(prefix="pipeline-cpu-"))
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(RECORDER)
-    log = work / "cpu.tsv"
-    env = {**os.environ, "PIPELINE_CPU_LOG": str(log), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": f"{site}{os.pathsep}{root / 'scripts'}",
-           "SNAKETUNE_CACHE": str(work / "cache")}  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SNAKETUNE_CACHE": str(work / "cache"),
+           "PYTHONPATH": f"{ROOT / 'tests/offline'}{os.pathsep}{root / 'scripts'}"}  # fmt: skip
     project = work / "project"
     project.mkdir()
     config = yaml.safe_load((root / "config/config.yaml").read_text())
@@ -77,25 +50,23 @@ def main(argv: list[str] | None = None) -> int:
                  str(root / "Snakefile"), "--profile", str(root / "profiles/local"),
                  "--configfile", str(project / "config.yaml")]  # fmt: skip
     start = time.monotonic()
-    dry = subprocess.run([*snakemake, "-n"], cwd=project, env=env, capture_output=True)
-    dry_cpu = sum(float(line.split("\t")[0]) for line in log.read_text().splitlines())
-    proc = subprocess.run(snakemake, cwd=project, env=env, capture_output=True, text=True)
+    for name, extra in (("dry", ["-n"]), ("run", [])):  # each its own CPU log
+        run_env = {**env, "SNAKETUNE_CPU_LOG": str(work / f"{name}.tsv")}
+        proc = subprocess.run([*snakemake, *extra], cwd=project, env=run_env, capture_output=True,
+                              text=True)  # fmt: skip
+        if proc.returncode:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            return 1
     wall = time.monotonic() - start
-    if dry.returncode or proc.returncode:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        return 1
-    total, count = collections.defaultdict(float), collections.Counter()
-    for line in log.read_text().splitlines()[1:]:  # the dry run's line apart
-        seconds, command = line.split("\t", 1)
-        total[kind(command)] += float(seconds)
-        count[kind(command)] += 1
+    dry = sum(seconds for _, seconds in cpu(work / "dry.tsv")[1].values())
+    kinds = cpu(work / "run.tsv")[1]
     print(f"the demo pipeline ({args.steps} steps) from a project folder, workflow {root}")
-    print(f"  a dry run first: {dry_cpu:.2f} CPU-s (its snakemake process)")
+    print(f"  a dry run first: {dry:.2f} CPU-s (its snakemake process)")
     print(f"  {'kind of process':24s} {'processes':>9s} {'CPU-s':>8s} {'each':>7s}")
-    for name in sorted(total, key=total.get, reverse=True):
-        each = total[name] / count[name]
-        print(f"  {name:24s} {count[name]:9d} {total[name]:8.1f} {each:7.2f}")
-    print(f"  in all: {sum(total.values()):.1f} CPU-s, {wall:.0f} s wall (the dry run's too)")
+    for name, (count, seconds) in sorted(kinds.items(), key=lambda k: -k[1][1]):
+        print(f"  {name:24s} {count:9d} {seconds:8.1f} {seconds / count:7.2f}")
+    total = sum(seconds for _, seconds in kinds.values())
+    print(f"  in all: {total:.1f} CPU-s, {wall:.0f} s wall (the dry run's too)")
     return 0
 
 
