@@ -7,6 +7,7 @@ wing, none over 400 lines and no function over 60 as the formatter lays them out
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -27,11 +28,18 @@ WINGS = (
 )
 
 
+MODULE_NAME = re.compile(r"snaketune(\.[a-z_0-9]+)+")
+
+
 def imported(path: Path) -> set[str]:
-    """The snaketune modules ``path`` imports (absolute imports: the library uses no other)."""
+    """The snaketune modules ``path`` imports (absolute imports: the library uses no other),
+    and those it names in a string as a whole (a module imported through its name, as a
+    registry or a process's command line imports it)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.Constant) and MODULE_NAME.fullmatch(str(node.value)):
+            found.add(node.value)
+        elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: relative import"
             if node.module and node.module.split(".")[0] == "snaketune":
                 found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
@@ -73,6 +81,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from snaketune.train.launch import main\n")
     assert {wing_of(m) for m in imported(probe)} == {"train"}
+    probe.write_text('import importlib\nSCORER = importlib.import_module("snaketune.app.report")\n')
+    assert {wing_of(m) for m in imported(probe)} == {"app"}
     assert WINGS.index("train") > WINGS.index("core")
 
 

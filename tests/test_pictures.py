@@ -541,6 +541,7 @@ def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers
     from snaketune.data.tokenization import tokenize
     from snaketune.evaluation.logps import compute_parts, load_scorer, merge, sequence_logps
     from snaketune.methods import dpo
+    from snaketune.methods.common import RankRows
 
     w, vlm = tmp_path, tmp_path / "resources/vlm"
     build_vlm(vlm)
@@ -573,8 +574,8 @@ def test_a_picture_pair_batch_and_its_reference_log_probs_are_plain_transformers
 
     run = {"dpo": {"reference": "precomputed"}}
     table = datasets.Dataset.from_list(rows)  # a rank's rows, as the train stage reads them
-    made = dpo.data(run, table, None, AutoTokenizer.from_pretrained(vlm), "padded", None,
-                    {"reference_logps": str(w / "logps.parquet")})  # fmt: skip
+    made = dpo.data(RankRows(run, table, None, AutoTokenizer.from_pretrained(vlm), "padded", None,
+                             {"reference_logps": str(w / "logps.parquet")}))  # fmt: skip
     batch = made.collator(rows[1:4])
     sides = [len(r[k]) for r in rows[1:4] for k in ("input_ids", "rejected_input_ids")]
     assert len(batch["input_ids"]) == 6 and len(set(sides)) > 1  # sides padded to one length

@@ -10,17 +10,18 @@ it does with tokens is in its module (``module``), imported when tokens are hand
 - ``schema(base)``: the tokenized file's schema (the supervised columns and its own);
 - ``render(renderer, items, stats)``: a batch of read examples -> (the examples kept,
   texts to encode, response spans);
-- ``label(items, texts, spans, encodings, max_length, overlong, stats, *, schema)``: the
-  encoded batch's rows as a table, its length policy applied;
+- ``label(batch)``: the encoded batch (an ``Encoded``) as a table of rows, its length policy
+  applied;
 - ``dropped(stats)``: a log line of what it dropped beyond the common counts ("" for none);
 - ``batch(examples, pad)``: examples collated as a trainer and a scorer read them (None
   where methods collate rows themselves: packing, padding-free);
 - ``read_row(source, system, cols, data, i, row)`` (optional): a row of a dataset format
   only this kind reads (``labelled``), as snaketune.data.conversations reads the others.
 
-A kind with held-out figures of its own names the evaluation module that scores them
-(``heldout``: ``logps(model, rows, batch_size, pad, share)``, ``sample_fields(scores)``,
-``figures(samples, base, beta)``, ``recorded(samples_path)``).
+A kind with held-out figures of its own names them (``heldout``); the evaluation wing maps
+the name to the module that scores them (snaketune.evaluation.evaluate.scorer: ``logps(model,
+rows, batch_size, pad, share)``, ``sample_fields(scores)``, ``figures(samples, base, beta)``,
+``recorded(samples_path)``).
 
 Adding a kind: its ``Kind`` in ``KINDS`` and its module; docs/architecture.md has the
 checklist.
@@ -30,8 +31,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Any
 
 from snaketune.core.errors import ConfigError
 
@@ -39,6 +41,25 @@ SUPERVISED_COLUMNS = ("example_id", "input_ids", "labels")  # every tokenized fi
 ROW_FORMATS = ("prompt_response", "alpaca", "messages")
 # what methods of rows (SFT) train on: chat rows and raw text (continued pre-training)
 SUPERVISED_FORMATS = (*ROW_FORMATS, "text")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One batch a kind labels (``label(batch)``): its examples as read and rendered, their
+    encodings, and what the job's length policy and the tokenized file ask."""
+
+    items: list  # (example id, example) as read
+    texts: list[str]  # each example's rendered text (a pair's: its chosen sides, then rejected)
+    spans: list  # each text's trained character spans
+    encodings: list  # the fast tokenizer's encodings of ``texts``
+    max_length: int
+    overlong: str  # the length policy: drop or truncate
+    stats: Any  # the job's counts (snaketune.data.conversations.Stats)
+    schema: Any = None  # the tokenized file's pyarrow schema
+    tokenizer: Any = None  # the run's tokenizer (the processor's and the ends' source)
+
+    def of(self, schema: Any, tokenizer: Any) -> Encoded:
+        return replace(self, schema=schema, tokenizer=tokenizer)
 
 
 @dataclass(frozen=True)
@@ -66,7 +87,8 @@ class Kind:
     generated_in_training: bool = False
     # its tokens' handling (see above): supervised rows' is tokenization's own
     module: str = "snaketune.data.tokenization"
-    heldout: str | None = None  # the evaluation module of its own held-out figures
+    # the name of its own held-out figures (snaketune.evaluation.evaluate.scorer)
+    heldout: str | None = None
     # the kind of data its examples are with pictures (a data kind of its own, read when a
     # dataset of its formats has columns.images); None where there is none
     pictured: str | None = None
@@ -82,10 +104,6 @@ class Kind:
 
     def impl(self) -> ModuleType:
         return importlib.import_module(self.module)
-
-    def scorer(self) -> ModuleType | None:
-        """The module scoring its held-out examples beyond the loss (None: none)."""
-        return None if self.heldout is None else importlib.import_module(self.heldout)
 
     def holds(self, columns: Iterable[str]) -> bool:
         """Whether a tokenized set's columns (or a row of it) are this kind's."""
@@ -143,7 +161,7 @@ KINDS = {
         sequences=2,
         balances_tokens=True,
         module="snaketune.data.pairs",
-        heldout="snaketune.evaluation.preference",
+        heldout="preference",
         pictured="picture_pairs",
     ),
     # single responses, each desirable or not (KTO): a labelled set's, or a preference set's
@@ -181,7 +199,7 @@ KINDS = {
         sequences=2,
         balances_tokens=True,
         module="snaketune.data.picture_pairs",
-        heldout="snaketune.evaluation.preference",
+        heldout="preference",
     ),
 }
 PICTURES = KINDS["pictures"]

@@ -25,7 +25,7 @@ beside the supervised columns; its rows are planned one response an example.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import ChatRenderer, Turn
 from snaketune.data.conversations import Items, Source, Stats, _turns
+from snaketune.data.kinds import Encoded
 
 SIDES = (("input_ids", "labels"), ("rejected_input_ids", "rejected_labels"))
 
@@ -93,33 +94,14 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return items, texts, spans
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
+def label(b: Encoded) -> pa.Table:
     """The supervised rows' labels and length policy, and each kept row's label."""
     from snaketune.data.tokenization import label_batch
 
-    table = label_batch(
-        [(i, row.hashed()) for i, row in items],
-        texts,
-        spans,
-        encodings,
-        max_length,
-        overlong,
-        stats,
-    )
-    desirable = {i: row.desirable for i, row in items}
+    table = label_batch(replace(b, items=[(i, row.hashed()) for i, row in b.items]))
+    desirable = {i: row.desirable for i, row in b.items}
     kept = [desirable[i] for i in table.column("example_id").to_pylist()]
-    return table.append_column(schema.field("desirable"), pa.array(kept, pa.bool_()))
+    return table.append_column(b.schema.field("desirable"), pa.array(kept, pa.bool_()))
 
 
 def dropped(stats: Stats) -> str:

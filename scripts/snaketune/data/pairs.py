@@ -31,6 +31,7 @@ from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import ChatRenderer, Turn
 from snaketune.data.conversations import Items, Pair, Source, Stats, _turns, text_sha
+from snaketune.data.kinds import Encoded
 from snaketune.data.tokens import first_token_at
 
 PAIR_COLUMNS = (
@@ -257,26 +258,15 @@ def pair_values(example_id: str, sides: list, sha: str) -> dict[str, Any]:
     }
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
+def label(b: Encoded) -> pa.Table:
     """Labels and length policy of one encoded batch of pairs; the pairs kept, as a table."""
-    n = len(items)
-    rows: dict[str, list] = {f.name: [] for f in schema}
-    for k, (example_id, pair) in enumerate(items):
-        sides = encoded_sides(k, n, texts, spans, encodings)
-        sides = kept_sides(example_id, sides, max_length, overlong, stats)
+    n = len(b.items)
+    rows: dict[str, list] = {f.name: [] for f in b.schema}
+    for k, (example_id, pair) in enumerate(b.items):
+        sides = encoded_sides(k, n, b.texts, b.spans, b.encodings)
+        sides = kept_sides(example_id, sides, b.max_length, b.overlong, b.stats)
         if sides is None:
             continue
         for name, value in pair_values(example_id, sides, text_sha(pair)).items():
             rows[name].append(value)
-    return pa.Table.from_pydict(rows, schema=schema)
+    return pa.Table.from_pydict(rows, schema=b.schema)

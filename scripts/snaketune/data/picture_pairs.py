@@ -24,6 +24,7 @@ from snaketune.core.errors import DataError
 from snaketune.data import pairs, pictures
 from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Pair, Source, Stats, text_sha
+from snaketune.data.kinds import Encoded
 from snaketune.data.pictures import COLUMN, MARK
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -83,35 +84,24 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return pairs.render(renderer, named, stats)
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
+def label(b: Encoded) -> pa.Table:
     """The pairs with their pictures' image tokens on both sides, labels carried over, the
     length policy on the expanded lengths (a side is cut only after its last image token)."""
-    processor = pictures.processor_of(tokenizer.name_or_path)
+    processor = pictures.processor_of(b.tokenizer.name_or_path)
     image_ids = set(pictures.image_ids_of(processor))
-    n = len(items)
-    rows: dict[str, list] = {f.name: [] for f in schema}
-    cut_ok = _cut_after_pictures(image_ids, max_length)
-    for k, (key, pair) in enumerate(items):
+    n, stats = len(b.items), b.stats
+    rows: dict[str, list] = {f.name: [] for f in b.schema}
+    cut_ok = _cut_after_pictures(image_ids, b.max_length)
+    for k, (key, pair) in enumerate(b.items):
         sides = []
         for (ids, labels), j in zip(
-            pairs.encoded_sides(k, n, texts, spans, encodings), (k, k + n), strict=True
+            pairs.encoded_sides(k, n, b.texts, b.spans, b.encodings), (k, k + n), strict=True
         ):
             full, carried = pictures.expanded_side(
-                processor, key, ids.tolist(), labels, texts[j], pair.pictures
+                processor, key, ids.tolist(), labels, b.texts[j], pair.pictures
             )
             sides.append((np.asarray(full, np.int32), carried))
-        sides = pairs.kept_sides(key, sides, max_length, overlong, stats, cut_ok)
+        sides = pairs.kept_sides(key, sides, b.max_length, b.overlong, stats, cut_ok)
         if sides is None:
             continue
         stats.pictures += len(pair.pictures)
@@ -120,7 +110,7 @@ def label(
         values = {**pairs.pair_values(key, sides, sha), COLUMN: list(pair.pictures)}
         for name, value in values.items():
             rows[name].append(value)
-    return pa.Table.from_pydict(rows, schema=schema)
+    return pa.Table.from_pydict(rows, schema=b.schema)
 
 
 def _cut_after_pictures(image_ids: set[int], max_length: int):

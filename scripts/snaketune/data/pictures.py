@@ -37,6 +37,7 @@ from snaketune.core.errors import DataError
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import ChatRenderer
 from snaketune.data.conversations import Items, Source, Stats, text_sha
+from snaketune.data.kinds import Encoded
 from snaketune.data.packing import Collator
 from snaketune.data.tokenization import labelled_tokens, render_batch
 
@@ -231,34 +232,24 @@ def schema(base: pa.Schema) -> pa.Schema:
     return base.append(pa.field(COLUMN, pa.list_(pa.binary())))
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
+def label(b: Encoded) -> pa.Table:
     """The rows with their pictures' image tokens, labels carried over, the length policy on
     the expanded length (a row is cut only after its last image token)."""
-    processor = processor_of(tokenizer.name_or_path)
+    processor = processor_of(b.tokenizer.name_or_path)
+    encodings, stats = b.encodings, b.stats
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    mask = labelled_tokens(encodings, spans, texts, starts)
+    mask = labelled_tokens(encodings, b.spans, b.texts, starts)
     image_ids = set(image_ids_of(processor))
     columns: dict[str, list] = {
         k: [] for k in ("example_id", "input_ids", "labels", "length", "text_sha", COLUMN)
     }
-    for i, (key, conv) in enumerate(items):
+    for i, (key, conv) in enumerate(b.items):
         plain = encodings[i].ids
         labels = np.where(mask[starts[i] : starts[i + 1]], plain, IGNORE_INDEX).astype(np.int32)
-        full, carried = expanded_side(processor, key, plain, labels, texts[i], conv.pictures)
+        full, carried = expanded_side(processor, key, plain, labels, b.texts[i], conv.pictures)
         stats.conversations += 1
-        kept = _policy(key, full, carried, image_ids, max_length, overlong, stats)
+        kept = _policy(key, full, carried, image_ids, b.max_length, b.overlong, stats)
         if kept is None:
             continue
         ids, labs = kept
@@ -274,7 +265,7 @@ def label(
             columns, (key, ids, labs.tolist(), len(ids), sha, list(conv.pictures)), strict=True
         ):
             columns[name].append(value)
-    return pa.Table.from_pydict(columns, schema=schema)
+    return pa.Table.from_pydict(columns, schema=b.schema)
 
 
 def expanded_side(processor, key: str, plain: list[int], labels: np.ndarray, text: str, pictures):

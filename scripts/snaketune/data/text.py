@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from snaketune.core.errors import DataError
 from snaketune.data.conversations import Items, Source, Stats
+from snaketune.data.kinds import Encoded
 
 PIECE = "#"  # a piece's example id: the document's, then #k
 
@@ -129,23 +130,13 @@ def piece_sha(text: str, k: int) -> str:
     return hashlib.sha256(f"\x1c{k}\x1c{text}".encode()).hexdigest()[:16]
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
+def label(b: Encoded) -> pa.Table:
     """Every document's pieces as rows (labels null: every token is trained)."""
-    before, after = ends(tokenizer)
+    before, after = ends(b.tokenizer)
+    stats = b.stats
     names, ids, lengths, shas, sizes = [], [], [], [], []
-    for (key, doc), enc in zip(items, encodings, strict=True):
-        parts = pieces(enc.ids, enc.offsets, doc.text, before, after, max_length)
+    for (key, doc), enc in zip(b.items, b.encodings, strict=True):
+        parts = pieces(enc.ids, enc.offsets, doc.text, before, after, b.max_length)
         stats.documents += 1
         stats.documents_split += len(parts) > 1
         for k, (piece, size) in enumerate(parts):
@@ -171,7 +162,7 @@ def label(
         "text_sha": pa.array(shas, pa.string()),
         "text_bytes": pa.array(sizes, pa.int64()),
     }
-    return pa.Table.from_arrays([_column(columns, f, n) for f in schema], schema=schema)
+    return pa.Table.from_arrays([_column(columns, f, n) for f in b.schema], schema=b.schema)
 
 
 def _column(columns: dict[str, pa.Array], field: pa.Field, n: int) -> pa.Array:

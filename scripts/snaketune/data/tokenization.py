@@ -33,14 +33,13 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from snaketune.core.imports import deferred
 from snaketune.core.parts import row_range
 from snaketune.core.rows import IGNORE_INDEX
 from snaketune.data.chat import TEMPLATE_DATE, ChatRenderer
 from snaketune.data.conversations import Items, Source, Stats, iter_conversations, text_sha
-from snaketune.data.kinds import Kind, kind_of_source, kind_of_sources
+from snaketune.data.kinds import Encoded, Kind, kind_of_source, kind_of_sources
 from snaketune.data.tokens import (
     check_end_of_turn,
     check_result,
@@ -135,29 +134,22 @@ def keep_rows(
     return keep_row, keep_tok, row_of
 
 
-def label_batch(
-    items: Items,
-    texts: list[str],
-    spans: list[list[tuple[int, int]]],
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-) -> pa.Table:
+def label_batch(b: Encoded) -> pa.Table:
     """Labels and length policy for one encoded batch; the rows kept, as a table.
 
     Per row, Python only finds each assistant span's first and last token; the labels,
     the length policy and the output columns are computed on the whole batch with numpy.
     """
+    items, encodings, max_length, stats = b.items, b.encodings, b.max_length, b.stats
     n = len(items)
     ids = [enc.ids for enc in encodings]
     lengths = np.fromiter(map(len, ids), np.int64, count=n)
     row_start = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=row_start[1:])
     flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(row_start[-1]))
-    labelled = labelled_tokens(encodings, spans, texts, row_start)
+    labelled = labelled_tokens(encodings, b.spans, b.texts, row_start)
     keep_row, keep_tok, row_of = keep_rows(
-        items, lengths, row_start, labelled, max_length, overlong, stats
+        items, lengths, row_start, labelled, max_length, b.overlong, stats
     )
 
     n_labels = np.bincount(row_of[labelled & keep_tok], minlength=n)
@@ -201,19 +193,7 @@ def render(renderer: ChatRenderer, items: Items, stats: Stats):
     return (items, *render_batch(renderer, items))
 
 
-def label(
-    items: Items,
-    texts: list[str],
-    spans: list,
-    encodings: list,
-    max_length: int,
-    overlong: str,
-    stats: Stats,
-    *,
-    schema: pa.Schema,
-    tokenizer: Any = None,
-) -> pa.Table:
-    return label_batch(items, texts, spans, encodings, max_length, overlong, stats)
+label = label_batch
 
 
 def dropped(stats: Stats) -> str:
@@ -323,8 +303,8 @@ def tokenize_rows(
     def finish(batch: tuple) -> None:
         module, items, texts, spans, future = batch
         encodings = future.result()
-        args = (items, texts, spans, encodings, max_length, overlong, stats)
-        table = module.label(*args, schema=table_schema, tokenizer=tokenizer)
+        encoded = Encoded(items, texts, spans, encodings, max_length, overlong, stats)
+        table = module.label(encoded.of(table_schema, tokenizer))
         if table.num_rows:
             writer.write_table(table)
 

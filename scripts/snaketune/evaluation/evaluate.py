@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from snaketune.core import parts
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
 from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, with_labels
-from snaketune.data.kinds import kind_of_columns
+from snaketune.data.kinds import Kind, kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
 from snaketune.evaluation.generation import generate, stop_ids_of
@@ -171,10 +172,18 @@ def against_base(metrics: dict[str, Any], base_metrics: dict[str, Any]) -> None:
         )
 
 
+def scorer(kind: Kind) -> ModuleType | None:
+    """The module scoring a kind's held-out examples beyond the loss (None: none), by the
+    name its kind gives them (``Kind.heldout``)."""
+    from snaketune.evaluation import preference
+
+    return {"preference": preference}.get(kind.heldout or "")
+
+
 def recorded_scores(eval_tokenized: Path, base_metrics: Path | None) -> dict[str, Any] | None:
     """What the starting model's evaluation (``base_metrics``) recorded of the scores the
     eval rows' kind gives (a pair's log-probs, by example id); None for none."""
-    own = kind_of_columns(parts.names(eval_tokenized)).scorer()
+    own = scorer(kind_of_columns(parts.names(eval_tokenized)))
     if base_metrics is None or own is None:
         return None
     return own.recorded(base_metrics.with_name("samples.jsonl"))
@@ -212,7 +221,7 @@ def scored(
     gen = generator or generate
     texts, stopped = gen(model, tokenizer, share.mine(rows), batch_size, max_new_tokens, calls)
     mine: list[tuple] = list(zip(texts, stopped, strict=True))
-    if (own := kind.scorer()) is not None:
+    if (own := scorer(kind)) is not None:
         mine = [
             (*m, lp)
             for m, lp in zip(mine, own.logps(model, rows, batch_size, pad, share), strict=True)
@@ -331,7 +340,7 @@ def evaluate(
         return None
     metrics.update(stop_ids=stop_ids_of(model, tokenizer), examples=len(rows))
     metrics.update(model=str(model_dir), max_new_tokens=max_new_tokens, processes=share.world)
-    if (own := kind_of_columns(rows[0]).scorer()) is not None:
+    if (own := scorer(kind_of_columns(rows[0]))) is not None:
         metrics.update(own.figures(samples, base_pairs, beta))
     if base_metrics is not None:
         against_base(metrics, base_metrics)

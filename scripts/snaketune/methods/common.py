@@ -43,13 +43,50 @@ def nothing(run: Mapping[str, Any], on_gpu: bool) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class RankRows:
+    """What a method's ``data`` builds this rank's data from: the run, its planned rows
+    (``table``) and batches, the tokenizer, the attention kernel, where the trained example
+    ids are logged, and the outputs of its needs' stages (``inputs``, by the need's name)."""
+
+    run: Mapping[str, Any]
+    table: Any
+    batches: PlanBatches
+    tokenizer: Any
+    kernel: str
+    ids_log: Path | None
+    inputs: Mapping[str, str]
+
+    @property
+    def pad(self) -> int:
+        from snaketune.core.rows import pad_id
+
+        return pad_id(self.tokenizer)
+
+    def collated(self, collator: Any, table: Any = None) -> Data:
+        """The rank's data: its rows (``table``, else the planned ones) by ``collator``."""
+        from snaketune.data.batches import Data
+
+        return Data(self.table if table is None else table, self.batches, collator)
+
+    def scored(self, need: Need, read: Callable[[str], Mapping], noun: str) -> Mapping:
+        """A need's stage output read (``read``), holding every planned example (``noun``)."""
+        scores = read(self.inputs[need.name])
+        missing = [i for i in self.table["example_id"] if i not in scores]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} planned {noun} have no {need.label} (first: {missing[0]}); "
+                f"rerun rule {need.name}"
+            )
+        return scores
+
+
+@dataclass(frozen=True)
 class Method:
     """A training method: what the config side and the worker ask of it."""
 
     name: str
-    # (run, table, batches, tokenizer, kernel, ids_log, inputs) -> this rank's data; `inputs`:
-    # the outputs of its needs' stages the job reads, by the need's name (snaketune.methods.needs)
-    data: Callable[[dict, Any, PlanBatches, Any, str, Path | None, Mapping[str, str]], Data]
+    # this rank's planned rows (a RankRows) -> the data it trains on
+    data: Callable[[RankRows], Data]
     # (ctx, model, data, callbacks) -> a Trainer
     trainer: Callable[..., Any]
     # the step's logs -> the method's own figures for metrics.jsonl

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.lora_targets import exact_targets
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.needs import TEACHER_TOPK
 from snaketune.methods.teachers import check_teacher
 from snaketune.methods.training import (
@@ -40,7 +40,7 @@ from snaketune.methods.training import (
 )
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 BLOCK = "distill"
 
@@ -85,34 +85,18 @@ def teacher_collator(
     return TeacherCollator(layout, pad_token_id, row_tokens, ids_log)
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
+def data(rows: RankRows) -> Data:
     """This rank's rows as planned, collated in the run's layout, with the teacher's top-k
     of each (the rank's examples only)."""
-    from snaketune.core.rows import pad_id
-    from snaketune.data.batches import Data
     from snaketune.data.kernels import layout_for
     from snaketune.evaluation.topk import read_topk
 
-    block = run[BLOCK]
-    ids = list(table["example_id"])
-    teacher = read_topk(inputs[TEACHER_TOPK.name], ids, block["top_k"])  # its stage's output
-    missing = [i for i in ids if i not in teacher]
-    if missing:
-        raise RuntimeError(
-            f"{len(missing)} planned rows have no teacher log-probs (first: "
-            f"{missing[0]}); rerun rule teacher_logps"
-        )
-    layout = layout_for(run["packing"], kernel)
-    collator = teacher_collator(layout, pad_id(tokenizer), run["max_length"], ids_log, teacher)
-    return Data(table, batches, collator)
+    run, ids = rows.run, list(rows.table["example_id"])
+    teacher = rows.scored(TEACHER_TOPK, lambda p: read_topk(p, ids, run[BLOCK]["top_k"]), "rows")
+    layout = layout_for(run["packing"], rows.kernel)
+    return rows.collated(
+        teacher_collator(layout, rows.pad, run["max_length"], rows.ids_log, teacher)
+    )
 
 
 def loss_sums(logits, labels, teacher_ids, teacher_logps, block: Mapping[str, Any]):

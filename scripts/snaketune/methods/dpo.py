@@ -26,12 +26,10 @@ so each figure is the mean over every pair of the micro batch round.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.errors import ConfigError
-from snaketune.core.rows import pad_id
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.needs import REFERENCE
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.pair_trainer import PairCollator, extra_of, pair_trainer, step_fields
@@ -40,36 +38,18 @@ from snaketune.methods.training import (
 )
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
-
-
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
-    """This rank's planned pairs, with the precomputed reference log-probs of each."""
     from snaketune.data.batches import Data
+
+
+def data(rows: RankRows) -> Data:
+    """This rank's planned pairs, with the precomputed reference log-probs of each."""
     from snaketune.evaluation.logps import read_reference
 
     reference = None
-    if run["dpo"]["reference"] == "precomputed":
-        reference = read_reference(inputs[REFERENCE.name])  # its stage's output
-        missing = [i for i in table["example_id"] if i not in reference]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} planned pairs have no reference log-probs "
-                f"(first: {missing[0]}); rerun rule reference_logps"
-            )
-    return Data(
-        table,
-        batches,
-        PairCollator(pad_id(tokenizer), reference, ids_log, extra_of(table, tokenizer)),
-    )
+    if rows.run["dpo"]["reference"] == "precomputed":
+        reference = rows.scored(REFERENCE, read_reference, "pairs")
+    extra = extra_of(rows.table, rows.tokenizer)
+    return rows.collated(PairCollator(rows.pad, reference, rows.ids_log, extra))
 
 
 def losses(dpo: dict[str, Any]) -> list[str]:

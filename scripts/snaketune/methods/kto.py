@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.errors import ConfigError
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
-from snaketune.core.rows import pad_id
 from snaketune.core.throughput import Counted
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.needs import REFERENCE
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
 from snaketune.methods.training import (
@@ -51,7 +50,7 @@ from snaketune.methods.training import (
 )
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 
 class KTOCollator(Counted):
@@ -103,30 +102,15 @@ def reference(run: Mapping[str, Any]) -> str:
     return setting
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
+def data(rows: RankRows) -> Data:
     """This rank's planned examples (labelled responses, or pairs), with the precomputed
     reference log-probs of each response."""
-    from snaketune.data.batches import Data
     from snaketune.evaluation.logps import read_reference
 
     logps = None
-    if reference(run) == "precomputed":
-        logps = read_reference(inputs[REFERENCE.name])  # its stage's output
-        missing = [i for i in table["example_id"] if i not in logps]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} planned examples have no reference log-probs "
-                f"(first: {missing[0]}); rerun rule reference_logps"
-            )
-    return Data(table, batches, KTOCollator(table, pad_id(tokenizer), logps, ids_log))
+    if reference(rows.run) == "precomputed":
+        logps = rows.scored(REFERENCE, read_reference, "examples")
+    return rows.collated(KTOCollator(rows.table, rows.pad, logps, rows.ids_log))
 
 
 def trainer_class():

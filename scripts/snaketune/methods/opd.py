@@ -36,40 +36,31 @@ from typing import TYPE_CHECKING, Any
 from snaketune.core.errors import ConfigError
 from snaketune.core.lora_targets import exact_targets
 from snaketune.methods import rollout_trainer, rollouts
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.needs import LIVE_TEACHER
 from snaketune.methods.teachers import check_teacher
 from snaketune.methods.training import Context, Lean, peft_config, training_args
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 BLOCK = "opd"
 # the step's figures (the trainer's own sums, over every rank) -> metrics.jsonl keys
 FIGURES = ("divergence", "teacher_nll", "completion_length", "on_policy")
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
+def data(rows: RankRows) -> Data:
     """This rank's planned prompts (their own tokens) and the dataset's response tokens of
     each (an off-policy step's completions), counted per completion."""
     from snaketune.core.rows import prompt_and_answer
-    from snaketune.data.batches import Data
 
-    rows = rollouts.prompt_rows(table, tokenizer)
+    table = rows.table
     answers = [
         prompt_and_answer(i, labels)[1]
         for i, labels in zip(table["input_ids"], table["labels"], strict=True)
     ]
-    rows = rows.add_column("answer_ids", answers)
-    return Data(rows, batches, rollouts.RolloutCounter(ids_log))
+    prompts = rollouts.prompt_rows(table, rows.tokenizer).add_column("answer_ids", answers)
+    return rows.collated(rollouts.RolloutCounter(rows.ids_log), prompts)
 
 
 def on_policy(seed: int, step: int, lmbda: float) -> bool:

@@ -29,20 +29,19 @@ odds ratio. Its held-out figure is the likelihood accuracy of the eval pairs.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snaketune.core.io import IdsLog
 from snaketune.core.lora_targets import exact_targets
-from snaketune.core.rows import IGNORE_INDEX, pad_id
+from snaketune.core.rows import IGNORE_INDEX
 from snaketune.core.throughput import Counted
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 
 class ORPOCollator(Counted):
@@ -80,18 +79,8 @@ class ORPOCollator(Counted):
         return batch
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
-    from snaketune.data.batches import Data
-
-    return Data(table, batches, ORPOCollator(pad_id(tokenizer), ids_log))
+def data(rows: RankRows) -> Data:
+    return rows.collated(ORPOCollator(rows.pad, rows.ids_log))
 
 
 def trainer_class():

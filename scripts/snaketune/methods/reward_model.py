@@ -25,14 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from snaketune.core.errors import DataError
 from snaketune.core.lora_targets import exact_targets
-from snaketune.core.rows import pad_id
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, PREFERENCE_PANEL, preference_quarter
 from snaketune.methods.pair_trainer import PairCollator
 from snaketune.methods.training import Context, PlannedPairs, peft_config, training_args
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 
 class ScorePairCollator(PairCollator):
@@ -82,21 +81,11 @@ def margins_of(column: str, example_ids: list[str]) -> dict[str, float]:
     return out
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
+def data(rows: RankRows) -> Data:
     """This rank's planned pairs (and their margins)."""
-    from snaketune.data.batches import Data
-
-    column = run["reward"]["margin"]
-    margins = None if column is None else margins_of(column, list(table["example_id"]))
-    return Data(table, batches, ScorePairCollator(pad_id(tokenizer), margins, ids_log))
+    column = rows.run["reward"]["margin"]
+    margins = None if column is None else margins_of(column, list(rows.table["example_id"]))
+    return rows.collated(ScorePairCollator(rows.pad, margins, rows.ids_log))
 
 
 def trainer_class():

@@ -27,7 +27,7 @@ from snaketune.core.rows import prompt_and_answer
 from snaketune.core.throughput import Counted
 from snaketune.evaluation import model_rewards, rewards
 from snaketune.methods import reward_model_runs
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.needs import REWARD_MODELS, Need
 from snaketune.methods.outputs import WINDOW, Panel, holds, quarters
 from snaketune.tools import tooluse
@@ -102,19 +102,9 @@ class RolloutCounter(Counted):
                 f.write(json.dumps(line) + "\n")
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
+def data(rows: RankRows) -> Data:
     """This rank's planned prompts with their reference answers, counted per rollout."""
-    from snaketune.data.batches import Data
-
-    return Data(prompt_rows(table, tokenizer), batches, RolloutCounter(ids_log))
+    return rows.collated(RolloutCounter(rows.ids_log), prompt_rows(rows.table, rows.tokenizer))
 
 
 # TRL's log keys -> metrics.jsonl keys (reward functions' keys are added by name).

@@ -4,13 +4,11 @@ planned micro batches, packed or padded (snaketune.data.packing), LoRA through p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from snaketune.core.lora_targets import exact_targets
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.training import (
     ROUTER_FIELDS,
     Context,
@@ -21,32 +19,22 @@ from snaketune.methods.training import (
 )
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
-
-
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
-    """This rank's rows as planned, collated in the run's layout (packed or padded)."""
-    from snaketune.core.rows import pad_id
     from snaketune.data.batches import Data
+
+
+def data(rows: RankRows) -> Data:
+    """This rank's rows as planned, collated in the run's layout (packed or padded)."""
     from snaketune.data.kernels import layout_for
     from snaketune.data.kinds import PICTURES
     from snaketune.data.packing import Collator
 
-    if PICTURES.holds(table.column_names):  # padded, with the pictures' model inputs
+    length = rows.run["max_length"]
+    if PICTURES.holds(rows.table.column_names):  # padded, with the pictures' model inputs
         from snaketune.data.pictures import PictureCollator
 
-        collator = PictureCollator(pad_id(tokenizer), run["max_length"], ids_log, tokenizer)
-        return Data(table, batches, collator)
-    layout = layout_for(run["packing"], kernel)
-    return Data(table, batches, Collator(layout, pad_id(tokenizer), run["max_length"], ids_log))
+        return rows.collated(PictureCollator(rows.pad, length, rows.ids_log, rows.tokenizer))
+    layout = layout_for(rows.run["packing"], rows.kernel)
+    return rows.collated(Collator(layout, rows.pad, length, rows.ids_log))
 
 
 def trainer(ctx: Context, model, data: Data, callbacks: list):

@@ -21,19 +21,17 @@ logged. Its held-out figure is the likelihood accuracy of the eval pairs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snaketune.core.rows import pad_id
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.outputs import PREFERENCE_COLUMNS, preference_quarter
 from snaketune.methods.pair_trainer import PairCollator, pair_trainer
 from snaketune.methods.pair_trainer import step_fields as dpo_step_fields
 from snaketune.methods.training import Context
 
 if TYPE_CHECKING:
-    from snaketune.data.batches import Data, PlanBatches
+    from snaketune.data.batches import Data
 
 
 class SimPOCollator(PairCollator):
@@ -54,20 +52,9 @@ class SimPOCollator(PairCollator):
         return batch
 
 
-def data(
-    run: dict[str, Any],
-    table,
-    batches: PlanBatches,
-    tokenizer,
-    kernel: str,
-    ids_log: Path | None,
-    inputs: Mapping[str, str],
-) -> Data:
-    from snaketune.data.batches import Data
-
-    simpo = run["simpo"]
-    collator = SimPOCollator(pad_id(tokenizer), simpo["beta"], simpo["gamma"], ids_log)
-    return Data(table, batches, collator)
+def data(rows: RankRows) -> Data:
+    simpo = rows.run["simpo"]
+    return rows.collated(SimPOCollator(rows.pad, simpo["beta"], simpo["gamma"], rows.ids_log))
 
 
 def trainer(ctx: Context, model, data: Data, callbacks: list):

@@ -80,7 +80,7 @@ from snaketune.evaluation.model import (
     resolve_precision,
     trainable_in,
 )
-from snaketune.methods.common import Method
+from snaketune.methods.common import Method, RankRows
 from snaketune.methods.training import Context
 from snaketune.plan.runspec import RunSpec, heldout_metric, kept_best
 from snaketune.train.ending import finish, last_step_guard, train_or_export
@@ -182,7 +182,7 @@ def rank_data(
         run["seed"],
         start_epoch=start_step // steps,
     )
-    return method.data(run, table, batches, tokenizer, kernel, ids_log, job.inputs)
+    return method.data(RankRows(run, table, batches, tokenizer, kernel, ids_log, job.inputs))
 
 
 def log_start(
