@@ -251,3 +251,145 @@ def plan(run):
         "5: 'reference_logps'",
         "5: 'teacher_logps_plan'",
     ]
+
+
+def test_one_reader_of_tokenized_rows_gives_every_row_its_labels():
+    """A text row stores no labels (every token is trained); the one reader of tokenized sets
+    and shards (snaketune.core.parts.read_table) fills them, so no stage has to remember:
+    no other library module calls ``with_labels`` or reads a tokenized set's parquet itself
+    with its labels."""
+    callers = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if any(
+            isinstance(n, ast.Name)
+            and n.id == "with_labels"
+            or isinstance(n, ast.Attribute)
+            and n.attr == "with_labels"
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert callers == ["core/parts.py"]
+
+
+def test_the_reader_fills_a_text_rows_labels(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from snaketune.core import parts
+
+    labels = pa.array([None, [-100, 7]], pa.list_(pa.int32()))
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [6, 7]], pa.list_(pa.int32())),
+                      "labels": labels, "rank": [0, 1]})  # fmt: skip
+    pq.write_table(table, tmp_path / "node-0.parquet")
+    read = parts.read_table(tmp_path / "node-0.parquet", ["input_ids", "labels"])
+    assert read.column("labels").to_pylist() == [[1, 2, 3], [-100, 7]]
+    mine = parts.read_table(tmp_path / "node-0.parquet", ["labels"], filters=[("rank", "==", 1)])
+    assert mine.column("labels").to_pylist() == [[-100, 7]]
+
+
+def workflow_rules() -> set[str]:
+    """The rules (and checkpoints) workflow/ declares, ``all`` aside."""
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "workflow").rglob("*.smk")))
+    text += (ROOT / "workflow/Snakefile").read_text()
+    named = re.findall(r"^(?:rule|checkpoint) (\w+):", text, re.M)
+    named += re.findall(r"^use rule \w+ as (\w+)", text, re.M)
+    return set(named) - {"all"}
+
+
+# Words that are rule names and mean something else where these modules write them (a
+# module, the word, what it means there); every other string equal to a rule's name is the
+# registry's to write
+OTHER_MEANINGS = {
+    ("app/agentdemo.py", "train"): "the demo dataset's split",
+    ("app/fixtures.py", "train"): "the fixtures' split",
+    ("data/sources.py", "train"): "the Hub's default split",
+    ("plan/corpus.py", "train"): "the Hub's default split",
+    ("methods/distill.py", "train"): "TRL's metrics of the training mode",
+    ("methods/training.py", "train"): "TRL's metrics of the training mode",
+    ("tools/tooluse.py", "train"): "the model's mode",
+    ("methods/needs.py", "train"): "a need's place: held inside the train job (below the plans)",
+    ("budget/calibrate.py", "publish"): "a run's config key",
+    ("plan/schema.py", "publish"): "a run's config key",
+    ("plan/sweep.py", "publish"): "a run's config key",
+    ("plan/targets.py", "publish"): "a run's config key",
+    ("plan/trainjob.py", "publish"): "a run's config key",
+}
+
+
+def rule_names_written(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """The strings of ``source`` (docstrings aside) that are one of ``names``, as (line, name)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+    )
+
+
+def test_the_stage_registry_is_the_workflows_rules_and_the_only_module_naming_them():
+    """One registry of the pipeline's stages (snaketune.plan.pipeline): its rules are the
+    workflow's, and no other library module writes a rule's name in a string (the scoring
+    stages' are their needs' records', snaketune.methods.needs); a plan, check, status or
+    target asks a stage's record."""
+    from snaketune.methods.needs import STAGE_NEEDS
+    from snaketune.plan import pipeline
+
+    assert pipeline.rules() == workflow_rules()
+    # the scoring stages' names: the test of the needs above
+    rules = workflow_rules() - {need.name for need in STAGE_NEEDS}
+    written = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        own = module == "plan/pipeline.py"
+        for line, name in [] if own else rule_names_written(path.read_text(), rules):
+            if (module, name) not in OTHER_MEANINGS:
+                written.append(f"{module}:{line}: {name!r}")
+    assert written == []
+
+
+def test_the_rule_name_check_sees_a_string_but_not_a_docstring():
+    """(the check above can fail: a stage list, a comparison with a job's rule)"""
+    source = '''"""Rule merge_lora's plan."""
+ORDER = ("shard_dataset", "train")
+def planned(job):
+    """Asks merge_lora."""
+    return job.rule == "merge_lora" or "merge_lora_x"
+'''
+    found = rule_names_written(source, {"shard_dataset", "train", "merge_lora"})
+    assert found == [(2, "shard_dataset"), (2, "train"), (5, "merge_lora")]
+
+
+def test_a_new_stage_is_one_record(monkeypatch, tmp_path):
+    """A stage added to the registry is in a run's order (before training where listed
+    there), in `snaketune status`, among the jobs whose memory is checked and the stages a
+    calibration measures: nothing else is edited."""
+    from snaketune.app import status
+    from snaketune.budget import calibrate
+    from snaketune.plan import pipeline
+
+    probe = pipeline.Stage(
+        "probe_stage", "a probe", "run", done=("probe/done.json",), memory_checked=True,
+        calibrated=True,
+    )  # fmt: skip
+    at = pipeline.STAGES.index(pipeline.TRAIN)
+    monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES[:at], probe, *pipeline.STAGES[at:]))
+    order = pipeline.run_order()
+    assert order.index("probe_stage") < order.index("train")
+    assert "probe_stage" in pipeline.memory_checked() and "probe_stage" in pipeline.calibrated()
+    run = tmp_path / "results/demo"
+    (run / "probe").mkdir(parents=True)
+    (run / "probe/done.json").write_text("{}")
+    lines = status.run_status(run, {}, ([], False))
+    assert [line.split()[0] for line in lines[1:]] == [s.name for s in pipeline.with_status()]
+    assert "  probe_stage        done" in lines
+    (tmp_path / "benchmarks/probe_stage").mkdir(parents=True)
+    (tmp_path / "benchmarks/probe_stage/demo.tsv").write_text("s\th:m:s\n2.5\t0:00:02\n")
+    assert calibrate.stage_seconds(tmp_path, "demo") == {"probe_stage": 2.5}

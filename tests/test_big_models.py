@@ -381,15 +381,16 @@ def test_a_reference_stage_that_cannot_hold_its_model_is_refused_naming_the_fix(
 
 def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
     """Every registered scoring stage's job has its memory checked before queueing
-    (checks.PLANNED_JOBS). The 70B DPO run's reference stage on 2 nodes x 8: each of a
-    node's 8 workers loads the model, a layer at a time from a bf16 checkpoint (mapped),
+    (snaketune.plan.pipeline.memory_checked). The 70B DPO run's reference stage on 2 nodes
+    x 8: each of a node's 8 workers loads the model, a layer at a time from a bf16 checkpoint (mapped),
     whole (converted to 2 bytes a weight) from an fp32 one; a profile's 240000 MB is refused
     for the fp32 base, naming the stage and the key, and passes for the bf16 one."""
-    from snaketune.budget import checks, scoring
+    from snaketune.budget import scoring
     from snaketune.budget.stageplan import stage_memory
     from snaketune.plan.config import validate_config
+    from snaketune.plan.pipeline import memory_checked
 
-    assert {s.name for s in scoring.STAGES} <= set(checks.PLANNED_JOBS)
+    assert {s.name for s in scoring.STAGES} <= set(memory_checked())
     run = {"model": "m", "dataset": "pairs", "method": "dpo", "deepspeed": "zero3",
            "nodes": 2, "gpus_per_node": 8, "max_length": 1024, "micro_batch_size": 2,
            "max_steps": 10, "learning_rate": 1e-6}  # fmt: skip

@@ -16,14 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# a run's own stages, in order, and the output each leaves when done
-STAGES = (
-    ("shard_dataset", ("shards/manifest.json",)),
-    ("train", ("train/provenance.json",)),
-    ("convert_checkpoint", ("lora_adapters/adapter_config.json", "hf/config.json")),
-    ("merge_lora", ("merged_model/config.json",)),
-    ("evaluate", ("eval/metrics.json",)),
-)
+from snaketune.plan.pipeline import EVALUATE, SHARD, TRAIN, with_status
+
 COMMENT = re.compile(r"^rule_(?P<rule>.+?)_wildcards_(?P<wildcards>.*)$")
 
 
@@ -113,25 +107,26 @@ def run_status(
 
     run = run_dir.name
     lines = [f"run {run}"]
-    for stage, outputs in STAGES:
+    for stage in with_status():  # a run's own stages, in order
+        outputs = stage.done
         done = next((o for o in outputs if (run_dir / o).exists()), None)
         making = any(
             p.startswith(f"results/{run}/{o.split('/')[0]}") for o in outputs for p in started[0]
         )
         state = None
-        if done and stage == "evaluate":
+        if done and stage is EVALUATE:
             state = f"done: {headline(run_dir / done)}"
         elif done:
             state = "done"
-        elif (stage, run) in queued:
-            job, slurm = queued[(stage, run)]
+        elif (stage.name, run) in queued:
+            job, slurm = queued[(stage.name, run)]
             state = f"{slurm} on SLURM (job {job})"
         elif making:
             state = "running" if started[1] else "interrupted (rerun to redo it)"
-        if stage == "train" and not done:
-            state = train_state(run_dir / "train") or state
-        lines.append(f"  {stage:<19}{state or '-'}")
-    for warning in read(run_dir / "train").values():
+        if stage is TRAIN and not done:
+            state = train_state(run_dir / TRAIN.folder) or state
+        lines.append(f"  {stage.name:<19}{state or '-'}")
+    for warning in read(run_dir / TRAIN.folder).values():
         lines.append(f"  warning: {warning}")
     return lines
 
@@ -140,7 +135,7 @@ def status(workdir: Path) -> list[str]:
     """Every run under ``workdir``/results, a few lines each, in name order."""
     results = workdir / "results"
     found = results.iterdir() if results.is_dir() else ()
-    runs = sorted(p for p in found if (p / "shards").is_dir() or (p / "train").is_dir())
+    runs = sorted(p for p in found if (p / SHARD.folder).is_dir() or (p / TRAIN.folder).is_dir())
     sets = parts_status(results, started_outputs(workdir))
     if not runs:
         return sets or [f"no run has started under {results} yet"]
@@ -166,7 +161,7 @@ def scoring_status(
 
     readers: dict[str, list[str]] = {}
     for run in runs:
-        job = run / "train" / "job.json"
+        job = run / TRAIN.folder / "job.json"
         inputs = json.loads(job.read_text())["inputs"] if job.is_file() else {}
         for stage in STAGES:
             if stage.name in inputs:

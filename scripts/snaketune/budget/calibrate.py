@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from snaketune.plan.pipeline import CONVERT, MERGE, SHARD, TRAIN, calibrated
+
 CALIBRATION = "_calibration"  # the calibration copy of run <run> is run <run>_calibration
 
 
@@ -80,7 +82,7 @@ def before_launcher(workdir: Path, run: str, seg: dict[str, Any]) -> float:
     time holds the waits between them)."""
     if seg.get("before_launcher_s") is not None:  # recorded by the job itself
         return float(seg["before_launcher_s"])
-    path = workdir / "benchmarks" / "train" / f"{run}.tsv"
+    path = workdir / "benchmarks" / TRAIN.name / f"{run}.tsv"
     if seg.get("jobs") != 1 or not path.is_file() or seg.get("wall_s") is None:
         return 0.0
     try:
@@ -113,10 +115,6 @@ def measured(
     }
 
 
-# the stages a run has of its own, after training (and its shard plan before it)
-RUN_STAGES = ("shard_dataset", "convert_checkpoint", "merge_lora", "evaluate_start", "evaluate")
-
-
 def benchmark_seconds(path: Path) -> float:
     """The wall seconds a Snakemake benchmark file recorded (its ``s`` column)."""
     import csv
@@ -125,10 +123,13 @@ def benchmark_seconds(path: Path) -> float:
         return float(next(csv.DictReader(fh, delimiter="\t"))["s"])
 
 
-def stage_seconds(workdir: Path, run: str, rules: tuple[str, ...] = RUN_STAGES) -> dict[str, float]:
-    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds)."""
+def stage_seconds(
+    workdir: Path, run: str, rules: tuple[str, ...] | None = None
+) -> dict[str, float]:
+    """What each of ``run``'s own stages took (Snakemake's benchmark files: seconds): those
+    a calibration measures for another run (snaketune.plan.pipeline), or ``rules``."""
     out: dict[str, float] = {}
-    for rule in rules:
+    for rule in calibrated() if rules is None else rules:
         folder = workdir / "benchmarks" / rule
         # <run>.tsv, or <run>.<what>.tsv (convert_checkpoint: demo.lora_adapters.tsv)
         for path in sorted(folder.glob("*.tsv")) if folder.is_dir() else ():
@@ -262,17 +263,17 @@ def cpu_stages(
     epoch = steps.get("tokens") or steps["per_step"] * run["max_length"] * steps.get(
         "steps_per_epoch", steps["steps"]
     )
-    out["shard_dataset"] = rates.stage(
+    out[SHARD.name] = rates.stage(
         rates.DATA_JOB_START_S + epoch * 16 / disk,
         0,
         "a data job's start, its tokens at the disk rate",
     )
     lora = method_of(run).adapter_of(run) == "lora"
-    out["convert_checkpoint"] = rates.stage(
+    out[CONVERT.name] = rates.stage(
         rates.JOB_START_S + (0 if lora else shape.params * 6 / disk), 0, "a job's start (assumed)"
     )
     if lora and merged(run):
-        out["merge_lora"] = rates.stage(
+        out[MERGE.name] = rates.stage(
             rates.JOB_START_S + 2 * size / disk, 0, "a job's start, the model read and written"
         )
     if "eval_dataset" in run and evaluation[0] is not None:

@@ -26,6 +26,7 @@ from snaketune.budget.planlines import check_steps, keep_all
 from snaketune.budget.scoring import STAGES as SCORING_STAGES
 from snaketune.core.errors import ConfigProblems, UserError, error_lines
 from snaketune.methods.needs import NEEDS
+from snaketune.plan.pipeline import EVALUATE, EVALUATE_BASE, EVALUATE_START, TRAIN, memory_checked
 
 # What rules make_fixtures and make_agent_fixtures make (workflow/rules/fixtures.smk;
 # tests/test_config.py checks they agree): local paths under them need not exist before the
@@ -179,7 +180,7 @@ def before_queueing(
     from snaketune.budget.modelfiles import download_advice
     from snaketune.evaluation.lmeval import check_tasks
 
-    training = sorted({job.wildcards["run"] for job in jobs if job.rule == "train"})
+    training = sorted({job.wildcards["run"] for job in jobs if job.rule == TRAIN.name})
     runs, waiting = unreadable_models(config, training, workdir)
     for why, names in waiting.items():
         model = config["runs"][names[0]]["model"]
@@ -190,21 +191,17 @@ def before_queueing(
             + (f"; to check them now, {download_advice(model=model)}" if hub else ""),
             file=sys.stderr,
         )
-    mem_mb = {
-        job.wildcards["run"]: job.resources.get("mem_mb") for job in jobs if job.rule == "train"
-    }
+    mem_mb = of_training(jobs, "mem_mb")
     shared = shared_jobs(config, jobs)
     stage_mem = {
         (job.rule, planned_run(job, shared)): job.resources.get("mem_mb")
         for job in jobs
-        if job.rule in PLANNED_JOBS
+        if job.rule in memory_checked()
     }
     found = check_runs(config, runs, workdir, basedir, local_exec, mem_mb, stage_mem)
     found += check_disk_runs(config, runs, workdir, basedir, not local_exec)
     found += check_tasks(config, sorted(evaluated_runs(jobs, config)))
-    runtime = {
-        job.wildcards["run"]: job.resources.get("runtime") for job in jobs if job.rule == "train"
-    }
+    runtime = of_training(jobs, "runtime")
     shapes = {name: readable_shape(config, config["runs"][name], workdir) for name in training}
     found += check_steps(config, shapes, workdir, runtime, estimates := [] if record else None)
     for name in training:  # what changed since a run's last training, by key
@@ -224,16 +221,9 @@ def meant_for_slurm(jobs: list[Job]) -> bool:
     return any(job.resources.get(key) for job in jobs for key in named)
 
 
-# Jobs whose memory (mem_mb) is checked against their stage's plan before queueing: the
-# conversions, the evaluations and every scoring stage (snaketune.budget.scoring)
-PLANNED_JOBS = (
-    "convert_checkpoint",
-    "merge_lora",
-    "evaluate",
-    "evaluate_start",
-    "evaluate_base",
-    *(stage.name for stage in SCORING_STAGES),
-)
+def of_training(jobs: list[Job], resource: str) -> dict[str, Any]:
+    """Each train job's ``resource`` (mem_mb, runtime), by run."""
+    return {j.wildcards["run"]: j.resources.get(resource) for j in jobs if j.rule == TRAIN.name}
 
 
 def planned_run(job: Job, shared: dict[tuple[str, str], str]) -> str:
@@ -252,8 +242,10 @@ def shared_jobs(config: dict[str, Any], jobs: list[Job]) -> dict[tuple[str, str]
 
     rules = {job.rule for job in jobs}
     found: dict[tuple[str, str], str] = {}
-    if "evaluate_base" in rules:
-        found |= {("evaluate_base", k): job["run"] for k, job in base_evaluations(config).items()}
+    if EVALUATE_BASE.name in rules:
+        found |= {
+            (EVALUATE_BASE.name, k): job["run"] for k, job in base_evaluations(config).items()
+        }
     if rules & {stage.name for stage in SCORING_STAGES}:
         found |= {(stage.name, k): job["run"] for k, (stage, job) in scoring_jobs(config).items()}
     return found
@@ -263,8 +255,10 @@ def evaluated_runs(jobs: list[Job], config: dict[str, Any]) -> set[str]:
     """The runs whose evaluation (or whose base model's) is among ``jobs``."""
     from snaketune.plan.stages import base_evaluations
 
-    runs = {job.wildcards["run"] for job in jobs if job.rule in ("evaluate", "evaluate_start")}
-    base = [job.wildcards["key"] for job in jobs if job.rule == "evaluate_base"]
+    runs = {
+        job.wildcards["run"] for job in jobs if job.rule in (EVALUATE.name, EVALUATE_START.name)
+    }
+    base = [job.wildcards["key"] for job in jobs if job.rule == EVALUATE_BASE.name]
     if base:
         evals = base_evaluations(config)
         runs |= {evals[key]["run"] for key in base}

@@ -40,6 +40,7 @@ from snaketune.budget.modelcount import shape_of
 from snaketune.core.errors import UserError
 from snaketune.methods import method_of
 from snaketune.methods.needs import NEEDS
+from snaketune.plan.pipeline import TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +180,8 @@ def plan_disk(
     optimizer = run["checkpoints"]["optimizer"]
     small = small_files(model_dir, s.gpus)
     need = run_need(shape, s, keep, optimizer, gathered, small)
-    held = folder_bytes(run_dir / "train") + sum(
-        folder_bytes(run_dir / name) for name in ("hf", "lora_adapters", "merged_model")
-    )
+    held_in = (TRAIN.folder, "hf", "lora_adapters", "merged_model")  # its training and export
+    held = sum(folder_bytes(run_dir / n) for n in held_in)
     where = existing(run_dir)
     free = free_bytes(where)
     need["download"] = download

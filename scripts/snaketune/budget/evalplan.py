@@ -24,6 +24,7 @@ from snaketune.budget.memplan import (
     Shape,
     quant_bytes,
 )
+from snaketune.plan.pipeline import EVALUATE, EVALUATE_BASE, EVALUATE_START
 
 EVAL_BYTES = 2  # an evaluate job on GPUs runs in bf16 (fp16 where bf16 is missing)
 
@@ -275,9 +276,9 @@ def evaluate_rules(config: dict[str, Any], name: str) -> dict[str, bool]:
     from snaketune.plan.stages import evaluates_its_start
 
     run = config["runs"][name]
-    out = {"evaluate": True}
+    out = {EVALUATE.name: True}
     if evaluates_its_start(config, name):
-        out["evaluate_start"] = False
+        out[EVALUATE_START.name] = False
     elif "init_from" not in run:
-        out["evaluate_base"] = False
+        out[EVALUATE_BASE.name] = False
     return out

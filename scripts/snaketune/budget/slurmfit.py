@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from snaketune.plan.pipeline import TRAIN
+
 log = logging.getLogger(__name__)
 
 # Pending reasons that waiting never clears: the job asks what the partition, the account
@@ -152,7 +154,7 @@ def problems(
     for res in ("cpus", "mem_mb", "gpus"):
         if ask[res] > big[res]:
             fix = f"set-resources {rule}: {key[res]} in the profile"
-            if rule == "train" and res == "gpus":
+            if rule == TRAIN.name and res == "gpus":
                 fix = f"{whose}gpus_per_node in the config"
             out.append(
                 f"{label}: asks {ask[res]:g} {what[res]}, the largest node of partition "

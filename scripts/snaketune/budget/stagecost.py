@@ -23,18 +23,14 @@ from snaketune.budget.rates import (
     weight_bytes,
 )
 from snaketune.budget.scoring import plan_of
-from snaketune.methods.needs import STAGE_NEEDS
-
-# a run's own stages in the order it goes through them
-ORDER = (
-    "shard_dataset",
-    *(need.name for need in STAGE_NEEDS),  # the stages of runs' needs
-    "train",
-    "convert_checkpoint",
-    "merge_lora",
-    "evaluate_base",
-    "evaluate_start",
-    "evaluate",
+from snaketune.plan.pipeline import (
+    CONVERT,
+    EVALUATE,
+    EVALUATE_BASE,
+    MERGE,
+    SHARD,
+    TRAIN,
+    run_order,
 )
 
 
@@ -117,7 +113,7 @@ def assumed_stages(
     out: dict[str, dict[str, Any]] = {}
     if tokens is not None and "steps_per_epoch" in steps:
         epoch = tokens * steps["steps_per_epoch"]  # int32 ids and labels, read and written
-        out["shard_dataset"] = stage(epoch * 16 / (DISK_MB_S * MB), 0, f"one epoch's tokens {disk}")
+        out[SHARD.name] = stage(epoch * 16 / (DISK_MB_S * MB), 0, f"one epoch's tokens {disk}")
         peak = peak_tflops(gpu.upper())
         for need in spec.needs:  # the stages of its needs (snaketune.budget.scoring)
             plan = plan_of(need)
@@ -126,13 +122,13 @@ def assumed_stages(
             ):
                 out[need.name] = figure
     if method_of(run).adapter_of(run) == "lora":
-        out["convert_checkpoint"] = stage(0.0, 0, "the adapter alone: seconds")
+        out[CONVERT.name] = stage(0.0, 0, "the adapter alone: seconds")
         if merged(run):
             basis = f"the base read and the merged model written {disk}"
-            out["merge_lora"] = stage(2 * size / (DISK_MB_S * MB), 0, basis)
+            out[MERGE.name] = stage(2 * size / (DISK_MB_S * MB), 0, basis)
     else:  # the ZeRO checkpoint's fp32 weights read, the model written
         basis = f"fp32 weights read and the model written {disk}"
-        out["convert_checkpoint"] = stage(shape.params * 6 / (DISK_MB_S * MB), 0, basis)
+        out[CONVERT.name] = stage(shape.params * 6 / (DISK_MB_S * MB), 0, basis)
     if "eval_dataset" in run:
         for rule, final in evaluate_rules(config, name).items():
             layout = eval_layout(run, shape, gpu_memory(given), final)
@@ -158,19 +154,21 @@ def calibrated_stages(
 
     run = config["runs"][name]
     gpu = run.get("gpu", config.get("gpu"))
-    has = {"shard_dataset", "convert_checkpoint"}  # the stages this run has
+    has = {SHARD.name, CONVERT.name}  # the stages this run has
     if method_of(run).adapter_of(run) == "lora" and merged(run):
-        has.add("merge_lora")
+        has.add(MERGE.name)
     if "eval_dataset" in run:
         has.update(evaluate_rules(config, name))
     # a rule the calibration did not run (its base evaluated before it) as its evaluate
-    like = {r: r if r in measured else "evaluate" for r in has if r in measured or "evaluate" in r}
+    like = {
+        r: r if r in measured else EVALUATE.name for r in has if r in measured or EVALUATE.name in r
+    }
     like = {r: m for r, m in like.items() if m in measured}
     out = {}
     for rule, mine in like.items():
         gpus = 0
-        if gpu is not None and rule.startswith("evaluate"):
-            gpus = eval_layout(run, None, gpu_memory(gpu), rule == "evaluate").processes
+        if gpu is not None and rule.startswith(EVALUATE.name):
+            gpus = eval_layout(run, None, gpu_memory(gpu), rule == EVALUATE.name).processes
         said = f"as run {source}'s {'' if rule == mine else mine + ' '}took"
         out[rule] = stage(measured[mine], gpus, said)
     if gpu is None and shape_at is not None and source in config["runs"]:
@@ -208,7 +206,7 @@ def run_stages(
     out: dict[str, dict[str, Any]] = {}
     if "wall_s" in train:
         devices = run["nodes"] * run["gpus_per_node"] if gpu is not None else 0
-        out["train"] = stage(train["wall_s"], devices, train["basis"])
+        out[TRAIN.name] = stage(train["wall_s"], devices, train["basis"])
     if "stages" in train:
         cal = (train["stages"], train["calibrated_from"])
         out.update(calibrated_stages(config, name, *cal, (shape, workdir)))
@@ -226,7 +224,7 @@ def run_stages(
         else:
             tokens = steps["per_step"] * run["max_length"]
         out.update(assumed_stages(config, name, shape, steps, tokens, workdir))
-    return {rule: out[rule] for rule in ORDER if rule in out}
+    return {rule: out[rule] for rule in run_order() if rule in out}
 
 
 def shared_stages(
@@ -328,7 +326,7 @@ def format_stage_costs(name: str, stages: dict[str, dict[str, Any]]) -> list[str
 
     lines = []
     for rule, s in stages.items():
-        if rule == "train":  # the train line says it, with its basis
+        if rule == TRAIN.name:  # the train line says it, with its basis
             continue
         if s["s"] is None:
             lines.append(f"{name}: {rule}: {s['basis']}")
@@ -360,9 +358,9 @@ def costs_of(
 
     own = run_stages(config, name, shape, steps, train, workdir)
     shared = shared_stages(config, {name: shape}, workdir)
-    if "evaluate_base" in own:  # once per base model and eval set, and not again once done
+    if EVALUATE_BASE.name in own:  # once per base model and eval set, and not again once done
         key = tokenize_key(run_eval_tokenize_spec(config, name))
-        base = own.pop("evaluate_base")
+        base = own.pop(EVALUATE_BASE.name)
         if not (workdir / "results/base_eval" / key / "metrics.json").is_file():
             shared[f"evaluate_base {key}"] = base
     return {"stages": own, "shared": shared, "total": total([own])}
@@ -385,7 +383,7 @@ def format_pipeline(costs: list[dict[str, Any]]) -> list[str]:
     every = [c["stages"] for c in costs] + [shared]
     if any(every):
         line = format_total("pipeline: every run and stage", total(every))
-        blind = sum(1 for c in costs if "train" not in c["stages"])  # no train estimate
+        blind = sum(1 for c in costs if TRAIN.name not in c["stages"])  # no train estimate
         lines.append(
             line
             + (f"; {blind} run(s) not estimated (their train time and stages)" if blind else "")

@@ -14,6 +14,7 @@ from snaketune.budget.evalplan import (
     eval_cpu_gib,
     eval_four_bit,
     eval_layout,
+    evaluate_rules,
 )
 from snaketune.budget.memplan import (
     CONTEXT_GIB,
@@ -27,6 +28,7 @@ from snaketune.budget.memplan import (
     reference_copy,
     stored_weights,
 )
+from snaketune.plan.pipeline import CONVERT, MERGE
 
 
 def stage_plans(
@@ -53,14 +55,7 @@ def stage_plans(
         out.update(training_pass_plans(run, shape, setup, gpu_gib))
     if "eval_dataset" not in run:
         return out
-    from snaketune.plan.stages import evaluates_its_start
-
-    stages = {"evaluate": True}
-    if evaluates_its_start(config, name):
-        stages["evaluate_start"] = False
-    elif "init_from" not in run:
-        stages["evaluate_base"] = False
-    for stage, final in stages.items():
+    for stage, final in evaluate_rules(config, name).items():
         layout = eval_layout(run, shape, gpu_gib, final)
         fits = None if gpu_gib is None else layout.per_gpu_gib <= gpu_gib
         cpu, cpu_why = eval_cpu_gib(
@@ -198,7 +193,7 @@ def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]
     shard = min(parse_size(run["export"]["max_shard_size"]), 4 * shape.params)
     streamed = LIBRARIES_GIB + (4 * shape.largest_layer + 2 * shard) / GIB
     out = {
-        "convert_checkpoint": {
+        CONVERT.name: {
             "cpu_gib": round(streamed, 2),
             "why": "one tensor at a time, the gate's load budget of a shard",
         }
@@ -209,13 +204,13 @@ def export_plans(run: dict[str, Any], shape: Shape) -> dict[str, dict[str, Any]]
         w = 4 if run["precision"] == "fp32" else 2
         per_linear = quant_bytes(spec.quantization["double_quant"])
         four_bit = w * (shape.params - shape.linear_params) + per_linear * shape.linear_params
-        out["convert_checkpoint"] = {
+        out[CONVERT.name] = {
             "cpu_gib": round(LIBRARIES_GIB + (four_bit + 4 * shape.largest_layer) / GIB, 2),
             "why": "the adapter's gate loads the base in 4 bits as training did, one tensor "
             "at a time",
         }
     if spec.trains_lora and not spec.adapter_only:
-        out["merge_lora"] = {
+        out[MERGE.name] = {
             "cpu_gib": round(streamed, 2),
             "why": "one base tensor at a time, the gate's load budget of a shard",
         }

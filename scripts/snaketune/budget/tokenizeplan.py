@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from snaketune.plan.pipeline import TOKENIZE
+
 # Tokens a second of one process on one core, imports and I/O included (bench/corpus.py,
 # 2 cores, 2026-12-01: docs/benchmarks.md's table of a text corpus).
 TOKENS_S_PER_CORE = {"documents": 240_000.0, "chat": 98_000.0}
@@ -48,7 +50,7 @@ def measured_rate(workdir: Path, kind: str) -> tuple[float, str] | None:
     found = []
     for bench in (workdir / "benchmarks").glob("tokenize_*/**/*.tsv"):
         rel = bench.relative_to(workdir / "benchmarks")
-        if rel.parts[0] == "tokenize_dataset":
+        if rel.parts[0] == TOKENIZE.name:
             stats = workdir / "results/tokenized" / bench.stem / "stats.json"
         else:  # tokenize_part/<key>/<part>.tsv
             stats = workdir / "results/tokenized" / rel.parts[1] / f"part-{bench.stem}.stats.json"

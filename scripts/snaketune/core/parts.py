@@ -78,9 +78,13 @@ def names(path: str | Path) -> list[str]:
 
 
 def read_table(path: str | Path, columns: list[str] | None = None, **kwargs: Any) -> pa.Table:
-    """The set's rows (``columns`` of them; ``filters`` as pyarrow's), parts in order."""
+    """The set's rows (``columns`` of them; ``filters`` as pyarrow's), parts in order (or a
+    shard's), every row with its labels: the one reader of tokenized rows, so no stage has
+    to remember that a text row stores none (snaketune.core.rows.with_labels)."""
+    from snaketune.core.rows import with_labels
+
     tables = [pq.read_table(f, columns=columns, **kwargs) for f in files(path)]
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    return with_labels(tables[0] if len(tables) == 1 else pa.concat_tables(tables))
 
 
 def iter_batches(

@@ -81,16 +81,13 @@ class Data:
 def read_rank_rows(shards: Path, node: int, rank: int):
     """The rows node ``node``'s shard plans for global ``rank``, as a datasets.Dataset."""
     import datasets
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    from snaketune.core.rows import with_labels
+    from snaketune.core import parts
     from snaketune.data.kinds import kind_of_columns
 
-    table = pq.read_table(shards / f"node-{node}.parquet")
-    table = table.filter(pc.equal(table.column("rank"), rank))
-    columns = [*kind_of_columns(table.column_names).read_columns, "step", "micro"]
-    return datasets.Dataset(with_labels(table.select(columns)))
+    shard = shards / f"node-{node}.parquet"
+    columns = [*kind_of_columns(parts.names(shard)).read_columns, "step", "micro"]
+    return datasets.Dataset(parts.read_table(shard, columns, filters=[("rank", "==", rank)]))
 
 
 def planned_loader(table, batch_sampler, collate_fn) -> DataLoader:

@@ -22,7 +22,7 @@ import torch
 from snaketune.core import parts
 from snaketune.core.errors import DataError
 from snaketune.core.io import write_outputs
-from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer, with_labels
+from snaketune.core.rows import IGNORE_INDEX, pad_id, prompt_and_answer
 from snaketune.data.kinds import Kind, kind_of_columns
 from snaketune.data.shard import check_overlap
 from snaketune.evaluation.answers import final_answer, last_boxed, math_verify_match, parse_answer
@@ -39,7 +39,7 @@ def load_examples(path: Path, limit: int | None) -> list[dict[str, Any]]:
     table = parts.read_table(path, kind.read_columns)
     if limit is not None:
         table = table.slice(0, limit)
-    rows = with_labels(table).to_pylist()
+    rows = table.to_pylist()
     if not rows:
         raise DataError(f"{path}: the eval set is empty")
     return rows

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from snaketune.core import parts as tokenized_set
 from snaketune.core.io import atomic_path
-from snaketune.core.rows import IGNORE_INDEX, with_labels
+from snaketune.core.rows import IGNORE_INDEX
 from snaketune.evaluation.logps import CHUNK_PAIRS, chunks, part_path
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def compute_parts(
         from snaketune.core.collective import gather_combined
 
         idle = int(gather_combined([float(passes)], ("max",))[0]) - passes
-    table = with_labels(tokenized_set.read_table(tokenized, ["example_id", "input_ids", "labels"]))
+    table = tokenized_set.read_table(tokenized, ["example_id", "input_ids", "labels"])
     for c in todo:
         rows = table.slice(c * chunk_rows, chunk_rows).to_pylist()
         got = []

@@ -49,6 +49,7 @@ from snaketune.export.experts import (
     pair_scale,
 )
 from snaketune.export.zero_checkpoint import ZeroCheckpoint, safetensors_refs
+from snaketune.plan.pipeline import TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ def unchanged(adapter: Path) -> DataError:
     """An adapter whose every B @ A is zero: the line, with its training's warning."""
     from snaketune.train.vitals import read
 
-    warned = list(read(Path(adapter).parent / "train").values())
+    warned = list(read(Path(adapter).parent / TRAIN.folder).values())
     cause = f" Its training warned: {warned[0]}" if warned else " Was the adapter trained?"
     return DataError(
         f"{adapter}: the adapter changes nothing (every B @ A is zero); the merged "

@@ -23,6 +23,7 @@ from typing import Any
 
 from snaketune.core.errors import UserError
 from snaketune.methods import method_of
+from snaketune.plan.pipeline import TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +330,7 @@ def build_folder(
         adapter_config = json.loads((out / "adapter_config.json").read_text())
         adapter_config["base_model_name_or_path"] = sources["base"].get("id")
         (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
-    train = model_dir.parent / "train" / "provenance.json"  # which step was exported, and why
+    train = model_dir.parent / TRAIN.folder / "provenance.json"  # which step was exported, and why
     if train.is_file():
         sources["exported"] = _read_json(train).get("exported")
     (out / "README.md").write_text(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from snaketune.data.formats import components
+from snaketune.plan.pipeline import CONVERT, TRAIN, to_final_model
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.stages import as_json, export_kind, final_model
 
@@ -86,26 +87,23 @@ def publish_spec(config: dict[str, Any], run: str) -> str:
     return as_json({**r, "dataset_sources": [c["name"] for c in components(config, r["dataset"])]})
 
 
-# The rules from a run's training to its final model. `--until` one of them stops a run short
-# of the model a run that starts from it (init_from) trains from, and Snakemake stops with
-# "BUG: Out of jobs ready to be started" after training the first runs (every rule is tried
-# on a chained config in tests/test_workflow.py).
-TO_FINAL_MODEL = ("train", "convert_checkpoint", "merge_lora")
-
-
 def until_targets(config: dict[str, Any], until: set[str]) -> list[str]:
     """For `--until` on a config whose runs start from others: the targets that stop each
     run at the same rules and build what the later runs need (the earlier runs' final
-    models); [] where `--until` works as it is."""
-    stops = [rule for rule in TO_FINAL_MODEL if rule in until]
+    models); [] where `--until` works as it is. The rules from a run's training to its final
+    model (snaketune.plan.pipeline.to_final_model): `--until` one of them stops a run short of
+    the model a run that starts from it (init_from) trains from, and Snakemake stops with "BUG:
+    Out of jobs ready to be started" after training the first runs (every rule is tried on a
+    chained config in tests/test_workflow.py)."""
+    stops = [rule for rule in to_final_model() if rule in until]
     if not stops or not any("init_from" in run for run in config["runs"].values()):
         return []
     out = []
     for name, run in config["runs"].items():
         for rule in stops:
-            if rule == "train":
-                out.append(f"results/{name}/train/metrics.jsonl")
-            elif rule == "convert_checkpoint":
+            if rule == TRAIN.name:
+                out.append(TRAIN.path(name, "metrics.jsonl"))
+            elif rule == CONVERT.name:
                 out.append(f"results/{name}/{export_kind(run)}")
             elif RunSpec.of(run).trains_lora:  # its final model (the adapter: merged: false)
                 out.append(f"results/{name}/{RunSpec.of(run).final_model}")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from snaketune.core.errors import ConfigError
+from snaketune.plan.pipeline import TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def adapt_accumulation(config: dict[str, Any], results: Path = Path("results")) 
     then continues when the global batch is the same and starts over when it is not."""
     notes = []
     for name, run in config["runs"].items():
-        found = read_stamp(results / name / "train" / "checkpoints")
+        found = read_stamp(results / name / TRAIN.folder / "checkpoints")
         if found is None:
             continue
         origin = found.get("origin", found["topology"])

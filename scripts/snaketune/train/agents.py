@@ -37,6 +37,7 @@ from snaketune.core.cache import extensions_dir
 from snaketune.core.errors import UserError
 from snaketune.core.heartbeat import StallWatch
 from snaketune.core.runlock import die_with_parent
+from snaketune.plan.pipeline import TRAIN
 from snaketune.train.commands import (
     free_port,
     local_commands,
@@ -163,7 +164,7 @@ class Workers:
     launcher: str = "auto"  # auto, local or slurm
 
 
-def choose_launcher(launcher: str, nodes: int, rule: str = "train") -> str:
+def choose_launcher(launcher: str, nodes: int, rule: str = TRAIN.name) -> str:
     """local or slurm: slurm inside a SLURM job with srun, unless already one srun task."""
     in_step = bool(os.environ.get("SLURM_STEP_ID"))  # already one task of an srun step
     if launcher == "auto":

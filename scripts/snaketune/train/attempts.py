@@ -33,6 +33,7 @@ from snaketune.core.errors import UserError
 from snaketune.core.io import host_name
 from snaketune.core.redact import redact, secret_values
 from snaketune.core.runlock import start_time
+from snaketune.plan.pipeline import TRAIN
 from snaketune.train.attemptlog import (
     LOGS,
     RECORDS,
@@ -146,7 +147,7 @@ class Attempt:
         out: Path,
         announce_fd: int | None = None,
         copy_output: bool = True,
-        stage: str = "train",
+        stage: str = TRAIN.name,
         name: str | None = None,
     ):
         # ``out``: the stage's output folder (results/<run>/train: the run is its parent);

@@ -21,6 +21,7 @@ from snaketune.core.heartbeat import stall_verdict
 from snaketune.core.io import publish, sha256_file, write_json
 from snaketune.core.job import SEGMENT, WORKER_OUTPUTS, Handoff, Job, read_segment
 from snaketune.core.runlock import RunLock
+from snaketune.plan.pipeline import TRAIN
 from snaketune.plan.runspec import RunSpec
 from snaketune.train.agents import Workers, flight_recorder, flight_recorder_dir, worker_environment
 from snaketune.train.agents import start as start_agents
@@ -122,7 +123,7 @@ def start_workers(
         nodes,
         gpus,
         f"snaketune-{run}",
-        "train",
+        TRAIN.name,
         job.out,
         job.ckpt,
         job.spec["timeout_minutes"] * 60,
@@ -251,7 +252,7 @@ def publish_outputs(job: Job, attempt: int = 0) -> None:
     final = staged(job.out, "final_checkpoint")
     segments = read_segments(job)
     prov = record(
-        "train",
+        TRAIN.name,
         job.out,
         job.spec,
         {"shards": job.shards, "model": job.model, "deepspeed": job.deepspeed},

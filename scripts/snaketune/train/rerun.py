@@ -35,6 +35,7 @@ from typing import Any
 
 from snaketune.core.errors import DataError
 from snaketune.core.io import digest, sha256_file, sha256_tree
+from snaketune.plan.pipeline import TRAIN
 from snaketune.plan.topology import LENGTH, changed_keys
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,13 @@ def forced_runs(forcerun: Iterable[str], forceall: bool, train_rule: str) -> str
     if forceall:
         return ALL_RUNS
     named = [str(f) for f in forcerun]
-    if any(f in (train_rule, "train") for f in named):
+    if any(f in (train_rule, TRAIN.name) for f in named):
         return ALL_RUNS
     runs = sorted(
         {
             p.parts[1]
             for p in map(Path, named)
-            if len(p.parts) > 2 and p.parts[0] == "results" and p.parts[2] == "train"
+            if len(p.parts) > 2 and p.parts[0] == "results" and p.parts[2] == TRAIN.folder
         }
     )
     return ",".join(runs) or None
