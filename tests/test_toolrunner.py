@@ -444,11 +444,21 @@ def test_a_killed_rank_s_hung_tool_process_ends(tmp_path):
 def test_a_tool_process_ends_itself_when_its_rank_is_gone(monkeypatch):
     """The watch ends the process (``os._exit``) once its parent is another process, and
     keeps waiting while it is the same."""
+    import threading
+
     from snaketune.tools import toolrunner
 
+    # this thread's calls only: an earlier test's tool loop run in this process leaves its
+    # own watch thread, which sees the patched parent change too
+    me = threading.current_thread()
     ended, parents = [], iter([7, 7, 1])
-    monkeypatch.setattr(toolrunner.os, "getppid", lambda: next(parents))
-    monkeypatch.setattr(toolrunner.os, "_exit", ended.append)
+    real = toolrunner.os.getppid()
+
+    def mine() -> bool:
+        return threading.current_thread() is me
+
+    monkeypatch.setattr(toolrunner.os, "getppid", lambda: next(parents) if mine() else real)
+    monkeypatch.setattr(toolrunner.os, "_exit", lambda code: mine() and ended.append(code))
     monkeypatch.setattr(toolrunner, "PARENT_POLL_S", 0.0)
     toolrunner._watch_parent(7)
     assert ended == [1]
