@@ -60,8 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--summary", type=Path, required=True, help="output TSV")
     parser.add_argument("--curves", type=Path, required=True, help="output directory of <run>.svg")
     parser.add_argument("--html", type=Path, required=True, help="output HTML page")
+    parser.add_argument(
+        "--cleaned", default="{}", help="each cleaned run's cleaning report.json, as JSON"
+    )
     args = parser.parse_args(argv)
     runs = json.loads(args.runs)
+    cleaned = {r: json.loads(Path(p).read_text()) for r, p in json.loads(args.cleaned).items()}
     rows, svgs, evals, samples, lineages, curves_of, attempts = [], {}, {}, {}, {}, {}, {}
     with atomic_paths(args.curves, args.summary, args.html) as (curves, summary, html):
         curves.mkdir()
@@ -114,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sweeps=sweeps,
                 attempts=attempts,
                 others=others,
+                cleaned=cleaned,
             )
         )
     return 0

@@ -33,7 +33,7 @@ from snaketune.core.io import atomic_paths, sha256_file
 from snaketune.core.parts import job_cores, parse_part
 from snaketune.core.provenance import NAME, record, write_provenance
 from snaketune.data.chat import TEMPLATE_DATE
-from snaketune.data.conversations import Source
+from snaketune.data.conversations import Removed, Source
 from snaketune.data.tokenization import tokenize
 
 
@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--part", help="only this part of the rows, PART-of-PARTS (e.g. 00003-of-00008)"
     )
+    parser.add_argument("--removed", help="the rows the dataset's cleaning removed")
     args = parser.parse_args(argv)
     part = parse_part(args.part) if args.part else None
     # what loading a plain fast tokenizer imports, with no collections meanwhile (not
@@ -60,8 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = json.loads(args.spec)
     if len(args.data) != len(spec["sources"]):
         raise SystemExit(f"--data has {len(args.data)} files for {len(spec['sources'])} sources")
+    removed = Removed.read(args.removed) if args.removed else None
     sources = [
-        Source(s["name"], Path(path), s["spec"], s["weight"], s["seed"])
+        Source(s["name"], Path(path), s["spec"], s["weight"], s["seed"], removed)
         for s, path in zip(spec["sources"], args.data, strict=True)
     ]
     template = spec["chat_template"]
@@ -86,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if str(exc).startswith(("models.", "datasets.")):
                 raise
             raise DataError(f"datasets.{spec['dataset']}: {exc}") from None
+        if removed is not None:  # what cleaning removed, beside the counts (report.json)
+            stats.cleaned = json.loads(Path(args.removed).with_name("report.json").read_text())
         summary = {
             **dataclasses.asdict(stats),
             "max_length": spec["max_length"],
@@ -95,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp_stats.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         inputs = {f"data_{s.name}": s.path for s in sources}
         inputs["model"] = args.model
+        if removed is not None:
+            inputs["removed"] = args.removed
         if template:
             inputs["chat_template"] = template["path"]
         names = {out.name: tmp, Path(args.stats).name: tmp_stats}

@@ -53,12 +53,20 @@ def wing_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in WINGS else None
 
 
+def over_cap() -> dict[str, int]:
+    """The wings docs/architecture.md says are over 20 modules, and how many they hold."""
+    text = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
+    said = re.findall(r"^- wing `(\w+)` holds (\d+) modules: \S", text, re.M)
+    return {wing: int(n) for wing, n in said}
+
+
 def test_the_package_is_its_wings_and_each_holds_at_most_20_modules():
+    """A wing over 20 modules only where docs/architecture.md says why, with its count."""
     top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
     assert top == sorted(["__init__.py", *WINGS]), top
     for wing in WINGS:
         modules = [p for p in (PACKAGE / wing).glob("*.py") if p.name != "__init__.py"]
-        assert 1 <= len(modules) <= 20, (wing, len(modules))
+        assert 1 <= len(modules) <= 20 or over_cap().get(wing) == len(modules), (wing, len(modules))
         assert (PACKAGE / wing / "__init__.py").read_text().startswith('"""'), wing
         assert not [p for p in (PACKAGE / wing).iterdir() if p.is_dir() and p.name != "__pycache__"]
 

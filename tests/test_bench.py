@@ -23,6 +23,7 @@ DOC = ROOT / "docs/benchmarks.md"
 SHORT = {
     "allreduce.py": ["--mib", "1"],
     "chat_masks.py": ["--rows", "100"],
+    "clean_corpus.py": ["--docs", "2000", "--parts", "2"],
     "checkpoint_disk.py": ["--keep", "1"],
     "convert.py": ["--layers", "2", "--hidden", "128", "--repeat", "1"],
     "corpus.py": ["--docs", "600"],

@@ -180,6 +180,12 @@ def test_the_assumed_rates_are_the_ones_docs_benchmarks_md_states():
             f"{rates.DATA_JOB_START_S:g} s |") in text  # fmt: skip
     assert f"| `CPU_STEP_S` | {rates.CPU_STEP_S:g} s a step |" in text
     assert f"| `GENERATING_STARTUP_S` | {rates.GENERATING_STARTUP_S:g} s |" in text
+    from snaketune.budget import tokenizeplan as plan
+
+    per_row = plan.CLEAN_S_PER_ROW
+    assert (f"(`snaketune.budget.tokenizeplan`) | {per_row['sign'] * 1e6:g} us a row (a signature "
+            f"job), {per_row['gather'] * 1e6:g} us a row (the gather), "
+            f"{plan.CLEAN_JOB_START_S:g} s a job's start |") in text  # fmt: skip
 
 
 @pytest.mark.parametrize("rows, run, said", [
@@ -681,8 +687,7 @@ def test_a_corpus_s_tokenize_time_and_disk_are_its_tokens_at_a_measured_rate(tmp
     the rate once there; the disk counts ids alone for documents (ids and labels for chat)."""
     import os
 
-    from snaketune.budget.stagecost import tokenize_cost
-    from snaketune.budget.tokenizeplan import measured_rate, token_bytes
+    from snaketune.budget.tokenizeplan import measured_rate, token_bytes, tokenize_cost
 
     config = config_with(tmp_path, 10)
     docs = [" ".join(["word"] * (i % 13 + 1)) for i in range(50_000)]

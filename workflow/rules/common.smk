@@ -12,6 +12,7 @@ from snaketune.methods.needs import PASSED_NEEDS
 from snaketune.evaluation import settings as evaluations
 from snaketune.budget import fit, scoring, slurmfit
 from snaketune.plan import stages, targets, trainjob
+from snaketune.plan import clean as cleaning
 from snaketune.plan import teacher as teachers
 from snaketune.plan.config import resolve_deepspeed
 from snaketune.plan.runspec import RunSpec
@@ -32,6 +33,8 @@ SWEEPS = sweeps_of(config["runs"])
 # {key: (stage, job)} of the scoring stages the runs need (snaketune.budget.scoring: a DPO
 # run's precomputed reference log-probs, a distillation run's teacher top-k)
 SCORING = scoring.jobs(config)
+# {key: spec} of the datasets cleaned before they are tokenized (datasets.<d>.clean)
+CLEAN = cleaning.clean_jobs(TOKENIZE)
 NAME_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}"
 KEY_PATTERN = "[A-Za-z0-9_-]+__[A-Za-z0-9_-]+__[0-9a-f]{12}"
 REF_PATTERN = "[A-Za-z][A-Za-z0-9_-]{0,63}__[0-9a-f]{12}"
@@ -76,6 +79,25 @@ def tokenize_inputs(wildcards):
 
 def tokenize_spec(wildcards):
     return stages.as_json(TOKENIZE[wildcards.key])
+
+
+def tokenize_removed(wildcards):
+    spec = TOKENIZE[wildcards.key]
+    return (
+        f"--removed {cleaning.removed_path(spec['clean'])}" if "clean" in spec else ""
+    )
+
+
+def clean_inputs(wildcards):
+    return cleaning.inputs(CLEAN[wildcards.ckey])
+
+
+def clean_spec(wildcards):
+    return stages.as_json(CLEAN[wildcards.ckey])
+
+
+def clean_signatures(wildcards):
+    return cleaning.signature_paths(CLEAN[wildcards.ckey])
 
 
 def index_inputs(wildcards):

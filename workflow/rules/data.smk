@@ -1,6 +1,57 @@
 # From raw rows to per-node training shards.
 
 
+# A dataset with `clean` (snaketune.data.cleaning): each part of its rows signed by a job
+# of its own (the parts of its tokenization), then one job deciding which rows go and why;
+# the tokenize jobs read the sources without them.
+rule clean_signatures:
+    input:
+        unpack(clean_inputs),
+        script=f"{SCRIPTS}/clean_dataset.py",
+    output:
+        signatures="results/cleaned/{ckey}/signatures-{part}.parquet",
+    log:
+        "logs/clean_signatures/{ckey}/{part}.log",
+    benchmark:
+        "benchmarks/clean_signatures/{ckey}/{part}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=4000,
+        runtime=240,
+    params:
+        spec=clean_spec,
+    shell:
+        "python {input.script} --spec {params.spec:q} --part {wildcards.part}"
+        " --data {input.data} --heldout {input.heldout} --out {output.signatures} > {log} 2>&1"
+
+
+rule clean_dataset:
+    input:
+        unpack(clean_inputs),
+        signatures=clean_signatures,
+        script=f"{SCRIPTS}/clean_dataset.py",
+    output:
+        removed="results/cleaned/{ckey}/removed.parquet",
+        report="results/cleaned/{ckey}/report.json",
+        provenance="results/cleaned/{ckey}/provenance.json",
+    log:
+        "logs/clean_dataset/{ckey}.log",
+    benchmark:
+        "benchmarks/clean_dataset/{ckey}.tsv"
+    conda:
+        "../../envs/snaketune.yaml"
+    resources:
+        mem_mb=8000,
+        runtime=240,
+    params:
+        spec=clean_spec,
+    shell:
+        "python {input.script} --spec {params.spec:q} --heldout {input.heldout}"
+        " --signatures {input.signatures} --out {output.removed} --report {output.report}"
+        " > {log} 2>&1"
+
+
 rule tokenize_dataset:
     input:
         unpack(tokenize_inputs),
@@ -21,10 +72,11 @@ rule tokenize_dataset:
         runtime=240,
     params:
         spec=tokenize_spec,
+        removed=tokenize_removed,
     shell:
         "RAYON_NUM_THREADS={threads} python {input.script} --spec {params.spec:q}"
         " --data {input.data} --model {input.model} --out {output.data}"
-        " --stats {output.stats} > {log} 2>&1"
+        " --stats {output.stats} {params.removed} > {log} 2>&1"
 
 
 # A dataset with parts: N (snaketune.core.parts): N jobs of the same script, each on its own
@@ -49,10 +101,11 @@ rule tokenize_part:
         runtime=240,
     params:
         spec=tokenize_spec,
+        removed=tokenize_removed,
     shell:
         "RAYON_NUM_THREADS={threads} python {input.script} --spec {params.spec:q}"
         " --part {wildcards.part} --data {input.data} --model {input.model}"
-        " --out {output.data} --stats {output.stats} > {log} 2>&1"
+        " --out {output.data} --stats {output.stats} {params.removed} > {log} 2>&1"
 
 
 rule index_parts:

@@ -25,6 +25,8 @@ rule report:
         "../../envs/snaketune.yaml"
     params:
         runs=stages.as_json(config["runs"]),
+        cleaned=stages.as_json(targets.cleaned_reports(config)),
     shell:
         "python {input.script} --runs {params.runs:q} --summary {output.summary}"
-        " --curves {output.curves} --html {output.html} > {log} 2>&1"
+        " --curves {output.curves} --html {output.html} --cleaned {params.cleaned:q}"
+        " > {log} 2>&1"

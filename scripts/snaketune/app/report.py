@@ -279,6 +279,7 @@ def summary_html(
     sweeps: list[str] | None = None,
     attempts: dict[str, list[dict[str, Any]]] | None = None,
     others: list[str] | None = None,
+    cleaned: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """One self-contained page (inline SVG and CSS, nothing fetched): the summary table; per
     run its training plots, base-versus-tuned table and chart, samples marked right or wrong,
@@ -296,6 +297,7 @@ def summary_html(
     by_run = {row["run"]: row for row in rows}
     sections = [
         run_section(run, svg, by_run.get(run, {}), evals.get(run))
+        + cleaning_html((cleaned or {}).get(run))
         + lineage_html(run, lineages)
         + (attempts_table(attempts[run]) if attempts and attempts.get(run) else "")
         + samples_html(by_run.get(run, {}), samples.get(run), n_samples)
@@ -340,6 +342,23 @@ def run_section(run: str, svg: str, row: dict[str, str], ev: dict[str, Any] | No
         parts.append(comparison_table(ev))
         parts.append(comparison_svg(ev, f"{run}: base versus tuned") or "")
     return "".join(parts)
+
+
+def cleaning_html(report: dict[str, Any] | None) -> str:
+    """What cleaning removed from a run's training data (snaketune.data.cleaning's report):
+    per reason, and per held-out set the training rows that overlapped it."""
+    if not report:
+        return ""
+    from html import escape
+
+    words = {"heldout": "overlapping a held-out set", "exact": "exact dup.", "near": "near dup."}
+    rows = [("rows read", report["rows"]), ("kept", report["kept"])]
+    rows += [(f"removed: {words[k]}", n) for k, n in report["removed"].items()]
+    if report["spans_cut"]:
+        rows.append(("kept, overlapping spans cut", report["spans_cut"]))
+    rows += [(f"overlapping held-out set {k}", n) for k, n in sorted(report["per_heldout"].items())]
+    body = "".join(f"<tr><td>{escape(k)}</td><td class='num'>{n:,}</td></tr>" for k, n in rows)
+    return f"<h3>Cleaning of its training data</h3><table class='cleaning'>{body}</table>"
 
 
 def samples_html(row: dict[str, str], samples: list[dict[str, Any]] | None, n: int) -> str:

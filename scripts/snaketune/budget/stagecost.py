@@ -29,6 +29,7 @@ from snaketune.plan.pipeline import (
     EVALUATE_BASE,
     MERGE,
     SHARD,
+    TOKENIZE,
     TRAIN,
     run_order,
 )
@@ -233,6 +234,7 @@ def shared_stages(
     """The stages the runs share, once each and only where their outputs are not there yet:
     a model's download (its bytes at DOWNLOAD_MB_S), a dataset's tokenization (its tokens at
     a measured rate: snaketune.budget.tokenizeplan)."""
+    from snaketune.budget.tokenizeplan import clean_cost, tokenize_cost
     from snaketune.core import parts as tokenized_set
     from snaketune.plan.stages import parts_of, tokenized
 
@@ -253,7 +255,8 @@ def shared_stages(
             sets[run["eval_dataset"]] = tokenized(config, name, eval_set=True)
         for dataset, path in sets.items():
             out.update({k: v for k, v in download_costs(config, dataset, workdir) if k not in out})
-            key = f"tokenize_dataset {Path(path).parent.name}"
+            out.update(clean_cost(config, dataset, name, workdir))
+            key = f"{TOKENIZE.name} {Path(path).parent.name}"
             if key not in out and not tokenized_set.exists(workdir / path):
                 parts = parts_of(config, dataset, workdir / Path(path).parent)
                 out[key] = tokenize_cost(config, dataset, run["max_length"], workdir, parts)
@@ -295,16 +298,6 @@ def download_costs(
         basis = f"{size / 1e9:.1f} GB ({how}) at {DOWNLOAD_MB_S:g} MB/s (assumed Hub rate)"
         out.append((f"download_dataset {name}", stage(size / (DOWNLOAD_MB_S * MB), 0, basis)))
     return out
-
-
-def tokenize_cost(
-    config: dict[str, Any], dataset: str, max_length: int, workdir: Path, parts: int = 1
-) -> dict[str, Any]:
-    """A dataset's tokenization: one part's wall time (snaketune.budget.tokenizeplan)."""
-    from snaketune.budget.tokenizeplan import tokenize_plan
-
-    plan = tokenize_plan(config, dataset, max_length, workdir, parts)
-    return stage(plan["s"], 0, plan["basis"])
 
 
 def total(stages: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from snaketune.plan.pipeline import TOKENIZE
+from snaketune.budget.rates import stage
+from snaketune.plan.pipeline import CLEAN, TOKENIZE
 
 # Tokens a second of one process on one core, imports and I/O included (bench/corpus.py,
 # 2 cores, 2026-12-01: docs/benchmarks.md's table of a text corpus).
@@ -31,6 +32,12 @@ THREADS = 8  # rules tokenize_dataset and tokenize_part: the job's threads
 MIN_CPU_S = 60.0  # a measured job shorter than this is mostly its imports: not a rate
 SAMPLE_ROWS = 1000
 ID_BYTES = 4  # int32 ids and labels
+# corpus cleaning's seconds a row (a part's signature job; the gather over every part), its
+# jobs' start (datasketch and scipy imported), and a signature's bytes besides its MinHash
+# (4 bytes a permutation): bench/clean_corpus.py, docs/benchmarks.md
+CLEAN_S_PER_ROW = {"sign": 110e-6, "gather": 95e-6}
+CLEAN_JOB_START_S = 1.0
+SIGNATURE_BYTES = 40
 
 
 def kind_word(config: dict[str, Any], dataset: str) -> str:
@@ -162,12 +169,35 @@ def tokenize_plan(
     return {"s": seconds, "tokens": tokens, "bytes": tokens * per_token, "basis": basis}
 
 
+def clean_plan(config: dict[str, Any], dataset: str, workdir: Path, parts: int) -> dict[str, Any]:
+    """A dataset's cleaning (datasets.<d>.clean): the wall time of one signature job (the
+    parts side by side) and then the gather's, and the bytes its signatures take; seconds
+    None where its rows are not known yet (snaketune.plan.corpus.source_rows)."""
+    from snaketune.data.formats import components
+    from snaketune.plan.corpus import source_rows
+
+    counted = [source_rows(config, c["name"], workdir) for c in components(config, dataset)]
+    if None in counted:
+        return {"s": None, "bytes": None, "basis": "not estimated: its rows are not known yet"}
+    rows = sum(counted)
+    near = config["datasets"][dataset]["clean"]["near"]
+    sign, gather = (CLEAN_S_PER_ROW[k] * (1 if near else 0.3) for k in ("sign", "gather"))
+    seconds = 2 * CLEAN_JOB_START_S + rows / parts * sign + rows * gather
+    width = 4 * near["num_perm"] if near else 0
+    basis = (
+        f"{rows:,} rows at {sign * 1e6:.0f} us a row in each of {parts} signature job(s) side "
+        f"by side, then {gather * 1e6:.0f} us a row gathered (bench/clean_corpus.py)"
+    )
+    return {"s": seconds, "bytes": rows * (SIGNATURE_BYTES + width), "basis": basis}
+
+
 def token_bytes(config: dict[str, Any], name: str, root: Path) -> float:
     """Bytes run ``name``'s tokens will take in the files not written yet: its tokenized
     sets (training and held-out) as tokenize_plan counts them, or as made, and its shards (a
     copy of the training set's rows, ids and labels as stored)."""
     from snaketune.core import parts as tokenized_set
-    from snaketune.plan.stages import tokenized
+    from snaketune.plan.clean import removed_path
+    from snaketune.plan.stages import run_tokenize_spec, tokenized
 
     run = config["runs"][name]
     sets = [(run["dataset"], tokenized(config, name), True)]
@@ -183,4 +213,29 @@ def token_bytes(config: dict[str, Any], name: str, root: Path) -> float:
             total += size
         if sharded and not (root / "results" / name / "shards").is_dir():
             total += size
+    spec = run_tokenize_spec(config, name)
+    if "clean" in spec and not (root / removed_path(spec["clean"])).is_file():
+        total += clean_plan(config, run["dataset"], root, spec.get("parts", 1))["bytes"] or 0.0
     return total
+
+
+def tokenize_cost(
+    config: dict[str, Any], dataset: str, max_length: int, workdir: Path, parts: int = 1
+) -> dict[str, Any]:
+    """A dataset's tokenization: one part's wall time (snaketune.budget.tokenizeplan)."""
+    plan = tokenize_plan(config, dataset, max_length, workdir, parts)
+    return stage(plan["s"], 0, plan["basis"])
+
+
+def clean_cost(config: dict[str, Any], dataset: str, run: str, workdir: Path) -> dict[str, Any]:
+    """A dataset's cleaning before its tokenization, where asked and not done yet."""
+    from snaketune.plan.clean import clean_key, removed_path
+    from snaketune.plan.stages import run_tokenize_spec
+
+    spec = run_tokenize_spec(config, run)
+    if dataset != spec["dataset"] or "clean" not in spec:
+        return {}
+    if (workdir / removed_path(spec["clean"])).is_file():
+        return {}
+    plan = clean_plan(config, dataset, workdir, spec.get("parts", 1))
+    return {f"{CLEAN.name} {clean_key(spec['clean'])}": stage(plan["s"], 0, plan["basis"])}

@@ -50,6 +50,8 @@ class Source:
     spec: dict[str, Any]
     weight: float = 1.0
     seed: int = 0
+    # the rows its cleaning removed and the documents it cut (``Removed``, below)
+    removed: Any = None
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Stats:
     rows_filtered_out: int = 0
     rows_sampled_out: int = 0
     rows_repeated: int = 0
+    rows_cleaned_out: int = 0  # removed by the dataset's cleaning (datasets.<d>.clean)
     conversations: int = 0
     dropped_overlong: int = 0
     truncated: int = 0
@@ -92,6 +95,8 @@ class Stats:
     documents_split: int = 0
     document_rows: int = 0
     text_bytes: int = 0
+    # what the dataset's cleaning removed, and why (its report.json; every part's the same)
+    cleaned: dict[str, Any] = field(default_factory=dict)
 
 
 def _column(spec: dict[str, Any], fieldname: str) -> str | list[str]:
@@ -327,6 +332,11 @@ def _source_batches(
             batch, index = batch.filter(mask), index[keep]
             stats.rows_filtered_out += n - len(index)
         per["kept_by_filters"] += len(index)
+        if source.removed is not None:  # its cleaning's (snaketune.data.cleaning)
+            keep = source.removed.keep(source.name, index)
+            batch, index = batch.filter(pa.array(keep)), index[keep]
+            stats.rows_cleaned_out += int((~keep).sum())
+            batch = source.removed.edited(source.name, source.spec, batch, index)
         rows = index.tolist()
         items: list[tuple[str, tuple[Turn, ...]]] = []
         for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
@@ -340,3 +350,46 @@ def _source_batches(
         per["emitted"] += len(items)
         if items:
             yield source, items
+
+
+@dataclass
+class Removed:
+    """The rows a dataset's cleaning removed from each source (by row number), and the
+    documents it cut (their text left), as the tokenize jobs read them (its removed.parquet,
+    snaketune.data.cleaning)."""
+
+    rows: dict[str, set[int]]
+    texts: dict[str, dict[int, str]]
+
+    @classmethod
+    def read(cls, path: str | Path) -> Removed:
+        table = pq.read_table(path, columns=["source", "row", "reason", "text"]).to_pylist()
+        rows: dict[str, set[int]] = {}
+        texts: dict[str, dict[int, str]] = {}
+        for r in table:
+            if r["reason"] == "spans":
+                texts.setdefault(r["source"], {})[r["row"]] = r["text"]
+            else:
+                rows.setdefault(r["source"], set()).add(r["row"])
+        return cls(rows, texts)
+
+    def keep(self, source: str, index: Any) -> Any:
+        """Which of a source's rows ``index`` stay (a boolean mask)."""
+        gone = self.rows.get(source)
+        if not gone:
+            return np.ones(len(index), bool)
+        return ~np.isin(index, np.fromiter(gone, np.int64, len(gone)))
+
+    def edited(self, source: str, spec: dict[str, Any], batch: Any, index: Any) -> Any:
+        """``batch`` with its cut documents' text left in their text column."""
+        cut = self.texts.get(source)
+        if not cut or not any(int(i) in cut for i in index):
+            return batch
+        from snaketune.data.formats import text_columns
+
+        column = text_columns(spec)[0]
+        values = [
+            cut.get(int(i), v) for i, v in zip(index, batch.column(column).to_pylist(), strict=True)
+        ]
+        at = batch.schema.get_field_index(column)
+        return batch.set_column(at, column, pa.array(values, pa.string()))

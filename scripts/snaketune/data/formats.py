@@ -30,6 +30,19 @@ FORMAT_FIELDS: dict[str, dict[str, str]] = {
 # column holds whole conversations in chosen and rejected that share their prompt turns; a
 # messages dataset's tools: snaketune.data.toolcalls).
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}}
+NOT_TEXT = ("tools", "label")  # a format's fields that hold no text to compare (cleaning)
+
+
+def text_columns(spec: dict[str, Any]) -> list[str]:
+    """The columns holding a dataset's text: its format's fields, tools and labels aside."""
+    cols: list[str] = []
+    for name, default in FORMAT_FIELDS[spec["format"]].items():
+        if name not in NOT_TEXT:
+            col = spec.get("columns", {}).get(name, default)
+            cols.extend(col if isinstance(col, list) else [col])
+    return list(dict.fromkeys(cols))
+
+
 # Keys of a single (non-mixture) dataset: where its rows come from and how they read.
 SINGLE_DATASET_KEYS = (
     "id",

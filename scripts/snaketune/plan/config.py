@@ -22,6 +22,7 @@ from snaketune.data.kernels import check_kernels_installed
 from snaketune.data.kinds import kind_named, mixes_kinds, own_fields, unread
 from snaketune.evaluation import scorers
 from snaketune.methods import compose_schema, method_of, methods, reward_model_runs
+from snaketune.plan.clean import check as clean_problems
 from snaketune.plan.references import check_references
 from snaketune.plan.runspec import RunSpec
 from snaketune.plan.schema import (
@@ -271,12 +272,10 @@ def _check_model(name: str, spec: Mapping[str, Any]) -> None:
 def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) -> dict[str, Any]:
     """Validate ``config`` in place (filling defaults) and return it.
 
-    ``root`` is the workflow directory (where config/deepspeed/ lives). Raises ConfigError
-    naming every problem at once (ConfigProblems, a line each; one problem: its line): the
-    schema's, then the cross-key checks of every model, dataset and run the schema let
-    through (an entry the schema refused, or a run that uses one, is not checked further:
-    its own line names it).
-    """
+    ``root``: the workflow directory (config/deepspeed/). Raises ConfigError naming every
+    problem at once (a line each): the schema's, then the cross-key checks of every model,
+    dataset and run it let through (an entry it refused, or a run using one, is not checked
+    further: its own line names it)."""
     from snaketune.plan.sweep import expand_sweeps, resolve_init
 
     root = Path(root)
@@ -307,6 +306,7 @@ def validate_config(config: dict[str, Any], root: str | Path = WORKFLOW_ROOT) ->
     for name, spec in config["datasets"].items():
         if ("datasets", name) not in bad:
             found.check(_check_dataset, name, spec, config["datasets"])
+            found.lines += clean_problems(config, f"datasets.{name}", name, spec)
     bad |= {("datasets", d) for d in _mixtures_of(config, bad)}
     init_lines, unresolved = resolve_init(config, {n for kind, n in bad if kind == "runs"})
     found.lines += init_lines

@@ -54,6 +54,7 @@ class Stage:
 
 DOWNLOAD_MODEL = Stage("download_model", "model download", "model")
 DOWNLOAD_DATASET = Stage("download_dataset", "dataset download", "dataset")
+CLEAN = Stage("clean_dataset", "cleaning", "dataset", rules=("clean_signatures",))
 TOKENIZE = Stage(
     "tokenize_dataset", "tokenization", "dataset", rules=("tokenize_part", "index_parts")
 )
@@ -126,6 +127,7 @@ FIXTURES = Stage("make_fixtures", "the demo's fixtures", "pipeline", rules=("mak
 STAGES = (
     DOWNLOAD_MODEL,
     DOWNLOAD_DATASET,
+    CLEAN,
     TOKENIZE,
     SHARD,
     TRAIN,

@@ -26,6 +26,7 @@ from snaketune.data.formats import SINGLE_DATASET_KEYS, components
 from snaketune.data.tokenization import TOKENIZE_VERSION
 from snaketune.evaluation.settings import eval_args, shared_eval
 from snaketune.methods import calls_tools, method_of
+from snaketune.plan.clean import clean_spec, removed_path
 from snaketune.plan.runspec import RunSpec
 
 MODEL_TOKEN_KEYS = ("source", "id", "path", "revision")
@@ -75,6 +76,8 @@ def tokenize_spec(
     }
     if "template_date" in model_spec:  # unset: chat.TEMPLATE_DATE (the key as before)
         spec["template_date"] = model_spec["template_date"]
+    if (cleaned := clean_spec(config, dataset)) is not None:  # the cleaned rows' tokens
+        spec["clean"] = cleaned
     parts = parts_of(config, dataset, Path("results/tokenized") / tokenize_key(spec))
     if parts > 1:  # one part: the spec (and its job's params) as before parts existed
         spec["parts"] = parts
@@ -257,6 +260,7 @@ def tokenize_inputs(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec["chat_template"]:
         inputs["template"] = spec["chat_template"]["path"]
+    inputs |= {"removed": removed_path(spec["clean"])} if "clean" in spec else {}
     return inputs
 
 

@@ -43,7 +43,16 @@ def report_inputs(config: dict[str, Any]) -> dict[str, str]:
             inputs[f"{run}_lineage"] = f"results/{run}/eval/provenance.json"
         else:
             inputs[f"{run}_lineage"] = final_model(config, run)
-    return inputs
+    return inputs | {f"{run}_cleaned": path for run, path in cleaned_reports(config).items()}
+
+
+def cleaned_reports(config: dict[str, Any]) -> dict[str, str]:
+    """The cleaning report of each run whose training data is cleaned (datasets.<d>.clean)."""
+    from snaketune.plan.clean import folder
+    from snaketune.plan.stages import run_tokenize_spec
+
+    specs = {run: run_tokenize_spec(config, run) for run in config["runs"]}
+    return {r: f"{folder(s['clean'])}/report.json" for r, s in specs.items() if "clean" in s}
 
 
 def publish_config(config: dict[str, Any], sweeps: dict[str, list[str]], name: str) -> dict:
