@@ -402,7 +402,9 @@ def test_a_scoring_job_asks_the_memory_its_workers_loading_needs():
     for dtype, asked in (("bfloat16", []), ("float32", ["runs.r: its reference_logps job"])):
         shape = Shape.from_config({**LLAMA_70B, "dtype": dtype})
         plan = {
-            "reference_logps": scoring.reference_memory(config, config["runs"]["r"], shape, 79.6)
+            "reference_logps": scoring.reference_memory(
+                scoring.NeedContext(config, "r", shape, 79.6)
+            )
         }
         held = shape.largest_layer if dtype == "bfloat16" else shape.params
         assert plan["reference_logps"]["cpu_gib"] == round(8 * (0.35 + held * 2 / gib), 2)

@@ -294,3 +294,40 @@ def test_the_plan_counts_the_cleanings_time_and_disk(tmp_path):
     assert with_clean - plan.token_bytes(config, "r", tmp_path) == rows * (
         plan.SIGNATURE_BYTES + 4 * 64
     )
+
+
+def test_a_gather_too_large_for_its_job_is_refused_before_queueing():
+    """A corpus of 50M documents (its card's size, nothing downloaded): the gather holds
+    about 6,700 bytes a row (bench/clean_corpus.py), 312 GiB; a profile's 64,000 MB for rule
+    clean_dataset is refused before queueing, naming the rule and the memory to ask."""
+    from snaketune.budget import tokenizeplan as plan
+    from snaketune.budget.memplan import Shape
+    from snaketune.budget.stageplan import stage_memory, stage_plans
+    from snaketune.plan.config import validate_config
+
+    rows = 50_000_000
+    config = validate_config({
+        "models": {"m": {"source": "hub", "id": "org/m"}},
+        "datasets": {"web": {"source": "hub", "id": "org/web", "format": "text", "parts": 64,
+                             "size": {"rows": rows}, "clean": {}}},
+        "runs": {"r": {"model": "m", "dataset": "web", "method": "full", "nodes": 1,
+                       "gpus_per_node": 1, "max_length": 64, "micro_batch_size": 1,
+                       "max_steps": 1, "learning_rate": 1e-4}},
+    })  # fmt: skip
+    tiny = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}  # fmt: skip
+    plans = stage_plans(config, "r", Shape.from_config(tiny), 79.6)
+    gib = plans["clean_dataset"]["cpu_gib"]
+    assert gib == pytest.approx(plan.CLEAN_LIBRARIES_GIB + rows * 6_700 / 2**30, abs=0.01)
+    (line,) = stage_memory("r", plans, {("clean_dataset", "r"): 64000})
+    assert line.startswith("runs.r: its clean_dataset job asks 64000 MB of memory (mem_mb)")
+    assert "raise set-resources clean_dataset: mem_mb to at least" in line
+    assert stage_memory("r", plans, {("clean_dataset", "r"): 400_000}) == []
+    # the queued gather job's memory is read as run r's (its dataset's cleaning)
+    from snaketune.budget.checks import Job, planned_run, shared_jobs
+    from snaketune.plan.clean import clean_key
+    from snaketune.plan.stages import run_tokenize_spec
+
+    key = clean_key(run_tokenize_spec(config, "r")["clean"])
+    job = Job("clean_dataset", {"ckey": key}, {"mem_mb": 64000}, local=False)
+    assert planned_run(job, shared_jobs(config, [job])) == "r"

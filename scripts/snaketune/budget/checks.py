@@ -238,6 +238,8 @@ def shared_jobs(config: dict[str, Any], jobs: list[Job]) -> dict[tuple[str, str]
     are among ``jobs``: the first run that reads a base model's evaluation or a scoring
     stage's output."""
     from snaketune.budget.scoring import jobs as scoring_jobs
+    from snaketune.plan.clean import cleaned_by
+    from snaketune.plan.pipeline import CLEAN
     from snaketune.plan.stages import base_evaluations
 
     rules = {job.rule for job in jobs}
@@ -248,6 +250,8 @@ def shared_jobs(config: dict[str, Any], jobs: list[Job]) -> dict[tuple[str, str]
         }
     if rules & {stage.name for stage in SCORING_STAGES}:
         found |= {(stage.name, k): job["run"] for k, (stage, job) in scoring_jobs(config).items()}
+    if CLEAN.name in rules:  # a cleaning's plan: a run training on the dataset it cleans
+        found |= {(CLEAN.name, key): run for key, run in cleaned_by(config).items()}
     return found
 
 

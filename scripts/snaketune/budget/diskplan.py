@@ -280,11 +280,11 @@ def disk_plan_of(
     pictures = picture_bytes(config, name, root)  # snaketune.budget.pictureplan
     if pictures:
         extra["pictures"] = pictures
-    from snaketune.budget.scoring import plan_of  # the plans: not in the launcher's imports
+    from snaketune.budget.scoring import NeedContext, plan_of  # not the launcher's imports
 
     for need in method_of(run).needs(run):  # its needs' outputs (a teacher's top-k)
         if (disk := plan_of(need).disk) is not None:
-            extra[need.name] = disk(config, name, root)
+            extra[need.name] = disk(NeedContext(config, name, workdir=root))
     return plan_disk(shape, s, run, deepspeed, run_dir, path.parent, download, extra)
 
 

@@ -51,6 +51,24 @@ from snaketune.plan import teacher as teachers
 
 
 @dataclass(frozen=True)
+class NeedContext:
+    """What a need's plans of its cost (memory, time, disk) read of the run it serves: one
+    typed context for every need's plans, each reading what it asks of it."""
+
+    config: dict[str, Any]
+    name: str  # the run
+    shape: Shape | None = None  # the run's model
+    gpu_gib: float | None = None  # a GPU's memory (None: not given)
+    epoch: float = 0.0  # one epoch's tokens
+    peak: float | None = None  # one GPU's peak TFLOP/s
+    workdir: Path = Path(".")
+
+    @property
+    def run(self) -> dict[str, Any]:
+        return self.config["runs"][self.name]
+
+
+@dataclass(frozen=True)
 class NeedPlan:
     """What the budget and the workflow know of one need (``need``, its record)."""
 
@@ -66,15 +84,14 @@ class NeedPlan:
     sharded: Callable[[dict[str, Any], dict[str, Any]], bool] = lambda config, run: False
     # key -> what ``snaketune validate`` lists of its jobs (the runs or the run it serves)
     listing: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    # --- its cost
-    # (config, run, the run's shape, GPU GiB) -> its stage's memory plan on the run's GPUs
-    # (nodes, gpus_per_node, per_gpu_gib, cpu_gib, fits, sharded, why, fix); None: unknown yet
-    memory: Callable[..., dict[str, Any] | None] | None = None
-    # (config, run name, its shape, one epoch's tokens, a GPU's peak TFLOPs, workdir) -> its
-    # stage's figure (snaketune.budget.rates.stage); None: not estimated
-    seconds: Callable[..., dict[str, Any] | None] | None = None
-    # (config, run name, workdir) -> bytes its output takes on the run's results filesystem
-    disk: Callable[[dict[str, Any], str, Path], float | None] | None = None
+    # --- its cost, each of a NeedContext
+    # its stage's memory plan on the run's GPUs (nodes, gpus_per_node, per_gpu_gib, cpu_gib,
+    # fits, sharded, why, fix); None: unknown yet
+    memory: Callable[[NeedContext], dict[str, Any] | None] | None = None
+    # its stage's figure (snaketune.budget.rates.stage); None: not estimated
+    seconds: Callable[[NeedContext], dict[str, Any] | None] | None = None
+    # the bytes its output takes on the run's results filesystem
+    disk: Callable[[NeedContext], float | None] | None = None
     # (config, run, workdir) -> weights the train job holds for it (whole on every GPU, or
     # sharded under ZeRO-3 where the need's field says so), counted in memplan.Setup's field
     # ``held_as``
@@ -105,15 +122,14 @@ def _reference_inputs(
     return {"tokenized": stages.tokenized(config, job["run"]), "model": model_of(job["run"])}
 
 
-def reference_memory(
-    config: dict[str, Any], run: dict[str, Any], shape: Shape, gpu_gib: float | None
-) -> dict[str, Any]:
+def reference_memory(ctx: NeedContext) -> dict[str, Any]:
     """The reference log-probs stage of a run that needs it (a DPO run's precomputed
     reference): data parallel on the run's GPUs, each worker holding the whole reference
     model (its 4-bit base for a 4-bit run) and one batch of pairs through one layer at a
     time (no gradients; TRL's fused head: no whole logits)."""
     from snaketune.plan.runspec import RunSpec
 
+    run, shape = ctx.run, ctx.shape
     spec = RunSpec.of(run)
     w = EVAL_BYTES
     weights = shape.params * w
@@ -127,19 +143,16 @@ def reference_memory(
         f"set {spec.method.block}.reference: live (the training job holds the reference, "
         "sharded with the policy under ZeRO-3), or use GPUs with more memory"
     )
-    return scoring_plan(run, shape, total, gpu_gib, False, why, fix, spec.quantized)
+    return scoring_plan(run, shape, total, ctx.gpu_gib, False, why, fix, spec.quantized)
 
 
-def reference_seconds(
-    config: dict[str, Any], name: str, shape: Shape, epoch: float, peak: float | None, workdir
-) -> dict[str, Any] | None:
+def reference_seconds(ctx: NeedContext) -> dict[str, Any] | None:
     """The reference stage on the run's GPUs: its model read, and a forward pass over one
     epoch's tokens at FORWARD_MFU (None without the GPU's peak)."""
-    if not peak:
+    if not ctx.peak:
         return None
-    run = config["runs"][name]
-    devices = run["nodes"] * run["gpus_per_node"]
-    forward = forward_seconds(shape.active_params, epoch, devices, peak)
+    shape, devices = ctx.shape, ctx.run["nodes"] * ctx.run["gpus_per_node"]
+    forward = forward_seconds(shape.active_params, ctx.epoch, devices, ctx.peak)
     basis = f"a forward pass over one epoch at assumed MFU {FORWARD_MFU:.1%}"
     return stage(weight_bytes(shape) / (DISK_MB_S * MB) + forward, devices, basis)
 
@@ -223,11 +236,9 @@ PLANS = (
         settings=teachers.teacher_settings,
         sharded=teacherplan.sharded,
         listing=teachers.teacher_jobs,
-        memory=lambda config, run, shape, gpu_gib: teacherplan.memory_plan(config, run, gpu_gib),
-        seconds=lambda config, name, shape, epoch, peak, workdir: teacher_seconds(
-            config, name, workdir, peak
-        ),
-        disk=lambda config, name, workdir: teacherplan.disk_bytes(config, name, workdir) or 0.0,
+        memory=lambda ctx: teacherplan.memory_plan(ctx.config, ctx.run, ctx.gpu_gib),
+        seconds=lambda ctx: teacher_seconds(ctx.config, ctx.name, ctx.workdir, ctx.peak),
+        disk=lambda ctx: teacherplan.disk_bytes(ctx.config, ctx.name, ctx.workdir) or 0.0,
     ),
     NeedPlan(need=REWARD_MODELS, held_params=reward_model_params, held_as="reward_model_params"),
     NeedPlan(

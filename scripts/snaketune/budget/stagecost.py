@@ -22,7 +22,7 @@ from snaketune.budget.rates import (
     stage,
     weight_bytes,
 )
-from snaketune.budget.scoring import plan_of
+from snaketune.budget.scoring import NeedContext, plan_of
 from snaketune.plan.pipeline import (
     CONVERT,
     EVALUATE,
@@ -119,7 +119,7 @@ def assumed_stages(
         for need in spec.needs:  # the stages of its needs (snaketune.budget.scoring)
             plan = plan_of(need)
             if plan.seconds is not None and (
-                figure := plan.seconds(config, name, shape, epoch, peak, workdir)
+                figure := plan.seconds(NeedContext(config, name, shape, None, epoch, peak, workdir))
             ):
                 out[need.name] = figure
     if method_of(run).adapter_of(run) == "lora":

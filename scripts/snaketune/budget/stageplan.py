@@ -41,15 +41,16 @@ def stage_plans(
     """The stages of run ``name`` besides training's steps, planned: generation inside the
     training job (with its ``setup``), the reference and teacher stages, each evaluate stage
     it runs (its layout, GiB per GPU, whether that fits ``gpu_gib``, its CPU memory per node)
-    and the CPU memory of conversion and merging."""
-    from snaketune.budget.scoring import plan_of
+    and the CPU memory of conversion, merging and its data's cleaning."""
+    from snaketune.budget.scoring import NeedContext, plan_of
+    from snaketune.budget.tokenizeplan import clean_memory
     from snaketune.methods import method_of
 
     run = config["runs"][name]
-    out: dict[str, dict[str, Any]] = export_plans(run, shape)
+    out: dict[str, dict[str, Any]] = export_plans(run, shape) | clean_memory(config, name)
     for need in method_of(run).needs(run):  # its needs' stages (snaketune.budget.scoring)
         memory = plan_of(need).memory
-        if memory is not None and (plan := memory(config, run, shape, gpu_gib)) is not None:
+        if memory is not None and (plan := memory(NeedContext(config, name, shape, gpu_gib))):
             out[need.name] = plan
     if setup is not None:
         out.update(training_pass_plans(run, shape, setup, gpu_gib))

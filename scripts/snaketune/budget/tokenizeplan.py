@@ -37,6 +37,11 @@ ID_BYTES = 4  # int32 ids and labels
 # (4 bytes a permutation): bench/clean_corpus.py, docs/benchmarks.md
 CLEAN_S_PER_ROW = {"sign": 110e-6, "gather": 95e-6}
 CLEAN_JOB_START_S = 1.0
+# the gather's memory: a row's MinHash and its 16 LSH buckets, or its exact hash alone; the
+# libraries (bench/clean_corpus.py: 6,618 MiB at 1,000,000 rows, a signature job 0.3 GiB)
+GATHER_BYTES_PER_ROW = 6_700
+EXACT_BYTES_PER_ROW = 250
+CLEAN_LIBRARIES_GIB = 0.3
 SIGNATURE_BYTES = 40
 
 
@@ -169,17 +174,36 @@ def tokenize_plan(
     return {"s": seconds, "tokens": tokens, "bytes": tokens * per_token, "basis": basis}
 
 
-def clean_plan(config: dict[str, Any], dataset: str, workdir: Path, parts: int) -> dict[str, Any]:
-    """A dataset's cleaning (datasets.<d>.clean): the wall time of one signature job (the
-    parts side by side) and then the gather's, and the bytes its signatures take; seconds
-    None where its rows are not known yet (snaketune.plan.corpus.source_rows)."""
+def clean_rows(config: dict[str, Any], dataset: str, workdir: Path) -> int | None:
+    """The rows a dataset's cleaning reads (its sources', a mixture's every component's)."""
     from snaketune.data.formats import components
     from snaketune.plan.corpus import source_rows
 
     counted = [source_rows(config, c["name"], workdir) for c in components(config, dataset)]
-    if None in counted:
+    return None if None in counted else sum(counted)
+
+
+def clean_memory(config: dict[str, Any], name: str, workdir: Path = Path(".")) -> dict:
+    """The gather job's memory of run ``name``'s cleaning ({} where it has none, or its rows
+    are not known yet): every kept row's MinHash and LSH's buckets, or its exact hash alone."""
+    dataset = config["runs"][name]["dataset"]
+    block = (config.get("datasets") or {}).get(dataset)
+    rows = clean_rows(config, dataset, workdir) if block and "clean" in block else None
+    if rows is None:
+        return {}
+    per_row = GATHER_BYTES_PER_ROW if block["clean"]["near"] else EXACT_BYTES_PER_ROW
+    gib = CLEAN_LIBRARIES_GIB + rows * per_row / 2**30
+    why = f"{rows:,} rows at {per_row:,} bytes a row (bench/clean_corpus.py)"
+    return {CLEAN.name: {"cpu_gib": round(gib, 2), "why": why}}
+
+
+def clean_plan(config: dict[str, Any], dataset: str, workdir: Path, parts: int) -> dict[str, Any]:
+    """A dataset's cleaning (datasets.<d>.clean): the wall time of one signature job (the
+    parts side by side) and then the gather's, and the bytes its signatures take; seconds
+    None where its rows are not known yet (snaketune.plan.corpus.source_rows)."""
+    rows = clean_rows(config, dataset, workdir)
+    if rows is None:
         return {"s": None, "bytes": None, "basis": "not estimated: its rows are not known yet"}
-    rows = sum(counted)
     near = config["datasets"][dataset]["clean"]["near"]
     sign, gather = (CLEAN_S_PER_ROW[k] * (1 if near else 0.3) for k in ("sign", "gather"))
     seconds = 2 * CLEAN_JOB_START_S + rows / parts * sign + rows * gather

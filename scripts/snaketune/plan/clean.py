@@ -85,6 +85,14 @@ def clean_jobs(tokenize: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
     return jobs
 
 
+def cleaned_by(config: dict[str, Any]) -> dict[str, str]:
+    """Each cleaning's key, with a run that trains on the dataset it cleans."""
+    from snaketune.plan.stages import run_tokenize_spec
+
+    specs = {run: run_tokenize_spec(config, run) for run in config["runs"]}
+    return {clean_key(s["clean"]): run for run, s in reversed(specs.items()) if "clean" in s}
+
+
 def inputs(spec: dict[str, Any]) -> dict[str, list[str]]:
     """What a signatures job reads: the sources' and held-out sets' downloads."""
     data = "resources/datasets/{}/data.parquet".format

@@ -54,7 +54,9 @@ class Stage:
 
 DOWNLOAD_MODEL = Stage("download_model", "model download", "model")
 DOWNLOAD_DATASET = Stage("download_dataset", "dataset download", "dataset")
-CLEAN = Stage("clean_dataset", "cleaning", "dataset", rules=("clean_signatures",))
+CLEAN = Stage(
+    "clean_dataset", "cleaning", "dataset", rules=("clean_signatures",), memory_checked=True
+)
 TOKENIZE = Stage(
     "tokenize_dataset", "tokenization", "dataset", rules=("tokenize_part", "index_parts")
 )
