@@ -87,10 +87,8 @@ def clean_jobs(tokenize: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 def cleaned_by(config: dict[str, Any]) -> dict[str, str]:
     """Each cleaning's key, with a run that trains on the dataset it cleans."""
-    from snaketune.plan.stages import run_tokenize_spec
-
-    specs = {run: run_tokenize_spec(config, run) for run in config["runs"]}
-    return {clean_key(s["clean"]): run for run, s in reversed(specs.items()) if "clean" in s}
+    specs = {run: clean_spec(config, r["dataset"]) for run, r in config["runs"].items()}
+    return {clean_key(s): run for run, s in reversed(specs.items()) if s is not None}
 
 
 def inputs(spec: dict[str, Any]) -> dict[str, list[str]]:
