@@ -256,6 +256,16 @@ def test_the_stage_cleans_a_mixture_in_parts_before_it_is_tokenized(tmp_path):
     assert report == stats["cleaned"]
     again = snakemake(*args, "--until", "index_parts")
     assert "\n0 jobs" in again.stdout + again.stderr  # nothing changed: nothing runs
+    # on to the report (2 steps): the run's section says what cleaning removed, and why
+    snakemake(*args)
+    page = (tmp_path / "results/summary.html").read_text()
+    assert "<h3>Cleaning of its training data</h3>" in page
+    for label, n in (
+        ("removed: exact dup.", len(planted.expected["exact"])),
+        ("removed: near dup.", len(planted.expected["near"])),
+        ("overlapping held-out set heldout", 5),
+    ):
+        assert f"<td>{label}</td><td class='num'>{n}</td>" in page, label  # fmt: skip
 
 
 def test_the_plan_counts_the_cleanings_time_and_disk(tmp_path):
