@@ -180,9 +180,12 @@ def test_the_block_is_checked_before_anything_runs(tmp_path):
                        "gpus_per_node": 1, "max_length": 64, "micro_batch_size": 1,
                        "max_steps": 1, "learning_rate": 1e-4}},
     }  # fmt: skip
+    config["datasets"]["mix"] = {"source": "mixture", "mixture": [{"dataset": "chat", "weight": 1}]}
     with pytest.raises(ConfigError) as raised:
         validate_config(config)
     lines = str(raised.value).splitlines()
+    assert any("datasets.chat.clean: 'chat' is tokenized inside mixture 'mix', which is not "
+               "cleaned; set clean on datasets.mix" in x for x in lines)  # fmt: skip
     assert any("datasets.chat.clean.decontaminate.against: no dataset 'nosuch'" in x for x in lines)
     assert any("action: spans cuts overlapping spans out of documents" in x for x in lines)
 

@@ -113,6 +113,13 @@ def check(config: dict[str, Any], where: str, name: str, spec: dict[str, Any]) -
                 f"{where}.clean.decontaminate.against: no dataset {other!r}; name a dataset "
                 "of datasets: (a held-out set to keep out of training)"
             )
+    for other, entry in config["datasets"].items():  # a mixture reads it as one of its sources
+        mixes = isinstance(entry, dict) and entry.get("source") == "mixture"
+        if mixes and "clean" not in entry and name in [c["dataset"] for c in entry["mixture"]]:
+            out.append(
+                f"{where}.clean: {name!r} is tokenized inside mixture {other!r}, which is not "
+                f"cleaned; set clean on datasets.{other} (it cleans across its sources)"
+            )
     texts = {config["datasets"][c["name"]].get("format") for c in components(config, name)}
     if decon.get("action") == "spans" and texts != {"text"}:
         out.append(
