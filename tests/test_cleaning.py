@@ -344,3 +344,16 @@ def test_a_gather_too_large_for_its_job_is_refused_before_queueing():
     key = clean_key(run_tokenize_spec(config, "r")["clean"])
     job = Job("clean_dataset", {"ckey": key}, {"mem_mb": 64000}, local=False)
     assert planned_run(job, shared_jobs(config, [job])) == "r"
+
+
+def test_a_batchs_rows_are_kept_unless_removed(tmp_path):
+    """The tokenize jobs' look-up of removed rows against a plain set, batches of any rows."""
+    rng = random.Random(5)
+    gone = rng.sample(range(10_000), 700)
+    removed = {"source": ["s"] * 700, "row": gone, "reason": ["exact"] * 700, "text": [None] * 700}
+    pq.write_table(pa.table(removed), tmp_path / "removed.parquet")
+    read, plain = Removed.read(tmp_path / "removed.parquet"), set(gone)
+    for lo in range(0, 10_000, 1_024):
+        index = list(range(lo, min(lo + 1_024, 10_000)))
+        assert read.keep("s", index).tolist() == [i not in plain for i in index]
+    assert read.keep("other", [1, 2]).tolist() == [True, True]

@@ -358,27 +358,29 @@ class Removed:
     documents it cut (their text left), as the tokenize jobs read them (its removed.parquet,
     snaketune.data.cleaning)."""
 
-    rows: dict[str, set[int]]
+    rows: dict[str, Any]  # each source's removed row numbers, sorted (numpy)
     texts: dict[str, dict[int, str]]
 
     @classmethod
     def read(cls, path: str | Path) -> Removed:
         table = pq.read_table(path, columns=["source", "row", "reason", "text"]).to_pylist()
-        rows: dict[str, set[int]] = {}
+        rows: dict[str, list[int]] = {}
         texts: dict[str, dict[int, str]] = {}
         for r in table:
             if r["reason"] == "spans":
                 texts.setdefault(r["source"], {})[r["row"]] = r["text"]
             else:
-                rows.setdefault(r["source"], set()).add(r["row"])
-        return cls(rows, texts)
+                rows.setdefault(r["source"], []).append(r["row"])
+        return cls({k: np.unique(np.asarray(v, np.int64)) for k, v in rows.items()}, texts)
 
     def keep(self, source: str, index: Any) -> Any:
-        """Which of a source's rows ``index`` stay (a boolean mask)."""
+        """Which of a source's rows ``index`` stay (a boolean mask; a batch's look-up is
+        a binary search of the removed rows, not a pass over them)."""
         gone = self.rows.get(source)
-        if not gone:
+        if gone is None or not len(gone):
             return np.ones(len(index), bool)
-        return ~np.isin(index, np.fromiter(gone, np.int64, len(gone)))
+        at = np.minimum(np.searchsorted(gone, index), len(gone) - 1)
+        return gone[at] != np.asarray(index)
 
     def edited(self, source: str, spec: dict[str, Any], batch: Any, index: Any) -> Any:
         """``batch`` with its cut documents' text left in their text column."""
