@@ -33,7 +33,8 @@ from snaketune.core.io import atomic_paths, sha256_file
 from snaketune.core.parts import job_cores, parse_part
 from snaketune.core.provenance import NAME, record, write_provenance
 from snaketune.data.chat import TEMPLATE_DATE
-from snaketune.data.conversations import Removed, Source
+from snaketune.data.cleaning import Removed
+from snaketune.data.conversations import Source
 from snaketune.data.tokenization import tokenize
 
 

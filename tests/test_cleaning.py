@@ -20,7 +20,8 @@ import yaml
 from conftest import snakemake, started
 
 from snaketune.data import cleaning
-from snaketune.data.conversations import Removed, Source
+from snaketune.data.cleaning import Removed
+from snaketune.data.conversations import Source
 
 SETTINGS = {
     "exact": True,

@@ -114,7 +114,7 @@ def held_out(sources: list[Any], settings: dict[str, Any]) -> HeldOut | None:
     if not decon or not sources:
         return None
     found = HeldOut(decon["ngram"], decon["min_words"])
-    for k, spec, batch, _ in source_batches(sources, (0, 2**62)):
+    for k, spec, batch, _ in source_batches(sources, None):
         for text in row_texts(batch, text_columns(spec)):
             found.add(sources[k].name, text)
     return found
@@ -180,36 +180,18 @@ def signature_rows(
 
 
 def source_batches(
-    sources: list[Any], rows: tuple[int, int], batch_rows: int = 4096
+    sources: list[Any], rows: tuple[int, int] | None
 ) -> Iterator[tuple[int, Any, Any, Any]]:
     """(source number, its spec, a batch of its text, their row numbers) over the sources'
-    rows ``rows`` laid end to end (a part's: snaketune.core.parts), each source's filters
-    applied as tokenization applies them."""
-    from snaketune.data.conversations import _open_source, row_groups
-    from snaketune.data.formats import filter_mask
+    rows ``rows`` (a part's; all: None), each source's filters applied: tokenization's reader
+    (snaketune.data.conversations.row_batches), reading the text and the filters' columns."""
+    from snaketune.data.conversations import row_batches
 
-    offset = 0
-    for k, source in enumerate(sources):
-        pf = _open_source(source)
-        total = pf.metadata.num_rows
-        lo, hi = max(rows[0] - offset, 0), min(rows[1] - offset, total)
-        offset += total
-        if lo >= hi:
-            continue
-        filters = source.spec.get("filters", [])
-        read = list(dict.fromkeys([*text_columns(source.spec), *(f["column"] for f in filters)]))
-        groups, first = row_groups(pf, lo, hi)
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=read, row_groups=groups):
-            at, first = first, first + batch.num_rows
-            a, b = max(lo - at, 0), min(hi - at, batch.num_rows)
-            if a >= b:
-                continue
-            batch, index = batch.slice(a, b - a), np.arange(at + a, at + b)
-            mask = filter_mask(batch, filters, source.name)
-            if mask is not None:
-                keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
-                batch, index = batch.filter(mask), index[keep]
-            yield k, source.spec, batch, index
+    def columns(spec: dict[str, Any]) -> list[str]:
+        return [*text_columns(spec), *(f["column"] for f in spec.get("filters", []))]
+
+    for k, source, _, batch, index, _ in row_batches(sources, rows, columns, 4096):
+        yield k, source.spec, batch, index
 
 
 def signatures(
@@ -361,3 +343,48 @@ def write_removed(gather: Gather, out: Path) -> None:
     types = (text, number, text, text, number, pa.list_(text), text)
     schema = pa.schema(list(zip(REMOVED_COLUMNS, types, strict=True)))
     pq.write_table(pa.table(gather.removed, schema=schema), out)
+
+
+# ---------------------------------------------------------------- what tokenization reads
+
+
+@dataclass
+class Removed:
+    """The rows a dataset's cleaning removed from each source (by row number), and the
+    documents it cut (their text left), as the tokenize jobs read them (its removed.parquet)."""
+
+    rows: dict[str, Any]  # each source's removed row numbers, sorted (numpy)
+    texts: dict[str, dict[int, str]]
+
+    @classmethod
+    def read(cls, path: str | Path) -> Removed:
+        table = pq.read_table(path, columns=["source", "row", "reason", "text"]).to_pylist()
+        rows: dict[str, list[int]] = {}
+        texts: dict[str, dict[int, str]] = {}
+        for r in table:
+            if r["reason"] == "spans":
+                texts.setdefault(r["source"], {})[r["row"]] = r["text"]
+            else:
+                rows.setdefault(r["source"], []).append(r["row"])
+        return cls({k: np.unique(np.asarray(v, np.int64)) for k, v in rows.items()}, texts)
+
+    def keep(self, source: str, index: Any) -> Any:
+        """Which of a source's rows ``index`` stay (a boolean mask; a batch's look-up is
+        a binary search of the removed rows, not a pass over them)."""
+        gone = self.rows.get(source)
+        if gone is None or not len(gone):
+            return np.ones(len(index), bool)
+        at = np.minimum(np.searchsorted(gone, index), len(gone) - 1)
+        return gone[at] != np.asarray(index)
+
+    def edited(self, source: str, spec: dict[str, Any], batch: Any, index: Any) -> Any:
+        """``batch`` with its cut documents' text left in their text column."""
+        cut = self.texts.get(source)
+        if not cut or not any(int(i) in cut for i in index):
+            return batch
+        column = text_columns(spec)[0]
+        values = [
+            cut.get(int(i), v) for i, v in zip(index, batch.column(column).to_pylist(), strict=True)
+        ]
+        at = batch.schema.get_field_index(column)
+        return batch.set_column(at, column, pa.array(values, pa.string()))

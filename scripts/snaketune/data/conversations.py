@@ -50,7 +50,7 @@ class Source:
     spec: dict[str, Any]
     weight: float = 1.0
     seed: int = 0
-    # the rows its cleaning removed and the documents it cut (``Removed``, below)
+    # the rows its cleaning removed and the documents it cut (snaketune.data.cleaning.Removed)
     removed: Any = None
 
 
@@ -289,109 +289,75 @@ def row_groups(pf: pq.ParquetFile, lo: int, hi: int) -> tuple[list[int], int]:
     return groups, first or 0
 
 
-def iter_conversations(
-    sources: list[Source], stats: Stats, rows: tuple[int, int] | None = None
-) -> Iterator[tuple[Source, list[tuple[str, Any]]]]:
-    """Batches of (example_id, conversation) over every source, after filters and weights,
-    each with the source it came from (its kind renders and labels it). ``rows``: only the
-    rows ``lo`` .. ``hi`` - 1 of the sources' rows laid end to end (a part of the set:
-    snaketune.core.parts), read from the row groups that hold them."""
+def row_batches(
+    sources: list[Source], rows: tuple[int, int] | None, columns, batch_rows: int = BATCH_ROWS
+) -> Iterator[tuple[int, Source, pq.ParquetFile, Any, Any, int]]:
+    """(source number, source, its file, a batch of its rows after its filters, their row
+    numbers, the rows read before them) over every source; ``rows``: only the rows ``lo`` ..
+    ``hi`` - 1 of the sources' rows laid end to end (a part of the set: snaketune.core.parts),
+    read from the row groups that hold them; ``columns(spec)``: the columns to read. The one
+    reader of a dataset's raw rows, for tokenization and cleaning alike."""
     offset = 0
-    for source in sources:
+    for k, source in enumerate(sources):
         pf = _open_source(source)
         total = pf.metadata.num_rows
         lo, hi = (0, total) if rows is None else (rows[0] - offset, rows[1] - offset)
         lo, hi, offset = max(lo, 0), min(hi, total), offset + total
         if lo >= hi:
             continue
-        yield from _source_batches(source, pf, stats, lo, hi)
+        cols = [c for c in columns(source.spec) if c in pf.schema_arrow.names]
+        groups, first = row_groups(pf, lo, hi)
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=cols, row_groups=groups):
+            at, first = first, first + batch.num_rows  # the batch's first row, the next's
+            a, b = max(lo - at, 0), min(hi - at, batch.num_rows)
+            if a >= b:
+                continue
+            batch, index = batch.slice(a, b - a), np.arange(at + a, at + b)
+            mask = filter_mask(batch, source.spec.get("filters", []), source.name)
+            if mask is not None:
+                keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
+                yield k, source, pf, batch.filter(mask), index[keep], b - a
+            else:
+                yield k, source, pf, batch, index, b - a
 
 
-def _source_batches(
-    source: Source, pf: pq.ParquetFile, stats: Stats, lo: int, hi: int
+def iter_conversations(
+    sources: list[Source], stats: Stats, rows: tuple[int, int] | None = None
 ) -> Iterator[tuple[Source, list[tuple[str, Any]]]]:
-    """Source ``source``'s batches of its rows ``lo`` .. ``hi`` - 1."""
-    cols = [c for c in needed_columns(source.spec) if c in pf.schema_arrow.names]
-    counts = None
-    if source.weight != 1.0:  # drawn over all its rows: a part takes its rows' share
-        counts = multiplicity(pf.metadata.num_rows, source.weight, source.seed, source.name)
-    per = stats.per_source.setdefault(source.name, {"read": 0, "kept_by_filters": 0, "emitted": 0})
-    groups, first = row_groups(pf, lo, hi)
-    for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=cols, row_groups=groups):
-        at, first = first, first + batch.num_rows  # the batch's first row, the next's
-        a, b = max(lo - at, 0), min(hi - at, batch.num_rows)
-        if a >= b:
-            continue
-        batch, index = batch.slice(a, b - a), np.arange(at + a, at + b)
-        n = batch.num_rows
+    """Batches of (example_id, conversation) over every source's rows ``rows`` (all: None),
+    after filters, cleaning and weights, each with the source it came from (its kind renders
+    and labels it)."""
+    counts: dict[int, Any] = {}  # by source number: one dataset may be two sources
+    for k, source, pf, batch, index, n in row_batches(sources, rows, needed_columns):
+        if source.weight != 1.0 and k not in counts:  # drawn over all its rows
+            counts[k] = multiplicity(pf.metadata.num_rows, source.weight, source.seed, source.name)
+        per = stats.per_source.setdefault(
+            source.name, {"read": 0, "kept_by_filters": 0, "emitted": 0}
+        )
         stats.rows_read += n
         per["read"] += n
-        mask = filter_mask(batch, source.spec.get("filters", []), source.name)
-        if mask is not None:
-            keep = np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
-            batch, index = batch.filter(mask), index[keep]
-            stats.rows_filtered_out += n - len(index)
+        stats.rows_filtered_out += n - len(index)
         per["kept_by_filters"] += len(index)
         if source.removed is not None:  # its cleaning's (snaketune.data.cleaning)
             keep = source.removed.keep(source.name, index)
             batch, index = batch.filter(pa.array(keep)), index[keep]
             stats.rows_cleaned_out += int((~keep).sum())
             batch = source.removed.edited(source.name, source.spec, batch, index)
-        rows = index.tolist()
-        items: list[tuple[str, tuple[Turn, ...]]] = []
-        for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
-            reps = 1 if counts is None else int(counts[row])
-            if reps == 0:
-                stats.rows_sampled_out += 1
-            stats.rows_repeated += max(reps - 1, 0)
-            for copy in range(reps):
-                suffix = f":{copy}" if copy else ""
-                items.append((f"{source.name}:{row}{suffix}", conv))
-        per["emitted"] += len(items)
-        if items:
+        if items := _items(source, batch, index.tolist(), counts.get(k), stats):
+            per["emitted"] += len(items)
             yield source, items
 
 
-@dataclass
-class Removed:
-    """The rows a dataset's cleaning removed from each source (by row number), and the
-    documents it cut (their text left), as the tokenize jobs read them (its removed.parquet,
-    snaketune.data.cleaning)."""
-
-    rows: dict[str, Any]  # each source's removed row numbers, sorted (numpy)
-    texts: dict[str, dict[int, str]]
-
-    @classmethod
-    def read(cls, path: str | Path) -> Removed:
-        table = pq.read_table(path, columns=["source", "row", "reason", "text"]).to_pylist()
-        rows: dict[str, list[int]] = {}
-        texts: dict[str, dict[int, str]] = {}
-        for r in table:
-            if r["reason"] == "spans":
-                texts.setdefault(r["source"], {})[r["row"]] = r["text"]
-            else:
-                rows.setdefault(r["source"], []).append(r["row"])
-        return cls({k: np.unique(np.asarray(v, np.int64)) for k, v in rows.items()}, texts)
-
-    def keep(self, source: str, index: Any) -> Any:
-        """Which of a source's rows ``index`` stay (a boolean mask; a batch's look-up is
-        a binary search of the removed rows, not a pass over them)."""
-        gone = self.rows.get(source)
-        if gone is None or not len(gone):
-            return np.ones(len(index), bool)
-        at = np.minimum(np.searchsorted(gone, index), len(gone) - 1)
-        return gone[at] != np.asarray(index)
-
-    def edited(self, source: str, spec: dict[str, Any], batch: Any, index: Any) -> Any:
-        """``batch`` with its cut documents' text left in their text column."""
-        cut = self.texts.get(source)
-        if not cut or not any(int(i) in cut for i in index):
-            return batch
-        from snaketune.data.formats import text_columns
-
-        column = text_columns(spec)[0]
-        values = [
-            cut.get(int(i), v) for i, v in zip(index, batch.column(column).to_pylist(), strict=True)
-        ]
-        at = batch.schema.get_field_index(column)
-        return batch.set_column(at, column, pa.array(values, pa.string()))
+def _items(source: Source, batch: Any, rows: list[int], counts: Any, stats: Stats) -> list:
+    """A batch's (example_id, conversation) items, each row as many times as its weight
+    draws it (``counts``; None: once)."""
+    items: list[tuple[str, tuple[Turn, ...]]] = []
+    for row, conv in zip(rows, conversations(source, batch, rows), strict=True):
+        reps = 1 if counts is None else int(counts[row])
+        if reps == 0:
+            stats.rows_sampled_out += 1
+        stats.rows_repeated += max(reps - 1, 0)
+        for copy in range(reps):
+            suffix = f":{copy}" if copy else ""
+            items.append((f"{source.name}:{row}{suffix}", conv))
+    return items
